@@ -1,0 +1,312 @@
+"""The launcher: the ordered steps that turn a :class:`CellSpec` into a confined process tree.
+
+Read top to bottom, :func:`launch` (supervisor side) and :func:`_cell` / :func:`_command` (child side)
+are the security argument; each step names itself so a failure says where it happened.
+
+Process tree::
+
+    supervisor (caller) ── C1: unshare(...), waits ── PID 1 of the cell (pid1.run) ── the command
+"""
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import stat
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import NoReturn, TypeVar
+
+from ..errors import EXIT_CANNOT_EXEC, EXIT_NOT_FOUND, EXIT_SETUP, EXIT_TIMEOUT, LaunchError
+from . import identity, mounts, namespaces, pid1
+from . import syscalls as sc
+from .spec import CellSpec
+
+T = TypeVar("T")
+
+
+@dataclass
+class CellResult:
+    exit_status: int
+    signal: int
+    duration_s: float
+    cell_id: str
+    timed_out: bool = False
+    error: str = ""  # set when agentcell (not the command) failed: "step: message"
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "exit_status": self.exit_status,
+            "signal": self.signal,
+            "duration_s": round(self.duration_s, 6),
+            "cell_id": self.cell_id,
+            "timed_out": self.timed_out,
+            "error": self.error or None,
+        }
+
+
+def new_cell_id() -> str:
+    return "agentcell-" + uuid.uuid4().hex[:12]
+
+
+class Running:
+    """A launched cell, seen from the supervisor: wait for it, signal it, kill it."""
+
+    def __init__(self, spec: CellSpec, c1: int, status_r: int, started: float, cell_id: str) -> None:
+        self.spec, self.c1, self._r, self.started, self.cell_id = spec, c1, status_r, started, cell_id
+        self.pid1 = 0  # host pid of the cell's PID 1, known once C1 reports it
+        self._buf = b""
+        self._msgs: list[dict[str, object]] = []
+        self._eof = False
+        self._result: CellResult | None = None
+
+    def fileno(self) -> int:
+        return self._r
+
+    def poll_messages(self, timeout: float | None) -> None:
+        """Read status messages for up to ``timeout`` seconds (None: until EOF)."""
+        if self._eof:
+            return
+        ready, _, _ = select.select([self._r], [], [], timeout)
+        if not ready:
+            return
+        chunk = os.read(self._r, 65536)
+        if not chunk:
+            self._eof = True
+            return
+        self._buf += chunk
+        *lines, self._buf = self._buf.split(b"\n")
+        for line in lines:
+            msg = json.loads(line)
+            if "pid1" in msg:
+                self.pid1 = int(msg["pid1"])
+            self._msgs.append(msg)
+
+    def signal(self, sig: int) -> None:
+        """Deliver ``sig`` to PID 1, which forwards it to the command (SIGKILL ends the whole cell)."""
+        while not self.pid1 and not self._eof:
+            self.poll_messages(0.05)
+        target = self.pid1 or self.c1
+        try:
+            os.kill(target, sig)
+        except ProcessLookupError:
+            pass
+
+    def forward(self, sig: int) -> None:
+        """Signal-handler safe: deliver ``sig`` without reading the status pipe."""
+        try:
+            os.kill(self.pid1 or self.c1, sig)
+        except ProcessLookupError:
+            pass
+
+    def kill(self) -> None:
+        self.signal(signal.SIGKILL)
+
+    def wait(self, timeout: float | None = None) -> CellResult:
+        if self._result is not None:
+            return self._result
+        deadline = None if timeout is None else self.started + timeout
+        timed_out = False
+        while not self._eof:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            self.poll_messages(left)
+            if deadline is not None and not self._eof and time.monotonic() >= deadline:
+                timed_out = True
+                self.kill()
+                deadline = None
+        _, wstatus = _waitpid_eintr(self.c1)
+        os.close(self._r)
+        self._result = self._finish(wstatus, timed_out)
+        return self._result
+
+    def _finish(self, wstatus: int, timed_out: bool) -> CellResult:
+        duration = time.monotonic() - self.started
+        code, sig = pid1.status_of(wstatus)
+        error = ""
+        for m in self._msgs:
+            if "exit" in m:
+                code, sig = int(m["exit"]), int(m["signal"])  # type: ignore[call-overload]
+        for m in self._msgs:
+            if "error" in m:
+                error = f"{m['error']}: {m['msg']}"
+                code = int(m.get("code", EXIT_SETUP))  # type: ignore[call-overload]
+        if timed_out:
+            code, sig = EXIT_TIMEOUT, signal.SIGKILL
+        return CellResult(code, sig, duration, self.cell_id, timed_out, error)
+
+
+def _waitpid_eintr(pid: int) -> tuple[int, int]:
+    while True:
+        try:
+            return os.waitpid(pid, 0)
+        except InterruptedError:
+            continue
+
+
+def start(
+    spec: CellSpec,
+    argv: Sequence[str],
+    *,
+    pass_fds: Sequence[int] = (),
+    stdio: Sequence[int] | None = None,
+    take_terminal: bool = False,
+) -> Running:
+    """Launch ``argv`` in a new cell and return at once. Supervisor-side steps, in order."""
+    if not argv:
+        raise LaunchError("command", "no command given", "put it after --")
+    cell_id = spec.cell_id or new_cell_id()
+    # 1. Resolve every path once without following symlinks and record its identity (dev, ino); the
+    #    child re-opens each in its mount namespace the same way and refuses one that changed.
+    plan = mounts.plan(spec)
+    # 2. cgroup ceilings and 3. network links come with the hardening and egress layers.
+    r, w = os.pipe2(os.O_CLOEXEC)
+    outer_uid, outer_gid = os.getuid(), os.getgid()
+    started = time.monotonic()
+    c1 = os.fork()
+    if c1 == 0:
+        os.close(r)
+        _run_child(w, lambda: _cell(spec, plan, list(argv), w, outer_uid, outer_gid, pass_fds, stdio, take_terminal))
+    os.close(w)
+    return Running(spec, c1, r, started, cell_id)
+
+
+def launch(spec: CellSpec, argv: Sequence[str], *, timeout: float | None = None, **kw: object) -> CellResult:
+    return start(spec, argv, **kw).wait(timeout)  # type: ignore[arg-type]
+
+
+# ---- child side: single-threaded, forked from the supervisor ---------------------------------------
+
+
+def _report(w: int, msg: dict[str, object]) -> None:
+    try:
+        os.write(w, json.dumps(msg).encode() + b"\n")
+    except OSError:
+        pass
+
+
+def _run_child(w: int, body: Callable[[], object]) -> NoReturn:
+    """Run ``body`` in a forked child; any failure is reported on the status pipe, never raised."""
+    code = EXIT_SETUP
+    try:
+        body()
+    except LaunchError as e:
+        code = e.exit_code
+        _report(w, {"error": e.field, "msg": e.problem, "code": e.exit_code})
+    except OSError as e:
+        _report(w, {"error": "launch", "msg": str(e), "code": EXIT_SETUP})
+    except BaseException as e:  # a bug in the launcher must still not run the command unconfined
+        _report(w, {"error": "launch", "msg": f"internal error: {e!r}", "code": EXIT_SETUP})
+    os._exit(code)
+
+
+def _step(name: str, fn: Callable[..., T], *args: object) -> T:
+    try:
+        return fn(*args)
+    except OSError as e:
+        raise LaunchError(name, e.strerror or str(e)) from None
+
+
+def _cell(spec: CellSpec, plan: mounts.MountPlan, argv: list[str], w: int, outer_uid: int, outer_gid: int,
+          pass_fds: Sequence[int], stdio: Sequence[int] | None, take_terminal: bool) -> NoReturn:
+    sc.prctl(sc.PR_SET_PDEATHSIG, signal.SIGKILL)  # the cell dies with its supervisor
+    # 4. New namespaces; the next fork is PID 1 of the cell.
+    _step("namespaces", namespaces.enter, spec, outer_uid, outer_gid)
+    # Our memory holds the supervisor's environment: not for /proc readers. (Only now: a non-dumpable
+    # process cannot write its own uid_map.)
+    sc.prctl(sc.PR_SET_DUMPABLE, 0)
+    pid = os.fork()
+    if pid:
+        _report(w, {"pid1": pid})
+        _, wstatus = _waitpid_eintr(pid)
+        os._exit(pid1.status_of(wstatus)[0])
+    sc.prctl(sc.PR_SET_PDEATHSIG, signal.SIGKILL)
+    # 5. Mount tree: private propagation, tmpfs root, nosuid/nodev binds, /proc, /dev, pivot_root.
+    _step("mount", mounts.apply, plan)
+    _step("pivot_root", mounts.pivot)
+    plan.close()
+    # 6. Network and hostname.
+    if spec.network == "loopback":
+        _step("network", namespaces.loopback_up)
+    _step("hostname", namespaces.set_hostname, spec.hostname)
+    pid1.run(lambda: _run_child(w, lambda: _command(spec, argv, w, pass_fds, stdio, take_terminal)),
+             lambda m: _report(w, m))
+
+
+def _command(spec: CellSpec, argv: list[str], w: int, pass_fds: Sequence[int],
+             stdio: Sequence[int] | None, take_terminal: bool) -> NoReturn:
+    if stdio is not None:
+        for target, fd in enumerate(stdio):
+            if fd != target:
+                os.dup2(fd, target)
+    _stdio_no_directories()
+    # Own process group; take the terminal's foreground only if the supervisor held it.
+    os.setpgid(0, 0)
+    if take_terminal:
+        _take_terminal()
+    # 7. Identity: the agent account (or our own uid in the user namespace), for good.
+    _step("identity", identity.drop, spec.identity)
+    # 8. Landlock and 9. seccomp come with the hardening layer, loaded last before exec.
+    # 10. Working directory, fds, environment, exec.
+    cwd = spec.cwd or spec.identity.home
+    _step(f"cwd {cwd}", os.chdir, cwd)
+    sc.close_fds_except({w, *pass_fds})
+    for fd in pass_fds:
+        os.set_inheritable(fd, True)
+    for s in (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGINT, signal.SIGTTOU, signal.SIGTTIN, signal.SIGTSTP):
+        signal.signal(s, signal.SIG_DFL)
+    env = spec.environ()
+    try:
+        os.execvpe(argv[0], argv, env)
+    except FileNotFoundError:
+        err = LaunchError("exec", f"{argv[0]}: command not found in the cell",
+                          f"PATH={env.get('PATH', '')}; add its directory with --ro")
+        err.exit_code = EXIT_NOT_FOUND
+        raise err from None
+    except PermissionError as e:
+        err = LaunchError("exec", f"{argv[0]}: {e.strerror}")
+        err.exit_code = EXIT_CANNOT_EXEC
+        raise err from None
+    raise AssertionError("unreachable")
+
+
+def _stdio_no_directories() -> None:
+    # A directory fd on 0-2 would be a handle to the host's tree (openat(fd, "..")): replace it.
+    for fd in (0, 1, 2):
+        try:
+            if stat.S_ISDIR(os.fstat(fd).st_mode):
+                null = os.open("/dev/null", os.O_RDWR)
+                os.dup2(null, fd)
+                os.close(null)
+        except OSError:
+            pass
+
+
+def _take_terminal() -> None:
+    old = signal.signal(signal.SIGTTOU, signal.SIG_IGN)
+    try:
+        os.tcsetpgrp(0, os.getpgrp())
+    except OSError:
+        pass
+    signal.signal(signal.SIGTTOU, old)
+
+
+def terminal_is_ours() -> bool:
+    """True when stdin is a terminal whose foreground process group is ours (an interactive run)."""
+    try:
+        return os.isatty(0) and os.tcgetpgrp(0) == os.getpgrp()
+    except OSError:
+        return False
+
+
+def reclaim_terminal() -> None:
+    if terminal_is_ours() or not os.isatty(0):
+        return
+    old = signal.signal(signal.SIGTTOU, signal.SIG_IGN)
+    try:
+        os.tcsetpgrp(0, os.getpgrp())
+    except OSError:
+        pass
+    signal.signal(signal.SIGTTOU, old)

@@ -1,0 +1,51 @@
+"""Namespaces: one unshare for mount, PID, IPC, UTS and network (plus user in rootless mode)."""
+from __future__ import annotations
+
+import fcntl
+import socket
+import struct
+
+from . import syscalls as sc
+from .spec import CellSpec
+
+SIOCGIFFLAGS = 0x8913
+SIOCSIFFLAGS = 0x8914
+IFF_UP = 0x1
+
+
+def flags_for(spec: CellSpec) -> int:
+    f = sc.CLONE_NEWNS | sc.CLONE_NEWPID | sc.CLONE_NEWIPC | sc.CLONE_NEWUTS | sc.CLONE_NEWNET
+    if spec.identity.userns:
+        f |= sc.CLONE_NEWUSER
+    return f
+
+
+def enter(spec: CellSpec, outer_uid: int, outer_gid: int) -> None:
+    """Unshare every namespace the cell needs; in rootless mode map our own uid/gid 1:1.
+
+    The user namespace is created first by the kernel (same call), so it owns the others and the
+    child keeps full capabilities inside it until it execs the command as a non-zero uid.
+    """
+    sc.unshare(flags_for(spec))
+    if spec.identity.userns:
+        # gid_map may only be written by an unprivileged process after setgroups is denied.
+        _write("/proc/self/setgroups", "deny")
+        _write("/proc/self/uid_map", f"{spec.identity.uid} {outer_uid} 1\n")
+        _write("/proc/self/gid_map", f"{spec.identity.gid} {outer_gid} 1\n")
+
+
+def _write(path: str, data: str) -> None:
+    with open(path, "w") as f:
+        f.write(data)
+
+
+def loopback_up() -> None:
+    """Bring ``lo`` up in the cell's network namespace (an ioctl; no netlink library needed)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        ifr = struct.pack("16sh22x", b"lo", 0)
+        flags = struct.unpack("16sh22x", fcntl.ioctl(s, SIOCGIFFLAGS, ifr))[1]
+        fcntl.ioctl(s, SIOCSIFFLAGS, struct.pack("16sh22x", b"lo", flags | IFF_UP))
+
+
+def set_hostname(name: str) -> None:
+    socket.sethostname(name)

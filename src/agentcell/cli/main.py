@@ -1,0 +1,37 @@
+"""``agentcell`` entry point: parse only the subcommand, then import just what it needs.
+
+``agentcell run`` is called once per agent tool call, so nothing heavy (pydantic, LangGraph, rich,
+pyroute2) is imported on its path.
+"""
+from __future__ import annotations
+
+import sys
+from importlib import import_module
+
+COMMANDS = {
+    "run": ("agentcell.cli.run", "launch a command in a cell"),
+    "doctor": ("agentcell.cli.doctor", "report what this machine supports"),
+}
+
+USAGE = "usage: agentcell COMMAND [ARGS...]\n\ncommands:\n" + "".join(
+    f"  {name:<10}{help_}\n" for name, (_, help_) in COMMANDS.items()
+) + "\n'agentcell COMMAND --help' for a command's options.\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if not args or args[0] in ("-h", "--help", "help"):
+        sys.stdout.write(USAGE)
+        return 0
+    entry = COMMANDS.get(args[0])
+    if entry is None:
+        from ..errors import EXIT_USAGE
+
+        sys.stderr.write(f"agentcell: unknown command '{args[0]}' (one of: {', '.join(COMMANDS)})\n")
+        return EXIT_USAGE
+    module = import_module(entry[0])
+    return int(module.main(args[1:]))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,48 @@
+"""Errors agentcell reports to users, and the exit codes that go with them.
+
+A user error is never a traceback: it is one line that names the field (or flag) and the fix.
+"""
+from __future__ import annotations
+
+# Exit codes of agentcell's own failures. The command's own status passes through unchanged;
+# these are chosen like podman/coreutils so a caller can tell "agentcell refused" from "the command failed".
+EXIT_USAGE = 125  # bad flag, bad policy, refused identity: nothing was created, nothing ran
+EXIT_SETUP = 123  # a launch step failed in the kernel (namespace, mount, identity): nothing ran
+EXIT_TIMEOUT = 124  # --timeout expired; the whole cell was killed
+EXIT_CANNOT_EXEC = 126  # the command exists but could not be executed
+EXIT_NOT_FOUND = 127  # the command was not found inside the cell
+
+EXIT_CODES_HELP = f"""exit status:
+  the command's own status; a command killed by signal N gives 128+N
+  {EXIT_USAGE}  agentcell refused the request (bad flag, bad path, identity); nothing ran
+  {EXIT_SETUP}  a launch step failed in the kernel (the message names the step); nothing ran
+  {EXIT_TIMEOUT}  --timeout expired; every process of the cell was killed
+  {EXIT_CANNOT_EXEC}  the command could not be executed inside the cell
+  {EXIT_NOT_FOUND}  the command was not found inside the cell
+"""
+
+
+class AgentcellError(Exception):
+    """An error a user can fix. ``str()`` is the one-line message printed to them."""
+
+    exit_code = EXIT_USAGE
+
+    def __init__(self, field: str, problem: str, fix: str = "") -> None:
+        self.field = field
+        self.problem = problem
+        self.fix = fix
+        super().__init__(self.line())
+
+    def line(self) -> str:
+        msg = f"{self.field}: {self.problem}" if self.field else self.problem
+        return f"{msg} ({self.fix})" if self.fix else msg
+
+
+class PolicyError(AgentcellError):
+    """The request or policy is refused before anything is created."""
+
+
+class LaunchError(AgentcellError):
+    """A kernel step of the launch failed; ``field`` names the step."""
+
+    exit_code = EXIT_SETUP

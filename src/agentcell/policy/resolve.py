@@ -1,0 +1,174 @@
+"""Turn user input (paths, identity, environment) into concrete values, refusing what is unsafe.
+
+Standard library only: both the pydantic ``compile`` step and the fast ``agentcell run`` path use
+these functions, so the rules live in one place. Every refusal is a :class:`PolicyError` naming the
+field and the fix.
+"""
+from __future__ import annotations
+
+import os
+import pwd
+import re
+from collections.abc import Iterable, Mapping
+
+from ..cell.spec import DEFAULT_PATH, Identity
+from ..errors import PolicyError
+
+# Credential stores a cell must never be handed, even read-only, without an explicit override.
+CREDENTIAL_NAMES = frozenset({
+    ".ssh", ".gnupg", ".aws", ".azure", ".kube", ".docker", ".password-store", ".netrc", ".pgpass",
+    ".git-credentials", ".npmrc", ".pypirc", ".vault-token", ".terraform.d",
+})
+CREDENTIAL_SUBPATHS = (".config/gcloud", ".config/gh", ".local/share/keyrings", ".mozilla", ".config/google-chrome")
+# The launcher provides these itself; binding the host's would undo the cell.
+PROVIDED = frozenset({"/proc", "/dev", "/sys/fs/cgroup"})
+# Writable system trees would let the command change what every later process runs.
+SYSTEM = frozenset({"/usr", "/etc", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/boot", "/var",
+                    "/run", "/opt", "/srv", "/sys", "/root", "/home", "/tmp", "/mnt", "/media"})
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+UNSAFE_FLAG = "--allow-unsafe-path"
+
+
+def home_dirs() -> set[str]:
+    homes = {"/root", "/home"}
+    for pw in pwd.getpwall():
+        if pw.pw_dir and pw.pw_dir not in ("/", "/nonexistent") and pw.pw_dir.startswith("/home/"):
+            homes.add(os.path.realpath(pw.pw_dir))
+    return homes
+
+
+def resolve_path(path: str, *, field: str, writable: bool, allow_unsafe: bool = False,
+                 homes: set[str] | None = None) -> str:
+    """Resolve ``path`` once (realpath) and refuse the declarations that would open the host."""
+    if not path:
+        raise PolicyError(field, "empty path", "give a directory or file path")
+    real = os.path.realpath(os.path.expanduser(path))
+    if not os.path.lexists(real):
+        raise PolicyError(field, f"{path} does not exist", "create it first or correct the path")
+    why = _unsafe_reason(real, writable, homes if homes is not None else home_dirs())
+    if why and not allow_unsafe:
+        raise PolicyError(field, f"{path} is refused: {why}", f"name a narrower path, or pass {UNSAFE_FLAG} "
+                          "if you really mean it")
+    return real
+
+
+def _unsafe_reason(real: str, writable: bool, homes: set[str]) -> str:
+    if real == "/":
+        return "it is the whole host filesystem"
+    if real in PROVIDED or any(real.startswith(p + "/") for p in ("/proc", "/dev")):
+        return "the cell provides its own /proc and /dev"
+    if real in homes:
+        return "it is a home directory itself (declare the project inside it)"
+    parts = real.split("/")
+    if any(p in CREDENTIAL_NAMES for p in parts):
+        return "it is (inside) a credential store"
+    if any(f"/{sub}/" in real + "/" for sub in CREDENTIAL_SUBPATHS):
+        return "it is (inside) a credential store"
+    if writable and (real in SYSTEM or any(real.startswith(s + "/") for s in ("/usr", "/etc", "/boot", "/bin",
+                                                                                "/sbin", "/lib", "/lib64"))):
+        return "it is a system directory and would be writable"
+    return ""
+
+
+def resolve_paths(paths: Iterable[str], **kw: object) -> tuple[str, ...]:
+    out: list[str] = []
+    for p in paths:
+        r = resolve_path(p, **kw)  # type: ignore[arg-type]
+        if r not in out:
+            out.append(r)
+    return tuple(out)
+
+
+def check_disjoint(groups: Mapping[str, tuple[str, ...]]) -> None:
+    """A path may be declared once: rw and ro (or masked) at the same place is ambiguous."""
+    seen: dict[str, str] = {}
+    for field, paths in groups.items():
+        for p in paths:
+            if p in seen and seen[p] != field:
+                raise PolicyError(field, f"{p} is also given to {seen[p]}", "declare each path once")
+            seen[p] = field
+
+
+def _home_for(pw: pwd.struct_passwd | None, name: str) -> str:
+    home = pw.pw_dir if pw else ""
+    if home.startswith("/home/") and home.count("/") == 2:
+        return home
+    return f"/home/{name}"
+
+
+def resolve_identity(as_: str | None, *, euid: int | None = None, environ: Mapping[str, str] | None = None) -> Identity:
+    """Who the command runs as. Never global uid 0: root must name a non-root account."""
+    euid = os.geteuid() if euid is None else euid
+    environ = os.environ if environ is None else environ
+    spec = as_ or "self"
+    if euid != 0:
+        if spec != "self":
+            raise PolicyError("--as", f"'{spec}' needs root", "run agentcell through sudo, or use --as self")
+        pw = _pw(euid)
+        name = pw.pw_name if pw else str(euid)
+        return Identity("self", euid, os.getegid(), name, _home_for(pw, name))
+    if spec == "self":
+        sudo_uid = environ.get("SUDO_UID", "")
+        if not sudo_uid.isdigit() or int(sudo_uid) == 0:
+            raise PolicyError("--as", "agentcell will not run a command as root",
+                              "pass --as agent:NAME or --as UID naming a non-root account")
+        return _account("uid", int(sudo_uid), int(environ.get("SUDO_GID", "") or -1))
+    if spec.startswith("agent:"):
+        name = spec[len("agent:"):]
+        try:
+            pw = pwd.getpwnam(name)
+        except KeyError:
+            raise PolicyError("--as", f"no account named '{name}'",
+                              f"create it with 'agentcell agent new {name}'") from None
+        return _account("agent", pw.pw_uid, pw.pw_gid)
+    if spec.isdigit():
+        return _account("uid", int(spec), -1)
+    raise PolicyError("--as", f"'{spec}' is not self, agent:NAME or a numeric uid", "e.g. --as agent:agent")
+
+
+def _pw(uid: int) -> pwd.struct_passwd | None:
+    try:
+        return pwd.getpwuid(uid)
+    except KeyError:
+        return None
+
+
+def _account(mode: str, uid: int, gid: int) -> Identity:
+    if uid == 0 or gid == 0:
+        raise PolicyError("--as", "uid/gid 0 is root", "name a non-root account")
+    pw = _pw(uid)
+    if gid < 0:
+        gid = pw.pw_gid if pw else uid
+    name = pw.pw_name if pw else f"uid{uid}"
+    groups = tuple(g for g in os.getgrouplist(pw.pw_name, gid) if g != 0) if pw else (gid,)
+    return Identity(mode, uid, gid, name, _home_for(pw, name), groups)  # type: ignore[arg-type]
+
+
+def build_env(environ: Mapping[str, str], ident: Identity, sets: Iterable[str] = (),
+              keep: Iterable[str] = ()) -> tuple[tuple[str, str], ...]:
+    """The scrubbed environment: PATH, LANG, LC_*, TERM, HOME, USER, then --keep-env and --env."""
+    env: dict[str, str] = {"PATH": DEFAULT_PATH}
+    for k, v in environ.items():
+        if k in ("LANG", "TERM") or k.startswith("LC_"):
+            env[k] = v
+    env["HOME"] = ident.home
+    env["USER"] = ident.user
+    for name in keep:
+        if not _ENV_NAME.match(name):
+            raise PolicyError("--keep-env", f"'{name}' is not a variable name", "e.g. --keep-env EDITOR")
+        if name in environ:
+            env[name] = environ[name]
+    for kv in sets:
+        k, eq, v = kv.partition("=")
+        if not eq or not _ENV_NAME.match(k):
+            raise PolicyError("--env", f"'{kv}' is not NAME=VALUE", "e.g. --env DEBUG=1")
+        env[k] = v
+    return tuple(env.items())
+
+
+def cell_cwd(host_cwd: str, visible: Iterable[str], home: str) -> str:
+    """Keep the host's working directory when the cell can see it; else start in the cell's home."""
+    for p in visible:
+        if host_cwd == p or host_cwd.startswith(p.rstrip("/") + "/"):
+            return host_cwd
+    return home
