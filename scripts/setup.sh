@@ -1,0 +1,36 @@
+# Sourced by demo.sh and test.sh: install what agentcell needs on Debian 12 and build .venv.
+# Idempotent and quiet when everything is already there.
+set -euo pipefail
+
+APT_PACKAGES=(python3 python3-venv python3-dev acl iproute2 nftables bubblewrap procps util-linux)
+
+need=()
+for p in "${APT_PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || need+=("$p")
+done
+if [ ${#need[@]} -gt 0 ]; then
+  if [ "$(id -u)" -ne 0 ]; then
+    echo "setup: missing packages ${need[*]}; run as root (or: sudo apt-get install ${need[*]})" >&2
+    exit 1
+  fi
+  echo "+ apt-get install ${need[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq "${need[@]}" >/dev/null
+fi
+
+# Debian's interpreter, not a per-user one (pyenv under /root): the tests run agentcell as
+# throwaway non-root users too, and they must be able to execute the venv's python.
+PY=/usr/bin/python3
+stamp=.venv/.agentcell-installed
+want="$(sha256sum pyproject.toml | cut -d' ' -f1)"
+if [ ! -x .venv/bin/python ] || [ "$(readlink -f .venv/bin/python)" != "$(readlink -f $PY)" ]; then
+  rm -rf .venv
+  echo "+ $PY -m venv .venv"
+  "$PY" -m venv .venv
+fi
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  echo "+ .venv/bin/pip install -e '.[dev]'"
+  .venv/bin/pip install -q --disable-pip-version-check -e '.[dev]'
+  echo "$want" > "$stamp"
+fi

@@ -1,0 +1,98 @@
+"""Shared fixtures: real throwaway accounts, real directories, the real CLI.
+
+Everything a test creates is named ``agentcell``/``ac-`` and removed in a finalizer, even on failure.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import secrets
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+VENV_BIN = Path(sys.executable).parent
+AGENTCELL = str(VENV_BIN / "agentcell")
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root: creates accounts and runs as other uids")
+
+
+@dataclass
+class User:
+    name: str
+    uid: int
+    gid: int
+
+    def prefix(self) -> list[str]:
+        """argv prefix that runs a command as this user with a plain environment."""
+        return ["setpriv", f"--reuid={self.uid}", f"--regid={self.gid}", "--clear-groups", "--"]
+
+
+def _make_user() -> User:
+    name = "ac-t" + secrets.token_hex(3)
+    subprocess.run(["useradd", "-M", "-d", f"/home/{name}", "-s", "/usr/sbin/nologin", name], check=True)
+    pw = pwd.getpwnam(name)
+    return User(name, pw.pw_uid, pw.pw_gid)
+
+
+def _drop_user(u: User) -> None:
+    subprocess.run(["userdel", u.name], check=False, capture_output=True)
+
+
+@pytest.fixture(scope="session")
+def user() -> Iterator[User]:
+    """A throwaway non-root account (no home on disk)."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to create a throwaway account")
+    u = _make_user()
+    try:
+        yield u
+    finally:
+        _drop_user(u)
+
+
+@pytest.fixture
+def project(user: User) -> Iterator[Path]:
+    """A project directory the throwaway user owns, outside any home."""
+    d = Path("/tmp") / ("agentcell-test-" + secrets.token_hex(4))
+    d.mkdir(mode=0o755)
+    (d / "README").write_text("hello\n")
+    shutil.chown(d, user.uid, user.gid)
+    shutil.chown(d / "README", user.uid, user.gid)
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+@dataclass
+class Run:
+    rc: int
+    out: str
+    err: str
+    result: dict[str, object]
+
+
+def agentcell_run(args: list[str], *, as_user: User | None = None, env: dict[str, str] | None = None,
+                  timeout: float = 60, pass_fds: tuple[int, ...] = (), input: str | None = None,
+                  cwd: str | None = None) -> Run:
+    """Run the real CLI with --json and return the command's output and the parsed result line."""
+    base = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8"}
+    full = dict(base, **(env or {}))
+    argv = [AGENTCELL, "run", "--json", *args]
+    if as_user:
+        argv = as_user.prefix() + argv
+    p = subprocess.run(argv, capture_output=True, text=True, env=full, timeout=timeout, pass_fds=pass_fds,
+                       input=input, cwd=cwd)
+    lines = p.stdout.rstrip("\n").split("\n")
+    result: dict[str, object] = {}
+    if lines and lines[-1].startswith("{"):
+        result = json.loads(lines[-1])
+        lines = lines[:-1]
+    return Run(p.returncode, "\n".join(lines), p.stderr, result)

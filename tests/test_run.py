@@ -1,0 +1,304 @@
+"""`agentcell run` against the real kernel: what the cell lets through and what it stops."""
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from conftest import AGENTCELL, User, agentcell_run, needs_root
+
+pytestmark = needs_root
+
+
+def as_uid(user: User) -> list[str]:
+    return ["--as", str(user.uid)]
+
+
+def test_write_inside_rw_lands_and_writes_elsewhere_fail(user: User, project: Path) -> None:
+    marker = f"agentcell-marker-{os.getpid()}"
+    script = textwrap.dedent(f"""
+        echo made > {project}/new.txt
+        for p in /usr/{marker} /etc/{marker} /{marker} /opt/{marker} /home/{marker}; do
+          if echo x > $p 2>/dev/null; then echo "WROTE $p"; fi
+        done
+        echo x > /tmp/{marker}
+    """)
+    r = agentcell_run([*as_uid(user), "--rw", str(project), "--", "sh", "-c", script])
+    assert r.rc == 0, r.err
+    assert "WROTE" not in r.out
+    assert (project / "new.txt").read_text() == "made\n"
+    assert (project / "new.txt").stat().st_uid == user.uid
+    for p in ("/usr", "/etc", "/", "/opt", "/tmp"):
+        assert not os.path.exists(os.path.join(p, marker)), f"cell write reached host {p}"
+
+
+def test_write_outside_fails_with_erofs_or_eacces(user: User, project: Path) -> None:
+    code = "import errno,sys\ntry:\n open('/usr/x','w')\nexcept OSError as e:\n print(errno.errorcode[e.errno])"
+    r = agentcell_run([*as_uid(user), "--rw", str(project), "--", "python3", "-c", code])
+    assert r.out.strip() in ("EROFS", "EACCES"), r.out + r.err
+
+
+def test_ro_path_is_read_only_and_nosuid(user: User, project: Path, tmp_path: Path) -> None:
+    vault = Path("/tmp") / f"agentcell-vault-{os.getpid()}"
+    vault.mkdir()
+    try:
+        suid_id = vault / "id"
+        shutil.copy2("/usr/bin/id", suid_id)
+        os.chmod(suid_id, 0o4755)  # setuid root: outside a nosuid mount it would give euid 0
+        (vault / "data").write_text("secret-ish\n")
+        r = agentcell_run([*as_uid(user), "--vault-ro", str(vault), "--rw", str(project), "--", "sh", "-c",
+                           f"{suid_id} -u; cat {vault}/data; echo x > {vault}/data && echo WROTE; "
+                           "grep -v nosuid /proc/self/mountinfo | grep -v ' /dev/' || true"])
+        assert r.rc == 0, r.err
+        lines = r.out.splitlines()
+        assert lines[0] == str(user.uid), "a setuid binary on an --ro path gained privilege"
+        assert "secret-ish" in r.out
+        assert "WROTE" not in r.out
+        assert len(lines) == 2, f"mounts without nosuid inside the cell: {lines[2:]}"
+    finally:
+        shutil.rmtree(vault)
+
+
+def test_host_home_root_and_shadow_are_invisible(user: User, project: Path) -> None:
+    r = agentcell_run([*as_uid(user), "--rw", str(project), "--", "sh", "-c",
+                       "ls -A /home; test -e /root && echo ROOT; cat /etc/shadow /etc/gshadow 2>/dev/null;"
+                       "stat -c %s /etc/shadow; test -e /run && echo RUN; echo $HOME"])
+    assert r.rc == 0, r.err
+    lines = r.out.splitlines()
+    assert lines[0] == user.name  # only the cell's own (tmpfs) home
+    assert "ROOT" not in lines and "RUN" not in lines
+    assert ":" not in r.out  # no shadow line was readable
+    assert lines[-2] == "0"
+    assert lines[-1] == f"/home/{user.name}"
+
+
+def test_host_processes_and_pid1_are_invisible(user: User, project: Path) -> None:
+    r = agentcell_run([*as_uid(user), "--", "sh", "-c",
+                       "ls /proc | grep -E '^[0-9]+$' | sort -n | tr '\\n' ' '; echo; "
+                       "cat /proc/1/environ 2>/dev/null && echo LEAK; true"])
+    assert r.rc == 0, r.err
+    pids = [int(x) for x in r.out.split("\n")[0].split()]
+    assert 1 not in pids, "the cell's PID 1 (root, holds the supervisor's environment) is visible"
+    assert max(pids) < 20, f"host processes visible: {pids}"  # only this pipeline lives here
+    assert "LEAK" not in r.out
+
+
+def test_environment_is_scrubbed(user: User) -> None:
+    r = agentcell_run([*as_uid(user), "--env", "GIVEN=1", "--keep-env", "KEPT", "--", "env"],
+                      env={"OPENAI_API_KEY": "sk-secret", "AWS_SECRET_ACCESS_KEY": "x", "KEPT": "k", "TERM": "xterm"})
+    assert r.rc == 0, r.err
+    env = dict(line.split("=", 1) for line in r.out.splitlines())
+    assert "OPENAI_API_KEY" not in env and "AWS_SECRET_ACCESS_KEY" not in env
+    assert env["GIVEN"] == "1" and env["KEPT"] == "k" and env["TERM"] == "xterm"
+    assert set(env) <= {"PATH", "LANG", "TERM", "HOME", "USER", "GIVEN", "KEPT", "PWD", "SHLVL", "_"} | {
+        k for k in env if k.startswith("LC_")}
+
+
+def test_fd_opened_outside_is_not_inherited(user: User) -> None:
+    r_fd, w_fd = os.pipe()
+    os.set_inheritable(w_fd, True)
+    try:
+        r = agentcell_run([*as_uid(user), "--", "python3", "-c",
+                           "import os; print(sorted(int(x) for x in os.listdir('/proc/self/fd')))"],
+                          pass_fds=(w_fd,))
+    finally:
+        os.close(r_fd)
+        os.close(w_fd)
+    assert r.rc == 0, r.err
+    assert r.out.strip() == "[0, 1, 2, 3]"  # 3 is listdir's own directory fd
+
+
+def test_exit_status_and_signal_pass_through(user: User) -> None:
+    r = agentcell_run([*as_uid(user), "--", "sh", "-c", "exit 7"])
+    assert r.rc == 7 and r.result["exit_status"] == 7 and r.result["signal"] == 0
+    r = agentcell_run([*as_uid(user), "--", "sh", "-c", "kill -TERM $$"])
+    assert r.rc == 128 + 15 and r.result["signal"] == 15
+
+
+def test_background_process_is_killed_when_the_cell_ends(user: User) -> None:
+    tag = f"{os.getpid() % 1000}.{len(str(user.uid))}7"
+    r = agentcell_run([*as_uid(user), "--", "sh", "-c", f"setsid sleep {tag} >/dev/null 2>&1 & exit 0"])
+    assert r.rc == 0, r.err
+    left = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if cmd[:2] == [b"sleep", tag.encode()]:
+            left.append(pid)
+    assert not left, f"processes outlived the cell: {left}"
+
+
+def test_timeout_kills_the_cell(user: User) -> None:
+    r = agentcell_run([*as_uid(user), "--timeout", "0.5", "--", "sleep", "30"])
+    assert r.rc == 124 and r.result["timed_out"] is True
+
+
+def test_command_not_found_is_127(user: User) -> None:
+    r = agentcell_run([*as_uid(user), "--", "no-such-command-agentcell"])
+    assert r.rc == 127
+    assert "command not found" in r.err and "Traceback" not in r.err
+
+
+def test_mask_hides_a_file_inside_a_rw_path(user: User, project: Path) -> None:
+    (project / ".env").write_text("API_KEY=hunter2\n")
+    r = agentcell_run([*as_uid(user), "--rw", str(project), "--mask", str(project / ".env"), "--", "sh", "-c",
+                       f"cat {project}/.env; echo rc=$?; echo x > {project}/.env; echo rc=$?"])
+    assert "hunter2" not in r.out
+    assert "rc=0" not in r.out
+    assert (project / ".env").read_text() == "API_KEY=hunter2\n"
+
+
+def test_root_without_an_account_is_refused() -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SUDO_")}
+    p = subprocess.run([AGENTCELL, "run", "--", "true"], capture_output=True, text=True, env=env)
+    assert p.returncode == 125
+    assert "--as" in p.stderr and len(p.stderr.strip().splitlines()) == 1
+
+
+def test_sudo_uid_is_the_default_identity(user: User) -> None:
+    r = agentcell_run(["--", "id", "-u"], env={"SUDO_UID": str(user.uid), "SUDO_GID": str(user.gid)})
+    assert r.rc == 0, r.err
+    assert r.out.strip() == str(user.uid)
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--rw", "/nonexistent-agentcell"], "--rw"),
+        (["--rw", "/"], "--rw"),
+        (["--rw", "/usr"], "--rw"),
+        (["--ro", "/root"], "--ro"),
+        (["--no-such-flag"], "--no-such-flag"),
+        (["--env", "NOEQUALS"], "--env"),
+        (["--env", "1BAD=x"], "--env"),
+        (["--as", "agent:no-such-agentcell-user"], "--as"),
+        (["--as", "0"], "--as"),
+        (["--timeout", "-1"], "--timeout"),
+        (["--net", "wifi"], "--net"),
+    ],
+)
+def test_bad_input_gives_one_line_and_nonzero_exit(user: User, args: list[str], needle: str) -> None:
+    p = subprocess.run([AGENTCELL, "run", "--as", str(user.uid), *args, "--", "true"],
+                       capture_output=True, text=True)
+    assert p.returncode == 125, p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert needle in p.stderr and "Traceback" not in p.stderr
+
+
+def test_credential_dir_is_refused_unless_overridden(user: User, tmp_path: Path) -> None:
+    ssh = tmp_path / ".ssh"
+    ssh.mkdir()
+    p = subprocess.run([AGENTCELL, "run", "--as", str(user.uid), "--ro", str(ssh), "--", "true"],
+                       capture_output=True, text=True)
+    assert p.returncode == 125 and "credential" in p.stderr
+    r = agentcell_run([*as_uid(user), "--ro", str(ssh), "--allow-unsafe-path", "--", "true"])
+    assert r.rc == 0, r.err
+
+
+def test_explain_runs_nothing_and_lists_the_steps(user: User, project: Path) -> None:
+    p = subprocess.run([AGENTCELL, "run", "--as", str(user.uid), "--rw", str(project), "--explain", "--",
+                        "touch", str(project / "should-not-exist")], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    assert not (project / "should-not-exist").exists()
+    for needle in ("pivot_root", "bind rw,nosuid,nodev " + str(project), "bind ro,nosuid,nodev /usr",
+                   "PR_SET_NO_NEW_PRIVS", "mask /etc/shadow"):
+        assert needle in p.stdout, needle
+
+
+def test_scratch_and_home_dirs_back_the_cell(user: User, project: Path) -> None:
+    scratch, home = project / "scratch", project / "home"
+    for d in (scratch, home):
+        d.mkdir()
+        shutil.chown(d, user.uid, user.gid)
+    r = agentcell_run([*as_uid(user), "--scratch", str(scratch), "--home", str(home), "--", "sh", "-c",
+                       "echo s > /scratch/f && echo h > $HOME/f"])
+    assert r.rc == 0, r.err
+    assert (scratch / "f").read_text() == "s\n" and (home / "f").read_text() == "h\n"
+
+
+def test_stdin_from_a_file_works(user: User) -> None:
+    r = agentcell_run([*as_uid(user), "--", "cat"], input="piped input\n")
+    assert r.rc == 0 and r.out == "piped input"
+
+
+def test_interactive_shell_has_job_control(user: User) -> None:
+    import pty
+    import select
+
+    pid, fd = pty.fork()
+    if pid == 0:
+        os.execv(AGENTCELL, [AGENTCELL, "run", "--as", str(user.uid), "--", "bash", "--norc", "--noprofile", "-i"])
+    out = b""
+    try:
+        os.write(fd, b"echo FLAGS=$-; sleep 0.1 & jobs; exit 3\n")
+        while True:
+            ready, _, _ = select.select([fd], [], [], 20)
+            if not ready:
+                break
+            try:
+                chunk = os.read(fd, 4096)
+            except OSError:
+                break
+            if not chunk:
+                break
+            out += chunk
+    finally:
+        _, status = os.waitpid(pid, 0)
+        os.close(fd)
+    text = out.decode(errors="replace")
+    assert "no job control" not in text, text
+    flags = [ln for ln in text.splitlines() if ln.startswith("FLAGS=")]
+    assert flags and "m" in flags[-1].split("=", 1)[1], text
+    assert os.waitstatus_to_exitcode(status) == 3
+
+
+def test_tmp_and_shm_are_private_and_writable(user: User) -> None:
+    r = agentcell_run([*as_uid(user), "--", "sh", "-c", "echo a > /tmp/a && echo b > /dev/shm/b && ls -A /tmp"])
+    assert r.rc == 0, r.err
+    assert r.out.strip() == "a"
+
+
+def test_no_capabilities_and_no_new_privs(user: User) -> None:
+    r = agentcell_run([*as_uid(user), "--", "grep", "-E", "^(CapEff|CapBnd|CapAmb|NoNewPrivs)", "/proc/self/status"])
+    assert r.rc == 0, r.err
+    fields = dict(line.split(":\t") for line in r.out.splitlines())
+    assert int(fields["CapEff"], 16) == 0 and int(fields["CapBnd"], 16) == 0 and int(fields["CapAmb"], 16) == 0
+    assert fields["NoNewPrivs"].strip() == "1"
+
+
+def test_device_nodes_are_minimal(user: User) -> None:
+    r = agentcell_run([*as_uid(user), "--", "sh", "-c", "ls /dev | tr '\\n' ' '; echo ok > /dev/null"])
+    assert r.rc == 0, r.err
+    names = set(r.out.split())
+    assert {"null", "zero", "urandom", "pts", "ptmx", "shm"} <= names
+    assert not {n for n in names if n.startswith(("sd", "vd", "nvme", "mem", "kmsg", "port"))}
+
+
+def test_symlink_inside_project_cannot_reach_host_files(user: User, project: Path) -> None:
+    secret = Path(f"/tmp/agentcell-hostsecret-{os.getpid()}")
+    secret.write_text("host-only\n")
+    os.chmod(secret, 0o644)
+    try:
+        (project / "link").symlink_to(secret)
+        r = agentcell_run([*as_uid(user), "--rw", str(project), "--", "sh", "-c", f"cat {project}/link"])
+        assert "host-only" not in r.out
+    finally:
+        secret.unlink()
+
+
+def test_python_api_is_not_needed_for_cli_imports() -> None:
+    code = ("import sys, agentcell.cli.run; heavy = [m for m in sys.modules if m.split('.')[0] in "
+            "('pydantic', 'langgraph', 'rich', 'pyroute2')]; print(heavy)")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert p.stdout.strip() == "[]", p.stdout + p.stderr
+
+
+def test_is_executable() -> None:
+    assert os.stat(AGENTCELL).st_mode & stat.S_IXUSR
