@@ -1,0 +1,51 @@
+"""`agentcell run` started by a non-root user: identity `self` through a user namespace."""
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+from conftest import AGENTCELL, User, agentcell_run, needs_root
+
+pytestmark = needs_root  # root is needed only to create the throwaway user
+
+
+def test_rootless_cell_confines_writes_and_keeps_the_uid(user: User, project: Path) -> None:
+    marker = f"agentcell-rootless-{os.getpid()}"
+    r = agentcell_run(["--rw", str(project), "--", "sh", "-c",
+                       f"id -u; echo in > {project}/in.txt; echo x > /usr/{marker} 2>/dev/null && echo WROTE;"
+                       f"echo x > /etc/{marker} 2>/dev/null && echo WROTE; cat /proc/self/uid_map; true"],
+                      as_user=user)
+    assert r.rc == 0, r.err
+    lines = r.out.splitlines()
+    assert lines[0] == str(user.uid)
+    assert "WROTE" not in r.out
+    assert lines[1].split() == [str(user.uid), str(user.uid), "1"]  # only our own uid is mapped
+    assert (project / "in.txt").read_text() == "in\n"
+    assert not os.path.exists(f"/usr/{marker}") and not os.path.exists(f"/etc/{marker}")
+
+
+def test_rootless_cell_hides_host_and_scrubs_env(user: User) -> None:
+    r = agentcell_run(["--", "sh", "-c", "test -e /root && echo ROOT; ls /proc | grep -cE '^[0-9]+$'; env"],
+                      as_user=user, env={"ANTHROPIC_API_KEY": "sk-ant-secret"})
+    assert r.rc == 0, r.err
+    assert "ROOT" not in r.out and "sk-ant-secret" not in r.out
+    assert int(r.out.splitlines()[0]) < 6
+
+
+def test_rootless_cell_has_no_capabilities(user: User) -> None:
+    r = agentcell_run(["--", "grep", "-E", "^(CapEff|CapPrm|CapBnd)", "/proc/self/status"], as_user=user)
+    assert r.rc == 0, r.err
+    assert all(int(line.split()[1], 16) == 0 for line in r.out.splitlines()), r.out
+
+
+def test_rootless_agent_identity_needs_root(user: User) -> None:
+    p = subprocess.run([*user.prefix(), AGENTCELL, "run", "--as", "agent:agent", "--", "true"],
+                       capture_output=True, text=True)
+    assert p.returncode == 125
+    assert "needs root" in p.stderr and len(p.stderr.strip().splitlines()) == 1
+
+
+def test_rootless_exit_status_passes_through(user: User) -> None:
+    r = agentcell_run(["--", "sh", "-c", "exit 42"], as_user=user)
+    assert r.rc == 42
