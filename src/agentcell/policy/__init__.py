@@ -1,0 +1,50 @@
+"""Session plans, their compilation into sandbox policies, and escape events.
+
+The names below are imported lazily: ``agentcell run`` imports :mod:`agentcell.policy.resolve`
+through this package and must not pay for pydantic.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .compile import FIREWALL_RULES, compile_plan, explain, load_plan
+    from .models import EscapeEvent, IdentityModel, Limits, SandboxPolicy, SessionPlan
+
+_WHERE = {
+    "EscapeEvent": "models",
+    "IdentityModel": "models",
+    "Limits": "models",
+    "SandboxPolicy": "models",
+    "SessionPlan": "models",
+    "FIREWALL_RULES": "compile",
+    "compile_plan": "compile",
+    "explain": "compile",
+    "load_plan": "compile",
+}
+
+__all__ = [
+    "FIREWALL_RULES",
+    "EscapeEvent",
+    "IdentityModel",
+    "Limits",
+    "SandboxPolicy",
+    "SessionPlan",
+    "compile_plan",
+    "explain",
+    "load_plan",
+]
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
