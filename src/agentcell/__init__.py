@@ -1,0 +1,30 @@
+"""agentcell: run AI coding agents in a least-privilege Linux cell.
+
+The public face. Names are imported lazily so ``agentcell run`` (which imports ``agentcell.cli``)
+pays only for what it uses.
+"""
+from __future__ import annotations
+
+from importlib import import_module
+from typing import Any
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "Cell": "agentcell.api",
+    "CellCompleted": "agentcell.api",
+    "CellProcess": "agentcell.api",
+    "CellSpec": "agentcell.cell.spec",
+    "Identity": "agentcell.cell.spec",
+    "AgentcellError": "agentcell.errors",
+    "PolicyError": "agentcell.errors",
+    "LaunchError": "agentcell.errors",
+}
+
+__all__ = ["__version__", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'agentcell' has no attribute {name!r}")

@@ -85,6 +85,9 @@ class Running:
                 self.pid1 = int(msg["pid1"])
             self._msgs.append(msg)
 
+    def finished_reading(self) -> bool:
+        return self._eof
+
     def signal(self, sig: int) -> None:
         """Deliver ``sig`` to PID 1, which forwards it to the command (SIGKILL ends the whole cell)."""
         while not self.pid1 and not self._eof:

@@ -74,3 +74,21 @@ class CellSpec:
 
     def environ(self) -> dict[str, str]:
         return dict(self.env)
+
+
+def spec_to_dict(spec: CellSpec) -> dict[str, object]:
+    """JSON-ready form (the warm launcher receives specs over a socket)."""
+    from dataclasses import asdict
+
+    return asdict(spec)
+
+
+def spec_from_dict(d: dict[str, object]) -> CellSpec:
+    d = dict(d)
+    ident = dict(d.pop("identity"))  # type: ignore[call-overload]
+    ident["groups"] = tuple(ident.get("groups", ()))
+    tuples = ("rw_paths", "ro_paths", "masked_paths", "system_paths")
+    for k in tuples:
+        d[k] = tuple(d[k])  # type: ignore[call-overload]
+    d["env"] = tuple((str(k), str(v)) for k, v in d["env"])  # type: ignore[attr-defined]
+    return CellSpec(identity=Identity(**ident), **d)  # type: ignore[arg-type]

@@ -1,0 +1,82 @@
+"""The Python API: ``agentcell.Cell`` from a long-lived, multi-threaded program."""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from collections.abc import Iterator
+
+import pytest
+from conftest import User, needs_root
+
+from agentcell import Cell, CellSpec
+from agentcell.policy.resolve import build_env, resolve_identity
+
+pytestmark = needs_root
+
+
+@pytest.fixture
+def cell(user: User) -> Iterator[Cell]:
+    ident = resolve_identity(str(user.uid), euid=0)
+    spec = CellSpec(identity=ident, env=build_env({"OPENAI_API_KEY": "sk-x"}, ident))
+    with Cell(spec) as c:
+        yield c
+
+
+def test_run_captures_output_input_and_status(cell: Cell, user: User) -> None:
+    r = cell.run(["sh", "-c", "id -u; cat; echo oops >&2; exit 3"], input="fed\n", text=True)
+    assert r.returncode == 3
+    assert r.stdout == f"{user.uid}\nfed\n" and r.stderr == "oops\n"
+    assert r.cell_id.startswith("agentcell-") and not r.timed_out
+
+
+def test_run_environment_is_the_policy_s(cell: Cell) -> None:
+    r = cell.run(["env"], text=True)
+    assert "OPENAI_API_KEY" not in str(r.stdout)
+
+
+def test_run_timeout_kills_the_cell(cell: Cell) -> None:
+    r = cell.run(["sleep", "30"], timeout=0.3)
+    assert r.timed_out and r.returncode == 124
+
+
+def test_spawn_signal_and_wait(cell: Cell) -> None:
+    p = cell.spawn(["sleep", "30"], stdout=os.open(os.devnull, os.O_WRONLY))
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(timeout=20) == 128 + signal.SIGTERM
+    assert p.result["signal"] == signal.SIGTERM
+
+
+def test_each_run_is_a_fresh_cell(cell: Cell) -> None:
+    cell.run(["sh", "-c", "echo left-behind > /tmp/x"])
+    r = cell.run(["sh", "-c", "cat /tmp/x 2>/dev/null || echo clean"], text=True)
+    assert r.stdout == "clean\n"
+
+
+def test_concurrent_runs_from_many_threads(cell: Cell) -> None:
+    results: dict[int, str] = {}
+
+    def worker(i: int) -> None:
+        results[i] = str(cell.run(["sh", "-c", f"echo {i}"], text=True).stdout).strip()
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert results == {i: str(i) for i in range(8)}
+
+
+def test_missing_command_is_127_not_an_exception(cell: Cell) -> None:
+    r = cell.run(["no-such-command-agentcell"], text=True)
+    assert r.returncode == 127 and r.error and "not found" in r.error
+
+
+def test_launcher_process_goes_away_on_close(user: User) -> None:
+    ident = resolve_identity(str(user.uid), euid=0)
+    c = Cell(CellSpec(identity=ident, env=build_env({}, ident)))
+    c.run(["true"])
+    proc = c._proc
+    assert proc is not None and proc.poll() is None
+    c.close()
+    assert proc.poll() is not None
