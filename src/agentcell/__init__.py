@@ -6,7 +6,10 @@ pays only for what it uses.
 from __future__ import annotations
 
 from importlib import import_module
-from typing import Any
+
+TYPE_CHECKING = False  # typing costs ~10 ms to import; see cell/spec.py
+if TYPE_CHECKING:
+    from typing import Any
 
 __version__ = "0.1.0"
 

@@ -46,3 +46,11 @@ class LaunchError(AgentcellError):
     """A kernel step of the launch failed; ``field`` names the step."""
 
     exit_code = EXIT_SETUP
+
+
+def report(prog: str, err: AgentcellError) -> int:
+    """Print ``err`` as the one line a user sees and return its exit code."""
+    import sys
+
+    sys.stderr.write(f"{prog}: {err.line()}\n")
+    return err.exit_code

@@ -6,8 +6,8 @@ so neither setuid binaries nor file capabilities can raise privilege after exec.
 """
 from __future__ import annotations
 
+import _signal as signal  # see launch.py
 import os
-import signal
 
 from ..errors import LaunchError
 from . import syscalls as sc

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import stat
-from dataclasses import dataclass, field
 
 from ..errors import LaunchError
 from . import syscalls as sc
@@ -35,20 +34,21 @@ _ST_TO_MS = {
 SAFE = sc.MS_NOSUID | sc.MS_NODEV
 
 
-@dataclass
 class Step:
-    """One mount-tree operation. ``dest`` is the path inside the cell."""
+    """One mount-tree operation. ``dest`` is the path inside the cell.
 
-    kind: str  # tmpfs | bind | symlink | proc | devpts | mask
-    dest: str
-    source: str = ""  # host path (bind), link target (symlink), or fstype label
-    readonly: bool = True
-    is_dir: bool = True
-    flags: int = SAFE
-    data: str = ""
-    src_fd: int = -1
-    src_id: tuple[int, int] = (0, 0)  # (st_dev, st_ino) seen by the supervisor when it resolved the path
-    submounts: tuple[str, ...] = ()  # host mount points below a bind source, remounted like it
+    kind: tmpfs | bind | devnode | symlink | proc | devpts | mask. ``source`` is the host path (bind),
+    the link target (symlink) or a label; ``submounts`` are host mount points below a bind source,
+    remounted as strictly as it; ``src_id`` is the (st_dev, st_ino) the supervisor resolved.
+    """
+
+    def __init__(self, kind: str, dest: str, source: str = "", *, readonly: bool = True, is_dir: bool = True,
+                 flags: int = 0, data: str = "", submounts: tuple[str, ...] = ()) -> None:
+        self.kind, self.dest, self.source = kind, dest, source
+        self.readonly, self.is_dir, self.flags, self.data = readonly, is_dir, flags or SAFE, data
+        self.submounts = submounts
+        self.src_fd = -1
+        self.src_id = (0, 0)
 
     def describe(self) -> str:
         if self.kind == "bind":
@@ -64,9 +64,9 @@ class Step:
         return f"{self.kind} {self.dest} ({opts})"
 
 
-@dataclass
 class MountPlan:
-    steps: list[Step] = field(default_factory=list)
+    def __init__(self, steps: list[Step]) -> None:
+        self.steps = steps
 
     def open_sources(self) -> None:
         """Re-open every bind source in the cell's mount namespace (a bind source must be a mount of

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import fcntl
-import socket
+import os
 import struct
 
 from . import syscalls as sc
@@ -40,12 +40,15 @@ def _write(path: str, data: str) -> None:
 
 
 def loopback_up() -> None:
-    """Bring ``lo`` up in the cell's network namespace (an ioctl; no netlink library needed)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+    """Bring ``lo`` up in the cell's network namespace (an ioctl; no netlink library, no socket module)."""
+    s = sc.inet_dgram_socket()
+    try:
         ifr = struct.pack("16sh22x", b"lo", 0)
         flags = struct.unpack("16sh22x", fcntl.ioctl(s, SIOCGIFFLAGS, ifr))[1]
         fcntl.ioctl(s, SIOCSIFFLAGS, struct.pack("16sh22x", b"lo", flags | IFF_UP))
+    finally:
+        os.close(s)
 
 
 def set_hostname(name: str) -> None:
-    socket.sethostname(name)
+    sc.sethostname(name)

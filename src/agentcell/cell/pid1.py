@@ -6,10 +6,14 @@ process still left in the cell's PID namespace.
 """
 from __future__ import annotations
 
+import _signal as signal  # see launch.py
 import os
-import signal
-from collections.abc import Callable
-from typing import NoReturn
+
+from .spec import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from typing import NoReturn
 
 FORWARDED = (
     signal.SIGHUP, signal.SIGINT, signal.SIGQUIT, signal.SIGTERM,
@@ -26,7 +30,7 @@ def status_of(wstatus: int) -> tuple[int, int]:
     return os.waitstatus_to_exitcode(wstatus), 0
 
 
-def run(start_command: Callable[[], NoReturn], report: Callable[[dict[str, object]], None]) -> NoReturn:
+def run(start_command: Callable[[], NoReturn], report: Callable[[int, int], None]) -> NoReturn:
     """Fork the command (``start_command`` runs in the child), then reap and forward until it exits."""
     old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, WAITED)
     pid = os.fork()
@@ -55,5 +59,5 @@ def run(start_command: Callable[[], NoReturn], report: Callable[[dict[str, objec
                 done = True
         if done:
             break
-    report({"exit": code, "signal": sig})
+    report(code, sig)
     os._exit(code)

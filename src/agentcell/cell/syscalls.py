@@ -82,6 +82,16 @@ def prctl(option: int, arg2: int = 0, arg3: int = 0, arg4: int = 0, arg5: int = 
     return _check(_libc.prctl(option, arg2, arg3, arg4, arg5), f"prctl({option})")
 
 
+def sethostname(name: str) -> None:
+    b = name.encode()
+    _check(_libc.sethostname(b, len(b)), "sethostname")
+
+
+def inet_dgram_socket() -> int:
+    """A bare AF_INET/SOCK_DGRAM fd for interface ioctls (the socket module costs ~2 ms to import)."""
+    return _check(_libc.socket(2, 2 | os.O_CLOEXEC, 0), "socket")
+
+
 def close_fds_except(keep: set[int]) -> None:
     """Close every fd >= 3 not in ``keep`` (close_range over the gaps)."""
     lo = 3

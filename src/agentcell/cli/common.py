@@ -5,7 +5,7 @@ import argparse
 import sys
 from typing import NoReturn
 
-from ..errors import EXIT_USAGE, AgentcellError
+from ..errors import EXIT_USAGE, AgentcellError, report
 
 
 class Parser(argparse.ArgumentParser):
@@ -15,5 +15,4 @@ class Parser(argparse.ArgumentParser):
 
 
 def fail(prog: str, err: AgentcellError) -> int:
-    sys.stderr.write(f"{prog}: {err.line()}\n")
-    return err.exit_code
+    return report(prog, err)

@@ -1,23 +1,122 @@
 """``agentcell run``: launch one command in a cell. The hot path: stdlib + agentcell.cell only."""
 from __future__ import annotations
 
-import argparse
-import json
+import _signal as signal  # see cell/launch.py: the signal module's enums cost ~6 ms per run
 import os
-import signal
 import sys
 
 from ..cell import launch as launcher
 from ..cell import mounts
-from ..cell.spec import CellSpec
-from ..errors import EXIT_CODES_HELP, AgentcellError
+from ..cell.spec import TYPE_CHECKING, CellSpec
+from ..errors import EXIT_CODES_HELP, AgentcellError, report
 from ..policy import resolve as rs
-from .common import Parser, fail
+
+if TYPE_CHECKING:
+    from argparse import Namespace
+
+    from .common import Parser
 
 PROG = "agentcell run"
 
+# One table drives both parsers. kind: append (repeatable value), value, flag (no value).
+OPTIONS: tuple[tuple[str, str, str, str, str], ...] = (
+    ("--rw", "rw", "append", "PATH", "share PATH read-write at its own path"),
+    ("--ro", "ro", "append", "PATH", "share PATH read-only (nosuid, nodev)"),
+    ("--vault-ro", "vault_ro", "append", "PATH", "OPS-1 spelling of --ro"),
+    ("--mask", "mask", "append", "PATH", "hide PATH (an empty dir or file over it)"),
+    ("--scratch", "scratch", "value", "DIR", "back the cell's writable /scratch with host DIR"),
+    ("--tmpfs-scratch", "tmpfs_scratch", "flag", "", "a private tmpfs at /scratch (the default)"),
+    ("--home", "home", "value", "DIR", "back the cell's $HOME with host DIR (kept across runs); default a tmpfs"),
+    ("--net", "net", "value", "MODE", "network: none (default) or loopback only"),
+    ("--as", "as_", "value", "WHO", "self (default), agent:NAME or UID (root only)"),
+    ("--env", "env", "append", "K=V", "set a variable in the cell"),
+    ("--keep-env", "keep_env", "append", "NAME", "pass the host's NAME through"),
+    ("--cwd", "cwd", "value", "DIR", "working directory inside the cell (default: here if shared, else $HOME)"),
+    ("--timeout", "timeout", "value", "S", "kill the whole cell after S seconds"),
+    ("--allow-unsafe-path", "allow_unsafe_path", "flag", "", "accept /, a home dir or a credential dir as a path"),
+    ("--explain", "explain", "flag", "", "print the policy and every privileged step; run nothing"),
+    ("--json", "json", "flag", "", "print one JSON result object as the last line of stdout"),
+)
+NET_MODES = ("none", "loopback")
+
+
+class Args:
+    """Parsed options (attribute per dest), filled by :func:`fast_parse` or argparse."""
+
+    rw: list[str]
+    ro: list[str]
+    vault_ro: list[str]
+    mask: list[str]
+    env: list[str]
+    keep_env: list[str]
+    scratch: str | None
+    home: str | None
+    net: str | None
+    as_: str | None
+    cwd: str | None
+    timeout: str | float | None
+    tmpfs_scratch: bool
+    allow_unsafe_path: bool
+    explain: bool
+    json: bool
+
+    def __init__(self) -> None:
+        for _flag, dest, kind, _m, _h in OPTIONS:
+            setattr(self, dest, [] if kind == "append" else False if kind == "flag" else None)
+        self.command: list[str] = []
+
+
+def fast_parse(argv: list[str]) -> Args | None:
+    """Parse well-formed arguments without argparse (it imports re: ~10 ms per run on our machines).
+
+    Returns None for anything unusual (help, an unknown or malformed option); the caller then lets
+    argparse, built from the same table, produce the proper usage error.
+    """
+    by_flag = {o[0]: o for o in OPTIONS}
+    ns = Args()
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--" or not arg.startswith("-"):
+            ns.command = argv[i + 1:] if arg == "--" else argv[i:]
+            break
+        name, eq, value = arg.partition("=")
+        opt = by_flag.get(name)
+        if opt is None:
+            return None
+        _flag, dest, kind, _m, _h = opt
+        if kind == "flag":
+            if eq:
+                return None
+            setattr(ns, dest, True)
+        else:
+            if not eq:
+                i += 1
+                if i == len(argv):
+                    return None
+                value = argv[i]
+            if kind == "append":
+                getattr(ns, dest).append(value)
+            else:
+                setattr(ns, dest, value)
+        i += 1
+    if ns.net is None:
+        ns.net = "none"
+    if ns.net not in NET_MODES or (ns.scratch and ns.tmpfs_scratch):
+        return None
+    if ns.timeout is not None:
+        try:
+            ns.timeout = float(ns.timeout)
+        except ValueError:
+            return None
+    return ns
+
 
 def parser() -> Parser:
+    import argparse
+
+    from .common import Parser
+
     p = Parser(
         prog=PROG,
         usage="%(prog)s [OPTIONS] -- CMD [ARGS...]",
@@ -26,30 +125,35 @@ def parser() -> Parser:
         "and never as root.",
         epilog=EXIT_CODES_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
     )
-    a = p.add_argument
-    a("--rw", action="append", default=[], metavar="PATH", help="share PATH read-write at its own path")
-    a("--ro", action="append", default=[], metavar="PATH", help="share PATH read-only (nosuid, nodev)")
-    a("--vault-ro", action="append", default=[], metavar="PATH", help="OPS-1 spelling of --ro")
-    a("--mask", action="append", default=[], metavar="PATH", help="hide PATH (an empty dir or file over it)")
-    g = p.add_mutually_exclusive_group()
-    g.add_argument("--scratch", metavar="DIR", help="back the cell's writable /scratch with host DIR")
-    g.add_argument("--tmpfs-scratch", action="store_true", help="a private tmpfs at /scratch (the default)")
-    a("--home", metavar="DIR", help="back the cell's $HOME with host DIR (kept across runs); default a tmpfs")
-    a("--net", choices=("none", "loopback"), default="none", help="network: none (default) or loopback only")
-    a("--as", dest="as_", metavar="WHO", help="self (default), agent:NAME or UID (root only)")
-    a("--env", action="append", default=[], metavar="K=V", help="set a variable in the cell")
-    a("--keep-env", action="append", default=[], metavar="NAME", help="pass the host's NAME through")
-    a("--cwd", metavar="DIR", help="working directory inside the cell (default: here if shared, else $HOME)")
-    a("--timeout", type=float, metavar="S", help="kill the whole cell after S seconds")
-    a("--allow-unsafe-path", action="store_true", help="accept /, a home dir or a credential dir as a path")
-    a("--explain", action="store_true", help="print the policy and every privileged step; run nothing")
-    a("--json", action="store_true", help="print one JSON result object as the last line of stdout")
-    a("command", nargs=argparse.REMAINDER, metavar="-- CMD", help="the command and its arguments")
+    excl = p.add_mutually_exclusive_group()
+    for flag, dest, kind, metavar, help_ in OPTIONS:
+        target = excl if dest in ("scratch", "tmpfs_scratch") else p
+        if kind == "flag":
+            target.add_argument(flag, dest=dest, action="store_true", help=help_)
+        elif kind == "append":
+            target.add_argument(flag, dest=dest, action="append", default=[], metavar=metavar, help=help_)
+        elif dest == "net":
+            target.add_argument(flag, dest=dest, choices=NET_MODES, default="none", help=help_)
+        else:
+            target.add_argument(flag, dest=dest, metavar=metavar, help=help_,
+                                type=float if dest == "timeout" else str)
+    p.add_argument("command", nargs=argparse.REMAINDER, metavar="-- CMD", help="the command and its arguments")
     return p
 
 
-def build_spec(ns: argparse.Namespace) -> CellSpec:
+def parse(argv: list[str]) -> Args | Namespace:
+    fast = fast_parse(argv)
+    if fast is not None:
+        return fast
+    ns = parser().parse_args(argv)
+    if ns.command[:1] == ["--"]:
+        ns.command = ns.command[1:]
+    return ns
+
+
+def build_spec(ns: Args | Namespace) -> CellSpec:
     ident = rs.resolve_identity(ns.as_)
     homes = rs.home_dirs()
     common = {"allow_unsafe": ns.allow_unsafe_path, "homes": homes}
@@ -122,18 +226,20 @@ def _print_explain(info: dict[str, object]) -> None:
                 "cwd", "command"):
         out(f"{key:>10}: {info[key]}\n")
     out("     steps:\n")
-    for s in info["steps"]:  # type: ignore[attr-defined]
+    for s in info["steps"]:
         out(f"            {s}\n")
 
 
 def main(argv: list[str]) -> int:
-    ns = parser().parse_args(argv)
-    command = ns.command[1:] if ns.command[:1] == ["--"] else ns.command
+    ns = parse(argv)
+    command = ns.command
     try:
         spec = build_spec(ns)
         if ns.explain:
             info = explain(spec, command)
             if ns.json:
+                import json
+
                 sys.stdout.write(json.dumps(info) + "\n")
             else:
                 _print_explain(info)
@@ -143,7 +249,7 @@ def main(argv: list[str]) -> int:
         take = launcher.terminal_is_ours()
         running = launcher.start(spec, command, take_terminal=take)
     except AgentcellError as e:
-        return fail(PROG, e)
+        return report(PROG, e)
 
     def forward(sig: int, _frame: object) -> None:
         running.forward(sig)
@@ -158,6 +264,8 @@ def main(argv: list[str]) -> int:
     elif result.timed_out:
         sys.stderr.write(f"{PROG}: timed out after {ns.timeout:g} s; the cell was killed\n")
     if ns.json:
+        import json
+
         sys.stdout.flush()
         sys.stdout.write(json.dumps({"command": command, **result.as_dict()}) + "\n")
     return result.exit_status

@@ -6,9 +6,11 @@ through this package and must not pay for pydantic.
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any
 
+TYPE_CHECKING = False  # not from typing: it costs ~10 ms on the agentcell run path (see cell/spec.py)
 if TYPE_CHECKING:
+    from typing import Any
+
     from .compile import FIREWALL_RULES, compile_plan, explain, load_plan
     from .models import EscapeEvent, IdentityModel, Limits, SandboxPolicy, SessionPlan
 
