@@ -2,6 +2,10 @@
 # Idempotent and quiet when everything is already there.
 set -euo pipefail
 
+# One setup at a time (test.sh and demo.sh may run side by side); released at the end.
+exec 9<scripts/setup.sh
+flock 9
+
 APT_PACKAGES=(python3 python3-venv python3-dev acl iproute2 nftables bubblewrap procps util-linux)
 
 need=()
@@ -34,3 +38,6 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   .venv/bin/pip install -q --disable-pip-version-check -e '.[dev]'
   echo "$want" > "$stamp"
 fi
+
+flock -u 9
+exec 9<&-

@@ -80,3 +80,21 @@ def test_launcher_process_goes_away_on_close(user: User) -> None:
     assert proc is not None and proc.poll() is None
     c.close()
     assert proc.poll() is not None
+
+
+def test_signal_sent_at_once_after_spawn_is_not_lost(cell: Cell) -> None:
+    p = cell.spawn(["sleep", "30"])
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(timeout=20) == 128 + signal.SIGTERM
+
+
+def test_kill_reports_sigkill(cell: Cell) -> None:
+    p = cell.spawn(["sleep", "30"])
+    p.kill()
+    assert p.wait(timeout=20) == 128 + signal.SIGKILL
+    assert p.result["signal"] == signal.SIGKILL
+
+
+def test_every_cell_gets_its_own_id(cell: Cell) -> None:
+    ids = {cell.run(["true"]).cell_id for _ in range(3)}
+    assert len(ids) == 3

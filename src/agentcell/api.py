@@ -109,8 +109,9 @@ class CellProcess:
 class Cell:
     """A policy and a warm launcher. ``Cell(spec).run(["make", "test"])`` runs in a fresh cell each call."""
 
-    def __init__(self, policy: CellSpec | _CompilesToSpec) -> None:
+    def __init__(self, policy: CellSpec | _CompilesToSpec, *, prewarm: bool = True) -> None:
         self.spec = policy if isinstance(policy, CellSpec) else policy.to_cell_spec()
+        self.prewarm = prewarm
         self._lock = threading.Lock()
         self._sock: socket.socket | None = None
         self._proc: subprocess.Popen[bytes] | None = None
@@ -124,7 +125,8 @@ class Cell:
                 ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
                 with theirs:
                     self._proc = subprocess.Popen(
-                        [sys.executable, "-m", "agentcell.cell.zygote", str(theirs.fileno())],
+                        [sys.executable, "-m", "agentcell.cell.zygote", str(theirs.fileno()),
+                         *([] if self.prewarm else ["--no-prewarm"])],
                         pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, close_fds=True,
                     )
                 self._sock = ours

@@ -22,11 +22,14 @@ def _last_cap() -> int:
         return 63
 
 
+LAST_CAP = _last_cap()  # read once, at import (the supervisor), not in every command process
+
+
 def drop(ident: Identity) -> None:
     if not ident.userns:
         os.setgroups(list(ident.groups))
         os.setresgid(ident.gid, ident.gid, ident.gid)
-    for cap in range(_last_cap() + 1):
+    for cap in range(LAST_CAP + 1):
         sc.prctl(sc.PR_CAPBSET_DROP, cap)
     sc.prctl(sc.PR_CAP_AMBIENT, sc.PR_CAP_AMBIENT_CLEAR_ALL)
     os.setresuid(ident.uid, ident.uid, ident.uid)

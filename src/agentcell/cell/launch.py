@@ -16,7 +16,7 @@ import stat
 import time
 
 from ..errors import EXIT_CANNOT_EXEC, EXIT_NOT_FOUND, EXIT_SETUP, EXIT_TIMEOUT, LaunchError
-from . import identity, mounts, namespaces, pid1
+from . import handoff, identity, mounts, namespaces, pid1
 from . import syscalls as sc
 from .spec import TYPE_CHECKING, CellSpec
 
@@ -107,21 +107,29 @@ class Running:
         self.signal(signal.SIGKILL)
 
     def wait(self, timeout: float | None = None) -> CellResult:
+        """Wait until PID 1 reports (it has killed and reaped the whole cell by then) or the cell is gone."""
         if self._result is not None:
             return self._result
         deadline = None if timeout is None else self.started + timeout
         timed_out = False
-        while not self._eof:
+        while not self._eof and not self._reported():
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             self.poll_messages(left)
             if deadline is not None and not self._eof and time.monotonic() >= deadline:
                 timed_out = True
                 self.kill()
                 deadline = None
-        _, wstatus = _waitpid_eintr(self.c1)
+        if self._eof:
+            _, wstatus = _waitpid_eintr(self.c1)
+        else:
+            wstatus = 0  # PID 1's report is the status; C1 only has namespaces left to tear down
+            _reap_later(self.c1)
         os.close(self._r)
         self._result = self._finish(wstatus, timed_out)
         return self._result
+
+    def _reported(self) -> bool:
+        return bool(self._msgs) and self._msgs[-1][0] == "exit"
 
     def _finish(self, wstatus: int, timed_out: bool) -> CellResult:
         duration = time.monotonic() - self.started
@@ -138,6 +146,20 @@ class Running:
         return CellResult(code, sig, duration, self.cell_id, timed_out, error)
 
 
+_unreaped: list[int] = []
+
+
+def _reap_later(pid: int) -> None:
+    """C1 exits just after PID 1's report; reap it now if it has, else on a later call."""
+    _unreaped.append(pid)
+    for p in list(_unreaped):
+        try:
+            if os.waitpid(p, os.WNOHANG)[0]:
+                _unreaped.remove(p)
+        except ChildProcessError:
+            _unreaped.remove(p)
+
+
 def _waitpid_eintr(pid: int) -> tuple[int, int]:
     while True:
         try:
@@ -146,31 +168,62 @@ def _waitpid_eintr(pid: int) -> tuple[int, int]:
             continue
 
 
-def start(
-    spec: CellSpec,
-    argv: Sequence[str],
-    *,
-    pass_fds: Sequence[int] = (),
-    stdio: Sequence[int] | None = None,
-    take_terminal: bool = False,
-) -> Running:
-    """Launch ``argv`` in a new cell and return at once. Supervisor-side steps, in order."""
-    if not argv:
-        raise LaunchError("command", "no command given", "put it after --")
+class Prepared:
+    """A cell whose namespaces and mount tree are built, waiting for its command (PID 1 blocks on
+    the hand-off channel). Used at once by :func:`start`, or ahead of time by the warm launcher."""
+
+    def __init__(self, spec: CellSpec, c1: int, status_r: int, ctl: object, cell_id: str) -> None:
+        self.spec, self.c1, self._r, self._ctl, self.cell_id = spec, c1, status_r, ctl, cell_id
+
+    def go(self, argv: Sequence[str], *, stdio: Sequence[int] = (0, 1, 2), pass_fds: Sequence[int] = (),
+           take_terminal: bool = False) -> Running:
+        if not argv:
+            raise LaunchError("command", "no command given", "put it after --")
+        fds = {i: fd for i, fd in enumerate(stdio)}
+        fds.update({fd: fd for fd in pass_fds})
+        started = time.monotonic()
+        try:
+            handoff.send(self._ctl, list(argv), fds, take_terminal)  # type: ignore[arg-type]
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the cell failed while being prepared; its status pipe says where (see wait())
+        finally:
+            self._ctl.close()  # type: ignore[attr-defined]
+        return Running(self.spec, self.c1, self._r, started, self.cell_id)
+
+    def discard(self) -> None:
+        """Never used: closing the channel makes PID 1 exit, which tears the cell down."""
+        self._ctl.close()  # type: ignore[attr-defined]
+        os.close(self._r)
+        _waitpid_eintr(self.c1)
+
+
+def prepare(spec: CellSpec) -> Prepared:
+    """Build a cell for ``spec`` up to the point where it needs its command. Supervisor-side steps."""
     cell_id = spec.cell_id or new_cell_id()
     # 1. Resolve every path once without following symlinks and record its identity (dev, ino); the
     #    child re-opens each in its mount namespace the same way and refuses one that changed.
     plan = mounts.plan(spec)
     # 2. cgroup ceilings and 3. network links come with the hardening and egress layers.
     r, w = os.pipe2(os.O_CLOEXEC)
+    ours, theirs = handoff.channel()
     outer_uid, outer_gid = os.getuid(), os.getgid()
-    started = time.monotonic()
     c1 = os.fork()
     if c1 == 0:
-        os.close(r)
-        _run_child(w, lambda: _cell(spec, plan, list(argv), w, outer_uid, outer_gid, pass_fds, stdio, take_terminal))
+        # Nothing of the supervisor's but stdio, the status pipe and the hand-off channel crosses
+        # into the cell (a warm launcher holds other cells' channels and its caller's sockets).
+        sc.close_fds_except({w, theirs.fileno()})
+        _run_child(w, lambda: _cell(spec, plan, w, theirs, outer_uid, outer_gid))
     os.close(w)
-    return Running(spec, c1, r, started, cell_id)
+    theirs.close()
+    return Prepared(spec, c1, r, ours, cell_id)
+
+
+def start(spec: CellSpec, argv: Sequence[str], *, stdio: Sequence[int] = (0, 1, 2), pass_fds: Sequence[int] = (),
+          take_terminal: bool = False) -> Running:
+    """Launch ``argv`` in a new cell and return at once."""
+    if not argv:
+        raise LaunchError("command", "no command given", "put it after --")
+    return prepare(spec).go(argv, stdio=stdio, pass_fds=pass_fds, take_terminal=take_terminal)
 
 
 def launch(spec: CellSpec, argv: Sequence[str], *, timeout: float | None = None, **kw: object) -> CellResult:
@@ -211,19 +264,26 @@ def _step(name: str, fn: Callable[..., T], *args: object) -> T:
         raise LaunchError(name, e.strerror or str(e)) from None
 
 
-def _cell(spec: CellSpec, plan: mounts.MountPlan, argv: list[str], w: int, outer_uid: int, outer_gid: int,
-          pass_fds: Sequence[int], stdio: Sequence[int] | None, take_terminal: bool) -> NoReturn:
+def _cell(spec: CellSpec, plan: mounts.MountPlan, w: int, ctl: object, outer_uid: int, outer_gid: int) -> NoReturn:
     sc.prctl(sc.PR_SET_PDEATHSIG, signal.SIGKILL)  # the cell dies with its supervisor
     # 4. New namespaces; the next fork is PID 1 of the cell.
     _step("namespaces", namespaces.enter, spec, outer_uid, outer_gid)
     # Our memory holds the supervisor's environment: not for /proc readers. (Only now: a non-dumpable
     # process cannot write its own uid_map.)
     sc.prctl(sc.PR_SET_DUMPABLE, 0)
+    # PID 1 is born with forwarded signals blocked: the kernel drops a signal that reaches a
+    # namespace's init before it has a handler, and the supervisor may signal as soon as it knows us.
+    command_mask = pid1.block_signals()
     pid = os.fork()
     if pid:
+        signal.pthread_sigmask(signal.SIG_SETMASK, command_mask)
+        ctl.close()  # type: ignore[attr-defined]
         _report(w, "pid1", pid)
         _, wstatus = _waitpid_eintr(pid)
-        os._exit(pid1.status_of(wstatus)[0])
+        code, sig = pid1.status_of(wstatus)
+        if sig:  # PID 1 itself was killed (a kill of the whole cell): it could not report
+            _report(w, "exit", code, sig)
+        os._exit(code)
     sc.prctl(sc.PR_SET_PDEATHSIG, signal.SIGKILL)
     # 5. Mount tree: private propagation, tmpfs root, nosuid/nodev binds, /proc, /dev, pivot_root.
     _step("mount", mounts.apply, plan)
@@ -233,33 +293,45 @@ def _cell(spec: CellSpec, plan: mounts.MountPlan, argv: list[str], w: int, outer
     if spec.network == "loopback":
         _step("network", namespaces.loopback_up)
     _step("hostname", namespaces.set_hostname, spec.hostname)
-    pid1.run(lambda: _run_child(w, lambda: _command(spec, argv, w, pass_fds, stdio, take_terminal)),
-             lambda code, sig: _report(w, "exit", code, sig))
+    # PID 1 keeps none of the supervisor's stdio (it would hold a terminal or a pipe open).
+    null = os.open("/dev/null", os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(null, fd)
+    os.close(null)
+    pid1.run(lambda: _run_child(w, lambda: _command(spec, ctl, w)),
+             lambda code, sig: _report(w, "exit", code, sig),
+             close_after_fork=[ctl.fileno()], command_mask=command_mask)  # type: ignore[attr-defined]
 
 
-def _command(spec: CellSpec, argv: list[str], w: int, pass_fds: Sequence[int],
-             stdio: Sequence[int] | None, take_terminal: bool) -> NoReturn:
-    if stdio is not None:
-        for target, fd in enumerate(stdio):
-            if fd != target:
-                os.dup2(fd, target)
-    _stdio_no_directories()
-    # Own process group; take the terminal's foreground only if the supervisor held it.
-    os.setpgid(0, 0)
-    if take_terminal:
-        _take_terminal()
+def _command(spec: CellSpec, ctl: object, w: int) -> NoReturn:
+    """The command's process: confined fully *before* it learns its command, then exec."""
+    for s in (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGINT, signal.SIGTTOU, signal.SIGTTIN, signal.SIGTSTP):
+        signal.signal(s, signal.SIG_DFL)
+    os.setpgid(0, 0)  # its own process group (the terminal's foreground is given below if asked)
     # 7. Identity: the agent account (or our own uid in the user namespace), for good.
     _step("identity", identity.drop, spec.identity)
     # 8. Landlock and 9. seccomp come with the hardening layer, loaded last before exec.
-    # 10. Working directory, fds, environment, exec.
     cwd = spec.cwd or spec.identity.home
     _step(f"cwd {cwd}", os.chdir, cwd)
-    sc.close_fds_except({w, *pass_fds})
-    for fd in pass_fds:
+    # The command arrives now: at once from `agentcell run`, later for a warm cell. A cell discarded
+    # unused ends here.
+    cmd = handoff.recv(ctl)  # type: ignore[arg-type]
+    if cmd is None:
+        os._exit(0)
+    # 10. fds onto the numbers the command expects (two passes: a target may hold a source), close
+    #     every other fd, scrubbed environment, exec.
+    moved = {target: os.dup(fd) for target, fd in cmd.fds.items()}
+    for target, fd in moved.items():
+        os.dup2(fd, target)
+    _stdio_no_directories()
+    if cmd.take_terminal:
+        _take_terminal()
+    keep = set(cmd.fds)
+    sc.close_fds_except(keep | {w})  # w is close-on-exec: it reports a failed exec, then vanishes
+    for fd in keep:
         os.set_inheritable(fd, True)
-    for s in (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGINT, signal.SIGTTOU, signal.SIGTTIN, signal.SIGTSTP):
-        signal.signal(s, signal.SIG_DFL)
     env = spec.environ()
+    argv = cmd.argv
     try:
         os.execvpe(argv[0], argv, env)
     except FileNotFoundError:

@@ -22,7 +22,7 @@ import sys
 
 from ..errors import AgentcellError
 from . import launch
-from .spec import spec_from_dict
+from .spec import CellSpec, spec_from_dict
 
 MAX_FDS = 3
 BUFSIZE = 1 << 20
@@ -42,36 +42,76 @@ def send(sock: socket.socket, obj: dict[str, object], fds: list[int] | None = No
     sock.sendmsg([json.dumps(obj).encode()], anc)
 
 
-def serve(sock: socket.socket) -> None:
+class _Warm:
+    """At most one prepared cell, for the spec of the last request (a Cell has one policy)."""
+
+    def __init__(self) -> None:
+        self.cell: launch.Prepared | None = None
+        self.wanted: CellSpec | None = None
+
+    def take(self, spec: CellSpec) -> launch.Prepared:
+        cell, self.cell = self.cell, None
+        if cell is not None and cell.spec == spec:
+            return cell
+        if cell is not None:
+            cell.discard()
+        return launch.prepare(spec.replace(cell_id=""))  # every cell gets its own id
+
+    def refill(self, spec: CellSpec) -> None:
+        try:
+            self.cell = launch.prepare(spec.replace(cell_id=""))
+        except AgentcellError:
+            self.cell = None  # the next request prepares (and reports) it in the foreground
+
+    def drop(self) -> None:
+        if self.cell is not None:
+            self.cell.discard()
+            self.cell = None
+
+
+def serve(sock: socket.socket, prewarm: bool) -> None:
     cells: dict[int, launch.Running] = {}  # keyed by request id
-    while True:
-        readers: list[object] = [sock, *cells.values()]
-        ready, _, _ = select.select(readers, [], [])
-        for r in ready:
-            if r is sock:
+    warm = _Warm()
+    try:
+        while True:
+            readers: list[socket.socket | launch.Running] = [sock, *cells.values()]
+            ready, _, _ = select.select(readers, [], [])
+            for r in ready:
+                if isinstance(r, launch.Running):
+                    _progress(sock, r, cells)
+                    continue
                 msg, fds = recv(sock)
                 if msg is None:
                     for c in cells.values():
                         c.kill()
                         c.wait()
                     return
-                _handle(sock, msg, fds, cells)
-            else:
-                _progress(sock, r, cells)  # type: ignore[arg-type]
+                spec = _handle(sock, msg, fds, cells, warm)
+                if spec is not None and prewarm:
+                    warm.wanted = spec
+            # Prepare the next cell when idle: agents' tool calls come seconds apart, and preparing
+            # while a command runs would compete with it for the CPU.
+            if not cells and warm.wanted is not None and warm.cell is None:
+                warm.refill(warm.wanted)
+    finally:
+        warm.drop()
 
 
-def _handle(sock: socket.socket, msg: dict[str, object], fds: list[int], cells: dict[int, launch.Running]) -> None:
+def _handle(sock: socket.socket, msg: dict[str, object], fds: list[int], cells: dict[int, launch.Running],
+            warm: _Warm) -> CellSpec | None:
     rid = int(msg["id"])  # type: ignore[call-overload]
     if msg["op"] == "signal":
         if rid in cells:
-            cells[rid].forward(int(msg["sig"]))  # type: ignore[call-overload]
-        return
+            cells[rid].signal(int(msg["sig"]))  # type: ignore[call-overload]
+        return None
     try:
         spec = spec_from_dict(msg["spec"])  # type: ignore[arg-type]
-        cells[rid] = launch.start(spec, [str(a) for a in msg["argv"]], stdio=fds)  # type: ignore[attr-defined]
+        cells[rid] = warm.take(spec).go([str(a) for a in msg["argv"]], stdio=fds)  # type: ignore[attr-defined]
         send(sock, {"id": rid, "event": "started"})
+        return spec
     except AgentcellError as e:
         send(sock, {"id": rid, "event": "error", "field": e.field, "message": e.line(), "code": e.exit_code})
+        return None
     finally:
         for fd in fds:
             os.close(fd)
@@ -86,9 +126,8 @@ def _progress(sock: socket.socket, running: launch.Running, cells: dict[int, lau
 
 
 def main() -> None:
-    fd = int(sys.argv[1])
-    sock = socket.socket(fileno=fd)
-    serve(sock)
+    sock = socket.socket(fileno=int(sys.argv[1]))
+    serve(sock, prewarm=sys.argv[2:] != ["--no-prewarm"])
 
 
 if __name__ == "__main__":

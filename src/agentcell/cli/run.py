@@ -205,7 +205,7 @@ def explain(spec: CellSpec, command: list[str]) -> dict[str, object]:
     steps.append("drop capability bounding set; clear ambient capabilities")
     steps.append(f"setresuid {ident.uid}; prctl(PR_SET_PDEATHSIG, SIGKILL); prctl(PR_SET_NO_NEW_PRIVS, 1)")
     steps.append(f"chdir {spec.cwd}; close every fd but 0-2; execve {command[0] if command else '?'} "
-                 "with the environment below")
+                 "with the environment listed above")
     return {
         "cell_id": spec.cell_id,
         "identity": {"mode": ident.mode, "uid": ident.uid, "gid": ident.gid, "user": ident.user, "home": ident.home},
