@@ -1,0 +1,125 @@
+"""Launch benchmark: agentcell against bubblewrap, side by side in one sitting, command `true`.
+
+    .venv/bin/python bench/launch.py [--runs N] [--json]
+
+Measures (medians, milliseconds, ratio to bwrap measured in the same sitting):
+  * bwrap --unshare-all with a configuration equivalent to agentcell's (same binds, masks, tmpfs);
+  * cold CLI:  `agentcell run --as UID -- true` (a new Python process per command);
+  * warm API:  `Cell(spec).run(["true"])` from a long-lived process, calls spaced 50 ms apart as an
+               agent's tool calls are (the warm launcher prepares the next cell in between);
+  * warm API, back to back (no gap), and without pre-warming, for the record.
+Targets (issue #2): cold CLI <= 3x bwrap; warm API <= 1.0x bwrap. Needs root (a throwaway account
+ac-bench<hex> is created and removed) and bwrap (apt package bubblewrap).
+"""
+from __future__ import annotations
+
+import argparse
+import compileall
+import json
+import os
+import pwd
+import secrets
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+AGENTCELL = str(Path(sys.executable).parent / "agentcell")
+GAP_S = 0.05
+
+
+def median_ms(fn: Callable[[], object], runs: int, gap: float = 0.0) -> float:
+    fn()  # warm-up: page cache, bytecode, first prepared cell
+    samples = []
+    for _ in range(runs):
+        if gap:
+            time.sleep(gap)
+        t = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t)
+    return statistics.median(samples) * 1000
+
+
+def bwrap_argv(uid: int, gid: int, home: str) -> list[str]:
+    argv = ["bwrap", "--unshare-all", "--die-with-parent", "--clearenv", "--uid", str(uid), "--gid", str(gid)]
+    for p in ("/usr", "/etc", "/opt"):
+        if os.path.isdir(p) and not os.path.islink(p):
+            argv += ["--ro-bind", p, p]
+    for p in ("/bin", "/sbin", "/lib", "/lib64"):
+        if os.path.islink(p):
+            argv += ["--symlink", os.readlink(p), p]
+    for p in ("/etc/shadow", "/etc/gshadow"):
+        if os.path.exists(p):
+            argv += ["--ro-bind", "/dev/null", p]
+    argv += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--tmpfs", home, "--tmpfs", "/scratch",
+             "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", home, "--chdir", home]
+    return [*argv, "true"]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--runs", type=int, default=60)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    if os.geteuid() != 0:
+        sys.exit("bench/launch.py: needs root (it creates a throwaway account)")
+    if not shutil.which("bwrap"):
+        sys.exit("bench/launch.py: bwrap not found (apt-get install bubblewrap)")
+    compileall.compile_dir(str(ROOT / "src"), quiet=1)  # as an installed package would have
+
+    from agentcell import Cell, CellSpec
+    from agentcell.policy.resolve import build_env, resolve_identity
+
+    name = "ac-bench" + secrets.token_hex(3)
+    subprocess.run(["useradd", "-M", "-s", "/usr/sbin/nologin", name], check=True)
+    try:
+        pw = pwd.getpwnam(name)
+        ident = resolve_identity(str(pw.pw_uid), euid=0)
+        spec = CellSpec(ident, env=build_env({"LANG": "C.UTF-8"}, ident))
+        bw = bwrap_argv(pw.pw_uid, pw.pw_gid, ident.home)
+        cli = [AGENTCELL, "run", "--as", str(pw.pw_uid), "--", "true"]
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+        run = lambda argv: subprocess.run(argv, check=True, env=env)  # noqa: E731
+        res: dict[str, float] = {}
+        with Cell(spec) as warm, Cell(spec, prewarm=False) as cold_api:
+            res["bwrap"] = median_ms(lambda: run(bw), args.runs)
+            res["cli"] = median_ms(lambda: run(cli), args.runs)
+            res["bwrap_spaced"] = median_ms(lambda: run(bw), args.runs, GAP_S)
+            res["api_warm_spaced"] = median_ms(lambda: warm.run(["true"]), args.runs, GAP_S)
+            res["api_warm_back_to_back"] = median_ms(lambda: warm.run(["true"]), args.runs)
+            res["api_no_prewarm"] = median_ms(lambda: cold_api.run(["true"]), args.runs)
+            res["python_startup"] = median_ms(lambda: run([sys.executable, "-c", "pass"]), args.runs)
+    finally:
+        subprocess.run(["userdel", name], check=False)
+
+    ratios = {
+        "cli": res["cli"] / res["bwrap"],
+        "api_warm_spaced": res["api_warm_spaced"] / res["bwrap_spaced"],
+        "api_warm_back_to_back": res["api_warm_back_to_back"] / res["bwrap"],
+        "api_no_prewarm": res["api_no_prewarm"] / res["bwrap"],
+        "python_startup": res["python_startup"] / res["bwrap"],
+    }
+    targets = {"cli": 3.0, "api_warm_spaced": 1.0}
+    if args.json:
+        print(json.dumps({"median_ms": res, "ratio_to_bwrap": ratios, "targets": targets}))
+        return 0
+    print(f"launch of `true`, median of {args.runs} runs (ms), ratio to bwrap in the same sitting")
+    print(f"  {'bwrap --unshare-all (equivalent binds)':<46}{res['bwrap']:7.2f}")
+    print(f"  {'bwrap, spaced 50 ms':<46}{res['bwrap_spaced']:7.2f}")
+    rows = [("cli", "agentcell run (cold CLI)"), ("api_warm_spaced", "Cell.run, warm, spaced 50 ms"),
+            ("api_warm_back_to_back", "Cell.run, warm, back to back"),
+            ("api_no_prewarm", "Cell.run, no pre-warm"), ("python_startup", "python -c pass (floor of any CLI)")]
+    for key, label in rows:
+        target = targets.get(key)
+        verdict = "" if target is None else ("  target <= %.1fx: %s" % (target, "met" if ratios[key] <= target
+                                                                          else "MISSED"))
+        print(f"  {label:<46}{res[key]:7.2f}  {ratios[key]:5.2f}x{verdict}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
