@@ -115,8 +115,9 @@ def main() -> int:
             ("api_no_prewarm", "Cell.run, no pre-warm"), ("python_startup", "python -c pass (floor of any CLI)")]
     for key, label in rows:
         target = targets.get(key)
-        verdict = "" if target is None else ("  target <= %.1fx: %s" % (target, "met" if ratios[key] <= target
-                                                                          else "MISSED"))
+        verdict = ""
+        if target is not None:
+            verdict = f"  target <= {target:.1f}x: {'met' if ratios[key] <= target else 'MISSED'}"
         print(f"  {label:<46}{res[key]:7.2f}  {ratios[key]:5.2f}x{verdict}")
     return 0
 

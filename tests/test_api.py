@@ -7,10 +7,10 @@ import threading
 from collections.abc import Iterator
 
 import pytest
-from conftest import User, needs_root
 
 from agentcell import Cell, CellSpec
 from agentcell.policy.resolve import build_env, resolve_identity
+from conftest import User, needs_root
 
 pytestmark = needs_root
 

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
+
 from conftest import User, agentcell_run, needs_root
 
 pytestmark = needs_root

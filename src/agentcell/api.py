@@ -164,9 +164,9 @@ class Cell:
                 for p in list(self._pending.values()):
                     p.events.put({"event": "lost"})
                 return
-            p = self._pending.get(int(msg["id"]))  # type: ignore[call-overload]
-            if p is not None:
-                p.events.put(msg)
+            waiting = self._pending.get(int(msg["id"]))  # type: ignore[call-overload]
+            if waiting is not None:
+                waiting.events.put(msg)
 
     def _send(self, msg: dict[str, object], fds: list[int] | None = None) -> None:
         zygote.send(self._ensure(), msg, fds)
@@ -220,7 +220,10 @@ class Cell:
             proc.kill()
         proc.wait()
         res = proc.result
-        conv = (lambda b: b.decode(errors="replace")) if text else (lambda b: b)
+
+        def conv(b: bytes) -> bytes | str:
+            return b.decode(errors="replace") if text else b
+
         return CellCompleted(
             args=proc.args, returncode=proc.returncode,
             stdout=conv(out) if capture_output else None, stderr=conv(err) if capture_output else None,

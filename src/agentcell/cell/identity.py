@@ -6,12 +6,16 @@ so neither setuid binaries nor file capabilities can raise privilege after exec.
 """
 from __future__ import annotations
 
-import _signal as signal  # see launch.py
 import os
 
 from ..errors import LaunchError
 from . import syscalls as sc
-from .spec import Identity
+from .spec import TYPE_CHECKING, Identity
+
+if TYPE_CHECKING:
+    import signal
+else:  # signal.py only wraps _signal in IntEnums, whose import costs ~6 ms per agentcell run here
+    import _signal as signal
 
 
 def _last_cap() -> int:

@@ -9,7 +9,6 @@ Process tree::
 """
 from __future__ import annotations
 
-import _signal as signal  # signal.py adds only IntEnum wrappers, whose import costs ~6 ms per run here
 import os
 import select
 import stat
@@ -21,10 +20,13 @@ from . import syscalls as sc
 from .spec import TYPE_CHECKING, CellSpec
 
 if TYPE_CHECKING:
+    import signal
     from collections.abc import Callable, Sequence
     from typing import NoReturn, TypeVar
 
     T = TypeVar("T")
+else:  # signal.py only wraps _signal in IntEnums, whose import costs ~6 ms per agentcell run here
+    import _signal as signal
 
 
 class CellResult:

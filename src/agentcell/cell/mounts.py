@@ -197,7 +197,8 @@ def _target(rel: str, is_dir: bool, root_fd: int) -> int:
             os.close(fd)
             fd = nfd
             if stat.S_ISLNK(os.fstat(fd).st_mode):
-                raise LaunchError("mount", f"{rel}: a path component is a symlink inside the cell; refusing to follow it")
+                raise LaunchError("mount", f"{rel}: a path component is a symlink inside the cell; "
+                                  "refusing to follow it")
         return fd
     except BaseException:
         os.close(fd)

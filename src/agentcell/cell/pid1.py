@@ -6,14 +6,16 @@ in the cell's PID namespace, reports the status, and exits.
 """
 from __future__ import annotations
 
-import _signal as signal  # see launch.py
 import os
 
 from .spec import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    import signal
     from collections.abc import Callable
     from typing import NoReturn
+else:  # signal.py only wraps _signal in IntEnums, whose import costs ~6 ms per agentcell run here
+    import _signal as signal
 
 FORWARDED = (
     signal.SIGHUP, signal.SIGINT, signal.SIGQUIT, signal.SIGTERM,
@@ -30,14 +32,14 @@ def status_of(wstatus: int) -> tuple[int, int]:
     return os.waitstatus_to_exitcode(wstatus), 0
 
 
-def block_signals() -> object:
+def block_signals() -> set[int]:
     """Called first thing in PID 1: signals sent before the command exists wait (pending) instead of
     killing or being lost; :func:`run` forwards them. Returns the mask the command must get back."""
     return signal.pthread_sigmask(signal.SIG_BLOCK, WAITED)
 
 
 def run(start_command: Callable[[], NoReturn], report: Callable[[int, int], None],
-        close_after_fork: list[int], command_mask: object) -> NoReturn:
+        close_after_fork: list[int], command_mask: set[int]) -> NoReturn:
     """Fork the command (``start_command`` runs in the child), then reap and forward until it exits.
 
     ``close_after_fork``: the hand-off channel, which only the command's process may hold.

@@ -64,7 +64,7 @@ class _Frozen:
         return tuple(getattr(self, k) for k in self.__slots__)
 
     def __eq__(self, other: object) -> bool:
-        return type(other) is type(self) and self._key() == other._key()  # type: ignore[attr-defined]
+        return isinstance(other, _Frozen) and type(other) is type(self) and self._key() == other._key()
 
     def __hash__(self) -> int:
         return hash(self._key())

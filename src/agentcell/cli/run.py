@@ -1,7 +1,6 @@
 """``agentcell run``: launch one command in a cell. The hot path: stdlib + agentcell.cell only."""
 from __future__ import annotations
 
-import _signal as signal  # see cell/launch.py: the signal module's enums cost ~6 ms per run
 import os
 import sys
 
@@ -12,9 +11,12 @@ from ..errors import EXIT_CODES_HELP, AgentcellError, report
 from ..policy import resolve as rs
 
 if TYPE_CHECKING:
+    import signal
     from argparse import Namespace
 
     from .common import Parser
+else:  # see cell/launch.py
+    import _signal as signal
 
 PROG = "agentcell run"
 
@@ -54,7 +56,7 @@ class Args:
     net: str | None
     as_: str | None
     cwd: str | None
-    timeout: str | float | None
+    timeout: float | None
     tmpfs_scratch: bool
     allow_unsafe_path: bool
     explain: bool
@@ -97,6 +99,11 @@ def fast_parse(argv: list[str]) -> Args | None:
                 value = argv[i]
             if kind == "append":
                 getattr(ns, dest).append(value)
+            elif dest == "timeout":
+                try:
+                    ns.timeout = float(value)
+                except ValueError:
+                    return None
             else:
                 setattr(ns, dest, value)
         i += 1
@@ -104,11 +111,6 @@ def fast_parse(argv: list[str]) -> Args | None:
         ns.net = "none"
     if ns.net not in NET_MODES or (ns.scratch and ns.tmpfs_scratch):
         return None
-    if ns.timeout is not None:
-        try:
-            ns.timeout = float(ns.timeout)
-        except ValueError:
-            return None
     return ns
 
 
@@ -156,13 +158,16 @@ def parse(argv: list[str]) -> Args | Namespace:
 def build_spec(ns: Args | Namespace) -> CellSpec:
     ident = rs.resolve_identity(ns.as_)
     homes = rs.home_dirs()
-    common = {"allow_unsafe": ns.allow_unsafe_path, "homes": homes}
-    rw = rs.resolve_paths(ns.rw, field="--rw", writable=True, **common)
-    ro = rs.resolve_paths(ns.ro + ns.vault_ro, field="--ro", writable=False, **common)
+    unsafe = ns.allow_unsafe_path
+    rw = rs.resolve_paths(ns.rw, field="--rw", writable=True, allow_unsafe=unsafe, homes=homes)
+    ro = rs.resolve_paths(ns.ro + ns.vault_ro, field="--ro", writable=False, allow_unsafe=unsafe, homes=homes)
     masked = rs.resolve_paths(ns.mask, field="--mask", writable=False, allow_unsafe=True, homes=homes)
     rs.check_disjoint({"--rw": rw, "--ro": ro, "--mask": masked})
-    scratch = rs.resolve_path(ns.scratch, field="--scratch", writable=True, **common) if ns.scratch else None
-    home = rs.resolve_path(ns.home, field="--home", writable=True, **common) if ns.home else None
+    scratch = home = None
+    if ns.scratch:
+        scratch = rs.resolve_path(ns.scratch, field="--scratch", writable=True, allow_unsafe=unsafe, homes=homes)
+    if ns.home:
+        home = rs.resolve_path(ns.home, field="--home", writable=True, allow_unsafe=unsafe, homes=homes)
     if ns.timeout is not None and not ns.timeout > 0:
         raise AgentcellError("--timeout", f"{ns.timeout} is not a positive number of seconds", "e.g. --timeout 30")
     visible = (*rw, *ro)
@@ -178,7 +183,8 @@ def build_spec(ns: Args | Namespace) -> CellSpec:
         cwd = rs.cell_cwd(here, visible, ident.home)
     return CellSpec(
         identity=ident, rw_paths=rw, ro_paths=ro, masked_paths=masked, scratch_dir=scratch, home_dir=home,
-        network=ns.net, env=rs.build_env(os.environ, ident, ns.env, ns.keep_env), cwd=cwd,
+        network="loopback" if ns.net == "loopback" else "none",
+        env=rs.build_env(os.environ, ident, ns.env, ns.keep_env), cwd=cwd,
         cell_id=launcher.new_cell_id(),
     )
 
@@ -222,11 +228,13 @@ def explain(spec: CellSpec, command: list[str]) -> dict[str, object]:
 
 def _print_explain(info: dict[str, object]) -> None:
     out = sys.stdout.write
+    steps = info["steps"]
+    assert isinstance(steps, list)
     for key in ("cell_id", "identity", "network", "rw", "ro", "masked", "system_ro", "scratch", "home", "env",
                 "cwd", "command"):
         out(f"{key:>10}: {info[key]}\n")
     out("     steps:\n")
-    for s in info["steps"]:
+    for s in steps:
         out(f"            {s}\n")
 
 
