@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from .cell import zygote
+from .cell import wire
 from .cell.spec import CellSpec, spec_to_dict
 from .errors import EXIT_TIMEOUT, AgentcellError, LaunchError
 
@@ -125,7 +125,7 @@ class Cell:
                 ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
                 with theirs:
                     self._proc = subprocess.Popen(
-                        [sys.executable, "-m", "agentcell.cell.zygote", str(theirs.fileno()),
+                        [sys.executable, "-m", "agentcell.cell.zygote", "--conn", str(theirs.fileno()),
                          *([] if self.prewarm else ["--no-prewarm"])],
                         pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, close_fds=True,
                     )
@@ -157,19 +157,19 @@ class Cell:
     def _reader(self, sock: socket.socket) -> None:
         while True:
             try:
-                msg, _ = zygote.recv(sock)
-            except OSError:
+                msg, _ = wire.recv(sock)
+            except (OSError, wire.WireError):
                 msg = None
             if msg is None:
                 for p in list(self._pending.values()):
                     p.events.put({"event": "lost"})
                 return
-            waiting = self._pending.get(int(msg["id"]))  # type: ignore[call-overload]
+            waiting = self._pending.get(int(msg["id"]))
             if waiting is not None:
                 waiting.events.put(msg)
 
     def _send(self, msg: dict[str, object], fds: list[int] | None = None) -> None:
-        zygote.send(self._ensure(), msg, fds)
+        wire.send(self._ensure(), msg, fds)
 
     def _forget(self, rid: int) -> None:
         self._pending.pop(rid, None)

@@ -33,9 +33,10 @@ class CellResult:
     """How a cell ended. ``error`` is set when agentcell (not the command) failed: "step: message"."""
 
     def __init__(self, exit_status: int, signal: int, duration_s: float, cell_id: str, timed_out: bool = False,
-                 error: str = "") -> None:
+                 error: str | None = "") -> None:
         self.exit_status, self.signal, self.duration_s = exit_status, signal, duration_s
-        self.cell_id, self.timed_out, self.error = cell_id, timed_out, error
+        self.cell_id, self.timed_out, self.error = cell_id, timed_out, error or ""
+        self.via = "here"  # or "warm launcher": which process built the cell
 
     def as_dict(self) -> dict[str, object]:
         return {
@@ -129,6 +130,10 @@ class Running:
         os.close(self._r)
         self._result = self._finish(wstatus, timed_out)
         return self._result
+
+    def reported(self) -> bool:
+        """PID 1 has reported the command's end (and emptied the cell)."""
+        return self._reported()
 
     def _reported(self) -> bool:
         return bool(self._msgs) and self._msgs[-1][0] == "exit"

@@ -2,54 +2,45 @@
 
 A long-lived, multi-threaded program must never fork (a lock held by another thread stays locked in
 the child), so :class:`agentcell.Cell` starts this process once with ``subprocess`` (fork+exec is safe)
-and asks it, over a private SOCK_SEQPACKET socketpair, to launch cells. stdio fds travel with each
-request (SCM_RIGHTS). Every launch is a fresh cell: nothing is reused between commands.
+and asks it, over a private socketpair, to launch cells. ``agentcell warm start`` runs the same
+server on a listening socket for ``agentcell run`` (see :mod:`agentcell.cell.warm`). stdio fds travel
+with each request (SCM_RIGHTS); the protocol is in :mod:`agentcell.cell.wire`. Every launch is a
+fresh cell: nothing is reused between commands.
 
-Protocol (one JSON object per datagram):
-  -> {"op": "spawn", "id": N, "spec": {...}, "argv": [...]}   + fds [stdin, stdout, stderr]
-  -> {"op": "signal", "id": N, "sig": 15}
-  <- {"id": N, "event": "started"} | {"id": N, "event": "exit", "result": {...}}
-     | {"id": N, "event": "error", "field": ..., "message": ...}
+Pre-warming: when idle, the launcher prepares the next cell for the policy of the last request
+(namespaces, mounts, pivot_root and the command process's identity drop done; it waits for argv), so
+the next request only hands over argv and fds and execs. A prepared cell has never run anything; it
+is discarded if the next request carries another policy, and when the launcher stops.
 """
 from __future__ import annotations
 
-import array
-import json
+import _socket
 import os
 import select
-import socket
 import sys
+import time
 
 from ..errors import AgentcellError
-from . import launch
-from .spec import CellSpec, spec_from_dict
+from . import launch, wire
+from .spec import TYPE_CHECKING, CellSpec, spec_from_dict
 
-MAX_FDS = 3
-BUFSIZE = 1 << 20
+if TYPE_CHECKING:
+    from typing import Any
 
-
-def recv(sock: socket.socket) -> tuple[dict[str, object] | None, list[int]]:
-    fds = array.array("i")
-    msg, anc, _flags, _addr = sock.recvmsg(BUFSIZE, socket.CMSG_SPACE(MAX_FDS * fds.itemsize))
-    for level, typ, data in anc:
-        if level == socket.SOL_SOCKET and typ == socket.SCM_RIGHTS:
-            fds.frombytes(data[: len(data) - (len(data) % fds.itemsize)])
-    return (json.loads(msg) if msg else None), list(fds)
-
-
-def send(sock: socket.socket, obj: dict[str, object], fds: list[int] | None = None) -> None:
-    anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
-    sock.sendmsg([json.dumps(obj).encode()], anc)
+    Sock = _socket.socket
 
 
 class _Warm:
-    """At most one prepared cell, for the spec of the last request (a Cell has one policy)."""
+    """At most one prepared cell, for the policy of the last request."""
 
-    def __init__(self) -> None:
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
         self.cell: launch.Prepared | None = None
         self.wanted: CellSpec | None = None
 
     def take(self, spec: CellSpec) -> launch.Prepared:
+        if self.enabled:
+            self.wanted = spec
         cell, self.cell = self.cell, None
         if cell is not None and cell.spec == spec:
             return cell
@@ -57,11 +48,13 @@ class _Warm:
             cell.discard()
         return launch.prepare(spec.replace(cell_id=""))  # every cell gets its own id
 
-    def refill(self, spec: CellSpec) -> None:
+    def refill(self) -> None:
+        if self.wanted is None or self.cell is not None:
+            return
         try:
-            self.cell = launch.prepare(spec.replace(cell_id=""))
+            self.cell = launch.prepare(self.wanted.replace(cell_id=""))
         except AgentcellError:
-            self.cell = None  # the next request prepares (and reports) it in the foreground
+            self.wanted = None  # the next request prepares (and reports) it in the foreground
 
     def drop(self) -> None:
         if self.cell is not None:
@@ -69,66 +62,156 @@ class _Warm:
             self.cell = None
 
 
-def serve(sock: socket.socket, prewarm: bool) -> None:
-    cells: dict[int, launch.Running] = {}  # keyed by request id
-    warm = _Warm()
-    try:
-        while True:
-            readers: list[socket.socket | launch.Running] = [sock, *cells.values()]
-            ready, _, _ = select.select(readers, [], [])
-            for r in ready:
-                if isinstance(r, launch.Running):
-                    _progress(sock, r, cells)
-                    continue
-                msg, fds = recv(sock)
-                if msg is None:
-                    for c in cells.values():
-                        c.kill()
-                        c.wait()
-                    return
-                spec = _handle(sock, msg, fds, cells, warm)
-                if spec is not None and prewarm:
-                    warm.wanted = spec
+class Server:
+    def __init__(self, *, listener: Sock | None = None, conn: Sock | None = None, prewarm: bool = True,
+                 idle_s: float = 0.0) -> None:
+        self.listener = listener
+        self.conns: list[Sock] = [conn] if conn is not None else []
+        self.cells: dict[tuple[int, int], launch.Running] = {}  # (conn fd, request id) -> cell
+        self.warm = _Warm(prewarm)
+        self.idle_s = idle_s
+        self.started = self.last_work = time.monotonic()
+        self.stopping = False
+
+    def serve(self) -> None:
+        try:
+            self._loop()
+        finally:
+            for key in list(self.cells):
+                self._kill(key)
+            self.warm.drop()
+
+    def _loop(self) -> None:
+        while not self.stopping:
+            if self.listener is None and not self.conns:
+                return  # the one private client has gone
             # Prepare the next cell when idle: agents' tool calls come seconds apart, and preparing
             # while a command runs would compete with it for the CPU.
-            if not cells and warm.wanted is not None and warm.cell is None:
-                warm.refill(warm.wanted)
-    finally:
-        warm.drop()
+            if not self.cells:
+                self.warm.refill()
+            readers: list[Any] = [*self.conns, *self.cells.values()]
+            if self.listener is not None:
+                readers.append(self.listener)
+            wait = None
+            if self.idle_s and not self.cells:
+                wait = self.last_work + self.idle_s - time.monotonic()
+                if wait <= 0:
+                    return  # no command for idle_s (status queries do not count): go away
+            ready, _, _ = select.select(readers, [], [], wait)
+            for r in ready:
+                if isinstance(r, launch.Running):
+                    self._progress(r)
+                elif r is self.listener:
+                    self._accept()
+                else:
+                    self._request(r)
+
+    def _accept(self) -> None:
+        assert self.listener is not None
+        fd, _addr = self.listener._accept()  # type: ignore[attr-defined]
+        conn = _socket.socket(fileno=fd)
+        if wire.peer_uid(conn) != os.getuid():
+            conn.close()  # only our own uid may use our launcher (same privileges, nothing to gain)
+            return
+        self.conns.append(conn)
+
+    def _request(self, conn: Sock) -> None:
+        try:
+            msg, fds = wire.recv(conn)
+        except (OSError, wire.WireError, ValueError, EOFError, TypeError):
+            msg, fds = None, []
+        try:
+            if msg is None:
+                self._drop_conn(conn)
+            else:
+                self._handle(conn, msg, fds)
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def _drop_conn(self, conn: Sock) -> None:
+        for key in [k for k in self.cells if k[0] == conn.fileno()]:
+            self._kill(key)  # a client that went away takes its cells with it
+        self.conns.remove(conn)
+        conn.close()
+
+    def _kill(self, key: tuple[int, int]) -> None:
+        cell = self.cells.pop(key)
+        cell.kill()
+        cell.wait()
+
+    def _reply(self, conn: Sock, msg: dict[str, object]) -> None:
+        try:
+            wire.send(conn, msg)
+        except OSError:
+            pass  # the client went away; its EOF is handled on the next round
+
+    def _handle(self, conn: Sock, msg: dict[str, Any], fds: list[int]) -> None:
+        op = msg.get("op")
+        if op == "status":
+            self._reply(conn, {"event": "status", "pid": os.getpid(), "cells": len(self.cells),
+                               "warm": self.warm.cell is not None, "uptime_s": time.monotonic() - self.started})
+            return
+        if op == "stop":
+            self.stopping = True
+            self._reply(conn, {"event": "stopping"})
+            return
+        rid = int(msg.get("id", 0))
+        key = (conn.fileno(), rid)
+        if op == "signal":
+            if key in self.cells:
+                self.cells[key].signal(int(msg["sig"]))
+            return
+        if op != "spawn":
+            self._reply(conn, {"id": rid, "event": "error", "field": "op", "message": f"unknown op {op!r}",
+                               "code": 125})
+            return
+        self.last_work = time.monotonic()
+        try:
+            spec = spec_from_dict(msg["spec"])
+            argv = [str(a) for a in msg["argv"]]
+            self.cells[key] = self.warm.take(spec).go(argv, stdio=fds)
+            self._reply(conn, {"id": rid, "event": "started", "cell_id": self.cells[key].cell_id})
+        except AgentcellError as e:
+            self._reply(conn, {"id": rid, "event": "error", "field": e.field, "message": e.line(),
+                               "code": e.exit_code})
+        except (KeyError, TypeError, ValueError) as e:
+            self._reply(conn, {"id": rid, "event": "error", "field": "request", "message": f"malformed: {e}",
+                               "code": 125})
+
+    def _progress(self, running: launch.Running) -> None:
+        running.poll_messages(0)
+        if not (running.finished_reading() or running.reported()):
+            return
+        key = next(k for k, v in self.cells.items() if v is running)
+        del self.cells[key]
+        self.last_work = time.monotonic()
+        result = running.wait().as_dict()
+        conn = next((c for c in self.conns if c.fileno() == key[0]), None)
+        if conn is not None:
+            self._reply(conn, {"id": key[1], "event": "exit", "result": result})
 
 
-def _handle(sock: socket.socket, msg: dict[str, object], fds: list[int], cells: dict[int, launch.Running],
-            warm: _Warm) -> CellSpec | None:
-    rid = int(msg["id"])  # type: ignore[call-overload]
-    if msg["op"] == "signal":
-        if rid in cells:
-            cells[rid].signal(int(msg["sig"]))  # type: ignore[call-overload]
-        return None
-    try:
-        spec = spec_from_dict(msg["spec"])  # type: ignore[arg-type]
-        cells[rid] = warm.take(spec).go([str(a) for a in msg["argv"]], stdio=fds)  # type: ignore[attr-defined]
-        send(sock, {"id": rid, "event": "started"})
-        return spec
-    except AgentcellError as e:
-        send(sock, {"id": rid, "event": "error", "field": e.field, "message": e.line(), "code": e.exit_code})
-        return None
-    finally:
-        for fd in fds:
-            os.close(fd)
-
-
-def _progress(sock: socket.socket, running: launch.Running, cells: dict[int, launch.Running]) -> None:
-    running.poll_messages(0)
-    if running.finished_reading():
-        rid = next(k for k, v in cells.items() if v is running)
-        del cells[rid]
-        send(sock, {"id": rid, "event": "exit", "result": running.wait().as_dict()})
-
-
-def main() -> None:
-    sock = socket.socket(fileno=int(sys.argv[1]))
-    serve(sock, prewarm=sys.argv[2:] != ["--no-prewarm"])
+def main(argv: list[str]) -> None:
+    """``python -m agentcell.cell.zygote --conn FD [--no-prewarm]``, or as the daemon of
+    ``agentcell warm start``: ``--listen FD --path SOCKET [--idle S]``."""
+    opts = dict(zip(argv[::2], argv[1::2], strict=False))
+    prewarm = "--no-prewarm" not in argv
+    if "--conn" in opts:
+        Server(conn=_socket.socket(fileno=int(opts["--conn"])), prewarm=prewarm).serve()
+    else:
+        listener = _socket.socket(fileno=int(opts["--listen"]))
+        path = opts["--path"]
+        ino = os.stat(path).st_ino
+        try:
+            Server(listener=listener, prewarm=prewarm, idle_s=float(opts.get("--idle", "900"))).serve()
+        finally:
+            try:
+                if os.stat(path).st_ino == ino:  # still ours: a newer launcher may have replaced it
+                    os.unlink(path)
+            except OSError:
+                pass
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

@@ -11,6 +11,7 @@ from importlib import import_module
 COMMANDS = {
     "run": ("agentcell.cli.run", "launch a command in a cell"),
     "doctor": ("agentcell.cli.doctor", "report what this machine supports"),
+    "warm": ("agentcell.cli.warm", "start/stop the warm launcher that makes agentcell run fast"),
 }
 
 USAGE = "usage: agentcell COMMAND [ARGS...]\n\ncommands:\n" + "".join(

@@ -38,6 +38,7 @@ OPTIONS: tuple[tuple[str, str, str, str, str], ...] = (
     ("--allow-unsafe-path", "allow_unsafe_path", "flag", "", "accept /, a home dir or a credential dir as a path"),
     ("--explain", "explain", "flag", "", "print the policy and every privileged step; run nothing"),
     ("--json", "json", "flag", "", "print one JSON result object as the last line of stdout"),
+    ("--no-warm", "no_warm", "flag", "", "build the cell here even if a warm launcher runs (agentcell warm)"),
 )
 NET_MODES = ("none", "loopback")
 
@@ -61,6 +62,7 @@ class Args:
     allow_unsafe_path: bool
     explain: bool
     json: bool
+    no_warm: bool
 
     def __init__(self) -> None:
         for _flag, dest, kind, _m, _h in OPTIONS:
@@ -238,6 +240,21 @@ def _print_explain(info: dict[str, object]) -> None:
         out(f"            {s}\n")
 
 
+def _run_here(spec: CellSpec, command: list[str], timeout: float | None, take: bool) -> launcher.CellResult:
+    """The cold path: build the cell in this process."""
+    running = launcher.start(spec, command, take_terminal=take)
+
+    def forward(sig: int, _frame: object) -> None:
+        running.forward(sig)
+
+    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(s, forward)
+    result = running.wait(timeout)
+    if take:
+        launcher.reclaim_terminal()
+    return result
+
+
 def main(argv: list[str]) -> int:
     ns = parse(argv)
     command = ns.command
@@ -255,18 +272,18 @@ def main(argv: list[str]) -> int:
         if not command:
             raise AgentcellError("command", "no command given", "put it after --, e.g. agentcell run -- true")
         take = launcher.terminal_is_ours()
-        running = launcher.start(spec, command, take_terminal=take)
+        result = None
+        if not take and not ns.no_warm:
+            from ..cell import warm
+
+            done = warm.run(spec, command, ns.timeout)
+            if done is not None:
+                result = launcher.CellResult(**done)
+                result.via = "warm launcher"
+        if result is None:
+            result = _run_here(spec, command, ns.timeout, take)
     except AgentcellError as e:
         return report(PROG, e)
-
-    def forward(sig: int, _frame: object) -> None:
-        running.forward(sig)
-
-    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
-        signal.signal(s, forward)
-    result = running.wait(ns.timeout)
-    if take:
-        launcher.reclaim_terminal()
     if result.error:
         sys.stderr.write(f"{PROG}: {result.error}\n")
     elif result.timed_out:
@@ -275,5 +292,5 @@ def main(argv: list[str]) -> int:
         import json
 
         sys.stdout.flush()
-        sys.stdout.write(json.dumps({"command": command, **result.as_dict()}) + "\n")
+        sys.stdout.write(json.dumps({"command": command, **result.as_dict(), "via": result.via}) + "\n")
     return result.exit_status

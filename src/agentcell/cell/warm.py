@@ -1,0 +1,186 @@
+"""``agentcell warm``: a per-user warm launcher that ``agentcell run`` hands its cells to.
+
+A cold ``agentcell run`` pays for a Python start, its imports and a full cell build every time. With
+``agentcell warm start`` a long-lived launcher (the same single-threaded server :class:`agentcell.Cell`
+uses, :mod:`agentcell.cell.zygote`) listens on a unix socket and keeps the next cell prepared, so
+the CLI only compiles the policy, hands over argv and its stdio fds, and waits.
+
+Trust: the socket lives in a directory only its owner can enter (``/run/agentcell`` for root,
+``$XDG_RUNTIME_DIR/agentcell`` or ``$XDG_STATE_HOME/agentcell`` otherwise), and both ends check the
+other is the same uid (SO_PEERCRED). The launcher can do nothing its client could not do itself.
+Interactive runs (stdin a terminal we hold) stay on the cold path: job control needs the cell in the
+terminal's session. The launcher exits after ``--idle`` seconds without work.
+"""
+from __future__ import annotations
+
+import _socket
+import os
+import select
+import stat
+import time
+
+from ..errors import AgentcellError
+from . import wire
+from .spec import TYPE_CHECKING, CellSpec, spec_to_dict
+
+if TYPE_CHECKING:
+    import signal
+    from typing import Any
+else:  # see launch.py
+    import _signal as signal
+
+SOCKET_NAME = "launcher.sock"
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+
+
+def socket_dir() -> str:
+    if os.geteuid() == 0:
+        return "/run/agentcell"
+    xdg = os.environ.get("XDG_RUNTIME_DIR", "")
+    if os.path.isabs(xdg):
+        return os.path.join(xdg, "agentcell")
+    state = os.environ.get("XDG_STATE_HOME", "")
+    if not os.path.isabs(state):
+        state = os.path.join(os.path.expanduser("~"), ".local", "state")
+    return os.path.join(state, "agentcell")
+
+
+def _private_dir(d: str) -> bool:
+    try:
+        st = os.lstat(d)
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and st.st_mode & 0o077 == 0
+
+
+def connect() -> _socket.socket | None:
+    """A connection to our own running launcher, or None (then the caller launches cold)."""
+    d = socket_dir()
+    if not _private_dir(d):
+        return None
+    s = _socket.socket(_socket.AF_UNIX, _socket.SOCK_SEQPACKET | _socket.SOCK_CLOEXEC)
+    try:
+        s.connect(os.path.join(d, SOCKET_NAME))
+        if wire.peer_uid(s) == os.geteuid():
+            return s
+    except OSError:
+        pass
+    s.close()
+    return None
+
+
+def run(spec: CellSpec, argv: list[str], timeout: float | None) -> dict[str, Any] | None:
+    """Run through the warm launcher. None means it is not running (or refused the request before
+    anything ran): launch cold instead. Once it has started the command, its result is final."""
+    s = connect()
+    if s is None:
+        return None
+    try:
+        wire.send(s, {"op": "spawn", "id": 1, "spec": spec_to_dict(spec), "argv": argv}, [0, 1, 2])
+        msg, _ = wire.recv(s)
+    except (OSError, wire.WireError):
+        s.close()
+        return None
+    if msg is None:
+        s.close()
+        return None
+    if msg.get("event") == "error":
+        s.close()
+        err = AgentcellError(str(msg["field"]), str(msg["message"]).removeprefix(f"{msg['field']}: "))
+        err.exit_code = int(msg["code"])
+        raise err
+
+    def forward(sig: int, _frame: object) -> None:
+        try:
+            wire.send(s, {"op": "signal", "id": 1, "sig": sig})
+        except OSError:
+            pass
+
+    for sig in FORWARDED:
+        signal.signal(sig, forward)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    timed_out = False
+    try:
+        while True:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not select.select([s], [], [], left)[0]:
+                timed_out, deadline = True, None
+                forward(signal.SIGKILL, None)
+                continue
+            msg, _ = wire.recv(s)
+            if msg is None:
+                raise AgentcellError("warm launcher", "it went away while the command ran",
+                                     "see 'agentcell warm status'; use --no-warm to launch cold")
+            if msg.get("event") == "exit":
+                result: dict[str, Any] = msg["result"]
+                if timed_out:
+                    result.update(exit_status=124, signal=signal.SIGKILL, timed_out=True)
+                return result
+    finally:
+        s.close()
+
+
+# ---- managing the launcher (not on the hot path) --------------------------------------------------
+
+
+def status() -> dict[str, Any] | None:
+    s = connect()
+    if s is None:
+        return None
+    try:
+        wire.send(s, {"op": "status"})
+        msg, _ = wire.recv(s)
+        return msg
+    finally:
+        s.close()
+
+
+def start(idle_s: float) -> tuple[int, bool]:
+    """Start the launcher unless one runs; (pid, started_now)."""
+    import subprocess
+    import sys
+
+    running = status()
+    if running is not None:
+        return int(running["pid"]), False
+    d = socket_dir()
+    os.makedirs(d, mode=0o700, exist_ok=True)
+    if not _private_dir(d):
+        raise AgentcellError("warm", f"{d} must be a directory owned by you with mode 0700",
+                             f"fix it: chmod 700 {d}, or remove it")
+    path = os.path.join(d, SOCKET_NAME)
+    try:
+        os.unlink(path)  # a stale socket of a launcher that is gone
+    except FileNotFoundError:
+        pass
+    listener = _socket.socket(_socket.AF_UNIX, _socket.SOCK_SEQPACKET | _socket.SOCK_CLOEXEC)
+    try:
+        listener.bind(path)
+        os.chmod(path, 0o600)
+        listener.listen(64)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "agentcell.cell.zygote", "--listen", str(listener.fileno()), "--path", path,
+             "--idle", str(idle_s)],
+            pass_fds=[listener.fileno()], start_new_session=True, cwd="/", close_fds=True,
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": os.environ.get("LANG", "C.UTF-8")},
+        )
+    finally:
+        listener.close()
+    proc.returncode = 0  # it outlives us on purpose; init reaps it
+    return proc.pid, True
+
+
+def stop() -> int | None:
+    """Ask the launcher to stop (its running cells are killed); the pid it had, or None."""
+    s = connect()
+    if s is None:
+        return None
+    try:
+        wire.send(s, {"op": "status"})
+        msg, _ = wire.recv(s)
+        wire.send(s, {"op": "stop"})
+        wire.recv(s)
+        return int(msg["pid"]) if msg else None
+    finally:
+        s.close()

@@ -1,0 +1,165 @@
+"""`agentcell warm`: the per-user launcher `agentcell run` hands its cells to."""
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from conftest import AGENTCELL, User, agentcell_run, needs_root
+
+pytestmark = needs_root
+
+
+@pytest.fixture
+def runtime_dir(user: User) -> Iterator[Path]:
+    """A private XDG_RUNTIME_DIR for the throwaway user; the launcher a test started there is stopped,
+    and, should stopping fail, ended by the pid it reported."""
+    d = Path("/tmp") / ("agentcell-xdg-" + secrets.token_hex(4))
+    d.mkdir(mode=0o700)
+    shutil.chown(d, user.uid, user.gid)
+    try:
+        yield d
+    finally:
+        for p in (d, d / "agentcell"):
+            if p.exists():
+                os.chmod(p, 0o700)
+        subprocess.run([*user.prefix(), "env", f"XDG_RUNTIME_DIR={d}", AGENTCELL, "warm", "stop"],
+                       capture_output=True)
+        for pid in STARTED.pop(str(d), []):
+            if _is_launcher(pid):
+                os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(d, ignore_errors=True)
+
+
+STARTED: dict[str, list[int]] = {}
+
+
+def _is_launcher(pid: int) -> bool:
+    try:
+        return b"agentcell.cell.zygote" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
+def warm(user: User, rt: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    p = subprocess.run([*user.prefix(), "env", f"XDG_RUNTIME_DIR={rt}", AGENTCELL, "warm", *args],
+                       capture_output=True, text=True, timeout=60)
+    if args[:1] == ("start",) and " pid " in p.stdout:
+        STARTED.setdefault(str(rt), []).append(int(p.stdout.split(" pid ")[1].split(",")[0]))
+    return p
+
+
+def processes_with_argv(argv: list[bytes]) -> list[int]:
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[: len(argv)] == argv:
+                found.append(int(pid))
+        except OSError:
+            continue
+    return found
+
+
+def test_run_goes_through_the_warm_launcher_and_confines_the_same(user: User, runtime_dir: Path,
+                                                                  project: Path) -> None:
+    assert warm(user, runtime_dir, "status").returncode == 1
+    assert warm(user, runtime_dir, "start").returncode == 0
+    env = {"XDG_RUNTIME_DIR": str(runtime_dir), "OPENAI_API_KEY": "sk-leak"}
+    for _ in range(3):  # the first builds a cell, the next ones take the prepared cell
+        r = agentcell_run(["--rw", str(project), "--", "sh", "-c",
+                           f"id -u; echo w >> {project}/w.txt; env; echo x > /usr/x 2>/dev/null || echo RO"],
+                          as_user=user, env=env)
+        assert r.rc == 0, r.err
+        assert r.result["via"] == "warm launcher"
+        assert r.out.splitlines()[0] == str(user.uid)
+        assert "sk-leak" not in r.out and "RO" in r.out
+    assert (project / "w.txt").read_text() == "w\n" * 3
+    r = agentcell_run(["--no-warm", "--", "true"], as_user=user, env=env)
+    assert r.rc == 0 and r.result["via"] == "here"
+
+
+def test_warm_exit_codes_timeout_and_errors_match_the_cold_path(user: User, runtime_dir: Path) -> None:
+    warm(user, runtime_dir, "start")
+    env = {"XDG_RUNTIME_DIR": str(runtime_dir)}
+    assert agentcell_run(["--", "sh", "-c", "exit 9"], as_user=user, env=env).rc == 9
+    r = agentcell_run(["--", "no-such-command-agentcell"], as_user=user, env=env)
+    assert r.rc == 127 and "not found" in r.err
+    r = agentcell_run(["--timeout", "0.5", "--", "sleep", "30"], as_user=user, env=env)
+    assert r.rc == 124 and r.result["timed_out"] is True
+
+
+def test_signal_to_the_client_reaches_the_command(user: User, runtime_dir: Path) -> None:
+    warm(user, runtime_dir, "start")
+    env = {"PATH": "/usr/bin:/bin", "XDG_RUNTIME_DIR": str(runtime_dir)}
+    p = subprocess.Popen([*user.prefix(), AGENTCELL, "run", "--", "sh", "-c", "echo up; exec sleep 30"],
+                         env=env, stdout=subprocess.PIPE, text=True)
+    assert p.stdout is not None and p.stdout.readline() == "up\n"
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(timeout=20) == 128 + signal.SIGTERM
+
+
+def test_a_client_that_dies_takes_its_cell_with_it(user: User, runtime_dir: Path) -> None:
+    warm(user, runtime_dir, "start")
+    tag = f"{secrets.randbelow(10**6)}.5"
+    env = {"PATH": "/usr/bin:/bin", "XDG_RUNTIME_DIR": str(runtime_dir)}
+    p = subprocess.Popen([*user.prefix(), AGENTCELL, "run", "--", "sh", "-c", f"echo up; exec sleep {tag}"],
+                         env=env, stdout=subprocess.PIPE, text=True)
+    assert p.stdout is not None and p.stdout.readline() == "up\n"
+    for _ in range(200):  # "up" is printed just before the exec of sleep
+        if processes_with_argv([b"sleep", tag.encode()]):
+            break
+        time.sleep(0.05)
+    assert processes_with_argv([b"sleep", tag.encode()])
+    p.kill()
+    p.wait()
+    for _ in range(200):  # bounded poll: the launcher notices the closed connection and kills the cell
+        if not processes_with_argv([b"sleep", tag.encode()]):
+            break
+        time.sleep(0.05)
+    assert not processes_with_argv([b"sleep", tag.encode()])
+
+
+def test_launcher_serves_only_its_own_uid(user: User, runtime_dir: Path) -> None:
+    warm(user, runtime_dir, "start")
+    # Open the door on purpose (a careless chmod): the launcher itself must still refuse another uid.
+    os.chmod(runtime_dir, 0o755)
+    os.chmod(runtime_dir / "agentcell", 0o755)
+    os.chmod(runtime_dir / "agentcell" / "launcher.sock", 0o777)
+    code = ("import _socket, sys; from agentcell.cell import wire\n"
+            "s = _socket.socket(_socket.AF_UNIX, _socket.SOCK_SEQPACKET); s.connect(sys.argv[1])\n"
+            "wire.send(s, {'op': 'status'})\n"
+            "try:\n    msg, _ = wire.recv(s)\nexcept OSError:\n    msg = None\nprint('ANSWERED' if msg else 'REFUSED')")
+    p = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--",
+                        str(Path(AGENTCELL).parent / "python"), "-c", code,
+                        str(runtime_dir / "agentcell" / "launcher.sock")], capture_output=True, text=True)
+    assert p.stdout.strip() == "REFUSED", p.stdout + p.stderr
+
+
+def test_client_ignores_a_launcher_directory_others_can_write(user: User, runtime_dir: Path) -> None:
+    warm(user, runtime_dir, "start")
+    os.chmod(runtime_dir / "agentcell", 0o777)
+    r = agentcell_run(["--", "true"], as_user=user, env={"XDG_RUNTIME_DIR": str(runtime_dir)})
+    assert r.rc == 0 and r.result["via"] == "here"
+    os.chmod(runtime_dir / "agentcell", 0o700)
+
+
+def test_idle_launcher_exits_by_itself(user: User, runtime_dir: Path) -> None:
+    assert warm(user, runtime_dir, "start", "--idle", "0.3").returncode == 0
+    for _ in range(200):
+        if warm(user, runtime_dir, "status").returncode == 1:
+            break
+        time.sleep(0.05)
+    assert warm(user, runtime_dir, "status").returncode == 1
+    assert not (runtime_dir / "agentcell" / "launcher.sock").exists()
+
+
+def test_warm_bad_flag_is_one_line() -> None:
+    p = subprocess.run([AGENTCELL, "warm", "start", "--idle", "-3"], capture_output=True, text=True)
+    assert p.returncode == 125 and len(p.stderr.strip().splitlines()) == 1 and "--idle" in p.stderr
