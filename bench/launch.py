@@ -125,7 +125,8 @@ def main() -> int:
     print(f"  {'bwrap, spaced 50 ms':<46}{res['bwrap_spaced']:7.2f}")
     rows = [("cli", "agentcell run --no-warm (cold CLI)"),
             ("cli_warm_launcher", "agentcell run, warm launcher running"),
-            ("cli_warm_launcher_spaced", "agentcell run, warm launcher, spaced 50 ms"), ("api_warm_spaced", "Cell.run, warm, spaced 50 ms"),
+            ("cli_warm_launcher_spaced", "agentcell run, warm launcher, spaced 50 ms"),
+            ("api_warm_spaced", "Cell.run, warm, spaced 50 ms"),
             ("api_warm_back_to_back", "Cell.run, warm, back to back"),
             ("api_no_prewarm", "Cell.run, no pre-warm"), ("python_startup", "python -c pass (floor of any CLI)")]
     for key, label in rows:
