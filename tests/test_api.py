@@ -3,8 +3,11 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -98,3 +101,27 @@ def test_kill_reports_sigkill(cell: Cell) -> None:
 def test_every_cell_gets_its_own_id(cell: Cell) -> None:
     ids = {cell.run(["true"]).cell_id for _ in range(3)}
     assert len(ids) == 3
+
+
+PLANT = "open({marker!r}, 'w').write('planted code ran')\n"
+
+
+def test_launcher_imports_nothing_from_the_callers_directory(user: User, tmp_path: Path) -> None:
+    # A harness usually runs inside the agent's project; code the agent planted there must not run
+    # in the (root) warm launcher.
+    marker = tmp_path / "PWNED"
+    project = tmp_path / "project"
+    (project / "agentcell" / "cell").mkdir(parents=True)
+    for rel in ("agentcell/__init__.py", "agentcell/cell/__init__.py", "agentcell/cell/zygote.py", "json.py",
+                "marshal.py", "select.py"):
+        (project / rel).write_text(PLANT.format(marker=str(marker)))
+    harness = ("import os, sys; from agentcell import Cell, CellSpec\n"
+               "from agentcell.policy.resolve import build_env, resolve_identity\n"
+               f"ident = resolve_identity('{user.uid}', euid=0)\n"
+               "os.chdir(sys.argv[1]); os.environ['PYTHONPATH'] = sys.argv[1]\n"
+               "with Cell(CellSpec(ident, env=build_env({}, ident))) as c:\n"
+               "    print(c.run(['true']).returncode)\n")
+    p = subprocess.run([sys.executable, "-c", harness, str(project)], capture_output=True, text=True,
+                       env={"PATH": "/usr/bin:/bin"})
+    assert p.stdout.strip() == "0", p.stdout + p.stderr
+    assert not marker.exists(), "the warm launcher imported code from the caller's directory"

@@ -12,14 +12,13 @@ import selectors
 import signal as _signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from .cell import wire
+from .cell import wire, zygote
 from .cell.spec import CellSpec, spec_to_dict
 from .errors import EXIT_TIMEOUT, AgentcellError, LaunchError
 
@@ -125,9 +124,10 @@ class Cell:
                 ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
                 with theirs:
                     self._proc = subprocess.Popen(
-                        [sys.executable, "-m", "agentcell.cell.zygote", "--conn", str(theirs.fileno()),
-                         *([] if self.prewarm else ["--no-prewarm"])],
-                        pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, close_fds=True,
+                        zygote.launcher_command("--conn", str(theirs.fileno()),
+                                                *([] if self.prewarm else ["--no-prewarm"])),
+                        pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, close_fds=True, cwd="/",
+                        env=zygote.launcher_env(),
                     )
                 self._sock = ours
                 threading.Thread(target=self._reader, args=(ours,), name="agentcell-cell-reader",

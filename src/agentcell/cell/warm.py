@@ -138,7 +138,8 @@ def status() -> dict[str, Any] | None:
 def start(idle_s: float) -> tuple[int, bool]:
     """Start the launcher unless one runs; (pid, started_now)."""
     import subprocess
-    import sys
+
+    from . import zygote
 
     running = status()
     if running is not None:
@@ -159,11 +160,10 @@ def start(idle_s: float) -> tuple[int, bool]:
         os.chmod(path, 0o600)
         listener.listen(64)
         proc = subprocess.Popen(
-            [sys.executable, "-m", "agentcell.cell.zygote", "--listen", str(listener.fileno()), "--path", path,
-             "--idle", str(idle_s)],
+            zygote.launcher_command("--listen", str(listener.fileno()), "--path", path, "--idle", str(idle_s)),
             pass_fds=[listener.fileno()], start_new_session=True, cwd="/", close_fds=True,
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": os.environ.get("LANG", "C.UTF-8")},
+            env=zygote.launcher_env(),
         )
     finally:
         listener.close()

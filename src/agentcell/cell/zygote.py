@@ -30,6 +30,24 @@ if TYPE_CHECKING:
     Sock = _socket.socket
 
 
+def launcher_command(*args: str) -> list[str]:
+    """argv that starts this server in a fresh interpreter which imports nothing from its caller's
+    working directory, PYTHONPATH or user site: a harness usually runs inside the agent's project,
+    and ``python -m`` would put that directory first on sys.path, so a planted ``agentcell/`` or
+    ``json.py`` would run as the launcher (root). The package is found where the caller found it."""
+    import sys
+
+    pkg_parent = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); from agentcell.cell.zygote import main; "
+            "main(sys.argv[2:])")
+    return [sys.executable, "-I", "-c", code, pkg_parent, *args]
+
+
+def launcher_env() -> dict[str, str]:
+    """The launcher needs no environment of its caller's (each cell's comes with its policy)."""
+    return {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": os.environ.get("LANG", "C.UTF-8")}
+
+
 class _Warm:
     """At most one prepared cell, for the policy of the last request."""
 
