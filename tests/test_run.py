@@ -308,3 +308,56 @@ def test_run_path_imports_nothing_heavy() -> None:
 
 def test_is_executable() -> None:
     assert os.stat(AGENTCELL).st_mode & stat.S_IXUSR
+
+
+def test_symlink_planted_in_a_project_is_not_followed_by_a_later_declaration(user: User, project: Path) -> None:
+    victim = Path(f"/tmp/agentcell-victim-{os.getpid()}")
+    victim.mkdir()
+    try:
+        r = agentcell_run([*as_uid(user), "--rw", str(project), "--", "ln", "-s", str(victim), f"{project}/build"])
+        assert r.rc == 0, r.err
+        # A harness that later shares "the project's build dir" must not be sent to the victim.
+        p = subprocess.run([AGENTCELL, "run", "--as", str(user.uid), "--rw", str(project), "--rw",
+                            f"{project}/build", "--", "true"], capture_output=True, text=True)
+        assert p.returncode == 125 and "symlink" in p.stderr and len(p.stderr.splitlines()) == 1, p.stderr
+    finally:
+        shutil.rmtree(victim)
+
+
+@pytest.mark.parametrize("declared", ["/etc", "/etc/security"])
+def test_host_secrets_stay_masked_under_a_declared_ro_path(user: User, declared: str) -> None:
+    secret = "/etc/shadow" if declared == "/etc" else "/etc/security/opasswd"
+    if not os.path.exists(secret):
+        pytest.skip(f"{secret} does not exist on this host")
+    r = agentcell_run([*as_uid(user), "--ro", declared, "--", "stat", "-c", "%s %a", secret])
+    assert r.rc == 0, r.err
+    assert r.out.splitlines() == ["0 0"]
+
+
+def test_submounts_of_a_ro_path_are_read_only_too(user: User) -> None:
+    base = Path(f"/tmp/agentcell-submount-{os.getpid()}")
+    sub = base / "sub"
+    sub.mkdir(parents=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "mode=0777", "agentcell-test", str(sub)], check=True)
+    try:
+        r = agentcell_run([*as_uid(user), "--ro", str(base), "--", "sh", "-c",
+                           f"echo x > {sub}/f && echo WROTE; grep ' {sub} ' /proc/self/mountinfo"])
+        assert "WROTE" not in r.out
+        assert " ro," in r.out and "nosuid" in r.out and "nodev" in r.out, r.out
+    finally:
+        subprocess.run(["umount", str(sub)], check=True)
+        shutil.rmtree(base)
+
+
+def test_the_same_directory_declared_twice_is_refused(user: User, project: Path) -> None:
+    alias = Path(f"/tmp/agentcell-alias-{os.getpid()}")
+    alias.mkdir()
+    subprocess.run(["mount", "--bind", str(project), str(alias)], check=True)
+    try:
+        p = subprocess.run([AGENTCELL, "run", "--as", str(user.uid), "--rw", str(project), "--ro", str(alias), "--",
+                            "true"], capture_output=True, text=True)
+        assert p.returncode != 0 and "same directory" in p.stderr, p.stderr
+        assert "Traceback" not in p.stderr
+    finally:
+        subprocess.run(["umount", str(alias)], check=True)
+        alias.rmdir()

@@ -19,42 +19,34 @@ _EMPTY_FILE = "/tmp/empty-file"
 _EMPTY_DIR = "/tmp/empty-dir"
 DEV_NODES = ("null", "zero", "full", "random", "urandom", "tty")
 
-# statvfs f_flag bit -> mount flag; a bind remount must keep the flags the source mount has locked
-_ST_TO_MS = {
-    os.ST_RDONLY: sc.MS_RDONLY,
-    os.ST_NOSUID: sc.MS_NOSUID,
-    os.ST_NODEV: sc.MS_NODEV,
-    os.ST_NOEXEC: sc.MS_NOEXEC,
-    os.ST_SYNCHRONOUS: sc.MS_SYNCHRONOUS,
-    os.ST_MANDLOCK: sc.MS_MANDLOCK,
-    os.ST_NOATIME: sc.MS_NOATIME,
-    os.ST_NODIRATIME: sc.MS_NODIRATIME,
-    os.ST_RELATIME: sc.MS_RELATIME,
-}
 SAFE = sc.MS_NOSUID | sc.MS_NODEV
+# Attributes set on a bind while it is still detached (mount_setattr), so it is never visible with
+# fewer: a racing rename can move where a bind lands, never make a read-only one writable.
+ATTR_RO = sc.MOUNT_ATTR_RDONLY | sc.MOUNT_ATTR_NOSUID | sc.MOUNT_ATTR_NODEV
+ATTR_RW = sc.MOUNT_ATTR_NOSUID | sc.MOUNT_ATTR_NODEV
+ATTR_DEVNODE = sc.MOUNT_ATTR_NOSUID | sc.MOUNT_ATTR_NOEXEC
+ATTR_MASK = ATTR_RO | sc.MOUNT_ATTR_NOEXEC
 
 
 class Step:
     """One mount-tree operation. ``dest`` is the path inside the cell.
 
     kind: tmpfs | bind | devnode | symlink | proc | devpts | mask. ``source`` is the host path (bind),
-    the link target (symlink) or a label; ``submounts`` are host mount points below a bind source,
-    remounted as strictly as it; ``src_id`` is the (st_dev, st_ino) the supervisor resolved.
+    the link target (symlink) or a label; ``src_id`` is the (st_dev, st_ino) the supervisor resolved.
+    A bind covers the source's submounts too (recursive), each as read-only as the bind.
     """
 
     def __init__(self, kind: str, dest: str, source: str = "", *, readonly: bool = True, is_dir: bool = True,
-                 flags: int = 0, data: str = "", submounts: tuple[str, ...] = ()) -> None:
+                 flags: int = 0, data: str = "") -> None:
         self.kind, self.dest, self.source = kind, dest, source
         self.readonly, self.is_dir, self.flags, self.data = readonly, is_dir, flags or SAFE, data
-        self.submounts = submounts
         self.src_fd = -1
         self.src_id = (0, 0)
 
     def describe(self) -> str:
         if self.kind == "bind":
             mode = "ro" if self.readonly else "rw"
-            sub = f" (+{len(self.submounts)} submounts)" if self.submounts else ""
-            return f"bind {mode},nosuid,nodev {self.source} -> {self.dest}{sub}"
+            return f"bind {mode},nosuid,nodev {self.source} -> {self.dest}"
         if self.kind == "symlink":
             return f"symlink {self.dest} -> {self.source}"
         if self.kind == "mask":
@@ -90,36 +82,29 @@ class MountPlan:
         return [s.describe() for s in self.steps]
 
 
-def _mountpoints() -> list[str]:
-    out = []
-    with open("/proc/self/mountinfo", "rb") as f:
-        for line in f:
-            mp = line.split(b" ", 5)[4]
-            out.append(os.fsdecode(mp).replace("\\040", " "))
-    return out
-
-
 def _depth(p: str) -> int:
     return p.rstrip("/").count("/")
 
 
-def plan(spec: CellSpec, *, open_fds: bool = True) -> MountPlan:
-    """Build the ordered mount steps for ``spec``. With ``open_fds`` every source is opened now."""
-    mps = _mountpoints()
+def plan(spec: CellSpec) -> MountPlan:
+    """Build the ordered mount steps for ``spec``; every bind source is opened (no symlinks) and its
+    identity recorded now, and checked again in the cell."""
     steps: list[Step] = []
     mine: list[Step] = []  # user-declared paths, ordered by depth below
 
+    seen: dict[tuple[int, int], str] = {}
+
     def bind(src: str, dest: str, ro: bool) -> Step:
-        st = os.lstat(src)
-        subs = tuple(m for m in mps if m.startswith(src.rstrip("/") + "/"))
-        s = Step("bind", dest, src, readonly=ro, is_dir=stat.S_ISDIR(st.st_mode), submounts=subs)
-        if open_fds:
-            fd = open_nofollow(src)
-            try:
-                fst = os.fstat(fd)
-            finally:
-                os.close(fd)
-            s.src_id = (fst.st_dev, fst.st_ino)
+        fd = open_nofollow(src)
+        try:
+            st = os.fstat(fd)
+        finally:
+            os.close(fd)
+        s = Step("bind", dest, src, readonly=ro, is_dir=stat.S_ISDIR(st.st_mode))
+        s.src_id = (st.st_dev, st.st_ino)
+        if s.src_id in seen:  # e.g. a symlink swapped in between two declarations
+            raise LaunchError("resolve", f"{src} and {seen[s.src_id]} are the same directory; declare it once")
+        seen[s.src_id] = src
         return s
 
     for p in spec.system_paths:
@@ -131,9 +116,6 @@ def plan(spec: CellSpec, *, open_fds: bool = True) -> MountPlan:
             steps.append(Step("symlink", p, os.readlink(p)))
         elif stat.S_ISDIR(st.st_mode):
             steps.append(bind(p, p, True))
-    for p in SECRET_FILES + SECRET_DIRS:
-        if any(p.startswith(s.rstrip("/") + "/") for s in spec.system_paths) and os.path.lexists(p):
-            steps.append(Step("mask", p, is_dir=os.path.isdir(p) and not os.path.islink(p)))
 
     steps.append(Step("proc", "/proc", "proc", readonly=False, flags=SAFE | sc.MS_NOEXEC, data="hidepid=invisible"))
     steps.append(Step("tmpfs", "/dev", "tmpfs", readonly=False, flags=sc.MS_NOSUID | sc.MS_NOEXEC, data="mode=0755"))
@@ -161,25 +143,27 @@ def plan(spec: CellSpec, *, open_fds: bool = True) -> MountPlan:
         mine.append(Step("tmpfs", SCRATCH_PATH, "tmpfs", readonly=False, data=owner))
     for p in spec.rw_paths:
         mine.append(bind(p, p, False))
+    system = {s.dest for s in steps if s.kind == "bind"}
     for p in spec.ro_paths:
-        mine.append(bind(p, p, True))
+        if p not in system:  # --ro /etc: the system bind already is that, read-only
+            mine.append(bind(p, p, True))
     for p in spec.masked_paths:
         mine.append(Step("mask", p, is_dir=os.path.isdir(p)))
     # Parents before children; at equal depth masks last so they cover what was bound.
     mine.sort(key=lambda s: (_depth(s.dest), s.kind == "mask"))
-    return MountPlan(steps + mine)
+    # The host's secrets last, wherever a bind (system or declared, e.g. --ro /etc) brought them in.
+    bound = [s.dest.rstrip("/") for s in steps + mine if s.kind == "bind"]
+    secrets = [Step("mask", p, is_dir=os.path.isdir(p) and not os.path.islink(p)) for p in SECRET_FILES + SECRET_DIRS
+               if os.path.lexists(p) and any(p == b or p.startswith(b + "/") for b in bound)]
+    return MountPlan(steps + mine + secrets)
 
 
 # ---- child side -------------------------------------------------------------------------------
 
 
-def _locked_flags(path: str) -> int:
-    f = os.statvfs(path).f_flag
-    return sum(ms for st, ms in _ST_TO_MS.items() if f & st)
-
-
-def _target(rel: str, is_dir: bool, root_fd: int) -> int:
-    """Open (creating if missing) ``rel`` under the new root, never following a symlink."""
+def _target(rel: str, is_dir: bool, root_fd: int, owned: set[int]) -> int:
+    """Open ``rel`` under the new root, never following a symlink. Missing components are created
+    only on filesystems this launch mounted (``owned`` st_dev): never inside a host directory."""
     parts = [p for p in rel.split("/") if p]
     fd = os.dup(root_fd)
     try:
@@ -188,6 +172,8 @@ def _target(rel: str, is_dir: bool, root_fd: int) -> int:
             try:
                 nfd = os.open(part, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
             except FileNotFoundError:
+                if os.fstat(fd).st_dev not in owned:
+                    raise LaunchError("mount", f"{rel}: {part} vanished from a shared host directory") from None
                 if last and not is_dir:
                     os.close(os.open(part, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC,
                                      0o000, dir_fd=fd))
@@ -205,20 +191,19 @@ def _target(rel: str, is_dir: bool, root_fd: int) -> int:
         raise
 
 
-def _bind(src: str, dest: str, root_fd: int, is_dir: bool, flags: int, readonly: bool) -> None:
-    keep = _locked_flags(src)
-    fd = _target(dest, is_dir, root_fd)
+def _bind(src_dirfd: int, src_path: str, dest: str, is_dir: bool, attrs: int, root_fd: int, owned: set[int]) -> None:
+    """Clone the source tree, set ``attrs`` on every mount in it while detached, attach it at ``dest``."""
+    tree = sc.open_tree(src_dirfd, src_path, sc.OPEN_TREE_CLONE | sc.AT_RECURSIVE | sc.AT_SYMLINK_NOFOLLOW
+                        | (sc.AT_EMPTY_PATH if not src_path else 0))
     try:
-        sc.mount(src, fd_path(fd), None, sc.MS_BIND | sc.MS_REC)
+        sc.mount_setattr(tree, sc.AT_RECURSIVE, attrs)
+        target = _target(dest, is_dir, root_fd, owned)
+        try:
+            sc.move_mount(tree, target)
+        finally:
+            os.close(target)
     finally:
-        os.close(fd)
-    # The fd above names the directory *under* the new mount; re-open to reach the bind itself.
-    fd = _target(dest, is_dir, root_fd)
-    try:
-        ro = sc.MS_RDONLY if readonly else 0
-        sc.mount(None, fd_path(fd), None, sc.MS_BIND | sc.MS_REMOUNT | keep | flags | ro)
-    finally:
-        os.close(fd)
+        os.close(tree)
 
 
 def apply(plan_: MountPlan) -> None:
@@ -231,43 +216,39 @@ def apply(plan_: MountPlan) -> None:
     os.mkdir(NEWROOT, 0o755)
     sc.mount("tmpfs", NEWROOT, "tmpfs", SAFE, "mode=0755")
     root_fd = os.open(NEWROOT, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    owned = {os.fstat(root_fd).st_dev}
     try:
         for s in plan_.steps:
             try:
-                _apply_one(s, root_fd)
+                _apply_one(s, root_fd, owned)
             except OSError as e:
                 raise LaunchError("mount", f"{s.describe()}: {e.strerror}") from None
     finally:
         os.close(root_fd)
 
 
-def _apply_one(s: Step, root_fd: int) -> None:
+def _apply_one(s: Step, root_fd: int, owned: set[int]) -> None:
     if s.kind == "symlink":
-        parent = _target(os.path.dirname(s.dest), True, root_fd)
+        parent = _target(os.path.dirname(s.dest), True, root_fd, owned)
         try:
             os.symlink(s.source, os.path.basename(s.dest), dir_fd=parent)
         finally:
             os.close(parent)
     elif s.kind == "bind":
-        _bind(fd_path(s.src_fd), s.dest, root_fd, s.is_dir, s.flags, s.readonly)
-        for sub in s.submounts:
-            # A submount keeps its own flags after MS_REC; make it as strict as its parent bind.
-            rel = s.dest.rstrip("/") + sub[len(s.source.rstrip("/")):]
-            fd = _target(rel, True, root_fd)
-            try:
-                ro = sc.MS_RDONLY if s.readonly else 0
-                keep = _locked_flags(fd_path(fd))
-                sc.mount(None, fd_path(fd), None, sc.MS_BIND | sc.MS_REMOUNT | keep | s.flags | ro)
-            finally:
-                os.close(fd)
+        _bind(s.src_fd, "", s.dest, s.is_dir, ATTR_RO if s.readonly else ATTR_RW, root_fd, owned)
     elif s.kind == "devnode":
-        _bind(s.source, s.dest, root_fd, False, s.flags, False)
+        _bind(sc.AT_FDCWD, s.source, s.dest, False, ATTR_DEVNODE, root_fd, owned)
     elif s.kind == "mask":
-        _bind(_EMPTY_DIR if s.is_dir else _EMPTY_FILE, s.dest, root_fd, s.is_dir, SAFE | sc.MS_NOEXEC, True)
+        _bind(sc.AT_FDCWD, _EMPTY_DIR if s.is_dir else _EMPTY_FILE, s.dest, s.is_dir, ATTR_MASK, root_fd, owned)
     elif s.kind in ("tmpfs", "proc", "devpts"):
-        fd = _target(s.dest, True, root_fd)
+        fd = _target(s.dest, True, root_fd, owned)
         try:
             sc.mount(s.source, fd_path(fd), s.kind, s.flags, s.data or None)
+        finally:
+            os.close(fd)
+        fd = _target(s.dest, True, root_fd, owned)  # the new mount itself, not the directory under it
+        try:
+            owned.add(os.fstat(fd).st_dev)
         finally:
             os.close(fd)
     else:

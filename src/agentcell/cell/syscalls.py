@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import struct
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -33,6 +34,23 @@ MS_RELATIME = 1 << 21
 MS_STRICTATIME = 1 << 24
 
 MNT_DETACH = 2
+
+# The new mount API (open_tree/move_mount: Linux 5.2, mount_setattr: 5.12): a bind is cloned,
+# made read-only/nosuid/nodev while still detached, then attached to a directory fd.
+SYS_open_tree = 428
+SYS_move_mount = 429
+SYS_mount_setattr = 442
+AT_FDCWD = -100
+AT_SYMLINK_NOFOLLOW = 0x100
+AT_EMPTY_PATH = 0x1000
+AT_RECURSIVE = 0x8000
+OPEN_TREE_CLONE = 1
+MOVE_MOUNT_F_EMPTY_PATH = 0x4
+MOVE_MOUNT_T_EMPTY_PATH = 0x40
+MOUNT_ATTR_RDONLY = 0x1
+MOUNT_ATTR_NOSUID = 0x2
+MOUNT_ATTR_NODEV = 0x4
+MOUNT_ATTR_NOEXEC = 0x8
 
 PR_SET_PDEATHSIG = 1
 PR_SET_DUMPABLE = 4
@@ -70,12 +88,30 @@ def mount(source: str | None, target: str, fstype: str | None, flags: int, data:
     _check(_libc.mount(_b(source), _b(target), _b(fstype), flags, _b(data)), f"mount {target}")
 
 
+_L = ctypes.c_long  # syscall() is variadic: pass every integer as a full register
+
+
+def open_tree(dirfd: int, path: str, flags: int) -> int:
+    return _check(_libc.syscall(_L(SYS_open_tree), _L(dirfd), _b(path), _L(flags | os.O_CLOEXEC)), f"open_tree {path}")
+
+
+def mount_setattr(fd: int, flags: int, attr_set: int) -> None:
+    attr = struct.pack("QQQQ", attr_set, 0, 0, 0)  # struct mount_attr, MOUNT_ATTR_SIZE_VER0
+    _check(_libc.syscall(_L(SYS_mount_setattr), _L(fd), b"", _L(flags | AT_EMPTY_PATH), attr, _L(len(attr))),
+           "mount_setattr")
+
+
+def move_mount(from_fd: int, to_fd: int) -> None:
+    flags = MOVE_MOUNT_F_EMPTY_PATH | MOVE_MOUNT_T_EMPTY_PATH
+    _check(_libc.syscall(_L(SYS_move_mount), _L(from_fd), b"", _L(to_fd), b"", _L(flags)), "move_mount")
+
+
 def umount2(target: str, flags: int) -> None:
     _check(_libc.umount2(_b(target), flags), f"umount {target}")
 
 
 def pivot_root(new_root: str, put_old: str) -> None:
-    _check(_libc.syscall(SYS_pivot_root, _b(new_root), _b(put_old)), "pivot_root")
+    _check(_libc.syscall(_L(SYS_pivot_root), _b(new_root), _b(put_old)), "pivot_root")
 
 
 def prctl(option: int, arg2: int = 0, arg3: int = 0, arg4: int = 0, arg5: int = 0) -> int:

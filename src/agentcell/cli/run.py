@@ -31,7 +31,7 @@ OPTIONS: tuple[tuple[str, str, str, str, str], ...] = (
     ("--home", "home", "value", "DIR", "back the cell's $HOME with host DIR (kept across runs); default a tmpfs"),
     ("--net", "net", "value", "MODE", "network: none (default) or loopback only"),
     ("--as", "as_", "value", "WHO", "self (default), agent:NAME or UID (root only)"),
-    ("--env", "env", "append", "K=V", "set a variable in the cell"),
+    ("--env", "env", "append", "K=V", "set a variable in the cell (argv is public: pass secrets by --keep-env)"),
     ("--keep-env", "keep_env", "append", "NAME", "pass the host's NAME through"),
     ("--cwd", "cwd", "value", "DIR", "working directory inside the cell (default: here if shared, else $HOME)"),
     ("--timeout", "timeout", "value", "S", "kill the whole cell after S seconds"),
@@ -195,7 +195,7 @@ def explain(spec: CellSpec, command: list[str]) -> dict[str, object]:
     from ..cell import namespaces
 
     ident = spec.identity
-    plan = mounts.plan(spec, open_fds=False)
+    plan = mounts.plan(spec)
     ns_names = ["mount", "pid", "ipc", "uts", "net"] + (["user"] if ident.userns else [])
     steps = [f"unshare({'|'.join('CLONE_NEW' + n.upper() for n in ns_names)})  # 0x{namespaces.flags_for(spec):x}"]
     if ident.userns:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import pwd
+import stat
 
 from ..cell.spec import DEFAULT_PATH, TYPE_CHECKING, Identity
 from ..errors import PolicyError
@@ -42,14 +43,46 @@ def home_dirs() -> set[str]:
     return homes
 
 
+def _trusted_link(link: os.stat_result, parent: os.stat_result) -> bool:
+    """A symlink only root could have made: root's, in a root-owned directory nobody else may write."""
+    return link.st_uid == 0 and parent.st_uid == 0 and not parent.st_mode & 0o022
+
+
+def walk(path: str, field: str) -> str:
+    """Resolve an absolute path component by component. Only symlinks root alone could have made
+    (like /bin -> usr/bin) are followed: a symlink in a directory an agent can write may have been
+    planted by it (a declared ``P/build`` pointing at someone's home), so it is refused."""
+    parts = [p for p in os.path.normpath(path).split("/") if p]
+    cur, i, hops = "/", 0, 0
+    while i < len(parts):
+        nxt = os.path.join(cur, parts[i])
+        st = os.lstat(nxt)
+        if stat.S_ISLNK(st.st_mode):
+            target = os.readlink(nxt)
+            if not _trusted_link(st, os.lstat(cur)):
+                raise PolicyError(field, f"{nxt} is a symlink (to {target}) that someone other than root could have "
+                                  "made", "name the real path instead")
+            hops += 1
+            if hops > 40:
+                raise PolicyError(field, f"{path}: too many levels of symlinks")
+            parts = [p for p in os.path.normpath(os.path.join(cur, target, *parts[i + 1:])).split("/") if p]
+            cur, i = "/", 0
+            continue
+        cur, i = nxt, i + 1
+    return cur
+
+
 def resolve_path(path: str, *, field: str, writable: bool, allow_unsafe: bool = False,
                  homes: set[str] | None = None) -> str:
-    """Resolve ``path`` once (realpath) and refuse the declarations that would open the host."""
+    """Resolve ``path`` once (no untrusted symlinks) and refuse declarations that would open the host."""
     if not path:
         raise PolicyError(field, "empty path", "give a directory or file path")
-    real = os.path.realpath(os.path.expanduser(path))
-    if not os.path.lexists(real):
-        raise PolicyError(field, f"{path} does not exist", "create it first or correct the path")
+    try:
+        real = walk(os.path.abspath(os.path.expanduser(path)), field)
+    except FileNotFoundError:
+        raise PolicyError(field, f"{path} does not exist", "create it first or correct the path") from None
+    except OSError as e:
+        raise PolicyError(field, f"{path}: {e.strerror}", "check the path and its permissions") from None
     why = _unsafe_reason(real, writable, homes if homes is not None else home_dirs())
     if why and not allow_unsafe:
         raise PolicyError(field, f"{path} is refused: {why}", f"name a narrower path, or pass {UNSAFE_FLAG} "
