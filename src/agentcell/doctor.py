@@ -76,8 +76,11 @@ CELL_CONTROLLERS = ("memory", "cpu", "pids", "freezer")
 _CHILD_DROP_FAILED = 250
 _CHILD_MAP_FAILED = 251
 _CHILD_LOOPBACK_FAILED = 252
+_CHILD_MOUNT_API_FAILED = 253
 _CHILD_UNEXPECTED = 255
 _CHILD_CODES = {
+    _CHILD_MOUNT_API_FAILED: "the new mount API (open_tree + mount_setattr, Linux 5.12+) does not work; "
+                             "agentcell sets bind flags with it before attaching",
     _CHILD_DROP_FAILED: "could not switch to uid 65534 (nobody) for the probe",
     _CHILD_MAP_FAILED: "could not write uid_map/gid_map in the new user namespace",
     _CHILD_LOOPBACK_FAILED: "could not bring lo up in the new network namespace",
@@ -249,6 +252,14 @@ def _cell_ns_body(rootless: bool, drop: bool) -> Callable[[], int]:
             namespaces.loopback_up()
         except OSError:
             return _CHILD_LOOPBACK_FAILED
+        try:  # the launcher's bind: a detached recursive clone made read-only before it is attached
+            tree = sc.open_tree(sc.AT_FDCWD, "/usr", sc.OPEN_TREE_CLONE | sc.AT_RECURSIVE)
+            try:
+                sc.mount_setattr(tree, sc.AT_RECURSIVE, sc.MOUNT_ATTR_RDONLY | sc.MOUNT_ATTR_NOSUID)
+            finally:
+                os.close(tree)
+        except OSError:
+            return _CHILD_MOUNT_API_FAILED
         return 0
 
     return body
@@ -644,7 +655,7 @@ def check_ns(probe: ProbeResult, *, rootless: bool, who: str) -> Check:
     kinds = "mnt, pid, ipc, uts, net" + (" inside a user namespace" if rootless else "")
     data = {"ok": probe.ok, "errno": probe.errno, "rootless": rootless, "as": who}
     if probe.ok:
-        return Check(name, "ok", f"{kinds}: unshare + lo up works for {who}", data=data)
+        return Check(name, "ok", f"{kinds}: unshare, lo up and read-only detached binds work for {who}", data=data)
     if not probe.probed:
         return Check(name, "warn", f"unknown for {who}: {probe.reason}",
                      "run agentcell doctor from a single-threaded process", data)

@@ -30,8 +30,15 @@ def main(argv: list[str] | None = None) -> int:
 
         sys.stderr.write(f"agentcell: unknown command '{args[0]}' (one of: {', '.join(COMMANDS)})\n")
         return EXIT_USAGE
-    module = import_module(entry[0])
-    return int(module.main(args[1:]))
+    try:
+        return int(import_module(entry[0]).main(args[1:]))
+    except BrokenPipeError:  # `agentcell doctor | head`: the reader left; not an error worth a traceback
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
+    except KeyboardInterrupt:
+        return 130
 
 
 if __name__ == "__main__":
