@@ -7,11 +7,11 @@ time, so both run the same code. Uses ``_socket`` directly: ``socket.py`` import
 from __future__ import annotations
 
 import _socket
-import array
 import os
 import struct
 
 from ..errors import LaunchError
+from .wire import pack_fds, unpack_fds
 
 _HEADER = struct.Struct("!IB")  # payload length, take_terminal
 MAX_FDS = 64
@@ -34,7 +34,7 @@ def send(sock: _socket.socket, argv: list[str], fds: dict[int, int], take_termin
     targets = list(fds)
     payload = b"\0".join([",".join(map(str, targets)).encode(), *(os.fsencode(a) for a in argv)])
     data = _HEADER.pack(len(payload), int(take_terminal)) + payload
-    anc = [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, array.array("i", [fds[t] for t in targets]))]
+    anc = [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, pack_fds([fds[t] for t in targets]))]
     sent = sock.sendmsg([data], anc)
     if sent < len(data):
         sock.sendall(data[sent:])
@@ -45,10 +45,7 @@ def recv(sock: _socket.socket) -> Command | None:
     data, anc, _flags, _addr = sock.recvmsg(65536, _socket.CMSG_SPACE(MAX_FDS * 4))
     if not data:
         return None
-    received = array.array("i")
-    for level, kind, blob in anc:
-        if level == _socket.SOL_SOCKET and kind == _socket.SCM_RIGHTS:
-            received.frombytes(blob[: len(blob) - len(blob) % 4])
+    received = unpack_fds(anc)
     while len(data) < _HEADER.size:
         data += _recv_more(sock)
     length, take = _HEADER.unpack_from(data)

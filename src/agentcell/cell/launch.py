@@ -15,9 +15,9 @@ import stat
 import time
 
 from ..errors import EXIT_CANNOT_EXEC, EXIT_NOT_FOUND, EXIT_SETUP, EXIT_TIMEOUT, LaunchError
-from . import handoff, identity, mounts, namespaces, pid1
+from . import handoff, identity, mounts, namespaces, pid1, terminal
 from . import syscalls as sc
-from .spec import TYPE_CHECKING, CellSpec
+from .spec import TYPE_CHECKING, CellSpec, new_cell_id
 
 if TYPE_CHECKING:
     import signal
@@ -33,10 +33,9 @@ class CellResult:
     """How a cell ended. ``error`` is set when agentcell (not the command) failed: "step: message"."""
 
     def __init__(self, exit_status: int, signal: int, duration_s: float, cell_id: str, timed_out: bool = False,
-                 error: str | None = "") -> None:
+                 error: str = "") -> None:
         self.exit_status, self.signal, self.duration_s = exit_status, signal, duration_s
         self.cell_id, self.timed_out, self.error = cell_id, timed_out, error or ""
-        self.via = "here"  # or "warm launcher": which process built the cell
 
     def as_dict(self) -> dict[str, object]:
         return {
@@ -47,10 +46,6 @@ class CellResult:
             "timed_out": self.timed_out,
             "error": self.error or None,
         }
-
-
-def new_cell_id() -> str:
-    return "agentcell-" + os.urandom(6).hex()
 
 
 class Running:
@@ -332,7 +327,7 @@ def _command(spec: CellSpec, ctl: object, w: int) -> NoReturn:
         os.dup2(fd, target)
     _stdio_no_directories()
     if cmd.take_terminal:
-        _take_terminal()
+        terminal.give_to_own_group()
     keep = set(cmd.fds)
     sc.close_fds_except(keep | {w})  # w is close-on-exec: it reports a failed exec, then vanishes
     for fd in keep:
@@ -363,31 +358,3 @@ def _stdio_no_directories() -> None:
                 os.close(null)
         except OSError:
             pass
-
-
-def _take_terminal() -> None:
-    old = signal.signal(signal.SIGTTOU, signal.SIG_IGN)
-    try:
-        os.tcsetpgrp(0, os.getpgrp())
-    except OSError:
-        pass
-    signal.signal(signal.SIGTTOU, old)
-
-
-def terminal_is_ours() -> bool:
-    """True when stdin is a terminal whose foreground process group is ours (an interactive run)."""
-    try:
-        return os.isatty(0) and os.tcgetpgrp(0) == os.getpgrp()
-    except OSError:
-        return False
-
-
-def reclaim_terminal() -> None:
-    if terminal_is_ours() or not os.isatty(0):
-        return
-    old = signal.signal(signal.SIGTTOU, signal.SIG_IGN)
-    try:
-        os.tcsetpgrp(0, os.getpgrp())
-    except OSError:
-        pass
-    signal.signal(signal.SIGTTOU, old)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 # Not ``from typing import TYPE_CHECKING``: typing imports re, ~10 ms on every ``agentcell run``.
 # mypy is told (pyproject: always_true) to treat this flag as true.
+import os
+
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Literal
@@ -135,6 +137,10 @@ class CellSpec(_Frozen):
 
     def environ(self) -> dict[str, str]:
         return dict(self.env)
+
+
+def new_cell_id() -> str:
+    return "agentcell-" + os.urandom(6).hex()
 
 
 def spec_to_dict(spec: CellSpec) -> dict[str, object]:

@@ -4,15 +4,15 @@ from __future__ import annotations
 import os
 import sys
 
-from ..cell import launch as launcher
-from ..cell import mounts
-from ..cell.spec import TYPE_CHECKING, CellSpec
+from ..cell import terminal
+from ..cell.spec import TYPE_CHECKING, CellSpec, new_cell_id
 from ..errors import EXIT_CODES_HELP, AgentcellError, report
 from ..policy import resolve as rs
 
 if TYPE_CHECKING:
     import signal
     from argparse import Namespace
+    from typing import Any
 
     from .common import Parser
 else:  # see cell/launch.py
@@ -187,12 +187,12 @@ def build_spec(ns: Args | Namespace) -> CellSpec:
         identity=ident, rw_paths=rw, ro_paths=ro, masked_paths=masked, scratch_dir=scratch, home_dir=home,
         network="loopback" if ns.net == "loopback" else "none",
         env=rs.build_env(os.environ, ident, ns.env, ns.keep_env), cwd=cwd,
-        cell_id=launcher.new_cell_id(),
+        cell_id=new_cell_id(),
     )
 
 
 def explain(spec: CellSpec, command: list[str]) -> dict[str, object]:
-    from ..cell import namespaces
+    from ..cell import mounts, namespaces
 
     ident = spec.identity
     plan = mounts.plan(spec)
@@ -240,9 +240,11 @@ def _print_explain(info: dict[str, object]) -> None:
         out(f"            {s}\n")
 
 
-def _run_here(spec: CellSpec, command: list[str], timeout: float | None, take: bool) -> launcher.CellResult:
+def _run_here(spec: CellSpec, command: list[str], timeout: float | None, take: bool) -> dict[str, Any]:
     """The cold path: build the cell in this process."""
-    running = launcher.start(spec, command, take_terminal=take)
+    from ..cell import launch
+
+    running = launch.start(spec, command, take_terminal=take)
 
     def forward(sig: int, _frame: object) -> None:
         running.forward(sig)
@@ -251,8 +253,8 @@ def _run_here(spec: CellSpec, command: list[str], timeout: float | None, take: b
         signal.signal(s, forward)
     result = running.wait(timeout)
     if take:
-        launcher.reclaim_terminal()
-    return result
+        terminal.reclaim()
+    return dict(result.as_dict(), via="here")
 
 
 def main(argv: list[str]) -> int:
@@ -271,26 +273,25 @@ def main(argv: list[str]) -> int:
             return 0
         if not command:
             raise AgentcellError("command", "no command given", "put it after --, e.g. agentcell run -- true")
-        take = launcher.terminal_is_ours()
+        take = terminal.is_ours()
         result = None
         if not take and not ns.no_warm:
             from ..cell import warm
 
-            done = warm.run(spec, command, ns.timeout)
-            if done is not None:
-                result = launcher.CellResult(**done)
-                result.via = "warm launcher"
+            result = warm.run(spec, command, ns.timeout)
+            if result is not None:
+                result["via"] = "warm launcher"
         if result is None:
             result = _run_here(spec, command, ns.timeout, take)
     except AgentcellError as e:
         return report(PROG, e)
-    if result.error:
-        sys.stderr.write(f"{PROG}: {result.error}\n")
-    elif result.timed_out:
+    if result["error"]:
+        sys.stderr.write(f"{PROG}: {result['error']}\n")
+    elif result["timed_out"]:
         sys.stderr.write(f"{PROG}: timed out after {ns.timeout:g} s; the cell was killed\n")
     if ns.json:
         import json
 
         sys.stdout.flush()
-        sys.stdout.write(json.dumps({"command": command, **result.as_dict(), "via": result.via}) + "\n")
-    return result.exit_status
+        sys.stdout.write(json.dumps({"command": command, **result}) + "\n")
+    return int(result["exit_status"])
