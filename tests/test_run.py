@@ -306,7 +306,8 @@ def test_run_path_imports_nothing_heavy() -> None:
     assert p.stdout.strip() == "[]", p.stdout + p.stderr
     # Through a warm launcher, agentcell run does not even need the launcher's own modules.
     code = ("import sys; import agentcell.cli.main, agentcell.cli.run, agentcell.cell.warm\n"
-            "print(sorted(m for m in sys.modules if m in ('ctypes', 'agentcell.cell.launch', 'agentcell.cell.mounts')))")
+            "print(sorted(m for m in sys.modules if m in ('ctypes', 'importlib', 'agentcell.cell.launch',"
+            " 'agentcell.cell.mounts')))")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert p.stdout.strip() == "[]", p.stdout + p.stderr
 

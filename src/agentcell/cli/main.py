@@ -6,7 +6,6 @@ pyroute2) is imported on its path.
 from __future__ import annotations
 
 import sys
-from importlib import import_module
 
 COMMANDS = {
     "run": ("agentcell.cli.run", "launch a command in a cell"),
@@ -31,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write(f"agentcell: unknown command '{args[0]}' (one of: {', '.join(COMMANDS)})\n")
         return EXIT_USAGE
     try:
-        return int(import_module(entry[0]).main(args[1:]))
+        return int(__import__(entry[0], fromlist=["main"]).main(args[1:]))  # not importlib: ~0.6 ms
     except BrokenPipeError:  # `agentcell doctor | head`: the reader left; not an error worth a traceback
         import os
 

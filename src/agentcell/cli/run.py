@@ -159,7 +159,7 @@ def parse(argv: list[str]) -> Args | Namespace:
 
 def build_spec(ns: Args | Namespace) -> CellSpec:
     ident = rs.resolve_identity(ns.as_)
-    homes = rs.home_dirs()
+    homes = rs.home_dirs() if (ns.rw or ns.ro or ns.vault_ro or ns.mask or ns.scratch or ns.home) else set()
     unsafe = ns.allow_unsafe_path
     rw = rs.resolve_paths(ns.rw, field="--rw", writable=True, allow_unsafe=unsafe, homes=homes)
     ro = rs.resolve_paths(ns.ro + ns.vault_ro, field="--ro", writable=False, allow_unsafe=unsafe, homes=homes)

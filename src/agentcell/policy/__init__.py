@@ -5,8 +5,6 @@ through this package and must not pay for pydantic.
 """
 from __future__ import annotations
 
-import importlib
-
 TYPE_CHECKING = False  # not from typing: it costs ~10 ms on the agentcell run path (see cell/spec.py)
 if TYPE_CHECKING:
     from typing import Any
@@ -43,7 +41,7 @@ def __getattr__(name: str) -> Any:
     module = _WHERE.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    value = getattr(__import__(f"{__name__}.{module}", fromlist=[name]), name)  # importlib: ~0.6 ms
     globals()[name] = value
     return value
 
