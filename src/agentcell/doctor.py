@@ -241,11 +241,7 @@ def _cell_ns_body(rootless: bool, drop: bool) -> Callable[[], int]:
         sc.unshare(CELL_NS_FLAGS | (sc.CLONE_NEWUSER if rootless else 0))
         if rootless:
             try:
-                for path, data in (("/proc/self/setgroups", "deny"),
-                                   ("/proc/self/uid_map", f"{uid} {uid} 1\n"),
-                                   ("/proc/self/gid_map", f"{gid} {gid} 1\n")):
-                    with open(path, "w") as f:
-                        f.write(data)
+                namespaces.map_ids(uid, gid, uid, gid)
             except OSError:
                 return _CHILD_MAP_FAILED
         try:

@@ -28,15 +28,16 @@ def enter(spec: CellSpec, outer_uid: int, outer_gid: int) -> None:
     """
     sc.unshare(flags_for(spec))
     if spec.identity.userns:
-        # gid_map may only be written by an unprivileged process after setgroups is denied.
-        _write("/proc/self/setgroups", "deny")
-        _write("/proc/self/uid_map", f"{spec.identity.uid} {outer_uid} 1\n")
-        _write("/proc/self/gid_map", f"{spec.identity.gid} {outer_gid} 1\n")
+        map_ids(spec.identity.uid, spec.identity.gid, outer_uid, outer_gid)
 
 
-def _write(path: str, data: str) -> None:
-    with open(path, "w") as f:
-        f.write(data)
+def map_ids(uid: int, gid: int, outer_uid: int, outer_gid: int) -> None:
+    """Map exactly one uid and gid into our new user namespace. gid_map may only be written by an
+    unprivileged process after setgroups is denied."""
+    for path, data in (("/proc/self/setgroups", "deny"), ("/proc/self/uid_map", f"{uid} {outer_uid} 1\n"),
+                       ("/proc/self/gid_map", f"{gid} {outer_gid} 1\n")):
+        with open(path, "w") as f:
+            f.write(data)
 
 
 def loopback_up() -> None:

@@ -123,16 +123,24 @@ def run(spec: CellSpec, argv: list[str], timeout: float | None) -> dict[str, Any
 # ---- managing the launcher (not on the hot path) --------------------------------------------------
 
 
-def status() -> dict[str, Any] | None:
+def _ask(*ops: str) -> list[dict[str, Any] | None] | None:
+    """Send each op to our launcher and collect the replies; None if no launcher runs."""
     s = connect()
     if s is None:
         return None
     try:
-        wire.send(s, {"op": "status"})
-        msg, _ = wire.recv(s)
-        return msg
+        replies = []
+        for op in ops:
+            wire.send(s, {"op": op})
+            replies.append(wire.recv(s)[0])
+        return replies
     finally:
         s.close()
+
+
+def status() -> dict[str, Any] | None:
+    replies = _ask("status")
+    return None if replies is None else replies[0]
 
 
 def start(idle_s: float) -> tuple[int, bool]:
@@ -173,14 +181,7 @@ def start(idle_s: float) -> tuple[int, bool]:
 
 def stop() -> int | None:
     """Ask the launcher to stop (its running cells are killed); the pid it had, or None."""
-    s = connect()
-    if s is None:
+    replies = _ask("status", "stop")
+    if not replies or replies[0] is None:
         return None
-    try:
-        wire.send(s, {"op": "status"})
-        msg, _ = wire.recv(s)
-        wire.send(s, {"op": "stop"})
-        wire.recv(s)
-        return int(msg["pid"]) if msg else None
-    finally:
-        s.close()
+    return int(replies[0]["pid"])
