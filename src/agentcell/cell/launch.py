@@ -1,7 +1,9 @@
 """The launcher: the ordered steps that turn a :class:`CellSpec` into a confined process tree.
 
-Read top to bottom, :func:`launch` (supervisor side) and :func:`_cell` / :func:`_command` (child side)
-are the security argument; each step names itself so a failure says where it happened.
+Read top to bottom, :func:`prepare` (supervisor side), :func:`_cell` and :func:`_command` (child side)
+are the security argument, numbered as in ARCHITECTURE.md; each step names itself so a failure says
+where it happened. A cell is built before it knows its command (:class:`Prepared`); ``go`` hands
+argv and stdio over, at once (``agentcell run``) or later (the warm launcher).
 
 Process tree::
 
@@ -110,7 +112,7 @@ class Running:
             return self._result
         deadline = None if timeout is None else self.started + timeout
         timed_out = False
-        while not self._eof and not self._reported():
+        while not self._eof and not self.reported():
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             self.poll_messages(left)
             if deadline is not None and not self._eof and time.monotonic() >= deadline:
@@ -128,9 +130,6 @@ class Running:
 
     def reported(self) -> bool:
         """PID 1 has reported the command's end (and emptied the cell)."""
-        return self._reported()
-
-    def _reported(self) -> bool:
         return bool(self._msgs) and self._msgs[-1][0] == "exit"
 
     def _finish(self, wstatus: int, timed_out: bool) -> CellResult:
@@ -193,7 +192,8 @@ class Prepared:
         return Running(self.spec, self.c1, self._r, started, self.cell_id)
 
     def discard(self) -> None:
-        """Never used: closing the channel makes PID 1 exit, which tears the cell down."""
+        """Throw away a cell that never got a command: with its channel closed, its command process
+        exits without exec'ing anything, and PID 1 tears the cell down."""
         self._ctl.close()  # type: ignore[attr-defined]
         os.close(self._r)
         _waitpid_eintr(self.c1)
@@ -312,7 +312,6 @@ def _command(spec: CellSpec, ctl: object, w: int) -> NoReturn:
     os.setpgid(0, 0)  # its own process group (the terminal's foreground is given below if asked)
     # 7. Identity: the agent account (or our own uid in the user namespace), for good.
     _step("identity", identity.drop, spec.identity)
-    # 8. Landlock and 9. seccomp come with the hardening layer, loaded last before exec.
     cwd = spec.cwd or spec.identity.home
     _step(f"cwd {cwd}", os.chdir, cwd)
     # The command arrives now: at once from `agentcell run`, later for a warm cell. A cell discarded
@@ -332,6 +331,7 @@ def _command(spec: CellSpec, ctl: object, w: int) -> NoReturn:
     sc.close_fds_except(keep | {w})  # w is close-on-exec: it reports a failed exec, then vanishes
     for fd in keep:
         os.set_inheritable(fd, True)
+    # 8. Landlock and 9. seccomp (the hardening layer) belong here: after the hand-off, before exec.
     env = spec.environ()
     argv = cmd.argv
     try:
