@@ -52,8 +52,11 @@ class Step:
         if self.kind == "mask":
             what = "empty dir" if self.is_dir else "empty mode-000 file"
             return f"mask {self.dest} (ro {what})"
-        opts = ",".join(x for x in ("ro" if self.readonly else "rw", "nosuid", "nodev", self.data) if x)
-        return f"{self.kind} {self.dest} ({opts})"
+        if self.kind == "devnode":
+            return f"bind {self.source} -> {self.dest} (nosuid,noexec)"
+        names = ((sc.MS_NOSUID, "nosuid"), (sc.MS_NODEV, "nodev"), (sc.MS_NOEXEC, "noexec"))
+        opts = ["ro" if self.readonly else "rw", *(n for bit, n in names if self.flags & bit), self.data]
+        return f"{self.kind} {self.dest} ({','.join(x for x in opts if x)})"
 
 
 class MountPlan:
