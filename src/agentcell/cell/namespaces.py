@@ -5,6 +5,7 @@ import fcntl
 import os
 import struct
 
+from ..errors import LaunchError
 from . import syscalls as sc
 from .spec import CellSpec
 
@@ -26,7 +27,13 @@ def enter(spec: CellSpec, outer_uid: int, outer_gid: int) -> None:
     The user namespace is created first by the kernel (same call), so it owns the others and the
     child keeps full capabilities inside it until it execs the command as a non-zero uid.
     """
-    sc.unshare(flags_for(spec))
+    try:
+        sc.unshare(flags_for(spec))
+    except PermissionError:
+        if not spec.identity.userns:
+            raise
+        raise LaunchError("namespaces", "this kernel refuses unprivileged user namespaces (needed to run as yourself)",
+                          "'agentcell doctor' shows why and how to allow them, or run through sudo with --as") from None
     if spec.identity.userns:
         map_ids(spec.identity.uid, spec.identity.gid, outer_uid, outer_gid)
 
