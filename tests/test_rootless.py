@@ -49,3 +49,49 @@ def test_rootless_agent_identity_needs_root(user: User) -> None:
 def test_rootless_exit_status_passes_through(user: User) -> None:
     r = agentcell_run(["--", "sh", "-c", "exit 42"], as_user=user)
     assert r.rc == 42
+
+
+def test_refused_user_namespaces_are_explained(user: User) -> None:
+    knob = Path("/proc/sys/user/max_user_namespaces")
+    old = knob.read_text()
+    knob.write_text("0\n")  # as on hosts that disable them; restored below whatever happens
+    try:
+        r = agentcell_run(["--", "true"], as_user=user)
+    finally:
+        knob.write_text(old)
+    assert r.rc == 123, r.err
+    assert "user namespaces" in r.err and "agentcell doctor" in r.err and "Traceback" not in r.err
+
+
+def test_rootless_fd_opened_outside_is_not_inherited(user: User) -> None:
+    r_fd, w_fd = os.pipe()
+    try:
+        code = "import os; print(sorted(int(x) for x in os.listdir('/proc/self/fd')))"
+        r = agentcell_run(["--", "python3", "-c", code], as_user=user, pass_fds=(w_fd,))
+    finally:
+        os.close(r_fd)
+        os.close(w_fd)
+    assert r.out.strip() == "[0, 1, 2, 3]", r.out + r.err
+
+
+def test_rootless_background_process_dies_with_the_cell(user: User) -> None:
+    tag = f"{os.getpid() % 997}.31"
+    r = agentcell_run(["--", "sh", "-c", f"setsid sleep {tag} >/dev/null 2>&1 & exit 0"], as_user=user)
+    assert r.rc == 0, r.err
+    left = [p for p in filter(str.isdigit, os.listdir("/proc"))
+            if _cmdline(p)[:2] == [b"sleep", tag.encode()]]
+    assert not left
+
+
+def test_rootless_loopback_and_pid1(user: User) -> None:
+    code = ("import socket, os; s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen(1);"
+            "c = socket.create_connection(s.getsockname()); print('LOOP', os.path.exists('/proc/1'))")
+    r = agentcell_run(["--net", "loopback", "--", "python3", "-c", code], as_user=user)
+    assert r.out.strip() == "LOOP False", r.out + r.err
+
+
+def _cmdline(pid: str) -> list[bytes]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return []
