@@ -367,3 +367,44 @@ def test_the_same_directory_declared_twice_is_refused(user: User, project: Path)
     finally:
         subprocess.run(["umount", str(alias)], check=True)
         alias.rmdir()
+
+
+SWAP_DURING_BUILD = """
+import ctypes, os, sys
+from agentcell.cell import launch, mounts
+from agentcell.cell.spec import CellSpec
+from agentcell.policy.resolve import build_env, resolve_identity
+project, uid = sys.argv[1], sys.argv[2]
+ro = project + "/b"
+libc = ctypes.CDLL(None, use_errno=True)
+real_target = mounts._target
+
+def target(rel, is_dir, root_fd, owned):
+    # Just before the --ro bind is attached, swap its name with a decoy's, as a process of the agent's
+    # outside the cell could (through the cell's own rw bind of the project, which is the host's dir).
+    if rel == ro:
+        a, b = (os.fsencode(mounts.NEWROOT + p) for p in (ro, project + "/decoy"))
+        assert libc.syscall(316, -100, a, -100, b, 2) == 0
+    return real_target(rel, is_dir, root_fd, owned)
+
+mounts._target = target
+ident = resolve_identity(uid, euid=0)
+spec = CellSpec(ident, rw_paths=(project,), ro_paths=(ro,), env=build_env({}, ident))
+r = launch.launch(spec, ["sh", "-c", f"for d in {project}/*; do echo x >> $d/ORIG 2>/dev/null && echo WROTE $d; done"])
+print(r.exit_status, r.error)
+"""
+
+
+def test_a_rename_while_the_cell_is_built_cannot_move_a_ro_bind(user: User, project: Path) -> None:
+    ro, decoy = project / "b", project / "decoy"
+    for d in (ro, decoy):
+        d.mkdir()
+        shutil.chown(d, user.uid, user.gid)
+    (ro / "ORIG").write_text("original\n")
+    shutil.chown(ro / "ORIG", user.uid, user.gid)
+    p = subprocess.run([sys.executable, "-c", SWAP_DURING_BUILD, str(project), str(user.uid)],
+                       capture_output=True, text=True)
+    assert "was replaced while the cell was built" in p.stdout, p.stdout + p.stderr
+    assert "WROTE" not in p.stdout
+    orig = ro / "ORIG" if (ro / "ORIG").exists() else decoy / "ORIG"
+    assert orig.read_text() == "original\n"

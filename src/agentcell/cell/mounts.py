@@ -32,7 +32,9 @@ class Step:
     """One mount-tree operation. ``dest`` is the path inside the cell.
 
     kind: tmpfs | bind | devnode | symlink | proc | devpts | mask. ``source`` is the host path (bind),
-    the link target (symlink) or a label; ``src_id`` is the (st_dev, st_ino) the supervisor resolved.
+    the link target (symlink) or a label. ``dest_id``: the (st_dev, st_ino) the supervisor saw at
+    ``dest`` on the host (for a bind at its own path, and a mask); the mount is attached only to
+    that very file, never to whatever a racing rename put under the name.
     A bind covers the source's submounts too (recursive), each as read-only as the bind.
     """
 
@@ -42,6 +44,7 @@ class Step:
         self.readonly, self.is_dir, self.flags, self.data = readonly, is_dir, flags or SAFE, data
         self.src_fd = -1
         self.src_id = (0, 0)
+        self.dest_id: tuple[int, int] | None = None
 
     def describe(self) -> str:
         if self.kind == "bind":
@@ -97,6 +100,16 @@ def plan(spec: CellSpec) -> MountPlan:
 
     seen: dict[tuple[int, int], str] = {}
 
+    def mask(p: str) -> Step:
+        fd = open_nofollow(p)
+        try:
+            st = os.fstat(fd)
+        finally:
+            os.close(fd)
+        s = Step("mask", p, is_dir=stat.S_ISDIR(st.st_mode))
+        s.dest_id = (st.st_dev, st.st_ino)
+        return s
+
     def bind(src: str, dest: str, ro: bool) -> Step:
         fd = open_nofollow(src)
         try:
@@ -105,6 +118,8 @@ def plan(spec: CellSpec) -> MountPlan:
             os.close(fd)
         s = Step("bind", dest, src, readonly=ro, is_dir=stat.S_ISDIR(st.st_mode))
         s.src_id = (st.st_dev, st.st_ino)
+        if dest == src:
+            s.dest_id = s.src_id
         if s.src_id in seen:  # e.g. a symlink swapped in between two declarations
             raise LaunchError("resolve", f"{src} and {seen[s.src_id]} are the same directory; declare it once")
         seen[s.src_id] = src
@@ -151,13 +166,13 @@ def plan(spec: CellSpec) -> MountPlan:
         if p not in system:  # --ro /etc: the system bind already is that, read-only
             mine.append(bind(p, p, True))
     for p in spec.masked_paths:
-        mine.append(Step("mask", p, is_dir=os.path.isdir(p)))
+        mine.append(mask(p))
     # Parents before children; at equal depth masks last so they cover what was bound.
     mine.sort(key=lambda s: (_depth(s.dest), s.kind == "mask"))
     # The host's secrets last, wherever a bind (system or declared, e.g. --ro /etc) brought them in.
     bound = [s.dest.rstrip("/") for s in steps + mine if s.kind == "bind"]
-    secrets = [Step("mask", p, is_dir=os.path.isdir(p) and not os.path.islink(p)) for p in SECRET_FILES + SECRET_DIRS
-               if os.path.lexists(p) and any(p == b or p.startswith(b + "/") for b in bound)]
+    secrets = [mask(p) for p in SECRET_FILES + SECRET_DIRS
+               if os.path.exists(p) and not os.path.islink(p) and any(p == b or p.startswith(b + "/") for b in bound)]
     return MountPlan(steps + mine + secrets)
 
 
@@ -194,14 +209,22 @@ def _target(rel: str, is_dir: bool, root_fd: int, owned: set[int]) -> int:
         raise
 
 
-def _bind(src_dirfd: int, src_path: str, dest: str, is_dir: bool, attrs: int, root_fd: int, owned: set[int]) -> None:
-    """Clone the source tree, set ``attrs`` on every mount in it while detached, attach it at ``dest``."""
+def _bind(src_dirfd: int, src_path: str, dest: str, is_dir: bool, attrs: int, root_fd: int, owned: set[int],
+          dest_id: tuple[int, int] | None = None) -> None:
+    """Clone the source tree, set ``attrs`` on every mount in it while detached, attach it at ``dest``.
+
+    Where ``dest`` lies in a shared host directory (a --ro or --mask inside a --rw path), its name
+    could be swapped by a process outside the cell; the mount goes on only if the file found there
+    is still ``dest_id``, and then it stays with that file through any later rename."""
     tree = sc.open_tree(src_dirfd, src_path, sc.OPEN_TREE_CLONE | sc.AT_RECURSIVE | sc.AT_SYMLINK_NOFOLLOW
                         | (sc.AT_EMPTY_PATH if not src_path else 0))
     try:
         sc.mount_setattr(tree, sc.AT_RECURSIVE, attrs)
         target = _target(dest, is_dir, root_fd, owned)
         try:
+            st = os.fstat(target)
+            if st.st_dev not in owned and dest_id is not None and (st.st_dev, st.st_ino) != dest_id:
+                raise LaunchError("mount", f"{dest} was replaced while the cell was built; refusing to mount on it")
             sc.move_mount(tree, target)
         finally:
             os.close(target)
@@ -238,11 +261,12 @@ def _apply_one(s: Step, root_fd: int, owned: set[int]) -> None:
         finally:
             os.close(parent)
     elif s.kind == "bind":
-        _bind(s.src_fd, "", s.dest, s.is_dir, ATTR_RO if s.readonly else ATTR_RW, root_fd, owned)
+        _bind(s.src_fd, "", s.dest, s.is_dir, ATTR_RO if s.readonly else ATTR_RW, root_fd, owned, s.dest_id)
     elif s.kind == "devnode":
         _bind(sc.AT_FDCWD, s.source, s.dest, False, ATTR_DEVNODE, root_fd, owned)
     elif s.kind == "mask":
-        _bind(sc.AT_FDCWD, _EMPTY_DIR if s.is_dir else _EMPTY_FILE, s.dest, s.is_dir, ATTR_MASK, root_fd, owned)
+        _bind(sc.AT_FDCWD, _EMPTY_DIR if s.is_dir else _EMPTY_FILE, s.dest, s.is_dir, ATTR_MASK, root_fd, owned,
+              s.dest_id)
     elif s.kind in ("tmpfs", "proc", "devpts"):
         fd = _target(s.dest, True, root_fd, owned)
         try:
