@@ -163,3 +163,44 @@ def test_idle_launcher_exits_by_itself(user: User, runtime_dir: Path) -> None:
 def test_warm_bad_flag_is_one_line() -> None:
     p = subprocess.run([AGENTCELL, "warm", "start", "--idle", "-3"], capture_output=True, text=True)
     assert p.returncode == 125 and len(p.stderr.strip().splitlines()) == 1 and "--idle" in p.stderr
+
+
+CELL_CLIENT = """
+import _socket, marshal, sys
+s = _socket.socket(_socket.AF_UNIX, _socket.SOCK_SEQPACKET)
+try:
+    s.connect(sys.argv[1])
+    s.sendmsg([marshal.dumps({"op": "status"})])
+    data = s.recv(65536)
+    print("ANSWERED" if data else "REFUSED")
+except OSError as e:
+    print("REFUSED", e.errno)
+"""
+
+
+def test_a_rootless_cell_cannot_order_cells_from_its_owners_launcher(user: User, runtime_dir: Path) -> None:
+    warm(user, runtime_dir, "start")
+    # The socket reaches the cell under another name (a bind mount, so no mask covers it): the
+    # launcher itself must refuse a peer inside a cell, though it has the launcher's uid.
+    exposed = Path(f"/tmp/agentcell-exposed-{os.getpid()}")
+    exposed.mkdir()
+    subprocess.run(["mount", "--bind", str(runtime_dir / "agentcell"), str(exposed)], check=True)
+    try:
+        r = agentcell_run(["--no-warm", "--ro", str(exposed), "--", "python3", "-c", CELL_CLIENT,
+                           str(exposed / "launcher.sock")], as_user=user, env={"XDG_RUNTIME_DIR": str(runtime_dir)})
+    finally:
+        subprocess.run(["umount", str(exposed)], check=True)
+        exposed.rmdir()
+    assert r.out.startswith("REFUSED"), r.out + r.err
+    # The same client outside any cell is answered: the refusal above is about the cell.
+    p = subprocess.run([*user.prefix(), str(Path(AGENTCELL).parent / "python"), "-c", CELL_CLIENT,
+                        str(runtime_dir / "agentcell" / "launcher.sock")], capture_output=True, text=True)
+    assert p.stdout.startswith("ANSWERED"), p.stdout + p.stderr
+
+
+def test_launcher_directory_is_masked_in_cells_that_share_its_parent(user: User, runtime_dir: Path) -> None:
+    warm(user, runtime_dir, "start")
+    r = agentcell_run(["--no-warm", "--ro", str(runtime_dir), "--", "ls", "-A", str(runtime_dir / "agentcell")],
+                      as_user=user, env={"XDG_RUNTIME_DIR": str(runtime_dir)})
+    assert r.rc != 0 or r.out.strip() == "", r.out
+    assert "launcher.sock" not in r.out

@@ -10,6 +10,7 @@ import stat
 
 from ..errors import LaunchError
 from . import syscalls as sc
+from . import wire
 from .paths import fd_path, open_nofollow
 from .spec import SCRATCH_PATH, SECRET_DIRS, SECRET_FILES, CellSpec
 
@@ -169,9 +170,11 @@ def plan(spec: CellSpec) -> MountPlan:
         mine.append(mask(p))
     # Parents before children; at equal depth masks last so they cover what was bound.
     mine.sort(key=lambda s: (_depth(s.dest), s.kind == "mask"))
-    # The host's secrets last, wherever a bind (system or declared, e.g. --ro /etc) brought them in.
+    # The host's secrets last, wherever a bind (system or declared, e.g. --ro /etc) brought them in,
+    # and the warm launchers' sockets (a rootless cell has its owner's uid).
     bound = [s.dest.rstrip("/") for s in steps + mine if s.kind == "bind"]
-    secrets = [mask(p) for p in SECRET_FILES + SECRET_DIRS
+    hidden = (*SECRET_FILES, *SECRET_DIRS, "/run/agentcell", os.path.realpath(wire.socket_dir()))
+    secrets = [mask(p) for p in hidden
                if os.path.exists(p) and not os.path.islink(p) and any(p == b or p.startswith(b + "/") for b in bound)]
     return MountPlan(steps + mine + secrets)
 

@@ -33,16 +33,7 @@ SOCKET_NAME = "launcher.sock"
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 
 
-def socket_dir() -> str:
-    if os.geteuid() == 0:
-        return "/run/agentcell"
-    xdg = os.environ.get("XDG_RUNTIME_DIR", "")
-    if os.path.isabs(xdg):
-        return os.path.join(xdg, "agentcell")
-    state = os.environ.get("XDG_STATE_HOME", "")
-    if not os.path.isabs(state):
-        state = os.path.join(os.path.expanduser("~"), ".local", "state")
-    return os.path.join(state, "agentcell")
+socket_dir = wire.socket_dir
 
 
 def _private_dir(d: str) -> bool:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import _socket
 import marshal
+import os
 import struct
 
 from .spec import TYPE_CHECKING
@@ -67,6 +68,37 @@ def unpack_fds(anc: list[tuple[int, int, bytes]]) -> list[int]:
     return fds
 
 
+def peer_cred(sock: Sock) -> tuple[int, int, int]:
+    """(pid, uid, gid) of the peer, the pid as seen from our PID namespace."""
+    pid, uid, gid = struct.unpack("3i", sock.getsockopt(_socket.SOL_SOCKET, SO_PEERCRED, 12))
+    return int(pid), int(uid), int(gid)
+
+
 def peer_uid(sock: Sock) -> int:
-    _pid, uid, _gid = struct.unpack("3i", sock.getsockopt(_socket.SOL_SOCKET, SO_PEERCRED, 12))
-    return int(uid)
+    return peer_cred(sock)[1]
+
+
+def shares_our_namespaces(pid: int) -> bool:
+    """Is ``pid`` in our user, PID and mount namespaces? A cell never is, even when its uid is ours
+    (rootless): a launcher must not take orders from inside a cell that can reach its socket."""
+    try:
+        for ns in ("user", "pid", "mnt"):
+            theirs, ours = os.stat(f"/proc/{pid}/ns/{ns}"), os.stat(f"/proc/self/ns/{ns}")
+            if (theirs.st_dev, theirs.st_ino) != (ours.st_dev, ours.st_ino):
+                return False
+    except OSError:
+        return False  # gone, or not ours to inspect: refuse
+    return True
+
+
+def socket_dir() -> str:
+    """Where our warm launcher listens: a directory only its owner may enter."""
+    if os.geteuid() == 0:
+        return "/run/agentcell"
+    xdg = os.environ.get("XDG_RUNTIME_DIR", "")
+    if os.path.isabs(xdg):
+        return os.path.join(xdg, "agentcell")
+    state = os.environ.get("XDG_STATE_HOME", "")
+    if not os.path.isabs(state):
+        state = os.path.join(os.path.expanduser("~"), ".local", "state")
+    return os.path.join(state, "agentcell")

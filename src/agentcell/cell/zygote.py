@@ -44,8 +44,11 @@ def launcher_command(*args: str) -> list[str]:
 
 
 def launcher_env() -> dict[str, str]:
-    """The launcher needs no environment of its caller's (each cell's comes with its policy)."""
-    return {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": os.environ.get("LANG", "C.UTF-8")}
+    """The launcher needs almost nothing of its caller's environment (each cell's comes with its
+    policy): where its socket lives (so cells can be kept from it), and a language."""
+    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": os.environ.get("LANG", "C.UTF-8")}
+    env.update({k: os.environ[k] for k in ("HOME", "XDG_RUNTIME_DIR", "XDG_STATE_HOME") if k in os.environ})
+    return env
 
 
 class _Warm:
@@ -128,8 +131,11 @@ class Server:
         assert self.listener is not None
         fd, _addr = self.listener._accept()  # type: ignore[attr-defined]
         conn = _socket.socket(fileno=fd)
-        if wire.peer_uid(conn) != os.getuid():
-            conn.close()  # only our own uid may use our launcher (same privileges, nothing to gain)
+        pid, uid, _gid = wire.peer_cred(conn)
+        if uid != os.getuid() or not wire.shares_our_namespaces(pid):
+            # Only our own uid (same privileges, nothing to gain), and never from inside a cell: a
+            # rootless cell has our uid and could otherwise ask for a cell with a wider policy.
+            conn.close()
             return
         self.conns.append(conn)
 
