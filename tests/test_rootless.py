@@ -51,16 +51,27 @@ def test_rootless_exit_status_passes_through(user: User) -> None:
     assert r.rc == 42
 
 
+DENY_USERNS = """
+import ctypes, os, struct, sys
+# A seccomp filter that makes unshare(CLONE_NEWUSER) fail with EPERM, as on hosts that restrict
+# unprivileged user namespaces (Ubuntu's AppArmor rule, a container runtime's profile).
+insns = [(0x20, 0, 0, 4), (0x15, 0, 5, 0xC000003E), (0x20, 0, 0, 0), (0x15, 0, 3, 272),
+         (0x20, 0, 0, 16), (0x45, 0, 1, 0x10000000), (0x06, 0, 0, 0x00050001), (0x06, 0, 0, 0x7FFF0000)]
+prog = b"".join(struct.pack("HBBI", *i) for i in insns)
+buf = ctypes.create_string_buffer(prog)
+fprog = struct.pack("HxxxxxxQ", len(insns), ctypes.addressof(buf))
+libc = ctypes.CDLL(None, use_errno=True)
+assert libc.prctl(38, 1, 0, 0, 0) == 0  # no_new_privs
+assert libc.prctl(22, 2, ctypes.c_char_p(fprog), 0, 0) == 0, ctypes.get_errno()  # SECCOMP_MODE_FILTER
+os.execv(sys.argv[1], sys.argv[1:])
+"""
+
+
 def test_refused_user_namespaces_are_explained(user: User) -> None:
-    knob = Path("/proc/sys/user/max_user_namespaces")
-    old = knob.read_text()
-    knob.write_text("0\n")  # as on hosts that disable them; restored below whatever happens
-    try:
-        r = agentcell_run(["--", "true"], as_user=user)
-    finally:
-        knob.write_text(old)
-    assert r.rc == 123, r.err
-    assert "user namespaces" in r.err and "agentcell doctor" in r.err and "Traceback" not in r.err
+    p = subprocess.run([*user.prefix(), str(Path(AGENTCELL).parent / "python"), "-c", DENY_USERNS, AGENTCELL,
+                        "run", "--", "true"], capture_output=True, text=True, env={"PATH": "/usr/bin:/bin"})
+    assert p.returncode == 123, p.stderr
+    assert "user namespaces" in p.stderr and "agentcell doctor" in p.stderr and "Traceback" not in p.stderr
 
 
 def test_rootless_fd_opened_outside_is_not_inherited(user: User) -> None:
