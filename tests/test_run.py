@@ -229,20 +229,15 @@ def test_stdin_from_a_file_works(user: User) -> None:
     assert r.rc == 0 and r.out == "piped input"
 
 
-def test_interactive_shell_has_job_control(user: User) -> None:
-    import pty
+def _read_until(fd: int, needle: bytes, limit_s: float = 20) -> bytes:
     import select
+    import time
 
-    pid, fd = pty.fork()
-    if pid == 0:
-        os.execv(AGENTCELL, [AGENTCELL, "run", "--as", str(user.uid), "--", "bash", "--norc", "--noprofile", "-i"])
     out = b""
-    try:
-        os.write(fd, b"echo FLAGS=$-; sleep 0.1 & jobs; exit 3\n")
-        while True:
-            ready, _, _ = select.select([fd], [], [], 20)
-            if not ready:
-                break
+    end = time.monotonic() + limit_s
+    while needle not in out and time.monotonic() < end:
+        ready, _, _ = select.select([fd], [], [], 0.5)
+        if ready:
             try:
                 chunk = os.read(fd, 4096)
             except OSError:
@@ -250,14 +245,92 @@ def test_interactive_shell_has_job_control(user: User) -> None:
             if not chunk:
                 break
             out += chunk
-    finally:
+    return out
+
+
+def test_interactive_shell_has_job_control_on_its_own_terminal(user: User) -> None:
+    import pty
+    import signal
+
+    pid, fd = pty.fork()
+    if pid == 0:
+        os.execv(AGENTCELL, [AGENTCELL, "run", "--as", str(user.uid), "--", "bash", "--norc", "--noprofile", "-i"])
+    try:
+        out = _read_until(fd, b"$ ")  # type like a person: after the prompt
+        os.write(fd, b"echo FLAGS=$-; tty; sleep 0.1 & jobs; exit 3\n")
+        out += _read_until(fd, b"\x00never")
         _, status = os.waitpid(pid, 0)
+        pid = 0
+    finally:
+        if pid:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
         os.close(fd)
     text = out.decode(errors="replace")
     assert "no job control" not in text, text
     flags = [ln for ln in text.splitlines() if ln.startswith("FLAGS=")]
     assert flags and "m" in flags[-1].split("=", 1)[1], text
+    assert "Running" in text, text  # the background job is listed
     assert os.waitstatus_to_exitcode(status) == 3
+
+
+TIOCSTI_ATTACK = """
+import fcntl, os, termios
+fd = os.open("/dev/tty", os.O_RDWR) if os.path.exists("/dev/tty") else 0
+for c in b"echo INJECTED\\n":
+    try:
+        fcntl.ioctl(fd, termios.TIOCSTI, bytes([c]))
+    except OSError as e:
+        print("STI-REFUSED", e.errno)
+        break
+"""
+
+
+def test_a_cell_cannot_type_into_the_callers_terminal(user: User) -> None:
+    import pty
+    import signal
+
+    # A root shell runs agentcell non-interactively, then reads a line from its terminal: whatever
+    # the cell pushed into that terminal would run as root.
+    script = (f"{AGENTCELL} run --as {user.uid} -- python3 -c '{TIOCSTI_ATTACK}' </dev/null; "
+              "IFS= read -r -t 2 line; echo \"SHELL-READ:[$line]\"")
+    pid, fd = pty.fork()
+    if pid == 0:
+        os.execv("/bin/bash", ["bash", "--norc", "-c", script])
+    try:
+        out = _read_until(fd, b"SHELL-READ:")
+        out += _read_until(fd, b"]")
+        os.waitpid(pid, 0)
+        pid = 0
+    finally:
+        if pid:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        os.close(fd)
+    text = out.decode(errors="replace")
+    assert "SHELL-READ:[]" in text, text
+
+
+def test_interactive_run_cannot_type_into_the_callers_terminal(user: User) -> None:
+    import pty
+    import signal
+
+    script = (f"{AGENTCELL} run --as {user.uid} -- python3 -c '{TIOCSTI_ATTACK}'; "
+              "IFS= read -r -t 2 line; echo \"SHELL-READ:[$line]\"")
+    pid, fd = pty.fork()
+    if pid == 0:
+        os.execv("/bin/bash", ["bash", "--norc", "-c", script])
+    try:
+        out = _read_until(fd, b"SHELL-READ:")
+        out += _read_until(fd, b"]")
+        os.waitpid(pid, 0)
+        pid = 0
+    finally:
+        if pid:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        os.close(fd)
+    assert "SHELL-READ:[]" in out.decode(errors="replace"), out
 
 
 def test_tmp_and_shm_are_private_and_writable(user: User) -> None:

@@ -127,6 +127,7 @@ class Cell:
                         zygote.launcher_command("--conn", str(theirs.fileno()),
                                                 *([] if self.prewarm else ["--no-prewarm"])),
                         pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, close_fds=True, cwd="/",
+                        start_new_session=True,  # the launcher and its cells never share our terminal
                         env=zygote.launcher_env(),
                     )
                 self._sock = ours

@@ -309,7 +309,9 @@ def _command(spec: CellSpec, ctl: object, w: int) -> NoReturn:
     """The command's process: confined fully *before* it learns its command, then exec."""
     for s in (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGINT, signal.SIGTTOU, signal.SIGTTIN, signal.SIGTSTP):
         signal.signal(s, signal.SIG_DFL)
-    os.setpgid(0, 0)  # its own process group (the terminal's foreground is given below if asked)
+    # A session of its own: no controlling terminal, so nothing it does reaches the caller's terminal
+    # (TIOCSTI); an interactive run gets the cell's own pty as its terminal below.
+    os.setsid()
     # 7. Identity: the agent account (or our own uid in the user namespace), for good.
     _step("identity", identity.drop, spec.identity)
     cwd = spec.cwd or spec.identity.home
@@ -326,7 +328,7 @@ def _command(spec: CellSpec, ctl: object, w: int) -> NoReturn:
         os.dup2(fd, target)
     _stdio_no_directories()
     if cmd.take_terminal:
-        terminal.give_to_own_group()
+        _step("terminal", terminal.make_controlling, 0)
     keep = set(cmd.fds)
     sc.close_fds_except(keep | {w})  # w is close-on-exec: it reports a failed exec, then vanishes
     for fd in keep:

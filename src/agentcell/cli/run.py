@@ -240,20 +240,24 @@ def _print_explain(info: dict[str, object]) -> None:
         out(f"            {s}\n")
 
 
-def _run_here(spec: CellSpec, command: list[str], timeout: float | None, take: bool) -> dict[str, Any]:
-    """The cold path: build the cell in this process."""
+def _run_here(spec: CellSpec, command: list[str], timeout: float | None, interactive: bool) -> dict[str, Any]:
+    """The cold path: build the cell in this process. An interactive run gets a pty of its own."""
     from ..cell import launch
 
-    running = launch.start(spec, command, take_terminal=take)
+    relay = terminal.Relay() if interactive else None
+    running = launch.start(spec, command, stdio=relay.stdio() if relay else (0, 1, 2), take_terminal=bool(relay))
 
     def forward(sig: int, _frame: object) -> None:
         running.forward(sig)
 
     for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(s, forward)
-    result = running.wait(timeout)
-    if take:
-        terminal.reclaim()
+    timed_out = False
+    if relay is not None:
+        timed_out = relay.pump(running, None if timeout is None else running.started + timeout)
+    result = running.wait(None if timed_out else timeout)
+    if timed_out:
+        result.timed_out, result.exit_status, result.signal = True, 124, signal.SIGKILL
     return dict(result.as_dict(), via="here")
 
 
@@ -273,16 +277,16 @@ def main(argv: list[str]) -> int:
             return 0
         if not command:
             raise AgentcellError("command", "no command given", "put it after --, e.g. agentcell run -- true")
-        take = terminal.is_ours()
+        interactive = terminal.is_ours()
         result = None
-        if not take and not ns.no_warm:
+        if not interactive and not ns.no_warm:
             from ..cell import warm
 
             result = warm.run(spec, command, ns.timeout)
             if result is not None:
                 result["via"] = "warm launcher"
         if result is None:
-            result = _run_here(spec, command, ns.timeout, take)
+            result = _run_here(spec, command, ns.timeout, interactive)
     except AgentcellError as e:
         return report(PROG, e)
     if result["error"]:
