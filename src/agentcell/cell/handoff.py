@@ -13,13 +13,16 @@ import struct
 from ..errors import LaunchError
 from .wire import pack_fds, unpack_fds
 
-_HEADER = struct.Struct("!IB")  # payload length, take_terminal
+_HEADER = struct.Struct("!IB")  # payload length, bitmask of the fds (0-2) to put on the cell's pty
 MAX_FDS = 64
 
 
 class Command:
-    def __init__(self, argv: list[str], fds: dict[int, int], take_terminal: bool) -> None:
-        self.argv, self.fds, self.take_terminal = argv, fds, take_terminal  # fds: target number -> fd
+    """argv; ``fds``: the number the command sees -> the received fd; ``tty_fds``: numbers that get
+    the cell's own pty instead (an interactive run)."""
+
+    def __init__(self, argv: list[str], fds: dict[int, int], tty_fds: tuple[int, ...]) -> None:
+        self.argv, self.fds, self.tty_fds = argv, fds, tty_fds
 
 
 def channel() -> tuple[_socket.socket, _socket.socket]:
@@ -27,13 +30,13 @@ def channel() -> tuple[_socket.socket, _socket.socket]:
     return a, b
 
 
-def send(sock: _socket.socket, argv: list[str], fds: dict[int, int], take_terminal: bool) -> None:
+def send(sock: _socket.socket, argv: list[str], fds: dict[int, int], tty_fds: tuple[int, ...] = ()) -> None:
     """Send the command; ``fds`` maps the fd number the command will see to the sender's fd."""
     if len(fds) > MAX_FDS:
         raise LaunchError("command", f"too many fds to pass ({len(fds)} > {MAX_FDS})")
     targets = list(fds)
     payload = b"\0".join([",".join(map(str, targets)).encode(), *(os.fsencode(a) for a in argv)])
-    data = _HEADER.pack(len(payload), int(take_terminal)) + payload
+    data = _HEADER.pack(len(payload), sum(1 << fd for fd in tty_fds if 0 <= fd < 3)) + payload
     anc = [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, pack_fds([fds[t] for t in targets]))]
     sent = sock.sendmsg([data], anc)
     if sent < len(data):
@@ -48,14 +51,31 @@ def recv(sock: _socket.socket) -> Command | None:
     received = unpack_fds(anc)
     while len(data) < _HEADER.size:
         data += _recv_more(sock)
-    length, take = _HEADER.unpack_from(data)
+    length, ttys = _HEADER.unpack_from(data)
     while len(data) < _HEADER.size + length:
         data += _recv_more(sock)
     head, *args = data[_HEADER.size:_HEADER.size + length].split(b"\0")
     targets = [int(t) for t in head.decode().split(",") if t]
     if len(targets) != len(received):
         raise LaunchError("command", "fds were lost on the way into the cell")
-    return Command([os.fsdecode(a) for a in args], dict(zip(targets, received, strict=True)), bool(take))
+    tty_fds = tuple(fd for fd in range(3) if ttys & (1 << fd))
+    return Command([os.fsdecode(a) for a in args], dict(zip(targets, received, strict=True)), tty_fds)
+
+
+def send_fd(sock: _socket.socket, fd: int) -> None:
+    """The cell's answer to an interactive command: the master side of its own pty."""
+    sock.sendmsg([b"P"], [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, pack_fds([fd]))])
+
+
+def recv_fd(sock: _socket.socket) -> int | None:
+    """The pty master from the cell, or None if the cell failed before it made one."""
+    data, anc, _flags, _addr = sock.recvmsg(1, _socket.CMSG_SPACE(4))
+    fds = unpack_fds(anc)
+    if data != b"P" or len(fds) != 1:
+        for fd in fds:
+            os.close(fd)
+        return None
+    return fds[0]
 
 
 def _recv_more(sock: _socket.socket) -> bytes:

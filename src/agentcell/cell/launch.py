@@ -56,6 +56,7 @@ class Running:
     def __init__(self, spec: CellSpec, c1: int, status_r: int, started: float, cell_id: str) -> None:
         self.spec, self.c1, self._r, self.started, self.cell_id = spec, c1, status_r, started, cell_id
         self.pid1 = 0  # host pid of the cell's PID 1, known once C1 reports it
+        self.pty_master: int | None = None  # an interactive cell's own pty, for the caller to relay
         self._buf = b""
         self._msgs: list[list[str]] = []
         self._eof = False
@@ -177,19 +178,26 @@ class Prepared:
         self.spec, self.c1, self._r, self._ctl, self.cell_id = spec, c1, status_r, ctl, cell_id
 
     def go(self, argv: Sequence[str], *, stdio: Sequence[int] = (0, 1, 2), pass_fds: Sequence[int] = (),
-           take_terminal: bool = False) -> Running:
+           tty_fds: Sequence[int] = ()) -> Running:
+        """Hand over the command. ``tty_fds`` (of 0-2) get the cell's own new pty instead of ours; its
+        master comes back as ``Running.pty_master`` for the caller to relay."""
         if not argv:
             raise LaunchError("command", "no command given", "put it after --")
-        fds = {i: fd for i, fd in enumerate(stdio)}
+        fds = {i: fd for i, fd in enumerate(stdio) if i not in tty_fds}
         fds.update({fd: fd for fd in pass_fds})
         started = time.monotonic()
+        master = None
         try:
-            handoff.send(self._ctl, list(argv), fds, take_terminal)  # type: ignore[arg-type]
+            handoff.send(self._ctl, list(argv), fds, tuple(tty_fds))  # type: ignore[arg-type]
+            if tty_fds:
+                master = handoff.recv_fd(self._ctl)  # type: ignore[arg-type]
         except (BrokenPipeError, ConnectionResetError):
             pass  # the cell failed while being prepared; its status pipe says where (see wait())
         finally:
             self._ctl.close()  # type: ignore[attr-defined]
-        return Running(self.spec, self.c1, self._r, started, self.cell_id)
+        running = Running(self.spec, self.c1, self._r, started, self.cell_id)
+        running.pty_master = master
+        return running
 
     def discard(self) -> None:
         """Throw away a cell that never got a command: with its channel closed, its command process
@@ -221,11 +229,11 @@ def prepare(spec: CellSpec) -> Prepared:
 
 
 def start(spec: CellSpec, argv: Sequence[str], *, stdio: Sequence[int] = (0, 1, 2), pass_fds: Sequence[int] = (),
-          take_terminal: bool = False) -> Running:
+          tty_fds: Sequence[int] = ()) -> Running:
     """Launch ``argv`` in a new cell and return at once."""
     if not argv:
         raise LaunchError("command", "no command given", "put it after --")
-    return prepare(spec).go(argv, stdio=stdio, pass_fds=pass_fds, take_terminal=take_terminal)
+    return prepare(spec).go(argv, stdio=stdio, pass_fds=pass_fds, tty_fds=tty_fds)
 
 
 def launch(spec: CellSpec, argv: Sequence[str], *, timeout: float | None = None, **kw: object) -> CellResult:
@@ -327,9 +335,9 @@ def _command(spec: CellSpec, ctl: object, w: int) -> NoReturn:
     for target, fd in moved.items():
         os.dup2(fd, target)
     _stdio_no_directories()
-    if cmd.take_terminal:
-        _step("terminal", terminal.make_controlling, 0)
-    keep = set(cmd.fds)
+    if cmd.tty_fds:  # an interactive run: a pty of the cell's own devpts, its master to the caller
+        _step("terminal", terminal.attach_new_pty, ctl, cmd.tty_fds)
+    keep = set(cmd.fds) | set(cmd.tty_fds)
     sc.close_fds_except(keep | {w})  # w is close-on-exec: it reports a failed exec, then vanishes
     for fd in keep:
         os.set_inheritable(fd, True)

@@ -35,27 +35,38 @@ def is_ours() -> bool:
         return False
 
 
-def make_controlling(fd: int) -> None:
-    """In the command's process, after setsid(): ``fd`` (the cell's pty) becomes its terminal, and
-    its process group the terminal's foreground."""
-    fcntl.ioctl(fd, TIOCSCTTY, 0)
+def tty_fds() -> tuple[int, ...]:
+    """Which of our 0, 1, 2 are terminals: those get the cell's own pty in an interactive run."""
+    return tuple(fd for fd in (0, 1, 2) if os.isatty(fd))
+
+
+def attach_new_pty(ctl: object, fds: tuple[int, ...]) -> None:
+    """In the command's process (its own session, inside the cell): open a pty in the cell's devpts,
+    send its master to the supervisor, and make the slave our controlling terminal on ``fds``."""
+    from . import handoff
+
+    master, slave = os.openpty()
+    try:
+        handoff.send_fd(ctl, master)  # type: ignore[arg-type]
+    finally:
+        os.close(master)
+    for fd in fds:
+        os.dup2(slave, fd)
+    if slave not in fds:
+        os.close(slave)
+    fcntl.ioctl(fds[0], TIOCSCTTY, 0)  # the controlling terminal; our group becomes its foreground
 
 
 class Relay:
-    """A pty for an interactive cell, relayed to and from the caller's terminal in raw mode."""
+    """Relays an interactive cell's pty to and from the caller's terminal, in raw mode."""
 
-    def __init__(self) -> None:
+    def __init__(self, master: int) -> None:
         import termios
 
-        self.master, self.slave = os.openpty()
-        os.set_inheritable(self.slave, False)
+        self.master = master
         self.out = 1 if os.isatty(1) else 2 if os.isatty(2) else 1
-        termios.tcsetattr(self.slave, termios.TCSANOW, termios.tcgetattr(0))
+        termios.tcsetattr(master, termios.TCSANOW, termios.tcgetattr(0))  # the caller's settings
         self._copy_size()
-
-    def stdio(self) -> tuple[int, int, int]:
-        """The command's 0, 1, 2: the pty where the caller has a terminal, the caller's fd elsewhere."""
-        return self.slave, self.slave if os.isatty(1) else 1, self.slave if os.isatty(2) else 2
 
     def _copy_size(self) -> None:
         try:
@@ -69,7 +80,6 @@ class Relay:
         import time
         import tty
 
-        os.close(self.slave)
         resized = [False]
         old_winch = signal.signal(signal.SIGWINCH, lambda _s, _f: resized.__setitem__(0, True))
         saved = termios.tcgetattr(0)

@@ -244,8 +244,8 @@ def _run_here(spec: CellSpec, command: list[str], timeout: float | None, interac
     """The cold path: build the cell in this process. An interactive run gets a pty of its own."""
     from ..cell import launch
 
-    relay = terminal.Relay() if interactive else None
-    running = launch.start(spec, command, stdio=relay.stdio() if relay else (0, 1, 2), take_terminal=bool(relay))
+    running = launch.start(spec, command, tty_fds=terminal.tty_fds() if interactive else ())
+    relay = terminal.Relay(running.pty_master) if running.pty_master is not None else None
 
     def forward(sig: int, _frame: object) -> None:
         running.forward(sig)
