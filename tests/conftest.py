@@ -42,7 +42,11 @@ def _make_user() -> User:
 
 
 def _drop_user(u: User) -> None:
-    subprocess.run(["userdel", u.name], check=False, capture_output=True)
+    # userdel refuses while a process of the account runs: that would be a cell (or launcher) that
+    # outlived its test, a cleanup bug worth an error rather than a leftover account.
+    p = subprocess.run(["userdel", u.name], capture_output=True, text=True)
+    if p.returncode != 0:
+        raise AssertionError(f"could not delete test account {u.name}: {p.stderr.strip()}")
 
 
 @pytest.fixture(scope="session")

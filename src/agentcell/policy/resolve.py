@@ -35,11 +35,17 @@ def is_env_name(name: str) -> bool:
     return bool(name) and name.isascii() and not name[0].isdigit() and name.replace("_", "a").isalnum()
 
 
+_NOT_HOMES = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/dev", "/proc", "/sys", "/etc", "/run")
+
+
 def home_dirs() -> set[str]:
+    """Every account's home (also service accounts' such as /var/www), except system directories that
+    serve as a placeholder home (bin: /bin, daemon: /usr/sbin, nobody: /nonexistent)."""
     homes = {"/root", "/home"}
     for pw in pwd.getpwall():
-        if pw.pw_dir and pw.pw_dir not in ("/", "/nonexistent") and pw.pw_dir.startswith("/home/"):
-            homes.add(os.path.realpath(pw.pw_dir))
+        d = pw.pw_dir.rstrip("/")
+        if d and d != "/nonexistent" and not any(d == s or d.startswith(s + "/") for s in _NOT_HOMES):
+            homes.add(os.path.realpath(d))
     return homes
 
 
