@@ -147,10 +147,10 @@ def start(idle_s: float) -> tuple[int, bool]:
     try:
         os.makedirs(d, mode=0o700, exist_ok=True)
     except OSError as e:
-        raise AgentcellError("warm", f"cannot create {d}: {e.strerror}",
+        raise AgentcellError("", f"cannot create {d}: {e.strerror}",
                              "set XDG_RUNTIME_DIR (or XDG_STATE_HOME) to a directory you own") from None
     if not _private_dir(d):
-        raise AgentcellError("warm", f"{d} must be a directory owned by you with mode 0700",
+        raise AgentcellError("", f"{d} must be a directory owned by you with mode 0700",
                              f"fix it: chmod 700 {d}, or remove it")
     path = os.path.join(d, SOCKET_NAME)
     try:
