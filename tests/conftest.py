@@ -100,3 +100,23 @@ def agentcell_run(args: list[str], *, as_user: User | None = None, env: dict[str
         result = json.loads(lines[-1])
         lines = lines[:-1]
     return Run(p.returncode, "\n".join(lines), p.stderr, result)
+
+
+def deny_syscall(nr: int, err: int, *, arg0_mask: int | None = None) -> str:
+    """Python code that installs a seccomp filter making syscall ``nr`` fail with ``err`` (only when
+    its first argument has a bit of ``arg0_mask``, if given), then execs argv[1:]: a host without a
+    kernel feature, made on this one."""
+    check_arg = f"(0x20, 0, 0, 16), (0x45, 0, 1, {arg0_mask}), " if arg0_mask is not None else ""
+    skip = 3 if arg0_mask is not None else 1
+    return f"""
+import ctypes, os, struct, sys
+insns = [(0x20, 0, 0, 4), (0x15, 0, {skip + 2}, 0xC000003E), (0x20, 0, 0, 0), (0x15, 0, {skip}, {nr}),
+         {check_arg}(0x06, 0, 0, 0x00050000 | {err}), (0x06, 0, 0, 0x7FFF0000)]
+prog = b"".join(struct.pack("HBBI", *i) for i in insns)
+buf = ctypes.create_string_buffer(prog)
+fprog = struct.pack("HxxxxxxQ", len(insns), ctypes.addressof(buf))
+libc = ctypes.CDLL(None, use_errno=True)
+assert libc.prctl(38, 1, 0, 0, 0) == 0
+assert libc.prctl(22, 2, ctypes.c_char_p(fprog), 0, 0) == 0, ctypes.get_errno()
+os.execv(sys.argv[1], sys.argv[1:])
+"""

@@ -92,8 +92,8 @@ def test_cell_cannot_reach_the_test_host(user: User, test_host: PeerHost, mode: 
 
 LOOPBACK = textwrap.dedent("""
     import socket
-    s = socket.socket(); s.bind(("127.0.0.1", 0)); s.listen(1)
     try:
+        s = socket.socket(); s.bind(("127.0.0.1", 0)); s.listen(1)
         c = socket.create_connection(s.getsockname(), timeout=2); a, _ = s.accept()
         c.sendall(b"ping"); print("LOOPBACK", a.recv(4).decode())
     except OSError as e:
@@ -106,6 +106,16 @@ def test_loopback_works_inside_loopback_mode_only(user: User) -> None:
     assert r.out.strip() == "LOOPBACK ping", r.out + r.err
     r = agentcell_run(["--as", str(user.uid), "--net", "none", "--", "python3", "-c", LOOPBACK])
     assert r.out.startswith("NOLOOP"), r.out + r.err
+
+
+def test_net_none_denies_tcp_twice(user: User) -> None:
+    # The namespace has no interface up; Landlock (ABI >= 4) refuses TCP bind/connect before routing.
+    from agentcell.cell import landlock
+
+    if landlock.abi() < 4:
+        pytest.skip(f"Landlock ABI {landlock.abi()} has no TCP rules (needs 4, Linux 6.7)")
+    r = agentcell_run(["--as", str(user.uid), "--net", "none", "--", "python3", "-c", LOOPBACK])
+    assert r.out.strip() == "NOLOOP 13", r.out + r.err  # EACCES from Landlock, not ENETUNREACH
 
 
 def test_cell_sees_no_interface_but_lo(user: User) -> None:

@@ -1,11 +1,14 @@
 """`agentcell run` started by a non-root user: identity `self` through a user namespace."""
 from __future__ import annotations
 
+import errno
 import os
 import subprocess
 from pathlib import Path
 
-from conftest import AGENTCELL, User, agentcell_run, needs_root
+import pytest
+
+from conftest import AGENTCELL, User, agentcell_run, deny_syscall, needs_root
 
 pytestmark = needs_root  # root is needed only to create the throwaway user
 
@@ -51,24 +54,11 @@ def test_rootless_exit_status_passes_through(user: User) -> None:
     assert r.rc == 42
 
 
-DENY_USERNS = """
-import ctypes, os, struct, sys
-# A seccomp filter that makes unshare(CLONE_NEWUSER) fail with EPERM, as on hosts that restrict
-# unprivileged user namespaces (Ubuntu's AppArmor rule, a container runtime's profile).
-insns = [(0x20, 0, 0, 4), (0x15, 0, 5, 0xC000003E), (0x20, 0, 0, 0), (0x15, 0, 3, 272),
-         (0x20, 0, 0, 16), (0x45, 0, 1, 0x10000000), (0x06, 0, 0, 0x00050001), (0x06, 0, 0, 0x7FFF0000)]
-prog = b"".join(struct.pack("HBBI", *i) for i in insns)
-buf = ctypes.create_string_buffer(prog)
-fprog = struct.pack("HxxxxxxQ", len(insns), ctypes.addressof(buf))
-libc = ctypes.CDLL(None, use_errno=True)
-assert libc.prctl(38, 1, 0, 0, 0) == 0  # no_new_privs
-assert libc.prctl(22, 2, ctypes.c_char_p(fprog), 0, 0) == 0, ctypes.get_errno()  # SECCOMP_MODE_FILTER
-os.execv(sys.argv[1], sys.argv[1:])
-"""
-
-
 def test_refused_user_namespaces_are_explained(user: User) -> None:
-    p = subprocess.run([*user.prefix(), str(Path(AGENTCELL).parent / "python"), "-c", DENY_USERNS, AGENTCELL,
+    # unshare(CLONE_NEWUSER) -> EPERM, as on hosts that restrict unprivileged user namespaces
+    # (Ubuntu's AppArmor rule, a container runtime's profile).
+    deny = deny_syscall(272, errno.EPERM, arg0_mask=0x10000000)
+    p = subprocess.run([*user.prefix(), str(Path(AGENTCELL).parent / "python"), "-c", deny, AGENTCELL,
                         "run", "--", "true"], capture_output=True, text=True, env={"PATH": "/usr/bin:/bin"})
     assert p.returncode == 123, p.stderr
     assert "user namespaces" in p.stderr and "agentcell doctor" in p.stderr and "Traceback" not in p.stderr
@@ -106,3 +96,13 @@ def _cmdline(pid: str) -> list[bytes]:
         return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     except OSError:
         return []
+
+
+def test_rootless_command_cannot_signal_outside_its_cell(user: User) -> None:
+    from agentcell.cell import landlock
+
+    if landlock.abi() < 6:
+        pytest.skip(f"Landlock ABI {landlock.abi()} has no signal scoping (needs 6, Linux 6.12)")
+    # PID 1 has the same uid in rootless mode; only Landlock's scope keeps the command from it.
+    r = agentcell_run(["--", "sh", "-c", "kill -0 1 && echo SIGNALLED; true"], as_user=user)
+    assert r.rc == 0 and "SIGNALLED" not in r.out, r.out + r.err

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import AGENTCELL, User, agentcell_run, needs_root
+from conftest import AGENTCELL, User, agentcell_run, deny_syscall, needs_root
 
 pytestmark = needs_root
 
@@ -209,7 +209,7 @@ def test_explain_runs_nothing_and_lists_the_steps(user: User, project: Path) -> 
     assert p.returncode == 0, p.stderr
     assert not (project / "should-not-exist").exists()
     for needle in ("pivot_root", "bind rw,nosuid,nodev " + str(project), "bind ro,nosuid,nodev /usr",
-                   "PR_SET_NO_NEW_PRIVS", "mask /etc/shadow"):
+                   "PR_SET_NO_NEW_PRIVS", "mask /etc/shadow", f"{project}: all but device nodes"):
         assert needle in p.stdout, needle
 
 
@@ -481,3 +481,15 @@ def test_a_rename_while_the_cell_is_built_cannot_move_a_ro_bind(user: User, proj
     assert "WROTE" not in p.stdout
     orig = ro / "ORIG" if (ro / "ORIG").exists() else decoy / "ORIG"
     assert orig.read_text() == "original\n"
+
+
+@pytest.mark.parametrize("mode", ["required", "best-effort"])
+def test_without_landlock_the_launch_fails_closed_unless_best_effort(user: User, mode: str) -> None:
+    deny = deny_syscall(444, 38)  # landlock_create_ruleset -> ENOSYS: a kernel without Landlock
+    p = subprocess.run([sys.executable, "-c", deny, AGENTCELL, "run", "--as", str(user.uid), "--landlock", mode,
+                        "--", "echo", "RAN"], capture_output=True, text=True)
+    if mode == "required":
+        assert p.returncode == 123 and "RAN" not in p.stdout, p.stdout + p.stderr
+        assert "Landlock ABI is 0" in p.stderr and "best-effort" in p.stderr
+    else:
+        assert p.returncode == 0 and p.stdout.strip() == "RAN", p.stdout + p.stderr

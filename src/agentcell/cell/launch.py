@@ -17,7 +17,7 @@ import stat
 import time
 
 from ..errors import EXIT_CANNOT_EXEC, EXIT_NOT_FOUND, EXIT_SETUP, EXIT_TIMEOUT, LaunchError
-from . import handoff, identity, mounts, namespaces, pid1, terminal
+from . import handoff, identity, landlock, mounts, namespaces, pid1, terminal
 from . import syscalls as sc
 from .spec import TYPE_CHECKING, CellSpec, new_cell_id
 
@@ -341,7 +341,8 @@ def _command(spec: CellSpec, ctl: object, w: int) -> NoReturn:
     sc.close_fds_except(keep | {w})  # w is close-on-exec: it reports a failed exec, then vanishes
     for fd in keep:
         os.set_inheritable(fd, True)
-    # 8. Landlock and 9. seccomp (the hardening layer) belong here: after the hand-off, before exec.
+    # 8. Landlock: the mount tree again, as kernel rules that survive exec. (9. seccomp comes next.)
+    landlock.apply(spec)
     env = spec.environ()
     argv = cmd.argv
     try:

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 
     NetworkMode = Literal["none", "loopback"]
     IdentityMode = Literal["self", "agent", "uid"]
+    LandlockMode = Literal["required", "best-effort"]
 
 # Bound read-only (nosuid, nodev) when they exist on the host: what a typical toolchain needs.
 # Top-level symlinks (merged /usr: /bin -> usr/bin) are recreated as symlinks.
@@ -103,7 +104,7 @@ class CellSpec(_Frozen):
     """Everything the launcher needs for one cell, spelled out; paths absolute and resolved."""
 
     __slots__ = ("identity", "rw_paths", "ro_paths", "masked_paths", "system_paths", "scratch_dir", "home_dir",
-                 "network", "env", "cwd", "hostname", "cell_id")
+                 "network", "env", "cwd", "hostname", "landlock", "landlock_min_abi", "cell_id")
     identity: Identity
     rw_paths: tuple[str, ...]
     ro_paths: tuple[str, ...]
@@ -115,17 +116,19 @@ class CellSpec(_Frozen):
     env: tuple[tuple[str, str], ...]
     cwd: str | None
     hostname: str
+    landlock: LandlockMode  # required: fail closed below landlock_min_abi; best-effort: run without it
+    landlock_min_abi: int
     cell_id: str  # a label for reports; two specs that differ only here launch identical cells
 
     def __init__(self, identity: Identity, *, rw_paths: tuple[str, ...] = (), ro_paths: tuple[str, ...] = (),
                  masked_paths: tuple[str, ...] = (), system_paths: tuple[str, ...] = SYSTEM_RO_PATHS,
                  scratch_dir: str | None = None, home_dir: str | None = None, network: NetworkMode = "none",
                  env: tuple[tuple[str, str], ...] = (), cwd: str | None = None, hostname: str = CELL_HOSTNAME,
-                 cell_id: str = "") -> None:
+                 landlock: LandlockMode = "required", landlock_min_abi: int = 1, cell_id: str = "") -> None:
         self._init(identity=identity, rw_paths=tuple(rw_paths), ro_paths=tuple(ro_paths),
                    masked_paths=tuple(masked_paths), system_paths=tuple(system_paths), scratch_dir=scratch_dir,
                    home_dir=home_dir, network=network, env=tuple((str(k), str(v)) for k, v in env), cwd=cwd,
-                   hostname=hostname, cell_id=cell_id)
+                   hostname=hostname, landlock=landlock, landlock_min_abi=landlock_min_abi, cell_id=cell_id)
 
     def _key(self) -> tuple[object, ...]:
         return tuple(getattr(self, k) for k in self.__slots__ if k != "cell_id")

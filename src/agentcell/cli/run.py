@@ -38,9 +38,11 @@ OPTIONS: tuple[tuple[str, str, str, str, str], ...] = (
     ("--allow-unsafe-path", "allow_unsafe_path", "flag", "", "accept /, a home dir or a credential dir as a path"),
     ("--explain", "explain", "flag", "", "print the policy and every privileged step; run nothing"),
     ("--json", "json", "flag", "", "print one JSON result object as the last line of stdout"),
+    ("--landlock", "landlock", "value", "MODE", "required (default: refuse to run without Landlock) or best-effort"),
     ("--no-warm", "no_warm", "flag", "", "build the cell here even if a warm launcher runs (agentcell warm)"),
 )
 NET_MODES = ("none", "loopback")
+LANDLOCK_MODES = ("required", "best-effort")
 
 
 class Args:
@@ -55,6 +57,7 @@ class Args:
     scratch: str | None
     home: str | None
     net: str | None
+    landlock: str | None
     as_: str | None
     cwd: str | None
     timeout: float | None
@@ -111,7 +114,9 @@ def fast_parse(argv: list[str]) -> Args | None:
         i += 1
     if ns.net is None:
         ns.net = "none"
-    if ns.net not in NET_MODES or (ns.scratch and ns.tmpfs_scratch):
+    if ns.landlock is None:
+        ns.landlock = "required"
+    if ns.net not in NET_MODES or ns.landlock not in LANDLOCK_MODES or (ns.scratch and ns.tmpfs_scratch):
         return None
     return ns
 
@@ -140,6 +145,8 @@ def parser() -> Parser:
             target.add_argument(flag, dest=dest, action="append", default=[], metavar=metavar, help=help_)
         elif dest == "net":
             target.add_argument(flag, dest=dest, choices=NET_MODES, default="none", help=help_)
+        elif dest == "landlock":
+            target.add_argument(flag, dest=dest, choices=LANDLOCK_MODES, default="required", help=help_)
         else:
             target.add_argument(flag, dest=dest, metavar=metavar, help=help_,
                                 type=float if dest == "timeout" else str)
@@ -187,12 +194,13 @@ def build_spec(ns: Args | Namespace) -> CellSpec:
         identity=ident, rw_paths=rw, ro_paths=ro, masked_paths=masked, scratch_dir=scratch, home_dir=home,
         network="loopback" if ns.net == "loopback" else "none",
         env=rs.build_env(os.environ, ident, ns.env, ns.keep_env), cwd=cwd,
+        landlock="best-effort" if ns.landlock == "best-effort" else "required",
         cell_id=new_cell_id(),
     )
 
 
 def explain(spec: CellSpec, command: list[str]) -> dict[str, object]:
-    from ..cell import mounts, namespaces
+    from ..cell import landlock, mounts, namespaces
 
     ident = spec.identity
     plan = mounts.plan(spec)
@@ -207,13 +215,20 @@ def explain(spec: CellSpec, command: list[str]) -> dict[str, object]:
     if spec.network == "loopback":
         steps.append("ip link set lo up")
     steps.append(f"sethostname {spec.hostname}")
-    steps.append("fork -> the command (own process group)")
+    steps.append("fork -> the command: setsid (a session of its own, no controlling terminal)")
     if not ident.userns:
         steps.append(f"setgroups {list(ident.groups)}; setresgid {ident.gid}")
     steps.append("drop capability bounding set; clear ambient capabilities")
     steps.append(f"setresuid {ident.uid}; prctl(PR_SET_PDEATHSIG, SIGKILL); prctl(PR_SET_NO_NEW_PRIVS, 1)")
-    steps.append(f"chdir {spec.cwd}; close every fd but 0-2; execve {command[0] if command else '?'} "
-                 "with the environment listed above")
+    steps.append(f"chdir {spec.cwd}; receive argv and stdio fds; close every other fd")
+    version = landlock.abi()
+    if version >= max(spec.landlock_min_abi, 1):
+        steps.append(f"landlock (ABI {version}) restrict_self" + (", LOG_NEW_EXEC_ON" if version >= 7 else "") + ":")
+        steps += [f"  {rule}" for rule in landlock.describe(spec)]
+    else:
+        steps.append(f"landlock: ABI {version} here; " + ("refused (required)" if spec.landlock == "required"
+                                                          else "SKIPPED (--landlock best-effort)"))
+    steps.append(f"execve {command[0] if command else '?'} with the environment listed above")
     return {
         "cell_id": spec.cell_id,
         "identity": {"mode": ident.mode, "uid": ident.uid, "gid": ident.gid, "user": ident.user, "home": ident.home},
