@@ -87,7 +87,10 @@ def main() -> int:
         env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
         run = lambda argv: subprocess.run(argv, check=True, env=env)  # noqa: E731
         res: dict[str, float] = {}
-        with Cell(spec) as warm, Cell(spec, prewarm=False) as cold_api:
+        # Hardening cost: the same cell without Landlock (best-effort with an unreachable minimum ABI).
+        bare = spec.replace(landlock="best-effort", landlock_min_abi=1 << 30)
+        with (Cell(spec) as warm, Cell(spec, prewarm=False) as cold_api,
+              Cell(bare, prewarm=False) as bare_api):
             res["bwrap"] = median_ms(lambda: run(bw), args.runs)
             res["cli"] = median_ms(lambda: run(cli), args.runs)
             had_launcher = subprocess.run([AGENTCELL, "warm", "status"], capture_output=True).returncode == 0
@@ -102,6 +105,7 @@ def main() -> int:
             res["api_warm_spaced"] = median_ms(lambda: warm.run(["true"]), args.runs, GAP_S)
             res["api_warm_back_to_back"] = median_ms(lambda: warm.run(["true"]), args.runs)
             res["api_no_prewarm"] = median_ms(lambda: cold_api.run(["true"]), args.runs)
+            res["api_no_prewarm_no_landlock"] = median_ms(lambda: bare_api.run(["true"]), args.runs)
             res["python_startup"] = median_ms(lambda: run([sys.executable, "-c", "pass"]), args.runs)
     finally:
         subprocess.run(["userdel", name], check=False)
@@ -113,6 +117,7 @@ def main() -> int:
         "api_warm_spaced": res["api_warm_spaced"] / res["bwrap_spaced"],
         "api_warm_back_to_back": res["api_warm_back_to_back"] / res["bwrap"],
         "api_no_prewarm": res["api_no_prewarm"] / res["bwrap"],
+        "api_no_prewarm_no_landlock": res["api_no_prewarm_no_landlock"] / res["bwrap"],
         "python_startup": res["python_startup"] / res["bwrap"],
     }
     targets = {"cli": 3.0, "cli_warm_launcher": 3.0, "cli_warm_launcher_spaced": 3.0,
@@ -128,7 +133,9 @@ def main() -> int:
             ("cli_warm_launcher_spaced", "agentcell run, warm launcher, spaced 50 ms"),
             ("api_warm_spaced", "Cell.run, warm, spaced 50 ms"),
             ("api_warm_back_to_back", "Cell.run, warm, back to back"),
-            ("api_no_prewarm", "Cell.run, no pre-warm"), ("python_startup", "python -c pass (floor of any CLI)")]
+            ("api_no_prewarm", "Cell.run, no pre-warm"),
+            ("api_no_prewarm_no_landlock", "Cell.run, no pre-warm, without Landlock"),
+            ("python_startup", "python -c pass (floor of any CLI)")]
     for key, label in rows:
         target = targets.get(key)
         verdict = ""

@@ -85,11 +85,13 @@ class Run:
 
 def agentcell_run(args: list[str], *, as_user: User | None = None, env: dict[str, str] | None = None,
                   timeout: float = 60, pass_fds: tuple[int, ...] = (), input: str | None = None,
-                  cwd: str | None = None) -> Run:
-    """Run the real CLI with --json and return the command's output and the parsed result line."""
+                  cwd: str | None = None, warm: bool = False) -> Run:
+    """Run the real CLI with --json and return the command's output and the parsed result line.
+    Cells are built by the CLI itself unless ``warm``: a warm launcher someone left running on the
+    machine must not decide which code path a test exercises."""
     base = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8"}
     full = dict(base, **(env or {}))
-    argv = [AGENTCELL, "run", "--json", *args]
+    argv = [AGENTCELL, "run", "--json", *([] if warm else ["--no-warm"]), *args]
     if as_user:
         argv = as_user.prefix() + argv
     p = subprocess.run(argv, capture_output=True, text=True, env=full, timeout=timeout, pass_fds=pass_fds,

@@ -59,7 +59,8 @@ def test_refused_user_namespaces_are_explained(user: User) -> None:
     # (Ubuntu's AppArmor rule, a container runtime's profile).
     deny = deny_syscall(272, errno.EPERM, arg0_mask=0x10000000)
     p = subprocess.run([*user.prefix(), str(Path(AGENTCELL).parent / "python"), "-c", deny, AGENTCELL,
-                        "run", "--", "true"], capture_output=True, text=True, env={"PATH": "/usr/bin:/bin"})
+                        "run", "--no-warm", "--", "true"], capture_output=True, text=True,
+                       env={"PATH": "/usr/bin:/bin"})
     assert p.returncode == 123, p.stderr
     assert "user namespaces" in p.stderr and "agentcell doctor" in p.stderr and "Traceback" not in p.stderr
 

@@ -254,7 +254,8 @@ def test_interactive_shell_has_job_control_on_its_own_terminal(user: User) -> No
 
     pid, fd = pty.fork()
     if pid == 0:
-        os.execv(AGENTCELL, [AGENTCELL, "run", "--as", str(user.uid), "--", "bash", "--norc", "--noprofile", "-i"])
+        os.execv(AGENTCELL, [AGENTCELL, "run", "--no-warm", "--as", str(user.uid), "--", "bash", "--norc",
+                             "--noprofile", "-i"])
     try:
         out = _read_until(fd, b"$ ")  # type like a person: after the prompt
         os.write(fd, b"echo FLAGS=$-; tty; sleep 0.1 & jobs; exit 3\n")
@@ -292,7 +293,7 @@ def test_a_cell_cannot_type_into_the_callers_terminal(user: User) -> None:
 
     # A root shell runs agentcell non-interactively, then reads a line from its terminal: whatever
     # the cell pushed into that terminal would run as root.
-    script = (f"{AGENTCELL} run --as {user.uid} -- python3 -c '{TIOCSTI_ATTACK}' </dev/null; "
+    script = (f"{AGENTCELL} run --no-warm --as {user.uid} -- python3 -c '{TIOCSTI_ATTACK}' </dev/null; "
               "IFS= read -r -t 2 line; echo \"SHELL-READ:[$line]\"")
     pid, fd = pty.fork()
     if pid == 0:
@@ -315,7 +316,7 @@ def test_interactive_run_cannot_type_into_the_callers_terminal(user: User) -> No
     import pty
     import signal
 
-    script = (f"{AGENTCELL} run --as {user.uid} -- python3 -c '{TIOCSTI_ATTACK}'; "
+    script = (f"{AGENTCELL} run --no-warm --as {user.uid} -- python3 -c '{TIOCSTI_ATTACK}'; "
               "IFS= read -r -t 2 line; echo \"SHELL-READ:[$line]\"")
     pid, fd = pty.fork()
     if pid == 0:
@@ -486,8 +487,8 @@ def test_a_rename_while_the_cell_is_built_cannot_move_a_ro_bind(user: User, proj
 @pytest.mark.parametrize("mode", ["required", "best-effort"])
 def test_without_landlock_the_launch_fails_closed_unless_best_effort(user: User, mode: str) -> None:
     deny = deny_syscall(444, 38)  # landlock_create_ruleset -> ENOSYS: a kernel without Landlock
-    p = subprocess.run([sys.executable, "-c", deny, AGENTCELL, "run", "--as", str(user.uid), "--landlock", mode,
-                        "--", "echo", "RAN"], capture_output=True, text=True)
+    p = subprocess.run([sys.executable, "-c", deny, AGENTCELL, "run", "--no-warm", "--as", str(user.uid),
+                        "--landlock", mode, "--", "echo", "RAN"], capture_output=True, text=True)
     if mode == "required":
         assert p.returncode == 123 and "RAN" not in p.stdout, p.stdout + p.stderr
         assert "Landlock ABI is 0" in p.stderr and "best-effort" in p.stderr

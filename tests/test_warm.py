@@ -75,23 +75,24 @@ def test_run_goes_through_the_warm_launcher_and_confines_the_same(user: User, ru
     for _ in range(3):  # the first builds a cell, the next ones take the prepared cell
         r = agentcell_run(["--rw", str(project), "--", "sh", "-c",
                            f"id -u; echo w >> {project}/w.txt; env; echo x > /usr/x 2>/dev/null || echo RO"],
-                          as_user=user, env=env)
+                          as_user=user, env=env, warm=True)
         assert r.rc == 0, r.err
         assert r.result["via"] == "warm launcher"
         assert r.out.splitlines()[0] == str(user.uid)
         assert "sk-leak" not in r.out and "RO" in r.out
     assert (project / "w.txt").read_text() == "w\n" * 3
-    r = agentcell_run(["--no-warm", "--", "true"], as_user=user, env=env)
+    r = agentcell_run(["--no-warm", "--", "true"], as_user=user, env=env, warm=True)
     assert r.rc == 0 and r.result["via"] == "here"
 
 
 def test_warm_exit_codes_timeout_and_errors_match_the_cold_path(user: User, runtime_dir: Path) -> None:
     warm(user, runtime_dir, "start")
     env = {"XDG_RUNTIME_DIR": str(runtime_dir)}
-    assert agentcell_run(["--", "sh", "-c", "exit 9"], as_user=user, env=env).rc == 9
-    r = agentcell_run(["--", "no-such-command-agentcell"], as_user=user, env=env)
+    r = agentcell_run(["--", "sh", "-c", "exit 9"], as_user=user, env=env, warm=True)
+    assert r.rc == 9 and r.result["via"] == "warm launcher"
+    r = agentcell_run(["--", "no-such-command-agentcell"], as_user=user, env=env, warm=True)
     assert r.rc == 127 and "not found" in r.err
-    r = agentcell_run(["--timeout", "0.5", "--", "sleep", "30"], as_user=user, env=env)
+    r = agentcell_run(["--timeout", "0.5", "--", "sleep", "30"], as_user=user, env=env, warm=True)
     assert r.rc == 124 and r.result["timed_out"] is True
 
 
@@ -145,7 +146,7 @@ def test_launcher_serves_only_its_own_uid(user: User, runtime_dir: Path) -> None
 def test_client_ignores_a_launcher_directory_others_can_write(user: User, runtime_dir: Path) -> None:
     warm(user, runtime_dir, "start")
     os.chmod(runtime_dir / "agentcell", 0o777)
-    r = agentcell_run(["--", "true"], as_user=user, env={"XDG_RUNTIME_DIR": str(runtime_dir)})
+    r = agentcell_run(["--", "true"], as_user=user, env={"XDG_RUNTIME_DIR": str(runtime_dir)}, warm=True)
     assert r.rc == 0 and r.result["via"] == "here"
     os.chmod(runtime_dir / "agentcell", 0o700)
 
@@ -186,7 +187,7 @@ def test_a_rootless_cell_cannot_order_cells_from_its_owners_launcher(user: User,
     exposed.mkdir()
     subprocess.run(["mount", "--bind", str(runtime_dir / "agentcell"), str(exposed)], check=True)
     try:
-        r = agentcell_run(["--no-warm", "--ro", str(exposed), "--", "python3", "-c", CELL_CLIENT,
+        r = agentcell_run(["--ro", str(exposed), "--", "python3", "-c", CELL_CLIENT,
                            str(exposed / "launcher.sock")], as_user=user, env={"XDG_RUNTIME_DIR": str(runtime_dir)})
     finally:
         subprocess.run(["umount", str(exposed)], check=True)
@@ -200,7 +201,7 @@ def test_a_rootless_cell_cannot_order_cells_from_its_owners_launcher(user: User,
 
 def test_launcher_directory_is_masked_in_cells_that_share_its_parent(user: User, runtime_dir: Path) -> None:
     warm(user, runtime_dir, "start")
-    r = agentcell_run(["--no-warm", "--ro", str(runtime_dir), "--", "ls", "-A", str(runtime_dir / "agentcell")],
+    r = agentcell_run(["--ro", str(runtime_dir), "--", "ls", "-A", str(runtime_dir / "agentcell")],
                       as_user=user, env={"XDG_RUNTIME_DIR": str(runtime_dir)})
     assert r.rc != 0 or r.out.strip() == "", r.out
     assert "launcher.sock" not in r.out

@@ -76,20 +76,37 @@ def describe(spec: CellSpec) -> list[str]:
     return out
 
 
-def apply(spec: CellSpec) -> None:
-    """Step 8 of the launch: restrict to the cell's rules, or fail closed below the policy's minimum
-    ABI unless the policy opted into running without (``--landlock best-effort``)."""
+class Ruleset:
+    """A built ruleset, enforced later (a prepared cell builds it before its command arrives)."""
+
+    def __init__(self, fd: int, version: int) -> None:
+        self.fd, self.version = fd, version
+
+    def enforce(self) -> None:
+        """Restrict this process, and all it execs, to the rules for good."""
+        flags = LOG_NEW_EXEC_ON if self.version >= 7 else 0
+        try:
+            if _libc.syscall(_L(SYS_restrict_self), _L(self.fd), _L(flags)) < 0:
+                raise LaunchError("landlock", f"restrict_self: {os.strerror(ctypes.get_errno())}")
+        finally:
+            os.close(self.fd)
+
+
+def prepare(spec: CellSpec) -> Ruleset | None:
+    """Step 8, first half: the cell's ruleset; None only when the policy accepts running without
+    (``--landlock best-effort``) on a kernel below its minimum ABI, else fail closed."""
     version = abi()
     if version >= max(spec.landlock_min_abi, 1):
-        restrict(spec, version)
-    elif spec.landlock != "best-effort":
-        raise LaunchError("landlock", f"this kernel's Landlock ABI is {version}, the policy needs "
-                          f"{max(spec.landlock_min_abi, 1)}", "see 'agentcell doctor'; --landlock best-effort runs "
-                          "without this second wall")
+        return build(spec, version)
+    if spec.landlock == "best-effort":
+        return None
+    raise LaunchError("landlock", f"this kernel's Landlock ABI is {version}, the policy needs "
+                      f"{max(spec.landlock_min_abi, 1)}", "see 'agentcell doctor'; --landlock best-effort runs "
+                      "without this second wall")
 
 
-def restrict(spec: CellSpec, version: int) -> None:
-    """Build the ruleset for ``spec`` and restrict this process (and what it execs) to it for good."""
+def build(spec: CellSpec, version: int) -> Ruleset:
+    """The ruleset for ``spec`` (not yet enforced)."""
     fs = fs_rights(version)
     net = NET_BIND_TCP | NET_CONNECT_TCP if version >= 4 and spec.network == "none" else 0
     scoped = SCOPE_ABSTRACT_UNIX_SOCKET | SCOPE_SIGNAL if version >= 6 else 0
@@ -100,11 +117,10 @@ def restrict(spec: CellSpec, version: int) -> None:
     try:
         for path, rights in rules_for(spec):
             _add_path(int(ruleset), path, rights & fs)
-        flags = LOG_NEW_EXEC_ON if version >= 7 else 0
-        if _libc.syscall(_L(SYS_restrict_self), _L(ruleset), _L(flags)) < 0:
-            raise LaunchError("landlock", f"restrict_self: {os.strerror(ctypes.get_errno())}")
-    finally:
+    except BaseException:
         os.close(int(ruleset))
+        raise
+    return Ruleset(int(ruleset), version)
 
 
 def _add_path(ruleset: int, path: str, rights: int) -> None:

@@ -314,21 +314,26 @@ def _cell(spec: CellSpec, plan: mounts.MountPlan, w: int, ctl: object, outer_uid
 
 
 def _command(spec: CellSpec, ctl: object, w: int) -> NoReturn:
-    """The command's process: confined fully *before* it learns its command, then exec."""
+    """The command's process: everything that does not depend on the command is done before it
+    arrives (a warm cell waits here); the identity is dropped only once it has arrived, so a prepared
+    cell never shows a process of the agent's account."""
     for s in (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGINT, signal.SIGTTOU, signal.SIGTTIN, signal.SIGTSTP):
         signal.signal(s, signal.SIG_DFL)
     # A session of its own: no controlling terminal, so nothing it does reaches the caller's terminal
     # (TIOCSTI); an interactive run gets the cell's own pty as its terminal below.
     os.setsid()
-    # 7. Identity: the agent account (or our own uid in the user namespace), for good.
-    _step("identity", identity.drop, spec.identity)
-    cwd = spec.cwd or spec.identity.home
-    _step(f"cwd {cwd}", os.chdir, cwd)
+    # 8. Landlock, first half: the ruleset (the mount tree again, as kernel rules), built now so a
+    #    prepared cell has it ready; enforced just before exec.
+    rules = landlock.prepare(spec)
     # The command arrives now: at once from `agentcell run`, later for a warm cell. A cell discarded
     # unused ends here.
     cmd = handoff.recv(ctl)  # type: ignore[arg-type]
     if cmd is None:
         os._exit(0)
+    # 7. Identity: the agent account (or our own uid in the user namespace), for good.
+    _step("identity", identity.drop, spec.identity)
+    cwd = spec.cwd or spec.identity.home
+    _step(f"cwd {cwd}", os.chdir, cwd)
     # 10. fds onto the numbers the command expects (two passes: a target may hold a source), close
     #     every other fd, scrubbed environment, exec.
     moved = {target: os.dup(fd) for target, fd in cmd.fds.items()}
@@ -337,12 +342,13 @@ def _command(spec: CellSpec, ctl: object, w: int) -> NoReturn:
     _stdio_no_directories()
     if cmd.tty_fds:  # an interactive run: a pty of the cell's own devpts, its master to the caller
         _step("terminal", terminal.attach_new_pty, ctl, cmd.tty_fds)
+    # 8. Landlock, second half: enforced for good (it survives exec). 9. seccomp will follow it.
+    if rules is not None:
+        rules.enforce()
     keep = set(cmd.fds) | set(cmd.tty_fds)
     sc.close_fds_except(keep | {w})  # w is close-on-exec: it reports a failed exec, then vanishes
     for fd in keep:
         os.set_inheritable(fd, True)
-    # 8. Landlock: the mount tree again, as kernel rules that survive exec. (9. seccomp comes next.)
-    landlock.apply(spec)
     env = spec.environ()
     argv = cmd.argv
     try:
