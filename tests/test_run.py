@@ -494,3 +494,93 @@ def test_without_landlock_the_launch_fails_closed_unless_best_effort(user: User,
         assert "Landlock ABI is 0" in p.stderr and "best-effort" in p.stderr
     else:
         assert p.returncode == 0 and p.stdout.strip() == "RAN", p.stdout + p.stderr
+
+
+TAKEOVER = """
+import fcntl, os, termios
+for fd in (0, 1, 2):  # a terminal no session owns could become ours (TIOCSCTTY), then take keystrokes
+    try:
+        fcntl.ioctl(fd, termios.TIOCSCTTY, 0)
+    except OSError:
+        pass
+    try:
+        for c in b"echo INJECTED\\\\n":
+            fcntl.ioctl(fd, termios.TIOCSTI, bytes([c]))
+        print("pushed into fd", fd, "which is", os.ttyname(fd))
+    except OSError:
+        pass
+"""
+
+
+def _pending_input(slave: int) -> bytes:
+    os.set_blocking(slave, False)
+    try:
+        return os.read(slave, 4096)
+    except BlockingIOError:
+        return b""
+
+
+def test_a_terminal_that_no_session_owns_never_reaches_the_cell(user: User) -> None:
+    # A harness gives the cell a pty of its own making (not its controlling terminal), as harnesses do
+    # for coloured output; whatever reaches that terminal's input would be read by its next command.
+    master, slave = os.openpty()
+    try:
+        p = subprocess.run([AGENTCELL, "run", "--no-warm", "--as", str(user.uid), "--", "python3", "-c", TAKEOVER],
+                           stdin=slave, stdout=slave, stderr=slave, timeout=60)
+        assert p.returncode == 0
+        assert b"INJECTED" not in _pending_input(slave)
+    finally:
+        os.close(master)
+        os.close(slave)
+
+
+def test_the_python_api_never_hands_a_terminal_to_a_cell(user: User) -> None:
+    from agentcell import Cell, CellSpec
+    from agentcell.policy.resolve import build_env, resolve_identity
+
+    ident = resolve_identity(str(user.uid), euid=0)
+    master, slave = os.openpty()
+    try:
+        with Cell(CellSpec(ident, env=build_env({}, ident))) as cell:
+            proc = cell.spawn(["python3", "-c", TAKEOVER], stdin=slave, stdout=slave, stderr=slave)
+            assert proc.wait(timeout=60) == 0
+        assert b"INJECTED" not in _pending_input(slave)
+    finally:
+        os.close(master)
+        os.close(slave)
+
+
+def test_a_cell_that_reads_no_input_cannot_stall_the_relay_or_its_timeout(user: User) -> None:
+    import pty
+    import signal
+
+    pid, fd = pty.fork()
+    if pid == 0:
+        os.execv(AGENTCELL, [AGENTCELL, "run", "--no-warm", "--as", str(user.uid), "--timeout", "2", "--",
+                             "sleep", "60"])
+    try:
+        os.set_blocking(fd, False)
+        sent = 0
+        for _ in range(400):  # keep typing into a cell that never reads: the pty's buffers fill up
+            try:
+                sent += os.write(fd, b"x" * 1024)
+            except BlockingIOError:
+                pass
+            except OSError:
+                break
+            _read_until(fd, b"\x00never", limit_s=0.01)
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                pid = 0
+                break
+        if pid:
+            _read_until(fd, b"\x00never", limit_s=20)
+            done, status = os.waitpid(pid, 0)
+            pid = 0
+    finally:
+        if pid:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        os.close(fd)
+    assert sent > 4096
+    assert os.waitstatus_to_exitcode(status) == 124

@@ -205,3 +205,26 @@ def test_launcher_directory_is_masked_in_cells_that_share_its_parent(user: User,
                       as_user=user, env={"XDG_RUNTIME_DIR": str(runtime_dir)})
     assert r.rc != 0 or r.out.strip() == "", r.out
     assert "launcher.sock" not in r.out
+
+
+def test_launcher_directories_are_masked_whatever_the_callers_environment(user: User) -> None:
+    # The launcher listens in the usual /run/user/UID; the cell's caller has no XDG_RUNTIME_DIR but
+    # shares that directory. (Unusual XDG_RUNTIME_DIRs are not known to a caller without the variable:
+    # there the launcher's namespace check is what refuses a cell, see above.)
+    rt = Path(f"/run/user/{user.uid}")
+    made_parent = not rt.parent.exists()
+    rt.mkdir(parents=True, mode=0o700)
+    shutil.chown(rt, user.uid, user.gid)
+    try:
+        warm(user, rt, "start")
+        r = agentcell_run(["--rw", str(rt), "--", "ls", "-A", str(rt / "agentcell")], as_user=user)
+        assert r.rc in (0, 2) and "launcher.sock" not in r.out, r.out + r.err
+    finally:
+        subprocess.run([*user.prefix(), "env", f"XDG_RUNTIME_DIR={rt}", AGENTCELL, "warm", "stop"],
+                       capture_output=True)
+        for pid in STARTED.pop(str(rt), []):
+            if _is_launcher(pid):
+                os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(rt, ignore_errors=True)
+        if made_parent:
+            rt.parent.rmdir()

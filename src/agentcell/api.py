@@ -178,16 +178,23 @@ class Cell:
     # -- launching ------------------------------------------------------------------------------
     def spawn(self, argv: Sequence[str], *, stdin: int | None = None, stdout: int | None = None,
               stderr: int | None = None) -> CellProcess:
-        """Start ``argv`` in a new cell. stdio are fds (default: this process's own 0, 1, 2)."""
+        """Start ``argv`` in a new cell. stdio are fds (default: this process's own 0, 1, 2). A
+        terminal never reaches a cell: stdin from one becomes /dev/null, output to one goes through a
+        pipe copied to it here."""
         args = [os.fspath(a) for a in argv]
         if not args:
             raise AgentcellError("argv", "no command given", "pass e.g. ['make', 'test']")
         fds = [0 if stdin is None else stdin, 1 if stdout is None else stdout, 2 if stderr is None else stderr]
+        fds, ours = _without_terminals(fds)
         with self._lock:
             self._next += 1
             rid = self._next
             pending = self._pending[rid] = _Pending()
-        self._send({"op": "spawn", "id": rid, "spec": spec_to_dict(self.spec), "argv": args}, fds)
+        try:
+            self._send({"op": "spawn", "id": rid, "spec": spec_to_dict(self.spec), "argv": args}, fds)
+        finally:
+            for fd in ours:
+                os.close(fd)
         ev = pending.events.get()
         if ev["event"] == "error":
             self._forget(rid)
@@ -231,6 +238,34 @@ class Cell:
             signal=int(res["signal"]), duration_s=float(res["duration_s"]), cell_id=str(res["cell_id"]),
             timed_out=bool(res["timed_out"]), error=res.get("error"),
         )
+
+
+def _without_terminals(fds: list[int]) -> tuple[list[int], list[int]]:
+    """Replace terminal fds (see :meth:`Cell.spawn`); returns the fds to send and those to close after."""
+    out, ours = list(fds), []
+    for i, fd in enumerate(fds):
+        if not os.isatty(fd):
+            continue
+        if i == 0:
+            out[i] = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+        else:
+            r, w = os.pipe2(os.O_CLOEXEC)
+            threading.Thread(target=_copy_until_eof, args=(r, fd), name="agentcell-output", daemon=True).start()
+            out[i] = w
+        ours.append(out[i])
+    return out, ours
+
+
+def _copy_until_eof(src: int, dst: int) -> None:
+    try:
+        while chunk := os.read(src, 65536):
+            view = memoryview(chunk)
+            while view:
+                view = view[os.write(dst, view):]
+    except OSError:
+        pass
+    finally:
+        os.close(src)
 
 
 def _communicate(in_w: int, out_r: int, err_r: int, data: bytes | None,

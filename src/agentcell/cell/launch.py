@@ -346,6 +346,7 @@ def _command(spec: CellSpec, ctl: object, w: int) -> NoReturn:
     if rules is not None:
         rules.enforce()
     keep = set(cmd.fds) | set(cmd.tty_fds)
+    terminal.refuse_foreign(keep)
     sc.close_fds_except(keep | {w})  # w is close-on-exec: it reports a failed exec, then vanishes
     for fd in keep:
         os.set_inheritable(fd, True)

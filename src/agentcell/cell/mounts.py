@@ -101,13 +101,13 @@ def plan(spec: CellSpec) -> MountPlan:
 
     seen: dict[tuple[int, int], str] = {}
 
-    def mask(p: str) -> Step:
+    def mask(p: str, dest: str | None = None) -> Step:
         fd = open_nofollow(p)
         try:
             st = os.fstat(fd)
         finally:
             os.close(fd)
-        s = Step("mask", p, is_dir=stat.S_ISDIR(st.st_mode))
+        s = Step("mask", dest or p, is_dir=stat.S_ISDIR(st.st_mode))
         s.dest_id = (st.st_dev, st.st_ino)
         return s
 
@@ -172,10 +172,15 @@ def plan(spec: CellSpec) -> MountPlan:
     mine.sort(key=lambda s: (_depth(s.dest), s.kind == "mask"))
     # The host's secrets last, wherever a bind (system or declared, e.g. --ro /etc) brought them in,
     # and the warm launchers' sockets (a rootless cell has its owner's uid).
-    bound = [s.dest.rstrip("/") for s in steps + mine if s.kind == "bind"]
-    hidden = (*SECRET_FILES, *SECRET_DIRS, "/run/agentcell", os.path.realpath(wire.socket_dir()))
-    secrets = [mask(p) for p in hidden
-               if os.path.exists(p) and not os.path.islink(p) and any(p == b or p.startswith(b + "/") for b in bound)]
+    secrets = []
+    for p in (*SECRET_FILES, *SECRET_DIRS, *wire.socket_dirs(spec.identity.uid, spec.identity.home)):
+        if not os.path.exists(p) or os.path.islink(p):
+            continue
+        for s in steps + mine:  # where a bind brings it in: at the same place below the bind's target
+            src = s.source.rstrip("/")
+            if s.kind == "bind" and (p == src or p.startswith(src + "/")):
+                secrets.append(mask(p, s.dest.rstrip("/") + p[len(src):]))
+                break
     return MountPlan(steps + mine + secrets)
 
 

@@ -3,8 +3,9 @@
 A command that shares its caller's session can type into the caller's terminal with TIOCSTI (on
 kernels that allow it) and have the keystrokes run by the caller's shell after the cell is gone, as
 root if that shell is root's. So the command always starts a session of its own (setsid), which
-leaves it no controlling terminal at all; an interactive run (stdin a terminal whose foreground is
-ours) gets a fresh pty instead, whose other end the supervisor relays to the real terminal. TIOCSTI
+leaves it no controlling terminal at all, and no terminal from outside ever reaches it: where the
+caller's 0, 1 or 2 is a terminal, the cell gets a pty of its own devpts instead, which the supervisor
+relays (input too when the run is interactive: stdin a terminal whose foreground is ours). TIOCSTI
 into that pty reaches only the cell's own input.
 """
 from __future__ import annotations
@@ -13,6 +14,7 @@ import fcntl
 import os
 import select
 
+from ..errors import LaunchError
 from .spec import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -57,20 +59,34 @@ def attach_new_pty(ctl: object, fds: tuple[int, ...]) -> None:
     fcntl.ioctl(fds[0], TIOCSCTTY, 0)  # the controlling terminal; our group becomes its foreground
 
 
-class Relay:
-    """Relays an interactive cell's pty to and from the caller's terminal, in raw mode."""
+def refuse_foreign(fds: set[int]) -> None:
+    """The last gate before exec: no terminal but the cell's own pty may reach the command (a harness
+    may pass one by mistake; a terminal no session owns could be taken over with TIOCSCTTY)."""
+    cell_pts = os.stat("/dev/pts").st_dev
+    for fd in fds:
+        if os.isatty(fd) and os.fstat(fd).st_dev != cell_pts:
+            raise LaunchError("terminal", f"fd {fd} is a terminal from outside the cell",
+                              "agentcell run relays terminals through a pty of the cell's own; give the Python API "
+                              "pipes or files")
 
-    def __init__(self, master: int) -> None:
+
+class Relay:
+    """Relays a cell's own pty to the caller's terminal: its output always; the caller's input (with
+    the terminal in raw mode) only when the run is interactive, i.e. in the terminal's foreground."""
+
+    def __init__(self, master: int, interactive: bool) -> None:
         import termios
 
-        self.master = master
+        self.master, self.interactive = master, interactive
+        self.term = next(fd for fd in (0, 1, 2) if os.isatty(fd))
         self.out = 1 if os.isatty(1) else 2 if os.isatty(2) else 1
-        termios.tcsetattr(master, termios.TCSANOW, termios.tcgetattr(0))  # the caller's settings
+        termios.tcsetattr(master, termios.TCSANOW, termios.tcgetattr(self.term))  # the caller's settings
         self._copy_size()
+        os.set_blocking(master, False)  # a cell that reads nothing must not stall us (or --timeout)
 
     def _copy_size(self) -> None:
         try:
-            fcntl.ioctl(self.master, TIOCSWINSZ, fcntl.ioctl(0, TIOCGWINSZ, b"\0" * 8))
+            fcntl.ioctl(self.master, TIOCSWINSZ, fcntl.ioctl(self.term, TIOCGWINSZ, b"\0" * 8))
         except OSError:
             pass
 
@@ -82,48 +98,54 @@ class Relay:
 
         resized = [False]
         old_winch = signal.signal(signal.SIGWINCH, lambda _s, _f: resized.__setitem__(0, True))
-        saved = termios.tcgetattr(0)
-        tty.setraw(0)
-        timed_out = False
-        stdin_open = True
+        saved = termios.tcgetattr(0) if self.interactive else None
+        if self.interactive:
+            tty.setraw(0)
+        timed_out, stdin_open, pending = False, self.interactive, b""
         try:
             while not (running.finished_reading() or running.reported()):
                 if resized[0]:
                     resized[0] = False
                     self._copy_size()
                 wait = None if deadline is None else max(0.0, deadline - time.monotonic())
-                readers = [self.master, running.fileno()] + ([0] if stdin_open else [])
+                readers = [self.master, running.fileno()]
+                if stdin_open and len(pending) < 65536:
+                    readers.append(0)
                 try:
-                    ready, _, _ = select.select(readers, [], [], wait)
+                    ready, writable, _ = select.select(readers, [self.master] if pending else [], [], wait)
                 except InterruptedError:
                     continue
                 if deadline is not None and time.monotonic() >= deadline:
                     timed_out, deadline = True, None
                     running.kill()
+                if writable:
+                    try:
+                        pending = pending[os.write(self.master, pending):]
+                    except BlockingIOError:
+                        pass
+                    except OSError:
+                        pending, stdin_open = b"", False
                 if 0 in ready:
                     data = os.read(0, 65536)
-                    if data:
-                        _write_all(self.master, data)
-                    else:
-                        stdin_open = False
-                if self.master in ready and not self._forward_output():
-                    stdin_open = False
+                    pending += data
+                    stdin_open = bool(data)
+                if self.master in ready:
+                    self._forward_output()
                 if running.fileno() in ready:
                     running.poll_messages(0)
-            while self._forward_output(nonblocking=True):
+            while self._forward_output():
                 pass
         finally:
-            termios.tcsetattr(0, termios.TCSADRAIN, saved)
+            if saved is not None:
+                termios.tcsetattr(0, termios.TCSADRAIN, saved)
             signal.signal(signal.SIGWINCH, old_winch)
             os.close(self.master)
         return timed_out
 
-    def _forward_output(self, nonblocking: bool = False) -> bool:
-        if nonblocking and not select.select([self.master], [], [], 0)[0]:
-            return False
+    def _forward_output(self) -> bool:
         try:
             data = os.read(self.master, 65536)
-        except OSError:  # EIO: every holder of the pty's other end has gone
+        except OSError:  # EAGAIN: nothing now; EIO: every holder of the pty's other end has gone
             return False
         if data:
             _write_all(self.out, data)

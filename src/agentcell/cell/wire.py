@@ -91,6 +91,20 @@ def shares_our_namespaces(pid: int) -> bool:
     return True
 
 
+def socket_dirs(uid: int, home: str) -> list[str]:
+    """Every place a warm launcher of ours (or of the cell's identity ``uid`` with ``home``) may
+    listen, whatever this process's environment says: cells get each one masked."""
+    dirs = {"/run/agentcell", socket_dir(), f"/run/user/{os.getuid()}/agentcell", f"/run/user/{uid}/agentcell",
+            os.path.join(home, ".local", "state", "agentcell")}
+    try:
+        import pwd
+
+        dirs.add(os.path.join(pwd.getpwuid(os.getuid()).pw_dir, ".local", "state", "agentcell"))
+    except KeyError:
+        pass
+    return sorted({os.path.realpath(d) for d in dirs})
+
+
 def socket_dir() -> str:
     """Where our warm launcher listens: a directory only its owner may enter."""
     if os.geteuid() == 0:

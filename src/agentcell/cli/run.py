@@ -255,12 +255,18 @@ def _print_explain(info: dict[str, object]) -> None:
         out(f"            {s}\n")
 
 
-def _run_here(spec: CellSpec, command: list[str], timeout: float | None, interactive: bool) -> dict[str, Any]:
-    """The cold path: build the cell in this process. An interactive run gets a pty of its own."""
+def _run_here(spec: CellSpec, command: list[str], timeout: float | None, ttys: tuple[int, ...],
+              interactive: bool) -> dict[str, Any]:
+    """The cold path: build the cell in this process. Where our 0, 1, 2 are terminals the cell gets a
+    pty of its own, relayed; stdin only when the run is interactive (else /dev/null)."""
     from ..cell import launch
 
-    running = launch.start(spec, command, tty_fds=terminal.tty_fds() if interactive else ())
-    relay = terminal.Relay(running.pty_master) if running.pty_master is not None else None
+    stdio = [0, 1, 2]
+    if 0 in ttys and not interactive:
+        stdio[0] = os.open(os.devnull, os.O_RDONLY)
+        ttys = tuple(fd for fd in ttys if fd != 0)
+    running = launch.start(spec, command, stdio=stdio, tty_fds=ttys)
+    relay = terminal.Relay(running.pty_master, interactive) if running.pty_master is not None else None
 
     def forward(sig: int, _frame: object) -> None:
         running.forward(sig)
@@ -292,16 +298,16 @@ def main(argv: list[str]) -> int:
             return 0
         if not command:
             raise AgentcellError("command", "no command given", "put it after --, e.g. agentcell run -- true")
-        interactive = terminal.is_ours()
+        ttys, interactive = terminal.tty_fds(), terminal.is_ours()
         result = None
-        if not interactive and not ns.no_warm:
+        if not ttys and not ns.no_warm:  # the warm launcher never gets a terminal: those runs relay here
             from ..cell import warm
 
             result = warm.run(spec, command, ns.timeout)
             if result is not None:
                 result["via"] = "warm launcher"
         if result is None:
-            result = _run_here(spec, command, ns.timeout, interactive)
+            result = _run_here(spec, command, ns.timeout, ttys, interactive)
     except AgentcellError as e:
         return report(PROG, e)
     if result["error"]:
