@@ -17,7 +17,7 @@ import stat
 import time
 
 from ..errors import EXIT_CANNOT_EXEC, EXIT_NOT_FOUND, EXIT_SETUP, EXIT_TIMEOUT, LaunchError
-from . import handoff, identity, landlock, mounts, namespaces, pid1, terminal
+from . import cgroups, handoff, identity, landlock, mounts, namespaces, pid1, terminal
 from . import syscalls as sc
 from .spec import TYPE_CHECKING, CellSpec, new_cell_id
 
@@ -38,6 +38,8 @@ class CellResult:
                  error: str = "") -> None:
         self.exit_status, self.signal, self.duration_s = exit_status, signal, duration_s
         self.cell_id, self.timed_out, self.error = cell_id, timed_out, error or ""
+        self.limits_hit: dict[str, int] | None = None  # oom_kills, pids_limit_hits (when it had a cgroup)
+        self.cpu_s: float | None = None
 
     def as_dict(self) -> dict[str, object]:
         return {
@@ -47,14 +49,18 @@ class CellResult:
             "cell_id": self.cell_id,
             "timed_out": self.timed_out,
             "error": self.error or None,
+            "limits_hit": self.limits_hit,
+            "cpu_s": None if self.cpu_s is None else round(self.cpu_s, 6),
         }
 
 
 class Running:
     """A launched cell, seen from the supervisor: wait for it, signal it, kill it."""
 
-    def __init__(self, spec: CellSpec, c1: int, status_r: int, started: float, cell_id: str) -> None:
+    def __init__(self, spec: CellSpec, c1: int, status_r: int, started: float, cell_id: str,
+                 cg: cgroups.CellCgroup | None = None) -> None:
         self.spec, self.c1, self._r, self.started, self.cell_id = spec, c1, status_r, started, cell_id
+        self.cg = cg
         self.pid1 = 0  # host pid of the cell's PID 1, known once C1 reports it
         self.pty_master: int | None = None  # an interactive cell's own pty, for the caller to relay
         self._buf = b""
@@ -105,7 +111,9 @@ class Running:
             pass
 
     def kill(self) -> None:
-        self.signal(signal.SIGKILL)
+        """Kill the whole cell: at once through its cgroup where the kernel can, else through PID 1."""
+        if self.cg is None or not self.cg.kill():
+            self.signal(signal.SIGKILL)
 
     def wait(self, timeout: float | None = None) -> CellResult:
         """Wait until PID 1 reports (it has killed and reaped the whole cell by then) or the cell is gone."""
@@ -120,13 +128,17 @@ class Running:
                 timed_out = True
                 self.kill()
                 deadline = None
-        if self._eof:
+        if self._eof or self.cg is not None:  # a cgroup can go only once C1 (its last member) is gone
             _, wstatus = _waitpid_eintr(self.c1)
         else:
             wstatus = 0  # PID 1's report is the status; C1 only has namespaces left to tear down
             _reap_later(self.c1)
         os.close(self._r)
         self._result = self._finish(wstatus, timed_out)
+        if self.cg is not None:
+            self._result.limits_hit = self.cg.events()
+            self._result.cpu_s = self.cg.cpu_usage_s()
+            self.cg.remove()
         return self._result
 
     def reported(self) -> bool:
@@ -174,8 +186,9 @@ class Prepared:
     """A cell whose namespaces and mount tree are built, waiting for its command (PID 1 blocks on
     the hand-off channel). Used at once by :func:`start`, or ahead of time by the warm launcher."""
 
-    def __init__(self, spec: CellSpec, c1: int, status_r: int, ctl: object, cell_id: str) -> None:
-        self.spec, self.c1, self._r, self._ctl, self.cell_id = spec, c1, status_r, ctl, cell_id
+    def __init__(self, spec: CellSpec, c1: int, status_r: int, ctl: object, cell_id: str,
+                 cg: cgroups.CellCgroup | None) -> None:
+        self.spec, self.c1, self._r, self._ctl, self.cell_id, self.cg = spec, c1, status_r, ctl, cell_id, cg
 
     def go(self, argv: Sequence[str], *, stdio: Sequence[int] = (0, 1, 2), pass_fds: Sequence[int] = (),
            tty_fds: Sequence[int] = ()) -> Running:
@@ -195,7 +208,7 @@ class Prepared:
             pass  # the cell failed while being prepared; its status pipe says where (see wait())
         finally:
             self._ctl.close()  # type: ignore[attr-defined]
-        running = Running(self.spec, self.c1, self._r, started, self.cell_id)
+        running = Running(self.spec, self.c1, self._r, started, self.cell_id, self.cg)
         running.pty_master = master
         return running
 
@@ -205,6 +218,8 @@ class Prepared:
         self._ctl.close()  # type: ignore[attr-defined]
         os.close(self._r)
         _waitpid_eintr(self.c1)
+        if self.cg is not None:
+            self.cg.remove()
 
 
 def prepare(spec: CellSpec) -> Prepared:
@@ -213,7 +228,9 @@ def prepare(spec: CellSpec) -> Prepared:
     # 1. Resolve every path once without following symlinks and record its identity (dev, ino); the
     #    child re-opens each in its mount namespace the same way and refuses one that changed.
     plan = mounts.plan(spec)
-    # 2. cgroup ceilings and 3. network links come with the hardening and egress layers.
+    # 2. The cell's own cgroup (limits; freeze and kill as a whole). Root only: unprivileged users
+    #    have no delegated cgroup on hybrid hosts (doctor says so). 3. Network links: the egress layer.
+    cg = cgroups.CellCgroup.create(cell_id, cell_limits(spec)) if os.geteuid() == 0 else None
     r, w = os.pipe2(os.O_CLOEXEC)
     ours, theirs = handoff.channel()
     outer_uid, outer_gid = os.getuid(), os.getgid()
@@ -222,10 +239,15 @@ def prepare(spec: CellSpec) -> Prepared:
         # Nothing of the supervisor's but stdio, the status pipe and the hand-off channel crosses
         # into the cell (a warm launcher holds other cells' channels and its caller's sockets).
         sc.close_fds_except({w, theirs.fileno()})
-        _run_child(w, lambda: _cell(spec, plan, w, theirs, outer_uid, outer_gid))
+        _run_child(w, lambda: _cell(spec, plan, w, theirs, outer_uid, outer_gid, cg))
     os.close(w)
     theirs.close()
-    return Prepared(spec, c1, r, ours, cell_id)
+    return Prepared(spec, c1, r, ours, cell_id, cg)
+
+
+def cell_limits(spec: CellSpec) -> cgroups.Limits:
+    return cgroups.Limits(spec.memory_max or cgroups.default_memory(), spec.cpu_percent,
+                          spec.pids_max or cgroups.DEFAULT_PIDS)
 
 
 def start(spec: CellSpec, argv: Sequence[str], *, stdio: Sequence[int] = (0, 1, 2), pass_fds: Sequence[int] = (),
@@ -274,8 +296,13 @@ def _step(name: str, fn: Callable[..., T], *args: object) -> T:
         raise LaunchError(name, e.strerror or str(e)) from None
 
 
-def _cell(spec: CellSpec, plan: mounts.MountPlan, w: int, ctl: object, outer_uid: int, outer_gid: int) -> NoReturn:
+def _cell(spec: CellSpec, plan: mounts.MountPlan, w: int, ctl: object, outer_uid: int, outer_gid: int,
+          cg: cgroups.CellCgroup | None) -> NoReturn:
     sc.prctl(sc.PR_SET_PDEATHSIG, signal.SIGKILL)  # the cell dies with its supervisor
+    way_out: list[int] = []
+    if cg is not None:  # before anything else: every process of the cell is born inside its cgroup
+        _step("cgroup", cg.join)
+        way_out = _step("cgroup", cg.way_out)
     # 4. New namespaces; the next fork is PID 1 of the cell.
     _step("namespaces", namespaces.enter, spec, outer_uid, outer_gid)
     # Our memory holds the supervisor's environment: not for /proc readers. (Only now: a non-dumpable
@@ -288,12 +315,15 @@ def _cell(spec: CellSpec, plan: mounts.MountPlan, w: int, ctl: object, outer_uid
     if pid:
         signal.pthread_sigmask(signal.SIG_SETMASK, command_mask)
         ctl.close()  # type: ignore[attr-defined]
+        cgroups.CellCgroup.leave(way_out)  # C1 is no part of the cell: not in its limits, not pinning it
         _report(w, "pid1", pid)
         _, wstatus = _waitpid_eintr(pid)
         code, sig = pid1.status_of(wstatus)
         if sig:  # PID 1 itself was killed (a kill of the whole cell): it could not report
             _report(w, "exit", code, sig)
         os._exit(code)
+    for fd in way_out:
+        os.close(fd)
     sc.prctl(sc.PR_SET_PDEATHSIG, signal.SIGKILL)
     # 5. Mount tree: private propagation, tmpfs root, nosuid/nodev binds, /proc, /dev, pivot_root.
     _step("mount", mounts.apply, plan)

@@ -104,7 +104,8 @@ class CellSpec(_Frozen):
     """Everything the launcher needs for one cell, spelled out; paths absolute and resolved."""
 
     __slots__ = ("identity", "rw_paths", "ro_paths", "masked_paths", "system_paths", "scratch_dir", "home_dir",
-                 "network", "env", "cwd", "hostname", "landlock", "landlock_min_abi", "cell_id")
+                 "network", "env", "cwd", "hostname", "landlock", "landlock_min_abi", "memory_max", "cpu_percent",
+                 "pids_max", "cell_id")
     identity: Identity
     rw_paths: tuple[str, ...]
     ro_paths: tuple[str, ...]
@@ -118,17 +119,22 @@ class CellSpec(_Frozen):
     hostname: str
     landlock: LandlockMode  # required: fail closed below landlock_min_abi; best-effort: run without it
     landlock_min_abi: int
+    memory_max: int | None  # bytes; None: the default (75 % of RAM)
+    cpu_percent: int | None  # of one core; None: not capped
+    pids_max: int | None  # tasks; None: the default (4096)
     cell_id: str  # a label for reports; two specs that differ only here launch identical cells
 
     def __init__(self, identity: Identity, *, rw_paths: tuple[str, ...] = (), ro_paths: tuple[str, ...] = (),
                  masked_paths: tuple[str, ...] = (), system_paths: tuple[str, ...] = SYSTEM_RO_PATHS,
                  scratch_dir: str | None = None, home_dir: str | None = None, network: NetworkMode = "none",
                  env: tuple[tuple[str, str], ...] = (), cwd: str | None = None, hostname: str = CELL_HOSTNAME,
-                 landlock: LandlockMode = "required", landlock_min_abi: int = 1, cell_id: str = "") -> None:
+                 landlock: LandlockMode = "required", landlock_min_abi: int = 1, memory_max: int | None = None,
+                 cpu_percent: int | None = None, pids_max: int | None = None, cell_id: str = "") -> None:
         self._init(identity=identity, rw_paths=tuple(rw_paths), ro_paths=tuple(ro_paths),
                    masked_paths=tuple(masked_paths), system_paths=tuple(system_paths), scratch_dir=scratch_dir,
                    home_dir=home_dir, network=network, env=tuple((str(k), str(v)) for k, v in env), cwd=cwd,
-                   hostname=hostname, landlock=landlock, landlock_min_abi=landlock_min_abi, cell_id=cell_id)
+                   hostname=hostname, landlock=landlock, landlock_min_abi=landlock_min_abi, memory_max=memory_max,
+                   cpu_percent=cpu_percent, pids_max=pids_max, cell_id=cell_id)
 
     def _key(self) -> tuple[object, ...]:
         return tuple(getattr(self, k) for k in self.__slots__ if k != "cell_id")

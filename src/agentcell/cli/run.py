@@ -38,6 +38,10 @@ OPTIONS: tuple[tuple[str, str, str, str, str], ...] = (
     ("--allow-unsafe-path", "allow_unsafe_path", "flag", "", "accept /, a home dir or a credential dir as a path"),
     ("--explain", "explain", "flag", "", "print the policy and every privileged step; run nothing"),
     ("--json", "json", "flag", "", "print one JSON result object as the last line of stdout"),
+    ("--memory", "memory", "value", "SIZE", "memory ceiling, e.g. 2G (default: 75% of RAM; OOM kills are reported)"),
+    ("--cpu", "cpu", "value", "PERCENT", "CPU ceiling in percent of one core, e.g. 50 (default: none)"),
+    ("--pids", "pids", "value", "N", "most tasks the cell may have at once (default: 4096)"),
+    ("--limits", "limits", "value", "PROFILE", "ops1: OPS-1's 2G memory, 50%% CPU, 64 tasks (flags above win)"),
     ("--landlock", "landlock", "value", "MODE", "required (default: refuse to run without Landlock) or best-effort"),
     ("--no-warm", "no_warm", "flag", "", "build the cell here even if a warm launcher runs (agentcell warm)"),
 )
@@ -58,6 +62,10 @@ class Args:
     home: str | None
     net: str | None
     landlock: str | None
+    memory: str | None
+    cpu: str | None
+    pids: str | None
+    limits: str | None
     as_: str | None
     cwd: str | None
     timeout: float | None
@@ -190,7 +198,9 @@ def build_spec(ns: Args | Namespace) -> CellSpec:
         except OSError:
             here = ident.home
         cwd = rs.cell_cwd(here, visible, ident.home)
+    memory_max, cpu_percent, pids_max = _limits(ns)
     return CellSpec(
+        memory_max=memory_max, cpu_percent=cpu_percent, pids_max=pids_max,
         identity=ident, rw_paths=rw, ro_paths=ro, masked_paths=masked, scratch_dir=scratch, home_dir=home,
         network="loopback" if ns.net == "loopback" else "none",
         env=rs.build_env(os.environ, ident, ns.env, ns.keep_env), cwd=cwd,
@@ -199,13 +209,49 @@ def build_spec(ns: Args | Namespace) -> CellSpec:
     )
 
 
+_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def _limits(ns: Args | Namespace) -> tuple[int | None, int | None, int | None]:
+    if ns.limits not in (None, "ops1"):
+        raise AgentcellError("--limits", f"unknown profile '{ns.limits}'", "the one profile is ops1")
+    memory, cpu, pids = (2 << 30, 50, 64) if ns.limits == "ops1" else (None, None, None)
+    if ns.memory is not None:
+        text = ns.memory.strip().upper().removesuffix("B").removesuffix("I")
+        unit = _UNITS.get(text[-1:], 1)
+        number = text[:-1] if text[-1:] in _UNITS else text
+        if not number.isdigit() or int(number) * unit < (1 << 20):
+            raise AgentcellError("--memory", f"'{ns.memory}' is not a size of at least 1M", "e.g. --memory 2G")
+        memory = int(number) * unit
+    if ns.cpu is not None:
+        if not ns.cpu.rstrip("%").isdigit() or not 1 <= int(ns.cpu.rstrip("%")) <= 100 * (os.cpu_count() or 1):
+            raise AgentcellError("--cpu", f"'{ns.cpu}' is not a percentage of one core", "e.g. --cpu 50")
+        cpu = int(ns.cpu.rstrip("%"))
+    if ns.pids is not None:
+        if not ns.pids.isdigit() or int(ns.pids) < 1:
+            raise AgentcellError("--pids", f"'{ns.pids}' is not a positive number of tasks", "e.g. --pids 256")
+        pids = int(ns.pids)
+    return memory, cpu, pids
+
+
 def explain(spec: CellSpec, command: list[str]) -> dict[str, object]:
     from ..cell import landlock, mounts, namespaces
 
     ident = spec.identity
     plan = mounts.plan(spec)
     ns_names = ["mount", "pid", "ipc", "uts", "net"] + (["user"] if ident.userns else [])
-    steps = [f"unshare({'|'.join('CLONE_NEW' + n.upper() for n in ns_names)})  # 0x{namespaces.flags_for(spec):x}"]
+    steps = []
+    if os.geteuid() == 0:
+        from ..cell import cgroups
+        from ..cell.launch import cell_limits
+
+        lim = cell_limits(spec)
+        steps.append(f"cgroup {cgroups.PARENT}/{spec.cell_id} ({cgroups.layout()}): memory {lim.memory} bytes, "
+                     f"cpu {f'{lim.cpu_percent}% of a core' if lim.cpu_percent else 'not capped'}, "
+                     f"pids {lim.pids}; the cell joins it before anything else")
+    else:
+        steps.append("cgroup: none (not root: no delegated cgroup here; see agentcell doctor)")
+    steps.append(f"unshare({'|'.join('CLONE_NEW' + n.upper() for n in ns_names)})  # 0x{namespaces.flags_for(spec):x}")
     if ident.userns:
         steps.append(f"write uid_map '{ident.uid} {ident.uid} 1', setgroups deny, gid_map '{ident.gid} {ident.gid} 1'")
     steps.append("fork -> PID 1 of the cell (reaper, non-dumpable)")

@@ -1,0 +1,210 @@
+"""cgroups: every cell gets its own cgroup, so it can be limited, frozen and killed as a whole.
+
+Two layouts, detected at the standard places: cgroup v2 (one tree; controllers enabled in the
+parent's ``cgroup.subtree_control``; processes only in leaves) and hybrid/v1 hosts (memory, cpu,
+pids and freezer hierarchies, plus a cgroup2 mounted at /sys/fs/cgroup/unified whose
+``cgroup.kill`` and ``cgroup.freeze`` work). A cell's groups are ``agentcell/<cell id>`` in each.
+
+Defaults protect the host without breaking builds: at most 4096 tasks (a fork bomb stops there, a
+parallel build does not) and 75 % of RAM (the host keeps a quarter); CPU is not capped unless asked.
+OPS-1's profile (``--limits ops1``): 2 GiB, 50 % of one core, 64 tasks.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+from ..errors import LaunchError
+
+ROOT = "/sys/fs/cgroup"
+PARENT = "agentcell"
+RECORDS = "/run/agentcell/cgroups"  # one file per live cell cgroup (root's state; see ARCHITECTURE)
+CPU_PERIOD_US = 100_000
+DEFAULT_PIDS = 4096
+OPS1 = {"memory": 2 << 30, "cpu": 50, "pids": 64}
+
+
+def default_memory() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024 * 3 // 4
+    return 0
+
+
+def layout() -> str:
+    """v2, hybrid, v1 or none, from the standard mount points."""
+    if os.path.exists(f"{ROOT}/cgroup.controllers"):
+        return "v2"
+    if any(os.path.exists(f"{ROOT}/{c}/tasks") for c in ("memory", "pids", "cpu")):
+        return "hybrid" if os.path.exists(f"{ROOT}/unified/cgroup.controllers") else "v1"
+    return "none"
+
+
+def _write(path: str, value: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+    try:
+        os.write(fd, value.encode())
+    finally:
+        os.close(fd)
+
+
+def _write_new(path: str, value: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    try:
+        os.write(fd, value.encode())
+    finally:
+        os.close(fd)
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def _count(text: str, key: str) -> int:
+    for line in text.splitlines():
+        k, _, v = line.partition(" ")
+        if k == key and v.strip().isdigit():
+            return int(v)
+    return 0
+
+
+class Limits:
+    def __init__(self, memory: int | None, cpu_percent: int | None, pids: int | None) -> None:
+        self.memory, self.cpu_percent, self.pids = memory, cpu_percent, pids
+
+
+class CellCgroup:
+    """The cell's groups: ``dirs`` maps a controller (or "unified") to its directory."""
+
+    def __init__(self, kind: str, dirs: dict[str, str]) -> None:
+        self.kind, self.dirs = kind, dirs
+        self.created: list[str] = []
+        self.record = ""
+
+    @classmethod
+    def create(cls, cell_id: str, limits: Limits) -> CellCgroup:
+        kind = layout()
+        if kind == "none":
+            raise LaunchError("cgroup", "no cgroup filesystem is mounted", "see 'agentcell doctor'")
+        dirs: dict[str, str] = {}
+        cg = cls(kind, dirs)
+        cg.record = os.path.join(RECORDS, cell_id)
+        try:
+            # Recorded before it exists, so a crash's leftovers can always be found and removed.
+            os.makedirs(RECORDS, mode=0o700, exist_ok=True)
+            _write_new(cg.record, f"{ROOT}/*/{PARENT}/{cell_id} {ROOT}/{PARENT}/{cell_id}\n")
+            if kind == "v2":
+                for d in (ROOT, f"{ROOT}/{PARENT}"):
+                    if d != ROOT:
+                        os.makedirs(d, exist_ok=True)
+                    _write(f"{d}/cgroup.subtree_control", "+memory +cpu +pids")
+                dirs["unified"] = cg._mkdir(f"{ROOT}/{PARENT}/{cell_id}")
+                if limits.memory:
+                    _write(f"{dirs['unified']}/memory.max", str(limits.memory))
+                    _write(f"{dirs['unified']}/memory.swap.max", "0")
+                if limits.cpu_percent:
+                    quota = limits.cpu_percent * CPU_PERIOD_US // 100
+                    _write(f"{dirs['unified']}/cpu.max", f"{quota} {CPU_PERIOD_US}")
+                if limits.pids:
+                    _write(f"{dirs['unified']}/pids.max", str(limits.pids))
+                return cg
+            for ctrl in ("memory", "cpu", "cpuacct", "pids", "freezer"):
+                if os.path.exists(f"{ROOT}/{ctrl}/tasks"):
+                    dirs[ctrl] = cg._mkdir(f"{ROOT}/{ctrl}/{PARENT}/{cell_id}")
+            if kind == "hybrid":
+                dirs["unified"] = cg._mkdir(f"{ROOT}/unified/{PARENT}/{cell_id}")
+            if limits.memory and "memory" in dirs:
+                _write(f"{dirs['memory']}/memory.limit_in_bytes", str(limits.memory))
+            if limits.cpu_percent and "cpu" in dirs:
+                _write(f"{dirs['cpu']}/cpu.cfs_period_us", str(CPU_PERIOD_US))
+                _write(f"{dirs['cpu']}/cpu.cfs_quota_us", str(limits.cpu_percent * CPU_PERIOD_US // 100))
+            if limits.pids and "pids" in dirs:
+                _write(f"{dirs['pids']}/pids.max", str(limits.pids))
+            return cg
+        except OSError as e:
+            cg.remove()
+            raise LaunchError("cgroup", f"{e.filename or ''}: {e.strerror}", "see 'agentcell doctor'") from None
+
+    def _mkdir(self, path: str) -> str:
+        for attempt in range(3):  # another cell's cleanup may remove the shared parent in between
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            try:
+                os.mkdir(path, 0o755)
+                break
+            except FileNotFoundError:
+                if attempt == 2:
+                    raise
+        self.created.append(path)  # at once, so a failure further on still removes it
+        return path
+
+    def join(self) -> None:
+        """Move the calling process (and so all it forks) into every group of the cell."""
+        for d in self.dirs.values():
+            _write(f"{d}/cgroup.procs", "0")
+
+    def way_out(self) -> list[int]:
+        """fds of the root groups' cgroup.procs, opened now: C1 leaves through them after it forked
+        PID 1, when PID 1's pivot_root may already have replaced the root of their shared mount
+        namespace (and /sys with it)."""
+        return [os.open(f"{d.rsplit('/' + PARENT + '/', 1)[0]}/cgroup.procs", os.O_WRONLY | os.O_CLOEXEC)
+                for d in self.dirs.values()]
+
+    @staticmethod
+    def leave(way_out: list[int]) -> None:
+        """Move the calling process back to the root groups (C1: only the cell proper stays inside)."""
+        for fd in way_out:
+            os.write(fd, b"0")
+            os.close(fd)
+
+    def kill(self) -> bool:
+        """Kill every process of the cell at once, if the kernel has cgroup.kill."""
+        if "unified" not in self.dirs or not os.path.exists(f"{self.dirs['unified']}/cgroup.kill"):
+            return False
+        try:
+            _write(f"{self.dirs['unified']}/cgroup.kill", "1")
+            return True
+        except OSError:
+            return False
+
+    def events(self) -> dict[str, int]:
+        """OOM kills and how often the task limit refused a fork, from the cell's own accounting."""
+        if self.kind == "v2":
+            d = self.dirs["unified"]
+            return {"oom_kills": _count(_read(f"{d}/memory.events"), "oom_kill"),
+                    "pids_limit_hits": _count(_read(f"{d}/pids.events"), "max")}
+        mem, pids = self.dirs.get("memory"), self.dirs.get("pids")
+        return {"oom_kills": _count(_read(f"{mem}/memory.oom_control"), "oom_kill") if mem else 0,
+                "pids_limit_hits": _count(_read(f"{pids}/pids.events"), "max") if pids else 0}
+
+    def cpu_usage_s(self) -> float:
+        if self.kind == "v2":
+            return _count(_read(f"{self.dirs['unified']}/cpu.stat"), "usage_usec") / 1e6
+        acct = self.dirs.get("cpuacct") or self.dirs.get("cpu")
+        text = _read(f"{acct}/cpuacct.usage").strip() if acct else ""
+        return int(text) / 1e9 if text.isdigit() else 0.0
+
+    def remove(self) -> None:
+        """Remove the cell's groups (empty by now: PID 1 has killed and reaped everything)."""
+        for d in self.created:
+            for _ in range(100):  # the last exiting task can lag its parent's reaping briefly
+                try:
+                    os.rmdir(d)
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError:
+                    time.sleep(0.002)
+            try:
+                os.rmdir(os.path.dirname(d))  # the shared agentcell/ parent, when no other cell uses it
+            except OSError:
+                pass
+        if self.record:
+            try:
+                os.unlink(self.record)
+            except FileNotFoundError:
+                pass

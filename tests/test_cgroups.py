@@ -1,0 +1,68 @@
+"""Every cell in a cgroup of its own: ceilings hold, hits are reported, nothing is left behind."""
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+from conftest import AGENTCELL, User, agentcell_run, needs_root
+
+from agentcell.cell import cgroups
+
+pytestmark = [needs_root, pytest.mark.skipif(cgroups.layout() == "none", reason="no cgroup filesystem mounted")]
+
+
+def leftovers() -> list[str]:
+    found = []
+    for base in ("/sys/fs/cgroup", *(str(p) for p in Path("/sys/fs/cgroup").iterdir() if p.is_dir())):
+        found += [str(p) for p in Path(base).glob("agentcell*")]
+    return found
+
+
+def test_a_fork_bomb_is_held_at_the_task_limit_and_reported(user: User) -> None:
+    r = agentcell_run(["--as", str(user.uid), "--pids", "32", "--timeout", "20", "--", "sh", "-c",
+                       "i=0; while [ $i -lt 200 ]; do sleep 5 & i=$((i+1)); done 2>/dev/null; echo spawned"])
+    assert r.result["limits_hit"]["pids_limit_hits"] > 0, r.result  # type: ignore[index]
+    assert not leftovers()
+
+
+def test_a_memory_hog_is_oom_killed_at_the_limit_and_reported(user: User) -> None:
+    hog = "x = []\nwhile True:\n    x.append(bytearray(16 << 20))"
+    r = agentcell_run(["--as", str(user.uid), "--memory", "96M", "--timeout", "60", "--", "python3", "-c", hog])
+    assert r.result["limits_hit"]["oom_kills"] >= 1, r.result  # type: ignore[index]
+    assert r.rc == 128 + 9 and r.result["signal"] == 9
+    assert not leftovers()
+
+
+def test_a_spinner_is_held_near_its_cpu_share(user: User) -> None:
+    # 20 % of one core for 1.5 s of wall time is ~0.3 s of CPU by the cell's own accounting; without
+    # the ceiling the spinner would use ~1.5 s. The bound is loose on purpose: a ceiling only caps.
+    r = agentcell_run(["--as", str(user.uid), "--cpu", "20", "--timeout", "1.5", "--", "python3", "-c",
+                       "while True: pass"])
+    cpu = r.result["cpu_s"]
+    assert r.result["timed_out"] is True
+    assert isinstance(cpu, float) and 0.05 < cpu < 0.75, r.result
+
+
+def test_every_cell_has_a_cgroup_even_without_limits_and_it_goes_away(user: User) -> None:
+    r = agentcell_run(["--as", str(user.uid), "--", "cat", "/proc/self/cgroup"])
+    assert r.rc == 0, r.err
+    assert "agentcell" in r.out or r.out.strip() == "0::/", r.out  # inside its cgroup namespace-less view
+    assert r.result["limits_hit"] == {"oom_kills": 0, "pids_limit_hits": 0}
+    assert not leftovers()
+    records = Path("/run/agentcell/cgroups")
+    assert not (records.exists() and any(records.iterdir()))
+
+
+@pytest.mark.parametrize(("flag", "value"), [("--memory", "lots"), ("--memory", "10K"), ("--cpu", "0"),
+                                             ("--pids", "-1"), ("--limits", "tiny")])
+def test_bad_limits_give_one_line(user: User, flag: str, value: str) -> None:
+    p = subprocess.run([AGENTCELL, "run", "--as", str(user.uid), flag, value, "--", "true"],
+                       capture_output=True, text=True)
+    assert p.returncode == 125 and flag in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+
+
+def test_ops1_profile_sets_outrigger_limits(user: User) -> None:
+    p = subprocess.run([AGENTCELL, "run", "--as", str(user.uid), "--limits", "ops1", "--explain", "--", "true"],
+                       capture_output=True, text=True)
+    assert f"memory {2 << 30} bytes, cpu 50% of a core, pids 64" in p.stdout, p.stdout
