@@ -5,9 +5,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import AGENTCELL, User, agentcell_run, needs_root
 
 from agentcell.cell import cgroups
+from conftest import AGENTCELL, User, agentcell_run, needs_root
 
 pytestmark = [needs_root, pytest.mark.skipif(cgroups.layout() == "none", reason="no cgroup filesystem mounted")]
 

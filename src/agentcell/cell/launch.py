@@ -17,7 +17,7 @@ import stat
 import time
 
 from ..errors import EXIT_CANNOT_EXEC, EXIT_NOT_FOUND, EXIT_SETUP, EXIT_TIMEOUT, LaunchError
-from . import cgroups, handoff, identity, landlock, mounts, namespaces, pid1, terminal
+from . import cgroups, handoff, identity, landlock, mounts, namespaces, pid1, seccomp, terminal
 from . import syscalls as sc
 from .spec import TYPE_CHECKING, CellSpec, new_cell_id
 
@@ -228,6 +228,7 @@ def prepare(spec: CellSpec) -> Prepared:
     # 1. Resolve every path once without following symlinks and record its identity (dev, ino); the
     #    child re-opens each in its mount namespace the same way and refuses one that changed.
     plan = mounts.plan(spec)
+    seccomp.program()  # compiled (or read from root's cache) here, once, not in every cell
     # 2. The cell's own cgroup (limits; freeze and kill as a whole). Root only: unprivileged users
     #    have no delegated cgroup on hybrid hosts (doctor says so). 3. Network links: the egress layer.
     cg = cgroups.CellCgroup.create(cell_id, cell_limits(spec)) if os.geteuid() == 0 else None
@@ -355,6 +356,7 @@ def _command(spec: CellSpec, ctl: object, w: int) -> NoReturn:
     # 8. Landlock, first half: the ruleset (the mount tree again, as kernel rules), built now so a
     #    prepared cell has it ready; enforced just before exec.
     rules = landlock.prepare(spec)
+    filter_program = seccomp.program()  # compiled by the supervisor before the fork: bytes in memory
     # The command arrives now: at once from `agentcell run`, later for a warm cell. A cell discarded
     # unused ends here.
     cmd = handoff.recv(ctl)  # type: ignore[arg-type]
@@ -372,7 +374,7 @@ def _command(spec: CellSpec, ctl: object, w: int) -> NoReturn:
     _stdio_no_directories()
     if cmd.tty_fds:  # an interactive run: a pty of the cell's own devpts, its master to the caller
         _step("terminal", terminal.attach_new_pty, ctl, cmd.tty_fds)
-    # 8. Landlock, second half: enforced for good (it survives exec). 9. seccomp will follow it.
+    # 8. Landlock, second half: enforced for good (it survives exec).
     if rules is not None:
         rules.enforce()
     keep = set(cmd.fds) | set(cmd.tty_fds)
@@ -381,6 +383,8 @@ def _command(spec: CellSpec, ctl: object, w: int) -> NoReturn:
     for fd in keep:
         os.set_inheritable(fd, True)
     env = spec.environ()
+    # 9. seccomp, last: from here on this process only execs.
+    seccomp.load(filter_program)
     argv = cmd.argv
     try:
         os.execvpe(argv[0], argv, env)

@@ -1,0 +1,134 @@
+"""seccomp: the third wall, loaded last, just before exec.
+
+The deny-list (KERNEL_NOTES): everything a confined agent has no business doing and that widens the
+kernel's attack surface or undoes the cell — tracing other processes, mounting, new namespaces,
+keyrings, bpf, perf, modules, kexec, file handles, userfaultfd, io_uring, personality changes, and
+the terminal ioctls that type into a terminal (TIOCSTI, TIOCLINUX). Denied calls fail with EPERM
+(clone3 with ENOSYS: its flags live in memory and cannot be inspected, and libc then falls back to
+clone); a call from a foreign architecture (i386, x32) kills the process.
+
+The filter is compiled with libseccomp (the pyseccomp binding) to a classic BPF program. Importing
+and compiling cost ~30 ms, so the program is cached: in-process, and for root in a root-only file
+under /var/lib/agentcell (a cell never sees /var). The launch itself only loads bytes.
+"""
+from __future__ import annotations
+
+import ctypes
+import errno
+import hashlib
+import os
+import stat
+import struct
+
+from ..errors import LaunchError
+
+EPERM_CALLS = (
+    "ptrace", "process_vm_readv", "process_vm_writev", "mount", "umount2", "pivot_root", "chroot", "unshare",
+    "setns", "keyctl", "add_key", "request_key", "bpf", "perf_event_open", "init_module", "finit_module",
+    "delete_module", "kexec_load", "kexec_file_load", "open_by_handle_at", "name_to_handle_at", "userfaultfd",
+    "io_uring_setup", "io_uring_enter", "io_uring_register", "fsopen", "fsconfig", "fsmount", "fspick",
+    "move_mount", "open_tree", "mount_setattr", "swapon", "swapoff", "reboot", "acct", "quotactl",
+    "lookup_dcookie", "vhangup", "syslog",
+)
+NAMESPACE_FLAGS = (0x00020000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x20000000, 0x40000000,
+                   0x00000080)  # CLONE_NEWNS, NEWCGROUP, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET, NEWTIME
+TIOCSTI, TIOCLINUX = 0x5412, 0x541C
+# personality() flags that switch off protections: ADDR_NO_RANDOMIZE, READ_IMPLIES_EXEC, ADDR_COMPAT_LAYOUT,
+# MMAP_PAGE_ZERO. Plain personalities and the query (0xffffffff) are fine.
+WEAKENING_PERSONALITIES = (0x0040000, 0x0400000, 0x0200000, 0x0100000)
+CACHE_DIR = "/var/lib/agentcell/seccomp"
+VERSION = 2  # bump when the rules change: it is part of the cache key
+
+PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 22, 2
+_program: bytes | None = None
+
+
+def describe() -> list[str]:
+    return [f"EPERM: {', '.join(EPERM_CALLS)}",
+            "EPERM: clone with any CLONE_NEW* flag; ioctl TIOCSTI, TIOCLINUX; personality flags that weaken "
+            "ASLR or NX",
+            "ENOSYS: clone3 (flags not inspectable; libc falls back to clone)",
+            "KILL: any syscall from a foreign architecture (i386, x32)"]
+
+
+def _compile() -> bytes:
+    import tempfile
+
+    import pyseccomp as sc
+
+    f = sc.SyscallFilter(sc.ALLOW)
+    f.set_attr(sc.Attr.ACT_BADARCH, sc.KILL_PROCESS)
+    deny = sc.ERRNO(errno.EPERM)
+    for name in EPERM_CALLS:
+        try:
+            f.add_rule(deny, name)
+        except (RuntimeError, ValueError, OSError):
+            continue  # not a syscall on this architecture
+    for flag in NAMESPACE_FLAGS:
+        f.add_rule(deny, "clone", sc.Arg(0, sc.MASKED_EQ, flag, flag))
+    f.add_rule(sc.ERRNO(errno.ENOSYS), "clone3")
+    for request in (TIOCSTI, TIOCLINUX):
+        f.add_rule(deny, "ioctl", sc.Arg(1, sc.MASKED_EQ, 0xFFFFFFFF, request))
+    for flag in WEAKENING_PERSONALITIES:  # flag set and bit 31 clear: the query (0xffffffff) still works
+        f.add_rule(deny, "personality", sc.Arg(0, sc.MASKED_EQ, flag | 0x80000000, flag))
+    with tempfile.TemporaryFile() as out:
+        f.export_bpf(out)
+        out.seek(0)
+        return out.read()
+
+
+def _key() -> str:
+    lib = ctypes.CDLL("libseccomp.so.2")
+    lib.seccomp_version.restype = ctypes.POINTER(ctypes.c_uint * 3)
+    ver = tuple(lib.seccomp_version().contents)
+    text = repr((VERSION, EPERM_CALLS, NAMESPACE_FLAGS, WEAKENING_PERSONALITIES, ver, os.uname().machine))
+    return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+def _trusted_root_file(path: str) -> bool:
+    for p in (path, os.path.dirname(path)):
+        st = os.lstat(p)
+        if stat.S_ISLNK(st.st_mode) or st.st_uid != 0 or st.st_mode & 0o022:
+            return False
+    return True
+
+
+def program() -> bytes:
+    """The compiled filter: from memory, from root's cache, or compiled now (and cached for root)."""
+    global _program
+    if _program is not None:
+        return _program
+    try:
+        path = os.path.join(CACHE_DIR, _key() + ".bpf")
+    except OSError as e:
+        raise LaunchError("seccomp", f"libseccomp is missing ({e})", "apt-get install libseccomp2") from None
+    if os.geteuid() == 0:
+        try:
+            if _trusted_root_file(path):
+                with open(path, "rb") as f:
+                    _program = f.read()
+        except OSError:
+            pass
+    if _program is None:
+        try:
+            _program = _compile()
+        except ImportError:
+            raise LaunchError("seccomp", "the pyseccomp binding is missing", "pip install pyseccomp") from None
+        if os.geteuid() == 0:
+            os.makedirs(CACHE_DIR, mode=0o700, exist_ok=True)
+            tmp = f"{path}.{os.getpid()}"
+            with open(tmp, "wb") as f:
+                f.write(_program)
+            os.replace(tmp, path)
+    if not _program or len(_program) % 8:
+        raise LaunchError("seccomp", "the compiled filter is malformed")
+    return _program
+
+
+def load(prog: bytes) -> None:
+    """Install the filter on the calling process (no_new_privs is already set); it survives exec."""
+    buf = ctypes.create_string_buffer(prog, len(prog))
+    fprog = struct.pack("HxxxxxxQ", len(prog) // 8, ctypes.addressof(buf))
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.c_char_p(fprog), 0, 0) != 0:
+        raise LaunchError("seccomp", f"loading the filter: {os.strerror(ctypes.get_errno())}")
