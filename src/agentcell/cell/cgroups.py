@@ -84,6 +84,7 @@ class CellCgroup:
     def __init__(self, kind: str, dirs: dict[str, str]) -> None:
         self.kind, self.dirs = kind, dirs
         self.created: list[str] = []
+        self.controllers: set[str] = {"memory", "cpu", "pids"}  # v2: those the tree really has
         self.record = ""
 
     @classmethod
@@ -99,19 +100,22 @@ class CellCgroup:
             os.makedirs(RECORDS, mode=0o700, exist_ok=True)
             _write_new(cg.record, f"{ROOT}/*/{PARENT}/{cell_id} {ROOT}/{PARENT}/{cell_id}\n")
             if kind == "v2":
+                # Only controllers this tree has (on a hybrid host a v2 tree may have none of them).
+                have = set(_read(f"{ROOT}/cgroup.controllers").split()) & {"memory", "cpu", "pids"}
+                cg.controllers = have
+                os.makedirs(f"{ROOT}/{PARENT}", exist_ok=True)
                 for d in (ROOT, f"{ROOT}/{PARENT}"):
-                    if d != ROOT:
-                        os.makedirs(d, exist_ok=True)
-                    _write(f"{d}/cgroup.subtree_control", "+memory +cpu +pids")
-                dirs["unified"] = cg._mkdir(f"{ROOT}/{PARENT}/{cell_id}")
-                if limits.memory:
-                    _write(f"{dirs['unified']}/memory.max", str(limits.memory))
-                    _write(f"{dirs['unified']}/memory.swap.max", "0")
-                if limits.cpu_percent:
-                    quota = limits.cpu_percent * CPU_PERIOD_US // 100
-                    _write(f"{dirs['unified']}/cpu.max", f"{quota} {CPU_PERIOD_US}")
-                if limits.pids:
-                    _write(f"{dirs['unified']}/pids.max", str(limits.pids))
+                    if have:
+                        _write(f"{d}/cgroup.subtree_control", " ".join(f"+{c}" for c in sorted(have)))
+                d = dirs["unified"] = cg._mkdir(f"{ROOT}/{PARENT}/{cell_id}")
+                if limits.memory and "memory" in have:
+                    _write(f"{d}/memory.max", str(limits.memory))
+                    if os.path.exists(f"{d}/memory.swap.max"):
+                        _write(f"{d}/memory.swap.max", "0")
+                if limits.cpu_percent and "cpu" in have:
+                    _write(f"{d}/cpu.max", f"{limits.cpu_percent * CPU_PERIOD_US // 100} {CPU_PERIOD_US}")
+                if limits.pids and "pids" in have:
+                    _write(f"{d}/pids.max", str(limits.pids))
                 return cg
             for ctrl in ("memory", "cpu", "cpuacct", "pids", "freezer"):
                 if os.path.exists(f"{ROOT}/{ctrl}/tasks"):

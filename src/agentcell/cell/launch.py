@@ -111,9 +111,11 @@ class Running:
             pass
 
     def kill(self) -> None:
-        """Kill the whole cell: at once through its cgroup where the kernel can, else through PID 1."""
-        if self.cg is None or not self.cg.kill():
-            self.signal(signal.SIGKILL)
+        """Kill the whole cell: at once through its cgroup where the kernel can, and through PID 1
+        (whose death ends its PID namespace) in any case: early on, the cgroup may still be empty."""
+        if self.cg is not None:
+            self.cg.kill()
+        self.signal(signal.SIGKILL)
 
     def wait(self, timeout: float | None = None) -> CellResult:
         """Wait until PID 1 reports (it has killed and reaped the whole cell by then) or the cell is gone."""

@@ -274,6 +274,10 @@ def explain(spec: CellSpec, command: list[str]) -> dict[str, object]:
     else:
         steps.append(f"landlock: ABI {version} here; " + ("refused (required)" if spec.landlock == "required"
                                                           else "SKIPPED (--landlock best-effort)"))
+    from ..cell import seccomp
+
+    steps.append("seccomp filter (libseccomp), loaded last:")
+    steps += [f"  {rule}" for rule in seccomp.describe()]
     steps.append(f"execve {command[0] if command else '?'} with the environment listed above")
     return {
         "cell_id": spec.cell_id,
