@@ -248,25 +248,44 @@ def _read_until(fd: int, needle: bytes, limit_s: float = 20) -> bytes:
     return out
 
 
-def test_interactive_shell_has_job_control_on_its_own_terminal(user: User) -> None:
-    import pty
-    import signal
+class OnTerminal:
+    """argv run on a new terminal (pty.fork): the test is the person at the keyboard. The process is
+    killed and reaped on leaving, whatever happened."""
 
-    pid, fd = pty.fork()
-    if pid == 0:
-        os.execv(AGENTCELL, [AGENTCELL, "run", "--no-warm", "--as", str(user.uid), "--", "bash", "--norc",
-                             "--noprofile", "-i"])
-    try:
-        out = _read_until(fd, b"$ ")  # type like a person: after the prompt
-        os.write(fd, b"echo FLAGS=$-; tty; sleep 0.1 & jobs; exit 3\n")
-        out += _read_until(fd, b"\x00never")
-        _, status = os.waitpid(pid, 0)
-        pid = 0
-    finally:
-        if pid:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-        os.close(fd)
+    def __init__(self, argv: list[str]) -> None:
+        import pty
+
+        self.pid, self.fd = pty.fork()
+        if self.pid == 0:
+            os.execv(argv[0], argv)
+        self.status = -1
+
+    def wait(self, nohang: bool = False) -> bool:
+        done, status = os.waitpid(self.pid, os.WNOHANG if nohang else 0)
+        if done:
+            self.pid, self.status = 0, status
+        return bool(done)
+
+    def __enter__(self) -> OnTerminal:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        import signal
+
+        if self.pid:
+            os.kill(self.pid, signal.SIGKILL)
+            os.waitpid(self.pid, 0)
+        os.close(self.fd)
+
+
+def test_interactive_shell_has_job_control_on_its_own_terminal(user: User) -> None:
+    argv = [AGENTCELL, "run", "--no-warm", "--as", str(user.uid), "--", "bash", "--norc", "--noprofile", "-i"]
+    with OnTerminal(argv) as term:
+        out = _read_until(term.fd, b"$ ")  # type like a person: after the prompt
+        os.write(term.fd, b"echo FLAGS=$-; tty; sleep 0.1 & jobs; exit 3\n")
+        out += _read_until(term.fd, b"\x00never")
+        term.wait()
+        status = term.status
     text = out.decode(errors="replace")
     assert "no job control" not in text, text
     flags = [ln for ln in text.splitlines() if ln.startswith("FLAGS=")]
@@ -289,26 +308,14 @@ for c in b"echo INJECTED\\n":
 
 @pytest.mark.parametrize("stdin", ["</dev/null", ""], ids=["non-interactive", "interactive"])
 def test_a_cell_cannot_type_into_the_callers_terminal(user: User, stdin: str) -> None:
-    import pty
-    import signal
-
     # A root shell runs agentcell, then reads a line from its terminal: whatever the cell pushed into
     # that terminal would run as root.
     script = (f"{AGENTCELL} run --no-warm --as {user.uid} -- python3 -c '{TIOCSTI_ATTACK}' {stdin}; "
               "IFS= read -r -t 2 line; echo \"SHELL-READ:[$line]\"")
-    pid, fd = pty.fork()
-    if pid == 0:
-        os.execv("/bin/bash", ["bash", "--norc", "-c", script])
-    try:
-        out = _read_until(fd, b"SHELL-READ:")
-        out += _read_until(fd, b"]")
-        os.waitpid(pid, 0)
-        pid = 0
-    finally:
-        if pid:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-        os.close(fd)
+    with OnTerminal(["/bin/bash", "--norc", "-c", script]) as term:
+        out = _read_until(term.fd, b"SHELL-READ:")
+        out += _read_until(term.fd, b"]")
+        term.wait()
     assert "SHELL-READ:[]" in out.decode(errors="replace"), out
 
 
@@ -529,36 +536,23 @@ def test_the_python_api_never_hands_a_terminal_to_a_cell(user: User) -> None:
 
 
 def test_a_cell_that_reads_no_input_cannot_stall_the_relay_or_its_timeout(user: User) -> None:
-    import pty
-    import signal
-
-    pid, fd = pty.fork()
-    if pid == 0:
-        os.execv(AGENTCELL, [AGENTCELL, "run", "--no-warm", "--as", str(user.uid), "--timeout", "2", "--",
-                             "sleep", "60"])
-    try:
-        os.set_blocking(fd, False)
+    argv = [AGENTCELL, "run", "--no-warm", "--as", str(user.uid), "--timeout", "2", "--", "sleep", "60"]
+    with OnTerminal(argv) as term:
+        os.set_blocking(term.fd, False)
         sent = 0
         for _ in range(400):  # keep typing into a cell that never reads: the pty's buffers fill up
             try:
-                sent += os.write(fd, b"x" * 1024)
+                sent += os.write(term.fd, b"x" * 1024)
             except BlockingIOError:
                 pass
             except OSError:
                 break
-            _read_until(fd, b"\x00never", limit_s=0.01)
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                pid = 0
+            _read_until(term.fd, b"\x00never", limit_s=0.01)
+            if term.wait(nohang=True):
                 break
-        if pid:
-            _read_until(fd, b"\x00never", limit_s=20)
-            done, status = os.waitpid(pid, 0)
-            pid = 0
-    finally:
-        if pid:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-        os.close(fd)
+        if term.pid:
+            _read_until(term.fd, b"\x00never", limit_s=20)
+            term.wait()
+        status = term.status
     assert sent > 4096
     assert os.waitstatus_to_exitcode(status) == 124

@@ -30,12 +30,16 @@ def runtime_dir(user: User) -> Iterator[Path]:
         for p in (d, d / "agentcell"):
             if p.exists():
                 os.chmod(p, 0o700)
-        subprocess.run([*user.prefix(), "env", f"XDG_RUNTIME_DIR={d}", AGENTCELL, "warm", "stop"],
-                       capture_output=True)
-        for pid in STARTED.pop(str(d), []):
-            if _is_launcher(pid):
-                os.kill(pid, signal.SIGKILL)
+        stop_launcher(user, d)
         shutil.rmtree(d, ignore_errors=True)
+
+
+def stop_launcher(user: User, rt: Path) -> None:
+    """Stop the launcher a test started in ``rt``; should that fail, end it by the pid it reported."""
+    subprocess.run([*user.prefix(), "env", f"XDG_RUNTIME_DIR={rt}", AGENTCELL, "warm", "stop"], capture_output=True)
+    for pid in STARTED.pop(str(rt), []):
+        if _is_launcher(pid):
+            os.kill(pid, signal.SIGKILL)
 
 
 STARTED: dict[str, list[int]] = {}
@@ -220,11 +224,7 @@ def test_launcher_directories_are_masked_whatever_the_callers_environment(user: 
         r = agentcell_run(["--rw", str(rt), "--", "ls", "-A", str(rt / "agentcell")], as_user=user)
         assert r.rc in (0, 2) and "launcher.sock" not in r.out, r.out + r.err
     finally:
-        subprocess.run([*user.prefix(), "env", f"XDG_RUNTIME_DIR={rt}", AGENTCELL, "warm", "stop"],
-                       capture_output=True)
-        for pid in STARTED.pop(str(rt), []):
-            if _is_launcher(pid):
-                os.kill(pid, signal.SIGKILL)
+        stop_launcher(user, rt)
         shutil.rmtree(rt, ignore_errors=True)
         if made_parent:
             rt.parent.rmdir()
