@@ -556,3 +556,9 @@ def test_a_cell_that_reads_no_input_cannot_stall_the_relay_or_its_timeout(user: 
         status = term.status
     assert sent > 4096
     assert os.waitstatus_to_exitcode(status) == 124
+
+
+@pytest.mark.parametrize("command", ["run", "doctor", "warm"])
+def test_help_is_printed_not_a_traceback(command: str) -> None:
+    p = subprocess.run([AGENTCELL, command, "--help"], capture_output=True, text=True)
+    assert p.returncode == 0 and "usage:" in p.stdout and "Traceback" not in p.stderr, p.stderr

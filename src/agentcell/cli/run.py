@@ -38,7 +38,7 @@ OPTIONS: tuple[tuple[str, str, str, str, str], ...] = (
     ("--allow-unsafe-path", "allow_unsafe_path", "flag", "", "accept /, a home dir or a credential dir as a path"),
     ("--explain", "explain", "flag", "", "print the policy and every privileged step; run nothing"),
     ("--json", "json", "flag", "", "print one JSON result object as the last line of stdout"),
-    ("--memory", "memory", "value", "SIZE", "memory ceiling, e.g. 2G (default: 75% of RAM; OOM kills are reported)"),
+    ("--memory", "memory", "value", "SIZE", "memory ceiling, e.g. 2G (default: 75%% of RAM; OOM kills are reported)"),
     ("--cpu", "cpu", "value", "PERCENT", "CPU ceiling in percent of one core, e.g. 50 (default: none)"),
     ("--pids", "pids", "value", "N", "most tasks the cell may have at once (default: 4096)"),
     ("--limits", "limits", "value", "PROFILE", "ops1: OPS-1's 2G memory, 50%% CPU, 64 tasks (flags above win)"),
