@@ -26,6 +26,10 @@ calls = {
     "tiocsti": lambda: libc.ioctl(0, 0x5412, b"x"),
     "tioclinux": lambda: libc.ioctl(0, 0x541C, b"\\x00"),
     "personality_norandomize": lambda: libc.personality(0x0040000),
+    "personality_high_bit": lambda: libc.personality(0x80040000),
+    "vsock": lambda: libc.socket(40, 1, 0),
+    "packet": lambda: libc.socket(17, 3, 0),
+    "family_high_bits": lambda: libc.socket(0x100000028, 1, 0),
 }
 for name, call in calls.items():
     ctypes.set_errno(0)
@@ -35,8 +39,9 @@ for name, call in calls.items():
 
 EXPECTED = {name: "EPERM" for name in ("ptrace", "unshare_user", "clone_newns", "mount", "keyctl", "bpf",
                                       "perf_event_open", "userfaultfd", "io_uring_setup", "open_by_handle_at",
-                                      "open_tree", "tiocsti", "tioclinux", "personality_norandomize")}
-EXPECTED["clone3"] = "ENOSYS"
+                                      "open_tree", "tiocsti", "tioclinux", "personality_norandomize",
+                                      "personality_high_bit")}
+EXPECTED.update(clone3="ENOSYS", vsock="EAFNOSUPPORT", packet="EAFNOSUPPORT", family_high_bits="EAFNOSUPPORT")
 
 
 def test_denied_calls_fail_with_their_errno(user: User) -> None:
@@ -48,10 +53,13 @@ def test_denied_calls_fail_with_their_errno(user: User) -> None:
 
 
 def test_ordinary_work_still_runs(user: User) -> None:
-    # fork/exec (clone without namespace flags, clone3 falling back), threads, pipes, a personality query.
-    code = ("import subprocess, threading, ctypes; t = threading.Thread(target=lambda: None); t.start(); t.join();"
+    # fork/exec (clone without namespace flags, clone3 falling back), threads, pipes, plain PER_LINUX,
+    # unix/IPv4/IPv6/netlink sockets.
+    code = ("import subprocess, threading, ctypes, socket; t = threading.Thread(target=lambda: None); t.start();"
+            "t.join(); [socket.socket(f, socket.SOCK_DGRAM).close() for f in (socket.AF_UNIX, socket.AF_INET,"
+            " socket.AF_INET6)]; socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, 0).close();"
             "print(subprocess.run(['sh', '-c', 'echo child | cat'], capture_output=True, text=True).stdout.strip(),"
-            " ctypes.CDLL(None).personality(0xffffffff) >= 0)")
+            " ctypes.CDLL(None).personality(0) >= 0)")
     r = agentcell_run(["--as", str(user.uid), "--", "python3", "-c", code])
     assert r.out.strip() == "child True", r.out + r.err
 

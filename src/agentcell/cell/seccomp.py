@@ -34,10 +34,17 @@ NAMESPACE_FLAGS = (0x00020000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0
                    0x00000080)  # CLONE_NEWNS, NEWCGROUP, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET, NEWTIME
 TIOCSTI, TIOCLINUX = 0x5412, 0x541C
 # personality() flags that switch off protections: ADDR_NO_RANDOMIZE, READ_IMPLIES_EXEC, ADDR_COMPAT_LAYOUT,
-# MMAP_PAGE_ZERO. Plain personalities and the query (0xffffffff) are fine.
+# MMAP_PAGE_ZERO. Any value with one of them is refused, the query (0xffffffff) included: the kernel
+# stores any other value whole, so "flag set unless it is the query" cannot be told apart safely.
 WEAKENING_PERSONALITIES = (0x0040000, 0x0400000, 0x0200000, 0x0100000)
+# Socket families a cell may open: unix, IPv4, IPv6, netlink. Everything else (AF_VSOCK above all: its
+# address space is the VM's, not the network namespace's) fails with EAFNOSUPPORT.
+ALLOWED_FAMILIES = (1, 2, 10, 16)
+# Newer syscalls libseccomp 2.5 has no names for (x86_64 numbers): statmount, listmount,
+# lsm_get_self_attr, lsm_set_self_attr, lsm_list_modules, open_tree_attr.
+EPERM_NUMBERS_X86_64 = (457, 458, 459, 460, 461, 467)
 CACHE_DIR = "/var/lib/agentcell/seccomp"
-VERSION = 2  # bump when the rules change: it is part of the cache key
+VERSION = 3  # bump when the rules change: it is part of the cache key
 
 PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 22, 2
 _program: bytes | None = None
@@ -46,7 +53,8 @@ _program: bytes | None = None
 def describe() -> list[str]:
     return [f"EPERM: {', '.join(EPERM_CALLS)}",
             "EPERM: clone with any CLONE_NEW* flag; ioctl TIOCSTI, TIOCLINUX; personality flags that weaken "
-            "ASLR or NX",
+            "ASLR or NX; statmount, listmount, lsm_*_self_attr, lsm_list_modules, open_tree_attr",
+            "EAFNOSUPPORT: sockets of any family but unix, IPv4, IPv6 and netlink (AF_VSOCK above all)",
             "ENOSYS: clone3 (flags not inspectable; libc falls back to clone)",
             "KILL: any syscall from a foreign architecture (i386, x32)"]
 
@@ -69,8 +77,17 @@ def _compile() -> bytes:
     f.add_rule(sc.ERRNO(errno.ENOSYS), "clone3")
     for request in (TIOCSTI, TIOCLINUX):
         f.add_rule(deny, "ioctl", sc.Arg(1, sc.MASKED_EQ, 0xFFFFFFFF, request))
-    for flag in WEAKENING_PERSONALITIES:  # flag set and bit 31 clear: the query (0xffffffff) still works
-        f.add_rule(deny, "personality", sc.Arg(0, sc.MASKED_EQ, flag | 0x80000000, flag))
+    for flag in WEAKENING_PERSONALITIES:
+        f.add_rule(deny, "personality", sc.Arg(0, sc.MASKED_EQ, flag, flag))
+    no_family = sc.ERRNO(errno.EAFNOSUPPORT)
+    for call in ("socket", "socketpair"):
+        f.add_rule(no_family, call, sc.Arg(0, sc.GT, max(ALLOWED_FAMILIES)))  # also any high bits
+        for family in range(max(ALLOWED_FAMILIES)):
+            if family not in ALLOWED_FAMILIES:
+                f.add_rule(no_family, call, sc.Arg(0, sc.EQ, family))
+    if os.uname().machine == "x86_64":
+        for nr in EPERM_NUMBERS_X86_64:
+            f.add_rule(deny, nr)
     with tempfile.TemporaryFile() as out:
         f.export_bpf(out)
         out.seek(0)
@@ -81,7 +98,8 @@ def _key() -> str:
     lib = ctypes.CDLL("libseccomp.so.2")
     lib.seccomp_version.restype = ctypes.POINTER(ctypes.c_uint * 3)
     ver = tuple(lib.seccomp_version().contents)
-    text = repr((VERSION, EPERM_CALLS, NAMESPACE_FLAGS, WEAKENING_PERSONALITIES, ver, os.uname().machine))
+    text = repr((VERSION, EPERM_CALLS, NAMESPACE_FLAGS, WEAKENING_PERSONALITIES, ALLOWED_FAMILIES,
+                 EPERM_NUMBERS_X86_64, ver, os.uname().machine))
     return f"v{VERSION}-{binascii.crc32(text.encode()):08x}"  # a key, not a defence: the dir is root's
 
 
@@ -91,6 +109,28 @@ def _trusted_root_file(path: str) -> bool:
         if stat.S_ISLNK(st.st_mode) or st.st_uid != 0 or st.st_mode & 0o022:
             return False
     return True
+
+
+def _store(path: str, prog: bytes) -> None:
+    """Cache the program for root, only where nobody else can write, whatever the umask."""
+    d = "/"
+    for part in CACHE_DIR.strip("/").split("/"):
+        d = os.path.join(d, part)
+        try:
+            os.mkdir(d, 0o700)
+            os.chmod(d, 0o700 if d == CACHE_DIR else 0o755)
+        except FileExistsError:
+            pass
+        st = os.lstat(d)
+        if stat.S_ISLNK(st.st_mode) or st.st_uid != 0 or st.st_mode & 0o022:
+            return  # someone else could write here: keep the program in memory only
+    tmp = f"{path}.{os.getpid()}.{os.urandom(4).hex()}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        os.write(fd, prog)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
 
 
 def program() -> bytes:
@@ -115,11 +155,7 @@ def program() -> bytes:
         except ImportError:
             raise LaunchError("seccomp", "the pyseccomp binding is missing", "pip install pyseccomp") from None
         if os.geteuid() == 0:
-            os.makedirs(CACHE_DIR, mode=0o700, exist_ok=True)
-            tmp = f"{path}.{os.getpid()}"
-            with open(tmp, "wb") as f:
-                f.write(_program)
-            os.replace(tmp, path)
+            _store(path, _program)
     if not _program or len(_program) % 8:
         raise LaunchError("seccomp", "the compiled filter is malformed")
     return _program
