@@ -105,3 +105,38 @@ def test_the_cgroup_v2_code_path_on_a_private_cgroup2_mount(user: User) -> None:
     finally:
         subprocess.run(["umount", str(mnt)], check=True)
         mnt.rmdir()
+
+
+def test_ceilings_without_a_cgroup_are_refused_not_ignored(user: User) -> None:
+    p = subprocess.run([*user.prefix(), AGENTCELL, "run", "--no-warm", "--memory", "200M", "--", "true"],
+                       capture_output=True, text=True, env={"PATH": "/usr/bin:/bin"})
+    assert p.returncode == 125 and "cgroup" in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+
+
+def test_the_cells_tmpfs_are_bounded_by_its_memory_ceiling(user: User) -> None:
+    r = agentcell_run(["--as", str(user.uid), "--memory", "400M", "--", "df", "-k", "--output=size", "/tmp",
+                       "/dev/shm", "/scratch"])
+    sizes = [int(x) for x in r.out.split()[1:] if x.isdigit()]
+    assert sizes and all(s <= 100 * 1024 for s in sizes), r.out  # a quarter of 400M each
+
+
+def test_groups_left_by_a_killed_supervisor_are_swept(user: User) -> None:
+    import time
+
+    name = "agentcell-stale" + os.urandom(3).hex()
+    stale = Path(f"/sys/fs/cgroup/pids/{cgroups.PARENT}/{name}")
+    record = Path(cgroups.RECORDS) / name
+    record.parent.mkdir(parents=True, exist_ok=True)
+    record.write_text(f"{stale}\n")
+    stale.mkdir(parents=True)
+    old = time.time() - cgroups.STALE_S - 5
+    os.utime(record, (old, old))
+    try:
+        r = agentcell_run(["--as", str(user.uid), "--", "true"])
+        assert r.rc == 0, r.err
+        assert not stale.exists() and not record.exists()
+    finally:
+        if stale.exists():
+            stale.rmdir()
+        if record.exists():
+            record.unlink()

@@ -562,3 +562,11 @@ def test_a_cell_that_reads_no_input_cannot_stall_the_relay_or_its_timeout(user: 
 def test_help_is_printed_not_a_traceback(command: str) -> None:
     p = subprocess.run([AGENTCELL, command, "--help"], capture_output=True, text=True)
     assert p.returncode == 0 and "usage:" in p.stdout and "Traceback" not in p.stderr, p.stderr
+
+
+def test_the_agent_cannot_claim_root_as_its_audit_login_uid(user: User) -> None:
+    code = ("import os\ntry:\n    fd = os.open('/proc/self/loginuid', os.O_WRONLY); os.write(fd, b'0')\n"
+            "except OSError as e:\n    print('REFUSED', e.errno)\nprint(open('/proc/self/loginuid').read())")
+    r = agentcell_run([*as_uid(user), "--", "python3", "-c", code])
+    lines = r.out.split()
+    assert lines[0] == "REFUSED" and lines[-1] != "0", r.out + r.err

@@ -19,6 +19,8 @@ from ..errors import LaunchError
 ROOT = "/sys/fs/cgroup"
 PARENT = "agentcell"
 RECORDS = "/run/agentcell/cgroups"  # one file per live cell cgroup (root's state; see ARCHITECTURE)
+V1_CONTROLLERS = ("memory", "cpu", "cpuacct", "pids", "freezer")
+STALE_S = 30  # a record this old whose groups hold no process was left by a supervisor that died
 CPU_PERIOD_US = 100_000
 DEFAULT_PIDS = 4096
 OPS1 = {"memory": 2 << 30, "cpu": 50, "pids": 64}
@@ -73,6 +75,32 @@ def _count(text: str, key: str) -> int:
     return 0
 
 
+def sweep() -> list[str]:
+    """Remove the groups of cells whose supervisor died (SIGKILL) before it could: a record older
+    than STALE_S whose groups hold no process. Returns the records removed."""
+    removed: list[str] = []
+    try:
+        names = os.listdir(RECORDS)
+    except OSError:
+        return removed
+    now = time.time()
+    for name in names:
+        record = os.path.join(RECORDS, name)
+        try:
+            if now - os.lstat(record).st_mtime < STALE_S:
+                continue
+            dirs = [d for d in _read(record).split("\n") if d.startswith(ROOT + "/")]
+        except OSError:
+            continue
+        if any(_read(f"{d}/cgroup.procs").strip() for d in dirs):
+            continue  # still running
+        stale = CellCgroup("", {})
+        stale.created, stale.record = [d for d in dirs if os.path.isdir(d)], record
+        stale.remove()
+        removed.append(record)
+    return removed
+
+
 class Limits:
     def __init__(self, memory: int | None, cpu_percent: int | None, pids: int | None) -> None:
         self.memory, self.cpu_percent, self.pids = memory, cpu_percent, pids
@@ -95,10 +123,13 @@ class CellCgroup:
         dirs: dict[str, str] = {}
         cg = cls(kind, dirs)
         cg.record = os.path.join(RECORDS, cell_id)
+        sweep()
         try:
             # Recorded before it exists, so a crash's leftovers can always be found and removed.
             os.makedirs(RECORDS, mode=0o700, exist_ok=True)
-            _write_new(cg.record, f"{ROOT}/*/{PARENT}/{cell_id} {ROOT}/{PARENT}/{cell_id}\n")
+            planned = [f"{ROOT}/{PARENT}/{cell_id}"] if kind == "v2" else [
+                f"{ROOT}/{c}/{PARENT}/{cell_id}" for c in (*V1_CONTROLLERS, "unified")]
+            _write_new(cg.record, "\n".join(planned) + "\n")
             if kind == "v2":
                 # Only controllers this tree has (on a hybrid host a v2 tree may have none of them).
                 have = set(_read(f"{ROOT}/cgroup.controllers").split()) & {"memory", "cpu", "pids"}
@@ -117,7 +148,7 @@ class CellCgroup:
                 if limits.pids and "pids" in have:
                     _write(f"{d}/pids.max", str(limits.pids))
                 return cg
-            for ctrl in ("memory", "cpu", "cpuacct", "pids", "freezer"):
+            for ctrl in V1_CONTROLLERS:
                 if os.path.exists(f"{ROOT}/{ctrl}/tasks"):
                     dirs[ctrl] = cg._mkdir(f"{ROOT}/{ctrl}/{PARENT}/{cell_id}")
             if kind == "hybrid":

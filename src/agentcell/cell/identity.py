@@ -29,8 +29,21 @@ def _last_cap() -> int:
 LAST_CAP = _last_cap()  # read once, at import (the supervisor), not in every command process
 
 
+def _pin_loginuid(uid: int) -> None:
+    """An unset audit login uid could be set by the command itself, to 0: set it to the agent's."""
+    try:
+        with open("/proc/self/loginuid") as f:
+            if f.read().strip() != "4294967295":
+                return  # already the human's login uid, and immutable for the command
+        with open("/proc/self/loginuid", "w") as f:
+            f.write(str(uid))
+    except OSError:
+        pass  # no audit in this kernel
+
+
 def drop(ident: Identity) -> None:
     if not ident.userns:
+        _pin_loginuid(ident.uid)
         os.setgroups(list(ident.groups))
         os.setresgid(ident.gid, ident.gid, ident.gid)
     for cap in range(LAST_CAP + 1):

@@ -55,7 +55,7 @@ def rules_for(spec: CellSpec) -> list[tuple[str, int]]:
     """(path in the cell, rights) — the mount tree again, as Landlock rules. Also what --explain shows."""
     rules: list[tuple[str, int]] = [(p, READ_EXEC) for p in spec.system_paths if os.path.isdir(p)
                                     and not os.path.islink(p)]
-    rules += [("/", READ_DIR), ("/proc", READ_FILE | READ_DIR | WRITE_FILE), ("/dev", DEVICES)]
+    rules += [("/", READ_DIR), ("/proc", READ_FILE | READ_DIR), ("/dev", DEVICES)]  # /proc: read only
     rules += [(p, READ_EXEC) for p in spec.ro_paths]
     rules += [(p, WRITE_ALL) for p in ("/tmp", "/dev/shm", SCRATCH_PATH, spec.identity.home, *spec.rw_paths)]
     return rules

@@ -16,7 +16,7 @@ import select
 import stat
 import time
 
-from ..errors import EXIT_CANNOT_EXEC, EXIT_NOT_FOUND, EXIT_SETUP, EXIT_TIMEOUT, LaunchError
+from ..errors import EXIT_CANNOT_EXEC, EXIT_NOT_FOUND, EXIT_SETUP, EXIT_TIMEOUT, LaunchError, PolicyError
 from . import cgroups, handoff, identity, landlock, mounts, namespaces, pid1, seccomp, terminal
 from . import syscalls as sc
 from .spec import TYPE_CHECKING, CellSpec, new_cell_id
@@ -233,7 +233,13 @@ def prepare(spec: CellSpec) -> Prepared:
     seccomp.program()  # compiled (or read from root's cache) here, once, not in every cell
     # 2. The cell's own cgroup (limits; freeze and kill as a whole). Root only: unprivileged users
     #    have no delegated cgroup on hybrid hosts (doctor says so). 3. Network links: the egress layer.
-    cg = cgroups.CellCgroup.create(cell_id, cell_limits(spec)) if os.geteuid() == 0 else None
+    if os.geteuid() == 0:
+        cg = cgroups.CellCgroup.create(cell_id, cell_limits(spec))
+    elif spec.memory_max or spec.cpu_percent or spec.pids_max:
+        raise PolicyError("--memory/--cpu/--pids", "ceilings need a cgroup, and unprivileged users have none "
+                          "delegated here", "run through sudo with --as, or drop the ceilings")
+    else:
+        cg = None
     r, w = os.pipe2(os.O_CLOEXEC)
     ours, theirs = handoff.channel()
     outer_uid, outer_gid = os.getuid(), os.getgid()

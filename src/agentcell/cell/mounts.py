@@ -11,6 +11,7 @@ import stat
 from ..errors import LaunchError
 from . import syscalls as sc
 from . import wire
+from .cgroups import default_memory
 from .paths import fd_path, open_nofollow
 from .spec import SCRATCH_PATH, SECRET_DIRS, SECRET_FILES, CellSpec
 
@@ -147,11 +148,14 @@ def plan(spec: CellSpec) -> MountPlan:
     for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"),
                          ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2")):
         steps.append(Step("symlink", f"/dev/{name}", target))
-    steps.append(Step("tmpfs", "/dev/shm", "tmpfs", readonly=False, data="mode=1777"))
-    steps.append(Step("tmpfs", "/tmp", "tmpfs", readonly=False, data="mode=1777"))
+    # Each writable tmpfs holds at most a quarter of the cell's memory ceiling: in a cgroup its pages
+    # are charged to the cell anyway; without one (rootless) this is the only bound on them.
+    size = f"size={(spec.memory_max or default_memory()) // 4 // 4096 * 4096}"
+    steps.append(Step("tmpfs", "/dev/shm", "tmpfs", readonly=False, data=f"mode=1777,{size}"))
+    steps.append(Step("tmpfs", "/tmp", "tmpfs", readonly=False, data=f"mode=1777,{size}"))
 
     ident = spec.identity
-    owner = f"mode=0700,uid={ident.uid},gid={ident.gid}"
+    owner = f"mode=0700,uid={ident.uid},gid={ident.gid},{size}"
     if spec.home_dir:
         mine.append(bind(spec.home_dir, ident.home, False))
     else:
