@@ -226,14 +226,14 @@ class CellCgroup:
     def remove(self) -> None:
         """Remove the cell's groups (empty by now: PID 1 has killed and reaped everything)."""
         for d in self.created:
-            for _ in range(100):  # the last exiting task can lag its parent's reaping briefly
+            for _ in range(400):  # PID 1 reports just before it exits: its exit can lag a little
                 try:
                     os.rmdir(d)
                     break
                 except FileNotFoundError:
                     break
                 except OSError:
-                    time.sleep(0.002)
+                    time.sleep(0.0005)
             try:
                 os.rmdir(os.path.dirname(d))  # the shared agentcell/ parent, when no other cell uses it
             except OSError:

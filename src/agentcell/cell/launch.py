@@ -130,7 +130,7 @@ class Running:
                 timed_out = True
                 self.kill()
                 deadline = None
-        if self._eof or self.cg is not None:  # a cgroup can go only once C1 (its last member) is gone
+        if self._eof:
             _, wstatus = _waitpid_eintr(self.c1)
         else:
             wstatus = 0  # PID 1's report is the status; C1 only has namespaces left to tear down
