@@ -9,8 +9,8 @@ import os
 import stat
 
 from ..errors import LaunchError
+from . import protect, wire
 from . import syscalls as sc
-from . import wire
 from .cgroups import default_memory
 from .paths import fd_path, open_nofollow
 from .spec import SCRATCH_PATH, SECRET_DIRS, SECRET_FILES, CellSpec
@@ -172,6 +172,11 @@ def plan(spec: CellSpec) -> MountPlan:
             mine.append(bind(p, p, True))
     for p in spec.masked_paths:
         mine.append(mask(p))
+    # Hooks, git config and harness config inside the writable paths: read-only (cell/protect.py).
+    declared = {*spec.ro_paths, *spec.masked_paths}
+    for p in protect.protected_paths(spec.rw_paths, spec.allow_write):
+        if p not in declared:
+            mine.append(bind(p, p, True))
     # Parents before children; at equal depth masks last so they cover what was bound.
     mine.sort(key=lambda s: (_depth(s.dest), s.kind == "mask"))
     # The host's secrets last, wherever a bind (system or declared, e.g. --ro /etc) brought them in,

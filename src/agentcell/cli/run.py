@@ -26,6 +26,8 @@ OPTIONS: tuple[tuple[str, str, str, str, str], ...] = (
     ("--ro", "ro", "append", "PATH", "share PATH read-only (nosuid, nodev)"),
     ("--vault-ro", "vault_ro", "append", "PATH", "OPS-1 spelling of --ro"),
     ("--mask", "mask", "append", "PATH", "hide PATH (an empty dir or file over it)"),
+    ("--allow-write", "allow_write", "append", "PATH", "let the command write a protected path (.git/hooks, "
+     ".git/config, .claude/, .mcp.json, shell rc files, ...) inside a --rw path"),
     ("--scratch", "scratch", "value", "DIR", "back the cell's writable /scratch with host DIR"),
     ("--tmpfs-scratch", "tmpfs_scratch", "flag", "", "a private tmpfs at /scratch (the default)"),
     ("--home", "home", "value", "DIR", "back the cell's $HOME with host DIR (kept across runs); default a tmpfs"),
@@ -56,6 +58,7 @@ class Args:
     ro: list[str]
     vault_ro: list[str]
     mask: list[str]
+    allow_write: list[str]
     env: list[str]
     keep_env: list[str]
     scratch: str | None
@@ -174,7 +177,8 @@ def parse(argv: list[str]) -> Args | Namespace:
 
 def build_spec(ns: Args | Namespace) -> CellSpec:
     ident = rs.resolve_identity(ns.as_)
-    homes = rs.home_dirs() if (ns.rw or ns.ro or ns.vault_ro or ns.mask or ns.scratch or ns.home) else set()
+    homes = rs.home_dirs() if (ns.rw or ns.ro or ns.vault_ro or ns.mask or ns.scratch or ns.home
+                               or ns.allow_write) else set()
     unsafe = ns.allow_unsafe_path
     rw = rs.resolve_paths(ns.rw, field="--rw", writable=True, allow_unsafe=unsafe, homes=homes)
     ro = rs.resolve_paths(ns.ro + ns.vault_ro, field="--ro", writable=False, allow_unsafe=unsafe, homes=homes)
@@ -199,7 +203,13 @@ def build_spec(ns: Args | Namespace) -> CellSpec:
             here = ident.home
         cwd = rs.cell_cwd(here, visible, ident.home)
     memory_max, cpu_percent, pids_max = _limits(ns)
+    allow_write = rs.resolve_paths(ns.allow_write, field="--allow-write", writable=True, allow_unsafe=True,
+                                   homes=homes)
+    for p in allow_write:
+        if rs.cell_cwd(p, rw, "") != p:
+            raise AgentcellError("--allow-write", f"{p} is not inside a --rw path", "share its project with --rw")
     return CellSpec(
+        allow_write=allow_write,
         memory_max=memory_max, cpu_percent=cpu_percent, pids_max=pids_max,
         identity=ident, rw_paths=rw, ro_paths=ro, masked_paths=masked, scratch_dir=scratch, home_dir=home,
         network="loopback" if ns.net == "loopback" else "none",
@@ -284,6 +294,8 @@ def explain(spec: CellSpec, command: list[str]) -> dict[str, object]:
         "identity": {"mode": ident.mode, "uid": ident.uid, "gid": ident.gid, "user": ident.user, "home": ident.home},
         "network": spec.network,
         "rw": list(spec.rw_paths), "ro": list(spec.ro_paths), "masked": list(spec.masked_paths),
+        "protected": [s.dest for s in plan.steps if s.kind == "bind" and s.readonly and s.dest not in spec.ro_paths
+                      and s.dest not in spec.system_paths],
         "system_ro": [p for p in spec.system_paths if os.path.lexists(p)],
         "scratch": spec.scratch_dir or "tmpfs", "home": spec.home_dir or "tmpfs",
         "env": sorted(k for k, _ in spec.env),
@@ -297,7 +309,8 @@ def _print_explain(info: dict[str, object]) -> None:
     out = sys.stdout.write
     steps = info["steps"]
     assert isinstance(steps, list)
-    for key in ("cell_id", "identity", "network", "rw", "ro", "masked", "system_ro", "scratch", "home", "env",
+    for key in ("cell_id", "identity", "network", "rw", "ro", "masked", "protected", "system_ro", "scratch", "home",
+                "env",
                 "cwd", "command"):
         out(f"{key:>10}: {info[key]}\n")
     out("     steps:\n")

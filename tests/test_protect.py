@@ -1,0 +1,79 @@
+"""Protected paths inside a writable project: hooks, git config and harness config stay read-only,
+while ordinary git work goes on."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+from conftest import AGENTCELL, User, agentcell_run, needs_root
+
+pytestmark = needs_root
+
+GIT = ["git", "-c", "user.name=agent", "-c", "user.email=agent@agentcell.invalid", "-c", "safe.directory=*"]
+
+
+def _as_user(user: User, *argv: str, cwd: Path) -> None:
+    subprocess.run([*user.prefix(), *argv], cwd=cwd, check=True, capture_output=True)
+
+
+def make_repo(user: User, path: Path) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    shutil.chown(path, user.uid, user.gid)
+    _as_user(user, "git", "init", "-q", str(path), cwd=path)
+    for name in (".mcp.json", ".envrc"):
+        (path / name).write_text("{}\n")
+        shutil.chown(path / name, user.uid, user.gid)
+    (path / ".claude").mkdir()
+    shutil.chown(path / ".claude", user.uid, user.gid)
+
+
+PLANT = """
+set -u
+p=$1
+try() { if sh -c "$1" 2>/dev/null; then echo "WROTE $2"; else echo "DENIED $2"; fi; }
+try "echo evil > $p/.git/hooks/pre-commit" hooks
+try "echo '[core] fsmonitor = evil' >> $p/.git/config" config
+try "echo x > $p/sub/.git/hooks/post-checkout" nested-hooks
+try "echo x >> $p/sub/.git/config" nested-config
+try "echo '{}' > $p/.claude/settings.json" claude
+try "echo x >> $p/.mcp.json" mcp
+try "echo x >> $p/.envrc" envrc
+echo work > $p/work.txt
+git -c user.name=agent -c user.email=a@agentcell.invalid -c safe.directory='*' -C $p add work.txt \
+  && git -c user.name=agent -c user.email=a@agentcell.invalid -c safe.directory='*' -C $p commit -qm work \
+  && echo COMMITTED
+"""
+
+
+def test_hooks_git_config_and_harness_config_are_read_only_and_git_still_works(user: User, project: Path) -> None:
+    make_repo(user, project)
+    make_repo(user, project / "sub")
+    r = agentcell_run(["--as", str(user.uid), "--rw", str(project), "--", "sh", "-c", PLANT, "sh", str(project)])
+    assert "WROTE" not in r.out, r.out + r.err
+    assert r.out.count("DENIED") == 7 and "COMMITTED" in r.out, r.out + r.err
+    assert not (project / ".git/hooks/pre-commit").exists()
+    assert "fsmonitor" not in (project / ".git/config").read_text()
+    log = subprocess.run([*GIT, "-C", str(project), "log", "--oneline"], capture_output=True, text=True).stdout
+    assert "work" in log
+
+
+def test_allow_write_lifts_one_protected_path(user: User, project: Path) -> None:
+    make_repo(user, project)
+    hooks = project / ".git" / "hooks"
+    r = agentcell_run(["--as", str(user.uid), "--rw", str(project), "--allow-write", str(hooks), "--", "sh", "-c",
+                       f"echo ok > {hooks}/pre-commit && echo HOOK; echo x >> {project}/.git/config || echo CONFIG-RO"])
+    assert r.out.split() == ["HOOK", "CONFIG-RO"], r.out + r.err
+
+
+def test_explain_lists_the_protected_paths(user: User, project: Path) -> None:
+    make_repo(user, project)
+    p = subprocess.run([AGENTCELL, "run", "--as", str(user.uid), "--rw", str(project), "--explain", "--", "true"],
+                       capture_output=True, text=True)
+    assert f"{project}/.git/hooks" in p.stdout and f"bind ro,nosuid,nodev {project}/.mcp.json" in p.stdout
+
+
+def test_allow_write_outside_the_project_is_refused(user: User, project: Path, tmp_path: Path) -> None:
+    p = subprocess.run([AGENTCELL, "run", "--as", str(user.uid), "--rw", str(project), "--allow-write",
+                        str(tmp_path), "--", "true"], capture_output=True, text=True)
+    assert p.returncode == 125 and "--allow-write" in p.stderr
