@@ -77,3 +77,12 @@ def test_allow_write_outside_the_project_is_refused(user: User, project: Path, t
     p = subprocess.run([AGENTCELL, "run", "--as", str(user.uid), "--rw", str(project), "--allow-write",
                         str(tmp_path), "--", "true"], capture_output=True, text=True)
     assert p.returncode == 125 and "--allow-write" in p.stderr
+
+
+def test_protected_entries_the_command_creates_are_reported(user: User, project: Path) -> None:
+    make_repo(user, project)
+    shutil.rmtree(project / ".claude")
+    r = agentcell_run(["--as", str(user.uid), "--rw", str(project), "--", "sh", "-c",
+                       f"mkdir {project}/.claude && echo '{{}}' > {project}/.claude/settings.json"])
+    assert r.result["new_protected"] == [f"{project}/.claude"], r.result
+    assert "warning" in r.err and ".claude" in r.err

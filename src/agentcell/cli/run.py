@@ -362,6 +362,9 @@ def main(argv: list[str]) -> int:
         if not command:
             raise AgentcellError("command", "no command given", "put it after --, e.g. agentcell run -- true")
         ttys, interactive = terminal.tty_fds(), terminal.is_ours()
+        from ..cell import protect
+
+        protected_before = set(protect.protected_paths(spec.rw_paths, spec.allow_write))
         result = None
         if not ttys and not ns.no_warm:  # the warm launcher never gets a terminal: those runs relay here
             from ..cell import warm
@@ -373,6 +376,12 @@ def main(argv: list[str]) -> int:
             result = _run_here(spec, command, ns.timeout, ttys, interactive)
     except AgentcellError as e:
         return report(PROG, e)
+    # Protected entries that did not exist could not be bound read-only: say which ones the command made.
+    created = sorted(set(protect.protected_paths(spec.rw_paths, spec.allow_write)) - protected_before)
+    result["new_protected"] = created
+    for path in created:
+        sys.stderr.write(f"{PROG}: warning: the command created {path}, a path agentcell protects when it "
+                         "exists (hooks, git or harness config); review it before you use the project\n")
     if result["error"]:
         sys.stderr.write(f"{PROG}: {result['error']}\n")
     elif result["timed_out"]:
