@@ -296,3 +296,8 @@ def test_importing_resolve_does_not_import_pydantic() -> None:
             "import agentcell.policy as p; p.SessionPlan; assert 'pydantic' in sys.modules, 'lazy'")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
+
+
+def test_plan_limits_reach_the_cell(project: Path) -> None:
+    spec = compile_(plan(project, limits=Limits(memory_bytes=1 << 30, cpu_percent=50, pids=64))).to_cell_spec()
+    assert (spec.memory_max, spec.cpu_percent, spec.pids_max) == (1 << 30, 50, 64)

@@ -36,7 +36,8 @@ def _new_session_id() -> str:
 
 
 class Limits(BaseModel):
-    """Resource ceilings for the cell's cgroup; ``None`` leaves that resource unlimited."""
+    """Resource ceilings for the cell's cgroup; ``None`` takes the launcher's default (75 % of RAM,
+    no CPU cap, 4096 tasks; see agentcell.cell.cgroups)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -119,7 +120,7 @@ class SandboxPolicy(BaseModel):
     wall_clock_limit_s: PositiveInt = 3600
 
     def to_cell_spec(self) -> CellSpec:
-        """The launcher's view. Limits and the wall clock are the supervisor's to enforce, not the spec's."""
+        """The launcher's view (the wall clock is the supervisor's to enforce, not the spec's)."""
         if self.network not in ("none", "loopback"):
             raise PolicyError("network", f"'{self.network}' cannot be launched yet",
                               "proxy and host-firewall arrive with the egress layer")
@@ -133,6 +134,9 @@ class SandboxPolicy(BaseModel):
             network="loopback" if self.network == "loopback" else "none",
             env=self.env,
             cwd=self.cwd,
+            memory_max=self.limits.memory_bytes,
+            cpu_percent=self.limits.cpu_percent,
+            pids_max=self.limits.pids,
             cell_id=f"agentcell-{self.session_id}",
         )
 
