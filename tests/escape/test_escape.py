@@ -982,8 +982,7 @@ def _(w: World) -> Attempt:
     return _planting(w, ".envrc", setup=_existing(w, ".envrc"))
 
 
-@probe("harness_config_in_project_without_git", xfail="protected paths: issue 3 item 4 protects harness config "
-       "and shell rc files only at repository roots; a --rw project that is not a git repository has none")
+@probe("harness_config_in_project_without_git")
 def _(w: World) -> Attempt:
     return _planting(w, ".claude/settings.json", setup=_existing(w, ".claude/settings.json", repo=False))
 
@@ -996,8 +995,7 @@ def _(w: World) -> Attempt:
     return _planting(w, ".claude/settings.json", setup=lambda: _repo(w, w.project))
 
 
-@probe("git_hook_after_swapping_the_git_dir", xfail="protected paths: issue 3 item 4 binds .git/hooks, but .git "
-       "itself can be renamed away and rebuilt with new hooks")
+@probe("git_hook_after_swapping_the_git_dir")
 def _(w: World) -> Attempt:
     _repo(w, w.project)
     tok = w.token("gitswap")

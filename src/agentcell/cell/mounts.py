@@ -172,8 +172,13 @@ def plan(spec: CellSpec) -> MountPlan:
             mine.append(bind(p, p, True))
     for p in spec.masked_paths:
         mine.append(mask(p))
-    # Hooks, git config and harness config inside the writable paths: read-only (cell/protect.py).
-    declared = {*spec.ro_paths, *spec.masked_paths}
+    # Hooks, git config and harness config inside the writable paths: read-only, and .git dirs pinned
+    # in place so they cannot be swapped for a rebuilt one (cell/protect.py).
+    declared = {*spec.rw_paths, *spec.ro_paths, *spec.masked_paths}
+    for p in protect.pinned_paths(spec.rw_paths):
+        if p not in declared:
+            mine.append(bind(p, p, False))
+            declared.add(p)
     for p in protect.protected_paths(spec.rw_paths, spec.allow_write):
         if p not in declared:
             mine.append(bind(p, p, True))

@@ -3,9 +3,9 @@
 Git runs ``.git/hooks/*`` and what ``.git/config`` says (``core.fsmonitor``, ``core.hooksPath``,
 aliases) when the human next uses the repository; harness config (``.claude/``, ``.mcp.json``, …)
 decides what the human's next agent may do; ``.envrc`` and shell rc files run in the human's shell.
-Every such entry that exists in a writable path, in the project and in every nested repository, is
-re-bound read-only (ordinary ``git add``/``commit`` keep working: objects, refs and the index stay
-writable). ``--allow-write PATH`` lifts one.
+Every such entry that exists in a writable path (at its root, and in every repository found below
+it) is re-bound read-only, and every ``.git`` directory is pinned in place (ordinary ``git add``/
+``commit`` keep working: objects, refs and the index stay writable). ``--allow-write PATH`` lifts one.
 
 Limits, said plainly: entries that do not exist yet are not covered (covering them would mean
 writing placeholders into the user's project), and the scan for nested repositories stops at
@@ -60,11 +60,31 @@ def _repos(root: str) -> list[str]:
     return found
 
 
+def pinned_paths(writable: tuple[str, ...]) -> tuple[str, ...]:
+    """Directories to bind onto themselves, writable, so that inside the cell they are mount points
+    and cannot be renamed away and rebuilt: every repository's ``.git`` (else ``mv .git x; mkdir -p
+    .git/hooks`` plants hooks past the read-only bind), and every directory on the way from a
+    writable root down to a nested repository."""
+    out: list[str] = []
+    for root in writable:
+        if not os.path.isdir(root):
+            continue
+        for repo in _repos(root):
+            git = os.path.join(repo, ".git")
+            if os.path.isdir(git) and not os.path.islink(git):
+                out.append(git)
+            rel = os.path.relpath(repo, root)
+            parts = [] if rel == "." else rel.split(os.sep)
+            out += [os.path.join(root, *parts[:i]) for i in range(1, len(parts) + 1)]
+    return tuple(p for p in dict.fromkeys(out) if _exists_plain(p))
+
+
 def protected_paths(writable: tuple[str, ...], allow_write: tuple[str, ...] = ()) -> tuple[str, ...]:
     out: list[str] = []
     for root in writable:
         if not os.path.isdir(root):
             continue
+        out += [os.path.join(root, name) for name in AT_REPO_ROOT]  # harness config: repository or not
         for repo in _repos(root):
             git = os.path.join(repo, ".git")
             if os.path.isdir(git) and not os.path.islink(git):
