@@ -8,7 +8,9 @@ Measures (medians, milliseconds, ratio to bwrap measured in the same sitting):
                itself (--no-warm), and handing it to a running `agentcell warm` launcher;
   * warm API:  `Cell(spec).run(["true"])` from a long-lived process, calls spaced 50 ms apart as an
                agent's tool calls are (the warm launcher prepares the next cell in between);
-  * warm API, back to back (no gap), and without pre-warming, for the record.
+  * warm API, back to back (no gap), and without pre-warming, for the record;
+  * the hardening's cost: the launcher in this process with Landlock, seccomp and the cell's cgroup,
+    and with each switched off in turn (issue #3).
 Targets (issue #2): CLI <= 3x bwrap; warm API <= 1.0x bwrap. Needs root (a throwaway account
 ac-bench<hex> is created and removed) and bwrap (apt package bubblewrap).
 """
@@ -61,6 +63,33 @@ def bwrap_argv(uid: int, gid: int, home: str) -> list[str]:
     return [*argv, "true"]
 
 
+def layer_costs(spec: object, runs: int) -> dict[str, float]:
+    """The launcher called in this process (no warm launcher, no CLI), with every hardening layer and
+    with each one switched off in turn — by replacing it here, for the benchmark only (forked cells
+    inherit the replacement). The difference is that layer's cost per launch."""
+    from agentcell.cell import cgroups, landlock, launch, seccomp
+
+    real = {"landlock": landlock.prepare, "seccomp": seccomp.load, "cgroup": cgroups.CellCgroup.create}
+    off = {"landlock": lambda _spec: None, "seccomp": lambda _prog: None, "cgroup": lambda *_a: None}
+    targets = {"landlock": (landlock, "prepare"), "seccomp": (seccomp, "load"),
+               "cgroup": (cgroups.CellCgroup, "create")}
+    out = {"launch_all_layers": median_ms(lambda: launch.launch(spec, ["true"]), runs)}  # type: ignore[arg-type]
+    for name, (owner, attr) in targets.items():
+        setattr(owner, attr, off[name])
+        try:
+            out[f"launch_without_{name}"] = median_ms(lambda: launch.launch(spec, ["true"]), runs)  # type: ignore[arg-type]
+        finally:
+            setattr(owner, attr, real[name])
+    for name, (owner, attr) in targets.items():
+        setattr(owner, attr, off[name])
+    try:
+        out["launch_no_hardening"] = median_ms(lambda: launch.launch(spec, ["true"]), runs)  # type: ignore[arg-type]
+    finally:
+        for name, (owner, attr) in targets.items():
+            setattr(owner, attr, real[name])
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=60)
@@ -107,6 +136,7 @@ def main() -> int:
             res["api_no_prewarm"] = median_ms(lambda: cold_api.run(["true"]), args.runs)
             res["api_no_prewarm_no_landlock"] = median_ms(lambda: bare_api.run(["true"]), args.runs)
             res["python_startup"] = median_ms(lambda: run([sys.executable, "-c", "pass"]), args.runs)
+            res.update(layer_costs(spec, args.runs))
     finally:
         subprocess.run(["userdel", name], check=False)
 
@@ -119,6 +149,7 @@ def main() -> int:
         "api_no_prewarm": res["api_no_prewarm"] / res["bwrap"],
         "api_no_prewarm_no_landlock": res["api_no_prewarm_no_landlock"] / res["bwrap"],
         "python_startup": res["python_startup"] / res["bwrap"],
+        **{k: res[k] / res["bwrap"] for k in res if k.startswith("launch_")},
     }
     targets = {"cli": 3.0, "cli_warm_launcher": 3.0, "cli_warm_launcher_spaced": 3.0,
                "api_warm_spaced": 1.0}
@@ -135,7 +166,12 @@ def main() -> int:
             ("api_warm_back_to_back", "Cell.run, warm, back to back"),
             ("api_no_prewarm", "Cell.run, no pre-warm"),
             ("api_no_prewarm_no_landlock", "Cell.run, no pre-warm, without Landlock"),
-            ("python_startup", "python -c pass (floor of any CLI)")]
+            ("python_startup", "python -c pass (floor of any CLI)"),
+            ("launch_all_layers", "launcher in-process, all hardening"),
+            ("launch_without_landlock", "  ... without Landlock"),
+            ("launch_without_seccomp", "  ... without seccomp"),
+            ("launch_without_cgroup", "  ... without its cgroup"),
+            ("launch_no_hardening", "  ... with none of the three")]
     for key, label in rows:
         target = targets.get(key)
         verdict = ""
