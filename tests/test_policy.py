@@ -301,3 +301,18 @@ def test_importing_resolve_does_not_import_pydantic() -> None:
 def test_plan_limits_reach_the_cell(project: Path) -> None:
     spec = compile_(plan(project, limits=Limits(memory_bytes=1 << 30, cpu_percent=50, pids=64))).to_cell_spec()
     assert (spec.memory_max, spec.cpu_percent, spec.pids_max) == (1 << 30, 50, 64)
+
+
+def test_plan_landlock_and_allow_write_reach_the_cell(project: Path) -> None:
+    (project / ".git").mkdir()
+    pol = compile_(plan(project, landlock="best-effort", landlock_min_abi=7,
+                        allow_write=[str(project / ".git")]))
+    spec = pol.to_cell_spec()
+    assert (spec.landlock, spec.landlock_min_abi) == ("best-effort", 7)
+    assert spec.allow_write == (os.path.realpath(project / ".git"),)
+
+
+def test_allow_write_outside_the_declared_paths_is_refused(project: Path, tmp_path: Path) -> None:
+    with pytest.raises(PolicyError) as err:
+        compile_(plan(project, allow_write=[str(tmp_path)]))
+    assert err.value.field == "allow_write"

@@ -48,6 +48,18 @@ def _in_plan_terms() -> Iterator[None]:
         raise PolicyError(_FIELD_FOR_FLAG.get(e.field, e.field), problem, fix) from None
 
 
+def _allowed_writes(paths: Iterable[str], rw: tuple[str, ...], host_cwd: str | None) -> tuple[str, ...]:
+    """Protected paths the plan lets the command write: resolved, and inside a declared path."""
+    out = []
+    for p in paths:
+        real = rs.resolve_path(p if os.path.isabs(p) or host_cwd is None else os.path.join(host_cwd, p),
+                               field="allow_write", writable=True, allow_unsafe=True)
+        if rs.cell_cwd(real, rw, "") != real:
+            raise PolicyError("allow_write", f"{p} is not inside a declared path", "declare its project")
+        out.append(real)
+    return tuple(out)
+
+
 def compile_plan(plan: SessionPlan, *, environ: Mapping[str, str], euid: int | None = None,
                  host_cwd: str | None = None) -> SandboxPolicy:
     """Resolve and check everything ``plan`` asks for; refuse with a :class:`PolicyError` naming the key.
@@ -115,6 +127,9 @@ def compile_plan(plan: SessionPlan, *, environ: Mapping[str, str], euid: int | N
         env=env,
         cwd=cwd,
         wall_clock_limit_s=plan.wall_clock_limit_s,
+        landlock=plan.landlock,
+        landlock_min_abi=plan.landlock_min_abi,
+        allow_write=_allowed_writes(plan.allow_write, rw, host_cwd),
     )
 
 

@@ -19,6 +19,7 @@ from ..errors import PolicyError
 
 Risk = Literal["low", "medium", "high"]
 Network = Literal["none", "loopback", "proxy", "host-firewall"]
+LandlockMode = Literal["required", "best-effort"]
 Operation = Literal["read", "write", "execute", "network", "resource", "telemetry"]
 
 # Strict: in a policy file `pids = true` must be an error, not a ceiling of 1.
@@ -68,6 +69,10 @@ class SessionPlan(BaseModel):
     keep_env: list[EnvName] = Field(default_factory=list)  # passed through from the host
     # The explicit override for /, home dirs, credential stores and writable system dirs.
     allow_unsafe_paths: StrictBool = False
+    # Landlock: below landlock_min_abi the launch fails closed, unless landlock = "best-effort".
+    landlock: LandlockMode = "required"
+    landlock_min_abi: StrictInt = Field(default=1, ge=1, le=64)
+    allow_write: list[str] = Field(default_factory=list)  # protected paths the command may write
 
 
 class IdentityModel(BaseModel):
@@ -118,6 +123,9 @@ class SandboxPolicy(BaseModel):
     env: tuple[tuple[str, str], ...] = ()  # the final scrubbed environment, in order
     cwd: str
     wall_clock_limit_s: PositiveInt = 3600
+    landlock: LandlockMode = "required"
+    landlock_min_abi: StrictInt = Field(default=1, ge=1, le=64)
+    allow_write: tuple[str, ...] = ()
 
     def to_cell_spec(self) -> CellSpec:
         """The launcher's view (the wall clock is the supervisor's to enforce, not the spec's)."""
@@ -134,6 +142,9 @@ class SandboxPolicy(BaseModel):
             network="loopback" if self.network == "loopback" else "none",
             env=self.env,
             cwd=self.cwd,
+            landlock=self.landlock,
+            landlock_min_abi=self.landlock_min_abi,
+            allow_write=self.allow_write,
             memory_max=self.limits.memory_bytes,
             cpu_percent=self.limits.cpu_percent,
             pids_max=self.limits.pids,
