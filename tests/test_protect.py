@@ -2,9 +2,12 @@
 while ordinary git work goes on."""
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 from pathlib import Path
+
+import pytest
 
 from conftest import AGENTCELL, User, agentcell_run, needs_root
 
@@ -84,5 +87,47 @@ def test_protected_entries_the_command_creates_are_reported(user: User, project:
     shutil.rmtree(project / ".claude")
     r = agentcell_run(["--as", str(user.uid), "--rw", str(project), "--", "sh", "-c",
                        f"mkdir {project}/.claude && echo '{{}}' > {project}/.claude/settings.json"])
-    assert r.result["new_protected"] == [f"{project}/.claude"], r.result
+    assert r.result["protected_changes"] == [f"{project}/.claude"], r.result
     assert "warning" in r.err and ".claude" in r.err
+
+
+GIT_REDIRECTS = {
+    "commondir": "mkdir {p}/.git/x && cp -r {p}/.git/objects {p}/.git/refs {p}/.git/HEAD {p}/.git/x/ && "
+                 "echo x > {p}/.git/commondir",
+    "config_worktree": "echo '[core]' > {p}/.git/config.worktree",
+    "gitfile_of_a_new_nested_repo": "mkdir -p {p}/tools/fmt && echo 'gitdir: ../../.evil' > {p}/tools/fmt/.git",
+    "symlinked_harness_config": "mkdir -p {p}/docs && echo x > {p}/docs/m.json && ln -s docs/m.json {p}/.mcp.json",
+}
+
+
+@pytest.mark.parametrize("attack", sorted(GIT_REDIRECTS))
+def test_what_cannot_be_bound_is_compared_and_reported(user: User, project: Path, attack: str) -> None:
+    make_repo(user, project)
+    (project / ".mcp.json").unlink()
+    r = agentcell_run(["--as", str(user.uid), "--rw", str(project), "--", "sh", "-c",
+                       GIT_REDIRECTS[attack].format(p=project)])
+    assert r.rc == 0, r.err
+    assert r.result["protected_changes"], r.result
+    assert "warning" in r.err
+
+
+def test_submodule_git_dirs_at_any_depth_are_protected(user: User, project: Path) -> None:
+    make_repo(user, project)
+    nested = project / ".git" / "modules" / "vendor" / "lib"
+    nested.mkdir(parents=True)
+    for name in ("HEAD", "config"):
+        (nested / name).write_text("ref: refs/heads/main\n" if name == "HEAD" else "[core]\n")
+    (nested / "hooks").mkdir()
+    subprocess.run(["chown", "-R", f"{user.uid}:{user.gid}", str(project / ".git")], check=True)
+    r = agentcell_run(["--as", str(user.uid), "--rw", str(project), "--", "sh", "-c",
+                       f"echo x >> {nested}/config || echo CONFIG-RO; echo x > {nested}/hooks/post-checkout "
+                       "|| echo HOOKS-RO"])
+    assert r.out.split() == ["CONFIG-RO", "HOOKS-RO"], r.out + r.err
+
+
+def test_hard_linked_protected_files_do_not_break_the_launch(user: User, project: Path) -> None:
+    make_repo(user, project)
+    os.link(project / ".mcp.json", project / "opencode.json")
+    r = agentcell_run(["--as", str(user.uid), "--rw", str(project), "--", "sh", "-c",
+                       f"echo x >> {project}/opencode.json || echo RO"])
+    assert r.rc == 0 and r.out.strip() == "RO", r.out + r.err

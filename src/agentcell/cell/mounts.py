@@ -22,6 +22,7 @@ _EMPTY_DIR = "/tmp/empty-dir"
 DEV_NODES = ("null", "zero", "full", "random", "urandom", "tty")
 
 SAFE = sc.MS_NOSUID | sc.MS_NODEV
+MAX_GUARDED = 1024  # protected binds per cell: beyond, something planted them (fail closed, say so)
 # Attributes set on a bind while it is still detached (mount_setattr), so it is never visible with
 # fewer: a racing rename can move where a bind lands, never make a read-only one writable.
 ATTR_RO = sc.MOUNT_ATTR_RDONLY | sc.MOUNT_ATTR_NOSUID | sc.MOUNT_ATTR_NODEV
@@ -112,7 +113,7 @@ def plan(spec: CellSpec) -> MountPlan:
         s.dest_id = (st.st_dev, st.st_ino)
         return s
 
-    def bind(src: str, dest: str, ro: bool) -> Step:
+    def bind(src: str, dest: str, ro: bool, declared: bool = True) -> Step:
         fd = open_nofollow(src)
         try:
             st = os.fstat(fd)
@@ -122,9 +123,10 @@ def plan(spec: CellSpec) -> MountPlan:
         s.src_id = (st.st_dev, st.st_ino)
         if dest == src:
             s.dest_id = s.src_id
-        if s.src_id in seen:  # e.g. a symlink swapped in between two declarations
-            raise LaunchError("resolve", f"{src} and {seen[s.src_id]} are the same directory; declare it once")
-        seen[s.src_id] = src
+        if declared:  # protected entries may be hard links of each other: each name is bound
+            if s.src_id in seen:  # e.g. a symlink swapped in between two declarations
+                raise LaunchError("resolve", f"{src} and {seen[s.src_id]} are the same directory; declare it once")
+            seen[s.src_id] = src
         return s
 
     for p in spec.system_paths:
@@ -175,13 +177,16 @@ def plan(spec: CellSpec) -> MountPlan:
     # Hooks, git config and harness config inside the writable paths: read-only, and .git dirs pinned
     # in place so they cannot be swapped for a rebuilt one (cell/protect.py).
     declared = {*spec.rw_paths, *spec.ro_paths, *spec.masked_paths}
-    for p in protect.pinned_paths(spec.rw_paths):
+    scan = protect.Scan(spec.rw_paths)
+    guarded = [(p, False) for p in protect.pinned_paths(scan)]
+    guarded += [(p, True) for p in protect.protected_paths(scan, spec.allow_write)]
+    if len(guarded) > MAX_GUARDED:
+        raise LaunchError("protect", f"{len(guarded)} protected entries in the writable paths (the most is "
+                          f"{MAX_GUARDED})", "look for planted repositories; --allow-write lifts entries")
+    for p, ro in guarded:
         if p not in declared:
-            mine.append(bind(p, p, False))
+            mine.append(bind(p, p, ro, declared=False))
             declared.add(p)
-    for p in protect.protected_paths(spec.rw_paths, spec.allow_write):
-        if p not in declared:
-            mine.append(bind(p, p, True))
     # Parents before children; at equal depth masks last so they cover what was bound.
     mine.sort(key=lambda s: (_depth(s.dest), s.kind == "mask"))
     # The host's secrets last, wherever a bind (system or declared, e.g. --ro /etc) brought them in,

@@ -1,15 +1,25 @@
 """Protected paths inside writable projects: what an agent could plant for a human to run later.
 
-Git runs ``.git/hooks/*`` and what ``.git/config`` says (``core.fsmonitor``, ``core.hooksPath``,
-aliases) when the human next uses the repository; harness config (``.claude/``, ``.mcp.json``, …)
-decides what the human's next agent may do; ``.envrc`` and shell rc files run in the human's shell.
-Every such entry that exists in a writable path (at its root, and in every repository found below
-it) is re-bound read-only, and every ``.git`` directory is pinned in place (ordinary ``git add``/
-``commit`` keep working: objects, refs and the index stay writable). ``--allow-write PATH`` lifts one.
+Git runs ``.git/hooks/*`` and what its config says (``core.fsmonitor``, ``core.hooksPath``, aliases)
+when the human next uses the repository; harness config (``.claude/``, ``.mcp.json``, …) decides
+what the human's next agent may do; ``.envrc`` and shell rc files run in the human's shell.
 
-Limits, said plainly: entries that do not exist yet are not covered (covering them would mean
-writing placeholders into the user's project), and the scan for nested repositories stops at
-MAX_DEPTH levels and MAX_DIRS directories and skips dependency and cache directories.
+Two mechanisms, because the first cannot cover everything:
+
+* **Read-only binds** (prevention) for every such entry that exists when the cell starts, at each
+  writable root and in every repository found below it: hooks and config of every git directory
+  (submodules' too, at any depth), ``.git`` files (submodule and worktree links), and the harness and
+  shell names. Every ``.git`` directory, and each directory down to a nested repository, is bound
+  onto itself so it cannot be renamed away and rebuilt. ``git add``/``commit`` keep working.
+* **A before/after comparison** (detection) of the whole control surface — the entries above, the
+  files through which git finds another config or hooks (``commondir``, ``config.worktree``, a
+  worktree's ``commondir``/``gitdir``), and every ``.git`` entry — reported after the run: an entry
+  that did not exist cannot be bound, and ``.git`` itself stays writable for git's own work.
+
+Known limits: the scan for repositories stops at MAX_DEPTH levels and MAX_DIRS directories and skips
+dependency and cache directories (a truncated scan is reported); ``core.hooksPath`` and
+``include.path`` targets inside the work tree (husky and the like) are not read from the config;
+only the names below are known.
 """
 from __future__ import annotations
 
@@ -17,85 +27,147 @@ import os
 import stat
 
 GIT_PARTS = ("hooks", "config")
+# Files through which git looks for config or hooks elsewhere: compared before and after a run.
+GIT_REDIRECTS = ("commondir", "config.worktree", "info/attributes")
 AT_REPO_ROOT = (
     ".gitmodules", ".claude", ".codex", ".cursor", ".vscode", ".idea", ".mcp.json", "opencode.json", ".envrc",
     ".bashrc", ".bash_profile", ".bash_login", ".profile", ".zshrc", ".zprofile", ".zshenv", ".zlogin",
-    "AGENTS.md", "CLAUDE.md",
+    "AGENTS.md", "CLAUDE.md", "GEMINI.md", ".gemini", ".aider.conf.yml", ".npmrc", ".yarnrc.yml", ".cargo",
+    ".devcontainer", ".cursorrules", ".windsurfrules", ".clinerules", "mise.toml", ".nvim.lua",
 )
 SKIP_DIRS = frozenset({"node_modules", ".venv", "venv", "__pycache__", ".tox", ".mypy_cache", ".pytest_cache",
                        ".ruff_cache", "target", ".cache", ".git"})
-MAX_DEPTH = 6
+MAX_DEPTH = 8
 MAX_DIRS = 20000
+MAX_MODULE_DEPTH = 8
 
 
-def _exists_plain(path: str) -> bool:
-    """Exists and is not a symlink (a symlink cannot be bound; its target is judged on its own)."""
-    try:
-        return not stat.S_ISLNK(os.lstat(path).st_mode)
-    except OSError:
-        return False
+class Scan:
+    """Repositories below the writable roots, and whether the scan hit one of its limits."""
+
+    def __init__(self, writable: tuple[str, ...]) -> None:
+        self.roots = tuple(r for r in writable if os.path.isdir(r))
+        self.truncated = False
+        self.repos: list[str] = []
+        for root in self.roots:
+            self._walk(root)
+
+    def _walk(self, root: str) -> None:
+        level, seen = [root], 0
+        for depth in range(MAX_DEPTH + 1):
+            nxt: list[str] = []
+            for d in level:
+                try:
+                    entries = list(os.scandir(d))
+                except OSError:
+                    continue
+                if any(e.name == ".git" for e in entries):
+                    self.repos.append(d)
+                for e in entries:
+                    if e.name in SKIP_DIRS or not e.is_dir(follow_symlinks=False):
+                        continue
+                    seen += 1
+                    if seen > MAX_DIRS or depth == MAX_DEPTH:
+                        self.truncated = True
+                        if seen > MAX_DIRS:
+                            return
+                        continue
+                    nxt.append(e.path)
+            level = nxt
 
 
-def _repos(root: str) -> list[str]:
-    """``root`` and every directory below it holding a ``.git``, breadth-first within the bounds."""
-    found: list[str] = []
-    level, seen = [root], 0
-    for _ in range(MAX_DEPTH + 1):
+def _git_dirs(repo: str) -> list[str]:
+    """The repository's own git directory and every submodule's under .git/modules, at any depth."""
+    git = os.path.join(repo, ".git")
+    if not os.path.isdir(git) or os.path.islink(git):
+        return []
+    found, level = [git], [os.path.join(git, "modules")]
+    for _ in range(MAX_MODULE_DEPTH):
         nxt: list[str] = []
         for d in level:
             try:
-                entries = list(os.scandir(d))
+                entries = [e for e in os.scandir(d) if e.is_dir(follow_symlinks=False)]
             except OSError:
                 continue
-            if any(e.name == ".git" for e in entries):
-                found.append(d)
             for e in entries:
-                if e.name in SKIP_DIRS or not e.is_dir(follow_symlinks=False):
-                    continue
-                seen += 1
-                if seen > MAX_DIRS:
-                    return found
-                nxt.append(e.path)
+                if os.path.exists(os.path.join(e.path, "HEAD")):
+                    found.append(e.path)
+                    nxt.append(os.path.join(e.path, "modules"))
+                else:
+                    nxt.append(e.path)  # a submodule named a/b: its git dir is modules/a/b
         level = nxt
     return found
 
 
-def pinned_paths(writable: tuple[str, ...]) -> tuple[str, ...]:
+def _kind(path: str) -> int | None:
+    try:
+        return stat.S_IFMT(os.lstat(path).st_mode)
+    except OSError:
+        return None
+
+
+def pinned_paths(scan: Scan) -> tuple[str, ...]:
     """Directories to bind onto themselves, writable, so that inside the cell they are mount points
-    and cannot be renamed away and rebuilt: every repository's ``.git`` (else ``mv .git x; mkdir -p
-    .git/hooks`` plants hooks past the read-only bind), and every directory on the way from a
-    writable root down to a nested repository."""
+    and cannot be renamed away and rebuilt: every ``.git`` directory, and every directory on the way
+    from a writable root down to a nested repository."""
     out: list[str] = []
-    for root in writable:
-        if not os.path.isdir(root):
-            continue
-        for repo in _repos(root):
-            git = os.path.join(repo, ".git")
-            if os.path.isdir(git) and not os.path.islink(git):
-                out.append(git)
-            rel = os.path.relpath(repo, root)
-            parts = [] if rel == "." else rel.split(os.sep)
-            out += [os.path.join(root, *parts[:i]) for i in range(1, len(parts) + 1)]
-    return tuple(p for p in dict.fromkeys(out) if _exists_plain(p))
+    for repo in scan.repos:
+        git = os.path.join(repo, ".git")
+        if _kind(git) == stat.S_IFDIR:
+            out.append(git)
+        root = next(r for r in scan.roots if repo == r or repo.startswith(r.rstrip("/") + "/"))
+        rel = os.path.relpath(repo, root)
+        parts = [] if rel == "." else rel.split(os.sep)
+        out += [os.path.join(root, *parts[:i]) for i in range(1, len(parts) + 1)]
+    return tuple(p for p in dict.fromkeys(out) if _kind(p) == stat.S_IFDIR)
 
 
-def protected_paths(writable: tuple[str, ...], allow_write: tuple[str, ...] = ()) -> tuple[str, ...]:
+def _candidates(scan: Scan) -> list[str]:
     out: list[str] = []
-    for root in writable:
-        if not os.path.isdir(root):
-            continue
-        out += [os.path.join(root, name) for name in AT_REPO_ROOT]  # harness config: repository or not
-        for repo in _repos(root):
-            git = os.path.join(repo, ".git")
-            if os.path.isdir(git) and not os.path.islink(git):
-                out += [os.path.join(git, p) for p in GIT_PARTS]
-                try:
-                    modules = [os.path.join(git, "modules", m) for m in os.listdir(os.path.join(git, "modules"))]
-                except OSError:
-                    modules = []
-                out += [os.path.join(m, p) for m in modules for p in GIT_PARTS]
-            out += [os.path.join(repo, name) for name in AT_REPO_ROOT]
+    for place in (*scan.roots, *scan.repos):
+        out += [os.path.join(place, name) for name in AT_REPO_ROOT]
+    for repo in scan.repos:
+        git = os.path.join(repo, ".git")
+        if _kind(git) == stat.S_IFREG:
+            out.append(git)  # a gitfile: "gitdir: <where the repository really is>"
+        for gd in _git_dirs(repo):
+            out += [os.path.join(gd, p) for p in GIT_PARTS]
+    return out
+
+
+def protected_paths(scan: Scan, allow_write: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """What is bound read-only: every candidate that exists as a file or directory (a symlink cannot
+    be bound: it is reported by :func:`surface`)."""
     lifted = tuple(a.rstrip("/") for a in allow_write)
-    keep = [p for p in dict.fromkeys(out) if _exists_plain(p)
-            and not any(p == a or p.startswith(a + "/") or a.startswith(p + "/") for a in lifted)]
-    return tuple(keep)
+    return tuple(p for p in dict.fromkeys(_candidates(scan))
+                 if _kind(p) in (stat.S_IFDIR, stat.S_IFREG)
+                 and not any(p == a or p.startswith(a + "/") or a.startswith(p + "/") for a in lifted))
+
+
+def surface(writable: tuple[str, ...]) -> dict[str, tuple[int, int, int, int]]:
+    """The control surface as (type, inode, size, mtime) per existing entry: compare two of these to
+    see what a run created, replaced, changed or removed."""
+    scan = Scan(writable)
+    paths = _candidates(scan)
+    for repo in scan.repos:
+        paths.append(os.path.join(repo, ".git"))
+        for gd in _git_dirs(repo):
+            paths += [os.path.join(gd, p) for p in GIT_REDIRECTS]
+            try:
+                worktrees = os.listdir(os.path.join(gd, "worktrees"))
+            except OSError:
+                worktrees = []
+            for w in worktrees:
+                paths += [os.path.join(gd, "worktrees", w, f) for f in ("commondir", "gitdir", "config.worktree")]
+    out: dict[str, tuple[int, int, int, int]] = {}
+    for p in dict.fromkeys(paths):
+        try:
+            st = os.lstat(p)
+        except OSError:
+            continue
+        out[p] = (stat.S_IFMT(st.st_mode), st.st_ino, st.st_size, st.st_mtime_ns)
+    return out
+
+
+def changes(before: dict[str, tuple[int, int, int, int]], after: dict[str, tuple[int, int, int, int]]) -> list[str]:
+    return sorted(p for p in {*before, *after} if before.get(p) != after.get(p))
