@@ -131,3 +131,16 @@ def test_hard_linked_protected_files_do_not_break_the_launch(user: User, project
     r = agentcell_run(["--as", str(user.uid), "--rw", str(project), "--", "sh", "-c",
                        f"echo x >> {project}/opencode.json || echo RO"])
     assert r.rc == 0 and r.out.strip() == "RO", r.out + r.err
+
+
+def test_a_hooks_path_in_the_work_tree_and_nested_harness_config_are_read_only(user: User, project: Path) -> None:
+    make_repo(user, project)
+    for d in (project / ".husky", project / "src" / ".claude"):
+        d.mkdir(parents=True)
+        shutil.chown(d, user.uid, user.gid)
+    shutil.chown(project / "src", user.uid, user.gid)
+    _as_user(user, "git", "-C", str(project), "config", "core.hooksPath", ".husky", cwd=project)
+    r = agentcell_run(["--as", str(user.uid), "--rw", str(project), "--", "sh", "-c",
+                       f"echo x > {project}/.husky/pre-commit || echo HUSKY-RO; "
+                       f"echo x > {project}/src/.claude/settings.json || echo NESTED-RO"])
+    assert r.out.split() == ["HUSKY-RO", "NESTED-RO"], r.out + r.err

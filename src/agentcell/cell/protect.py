@@ -16,10 +16,12 @@ Two mechanisms, because the first cannot cover everything:
   worktree's ``commondir``/``gitdir``), and every ``.git`` entry — reported after the run: an entry
   that did not exist cannot be bound, and ``.git`` itself stays writable for git's own work.
 
-Known limits: the scan for repositories stops at MAX_DEPTH levels and MAX_DIRS directories and skips
-dependency and cache directories (a truncated scan is reported); ``core.hooksPath`` and
-``include.path`` targets inside the work tree (husky and the like) are not read from the config;
-only the names below are known.
+``core.hooksPath`` and ``include.path`` targets inside the writable paths (husky and the like) are
+read from each config (by a small reader: git itself is never run on such a repository) and bound
+read-only too.
+
+Known limits: the scan stops at MAX_DEPTH levels and MAX_DIRS directories and skips dependency and
+cache directories (a truncated scan is reported); only the names below are known.
 """
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ AT_REPO_ROOT = (
     "AGENTS.md", "CLAUDE.md", "GEMINI.md", ".gemini", ".aider.conf.yml", ".npmrc", ".yarnrc.yml", ".cargo",
     ".devcontainer", ".cursorrules", ".windsurfrules", ".clinerules", "mise.toml", ".nvim.lua",
 )
+_NAMES = frozenset(AT_REPO_ROOT)
 SKIP_DIRS = frozenset({"node_modules", ".venv", "venv", "__pycache__", ".tox", ".mypy_cache", ".pytest_cache",
                        ".ruff_cache", "target", ".cache", ".git"})
 MAX_DEPTH = 8
@@ -49,6 +52,7 @@ class Scan:
         self.roots = tuple(r for r in writable if os.path.isdir(r))
         self.truncated = False
         self.repos: list[str] = []
+        self.named: list[str] = []  # harness or shell entries found at any depth (nested CLAUDE.md, …)
         for root in self.roots:
             self._walk(root)
 
@@ -63,6 +67,7 @@ class Scan:
                     continue
                 if any(e.name == ".git" for e in entries):
                     self.repos.append(d)
+                self.named += [e.path for e in entries if e.name in _NAMES]
                 for e in entries:
                     if e.name in SKIP_DIRS or not e.is_dir(follow_symlinks=False):
                         continue
@@ -122,8 +127,35 @@ def pinned_paths(scan: Scan) -> tuple[str, ...]:
     return tuple(p for p in dict.fromkeys(out) if _kind(p) == stat.S_IFDIR)
 
 
-def _candidates(scan: Scan) -> list[str]:
+def _config_targets(git_dir: str, repo: str) -> list[str]:
+    """Paths a git config points at for code: core.hooksPath (husky, lefthook: often in the work tree)
+    and include.path files. A small reader, not git: agentcell never runs git on a repository an agent
+    could have prepared."""
     out: list[str] = []
+    section = ""
+    try:
+        with open(os.path.join(git_dir, "config"), errors="replace") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return out
+    for raw in lines:
+        line = raw.strip()
+        if line.startswith("["):
+            section = line.strip("[]").split()[0].lower() if line.strip("[]").split() else ""
+            continue
+        key, eq, value = line.partition("=")
+        key, value = key.strip().lower(), value.split("#")[0].split(";")[0].strip().strip('"')
+        if not eq or not value:
+            continue
+        if section == "core" and key == "hookspath":
+            out.append(value if os.path.isabs(value) else os.path.join(repo, value))
+        elif section in ("include", "includeif") and key == "path":
+            out.append(value if os.path.isabs(value) else os.path.join(git_dir, value))
+    return [os.path.normpath(os.path.expanduser(p)) for p in out]
+
+
+def _candidates(scan: Scan) -> list[str]:
+    out: list[str] = list(scan.named)
     for place in (*scan.roots, *scan.repos):
         out += [os.path.join(place, name) for name in AT_REPO_ROOT]
     for repo in scan.repos:
@@ -132,6 +164,8 @@ def _candidates(scan: Scan) -> list[str]:
             out.append(git)  # a gitfile: "gitdir: <where the repository really is>"
         for gd in _git_dirs(repo):
             out += [os.path.join(gd, p) for p in GIT_PARTS]
+            out += [t for t in _config_targets(gd, repo)
+                    if any(t.startswith(r.rstrip("/") + "/") for r in scan.roots)]
     return out
 
 
