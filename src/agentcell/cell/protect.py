@@ -178,9 +178,9 @@ def protected_paths(scan: Scan, allow_write: tuple[str, ...] = ()) -> tuple[str,
                  and not any(p == a or p.startswith(a + "/") or a.startswith(p + "/") for a in lifted))
 
 
-def surface(writable: tuple[str, ...]) -> dict[str, tuple[int, int, int, int]]:
-    """The control surface as (type, inode, size, mtime) per existing entry: compare two of these to
-    see what a run created, replaced, changed or removed."""
+def surface(writable: tuple[str, ...]) -> tuple[dict[str, tuple[int, int, int, int]], bool]:
+    """The control surface as (type, inode, size, mtime) per existing entry — compare two of these to
+    see what a run created, replaced, changed or removed — and whether the scan was truncated."""
     scan = Scan(writable)
     paths = _candidates(scan)
     for repo in scan.repos:
@@ -200,7 +200,7 @@ def surface(writable: tuple[str, ...]) -> dict[str, tuple[int, int, int, int]]:
         except OSError:
             continue
         out[p] = (stat.S_IFMT(st.st_mode), st.st_ino, st.st_size, st.st_mtime_ns)
-    return out
+    return out, scan.truncated
 
 
 def changes(before: dict[str, tuple[int, int, int, int]], after: dict[str, tuple[int, int, int, int]]) -> list[str]:

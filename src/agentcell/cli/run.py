@@ -364,7 +364,7 @@ def main(argv: list[str]) -> int:
         ttys, interactive = terminal.tty_fds(), terminal.is_ours()
         from ..cell import protect
 
-        surface_before = protect.surface(spec.rw_paths)
+        surface_before, _ = protect.surface(spec.rw_paths)
         result = None
         if not ttys and not ns.no_warm:  # the warm launcher never gets a terminal: those runs relay here
             from ..cell import warm
@@ -378,13 +378,14 @@ def main(argv: list[str]) -> int:
         return report(PROG, e)
     # What could not be bound read-only (it did not exist, or lives in .git where git must write) is
     # compared instead: say what the command created, replaced, changed or removed.
-    changed = [p for p in protect.changes(surface_before, protect.surface(spec.rw_paths))
+    surface_after, truncated = protect.surface(spec.rw_paths)
+    changed = [p for p in protect.changes(surface_before, surface_after)
                if not any(p == a or p.startswith(a + "/") for a in spec.allow_write)]
     result["protected_changes"] = changed
     for path in changed:
         sys.stderr.write(f"{PROG}: warning: the command changed {path}, which decides what git, your shell or "
                          "your agent runs (hooks, git or harness config); review it before you use the project\n")
-    if protect.Scan(spec.rw_paths).truncated:
+    if truncated:
         sys.stderr.write(f"{PROG}: warning: the scan for repositories in the writable paths stopped at its "
                          f"limits ({protect.MAX_DEPTH} levels, {protect.MAX_DIRS} directories): deeper ones are "
                          "not protected\n")
