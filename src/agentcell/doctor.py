@@ -174,8 +174,9 @@ def _drop_to_nobody() -> None:
     sc.prctl(sc.PR_SET_DUMPABLE, 1)
 
 
-def run_in_child(body: Callable[[], int]) -> ProbeResult:
-    """Run ``body`` in a forked child; its return value (0 = success, else an errno) is the exit code."""
+def run_in_child(body: Callable[[], int], *, as_nobody: bool = False) -> ProbeResult:
+    """Run ``body`` in a forked child (first as uid 65534 if ``as_nobody``); its return value
+    (0 = success, else an errno) is the exit code."""
     if thread_count() > 1:
         return ProbeResult(False, "not probed: this process is multi-threaded and must not fork",
                            probed=False)
@@ -183,6 +184,11 @@ def run_in_child(body: Callable[[], int]) -> ProbeResult:
     if pid == 0:  # child: never return into the caller's code
         code = _CHILD_UNEXPECTED
         try:
+            if as_nobody:
+                try:
+                    _drop_to_nobody()
+                except OSError:
+                    os._exit(_CHILD_DROP_FAILED)
             code = body()
         except OSError as e:
             code = e.errno if e.errno and 0 < e.errno < 200 else _CHILD_UNEXPECTED
@@ -209,34 +215,21 @@ def run_in_child(body: Callable[[], int]) -> ProbeResult:
     return ProbeResult(False, f"{errno.errorcode.get(code, str(code))}: {os.strerror(code)}", errno=code)
 
 
-def _userns_body(drop: bool) -> Callable[[], int]:
-    def body() -> int:
-        if drop:
-            try:
-                _drop_to_nobody()
-            except OSError:
-                return _CHILD_DROP_FAILED
-        sc.unshare(sc.CLONE_NEWUSER)
-        return 0
-
-    return body
+def _userns_body() -> int:
+    sc.unshare(sc.CLONE_NEWUSER)
+    return 0
 
 
 def probe_userns() -> ProbeResult:
     """Can a non-root user create a user namespace? As root the child first becomes uid 65534."""
-    return run_in_child(_userns_body(drop=os.geteuid() == 0))
+    return run_in_child(_userns_body, as_nobody=os.geteuid() == 0)
 
 
 CELL_NS_FLAGS = sc.CLONE_NEWNS | sc.CLONE_NEWPID | sc.CLONE_NEWIPC | sc.CLONE_NEWUTS | sc.CLONE_NEWNET
 
 
-def _cell_ns_body(rootless: bool, drop: bool) -> Callable[[], int]:
+def _cell_ns_body(rootless: bool) -> Callable[[], int]:
     def body() -> int:
-        if drop:
-            try:
-                _drop_to_nobody()
-            except OSError:
-                return _CHILD_DROP_FAILED
         uid, gid = os.geteuid(), os.getegid()
         sc.unshare(CELL_NS_FLAGS | (sc.CLONE_NEWUSER if rootless else 0))
         if rootless:
@@ -263,7 +256,7 @@ def _cell_ns_body(rootless: bool, drop: bool) -> Callable[[], int]:
 
 def probe_cell_namespaces(*, rootless: bool, as_nobody: bool = False) -> ProbeResult:
     """Unshare the cell's namespaces (mount, PID, IPC, UTS, net [+ user]) and bring ``lo`` up, in a child."""
-    return run_in_child(_cell_ns_body(rootless, as_nobody))
+    return run_in_child(_cell_ns_body(rootless), as_nobody=as_nobody)
 
 
 # ---------------------------------------------------------------------------------------------------
