@@ -142,8 +142,7 @@ def plan(spec: CellSpec) -> MountPlan:
     steps.append(Step("proc", "/proc", "proc", readonly=False, flags=SAFE | sc.MS_NOEXEC, data="hidepid=invisible"))
     steps.append(Step("tmpfs", "/dev", "tmpfs", readonly=False, flags=sc.MS_NOSUID | sc.MS_NOEXEC, data="mode=0755"))
     for n in DEV_NODES:
-        steps.append(Step("devnode", f"/dev/{n}", f"/dev/{n}", readonly=False, is_dir=False,
-                          flags=sc.MS_NOSUID | sc.MS_NOEXEC))
+        steps.append(Step("devnode", f"/dev/{n}", f"/dev/{n}", readonly=False, is_dir=False))  # ATTR_DEVNODE
     pts = "newinstance,ptmxmode=0666,mode=0620" + ("" if spec.identity.userns else ",gid=5")
     steps.append(Step("devpts", "/dev/pts", "devpts", readonly=False, flags=sc.MS_NOSUID | sc.MS_NOEXEC, data=pts))
     steps.append(Step("symlink", "/dev/ptmx", "pts/ptmx"))

@@ -5,7 +5,7 @@ import argparse
 import sys
 from typing import NoReturn
 
-from ..errors import EXIT_USAGE, AgentcellError, report
+from ..errors import EXIT_USAGE
 
 
 class Parser(argparse.ArgumentParser):
@@ -13,6 +13,3 @@ class Parser(argparse.ArgumentParser):
         sys.stderr.write(f"{self.prog}: {message} (see '{self.prog} --help')\n")
         sys.exit(EXIT_USAGE)
 
-
-def fail(prog: str, err: AgentcellError) -> int:
-    return report(prog, err)
