@@ -82,13 +82,34 @@ def test_allow_write_outside_the_project_is_refused(user: User, project: Path, t
     assert p.returncode == 125 and "--allow-write" in p.stderr
 
 
-def test_protected_entries_the_command_creates_are_reported(user: User, project: Path) -> None:
+def test_protected_entries_the_command_creates_are_quarantined(user: User, project: Path) -> None:
     make_repo(user, project)
     shutil.rmtree(project / ".claude")
     r = agentcell_run(["--as", str(user.uid), "--rw", str(project), "--", "sh", "-c",
-                       f"mkdir {project}/.claude && echo '{{}}' > {project}/.claude/settings.json"])
+                       f"mkdir {project}/.claude && echo '{{\"x\": 1}}' > {project}/.claude/settings.json"])
     assert r.result["protected_changes"] == [f"{project}/.claude"], r.result
-    assert "warning" in r.err and ".claude" in r.err
+    moved = Path(r.result["quarantined"][f"{project}/.claude"])
+    assert moved == project / f".claude.agentcell-quarantine-{r.result['cell_id']}", r.result
+    assert not os.path.lexists(project / ".claude")
+    assert (moved / "settings.json").read_text() == '{"x": 1}\n'  # kept for review, not deleted
+    assert "moved aside" in r.err and "--allow-write" in r.err
+
+
+def test_allow_write_lets_the_command_create_a_protected_entry(user: User, project: Path) -> None:
+    make_repo(user, project)
+    (project / "AGENTS.md").unlink(missing_ok=True)
+    r = agentcell_run(["--as", str(user.uid), "--rw", str(project), "--allow-write", str(project / "AGENTS.md"),
+                       "--", "sh", "-c", f"echo notes > {project}/AGENTS.md"])
+    assert r.rc == 0, r.err
+    assert (project / "AGENTS.md").read_text() == "notes\n" and r.result["quarantined"] == {}, r.result
+
+
+def test_quarantine_moves_nothing_that_existed_before(user: User, project: Path) -> None:
+    make_repo(user, project)
+    r = agentcell_run(["--as", str(user.uid), "--rw", str(project), "--", "sh", "-c",
+                       f"echo more >> {project}/README.md; git -C {project} status >/dev/null; true"])
+    assert r.rc == 0 and r.result["quarantined"] == {}, r.result
+    assert not list(project.glob("*.agentcell-quarantine-*"))
 
 
 GIT_REDIRECTS = {
@@ -109,6 +130,8 @@ def test_what_cannot_be_bound_is_compared_and_reported(user: User, project: Path
     assert r.rc == 0, r.err
     assert r.result["protected_changes"], r.result
     assert "warning" in r.err
+    for created in r.result["quarantined"]:  # what did not exist before the run is moved aside
+        assert not os.path.lexists(created), created
 
 
 def test_submodule_git_dirs_at_any_depth_are_protected(user: User, project: Path) -> None:
@@ -144,3 +167,25 @@ def test_a_hooks_path_in_the_work_tree_and_nested_harness_config_are_read_only(u
                        f"echo x > {project}/.husky/pre-commit || echo HUSKY-RO; "
                        f"echo x > {project}/src/.claude/settings.json || echo NESTED-RO"])
     assert r.out.split() == ["HUSKY-RO", "NESTED-RO"], r.out + r.err
+
+
+def test_quarantine_follows_no_symlink_and_moves_only_what_was_scanned(tmp_path: Path) -> None:
+    # The after-run step may run as root: a parent swapped for a symlink, or an entry replaced since
+    # the scan, must move nothing (here, outside's .envrc stands for a file of somebody else's).
+    from agentcell.cell import protect
+
+    project, outside = tmp_path / "p", tmp_path / "outside"
+    (project / "sub").mkdir(parents=True)
+    outside.mkdir()
+    before, _ = protect.surface((str(project),))
+    for d in (project, project / "sub", outside):
+        (d / ".envrc").write_text("x\n")
+    after, _ = protect.surface((str(project),))
+    assert {f"{project}/.envrc", f"{project}/sub/.envrc"} <= set(after)
+    (project / ".envrc").unlink()
+    (project / ".envrc").write_text("replaced\n")  # a new inode under the same name
+    shutil.rmtree(project / "sub")
+    (project / "sub").symlink_to(outside)
+    moved, failed = protect.quarantine(before, after, "c1")
+    assert moved == [] and sorted(failed) == [f"{project}/.envrc", f"{project}/sub/.envrc"]
+    assert (outside / ".envrc").read_text() == "x\n" and (project / ".envrc").read_text() == "replaced\n"

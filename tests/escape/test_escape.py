@@ -987,10 +987,7 @@ def _(w: World) -> Attempt:
     return _planting(w, ".claude/settings.json", setup=_existing(w, ".claude/settings.json", repo=False))
 
 
-UNCOVERED = "protected paths: issue 3 item 4 covers only entries that exist when the cell starts (cell/protect.py)"
-
-
-@probe("harness_config_created_in_project", xfail=UNCOVERED)
+@probe("harness_config_created_in_project")
 def _(w: World) -> Attempt:
     return _planting(w, ".claude/settings.json", setup=lambda: _repo(w, w.project))
 

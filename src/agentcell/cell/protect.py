@@ -11,10 +11,14 @@ Two mechanisms, because the first cannot cover everything:
   (submodules' too, at any depth), ``.git`` files (submodule and worktree links), and the harness and
   shell names. Every ``.git`` directory, and each directory down to a nested repository, is bound
   onto itself so it cannot be renamed away and rebuilt. ``git add``/``commit`` keep working.
-* **A before/after comparison** (detection) of the whole control surface — the entries above, the
-  files through which git finds another config or hooks (``commondir``, ``config.worktree``, a
-  worktree's ``commondir``/``gitdir``), and every ``.git`` entry — reported after the run: an entry
-  that did not exist cannot be bound, and ``.git`` itself stays writable for git's own work.
+* **A before/after comparison** of the whole control surface — the entries above, the files through
+  which git finds another config or hooks (``commondir``, ``config.worktree``, a worktree's
+  ``commondir``/``gitdir``), and every ``.git`` entry. An entry that did not exist cannot be bound,
+  so what the command *created* is **quarantined** after the run (:func:`quarantine`): renamed in
+  place to ``NAME.agentcell-quarantine-<cell id>``, which no tool looks for, and reported. Nothing
+  of the user's is touched: only entries absent before the run are moved, and their content is
+  kept for review. What was changed or removed (``.git`` stays writable for git's own work) is
+  reported; undoing it is the snapshot's job.
 
 ``core.hooksPath`` and ``include.path`` targets inside the writable paths (husky and the like) are
 read from each config (by a small reader: git itself is never run on such a repository) and bound
@@ -28,6 +32,10 @@ from __future__ import annotations
 import os
 import stat
 
+from ..errors import LaunchError
+from . import paths
+
+QUARANTINE = ".agentcell-quarantine-"
 GIT_PARTS = ("hooks", "config")
 # Files through which git looks for config or hooks elsewhere: compared before and after a run.
 GIT_REDIRECTS = ("commondir", "config.worktree", "info/attributes")
@@ -205,3 +213,40 @@ def surface(writable: tuple[str, ...]) -> tuple[dict[str, tuple[int, int, int, i
 
 def changes(before: dict[str, tuple[int, int, int, int]], after: dict[str, tuple[int, int, int, int]]) -> list[str]:
     return sorted(p for p in {*before, *after} if before.get(p) != after.get(p))
+
+
+def quarantine(before: dict[str, tuple[int, int, int, int]], after: dict[str, tuple[int, int, int, int]],
+               cell_id: str, allow_write: tuple[str, ...] = ()) -> tuple[list[tuple[str, str]], list[str]]:
+    """Move aside what the run created on the control surface; ([(path, new path)], [not moved]).
+
+    Called when the cell has ended (its processes are gone) and as root possibly: every parent is
+    opened without following symlinks and the entry must still be the one the after-scan saw, so a
+    swapped path moves nothing outside the project. The new name sits next to the old one (same
+    directory, same file system: a rename, nothing copied). An entry below one already moved went
+    with it."""
+    lifted = tuple(a.rstrip("/") for a in allow_write)
+    created = sorted(p for p in after if p not in before
+                     and not any(p == a or p.startswith(a + "/") for a in lifted))
+    moved: list[tuple[str, str]] = []
+    failed: list[str] = []
+    for path in created:
+        if any(path.startswith(old + "/") for old, _ in moved):
+            continue
+        parent, name = os.path.split(path)
+        new = f"{name}{QUARANTINE}{cell_id}"
+        try:
+            fd = paths.open_nofollow(parent)
+        except LaunchError:
+            failed.append(path)
+            continue
+        try:
+            st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+            if (stat.S_IFMT(st.st_mode), st.st_ino, st.st_size, st.st_mtime_ns) != after[path]:
+                raise OSError("replaced since the scan")
+            os.rename(name, new, src_dir_fd=fd, dst_dir_fd=fd)
+            moved.append((path, os.path.join(parent, new)))
+        except OSError:
+            failed.append(path)
+        finally:
+            os.close(fd)
+    return moved, failed

@@ -203,8 +203,8 @@ def build_spec(ns: Args | Namespace) -> CellSpec:
             here = ident.home
         cwd = rs.cell_cwd(here, visible, ident.home)
     memory_max, cpu_percent, pids_max = _limits(ns)
-    allow_write = rs.resolve_paths(ns.allow_write, field="--allow-write", writable=True, allow_unsafe=True,
-                                   homes=homes)
+    allow_write = tuple(dict.fromkeys(rs.resolve_allowed_write(p, field="--allow-write", homes=homes)
+                                      for p in ns.allow_write))
     for p in allow_write:
         if rs.cell_cwd(p, rw, "") != p:
             raise AgentcellError("--allow-write", f"{p} is not inside a --rw path", "share its project with --rw")
@@ -377,14 +377,24 @@ def main(argv: list[str]) -> int:
     except AgentcellError as e:
         return report(PROG, e)
     # What could not be bound read-only (it did not exist, or lives in .git where git must write) is
-    # compared instead: say what the command created, replaced, changed or removed.
+    # compared instead: what the command created is moved aside, what it changed or removed is reported.
     surface_after, truncated = protect.surface(spec.rw_paths)
+    moved, stuck = protect.quarantine(surface_before, surface_after, str(result.get("cell_id") or spec.cell_id),
+                                      spec.allow_write)
     changed = [p for p in protect.changes(surface_before, surface_after)
                if not any(p == a or p.startswith(a + "/") for a in spec.allow_write)]
     result["protected_changes"] = changed
+    result["quarantined"] = {old: new for old, new in moved}
+    for old, new in moved:
+        sys.stderr.write(f"{PROG}: warning: the command created {old}, which decides what git, your shell or "
+                         f"your agent runs; it was moved aside to {new} (review it; to let a command write it, "
+                         f"use --allow-write {old})\n")
     for path in changed:
-        sys.stderr.write(f"{PROG}: warning: the command changed {path}, which decides what git, your shell or "
-                         "your agent runs (hooks, git or harness config); review it before you use the project\n")
+        if path in result["quarantined"] or any(path.startswith(old + "/") for old, _ in moved):
+            continue
+        sys.stderr.write(f"{PROG}: warning: the command {'created' if path in stuck else 'changed'} {path}, "
+                         "which decides what git, your shell or your agent runs (hooks, git or harness config); "
+                         "review it before you use the project\n")
     if truncated:
         sys.stderr.write(f"{PROG}: warning: the scan for repositories in the writable paths stopped at its "
                          f"limits ({protect.MAX_DEPTH} levels, {protect.MAX_DIRS} directories): deeper ones are "

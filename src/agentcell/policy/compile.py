@@ -52,8 +52,8 @@ def _allowed_writes(paths: Iterable[str], rw: tuple[str, ...], host_cwd: str | N
     """Protected paths the plan lets the command write: resolved, and inside a declared path."""
     out = []
     for p in paths:
-        real = rs.resolve_path(p if os.path.isabs(p) or host_cwd is None else os.path.join(host_cwd, p),
-                               field="allow_write", writable=True, allow_unsafe=True)
+        real = rs.resolve_allowed_write(p if os.path.isabs(p) or host_cwd is None else os.path.join(host_cwd, p),
+                                        field="allow_write")
         if rs.cell_cwd(real, rw, "") != real:
             raise PolicyError("allow_write", f"{p} is not inside a declared path", "declare its project")
         out.append(real)

@@ -114,6 +114,16 @@ def _unsafe_reason(real: str, writable: bool, homes: set[str]) -> str:
     return ""
 
 
+def resolve_allowed_write(path: str, *, field: str, homes: set[str] | None = None) -> str:
+    """A protected path the command may write: it may not exist yet (the command is to create it,
+    e.g. AGENTS.md), but its directory must, resolved as strictly as any declared path."""
+    full = os.path.abspath(os.path.expanduser(path)) if path else ""
+    if full and not os.path.lexists(full) and os.path.basename(full) not in ("", ".", ".."):
+        parent = resolve_path(os.path.dirname(full), field=field, writable=True, allow_unsafe=True, homes=homes)
+        return os.path.join(parent, os.path.basename(full))
+    return resolve_path(path, field=field, writable=True, allow_unsafe=True, homes=homes)
+
+
 def resolve_paths(paths: Iterable[str], **kw: object) -> tuple[str, ...]:
     out: list[str] = []
     for p in paths:
