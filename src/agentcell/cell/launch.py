@@ -117,9 +117,13 @@ class Running:
             self.cg.kill()
         self.signal(signal.SIGKILL)
 
-    def wait(self, timeout: float | None = None) -> CellResult:
-        """Wait until PID 1 reports (it has killed and reaped the whole cell by then) or the cell is gone."""
+    def wait(self, timeout: float | None = None, *, clean_up: bool = True) -> CellResult:
+        """Wait until PID 1 reports (it has killed and reaped the whole cell by then) or the cell is gone.
+        ``clean_up=False`` leaves removing the cell's cgroup to :meth:`clean_up`, for a caller that
+        answers its client first (the warm launcher)."""
         if self._result is not None:
+            if clean_up:
+                self.clean_up()
             return self._result
         deadline = None if timeout is None else self.started + timeout
         timed_out = False
@@ -140,8 +144,15 @@ class Running:
         if self.cg is not None:
             self._result.limits_hit = self.cg.events()
             self._result.cpu_s = self.cg.cpu_usage_s()
-            self.cg.remove()
+        if clean_up:
+            self.clean_up()
         return self._result
+
+    def clean_up(self) -> None:
+        """Remove the cell's cgroup (once its result is known)."""
+        if self.cg is not None:
+            cg, self.cg = self.cg, None
+            cg.remove()
 
     def reported(self) -> bool:
         """PID 1 has reported the command's end (and emptied the cell)."""

@@ -210,10 +210,11 @@ class Server:
         key = next(k for k, v in self.cells.items() if v is running)
         del self.cells[key]
         self.last_work = time.monotonic()
-        result = running.wait().as_dict()
+        result = running.wait(clean_up=False).as_dict()
         conn = next((c for c in self.conns if c.fileno() == key[0]), None)
         if conn is not None:
             self._reply(conn, {"id": key[1], "event": "exit", "result": result})
+        running.clean_up()  # the client need not wait for the cgroup's removal
 
 
 def main(argv: list[str]) -> None:
