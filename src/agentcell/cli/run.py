@@ -82,6 +82,7 @@ class Args:
         for _flag, dest, kind, _m, _h in OPTIONS:
             setattr(self, dest, [] if kind == "append" else False if kind == "flag" else None)
         self.command: list[str] = []
+        self.agent_home: str | None = None  # set by `agentcell agent run` only
 
 
 def fast_parse(argv: list[str]) -> Args | None:
@@ -188,7 +189,9 @@ def build_spec(ns: Args | Namespace) -> CellSpec:
     if ns.scratch:
         scratch = rs.resolve_path(ns.scratch, field="--scratch", writable=True, allow_unsafe=unsafe, homes=homes)
     if ns.home:
-        home = rs.resolve_path(ns.home, field="--home", writable=True, allow_unsafe=unsafe, homes=homes)
+        # An agent account's own home is its $HOME (agentcell agent run sets agent_home; no flag can).
+        own = getattr(ns, "agent_home", None) == ns.home
+        home = rs.resolve_path(ns.home, field="--home", writable=True, allow_unsafe=unsafe or own, homes=homes)
     if ns.timeout is not None and not ns.timeout > 0:
         raise AgentcellError("--timeout", f"{ns.timeout} is not a positive number of seconds", "e.g. --timeout 30")
     visible = (*rw, *ro)
@@ -346,7 +349,10 @@ def _run_here(spec: CellSpec, command: list[str], timeout: float | None, ttys: t
 
 
 def main(argv: list[str]) -> int:
-    ns = parse(argv)
+    return execute(parse(argv))
+
+
+def execute(ns: Args | Namespace) -> int:
     command = ns.command
     try:
         spec = build_spec(ns)

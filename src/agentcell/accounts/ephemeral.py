@@ -1,0 +1,147 @@
+"""Per-session accounts: made for one session, deleted at its end, nothing left behind.
+
+``create_ephemeral(session_id)`` makes user and group ``ac-s<12 hex of the session id's SHA-256>``
+with a uid (= gid) drawn at random from a reserved range, 1,900,000,000 to 1,900,065,535: above
+systemd's container range (524288-1879048191) and its dynamic users, below 2^31, so it collides
+with no account a distribution or systemd hands out. The account has no home on the host (the cell
+gives it a private one), no password, ``nologin`` as its shell and no lastlog entry.
+
+Each account is recorded in ``<state dir>/ephemeral/NAME`` *before* it is made, so a crashed session
+can be cleaned up: :func:`leftovers` lists them and :func:`delete` removes any of them.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import pwd
+import secrets
+
+from ..errors import AgentcellError
+from .accounts import NOLOGIN, AccountError, _group, _user, kill_all, processes
+from .commands import Commands, need_root
+from .registry import state_dir
+
+UID_FIRST, UID_LAST = 1_900_000_000, 1_900_065_535
+PREFIX = "ac-s"
+
+
+class Account:
+    """A per-session account, as :func:`create_ephemeral` made it."""
+
+    __slots__ = ("name", "uid", "gid", "home", "session_id")
+
+    def __init__(self, name: str, uid: int, gid: int, session_id: str) -> None:
+        self.name, self.uid, self.gid, self.session_id = name, uid, gid, session_id
+        self.home = f"/home/{name}"
+
+    def __repr__(self) -> str:
+        return f"Account({self.name!r}, uid={self.uid})"
+
+
+def _records_dir() -> str:
+    d = os.path.join(state_dir(), "ephemeral")
+    os.makedirs(d, mode=0o700, exist_ok=True)
+    return d
+
+
+def name_for(session_id: str) -> str:
+    if not session_id or not session_id.isprintable() or len(session_id) > 256:
+        raise AccountError("session_id", f"{session_id!r} is not a usable session id",
+                           "a printable string of at most 256 characters")
+    return PREFIX + hashlib.sha256(session_id.encode()).hexdigest()[:12]
+
+
+def _free_uid() -> int:
+    import grp
+
+    for _ in range(64):
+        uid = UID_FIRST + secrets.randbelow(UID_LAST - UID_FIRST + 1)
+        try:
+            pwd.getpwuid(uid)
+            continue
+        except KeyError:
+            pass
+        try:
+            grp.getgrgid(uid)
+            continue
+        except KeyError:
+            return uid
+    raise AccountError("ephemeral", f"no free uid found in {UID_FIRST}-{UID_LAST}",
+                       "delete leftover session accounts (agentcell agent list)")
+
+
+def _write_record(path: str, account: Account) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    try:
+        os.write(fd, f"{account.name}\n{account.uid}\n{account.session_id}\n".encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def create_ephemeral(session_id: str, cmds: Commands | None = None) -> Account:
+    """Make the session's account; refused if the session already has one."""
+    need_root("ephemeral account")
+    cmds = cmds or Commands()
+    name = name_for(session_id)
+    record = os.path.join(_records_dir(), name)
+    if os.path.lexists(record) or _user(name) is not None or _group(name) is not None:
+        raise AccountError("session_id", f"session {session_id!r} already has an account ({name})",
+                           "delete it first, or use a new session id")
+    uid = _free_uid()
+    account = Account(name, uid, uid, session_id)
+    _write_record(record, account)
+    try:
+        cmds.run(["groupadd", "--gid", str(uid), name], step="groupadd")
+        cmds.run(["useradd", "--uid", str(uid), "--gid", str(uid), "--no-user-group", "--no-create-home",
+                  "--no-log-init", "--home-dir", account.home, "--shell", NOLOGIN,
+                  "--comment", "agentcell session account", name], step="useradd")
+    except AgentcellError:
+        delete(account, cmds)
+        raise
+    return account
+
+
+def delete(account: Account, cmds: Commands | None = None) -> None:
+    """Kill the account's processes, remove user, group and record; raise naming what is left."""
+    need_root("ephemeral account")
+    cmds = cmds or Commands()
+    problems = []
+    pw = _user(account.name)
+    if pw is not None and pw.pw_uid != account.uid:
+        raise AccountError("ephemeral", f"user {account.name} has uid {pw.pw_uid}, not {account.uid}: left alone")
+    left = kill_all(cmds, account.uid, account.gid)
+    if left:
+        problems.append(f"processes still run: {left}")
+    if pw is not None:
+        cmds.run(["userdel", account.name], check=False, step="userdel")
+    gr = _group(account.name)
+    if gr is not None and gr.gr_gid == account.gid:
+        cmds.run(["groupdel", account.name], check=False, step="groupdel")
+    if _user(account.name) is not None:
+        problems.append(f"user {account.name} still exists")
+    if _group(account.name) is not None:
+        problems.append(f"group {account.name} still exists")
+    if processes(account.uid):
+        problems.append("processes still run")
+    if problems:
+        raise AccountError("ephemeral", f"{account.name}: " + "; ".join(problems), "see 'agentcell agent list'")
+    try:
+        os.unlink(os.path.join(_records_dir(), account.name))
+    except FileNotFoundError:
+        pass
+
+
+def leftovers() -> list[Account]:
+    """Session accounts whose session did not delete them (a crash): each can be passed to delete()."""
+    out = []
+    d = _records_dir()
+    for name in sorted(os.listdir(d)):
+        try:
+            with open(os.path.join(d, name)) as f:
+                rec_name, uid, session_id = f.read().split("\n")[:3]
+            if rec_name == name and name.startswith(PREFIX):
+                out.append(Account(name, int(uid), int(uid), session_id))
+        except (OSError, ValueError):
+            continue
+    return out

@@ -1,0 +1,201 @@
+"""The record of agent accounts: a root-owned TOML file in the state dir, written before anything is made.
+
+``/var/lib/agentcell/agents.toml`` (``$AGENTCELL_STATE_DIR`` overrides the directory, for tests and
+for hosts that keep state elsewhere) holds one table per agent::
+
+    [agents.claude]
+    state = "ready"            # creating -> ready -> deleting; a crash leaves the step it was in
+    uid = 1001
+    gid = 1002
+    group = "agentcell-claude"
+    home = "/home/claude"
+    human = "alice"
+    created = "2026-11-30T13:20:00+00:00"
+
+    [[agents.claude.shares]]
+    source = "/home/alice/src/app"
+    mode = "rw"                # rw | ro
+    dev = 2049                 # identity of the source when shared: a replaced path is refused at run
+    ino = 1234567
+    prior_acl = []             # entries (relative paths) that had an ACL of their own before the share
+
+The record is written before the account exists (state ``creating``), so ``agent delete`` can always
+clean a half-made agent; it is the only thing agentcell trusts about which accounts are its own.
+Readers and writers take an exclusive lock on ``agents.lock`` (``agent run`` a shared one while it
+resolves its shares, so no share changes under a starting cell).
+
+The records are plain classes, not pydantic models: ``agent run`` reads them on every command and
+pydantic's import costs ~70 ms here. Every field is checked on load; a damaged file is an error
+that names the field, never a traceback.
+"""
+from __future__ import annotations
+
+import fcntl
+import os
+import stat
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from ..errors import AgentcellError
+
+DEFAULT_STATE_DIR = "/var/lib/agentcell"
+GROUP_PREFIX = "agentcell-"
+STATES = ("creating", "ready", "deleting")
+MODES = ("rw", "ro")
+
+
+def state_dir() -> str:
+    return os.environ.get("AGENTCELL_STATE_DIR") or DEFAULT_STATE_DIR
+
+
+class RegistryError(AgentcellError):
+    pass
+
+
+class Share:
+    __slots__ = ("source", "mode", "dev", "ino", "prior_acl")
+
+    def __init__(self, source: str, mode: str, dev: int, ino: int, prior_acl: list[str] | None = None) -> None:
+        self.source, self.mode, self.dev, self.ino = source, mode, dev, ino
+        self.prior_acl = list(prior_acl or [])
+
+    def as_dict(self) -> dict[str, object]:
+        return {"source": self.source, "mode": self.mode, "dev": self.dev, "ino": self.ino,
+                "prior_acl": self.prior_acl}
+
+
+class AgentRecord:
+    __slots__ = ("name", "state", "uid", "gid", "group", "home", "human", "created", "shares")
+
+    def __init__(self, name: str, *, state: str = "creating", uid: int = -1, gid: int = -1, group: str = "",
+                 home: str = "", human: str = "", created: str = "", shares: list[Share] | None = None) -> None:
+        self.name, self.state, self.uid, self.gid = name, state, uid, gid
+        self.group = group or GROUP_PREFIX + name
+        self.home, self.human, self.created = home, human, created
+        self.shares = list(shares or [])
+
+    def as_dict(self) -> dict[str, object]:
+        return {"state": self.state, "uid": self.uid, "gid": self.gid, "group": self.group, "home": self.home,
+                "human": self.human, "created": self.created, "shares": [s.as_dict() for s in self.shares]}
+
+    def share_for(self, path: str) -> Share | None:
+        return next((s for s in self.shares if s.source == path), None)
+
+
+def _bad(where: str, problem: str) -> RegistryError:
+    return RegistryError(where, problem, "the file is written by agentcell only: restore it or remove the entry")
+
+
+def _str(table: dict[str, object], key: str, where: str) -> str:
+    value = table.get(key)
+    if not isinstance(value, str):
+        raise _bad(where, f"'{key}' is missing or not a string")
+    return value
+
+
+def _int(table: dict[str, object], key: str, where: str) -> int:
+    value = table.get(key)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise _bad(where, f"'{key}' is missing or not an integer")
+    return value
+
+
+def _load_record(name: str, table: object, path: str) -> AgentRecord:
+    where = f"{path} [agents.{name}]"
+    if not isinstance(table, dict):
+        raise _bad(where, "is not a table")
+    state = _str(table, "state", where)
+    if state not in STATES:
+        raise _bad(where, f"unknown state '{state}'")
+    raw_shares = table.get("shares", [])
+    if not isinstance(raw_shares, list):
+        raise _bad(where, "'shares' is not a list")
+    shares = []
+    for i, raw in enumerate(raw_shares):
+        w = f"{where} shares[{i}]"
+        if not isinstance(raw, dict):
+            raise _bad(w, "is not a table")
+        mode = _str(raw, "mode", w)
+        if mode not in MODES:
+            raise _bad(w, f"unknown mode '{mode}'")
+        prior = raw.get("prior_acl", [])
+        if not isinstance(prior, list) or not all(isinstance(p, str) for p in prior):
+            raise _bad(w, "'prior_acl' is not a list of paths")
+        shares.append(Share(_str(raw, "source", w), mode, _int(raw, "dev", w), _int(raw, "ino", w), prior))
+    return AgentRecord(name, state=state, uid=_int(table, "uid", where), gid=_int(table, "gid", where),
+                       group=_str(table, "group", where), home=_str(table, "home", where),
+                       human=_str(table, "human", where), created=_str(table, "created", where), shares=shares)
+
+
+class Registry:
+    """The agents file, opened under its lock. Use :func:`open_registry`."""
+
+    def __init__(self, path: str, agents: dict[str, AgentRecord], writable: bool) -> None:
+        self.path, self.agents, self.writable = path, agents, writable
+
+    def get(self, name: str) -> AgentRecord:
+        rec = self.agents.get(name)
+        if rec is None:
+            raise RegistryError("agent", f"no agent named '{name}' in {self.path}",
+                                "see 'agentcell agent list'; create one with 'agentcell agent new'")
+        return rec
+
+    def save(self) -> None:
+        """Write atomically (a new file renamed over the old one, fsynced): a crash leaves the old or
+        the new record, never half of one."""
+        import tomli_w
+
+        assert self.writable, "save() needs open_registry(write=True)"
+        data = {"agents": {name: rec.as_dict() for name, rec in sorted(self.agents.items())}}
+        tmp = f"{self.path}.tmp{os.getpid()}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        try:
+            os.write(fd, tomli_w.dumps(data).encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(tmp, self.path)
+        dfd = os.open(os.path.dirname(self.path), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+
+
+def _private_dir(d: str) -> None:
+    """The state dir must be root's own: what it records decides whom agentcell deletes."""
+    try:
+        os.makedirs(d, mode=0o700, exist_ok=True)
+    except PermissionError:
+        raise RegistryError("state dir", f"cannot create {d}", "agent accounts need root: run through sudo") from None
+    st = os.lstat(d)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
+        raise RegistryError("state dir", f"{d} must be a directory owned by root, not writable by others",
+                            f"fix it: chown root: {d} && chmod 700 {d}")
+
+
+@contextmanager
+def open_registry(*, write: bool = False) -> Iterator[Registry]:
+    """The agents file under its lock (exclusive to write, shared to read)."""
+    import tomllib
+
+    d = state_dir()
+    _private_dir(d)
+    path = os.path.join(d, "agents.toml")
+    lock = os.open(os.path.join(d, "agents.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX if write else fcntl.LOCK_SH)
+        try:
+            with open(path, "rb") as f:
+                data = tomllib.load(f)
+        except FileNotFoundError:
+            data = {}
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+            raise RegistryError(path, f"is not valid TOML ({e})", "restore it from a backup") from None
+        table = data.get("agents", {})
+        if not isinstance(table, dict):
+            raise RegistryError(path, "'agents' is not a table", "the file is written by agentcell only")
+        agents = {name: _load_record(name, t, path) for name, t in table.items()}
+        yield Registry(path, agents, write)
+    finally:
+        os.close(lock)  # releases the lock

@@ -1,0 +1,249 @@
+"""``agentcell agent``: persistent agent accounts (a UNIX user per agent), their shares, and running them.
+
+    agentcell agent new [NAME] [--human USER] [--yes] [--verbose] [--dry-run]
+    agentcell agent list [--json]
+    agentcell agent info [NAME] [--json]
+    agentcell agent delete [NAME] [--delete-home] [--yes] [--verbose] [--dry-run]
+    agentcell agent mount add [--ro|--rw] SOURCE [--agent NAME] [--verbose] [--dry-run]
+    agentcell agent mount remove SOURCE [--agent NAME] [--verbose] [--dry-run]
+    agentcell agent mount list [--agent NAME] [--json]
+    agentcell agent run [--agent NAME] [--env K=V]... [-d DIR] [--json] [--verbose] -- CMD...
+
+NAME defaults to ``agent``. See :mod:`agentcell.accounts` for what each does to the system.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import sys
+from argparse import REMAINDER, Namespace
+
+from ..errors import AgentcellError, report
+from .common import Parser
+
+PROG = "agentcell agent"
+DEFAULT = "agent"
+
+
+def parser() -> Parser:
+    p = Parser(prog=PROG, description="Agent accounts: a UNIX user per agent, sharing folders through ACLs, "
+               "run only inside a cell.")
+    sub = p.add_subparsers(dest="cmd", metavar="COMMAND", parser_class=Parser)
+    sub.required = True
+
+    def changes(sp: Parser) -> None:
+        sp.add_argument("--verbose", "-v", action="store_true", help="print every privileged command as it runs")
+        sp.add_argument("--dry-run", action="store_true", help="print the privileged commands; change nothing")
+
+    sp = sub.add_parser("new", help="create an agent account", prog=f"{PROG} new")
+    sp.add_argument("name", nargs="?", default=DEFAULT, metavar="NAME")
+    sp.add_argument("--human", metavar="USER", help="the account that shares files with it (default: SUDO_USER)")
+    sp.add_argument("--yes", "-y", action="store_true", help="do not ask for confirmation")
+    changes(sp)
+
+    sp = sub.add_parser("list", help="list agent and session accounts", prog=f"{PROG} list")
+    sp.add_argument("--json", action="store_true")
+
+    sp = sub.add_parser("info", help="show an agent and check its health (exit 1 if unhealthy)", prog=f"{PROG} info")
+    sp.add_argument("name", nargs="?", default=DEFAULT, metavar="NAME")
+    sp.add_argument("--json", action="store_true")
+
+    sp = sub.add_parser("delete", help="delete an agent account", prog=f"{PROG} delete")
+    sp.add_argument("name", nargs="?", default=DEFAULT, metavar="NAME")
+    sp.add_argument("--delete-home", action="store_true", help="also remove its home directory")
+    sp.add_argument("--yes", "-y", action="store_true", help="do not ask for confirmation")
+    changes(sp)
+
+    mp = sub.add_parser("mount", help="share folders with an agent", prog=f"{PROG} mount")
+    msub = mp.add_subparsers(dest="mount_cmd", metavar="add|remove|list", parser_class=Parser)
+    msub.required = True
+    sp = msub.add_parser("add", help="share a folder (read-only unless --rw)", prog=f"{PROG} mount add")
+    mode = sp.add_mutually_exclusive_group()
+    mode.add_argument("--ro", dest="mode", action="store_const", const="ro", help="read-only (the default)")
+    mode.add_argument("--rw", dest="mode", action="store_const", const="rw", help="read-write")
+    sp.add_argument("source", metavar="SOURCE")
+    sp.add_argument("target", nargs="?", metavar="TARGET", help="where the agent sees it: its own path (the only "
+                    "place supported)")
+    sp.add_argument("--agent", "-a", default=DEFAULT, metavar="NAME")
+    changes(sp)
+    sp = msub.add_parser("remove", help="stop sharing a folder (its ACL entries are removed)",
+                         prog=f"{PROG} mount remove")
+    sp.add_argument("source", metavar="SOURCE")
+    sp.add_argument("--agent", "-a", default=DEFAULT, metavar="NAME")
+    changes(sp)
+    sp = msub.add_parser("list", help="list an agent's shares", prog=f"{PROG} mount list")
+    sp.add_argument("--agent", "-a", default=DEFAULT, metavar="NAME")
+    sp.add_argument("--json", action="store_true")
+
+    sp = sub.add_parser("run", help="run a command as the agent, inside a cell", prog=f"{PROG} run")
+    sp.add_argument("--agent", "-a", default=DEFAULT, metavar="NAME")
+    sp.add_argument("--env", "-e", action="append", default=[], metavar="K=V", help="set a variable in the cell")
+    sp.add_argument("-d", "--directory", metavar="DIR", help="working directory (default: here if shared, "
+                    "else the agent's home)")
+    sp.add_argument("--json", action="store_true", help="print one JSON result object as the last line")
+    sp.add_argument("--verbose", "-v", action="store_true", help="print the agentcell run command it runs")
+    sp.add_argument("command", nargs=REMAINDER, metavar="-- CMD")
+    return p
+
+
+def _confirm(question: str, yes: bool, dry_run: bool = False) -> None:
+    if yes or dry_run:
+        return
+    if not sys.stdin.isatty():
+        raise AgentcellError("--yes", "no terminal to ask for confirmation", "add --yes to proceed")
+    sys.stderr.write(f"{question} [y/N] ")
+    sys.stderr.flush()
+    if sys.stdin.readline().strip().lower() not in ("y", "yes"):
+        raise AgentcellError("", "cancelled; nothing was changed")
+
+
+def main(argv: list[str]) -> int:
+    ns = parser().parse_args(argv)
+    try:
+        return int(_dispatch(ns))
+    except AgentcellError as e:
+        return report(f"{PROG} {ns.cmd}", e)
+
+
+def _dispatch(ns: Namespace) -> int:
+    from .. import accounts as ac
+    from ..accounts import accounts as acc
+
+    if ns.cmd == "run":
+        return _run(ns)
+    if ns.cmd == "list":
+        return _list(ns)
+    if ns.cmd == "info":
+        return _info(ns)
+    cmds = ac.Commands(verbose=getattr(ns, "verbose", False), dry_run=getattr(ns, "dry_run", False))
+    if ns.cmd == "new":
+        acc.check_name(ns.name)
+        human = acc.resolve_human(ns.human)
+        _confirm(f"Create agent account '{ns.name}' (group agentcell-{ns.name}, home /home/{ns.name}) shared "
+                 f"with {human}?", ns.yes, ns.dry_run)
+        try:
+            rec = ac.new(ns.name, human=human, cmds=cmds)
+        except AgentcellError as e:
+            if not ns.dry_run and not isinstance(e, acc.AccountError):
+                e.fix = f"what was made is recorded: 'agentcell agent delete {ns.name} --yes' removes it"
+            raise
+        if not ns.dry_run:
+            print(f"created agent {rec.name} (uid {rec.uid}, group {rec.group}, home {rec.home}); {rec.human} is "
+                  f"in {rec.group} from their next login (or 'newgrp {rec.group}')")
+        return 0
+    if ns.cmd == "delete":
+        _confirm(f"Delete agent '{ns.name}' (kill its processes, remove its shares' ACLs, user and group"
+                 f"{', and its home' if ns.delete_home else ''})?", ns.yes, ns.dry_run)
+        problems = ac.delete(ns.name, delete_home=ns.delete_home, cmds=cmds)
+        for p in problems:
+            sys.stderr.write(f"{PROG} delete: not removed: {p}\n")
+        if problems:
+            sys.stderr.write(f"{PROG} delete: agent {ns.name} is kept as 'deleting'; fix the above and run it "
+                             "again\n")
+            return 1
+        if not ns.dry_run:
+            print(f"deleted agent {ns.name}" + ("" if ns.delete_home else " (its home was kept)"))
+        return 0
+    if ns.mount_cmd == "add":
+        if ns.target is not None and os.path.abspath(ns.target) != os.path.abspath(ns.source):
+            raise AgentcellError("TARGET", "a share appears in the cell at its own path only",
+                                 "leave TARGET out (tools then see the same paths as you)")
+        share = ac.mount_add(ns.agent, ns.source, ns.mode or "ro", cmds=cmds)
+        if not ns.dry_run:
+            print(f"shared {share.source} with {ns.agent} ({share.mode})")
+        return 0
+    if ns.mount_cmd == "remove":
+        share = ac.mount_remove(ns.agent, ns.source, cmds=cmds)
+        if not ns.dry_run:
+            print(f"stopped sharing {share.source} with {ns.agent}")
+        return 0
+    with ac.open_registry() as reg:
+        rec = reg.get(ns.agent)
+    if ns.json:
+        print(json.dumps([s.as_dict() for s in rec.shares]))
+    else:
+        for s in rec.shares:
+            print(f"{s.source} [{s.mode}]")
+    return 0
+
+
+def _list(ns: Namespace) -> int:
+    from ..accounts import ephemeral, open_registry
+    from ..accounts.accounts import cells_running
+
+    with open_registry() as reg:
+        agents = list(reg.agents.values())
+    sessions = ephemeral.leftovers()
+    if ns.json:
+        print(json.dumps({"agents": [{"name": r.name, **r.as_dict(), "cells": cells_running(r)} for r in agents],
+                          "session_accounts": [{"name": a.name, "uid": a.uid, "session_id": a.session_id}
+                                               for a in sessions]}))
+        return 0
+    if not agents and not sessions:
+        print("no agents (create one with 'agentcell agent new')")
+    for r in agents:
+        print(f"{r.name:<22} uid {r.uid:<8} {r.state:<9} human {r.human:<12} {len(r.shares)} shares, "
+              f"{cells_running(r)} processes in cells")
+    for a in sessions:
+        print(f"{a.name:<22} uid {a.uid:<8} session account of {a.session_id!r}")
+    return 0
+
+
+def _info(ns: Namespace) -> int:
+    from ..accounts import health, open_registry
+
+    with open_registry() as reg:
+        rec = reg.get(ns.name)
+    checks = health(rec)
+    ok = all(c[1] for c in checks)
+    if ns.json:
+        print(json.dumps({"name": rec.name, **rec.as_dict(), "healthy": ok,
+                          "checks": [{"check": c, "ok": o, "detail": d} for c, o, d in checks]}))
+    else:
+        print(f"{rec.name}: {'healthy' if ok else 'UNHEALTHY'}")
+        print(f"  uid {rec.uid}, group {rec.group} ({rec.gid}), home {rec.home}, human {rec.human}")
+        for s in rec.shares:
+            print(f"  share {s.source} [{s.mode}]")
+        for check, good, detail in checks:
+            print(f"  {'ok  ' if good else 'FAIL'} {check}: {detail}")
+    return 0 if ok else 1
+
+
+def _run(ns: Namespace) -> int:
+    from ..accounts import accounts as acc
+    from ..accounts import open_registry
+    from . import run
+
+    command = ns.command[1:] if ns.command[:1] == ["--"] else ns.command
+    if not command:
+        raise AgentcellError("command", "no command given", "put it after --, e.g. agentcell agent run -- true")
+    with open_registry() as reg:
+        rec = reg.get(ns.agent)
+    if rec.state != "ready":
+        raise AgentcellError("--agent", f"agent '{rec.name}' is {rec.state}, not ready",
+                             f"'agentcell agent delete {rec.name} --yes' removes what was made")
+    pw = acc._user(rec.name)
+    if pw is None or pw.pw_uid != rec.uid:
+        raise AgentcellError("--agent", f"the account of agent '{rec.name}' is missing or changed",
+                             f"see 'agentcell agent info {rec.name}'")
+    argv = ["--as", f"agent:{rec.name}", "--home", rec.home]
+    for s in rec.shares:
+        why = acc.check_share(rec, s)
+        if why:
+            raise AgentcellError("share", why, f"check it, then 'agentcell agent mount remove {s.source}' and add it "
+                                 "again")
+        argv += ["--rw" if s.mode == "rw" else "--ro", s.source]
+    for e in ns.env:
+        argv += ["--env", e]
+    if ns.directory:
+        argv += ["--cwd", ns.directory]
+    if ns.json:
+        argv.append("--json")
+    argv += ["--", *command]
+    if ns.verbose:
+        sys.stderr.write(f"+ agentcell run {shlex.join(argv)}\n")
+    args = run.parse(argv)
+    args.agent_home = rec.home
+    return run.execute(args)
+
