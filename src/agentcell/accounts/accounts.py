@@ -23,7 +23,7 @@ from ..errors import AgentcellError
 from ..policy import resolve as rs
 from . import acl
 from .commands import Commands, need_root
-from .registry import GROUP_PREFIX, AgentRecord, Registry, Share, open_registry
+from .registry import GROUP_PREFIX, AgentRecord, Registry, Share, check_share, open_registry
 
 MAX_NAME = 32 - len(GROUP_PREFIX)  # the group name agentcell-NAME must fit useradd's 32 characters
 NOLOGIN = "/usr/sbin/nologin"
@@ -232,21 +232,6 @@ def mount_remove(name: str, path: str, *, cmds: Commands) -> Share:
         rec.shares.remove(share)
         _save(reg, cmds, f"forget share {share.source} of agent {name}")
     return share
-
-
-def check_share(rec: AgentRecord, share: Share) -> str:
-    """Why the share cannot be used as recorded ('' when it can): it must still resolve, without a
-    symlink nobody but root could have made, to the very file it was when shared."""
-    try:
-        real = rs.resolve_path(share.source, field="share", writable=share.mode == "rw")
-    except AgentcellError as e:
-        return e.problem
-    if real != share.source:
-        return f"{share.source} now resolves to {real}"
-    st = os.lstat(real)
-    if (st.st_dev, st.st_ino) != (share.dev, share.ino):
-        return f"{share.source} was replaced since it was shared (another file is there now)"
-    return ""
 
 
 # ---- health -------------------------------------------------------------------------------------

@@ -25,16 +25,18 @@ Readers and writers take an exclusive lock on ``agents.lock`` (``agent run`` a s
 resolves its shares, so no share changes under a starting cell).
 
 The records are plain classes, not pydantic models: ``agent run`` reads them on every command and
-pydantic's import costs ~70 ms here. Every field is checked on load; a damaged file is an error
-that names the field, never a traceback.
+pydantic's import costs ~70 ms here; for the same reason each save also writes ``agents.cache``, the
+parsed file in marshal form keyed by the TOML's (inode, size, mtime), which a reader uses instead of
+tomllib (~10 ms with the ``re`` it imports) while the key matches — a hand edit of the TOML does not
+match and is parsed. Every field is checked on load; a damaged file is an error that names the
+field, never a traceback.
 """
 from __future__ import annotations
 
 import fcntl
+import marshal
 import os
 import stat
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 from ..errors import AgentcellError
 
@@ -127,6 +129,23 @@ def _load_record(name: str, table: object, path: str) -> AgentRecord:
                        human=_str(table, "human", where), created=_str(table, "created", where), shares=shares)
 
 
+def check_share(rec: AgentRecord, share: Share) -> str:
+    """Why the share cannot be used as recorded ('' when it can): it must still resolve, without a
+    symlink nobody but root could have made, to the very file it was when shared."""
+    from ..policy import resolve as rs
+
+    try:
+        real = rs.resolve_path(share.source, field="share", writable=share.mode == "rw")
+    except AgentcellError as e:
+        return e.problem
+    if real != share.source:
+        return f"{share.source} now resolves to {real}"
+    st = os.lstat(real)
+    if (st.st_dev, st.st_ino) != (share.dev, share.ino):
+        return f"{share.source} was replaced since it was shared (another file is there now)"
+    return ""
+
+
 class Registry:
     """The agents file, opened under its lock. Use :func:`open_registry`."""
 
@@ -142,24 +161,59 @@ class Registry:
 
     def save(self) -> None:
         """Write atomically (a new file renamed over the old one, fsynced): a crash leaves the old or
-        the new record, never half of one."""
+        the new record, never half of one. Then the cache, keyed by the file just written."""
         import tomli_w
 
         assert self.writable, "save() needs open_registry(write=True)"
         data = {"agents": {name: rec.as_dict() for name, rec in sorted(self.agents.items())}}
-        tmp = f"{self.path}.tmp{os.getpid()}"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-        try:
-            os.write(fd, tomli_w.dumps(data).encode())
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.rename(tmp, self.path)
-        dfd = os.open(os.path.dirname(self.path), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
+        _replace(self.path, tomli_w.dumps(data).encode())
+        _replace(_cache(self.path), marshal.dumps((_key(self.path), data)))
+
+
+def _cache(path: str) -> str:
+    return path.removesuffix(".toml") + ".cache"
+
+
+def _key(path: str) -> tuple[int, int, int]:
+    st = os.stat(path)
+    return (st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def _replace(path: str, content: bytes) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    try:
+        os.write(fd, content)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.rename(tmp, path)
+    dfd = os.open(os.path.dirname(path), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+def _read(path: str) -> dict[str, object]:
+    try:
+        key = _key(path)
+    except FileNotFoundError:
+        return {}
+    try:
+        with open(_cache(path), "rb") as f:
+            cached_key, data = marshal.loads(f.read())
+        if cached_key == key and isinstance(data, dict):
+            return data
+    except (OSError, ValueError, EOFError, TypeError):
+        pass
+    import tomllib
+
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise RegistryError(path, f"is not valid TOML ({e})", "restore it from a backup") from None
 
 
 def _private_dir(d: str) -> None:
@@ -174,28 +228,30 @@ def _private_dir(d: str) -> None:
                             f"fix it: chown root: {d} && chmod 700 {d}")
 
 
-@contextmanager
-def open_registry(*, write: bool = False) -> Iterator[Registry]:
-    """The agents file under its lock (exclusive to write, shared to read)."""
-    import tomllib
+class open_registry:  # noqa: N801 (a context manager used like a function; contextlib costs ~3 ms here)
+    """``with open_registry(write=...) as reg``: the agents file under its lock (exclusive to write,
+    shared to read)."""
 
-    d = state_dir()
-    _private_dir(d)
-    path = os.path.join(d, "agents.toml")
-    lock = os.open(os.path.join(d, "agents.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX if write else fcntl.LOCK_SH)
+    def __init__(self, *, write: bool = False) -> None:
+        self.write = write
+        self.lock = -1
+
+    def __enter__(self) -> Registry:
+        d = state_dir()
+        _private_dir(d)
+        path = os.path.join(d, "agents.toml")
+        self.lock = os.open(os.path.join(d, "agents.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW,
+                            0o600)
         try:
-            with open(path, "rb") as f:
-                data = tomllib.load(f)
-        except FileNotFoundError:
-            data = {}
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-            raise RegistryError(path, f"is not valid TOML ({e})", "restore it from a backup") from None
-        table = data.get("agents", {})
-        if not isinstance(table, dict):
-            raise RegistryError(path, "'agents' is not a table", "the file is written by agentcell only")
-        agents = {name: _load_record(name, t, path) for name, t in table.items()}
-        yield Registry(path, agents, write)
-    finally:
-        os.close(lock)  # releases the lock
+            fcntl.flock(self.lock, fcntl.LOCK_EX if self.write else fcntl.LOCK_SH)
+            table = _read(path).get("agents", {})
+            if not isinstance(table, dict):
+                raise RegistryError(path, "'agents' is not a table", "the file is written by agentcell only")
+            agents = {name: _load_record(name, t, path) for name, t in table.items()}
+        except BaseException:
+            os.close(self.lock)
+            raise
+        return Registry(path, agents, self.write)
+
+    def __exit__(self, *exc: object) -> None:
+        os.close(self.lock)  # releases the lock

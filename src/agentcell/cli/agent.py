@@ -13,20 +13,26 @@ NAME defaults to ``agent``. See :mod:`agentcell.accounts` for what each does to 
 """
 from __future__ import annotations
 
-import json
 import os
-import shlex
 import sys
-from argparse import REMAINDER, Namespace
 
 from ..errors import AgentcellError, report
-from .common import Parser
+
+TYPE_CHECKING = False  # see cell/spec.py
+if TYPE_CHECKING:
+    from argparse import Namespace
+
+    from .common import Parser
 
 PROG = "agentcell agent"
 DEFAULT = "agent"
 
 
 def parser() -> Parser:
+    from argparse import REMAINDER
+
+    from .common import Parser
+
     p = Parser(prog=PROG, description="Agent accounts: a UNIX user per agent, sharing folders through ACLs, "
                "run only inside a cell.")
     sub = p.add_subparsers(dest="cmd", metavar="COMMAND", parser_class=Parser)
@@ -98,20 +104,59 @@ def _confirm(question: str, yes: bool, dry_run: bool = False) -> None:
         raise AgentcellError("", "cancelled; nothing was changed")
 
 
+class RunArgs:
+    """``agent run``'s options, parsed without argparse when they are well formed (it runs per command)."""
+
+    cmd = "run"
+
+    def __init__(self) -> None:
+        self.agent, self.json, self.verbose = DEFAULT, False, False
+        self.directory: str | None = None
+        self.env: list[str] = []
+        self.command: list[str] = []
+
+
+def fast_parse_run(argv: list[str]) -> RunArgs | None:
+    """None for anything unusual (help, an unknown option, no ``--``): argparse then explains it."""
+    if argv[:1] != ["run"]:
+        return None
+    ns, i = RunArgs(), 1
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--":
+            ns.command = argv[i + 1:]
+            return ns
+        if arg in ("--json", "--verbose", "-v"):
+            setattr(ns, "json" if arg == "--json" else "verbose", True)
+            i += 1
+            continue
+        if arg not in ("--agent", "-a", "--env", "-e", "-d", "--directory") or i + 1 == len(argv):
+            return None
+        value = argv[i + 1]
+        if arg in ("--env", "-e"):
+            ns.env.append(value)
+        elif arg in ("--agent", "-a"):
+            ns.agent = value
+        else:
+            ns.directory = value
+        i += 2
+    return None
+
+
 def main(argv: list[str]) -> int:
-    ns = parser().parse_args(argv)
+    ns = fast_parse_run(argv) or parser().parse_args(argv)
     try:
         return int(_dispatch(ns))
     except AgentcellError as e:
         return report(f"{PROG} {ns.cmd}", e)
 
 
-def _dispatch(ns: Namespace) -> int:
+def _dispatch(ns: Namespace | RunArgs) -> int:
+    if isinstance(ns, RunArgs) or ns.cmd == "run":
+        return _run(ns)
     from .. import accounts as ac
     from ..accounts import accounts as acc
 
-    if ns.cmd == "run":
-        return _run(ns)
     if ns.cmd == "list":
         return _list(ns)
     if ns.cmd == "info":
@@ -161,6 +206,8 @@ def _dispatch(ns: Namespace) -> int:
     with ac.open_registry() as reg:
         rec = reg.get(ns.agent)
     if ns.json:
+        import json
+
         print(json.dumps([s.as_dict() for s in rec.shares]))
     else:
         for s in rec.shares:
@@ -169,6 +216,8 @@ def _dispatch(ns: Namespace) -> int:
 
 
 def _list(ns: Namespace) -> int:
+    import json
+
     from ..accounts import ephemeral, open_registry
     from ..accounts.accounts import cells_running
 
@@ -191,6 +240,8 @@ def _list(ns: Namespace) -> int:
 
 
 def _info(ns: Namespace) -> int:
+    import json
+
     from ..accounts import health, open_registry
 
     with open_registry() as reg:
@@ -210,9 +261,10 @@ def _info(ns: Namespace) -> int:
     return 0 if ok else 1
 
 
-def _run(ns: Namespace) -> int:
-    from ..accounts import accounts as acc
-    from ..accounts import open_registry
+def _run(ns: Namespace | RunArgs) -> int:
+    import pwd
+
+    from ..accounts.registry import check_share, open_registry
     from . import run
 
     command = ns.command[1:] if ns.command[:1] == ["--"] else ns.command
@@ -223,13 +275,16 @@ def _run(ns: Namespace) -> int:
     if rec.state != "ready":
         raise AgentcellError("--agent", f"agent '{rec.name}' is {rec.state}, not ready",
                              f"'agentcell agent delete {rec.name} --yes' removes what was made")
-    pw = acc._user(rec.name)
-    if pw is None or pw.pw_uid != rec.uid:
+    try:
+        pw_uid = pwd.getpwnam(rec.name).pw_uid
+    except KeyError:
+        pw_uid = -1
+    if pw_uid != rec.uid:
         raise AgentcellError("--agent", f"the account of agent '{rec.name}' is missing or changed",
                              f"see 'agentcell agent info {rec.name}'")
     argv = ["--as", f"agent:{rec.name}", "--home", rec.home]
     for s in rec.shares:
-        why = acc.check_share(rec, s)
+        why = check_share(rec, s)
         if why:
             raise AgentcellError("share", why, f"check it, then 'agentcell agent mount remove {s.source}' and add it "
                                  "again")
@@ -242,6 +297,8 @@ def _run(ns: Namespace) -> int:
         argv.append("--json")
     argv += ["--", *command]
     if ns.verbose:
+        import shlex
+
         sys.stderr.write(f"+ agentcell run {shlex.join(argv)}\n")
     args = run.parse(argv)
     args.agent_home = rec.home
