@@ -340,3 +340,18 @@ def test_doctor_as_a_non_root_user(doc_user: pwd.struct_passwd) -> None:
     # --need agent as a non-root user is never satisfied.
     p = run_cli("--json", "--need", "agent", prefix=prefix, argv0=argv0, env=env)
     assert p.returncode == 1
+
+
+def test_acl_support_is_read_from_the_file_system() -> None:
+    # /proc keeps no POSIX ACLs on any kernel: the negative case is real, not simulated.
+    assert doctor.check_acl_fs("/proc").status == "warn"
+    assert doctor.check_acl_fs("/proc").fix
+    assert doctor.check_acl_fs("/tmp").status == ("ok" if _tmp_keeps_acls() else "warn")
+
+
+def _tmp_keeps_acls() -> bool:
+    import subprocess
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(dir="/tmp") as f:
+        return subprocess.run(["setfacl", "-m", "u:root:r", f.name], capture_output=True).returncode == 0

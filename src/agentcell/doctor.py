@@ -661,9 +661,24 @@ def check_tools() -> list[Check]:
                      "apt install bubblewrap (only to run the benchmarks)", {"path": None}))
     setfacl = which("setfacl")
     out.append(Check("setfacl", "ok", setfacl, data={"path": setfacl}) if setfacl else
-               Check("setfacl", "warn", "not installed; agent accounts (later) share folders through ACLs",
+               Check("setfacl", "warn", "not installed; agent accounts (agentcell agent) share folders through ACLs",
                      "apt install acl", {"path": None}))
+    out.append(check_acl_fs("/home"))
     return out
+
+
+def check_acl_fs(path: str) -> Check:
+    """Whether the file system holding ``path`` keeps POSIX ACLs (agent homes and shares need them)."""
+    try:
+        os.getxattr(path, "system.posix_acl_access", follow_symlinks=False)
+        supported = True
+    except OSError as e:
+        supported = e.errno == errno.ENODATA
+    if supported:
+        return Check("acl-fs", "ok", f"{path} keeps POSIX ACLs", data={"path": path, "supported": True})
+    return Check("acl-fs", "warn", f"the file system of {path} has no POSIX ACLs: agent accounts cannot share "
+                 "folders", "mount it with ACL support (ext4, xfs and btrfs have it by default)",
+                 {"path": path, "supported": False})
 
 
 # ---------------------------------------------------------------------------------------------------
