@@ -84,9 +84,9 @@ def main() -> int:
     args = ap.parse_args()
     if os.geteuid() != 0:
         sys.exit("bench/accounts.py: needs root (it creates throwaway accounts)")
-    for tool in ("bwrap", "sudo"):
+    for tool, package in (("bwrap", "bubblewrap"), ("sudo", "sudo")):
         if not shutil.which(tool):
-            sys.exit(f"bench/accounts.py: {tool} not found (apt-get install {'bubblewrap' if tool == 'bwrap' else tool})")
+            sys.exit(f"bench/accounts.py: {tool} not found (apt-get install {package})")
     au = au_bin()
     tag = secrets.token_hex(3)
     human, ours, theirs = f"ac-bh{tag}", f"ac-bac{tag}", f"ac-bau{tag}"

@@ -21,7 +21,7 @@ import pytest
 
 from agentcell.accounts import Commands, accounts, acl, ephemeral
 from agentcell.accounts.registry import open_registry
-from conftest import AGENTCELL, needs_root
+from conftest import AGENTCELL, User, needs_root
 
 pytestmark = needs_root
 
@@ -468,3 +468,19 @@ def test_ephemeral_account_lifecycle(state: Path, tmp_path: Path) -> None:
     with pytest.raises(KeyError):
         grp.getgrnam(acct.name)
     assert ephemeral.leftovers() == []
+
+
+def test_cells_launch_while_accounts_come_and_go(user: User) -> None:
+    # useradd/userdel replace /etc/shadow and /etc/gshadow by a rename: a cell built meanwhile must
+    # mask the file found there, not fail (per-session accounts are made while other cells start).
+    name = "ac-churn" + secrets.token_hex(2)
+    churn = subprocess.Popen(["sh", "-c", f"while :; do useradd -M {name} && userdel {name}; done"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        codes = [subprocess.run([AGENTCELL, "run", "--no-warm", "--as", str(user.uid), "--", "true"],
+                                capture_output=True, text=True) for _ in range(15)]
+    finally:
+        churn.kill()
+        churn.wait()
+        subprocess.run(["userdel", name], capture_output=True)
+    assert [c.returncode for c in codes] == [0] * 15, [c.stderr for c in codes if c.returncode]

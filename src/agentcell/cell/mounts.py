@@ -91,6 +91,14 @@ class MountPlan:
         return [s.describe() for s in self.steps]
 
 
+def _only_root_renames_in(d: str) -> bool:
+    try:
+        st = os.lstat(d)
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == 0 and not st.st_mode & 0o022
+
+
 def _depth(p: str) -> int:
     return p.rstrip("/").count("/")
 
@@ -197,7 +205,14 @@ def plan(spec: CellSpec) -> MountPlan:
         for s in steps + mine:  # where a bind brings it in: at the same place below the bind's target
             src = s.source.rstrip("/")
             if s.kind == "bind" and (p == src or p.startswith(src + "/")):
-                secrets.append(mask(p, s.dest.rstrip("/") + p[len(src):]))
+                step = mask(p, s.dest.rstrip("/") + p[len(src):])
+                if _only_root_renames_in(os.path.dirname(p)):
+                    # useradd & co. replace /etc/shadow by a rename at any time: whatever file holds
+                    # the name when the cell is built is the one to hide (the mount goes on the file
+                    # found without following links). The identity check stays where someone other
+                    # than root could swap the name and uncover the file it hid.
+                    step.dest_id = None
+                secrets.append(step)
                 break
     return MountPlan(steps + mine + secrets)
 
