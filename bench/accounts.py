@@ -77,6 +77,22 @@ def timed(argv: list[str], *, env: dict[str, str], tty: bool = False) -> float:
     return time.perf_counter() - t
 
 
+def ephemeral_ms(state: str, runs: int) -> tuple[float, float]:
+    """Median time to make and to remove a per-session account (the issue asks: well under a second)."""
+    os.environ["AGENTCELL_STATE_DIR"] = state
+    from agentcell.accounts import ephemeral
+
+    made, gone = [], []
+    for i in range(runs):
+        t = time.perf_counter()
+        acct = ephemeral.create_ephemeral(f"bench-{secrets.token_hex(4)}-{i}")
+        t2 = time.perf_counter()
+        ephemeral.delete(acct)
+        made.append(t2 - t)
+        gone.append(time.perf_counter() - t2)
+    return statistics.median(made) * 1000, statistics.median(gone) * 1000
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=30)
@@ -118,6 +134,7 @@ def main() -> int:
             for k, (argv, tty) in cases.items():
                 samples[k].append(timed(argv, env=env, tty=tty))
         ms = {k: statistics.median(v) * 1000 for k, v in samples.items()}
+        ms["ephemeral_create"], ms["ephemeral_delete"] = ephemeral_ms(state, min(args.runs, 10))
     finally:
         if made_au:
             subprocess.run([au, "-C", au_config, "delete", "-a", theirs, "--delete-home", "--yes"], env=env,
@@ -137,6 +154,7 @@ def main() -> int:
           f"   {ratios['agent_run_to_bwrap']:5.2f}x bwrap, {ratios['agent_run_to_au']:5.2f}x au")
     print(f"  {'au run true (agent-as-unix-user ' + AU_VERSION + ', on a pty)':<48}{ms['au_run']:8.2f}"
           f"   {ratios['au_to_bwrap']:5.2f}x bwrap")
+    print(f"per-session account: create {ms['ephemeral_create']:.1f} ms, delete {ms['ephemeral_delete']:.1f} ms (median)")
     return 0
 
 

@@ -116,7 +116,8 @@ def project(human: Human, name: str = "proj") -> Path:
 
 
 def acl_dump(path: Path) -> str:
-    return subprocess.run(["getfacl", "-R", "-P", "-p", str(path)], capture_output=True, text=True).stdout
+    return subprocess.run(["getfacl", "-R", "-P", "-p", str(path)], capture_output=True, text=True,
+                          errors="surrogateescape").stdout
 
 
 def nothing_left(name: str, gid: int, *trees: Path) -> None:
@@ -300,7 +301,7 @@ def test_a_symlinked_source_made_by_a_user_is_refused(agent: str, human: Human) 
     os.lchown(link, human.uid, human.gid)
     p = cli("mount", "add", "--rw", str(link), "--agent", agent)
     assert p.returncode == 125 and "symlink" in p.stderr and p.stderr.count("\n") == 1, p.stderr
-    assert acl.residue(grp.getgrnam(f"agentcell-{agent}").gr_gid, str(proj)) == []
+    assert acl.residue(pwd.getpwnam(agent).pw_uid, grp.getgrnam(f"agentcell-{agent}").gr_gid, str(proj)) == []
 
 
 def test_sharing_keeps_acls_the_tree_already_had(agent: str, human: Human) -> None:
@@ -312,6 +313,119 @@ def test_sharing_keeps_acls_the_tree_already_had(agent: str, human: Human) -> No
     assert acl_dump(proj) != before
     accounts.mount_remove(agent, str(proj), cmds=Commands())
     assert acl_dump(proj) == before
+
+
+# ---- what a red-team pass found (each test fails on the path-based first version) ------------------
+
+def _as(uid: int, gid: int, *argv: str) -> None:
+    subprocess.run(["setpriv", f"--reuid={uid}", f"--regid={gid}", "--init-groups", *argv], check=True,
+                   capture_output=True)
+
+
+def test_a_prior_acl_is_never_restored_through_a_swapped_parent(agent: str, human: Human, tmp_path: Path) -> None:
+    # The agent gives a file of its own an ACL, gets it recorded as "prior" by a re-share, then swaps
+    # its parent for a symlink to a root-only directory: root must not write that ACL there.
+    proj = project(human)
+    victim = tmp_path / "victim"
+    victim.mkdir(mode=0o700)
+    (victim / "shadow").write_text("root's\n")
+    (victim / "shadow").chmod(0o600)
+    before = acl_dump(victim), oct((victim / "shadow").stat().st_mode)
+    accounts.mount_add(agent, str(proj), "rw", cmds=Commands())
+    uid = pwd.getpwnam(agent).pw_uid
+    run_json("--agent", agent, "--", "sh", "-c", f"cd {proj} && mkdir a && echo x > a/shadow && chmod 666 a/shadow "
+             f"&& setfacl -m u:{human.uid}:rw a/shadow")
+    accounts.mount_remove(agent, str(proj), cmds=Commands())
+    accounts.mount_add(agent, str(proj), "rw", cmds=Commands())
+    run_json("--agent", agent, "--", "sh", "-c", f"cd {proj} && mv a a.old && ln -s {victim} a")
+    accounts.mount_remove(agent, str(proj), cmds=Commands())
+    assert (acl_dump(victim), oct((victim / "shadow").stat().st_mode)) == before
+    assert uid not in acl.residue(uid, uid, str(proj))
+
+
+def test_delete_strips_the_agents_own_acl_entries_and_never_reuses_its_uid(state: Path, human: Human) -> None:
+    name, later = "ac-a" + secrets.token_hex(3), "ac-a" + secrets.token_hex(3)
+    proj = project(human)
+    try:
+        rec = accounts.new(name, human=human.name, cmds=Commands())
+        accounts.mount_add(name, str(proj), "rw", cmds=Commands())
+        run_json("--agent", name, "--", "sh", "-c", f"cd {proj} && mkdir tools && setfacl -m "
+                 f"u:{rec.uid}:rwx,d:u:{rec.uid}:rwx tools && echo x > ~/kept.txt")
+        assert not accounts.delete(name, delete_home=False, cmds=Commands())
+        assert f"user:{rec.uid}:" not in acl_dump(proj) and f"group:{rec.gid}:" not in acl_dump(proj)
+        home = Path(f"/home/{name}")
+        assert f":{rec.gid}:" not in acl_dump(home)  # the kept home: no entry for a number that is free now
+        assert {(p.stat().st_uid, p.stat().st_gid) for p in [home, *home.iterdir()]} == {(human.uid, human.gid)}
+        shutil.rmtree(home)
+        nxt = accounts.new(later, human=human.name, cmds=Commands())
+        assert nxt.uid > rec.uid
+    finally:
+        for n in (name, later):
+            with open_registry() as reg:
+                known = n in reg.agents
+            if known:
+                accounts.delete(n, delete_home=True, cmds=Commands())
+            _force_remove(n)
+
+
+def test_deep_and_long_trees_neither_crash_nor_keep_the_uid(agent: str, human: Human) -> None:
+    proj = project(human)
+    accounts.mount_add(agent, str(proj), "rw", cmds=Commands())
+    # 1200 levels (Python's recursion limit is 1000) of 40-character names: ~50,000 bytes, past PATH_MAX.
+    script = ("import os\nos.chdir(os.environ['P'])\nfor i in range(1200):\n    os.mkdir('d' * 40)\n"
+              "    os.chdir('d' * 40)\nopen('leaf', 'w').write('x')\n")
+    p = cli("run", "--agent", agent, "--env", f"P={proj}", "--", "python3", "-c", script)
+    assert p.returncode == 0, p.stderr
+    uid = pwd.getpwnam(agent).pw_uid
+    gid = grp.getgrnam(f"agentcell-{agent}").gr_gid
+    assert acl.owned_by(uid, gid, str(proj))  # the agent's tree, before
+    d = cli("delete", agent, "--delete-home", "--yes")
+    assert d.returncode == 0 and "Traceback" not in d.stderr, d.stderr
+    assert acl.owned_by(uid, gid, str(proj)) == [] and acl.residue(uid, gid, str(proj)) == []
+    subprocess.run(["rm", "-rf", str(proj)], check=True)
+
+
+def test_odd_names_and_a_failing_grant_leave_nothing(agent: str, human: Human) -> None:
+    proj = project(human)
+    odd = os.fsencode(str(proj)) + b"/bad\xff"
+    with open(odd, "w") as f:
+        f.write("x")
+    subprocess.run([b"setfacl", b"-m", f"u:{human.uid}:r".encode(), odd], check=True)
+    before = acl_dump(proj)
+    accounts.mount_add(agent, str(proj), "rw", cmds=Commands())
+    accounts.mount_remove(agent, str(proj), cmds=Commands())
+    assert acl_dump(proj) == before
+    # A file whose ACL is full (as an agent could leave it): the grant fails half way and is undone.
+    full = proj / "full"
+    full.write_text("x")
+    n = 0
+    while subprocess.run(["setfacl", "-m", f"u:{2_000_000 + n}:r", str(full)], capture_output=True).returncode == 0:
+        n += 1  # until the file system has no room for one more entry (ext4: ~500)
+        if n > 5000:
+            pytest.skip(f"the file system of {proj} takes over 5000 ACL entries: no grant can be made to fail")
+    before = acl_dump(proj)
+    with pytest.raises(accounts.AccountError, match="undone"):
+        accounts.mount_add(agent, str(proj), "rw", cmds=Commands())
+    assert acl_dump(proj) == before
+    with open_registry() as reg:
+        assert reg.agents[agent].shares == []
+
+
+def test_session_account_files_go_to_the_human(state: Path, human: Human, tmp_path: Path) -> None:
+    work = tmp_path / "work"
+    work.mkdir()
+    acct = ephemeral.create_ephemeral("files-" + secrets.token_hex(4))
+    try:
+        work.chmod(0o777)
+        p = subprocess.run([AGENTCELL, "run", "--no-warm", "--as", str(acct.uid), "--rw", str(work), "--", "sh", "-c",
+                            f"echo hi > {work}/f && chmod 4755 {work}/f"], capture_output=True, text=True)
+        assert p.returncode == 0, p.stderr
+        with pytest.raises(accounts.AccountError, match="still owned"):
+            ephemeral.delete(acct, paths=[str(work)])
+    finally:
+        ephemeral.delete(acct, paths=[str(work)], give_to=(human.uid, human.gid))
+    st = (work / "f").stat()
+    assert (st.st_uid, st.st_gid) == (human.uid, human.gid) and not st.st_mode & 0o4000
 
 
 # ---- delete from any partial state ----------------------------------------------------------------

@@ -18,6 +18,7 @@ import shutil
 import stat
 import sys
 import time
+from collections.abc import Callable
 
 from ..errors import AgentcellError
 from ..policy import resolve as rs
@@ -125,6 +126,24 @@ def _save(reg: Registry, cmds: Commands, what: str) -> None:
 
 # ---- new ----------------------------------------------------------------------------------------
 
+FIRST_ID = 1000
+
+
+def _fresh_id(last: int) -> int:
+    """A uid (= gid) no account or group has, above every one agentcell ever gave an agent: a deleted
+    agent's number is never handed to the next one (files it left anywhere stay nobody's)."""
+    ident = max(last + 1, FIRST_ID)
+    while True:
+        try:
+            pwd.getpwuid(ident)
+        except KeyError:
+            try:
+                grp.getgrgid(ident)
+            except KeyError:
+                return ident
+        ident += 1
+
+
 def new(name: str, *, human: str | None, cmds: Commands) -> AgentRecord:
     need_root("agent new")
     check_name(name)
@@ -143,17 +162,18 @@ def new(name: str, *, human: str | None, cmds: Commands) -> AgentRecord:
         if os.path.lexists(home):
             raise AccountError("NAME", f"{home} already exists", "pick another name, or move it away")
         rec = AgentRecord(name, state="creating", home=home, human=human, created=_now())
+        ident = _fresh_id(reg.last_uid)
+        rec.uid = rec.gid = ident  # recorded before it exists: a crash can be cleaned up by number too
         reg.agents[name] = rec
-        _save(reg, cmds, f"record agent {name} (creating)")
-        cmds.run(["groupadd", group], step="groupadd")
-        cmds.run(["useradd", "--gid", group, "--no-user-group", "--home-dir", home, "--no-create-home",
-                  "--shell", NOLOGIN, "--comment", f"agentcell agent {name}", name], step="useradd")
+        reg.last_uid = ident
+        _save(reg, cmds, f"record agent {name} (creating, uid {ident})")
+        cmds.run(["groupadd", "--gid", str(ident), group], step="groupadd")
+        cmds.run(["useradd", "--uid", str(ident), "--gid", group, "--no-user-group", "--home-dir", home,
+                  "--no-create-home", "--shell", NOLOGIN, "--comment", f"agentcell agent {name}", name],
+                 step="useradd")
         cmds.run(["install", "-d", "-m", "2770", "-o", name, "-g", group, home], step="home")
         cmds.run(["setfacl", "-m", f"d:g:{group}:rwx", home], step="home ACL")
         cmds.run(["gpasswd", "--add", human, group], step="human")
-        if not cmds.dry_run:
-            pw = pwd.getpwnam(name)
-            rec.uid, rec.gid = pw.pw_uid, pw.pw_gid
         rec.state = "ready"
         _save(reg, cmds, f"record agent {name} (ready)")
     return rec
@@ -188,12 +208,29 @@ def mount_add(name: str, source: str, mode: str, *, cmds: Commands) -> Share:
             if real == s.source or real.startswith(s.source + "/") or s.source.startswith(real + "/"):
                 raise AccountError("SOURCE", f"{real} overlaps the share {s.source} ({s.mode})",
                                    f"remove it first: agentcell agent mount remove {s.source} --agent {name}")
+        try:
+            real.encode()
+        except UnicodeEncodeError:
+            raise AccountError("SOURCE", f"{real!r} is not valid UTF-8", "rename it, or share its parent") from None
         _idle(rec, "SOURCE")
         st = os.lstat(real)
         share = Share(real, mode, st.st_dev, st.st_ino, acl.prior_acl(real))
-        acl.grant(cmds, rec.group, real, mode)
-        rec.shares.append(share)
+        rec.shares.append(share)  # recorded before granting: whatever a crash leaves, delete revokes
         _save(reg, cmds, f"record share {real} ({mode}) of agent {name}")
+        try:
+            complete = acl.grant(cmds, rec.group, rec.gid, real, mode)
+        except BaseException as e:
+            left = _unshare(cmds, rec, share)
+            if not left:
+                rec.shares.remove(share)
+                _save(reg, cmds, f"forget share {real} of agent {name} (the grant failed)")
+            if isinstance(e, OSError):
+                raise AccountError("SOURCE", f"sharing {real} failed ({e.strerror}); "
+                                   + ("undone" if not left else "; ".join(left)), "") from None
+            raise
+        if not complete:
+            sys.stderr.write(f"agentcell: warning: {real} is deeper than {acl.MAX_DEPTH} levels; the deepest "
+                             "entries were not shared\n")
     return share
 
 
@@ -212,12 +249,12 @@ def _find_share(rec: AgentRecord, path: str) -> Share:
 
 def _unshare(cmds: Commands, rec: AgentRecord, share: Share) -> list[str]:
     """Revoke one share; what is left of it (empty when clean)."""
-    acl.revoke(cmds, rec.gid, share.source, share.prior_acl)
+    left = acl.revoke(cmds, rec.uid, rec.gid, share.source, share.prior_acl)
     if cmds.dry_run:
-        return []
-    left = acl.residue(rec.gid, share.source)
-    return [f"ACL entries for {rec.group} remain on {p}" for p in left[:5]] + (
-        [f"... and {len(left) - 5} more"] if len(left) > 5 else [])
+        return left
+    found = acl.residue(rec.uid, rec.gid, share.source)
+    return left + [f"ACL entries naming {rec.name} remain on {p}" for p in found[:5]] + (
+        [f"... and {len(found) - 5} more"] if len(found) > 5 else [])
 
 
 def mount_remove(name: str, path: str, *, cmds: Commands) -> Share:
@@ -258,15 +295,15 @@ def health(rec: AgentRecord) -> list[tuple[str, bool, str]]:
         home_ok = stat.S_ISDIR(st.st_mode) and st.st_uid == rec.uid and st.st_gid == rec.gid and mode == 0o2770
         check("home", home_ok, f"{rec.home} {oct(mode)} uid {st.st_uid} gid {st.st_gid} (want 02770 "
               f"{rec.uid}:{rec.gid}, a directory)")
-        check("home default ACL", rec.gid in {i for t, p, i in acl.entries(rec.home, acl.DEFAULT) or ()
-                                              if t == acl.TAG_GROUP and p == 7}, f"default:group:{rec.group}:rwx")
+        check("home default ACL", rec.gid in {i for t, p, i in acl.default_entries(rec.home)
+                                              if t == acl.GROUP and p == 7}, f"default:group:{rec.group}:rwx")
     except FileNotFoundError:
         check("home", False, f"{rec.home} is missing")
     tools = [t for t in ("setfacl", "getfacl", "setpriv", "useradd", "userdel") if shutil.which(t) is None]
     check("tools", not tools, "missing: " + ", ".join(tools) if tools else "setfacl, setpriv, useradd present")
     for s in rec.shares:
         why = check_share(rec, s)
-        if not why and rec.gid not in acl.named_ids(s.source):
+        if not why and rec.gid not in acl.named_gids(s.source):
             why = f"{s.source} no longer has the ACL entry for {rec.group}"
         check(f"share {s.source} ({s.mode})", not why, why or "valid")
     if rec.uid >= 0:
@@ -283,9 +320,17 @@ def cells_running(rec: AgentRecord) -> int:
 
 def delete(name: str, *, delete_home: bool, cmds: Commands) -> list[str]:
     """Remove agent NAME from whatever state it is in. Returns what could not be removed (empty: all
-    gone, and the record with it); the record stays, state ``deleting``, until everything is."""
+    gone, and the record with it); the record stays, state ``deleting``, until everything is. Each
+    step runs whatever the previous ones did: a failure is recorded as a problem, never a traceback."""
     need_root("agent delete")
     problems: list[str] = []
+
+    def step(what: str, fn: Callable[[], list[str] | None]) -> None:
+        try:
+            problems.extend(fn() or [])
+        except Exception as e:  # noqa: BLE001 - resilience is the point: say what failed, go on
+            problems.append(f"{what}: {e}")
+
     with open_registry(write=True) as reg:
         rec = reg.get(name)
         rec.state = "deleting"
@@ -295,47 +340,43 @@ def delete(name: str, *, delete_home: bool, cmds: Commands) -> list[str]:
             problems.append(f"user {name} has uid {pw.pw_uid}, not the recorded {rec.uid}: left alone")
             pw = None
         uid = pw.pw_uid if pw is not None else rec.uid
-        if pw is None and uid >= 0:
-            try:
-                other = pwd.getpwuid(uid).pw_name
-            except KeyError:
-                other = ""
-            if other:
-                problems.append(f"uid {uid} now belongs to {other}: its processes were not killed")
-                uid = -1
+        if pw is None and uid >= 0 and _uid_taken(uid):
+            problems.append(f"uid {uid} now belongs to {_uid_taken(uid)}: its processes and files were left alone")
+            uid = -1
+        gid = rec.gid if rec.gid >= 0 else (pw.pw_gid if pw is not None else -1)
         if uid >= 0:
-            gid = pw.pw_gid if pw is not None else (rec.gid if rec.gid >= 0 else 65534)
-            left = kill_all(cmds, uid, gid)
-            if left:
-                problems.append(f"processes of {name} still run: {left}")
-        _give_to_human(cmds, rec, uid, [s.source for s in rec.shares])
+            step("kill", lambda: [f"processes of {name} still run: {left}"]
+                 if (left := kill_all(cmds, uid, gid if gid >= 0 else 65534)) else [])
+        human = _user(rec.human)
+        places = [s.source for s in rec.shares]
         for share in list(rec.shares):
-            if rec.gid < 0:
-                rec.shares.remove(share)  # never got an id: nothing was shared
-                continue
-            try:
-                left_acl = _unshare(cmds, rec, share)
-            except AgentcellError as e:
-                left_acl = [e.problem]
-            if left_acl:
-                problems += left_acl
-            else:
-                rec.shares.remove(share)
+            def unshare(share: Share = share) -> list[str]:
+                left = _unshare(cmds, rec, share) if rec.gid >= 0 else []
+                if not left:
+                    rec.shares.remove(share)
+                return left
+            step(f"share {share.source}", unshare)
+        if uid >= 0:
+            step("files", lambda: _give_to_human(cmds, rec, uid, gid, human, places))
         if pw is not None:
-            cmds.run(["userdel", name], check=False, step="userdel")
+            step("userdel", lambda: _opt(cmds.run(["userdel", name], check=False, step="userdel")))
         gr = _group(rec.group)
         if gr is not None and (rec.gid < 0 or gr.gr_gid == rec.gid):
-            cmds.run(["groupdel", rec.group], check=False, step="groupdel")
+            step("groupdel", lambda: _opt(cmds.run(["groupdel", rec.group], check=False, step="groupdel")))
         elif gr is not None:
             problems.append(f"group {rec.group} has gid {gr.gr_gid}, not the recorded {rec.gid}: left alone")
         if delete_home:
-            problems += _remove_home(cmds, rec, uid)
-        elif not problems and os.path.isdir(rec.home):  # kept: the human's now (last, once the user is gone)
-            _give_to_human(cmds, rec, uid, [rec.home])
+            step("home", lambda: _remove_home(cmds, rec, uid))
+        elif not problems and uid >= 0 and os.path.isdir(rec.home) and not os.path.islink(rec.home):
+            # Kept: the human's from now on, without entries naming a number that is free now. Last, and
+            # only when all else is gone: a delete to be repeated still finds the home as the agent's.
+            step("home ACL", lambda: acl.revoke(cmds, uid, gid, rec.home, []))
+            step("home files", lambda: _give_to_human(cmds, rec, uid, gid, human, [rec.home]))
         if not cmds.dry_run:
-            if _user(name) is not None and pw is not None:
+            if pw is not None and _user(name) is not None:
                 problems.append(f"user {name} still exists (userdel failed)")
-            if _group(rec.group) is not None and (rec.gid < 0 or grp.getgrnam(rec.group).gr_gid == rec.gid):
+            gr = _group(rec.group)
+            if gr is not None and (rec.gid < 0 or gr.gr_gid == rec.gid):
                 problems.append(f"group {rec.group} still exists (groupdel failed)")
         if problems:
             _save(reg, cmds, f"record agent {name} (deleting; {len(problems)} things left)")
@@ -345,20 +386,32 @@ def delete(name: str, *, delete_home: bool, cmds: Commands) -> list[str]:
     return problems
 
 
-def _give_to_human(cmds: Commands, rec: AgentRecord, uid: int, places: list[str]) -> None:
+def _opt(_result: object) -> None:
+    return None
+
+
+def _uid_taken(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return ""
+
+
+def _give_to_human(cmds: Commands, rec: AgentRecord, uid: int, gid: int, human: pwd.struct_passwd | None,
+                   places: list[str]) -> list[str]:
     """What the agent made in its shares (and its home, when kept) becomes the human's: left to a
-    deleted uid, it would belong to whichever account gets that number next."""
+    deleted uid, it would be nobody's, or the next account's that gets the number."""
     places = [p for p in places if os.path.lexists(p) and not os.path.islink(p)]
-    if uid < 0 or not places:
-        return
-    if _user(rec.human) is None:  # nothing to give them to; not a reason to keep the agent
+    if not places:
+        return []
+    if human is None:  # nothing to give them to; not a reason to keep the agent
         sys.stderr.write(f"agentcell: warning: files of {rec.name} in {', '.join(places)} keep uid {uid}: its "
                          f"human {rec.human} no longer exists\n")
-        return
-    owned = ["(", "-uid", str(uid), *(["-o", "-gid", str(rec.gid)] if rec.gid >= 0 else []), ")"]
+        return []
+    left: list[str] = []
     for place in places:
-        cmds.run(["find", place, "-xdev", *owned, "-exec", "chown", "--no-dereference", f"{rec.human}:", "--",
-                  "{}", "+"], check=False, step="reassign")
+        left += acl.reassign(cmds, uid, gid, human.pw_uid, human.pw_gid, place)
+    return left
 
 
 def _remove_home(cmds: Commands, rec: AgentRecord, uid: int) -> list[str]:

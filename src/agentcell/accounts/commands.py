@@ -33,6 +33,14 @@ class Commands:
         if self.verbose:
             sys.stderr.write(f"# {text}\n")
 
+    def show(self, argv: Sequence[str]) -> None:
+        """A change agentcell makes itself, on file descriptors (accounts/acl.py says why): printed as
+        the command that does the same, run by no one."""
+        line = shlex.join(argv)
+        self.log.append(line)
+        if self.verbose:
+            sys.stderr.write(f"+ {line}  # done by agentcell, fd by fd\n")
+
     def run(self, argv: Sequence[str], *, check: bool = True,
             step: str = "") -> subprocess.CompletedProcess[str] | None:
         """Run ``argv``; None under --dry-run. A failure raises :class:`CommandError` naming ``step``."""

@@ -15,9 +15,11 @@ import hashlib
 import os
 import pwd
 import secrets
+from collections.abc import Sequence
 
 from ..errors import AgentcellError
-from .accounts import NOLOGIN, AccountError, _group, _user, kill_all, processes
+from . import acl
+from .accounts import NOLOGIN, AccountError, _group, _uid_taken, _user, kill_all, processes
 from .commands import Commands, need_root
 from .registry import state_dir
 
@@ -102,17 +104,32 @@ def create_ephemeral(session_id: str, cmds: Commands | None = None) -> Account:
     return account
 
 
-def delete(account: Account, cmds: Commands | None = None) -> None:
-    """Kill the account's processes, remove user, group and record; raise naming what is left."""
+def delete(account: Account, cmds: Commands | None = None, *, paths: Sequence[str] = (),
+           give_to: tuple[int, int] | None = None) -> None:
+    """Kill the account's processes, remove user, group and record; raise naming what is left.
+
+    ``paths`` are the session's writable paths: what the account made there is given to ``give_to``
+    (uid, gid: the session's human), or, without it, is an error to report — a file left to a deleted
+    uid would belong to whichever account gets the number next (a setuid bit is cleared by chown)."""
     need_root("ephemeral account")
     cmds = cmds or Commands()
     problems = []
     pw = _user(account.name)
     if pw is not None and pw.pw_uid != account.uid:
         raise AccountError("ephemeral", f"user {account.name} has uid {pw.pw_uid}, not {account.uid}: left alone")
+    if pw is None and _uid_taken(account.uid):
+        raise AccountError("ephemeral", f"uid {account.uid} now belongs to {_uid_taken(account.uid)}: left alone")
     left = kill_all(cmds, account.uid, account.gid)
     if left:
         problems.append(f"processes still run: {left}")
+    for place in paths:
+        try:
+            if give_to is not None:
+                problems += acl.reassign(cmds, account.uid, account.gid, give_to[0], give_to[1], place)
+            else:
+                problems += acl.owned_by(account.uid, account.gid, place)
+        except (OSError, AgentcellError) as e:
+            problems.append(f"{place}: {e}")
     if pw is not None:
         cmds.run(["userdel", account.name], check=False, step="userdel")
     gr = _group(account.name)

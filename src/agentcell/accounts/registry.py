@@ -147,10 +147,11 @@ def check_share(rec: AgentRecord, share: Share) -> str:
 
 
 class Registry:
-    """The agents file, opened under its lock. Use :func:`open_registry`."""
+    """The agents file, opened under its lock. Use :func:`open_registry`. ``last_uid``: the highest
+    uid ever given to an agent (never handed out again)."""
 
-    def __init__(self, path: str, agents: dict[str, AgentRecord], writable: bool) -> None:
-        self.path, self.agents, self.writable = path, agents, writable
+    def __init__(self, path: str, agents: dict[str, AgentRecord], writable: bool, last_uid: int = 0) -> None:
+        self.path, self.agents, self.writable, self.last_uid = path, agents, writable, last_uid
 
     def get(self, name: str) -> AgentRecord:
         rec = self.agents.get(name)
@@ -165,7 +166,8 @@ class Registry:
         import tomli_w
 
         assert self.writable, "save() needs open_registry(write=True)"
-        data = {"agents": {name: rec.as_dict() for name, rec in sorted(self.agents.items())}}
+        data = {"last_uid": self.last_uid,
+                "agents": {name: rec.as_dict() for name, rec in sorted(self.agents.items())}}
         _replace(self.path, tomli_w.dumps(data).encode())
         _replace(_cache(self.path), marshal.dumps((_key(self.path), data)))
 
@@ -244,14 +246,16 @@ class open_registry:  # noqa: N801 (a context manager used like a function; cont
                             0o600)
         try:
             fcntl.flock(self.lock, fcntl.LOCK_EX if self.write else fcntl.LOCK_SH)
-            table = _read(path).get("agents", {})
-            if not isinstance(table, dict):
-                raise RegistryError(path, "'agents' is not a table", "the file is written by agentcell only")
+            data = _read(path)
+            table, last = data.get("agents", {}), data.get("last_uid", 0)
+            if not isinstance(table, dict) or not isinstance(last, int):
+                raise RegistryError(path, "'agents' is not a table or 'last_uid' not a number",
+                                    "the file is written by agentcell only")
             agents = {name: _load_record(name, t, path) for name, t in table.items()}
         except BaseException:
             os.close(self.lock)
             raise
-        return Registry(path, agents, self.write)
+        return Registry(path, agents, self.write, max([last, *(r.uid for r in agents.values())]))
 
     def __exit__(self, *exc: object) -> None:
         os.close(self.lock)  # releases the lock
