@@ -154,7 +154,8 @@ def main() -> int:
           f"   {ratios['agent_run_to_bwrap']:5.2f}x bwrap, {ratios['agent_run_to_au']:5.2f}x au")
     print(f"  {'au run true (agent-as-unix-user ' + AU_VERSION + ', on a pty)':<48}{ms['au_run']:8.2f}"
           f"   {ratios['au_to_bwrap']:5.2f}x bwrap")
-    print(f"per-session account: create {ms['ephemeral_create']:.1f} ms, delete {ms['ephemeral_delete']:.1f} ms (median)")
+    print(f"per-session account: create {ms['ephemeral_create']:.1f} ms, "
+          f"delete {ms['ephemeral_delete']:.1f} ms (median)")
     return 0
 
 

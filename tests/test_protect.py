@@ -89,10 +89,12 @@ def test_protected_entries_the_command_creates_are_quarantined(user: User, proje
                        f"mkdir {project}/.claude && echo '{{\"x\": 1}}' > {project}/.claude/settings.json"])
     assert r.result["protected_changes"] == [f"{project}/.claude"], r.result
     moved = Path(r.result["quarantined"][f"{project}/.claude"])
-    assert moved == project / f".claude.agentcell-quarantine-{r.result['cell_id']}", r.result
-    assert not os.path.lexists(project / ".claude")
+    box = project / ".agentcell-quarantine"
+    assert moved.parent.parent == box and moved.parent.name.startswith(f"{r.result['cell_id']}-"), r.result
+    assert moved.name == ".claude" and not os.path.lexists(project / ".claude")
     assert (moved / "settings.json").read_text() == '{"x": 1}\n'  # kept for review, not deleted
-    assert "moved aside" in r.err and "--allow-write" in r.err
+    assert (box.stat().st_uid, oct(box.stat().st_mode & 0o777)) == (0, "0o700")  # the agent cannot reach it
+    assert "moved to" in r.err and "--allow-write" in r.err
 
 
 def test_allow_write_lets_the_command_create_a_protected_entry(user: User, project: Path) -> None:
@@ -109,7 +111,7 @@ def test_quarantine_moves_nothing_that_existed_before(user: User, project: Path)
     r = agentcell_run(["--as", str(user.uid), "--rw", str(project), "--", "sh", "-c",
                        f"echo more >> {project}/README.md; git -C {project} status >/dev/null; true"])
     assert r.rc == 0 and r.result["quarantined"] == {}, r.result
-    assert not list(project.glob("*.agentcell-quarantine-*"))
+    assert not (project / ".agentcell-quarantine").exists()
 
 
 GIT_REDIRECTS = {
@@ -169,6 +171,86 @@ def test_a_hooks_path_in_the_work_tree_and_nested_harness_config_are_read_only(u
     assert r.out.split() == ["HUSKY-RO", "NESTED-RO"], r.out + r.err
 
 
+QUARANTINE_ATTACKS = {
+    # A config the command writes names the user's files as hooksPath/include targets: they are not
+    # part of the structure, so never moved (first version: renamed, read-only as they were).
+    "config_targets_of_users_files": "mkdir -p {p}/.git/modules/x && echo 'ref: refs/heads/master' > "
+        "{p}/.git/modules/x/HEAD && printf '[core]\\n\\thooksPath = .claude/settings.json\\n[include]\\n"
+        "\\tpath = {p}/.git/hooks/pre-commit\\n' > {p}/.git/modules/x/config",
+    # A NUL in a config value: the scan must not crash (first version: a traceback, nothing moved).
+    "nul_in_config": "mkdir -p {p}/.git/modules/x && echo 'ref: refs/heads/master' > {p}/.git/modules/x/HEAD && "
+        "printf '[core]\\n\\thooksPath = a\\000b\\n' > {p}/.git/modules/x/config && echo x > {p}/.envrc2",
+    # A FIFO or /dev/zero as a config: the supervisor must neither block nor read without end.
+    "fifo_config": "mkdir -p {p}/.git/modules/x && echo 'ref: refs/heads/master' > {p}/.git/modules/x/HEAD && "
+        "mkfifo {p}/.git/modules/x/config",
+    "dev_zero_config": "mkdir -p {p}/.git/modules/x && echo 'ref: refs/heads/master' > {p}/.git/modules/x/HEAD && "
+        "ln -s /dev/zero {p}/.git/modules/x/config",
+}
+
+
+@pytest.mark.parametrize("attack", sorted(QUARANTINE_ATTACKS))
+def test_quarantine_never_moves_the_users_files_nor_hangs(user: User, project: Path, attack: str) -> None:
+    make_repo(user, project)
+    (project / ".claude" / "settings.json").write_text('{"deny": ["Bash(*)"]}\n')
+    hook = project / ".git" / "hooks" / "pre-commit"
+    hook.write_text("#!/bin/sh\necho scan\n")
+    r = agentcell_run(["--as", str(user.uid), "--rw", str(project), "--", "sh", "-c",
+                       QUARANTINE_ATTACKS[attack].format(p=project) + f" && echo 'echo PWNED' > {project}/.envrc2"
+                       f" && mkdir {project}/sub && echo x > {project}/sub/.envrc"], timeout=30)
+    assert r.rc == 0 and "Traceback" not in r.err, r.err
+    assert (project / ".claude" / "settings.json").read_text() == '{"deny": ["Bash(*)"]}\n'
+    assert hook.read_text() == "#!/bin/sh\necho scan\n"
+    assert not (project / "sub" / ".envrc").exists()  # what the command created still moves
+    moved = r.result["quarantined"]
+    assert f"{project}/sub/.envrc" in moved and not any(k.endswith(("settings.json", "pre-commit")) for k in moved)
+
+
+def test_a_planted_bare_repository_is_quarantined(user: User, project: Path) -> None:
+    # git takes a directory with HEAD, objects/ and refs/ for a bare repository: its config (a pager,
+    # say) would run for whoever next types git log there.
+    shutil.chown(project, user.uid, user.gid)
+    r = agentcell_run(["--as", str(user.uid), "--rw", str(project), "--", "sh", "-c",
+                       f"mkdir -p {project}/src/objects {project}/src/refs && echo 'ref: refs/heads/main' > "
+                       f"{project}/src/HEAD && printf '[core]\\n\\tpager = id\\n' > {project}/src/config"])
+    assert sorted(r.result["quarantined"]) == [f"{project}/src/HEAD", f"{project}/src/config"], r.result
+    assert not (project / "src" / "config").exists()
+
+
+def test_quarantine_leaves_entries_the_cell_does_not_own(user: User, project: Path, tmp_path: Path) -> None:
+    # A before-scan cut short (too many directories) knows nothing of deeper entries: none is moved.
+    make_repo(user, project)
+    for i in range(5001):
+        (project / f"d{i}").mkdir()
+    (project / "d1" / "CLAUDE.md").write_text("the user's\n")
+    r = agentcell_run(["--as", str(user.uid), "--rw", str(project), "--", "true"], timeout=60)
+    assert r.result["scan_truncated"] is True and r.result["quarantined"] == {}, r.result
+    assert (project / "d1" / "CLAUDE.md").read_text() == "the user's\n"
+
+
+def test_allow_write_of_a_new_entry_inside_a_protected_directory_is_refused(user: User, project: Path) -> None:
+    make_repo(user, project)
+    p = subprocess.run([AGENTCELL, "run", "--as", str(user.uid), "--rw", str(project), "--allow-write",
+                        str(project / ".git" / "hooks" / "post-merge"), "--", "true"], capture_output=True, text=True)
+    assert p.returncode == 125 and "name" in p.stderr and p.stderr.count("\n") == 1, p.stderr
+    # An existing entry inside one is lifted alone: its directory stays read-only.
+    (project / ".claude" / "notes.md").write_text("n\n")
+    shutil.chown(project / ".claude" / "notes.md", user.uid, user.gid)
+    r = agentcell_run(["--as", str(user.uid), "--rw", str(project), "--allow-write",
+                       str(project / ".claude" / "notes.md"), "--", "sh", "-c",
+                       f"echo more >> {project}/.claude/notes.md && echo {{}} > {project}/.claude/settings.json "
+                       "|| echo DENIED"])
+    assert r.out.strip() == "DENIED" and (project / ".claude" / "notes.md").read_text() == "n\nmore\n", r.err
+
+
+def test_warnings_do_not_carry_terminal_escapes(user: User, project: Path) -> None:
+    shutil.chown(project, user.uid, user.gid)
+    r = agentcell_run(["--as", str(user.uid), "--rw", str(project), "--", "sh", "-c",
+                       f"mkdir \"{project}/$(printf 'x\\033]52;c;AAAA\\007')\" && "
+                       f"echo x > \"{project}/$(printf 'x\\033]52;c;AAAA\\007')/.envrc\""])
+    assert r.result["quarantined"], r.result
+    assert "\x1b" not in r.err and "\\x1b" in r.err
+
+
 def test_quarantine_follows_no_symlink_and_moves_only_what_was_scanned(tmp_path: Path) -> None:
     # The after-run step may run as root: a parent swapped for a symlink, or an entry replaced since
     # the scan, must move nothing (here, outside's .envrc stands for a file of somebody else's).
@@ -186,6 +268,20 @@ def test_quarantine_follows_no_symlink_and_moves_only_what_was_scanned(tmp_path:
     (project / ".envrc").write_text("replaced\n")  # a new inode under the same name
     shutil.rmtree(project / "sub")
     (project / "sub").symlink_to(outside)
-    moved, failed = protect.quarantine(before, after, "c1")
+    moved, failed = protect.quarantine(before, after, "c1", (str(project),))
     assert moved == [] and sorted(failed) == [f"{project}/.envrc", f"{project}/sub/.envrc"]
     assert (outside / ".envrc").read_text() == "x\n" and (project / ".envrc").read_text() == "replaced\n"
+
+
+def test_quarantine_refuses_a_box_it_does_not_own(tmp_path: Path) -> None:
+    from agentcell.cell import protect
+
+    project = tmp_path / "p"
+    project.mkdir()
+    before, _ = protect.surface((str(project),))
+    (project / ".envrc").write_text("x\n")
+    after, _ = protect.surface((str(project),))
+    (project / ".agentcell-quarantine").symlink_to(tmp_path)  # planted by the agent
+    moved, failed = protect.quarantine(before, after, "c1", (str(project),))
+    assert moved == [] and failed == [f"{project}/.envrc"]
+    assert [p.name for p in tmp_path.iterdir()] == ["p"]

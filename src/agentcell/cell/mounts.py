@@ -186,7 +186,10 @@ def plan(spec: CellSpec) -> MountPlan:
     declared = {*spec.rw_paths, *spec.ro_paths, *spec.masked_paths}
     scan = protect.Scan(spec.rw_paths)
     guarded = [(p, False) for p in protect.pinned_paths(scan)]
-    guarded += [(p, True) for p in protect.protected_paths(scan, spec.allow_write)]
+    protected = protect.protected_paths(scan, spec.allow_write)
+    guarded += [(p, True) for p in protected]
+    # A lifted entry inside a protected directory: writable on top of the directory's read-only bind.
+    guarded += [(a, False) for a in protect.lifted_inside(protected, spec.allow_write)]
     if len(guarded) > MAX_GUARDED:
         raise LaunchError("protect", f"{len(guarded)} protected entries in the writable paths (the most is "
                           f"{MAX_GUARDED})", "look for planted repositories; --allow-write lifts entries")

@@ -13,12 +13,16 @@ Two mechanisms, because the first cannot cover everything:
   onto itself so it cannot be renamed away and rebuilt. ``git add``/``commit`` keep working.
 * **A before/after comparison** of the whole control surface — the entries above, the files through
   which git finds another config or hooks (``commondir``, ``config.worktree``, a worktree's
-  ``commondir``/``gitdir``), and every ``.git`` entry. An entry that did not exist cannot be bound,
-  so what the command *created* is **quarantined** after the run (:func:`quarantine`): renamed in
-  place to ``NAME.agentcell-quarantine-<cell id>``, which no tool looks for, and reported. Nothing
-  of the user's is touched: only entries absent before the run are moved, and their content is
-  kept for review. What was changed or removed (``.git`` stays writable for git's own work) is
-  reported; undoing it is the snapshot's job.
+  ``commondir``/``gitdir``), every ``.git`` entry and every directory shaped like a git directory
+  (``HEAD`` with ``objects`` or ``refs``: git takes it for a bare repository). An entry that did not
+  exist cannot be bound, so what the command *created* is **quarantined** after the run
+  (:func:`quarantine`): moved into ``.agentcell-quarantine/<cell id>-<random>/`` at the top of its
+  writable path (0700, the supervisor's), where no tool looks and a git directory is no longer
+  where git finds it. Only entries that are part of the structure (not a file some config names),
+  absent before the run, owned by the cell's uid (when it has one of its own), outside --ro and
+  --mask paths, and only when the scan before the run was complete; their content is kept for
+  review. What was changed or removed (``.git`` stays writable for git's own work) is reported;
+  undoing it is the snapshot's job.
 
 ``core.hooksPath`` and ``include.path`` targets inside the writable paths (husky and the like) are
 read from each config (by a small reader: git itself is never run on such a repository) and bound
@@ -35,7 +39,8 @@ import stat
 from ..errors import LaunchError
 from . import paths
 
-QUARANTINE = ".agentcell-quarantine-"
+QUARANTINE_DIR = ".agentcell-quarantine"
+MAX_QUARANTINE = 1000  # entries moved per run; past that they are reported
 GIT_PARTS = ("hooks", "config")
 # Files through which git looks for config or hooks elsewhere: compared before and after a run.
 GIT_REDIRECTS = ("commondir", "config.worktree", "info/attributes")
@@ -47,7 +52,10 @@ AT_REPO_ROOT = (
 )
 _NAMES = frozenset(AT_REPO_ROOT)
 SKIP_DIRS = frozenset({"node_modules", ".venv", "venv", "__pycache__", ".tox", ".mypy_cache", ".pytest_cache",
-                       ".ruff_cache", "target", ".cache", ".git"})
+                       ".ruff_cache", "target", ".cache", ".git", QUARANTINE_DIR})
+# What quarantine may move: entries of the structure itself, never a file a config merely names.
+_STRUCTURE = _NAMES | {".git", "HEAD", "commondir", "config.worktree", "attributes", "gitdir", *GIT_PARTS}
+MAX_CONFIG = 1 << 20
 MAX_DEPTH = 8
 MAX_DIRS = 5000  # a scan that far costs ~100 ms here (/usr/share); a run scans up to three times
 MAX_MODULE_DEPTH = 8
@@ -60,6 +68,7 @@ class Scan:
         self.roots = tuple(r for r in writable if os.path.isdir(r))
         self.truncated = False
         self.repos: list[str] = []
+        self.bare: list[str] = []  # directories git would take for a bare repository
         self.named: list[str] = []  # harness or shell entries found at any depth (nested CLAUDE.md, …)
         for root in self.roots:
             self._walk(root)
@@ -73,11 +82,18 @@ class Scan:
                     entries = list(os.scandir(d))
                 except OSError:
                     continue
-                if any(e.name == ".git" for e in entries):
+                names = {e.name for e in entries}
+                if ".git" in names:
                     self.repos.append(d)
+                if "HEAD" in names and ("objects" in names or "refs" in names):
+                    self.bare.append(d)
                 self.named += [e.path for e in entries if e.name in _NAMES]
                 for e in entries:
-                    if e.name in SKIP_DIRS or not e.is_dir(follow_symlinks=False):
+                    if not e.is_dir(follow_symlinks=False):
+                        continue
+                    if e.name in SKIP_DIRS:
+                        if e.name not in (".git", QUARANTINE_DIR):
+                            self._skipped(e.path)
                         continue
                     seen += 1
                     if seen > MAX_DIRS or depth == MAX_DEPTH:
@@ -87,6 +103,18 @@ class Scan:
                         continue
                     nxt.append(e.path)
             level = nxt
+
+
+    def _skipped(self, d: str) -> None:
+        """A dependency or cache directory is not walked, but a repository at its top or one level
+        down (node_modules/pkg/.git) is still found."""
+        try:
+            below = [e.path for e in os.scandir(d) if e.is_dir(follow_symlinks=False)][:MAX_DIRS]
+        except OSError:
+            return
+        for place in (d, *below):
+            if os.path.lexists(os.path.join(place, ".git")):
+                self.repos.append(place)
 
 
 def _git_dirs(repo: str) -> list[str]:
@@ -115,7 +143,7 @@ def _git_dirs(repo: str) -> list[str]:
 def _kind(path: str) -> int | None:
     try:
         return stat.S_IFMT(os.lstat(path).st_mode)
-    except OSError:
+    except (OSError, ValueError):  # ValueError: a NUL in a name a config gave
         return None
 
 
@@ -141,19 +169,14 @@ def _config_targets(git_dir: str, repo: str) -> list[str]:
     could have prepared."""
     out: list[str] = []
     section = ""
-    try:
-        with open(os.path.join(git_dir, "config"), errors="replace") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return out
-    for raw in lines:
+    for raw in _read_config(git_dir).splitlines():
         line = raw.strip()
         if line.startswith("["):
             section = line.strip("[]").split()[0].lower() if line.strip("[]").split() else ""
             continue
         key, eq, value = line.partition("=")
         key, value = key.strip().lower(), value.split("#")[0].split(";")[0].strip().strip('"')
-        if not eq or not value:
+        if not eq or not value or "\0" in value:
             continue
         if section == "core" and key == "hookspath":
             out.append(value if os.path.isabs(value) else os.path.join(repo, value))
@@ -162,10 +185,34 @@ def _config_targets(git_dir: str, repo: str) -> list[str]:
     return [os.path.normpath(os.path.expanduser(p)) for p in out]
 
 
+def _read_config(git_dir: str) -> str:
+    """A git dir's config, read as the supervisor (root, maybe) must read what an agent may have
+    written: no symlink followed anywhere on the way, a regular file only (not a FIFO to block on,
+    not /dev/zero), at most MAX_CONFIG bytes."""
+    try:
+        dfd = paths.open_nofollow(git_dir)
+    except LaunchError:
+        return ""
+    try:
+        fd = os.open("config", os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dfd)
+    except OSError:
+        return ""
+    finally:
+        os.close(dfd)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return ""
+        return os.read(fd, MAX_CONFIG).decode(errors="replace")
+    finally:
+        os.close(fd)
+
+
 def _candidates(scan: Scan) -> list[str]:
     out: list[str] = list(scan.named)
     for place in (*scan.roots, *scan.repos):
         out += [os.path.join(place, name) for name in AT_REPO_ROOT]
+    for bare in scan.bare:
+        out += [os.path.join(bare, name) for name in ("HEAD", *GIT_PARTS)]
     for repo in scan.repos:
         git = os.path.join(repo, ".git")
         if _kind(git) == stat.S_IFREG:
@@ -183,7 +230,32 @@ def protected_paths(scan: Scan, allow_write: tuple[str, ...] = ()) -> tuple[str,
     lifted = tuple(a.rstrip("/") for a in allow_write)
     return tuple(p for p in dict.fromkeys(_candidates(scan))
                  if _kind(p) in (stat.S_IFDIR, stat.S_IFREG)
-                 and not any(p == a or p.startswith(a + "/") or a.startswith(p + "/") for a in lifted))
+                 and not any(p == a or p.startswith(a + "/") for a in lifted))
+
+
+def lifted_inside(protected: tuple[str, ...], allow_write: tuple[str, ...]) -> tuple[str, ...]:
+    """Lifted paths that exist inside a protected directory: bound writable on top of its read-only
+    bind (only that entry is lifted, not the directory around it)."""
+    return tuple(a for a in allow_write if _kind(a) in (stat.S_IFDIR, stat.S_IFREG)
+                 and any(a.startswith(p.rstrip("/") + "/") for p in protected))
+
+
+def allow_write_problem(path: str, writable: tuple[str, ...]) -> str:
+    """Why ``--allow-write path`` cannot work as asked ('' if it can): a path that does not exist yet
+    inside a protected directory could only be created by lifting the whole directory."""
+    if _kind(path) is not None:
+        return ""
+    root = next((r for r in writable if path.startswith(r.rstrip("/") + "/")), None)
+    if root is None:
+        return ""
+    rel = os.path.relpath(os.path.dirname(path), root)
+    parts = [] if rel == "." else rel.split(os.sep)
+    for i, part in enumerate(parts):
+        if part in _STRUCTURE:
+            where = os.path.join(root, *parts[:i + 1])
+            return f"{path} does not exist and lies inside the protected {where}; name {where} itself to let " \
+                   "the command create entries there"
+    return ""
 
 
 def surface(writable: tuple[str, ...]) -> tuple[dict[str, tuple[int, int, int, int]], bool]:
@@ -205,7 +277,7 @@ def surface(writable: tuple[str, ...]) -> tuple[dict[str, tuple[int, int, int, i
     for p in dict.fromkeys(paths):
         try:
             st = os.lstat(p)
-        except OSError:
+        except (OSError, ValueError):
             continue
         out[p] = (stat.S_IFMT(st.st_mode), st.st_ino, st.st_size, st.st_mtime_ns)
     return out, scan.truncated
@@ -216,37 +288,95 @@ def changes(before: dict[str, tuple[int, int, int, int]], after: dict[str, tuple
 
 
 def quarantine(before: dict[str, tuple[int, int, int, int]], after: dict[str, tuple[int, int, int, int]],
-               cell_id: str, allow_write: tuple[str, ...] = ()) -> tuple[list[tuple[str, str]], list[str]]:
+               cell_id: str, writable: tuple[str, ...], *, allow_write: tuple[str, ...] = (),
+               keep_out: tuple[str, ...] = (), owner_uid: int | None = None) -> tuple[list[tuple[str, str]], list[str]]:
     """Move aside what the run created on the control surface; ([(path, new path)], [not moved]).
 
-    Called when the cell has ended (its processes are gone) and as root possibly: every parent is
-    opened without following symlinks and the entry must still be the one the after-scan saw, so a
-    swapped path moves nothing outside the project. The new name sits next to the old one (same
-    directory, same file system: a rename, nothing copied). An entry below one already moved went
-    with it."""
+    Called when the cell has ended (its processes are gone), as root possibly, on a tree an agent
+    wrote. An entry moves only if it is part of the structure (a name in _STRUCTURE: never a file a
+    config merely points at), did not exist before, is not lifted by --allow-write nor inside a
+    ``keep_out`` path (--ro, --mask), and — when the cell ran as a uid of its own — is owned by that
+    uid: nothing of the user's moves. It goes into ``<writable root>/.agentcell-quarantine/<cell
+    id>-<random>/`` (made here, 0700; an existing one must be a real directory of ours), by a rename
+    relative to directory fds that follows no symlink and replaces nothing; the entry must still be
+    the one the scan saw. An entry below one already moved went with it."""
     lifted = tuple(a.rstrip("/") for a in allow_write)
-    created = sorted(p for p in after if p not in before
-                     and not any(p == a or p.startswith(a + "/") for a in lifted))
+    fences = tuple(k.rstrip("/") for k in keep_out)
+    created = sorted(p for p in after if p not in before and os.path.basename(p) in _STRUCTURE
+                     and not any(p == a or p.startswith(a + "/") for a in lifted)
+                     and not any(p == k or p.startswith(k + "/") for k in fences))
     moved: list[tuple[str, str]] = []
+    gone: set[str] = set()
     failed: list[str] = []
-    for path in created:
-        if any(path.startswith(old + "/") for old, _ in moved):
-            continue
-        parent, name = os.path.split(path)
-        new = f"{name}{QUARANTINE}{cell_id}"
-        try:
-            fd = paths.open_nofollow(parent)
-        except LaunchError:
-            failed.append(path)
-            continue
-        try:
-            st = os.stat(name, dir_fd=fd, follow_symlinks=False)
-            if (stat.S_IFMT(st.st_mode), st.st_ino, st.st_size, st.st_mtime_ns) != after[path]:
-                raise OSError("replaced since the scan")
-            os.rename(name, new, src_dir_fd=fd, dst_dir_fd=fd)
-            moved.append((path, os.path.join(parent, new)))
-        except OSError:
-            failed.append(path)
-        finally:
+    boxes: dict[str, int] = {}
+    try:
+        for path in created:
+            if any(a in gone for a in _ancestors(path)):
+                continue
+            root = next((r for r in writable if path.startswith(r.rstrip("/") + "/")), None)
+            if root is None or len(moved) >= MAX_QUARANTINE:
+                failed.append(path)
+                continue
+            try:
+                box = boxes.get(root)
+                if box is None:
+                    box = boxes[root] = _quarantine_box(root, cell_id)
+                new = _move(path, after[path], owner_uid, box, os.path.relpath(path, root))
+            except (OSError, LaunchError, ValueError):
+                failed.append(path)
+                continue
+            if new is None:
+                continue  # not the cell's: left where it is (and reported as a change)
+            moved.append((path, os.path.join(root, QUARANTINE_DIR, new)))
+            gone.add(path)
+    finally:
+        for fd in boxes.values():
             os.close(fd)
     return moved, failed
+
+
+def _ancestors(path: str) -> list[str]:
+    parts = path.split("/")
+    return ["/".join(parts[:i]) for i in range(2, len(parts))]
+
+
+def _quarantine_box(root: str, cell_id: str) -> int:
+    """An fd of a new ``<root>/.agentcell-quarantine/<cell id>-<random>`` (0700, ours)."""
+    rfd = paths.open_nofollow(root)
+    try:
+        try:
+            os.mkdir(QUARANTINE_DIR, 0o700, dir_fd=rfd)
+        except FileExistsError:
+            pass
+        qfd = os.open(QUARANTINE_DIR, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=rfd)
+    finally:
+        os.close(rfd)
+    try:
+        st = os.fstat(qfd)
+        if st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) & 0o077:
+            raise LaunchError("quarantine", f"{root}/{QUARANTINE_DIR} is not a private directory of agentcell's")
+        name = f"{cell_id}-{os.urandom(4).hex()}"
+        os.mkdir(name, 0o700, dir_fd=qfd)
+        return os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=qfd)
+    finally:
+        os.close(qfd)
+
+
+def _move(path: str, seen: tuple[int, int, int, int], owner_uid: int | None, box: int, rel: str) -> str | None:
+    """Rename ``path`` into ``box`` as its relative path with ``/`` spelled ``%2F``; the new name under
+    the quarantine dir, or None when the entry is not the cell's. Raises OSError when it cannot move."""
+    parent, name = os.path.split(path)
+    pfd = paths.open_nofollow(parent)
+    try:
+        st = os.stat(name, dir_fd=pfd, follow_symlinks=False)
+        if (stat.S_IFMT(st.st_mode), st.st_ino, st.st_size, st.st_mtime_ns) != seen:
+            raise OSError("replaced since the scan")
+        if owner_uid is not None and st.st_uid != owner_uid:
+            return None
+        flat = rel.replace("%", "%25").replace("/", "%2F")
+        if os.path.lexists(f"/proc/self/fd/{box}/{flat}"):
+            raise OSError("name taken")
+        os.rename(name, flat, src_dir_fd=pfd, dst_dir_fd=box)
+        return os.path.join(os.path.basename(os.readlink(f"/proc/self/fd/{box}")), flat)
+    finally:
+        os.close(pfd)

@@ -211,6 +211,11 @@ def build_spec(ns: Args | Namespace) -> CellSpec:
     for p in allow_write:
         if rs.cell_cwd(p, rw, "") != p:
             raise AgentcellError("--allow-write", f"{p} is not inside a --rw path", "share its project with --rw")
+        from ..cell import protect
+
+        why = protect.allow_write_problem(p, rw)
+        if why:
+            raise AgentcellError("--allow-write", why)
     return CellSpec(
         allow_write=allow_write,
         memory_max=memory_max, cpu_percent=cpu_percent, pids_max=pids_max,
@@ -321,6 +326,15 @@ def _print_explain(info: dict[str, object]) -> None:
         out(f"            {s}\n")
 
 
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+
+
+def _shown(path: str) -> str:
+    """A path as it may be printed: names come from the agent, and control characters could rewrite
+    the terminal (or set its clipboard)."""
+    return path if path.isprintable() else repr(path)[1:-1]
+
+
 def _run_here(spec: CellSpec, command: list[str], timeout: float | None, ttys: tuple[int, ...],
               interactive: bool) -> dict[str, Any]:
     """The cold path: build the cell in this process. Where our 0, 1, 2 are terminals the cell gets a
@@ -337,7 +351,7 @@ def _run_here(spec: CellSpec, command: list[str], timeout: float | None, ttys: t
     def forward(sig: int, _frame: object) -> None:
         running.forward(sig)
 
-    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
+    for s in FORWARDED:
         signal.signal(s, forward)
     timed_out = False
     if relay is not None:
@@ -370,7 +384,7 @@ def execute(ns: Args | Namespace) -> int:
         ttys, interactive = terminal.tty_fds(), terminal.is_ours()
         from ..cell import protect
 
-        surface_before, _ = protect.surface(spec.rw_paths)
+        surface_before, truncated_before = protect.surface(spec.rw_paths)
         result = None
         if not ttys and not ns.no_warm:  # the warm launcher never gets a terminal: those runs relay here
             from ..cell import warm
@@ -384,27 +398,33 @@ def execute(ns: Args | Namespace) -> int:
         return report(PROG, e)
     # What could not be bound read-only (it did not exist, or lives in .git where git must write) is
     # compared instead: what the command created is moved aside, what it changed or removed is reported.
+    for sig in FORWARDED:  # the cell has ended: a signal now ends us, as it would any command
+        signal.signal(sig, signal.SIG_DFL)
     surface_after, truncated = protect.surface(spec.rw_paths)
-    moved, stuck = protect.quarantine(surface_before, surface_after, str(result.get("cell_id") or spec.cell_id),
-                                      spec.allow_write)
+    truncated = truncated or truncated_before
+    moved: list[tuple[str, str]] = []
+    stuck: list[str] = []
+    if not truncated_before:  # a path missing from an incomplete scan is not known to be new
+        owner = None if spec.identity.userns else spec.identity.uid
+        moved, stuck = protect.quarantine(surface_before, surface_after, str(result.get("cell_id") or spec.cell_id),
+                                          spec.rw_paths, allow_write=spec.allow_write,
+                                          keep_out=(*spec.ro_paths, *spec.masked_paths), owner_uid=owner)
     changed = [p for p in protect.changes(surface_before, surface_after)
                if not any(p == a or p.startswith(a + "/") for a in spec.allow_write)]
     result["protected_changes"] = changed
     result["quarantined"] = {old: new for old, new in moved}
+    result["scan_truncated"] = truncated
+    gone = set(result["quarantined"])
     for old, new in moved:
-        sys.stderr.write(f"{PROG}: warning: the command created {old}, which decides what git, your shell or "
-                         f"your agent runs; it was moved aside to {new} (review it; to let a command write it, "
-                         f"use --allow-write {old})\n")
+        sys.stderr.write(f"{PROG}: warning: the command created {_shown(old)}, which decides what git, your shell "
+                         f"or your agent runs; it was moved to {_shown(new)} (do not run git or your agent "
+                         f"inside it; to let a command create it, use --allow-write {_shown(old)})\n")
     for path in changed:
-        if path in result["quarantined"] or any(path.startswith(old + "/") for old, _ in moved):
+        if path in gone or any(a in gone for a in protect._ancestors(path)):
             continue
-        sys.stderr.write(f"{PROG}: warning: the command {'created' if path in stuck else 'changed'} {path}, "
+        sys.stderr.write(f"{PROG}: warning: the command {'created' if path in stuck else 'changed'} {_shown(path)}, "
                          "which decides what git, your shell or your agent runs (hooks, git or harness config); "
                          "review it before you use the project\n")
-    if truncated:
-        sys.stderr.write(f"{PROG}: warning: the scan for repositories in the writable paths stopped at its "
-                         f"limits ({protect.MAX_DEPTH} levels, {protect.MAX_DIRS} directories): deeper ones are "
-                         "not protected\n")
     if result["error"]:
         sys.stderr.write(f"{PROG}: {result['error']}\n")
     elif result["timed_out"]:
