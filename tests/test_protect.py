@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -216,14 +217,22 @@ def test_a_planted_bare_repository_is_quarantined(user: User, project: Path) -> 
     assert not (project / "src" / "config").exists()
 
 
-def test_quarantine_leaves_entries_the_cell_does_not_own(user: User, project: Path, tmp_path: Path) -> None:
-    # A before-scan cut short (too many directories) knows nothing of deeper entries: none is moved.
+def test_a_truncated_scan_moves_only_what_the_cell_made_during_the_run(user: User, project: Path) -> None:
+    # A before-scan cut short (too many directories) does not know which entries are new: what the
+    # cell's own uid made during the run (its ctime says when; nobody but root can set it back) still
+    # moves, the user's entries do not. An agent cannot switch quarantine off by making the tree big.
     make_repo(user, project)
     for i in range(5001):
         (project / f"d{i}").mkdir()
     (project / "d1" / "CLAUDE.md").write_text("the user's\n")
-    r = agentcell_run(["--as", str(user.uid), "--rw", str(project), "--", "true"], timeout=60)
-    assert r.result["scan_truncated"] is True and r.result["quarantined"] == {}, r.result
+    old = project / "AGENTS.md"  # the cell uid's, from an earlier run: not this run's doing
+    old.write_text("accepted earlier\n")
+    shutil.chown(old, user.uid, user.gid)
+    time.sleep(0.3)  # its ctime is now well before the run's start (file times are coarse: 0.1 s slack)
+    r = agentcell_run(["--as", str(user.uid), "--rw", str(project), "--", "sh", "-c",
+                       f"echo planted > {project}/CLAUDE.md"], timeout=60)
+    assert r.result["scan_truncated"] is True, r.result
+    assert list(r.result["quarantined"]) == [f"{project}/CLAUDE.md"], r.result
     assert (project / "d1" / "CLAUDE.md").read_text() == "the user's\n"
 
 

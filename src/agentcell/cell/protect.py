@@ -38,6 +38,10 @@ import stat
 
 from ..errors import LaunchError
 from . import paths
+from .spec import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 QUARANTINE_DIR = ".agentcell-quarantine"
 MAX_QUARANTINE = 1000  # entries moved per run; past that they are reported
@@ -289,20 +293,27 @@ def changes(before: dict[str, tuple[int, int, int, int]], after: dict[str, tuple
 
 def quarantine(before: dict[str, tuple[int, int, int, int]], after: dict[str, tuple[int, int, int, int]],
                cell_id: str, writable: tuple[str, ...], *, allow_write: tuple[str, ...] = (),
-               keep_out: tuple[str, ...] = (), owner_uid: int | None = None) -> tuple[list[tuple[str, str]], list[str]]:
+               keep_out: tuple[str, ...] = (), owner_uid: int | None = None, since_ns: int = 0,
+               before_truncated: bool = False) -> tuple[list[tuple[str, str]], list[str]]:
     """Move aside what the run created on the control surface; ([(path, new path)], [not moved]).
 
     Called when the cell has ended (its processes are gone), as root possibly, on a tree an agent
     wrote. An entry moves only if it is part of the structure (a name in _STRUCTURE: never a file a
-    config merely points at), did not exist before, is not lifted by --allow-write nor inside a
-    ``keep_out`` path (--ro, --mask), and — when the cell ran as a uid of its own — is owned by that
-    uid: nothing of the user's moves. It goes into ``<writable root>/.agentcell-quarantine/<cell
-    id>-<random>/`` (made here, 0700; an existing one must be a real directory of ours), by a rename
-    relative to directory fds that follows no symlink and replaces nothing; the entry must still be
-    the one the scan saw. An entry below one already moved went with it."""
+    config merely points at), came into being during the run (its ctime, which no one but root can
+    set back, is not before ``since_ns``), did not exist before (when the before-scan was cut short
+    that is not known: then only a cell with a uid of its own can be trusted to have made what that
+    uid owns), is not lifted by --allow-write nor inside a ``keep_out`` path (--ro, --mask), and —
+    when the cell ran as a uid of its own — is owned by that uid: nothing of the user's moves.
+
+    It goes into ``<writable root>/.agentcell-quarantine/<cell id>-<random>/`` (made here, 0700; an
+    existing one must be a real directory of ours), by a rename relative to directory fds that
+    follows no symlink and replaces nothing; the entry must still be the one the scan saw. An entry
+    below one already moved went with it."""
     lifted = tuple(a.rstrip("/") for a in allow_write)
     fences = tuple(k.rstrip("/") for k in keep_out)
-    created = sorted(p for p in after if p not in before and os.path.basename(p) in _STRUCTURE
+    if before_truncated and owner_uid is None:
+        return [], []
+    created = sorted(p for p in after if (p not in before or before_truncated) and os.path.basename(p) in _STRUCTURE
                      and not any(p == a or p.startswith(a + "/") for a in lifted)
                      and not any(p == k or p.startswith(k + "/") for k in fences))
     moved: list[tuple[str, str]] = []
@@ -317,11 +328,12 @@ def quarantine(before: dict[str, tuple[int, int, int, int]], after: dict[str, tu
             if root is None or len(moved) >= MAX_QUARANTINE:
                 failed.append(path)
                 continue
+            def box(root: str = root) -> int:
+                if root not in boxes:
+                    boxes[root] = _quarantine_box(root, cell_id)
+                return boxes[root]
             try:
-                box = boxes.get(root)
-                if box is None:
-                    box = boxes[root] = _quarantine_box(root, cell_id)
-                new = _move(path, after[path], owner_uid, box, os.path.relpath(path, root))
+                new = _move(path, after[path], owner_uid, since_ns, box, os.path.relpath(path, root))
             except (OSError, LaunchError, ValueError):
                 failed.append(path)
                 continue
@@ -362,7 +374,8 @@ def _quarantine_box(root: str, cell_id: str) -> int:
         os.close(qfd)
 
 
-def _move(path: str, seen: tuple[int, int, int, int], owner_uid: int | None, box: int, rel: str) -> str | None:
+def _move(path: str, seen: tuple[int, int, int, int], owner_uid: int | None, since_ns: int,
+          box_of: Callable[[], int], rel: str) -> str | None:
     """Rename ``path`` into ``box`` as its relative path with ``/`` spelled ``%2F``; the new name under
     the quarantine dir, or None when the entry is not the cell's. Raises OSError when it cannot move."""
     parent, name = os.path.split(path)
@@ -371,8 +384,9 @@ def _move(path: str, seen: tuple[int, int, int, int], owner_uid: int | None, box
         st = os.stat(name, dir_fd=pfd, follow_symlinks=False)
         if (stat.S_IFMT(st.st_mode), st.st_ino, st.st_size, st.st_mtime_ns) != seen:
             raise OSError("replaced since the scan")
-        if owner_uid is not None and st.st_uid != owner_uid:
+        if (owner_uid is not None and st.st_uid != owner_uid) or st.st_ctime_ns < since_ns:
             return None
+        box = box_of()  # made only when something is to move
         flat = rel.replace("%", "%25").replace("/", "%2F")
         if os.path.lexists(f"/proc/self/fd/{box}/{flat}"):
             raise OSError("name taken")

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 from ..cell import terminal
 from ..cell.spec import TYPE_CHECKING, CellSpec, new_cell_id
@@ -384,6 +385,7 @@ def execute(ns: Args | Namespace) -> int:
         ttys, interactive = terminal.tty_fds(), terminal.is_ours()
         from ..cell import protect
 
+        started_ns = time.time_ns() - 100_000_000  # file times are coarse (a tick or so): some slack
         surface_before, truncated_before = protect.surface(spec.rw_paths)
         result = None
         if not ttys and not ns.no_warm:  # the warm launcher never gets a terminal: those runs relay here
@@ -402,13 +404,11 @@ def execute(ns: Args | Namespace) -> int:
         signal.signal(sig, signal.SIG_DFL)
     surface_after, truncated = protect.surface(spec.rw_paths)
     truncated = truncated or truncated_before
-    moved: list[tuple[str, str]] = []
-    stuck: list[str] = []
-    if not truncated_before:  # a path missing from an incomplete scan is not known to be new
-        owner = None if spec.identity.userns else spec.identity.uid
-        moved, stuck = protect.quarantine(surface_before, surface_after, str(result.get("cell_id") or spec.cell_id),
-                                          spec.rw_paths, allow_write=spec.allow_write,
-                                          keep_out=(*spec.ro_paths, *spec.masked_paths), owner_uid=owner)
+    moved, stuck = protect.quarantine(
+        surface_before, surface_after, str(result.get("cell_id") or spec.cell_id), spec.rw_paths,
+        allow_write=spec.allow_write, keep_out=(*spec.ro_paths, *spec.masked_paths),
+        owner_uid=None if spec.identity.userns else spec.identity.uid, since_ns=started_ns,
+        before_truncated=truncated_before)
     changed = [p for p in protect.changes(surface_before, surface_after)
                if not any(p == a or p.startswith(a + "/") for a in spec.allow_write)]
     result["protected_changes"] = changed
