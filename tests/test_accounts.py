@@ -411,6 +411,71 @@ def test_odd_names_and_a_failing_grant_leave_nothing(agent: str, human: Human) -
         assert reg.agents[agent].shares == []
 
 
+def test_revoke_only_removes_and_keeps_what_others_changed(state: Path, human: Human) -> None:
+    # Two agents share one folder; meanwhile the human takes a file private (setfacl -x, chmod 600).
+    # Revoking one agent must leave the other's entries and the human's changes as they are, and
+    # never write back a recorded ACL (a recorded inode can be a new file by now).
+    a, b = "ac-a" + secrets.token_hex(3), "ac-a" + secrets.token_hex(3)
+    proj = project(human)
+    secret = proj / "secret.txt"
+    secret.write_text("s\n")
+    shutil.chown(secret, human.uid, human.gid)
+    subprocess.run(["setfacl", "-m", "u:nobody:r", str(secret)], check=True)
+    original = acl_dump(proj)
+    try:
+        ra = accounts.new(a, human=human.name, cmds=Commands())
+        rb = accounts.new(b, human=human.name, cmds=Commands())
+        accounts.mount_add(a, str(proj), "rw", cmds=Commands())
+        accounts.mount_add(b, str(proj), "rw", cmds=Commands())
+        subprocess.run(["setfacl", "-x", "u:nobody", str(secret)], check=True)
+        secret.chmod(0o600)
+        accounts.mount_remove(a, str(proj), cmds=Commands())
+        dump = acl_dump(proj)
+        assert f"agentcell-{a}" not in dump and f"group:agentcell-{b}:" in dump
+        accounts.mount_remove(b, str(proj), cmds=Commands())
+        assert oct(secret.stat().st_mode & 0o777) == "0o600"  # the human's chmod stands
+        assert "nobody" not in acl_dump(secret)  # and their setfacl -x too
+        secret.chmod(0o644)
+        subprocess.run(["setfacl", "-m", "u:nobody:r", str(secret)], check=True)
+        assert acl_dump(proj) == original
+        assert acl.residue(ra.uid, ra.gid, str(proj)) == acl.residue(rb.uid, rb.gid, str(proj)) == []
+    finally:
+        for n in (a, b):
+            with open_registry() as reg:
+                known = n in reg.agents
+            if known:
+                accounts.delete(n, delete_home=True, cmds=Commands())
+            _force_remove(n)
+
+
+def test_files_handed_to_the_human_lose_what_the_agent_opened_up(agent: str, human: Human) -> None:
+    proj = project(human)
+    accounts.mount_add(agent, str(proj), "rw", cmds=Commands())
+    p = cli("run", "--agent", agent, "--", "sh", "-c",
+            f"cd {proj} && mkdir pub && chmod 2777 pub && setfacl -m u:nobody:rwx,d:o::rwx pub && "
+            "echo x > pub/run.sh && chmod 4777 pub/run.sh && setfacl -m u:nobody:rw pub/run.sh")
+    assert p.returncode == 0, p.stderr
+    assert cli("delete", agent, "--delete-home", "--yes").returncode == 0
+    for f in (proj / "pub", proj / "pub" / "run.sh"):
+        st = f.stat()
+        assert (st.st_uid, st.st_gid) == (human.uid, human.gid)
+        assert not st.st_mode & (0o4000 | 0o2000 | 0o002), oct(st.st_mode)
+        assert "nobody" not in acl_dump(f) and "default:other::rwx" not in acl_dump(f)
+
+
+def test_a_walk_cut_short_by_the_fd_limit_is_not_reported_clean(agent: str, human: Human) -> None:
+    proj = project(human)
+    accounts.mount_add(agent, str(proj), "rw", cmds=Commands())
+    script = ("import os\nos.chdir(os.environ['P'])\nfor i in range(400):\n    os.mkdir('d')\n    os.chdir('d')\n"
+              "open('leaf', 'w').write('x')\n")
+    assert cli("run", "--agent", agent, "--env", f"P={proj}", "--", "python3", "-c", script).returncode == 0
+    env = {"PATH": os.environ["PATH"], "AGENTCELL_STATE_DIR": os.environ["AGENTCELL_STATE_DIR"]}
+    p = subprocess.run(["prlimit", "--nofile=256:256", AGENTCELL, "agent", "mount", "remove", str(proj), "--agent",
+                        agent], capture_output=True, text=True, env=env)
+    assert p.returncode == 125 and "not walked" in p.stderr, p.stderr
+    assert accounts.mount_remove(agent, str(proj), cmds=Commands())  # with the usual limit: done
+
+
 def test_session_account_files_go_to_the_human(state: Path, human: Human, tmp_path: Path) -> None:
     work = tmp_path / "work"
     work.mkdir()

@@ -90,8 +90,8 @@ def test_protected_entries_the_command_creates_are_quarantined(user: User, proje
                        f"mkdir {project}/.claude && echo '{{\"x\": 1}}' > {project}/.claude/settings.json"])
     assert r.result["protected_changes"] == [f"{project}/.claude"], r.result
     moved = Path(r.result["quarantined"][f"{project}/.claude"])
-    box = project / ".agentcell-quarantine"
-    assert moved.parent.parent == box and moved.parent.name.startswith(f"{r.result['cell_id']}-"), r.result
+    box = moved.parent
+    assert box.parent == project and box.name.startswith(f".agentcell-quarantine-{r.result['cell_id']}-"), r.result
     assert moved.name == ".claude" and not os.path.lexists(project / ".claude")
     assert (moved / "settings.json").read_text() == '{"x": 1}\n'  # kept for review, not deleted
     assert (box.stat().st_uid, oct(box.stat().st_mode & 0o777)) == (0, "0o700")  # the agent cannot reach it
@@ -112,7 +112,7 @@ def test_quarantine_moves_nothing_that_existed_before(user: User, project: Path)
     r = agentcell_run(["--as", str(user.uid), "--rw", str(project), "--", "sh", "-c",
                        f"echo more >> {project}/README.md; git -C {project} status >/dev/null; true"])
     assert r.rc == 0 and r.result["quarantined"] == {}, r.result
-    assert not (project / ".agentcell-quarantine").exists()
+    assert not list(project.glob(".agentcell-quarantine*"))
 
 
 GIT_REDIRECTS = {
@@ -282,15 +282,41 @@ def test_quarantine_follows_no_symlink_and_moves_only_what_was_scanned(tmp_path:
     assert (outside / ".envrc").read_text() == "x\n" and (project / ".envrc").read_text() == "replaced\n"
 
 
-def test_quarantine_refuses_a_box_it_does_not_own(tmp_path: Path) -> None:
-    from agentcell.cell import protect
+def test_a_planted_box_name_does_not_stop_quarantine(user: User, project: Path) -> None:
+    shutil.chown(project, user.uid, user.gid)
+    r = agentcell_run(["--as", str(user.uid), "--rw", str(project), "--", "sh", "-c",
+                       f"echo x > {project}/.agentcell-quarantine; mkdir {project}/.agentcell-quarantine-a; "
+                       f"echo evil > {project}/.envrc"])
+    assert list(r.result["quarantined"]) == [f"{project}/.envrc"], r.result
 
-    project = tmp_path / "p"
-    project.mkdir()
-    before, _ = protect.surface((str(project),))
-    (project / ".envrc").write_text("x\n")
-    after, _ = protect.surface((str(project),))
-    (project / ".agentcell-quarantine").symlink_to(tmp_path)  # planted by the agent
-    moved, failed = protect.quarantine(before, after, "c1", (str(project),))
-    assert moved == [] and failed == [f"{project}/.envrc"]
-    assert [p.name for p in tmp_path.iterdir()] == ["p"]
+
+def test_a_directory_renamed_into_a_protected_name_is_quarantined(user: User, project: Path) -> None:
+    # The user's own directory, which the agent may write, renamed into .claude with a settings file
+    # planted: not the cell's by owner, but new at that name during the run.
+    make_repo(user, project)
+    shutil.rmtree(project / ".claude")
+    (project / "docs").mkdir()
+    (project / "docs" / "guide.md").write_text("the user's\n")
+    os.chmod(project / "docs", 0o777)
+    r = agentcell_run(["--as", str(user.uid), "--rw", str(project), "--", "sh", "-c",
+                       f"mv {project}/docs {project}/.claude && "
+                       f"echo '{{\"hooks\": 1}}' > {project}/.claude/settings.json"])
+    moved = r.result["quarantined"].get(f"{project}/.claude")
+    assert moved and (Path(moved) / "guide.md").read_text() == "the user's\n", r.result  # moved, not lost
+
+
+def test_a_symlinked_modules_dir_does_not_walk_the_host(user: User, project: Path) -> None:
+    make_repo(user, project)
+    r = agentcell_run(["--as", str(user.uid), "--rw", str(project), "--", "ln", "-s", "/", f"{project}/.git/modules"])
+    assert r.rc == 0, r.err
+    again = agentcell_run(["--as", str(user.uid), "--rw", str(project), "--", "true"])
+    assert again.rc == 0, again.err  # no refusal: the link is not taken for a submodule tree
+    assert not any("/work" in p or "/root" in p for p in (*again.result["protected_changes"],
+                                                         *r.result["protected_changes"]))
+
+
+def test_a_truncated_scan_is_said_out_loud(user: User, project: Path) -> None:
+    shutil.chown(project, user.uid, user.gid)
+    r = agentcell_run(["--as", str(user.uid), "--rw", str(project), "--", "sh", "-c",
+                       f"cd {project} && for i in $(seq 5010); do mkdir d$i; done"], timeout=60)
+    assert r.result["scan_truncated"] is True and "scan covers" in r.err, r.err

@@ -52,5 +52,8 @@ def report(prog: str, err: AgentcellError) -> int:
     """Print ``err`` as the one line a user sees and return its exit code."""
     import sys
 
-    sys.stderr.write(f"{prog}: {err.line()}\n")
+    line = err.line()
+    if not line.isprintable():  # paths in messages may be an agent's: no terminal escapes through them
+        line = "".join(c if c.isprintable() else repr(c)[1:-1] for c in line)
+    sys.stderr.write(f"{prog}: {line}\n")
     return err.exit_code

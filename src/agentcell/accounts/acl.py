@@ -3,8 +3,11 @@
 A share adds one named-group entry for the agent's group ``agentcell-NAME`` (rwX or rX) to every
 entry of the tree, and the same as a default entry on directories so files either side creates later
 are covered too. Revoking removes every entry naming the agent's group *or user* (an agent can add
-``u:<itself>`` entries to its own files), strips what is left to the plain mode on entries that had
-no ACL before the share, and gives entries that had one exactly theirs back.
+``u:<itself>`` entries to its own files) and nothing else: what the human or another agent changed
+meanwhile stays. An access ACL left with no named entry becomes the plain mode again, keeping the
+group permission the mask allowed (a chmod during the share is kept, never widened); a default ACL
+left with none is removed, unless the directory had one before the share (recorded by device,
+inode and path). No ACL is ever written back from a record: a recorded inode can be a new file.
 
 Why not ``setfacl -R`` and ``find -exec chown`` (what the printed, equivalent commands say): they
 walk by path name. An agent — or a second agent sharing the folder, or any user who can write in it
@@ -21,11 +24,12 @@ ACLs are read and written as their extended attributes (``system.posix_acl_acces
 from __future__ import annotations
 
 import errno
+import grp
 import os
 import resource
 import stat
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from .commands import Commands
 
@@ -113,11 +117,15 @@ class Node:
 
 class Walk:
     """``for node in Walk(root)``: the root and everything below it on the same file system, no
-    symlink followed (symlinks themselves are yielded only with ``links=True``, with fd -1).
-    ``too_deep`` says whether levels past MAX_DEPTH were skipped."""
+    symlink followed (symlinks themselves are yielded, as O_PATH fds, only with ``links=True``).
+    ``too_deep`` says whether levels were left out (past MAX_DEPTH, or past what the fd limit
+    allows); any other error than an entry vanishing or being swapped raises."""
+
+    SKIPPED = (errno.ENOENT, errno.ELOOP, errno.ENOTDIR, errno.EXDEV)
 
     def __init__(self, root: str, *, links: bool = False) -> None:
         self.root, self.links, self.too_deep = root, links, False
+        self.depth = MAX_DEPTH
 
     def __iter__(self) -> Iterator[Node]:
         from ..cell.paths import open_nofollow
@@ -125,6 +133,8 @@ class Walk:
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
         if soft < min(hard, MAX_DEPTH + 256):
             resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, MAX_DEPTH + 256), hard))
+            soft = min(hard, MAX_DEPTH + 256)
+        self.depth = min(MAX_DEPTH, soft - 64)  # each level holds an fd; leave some for the rest
         top = open_nofollow(self.root)  # LaunchError if a component is a symlink
         try:
             st = os.fstat(top)
@@ -158,22 +168,25 @@ class Walk:
                 path = f"{rel}{name}"
                 try:
                     st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
-                except OSError:
+                except FileNotFoundError:
                     continue
                 if st.st_dev != dev:
                     continue  # another file system mounted here: not part of the share
-                if stat.S_ISLNK(st.st_mode):
-                    if self.links:
-                        yield Node(-1, path, st, dfd, name)
+                is_dir, is_link = stat.S_ISDIR(st.st_mode), stat.S_ISLNK(st.st_mode)
+                if is_link and not self.links:
                     continue
-                is_dir = stat.S_ISDIR(st.st_mode)
+                mode = os.O_RDONLY | os.O_DIRECTORY if is_dir else os.O_PATH
                 try:
-                    fd = os.open(name, (os.O_RDONLY | os.O_DIRECTORY if is_dir else os.O_PATH) | os.O_NOFOLLOW
-                                 | os.O_CLOEXEC, dir_fd=dfd)
-                except OSError:
-                    continue  # gone, or swapped for a symlink since the stat: skipped, never followed
+                    fd = os.open(name, mode | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+                except OSError as e:
+                    if e.errno in self.SKIPPED:
+                        continue  # gone, or swapped for a symlink since the stat: skipped, never followed
+                    raise
                 st = os.fstat(fd)
-                if not stat.S_ISDIR(st.st_mode) or len(stack) >= MAX_DEPTH:
+                if stat.S_ISLNK(st.st_mode) and not self.links:
+                    os.close(fd)
+                    continue
+                if not stat.S_ISDIR(st.st_mode) or len(stack) >= self.depth:
                     self.too_deep |= stat.S_ISDIR(st.st_mode)
                     try:
                         yield Node(fd, path, st, dfd, name)
@@ -183,7 +196,8 @@ class Walk:
                 try:
                     below = iter(sorted(os.listdir(fd)))
                 except OSError:
-                    below = iter(())
+                    os.close(fd)
+                    raise
                 stack.append((fd, path + "/", below))  # owned by the stack from here on
                 yield Node(fd, path, st, dfd, name)
         finally:
@@ -194,14 +208,27 @@ class Walk:
 # ---- shares ------------------------------------------------------------------------------------
 
 def prior_acl(root: str) -> list[str]:
-    """``"DEV INO REL-HEX ACCESS-HEX DEFAULT-HEX"`` for every entry with an ACL of its own: what revoke
-    gives back, to that very file only (REL is the path's bytes in hex: any name round-trips)."""
+    """``"DEV INO REL-HEX"`` for every directory that has a default ACL of its own before the share
+    (REL is the path's bytes in hex: any name round-trips): revoke keeps theirs. One that names no
+    one but other agents was made by their shares, not by the human, and does not count."""
+    def agents_only(entries: list[Entry]) -> bool:
+        named = [(t, i) for t, _p, i in entries if t in NAMED]
+        return bool(named) and all(t == GROUP and _group_name(i).startswith("agentcell-") for t, i in named)
+
     out = []
     for n in Walk(root):
-        a, d = _raw(n.fd, ACCESS), _raw(n.fd, DEFAULT)
-        if a or d:
-            out.append(f"{n.st.st_dev} {n.st.st_ino} {os.fsencode(n.rel).hex()} {a.hex()} {d.hex()}")
+        if stat.S_ISDIR(n.st.st_mode):
+            default = get(n.fd, DEFAULT)
+            if default is not None and not agents_only(default):
+                out.append(f"{n.st.st_dev} {n.st.st_ino} {os.fsencode(n.rel).hex()}")
     return out
+
+
+def _group_name(gid: int) -> str:
+    try:
+        return grp.getgrgid(gid).gr_name
+    except KeyError:
+        return ""
 
 
 def _raw(fd: int, which: str) -> bytes:
@@ -218,10 +245,20 @@ def _perm(mode: str, st: os.stat_result) -> int:
     return (6 if mode == "rw" else 4) | x
 
 
+def _add(entries: list[Entry], ours: Entry) -> list[Entry]:
+    """Add (or replace) the share's entry. A mask already there is the owner's ceiling for everyone
+    named and stays as it is (setfacl -n): widening it would widen them too, and revoking could not
+    tell what it was. Without one, the mask is the union, which widens no one."""
+    rest = [e for e in entries if e[:1] + e[2:] != ours[:1] + ours[2:]]
+    if any(e[0] == MASK for e in rest):
+        return [*rest, ours]
+    return _with_mask([*rest, ours])
+
+
 def grant(cmds: Commands, group: str, gid: int, source: str, mode: str) -> bool:
     """Give the group ``mode`` on every entry; False if levels past MAX_DEPTH were left out."""
     perm = "rwX" if mode == "rw" else "rX"
-    cmds.show(["setfacl", "-R", "-P", "-m", f"g:{group}:{perm},d:g:{group}:{perm}", "--", source])
+    cmds.show(["setfacl", "-R", "-P", "-n", "-m", f"g:{group}:{perm},d:g:{group}:{perm}", "--", source])
     if cmds.dry_run:
         return True
     walk = Walk(source)
@@ -229,59 +266,58 @@ def grant(cmds: Commands, group: str, gid: int, source: str, mode: str) -> bool:
         if not (stat.S_ISDIR(n.st.st_mode) or stat.S_ISREG(n.st.st_mode)):
             continue
         p = _perm(mode, n.st)
-        access = [e for e in (get(n.fd) or base(n.st.st_mode)) if not (e[0] == GROUP and e[2] == gid)]
-        put(n.fd, ACCESS, _with_mask([*access, (GROUP, p, gid)]))
+        put(n.fd, ACCESS, _add(get(n.fd) or base(n.st.st_mode), (GROUP, p, gid)))
         if stat.S_ISDIR(n.st.st_mode):
-            default = [e for e in (get(n.fd, DEFAULT) or base(n.st.st_mode)) if not (e[0] == GROUP and e[2] == gid)]
-            put(n.fd, DEFAULT, _with_mask([*default, (GROUP, p, gid)]))
+            put(n.fd, DEFAULT, _add(get(n.fd, DEFAULT) or base(n.st.st_mode), (GROUP, p, gid)))
     return not walk.too_deep
 
 
 def revoke(cmds: Commands, uid: int, gid: int, source: str, prior: list[str]) -> list[str]:
-    """Remove every entry naming the agent (user ``uid`` or group ``gid``); entries that had an ACL
-    before the share get it back (without the agent's entries), the others keep only what names
-    someone else. Returns what could not be walked (empty when done)."""
+    """Remove every entry naming the agent (user ``uid`` or group ``gid``), and nothing else. Returns
+    what could not be walked (empty when done)."""
     if not os.path.lexists(source) or os.path.islink(source):
         return []
     cmds.show(["setfacl", "-R", "-P", "-x", f"g:{gid},d:g:{gid},u:{uid},d:u:{uid}", "--", source])
     if cmds.dry_run:
         return []
-    kept: dict[tuple[int, int, str], tuple[bytes, bytes]] = {}
+    had_default = set()
     for item in prior:
-        dev, ino, rel, a, d = (item.split(" ") + ["", "", "", "", ""])[:5]
+        dev, ino, rel = (item.split(" ") + ["", "", ""])[:3]
         if dev.isdigit() and ino.isdigit():
-            kept[(int(dev), int(ino), os.fsdecode(bytes.fromhex(rel)))] = (bytes.fromhex(a), bytes.fromhex(d))
-
-    def agents(e: Entry) -> bool:
-        return (e[0] == USER and e[2] == uid) or (e[0] == GROUP and e[2] == gid)
-
+            had_default.add((int(dev), int(ino), os.fsdecode(bytes.fromhex(rel))))
     walk = Walk(source)
     for n in walk:
-        if not (stat.S_ISDIR(n.st.st_mode) or stat.S_ISREG(n.st.st_mode)):
-            continue
-        before = kept.get((n.st.st_dev, n.st.st_ino, n.rel))
-        for which in (ACCESS, DEFAULT):
-            now = get(n.fd, which)
-            if before is not None:
-                old = decode(before[0 if which == ACCESS else 1]) if before[0 if which == ACCESS else 1] else None
-                want = None if old is None else [e for e in old if not agents(e)]
-                if want is not None and any(agents(e) for e in old or ()):
-                    want = _with_mask(want)
-            elif now is None:
-                continue
-            else:
-                want = [e for e in now if not agents(e)]
-                want = _with_mask(want) if any(e[0] in NAMED for e in want) else None
-            if which == ACCESS and want is None:
-                want = _minimal(now or base(n.st.st_mode))
-            if want != now:
-                put(n.fd, which, want)
-    return [f"{source}: levels below {MAX_DEPTH} were not walked"] if walk.too_deep else []
+        if stat.S_ISDIR(n.st.st_mode) or stat.S_ISREG(n.st.st_mode):
+            strip(n, lambda e: (e[0] == USER and e[2] == uid) or (e[0] == GROUP and e[2] == gid),
+                  keep_default=(n.st.st_dev, n.st.st_ino, n.rel) in had_default)
+    return [f"{source}: levels below {walk.depth} were not walked"] if walk.too_deep else []
+
+
+def strip(n: Node, drop: Callable[[Entry], bool], *, keep_default: bool = False) -> None:
+    """Remove the entries ``drop`` selects from the node's ACLs. An access ACL left without named
+    entries becomes the plain mode, its group permission what the mask allowed (a chmod made while
+    shared stays); a default ACL left without them is removed unless ``keep_default``."""
+    access = get(n.fd)
+    if access is not None and any(drop(e) for e in access):
+        rest = [e for e in access if not drop(e)]
+        if not any(e[0] in NAMED for e in rest):
+            mask = next((p for t, p, _ in rest if t == MASK), 7)
+            rest = [(t, p & mask if t == GROUP_OBJ else p, i) for t, p, i in rest if t != MASK]
+        put(n.fd, ACCESS, rest)
+    default = get(n.fd, DEFAULT) if stat.S_ISDIR(n.st.st_mode) else None
+    if default is not None and any(drop(e) for e in default):
+        rest = [e for e in default if not drop(e)]
+        if not any(e[0] in NAMED for e in rest):
+            rest = [e for e in rest if e[0] != MASK] if keep_default else []
+        put(n.fd, DEFAULT, rest or None)
 
 
 def reassign(cmds: Commands, uid: int, gid: int, to_uid: int, to_gid: int, place: str) -> list[str]:
-    """Give every entry owned by ``uid`` or group ``gid`` to ``to_uid:to_gid``; what is left (empty when
-    all moved)."""
+    """Give every entry owned by ``uid`` or group ``gid`` to ``to_uid:to_gid``, as the human would
+    want to receive it: no setuid/setgid bit, not writable by others, no ACL entry naming anyone but
+    the human (the agent chose those). Returns what is left (empty when all moved)."""
+    from ..cell import syscalls
+
     cmds.show(["find", place, "-xdev", "(", "-uid", str(uid), "-o", "-gid", str(gid), ")", "-exec", "chown",
                "--no-dereference", f"{to_uid}:{to_gid}", "--", "{}", "+"])
     if cmds.dry_run:
@@ -290,10 +326,16 @@ def reassign(cmds: Commands, uid: int, gid: int, to_uid: int, to_gid: int, place
     for n in walk:
         if n.st.st_uid != uid and n.st.st_gid != gid:
             continue
-        if n.parent is None:
-            os.chown(_proc(n.fd), to_uid, to_gid)
-        else:
-            os.chown(n.name or "", to_uid, to_gid, dir_fd=n.parent, follow_symlinks=False)
+        syscalls.fchown_fd(n.fd, to_uid, to_gid)  # the file opened, not a name that could be swapped
+        if stat.S_ISLNK(n.st.st_mode):
+            continue
+        if n.st.st_mode & (stat.S_ISUID | stat.S_ISGID | stat.S_IWOTH):
+            os.chmod(_proc(n.fd), stat.S_IMODE(n.st.st_mode) & ~(stat.S_ISUID | stat.S_ISGID | stat.S_IWOTH))
+        if stat.S_ISDIR(n.st.st_mode) or stat.S_ISREG(n.st.st_mode):
+            strip(n, lambda e: e[0] in NAMED and not (e[0] == USER and e[2] == to_uid))
+            default = get(n.fd, DEFAULT) if stat.S_ISDIR(n.st.st_mode) else None
+            if default is not None and any(t == OTHER and p & 2 for t, p, _ in default):
+                put(n.fd, DEFAULT, [(t, p & ~2 if t == OTHER else p, i) for t, p, i in default])
     return owned_by(uid, gid, place)
 
 

@@ -16,20 +16,23 @@ Two mechanisms, because the first cannot cover everything:
   ``commondir``/``gitdir``), every ``.git`` entry and every directory shaped like a git directory
   (``HEAD`` with ``objects`` or ``refs``: git takes it for a bare repository). An entry that did not
   exist cannot be bound, so what the command *created* is **quarantined** after the run
-  (:func:`quarantine`): moved into ``.agentcell-quarantine/<cell id>-<random>/`` at the top of its
-  writable path (0700, the supervisor's), where no tool looks and a git directory is no longer
-  where git finds it. Only entries that are part of the structure (not a file some config names),
-  absent before the run, owned by the cell's uid (when it has one of its own), outside --ro and
-  --mask paths, and only when the scan before the run was complete; their content is kept for
-  review. What was changed or removed (``.git`` stays writable for git's own work) is reported;
-  undoing it is the snapshot's job.
+  (:func:`quarantine`): moved into a new ``.agentcell-quarantine-<cell id>-<random>/`` at the top
+  of its writable path (0700, the human's behind sudo, else the supervisor's), where no tool looks
+  and a git directory is no longer where git finds it. Only entries that are part of the structure
+  (not a file some config names), absent before the run and born during it (ctime), outside --ro
+  and --mask paths; when the scan before the run was cut short, only those owned by the cell's own
+  uid (a rootless cell has none: then nothing moves). Their content is kept for review. What was
+  changed or removed (``.git`` stays writable for git's own work) is reported; undoing it is the
+  snapshot's job.
 
 ``core.hooksPath`` and ``include.path`` targets inside the writable paths (husky and the like) are
 read from each config (by a small reader: git itself is never run on such a repository) and bound
 read-only too.
 
-Known limits: the scan stops at MAX_DEPTH levels and MAX_DIRS directories and skips dependency and
-cache directories (a truncated scan is reported); only the names below are known.
+Known limits: the scan stops at MAX_DEPTH levels and MAX_DIRS directories (a truncated scan is
+reported, and an agent can make a tree that big on purpose: entries past the limits are not seen);
+dependency and cache directories are looked into only for a repository at their top or one level
+down; only the names below are known.
 """
 from __future__ import annotations
 
@@ -44,7 +47,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
 QUARANTINE_DIR = ".agentcell-quarantine"
-MAX_QUARANTINE = 1000  # entries moved per run; past that they are reported
+MAX_QUARANTINE = 200_000  # the scan's limits bound it anyway (5000 directories, ~40 names each)
 GIT_PARTS = ("hooks", "config")
 # Files through which git looks for config or hooks elsewhere: compared before and after a run.
 GIT_REDIRECTS = ("commondir", "config.worktree", "info/attributes")
@@ -53,10 +56,11 @@ AT_REPO_ROOT = (
     ".bashrc", ".bash_profile", ".bash_login", ".profile", ".zshrc", ".zprofile", ".zshenv", ".zlogin",
     "AGENTS.md", "CLAUDE.md", "GEMINI.md", ".gemini", ".aider.conf.yml", ".npmrc", ".yarnrc.yml", ".cargo",
     ".devcontainer", ".cursorrules", ".windsurfrules", ".clinerules", "mise.toml", ".nvim.lua",
+    ".pre-commit-config.yaml", "lefthook.yml", ".lefthook.yml", "lefthook.yaml", ".husky",
 )
 _NAMES = frozenset(AT_REPO_ROOT)
 SKIP_DIRS = frozenset({"node_modules", ".venv", "venv", "__pycache__", ".tox", ".mypy_cache", ".pytest_cache",
-                       ".ruff_cache", "target", ".cache", ".git", QUARANTINE_DIR})
+                       ".ruff_cache", "target", ".cache", ".git"})
 # What quarantine may move: entries of the structure itself, never a file a config merely names.
 _STRUCTURE = _NAMES | {".git", "HEAD", "commondir", "config.worktree", "attributes", "gitdir", *GIT_PARTS}
 MAX_CONFIG = 1 << 20
@@ -95,8 +99,10 @@ class Scan:
                 for e in entries:
                     if not e.is_dir(follow_symlinks=False):
                         continue
+                    if e.name.startswith(QUARANTINE_DIR):
+                        continue
                     if e.name in SKIP_DIRS:
-                        if e.name not in (".git", QUARANTINE_DIR):
+                        if e.name != ".git":
                             self._skipped(e.path)
                         continue
                     seen += 1
@@ -121,12 +127,19 @@ class Scan:
                 self.repos.append(place)
 
 
+def _real_dir(path: str) -> bool:
+    return _kind(path) == stat.S_IFDIR  # lstat: a symlink is not one
+
+
 def _git_dirs(repo: str) -> list[str]:
-    """The repository's own git directory and every submodule's under .git/modules, at any depth."""
+    """The repository's own git directory and every submodule's under .git/modules, at any depth
+    (MAX_MODULE_DEPTH levels, MAX_DIRS directories), never through a symlink: ``.git/modules`` made
+    a link to / would otherwise have the supervisor walk the host."""
     git = os.path.join(repo, ".git")
-    if not os.path.isdir(git) or os.path.islink(git):
+    if not _real_dir(git):
         return []
-    found, level = [git], [os.path.join(git, "modules")]
+    found, seen = [git], 0
+    level = [m for m in (os.path.join(git, "modules"),) if _real_dir(m)]
     for _ in range(MAX_MODULE_DEPTH):
         nxt: list[str] = []
         for d in level:
@@ -135,9 +148,13 @@ def _git_dirs(repo: str) -> list[str]:
             except OSError:
                 continue
             for e in entries:
-                if os.path.exists(os.path.join(e.path, "HEAD")):
+                seen += 1
+                if seen > MAX_DIRS:
+                    return found
+                if os.path.lexists(os.path.join(e.path, "HEAD")):
                     found.append(e.path)
-                    nxt.append(os.path.join(e.path, "modules"))
+                    if _real_dir(os.path.join(e.path, "modules")):
+                        nxt.append(os.path.join(e.path, "modules"))
                 else:
                     nxt.append(e.path)  # a submodule named a/b: its git dir is modules/a/b
         level = nxt
@@ -272,7 +289,8 @@ def surface(writable: tuple[str, ...]) -> tuple[dict[str, tuple[int, int, int, i
         for gd in _git_dirs(repo):
             paths += [os.path.join(gd, p) for p in GIT_REDIRECTS]
             try:
-                worktrees = os.listdir(os.path.join(gd, "worktrees"))
+                wt = os.path.join(gd, "worktrees")
+                worktrees = os.listdir(wt)[:MAX_DIRS] if _real_dir(wt) else []
             except OSError:
                 worktrees = []
             for w in worktrees:
@@ -294,7 +312,8 @@ def changes(before: dict[str, tuple[int, int, int, int]], after: dict[str, tuple
 def quarantine(before: dict[str, tuple[int, int, int, int]], after: dict[str, tuple[int, int, int, int]],
                cell_id: str, writable: tuple[str, ...], *, allow_write: tuple[str, ...] = (),
                keep_out: tuple[str, ...] = (), owner_uid: int | None = None, since_ns: int = 0,
-               before_truncated: bool = False) -> tuple[list[tuple[str, str]], list[str]]:
+               before_truncated: bool = False, give_to: tuple[int, int] | None = None,
+               ) -> tuple[list[tuple[str, str]], list[str]]:
     """Move aside what the run created on the control surface; ([(path, new path)], [not moved]).
 
     Called when the cell has ended (its processes are gone), as root possibly, on a tree an agent
@@ -305,21 +324,25 @@ def quarantine(before: dict[str, tuple[int, int, int, int]], after: dict[str, tu
     uid owns), is not lifted by --allow-write nor inside a ``keep_out`` path (--ro, --mask), and —
     when the cell ran as a uid of its own — is owned by that uid: nothing of the user's moves.
 
-    It goes into ``<writable root>/.agentcell-quarantine/<cell id>-<random>/`` (made here, 0700; an
-    existing one must be a real directory of ours), by a rename relative to directory fds that
-    follows no symlink and replaces nothing; the entry must still be the one the scan saw. An entry
-    below one already moved went with it."""
+    It goes into ``<writable root>/.agentcell-quarantine-<cell id>-<random>/`` (made here, 0700,
+    ``give_to``'s), by a rename relative to directory fds that follows no symlink and replaces
+    nothing; the entry must still be the one the scan saw. An entry below one already moved went
+    with it."""
     lifted = tuple(a.rstrip("/") for a in allow_write)
     fences = tuple(k.rstrip("/") for k in keep_out)
     if before_truncated and owner_uid is None:
         return [], []
+    # With a complete before-scan, anything structural that is new and born during the run moves,
+    # whoever owns it (a directory of the user's the agent renamed into .claude, say); only a cut
+    # short scan needs the owner to tell the cell's work from entries it never saw.
+    owner_uid = owner_uid if before_truncated else None
     created = sorted(p for p in after if (p not in before or before_truncated) and os.path.basename(p) in _STRUCTURE
                      and not any(p == a or p.startswith(a + "/") for a in lifted)
                      and not any(p == k or p.startswith(k + "/") for k in fences))
     moved: list[tuple[str, str]] = []
     gone: set[str] = set()
     failed: list[str] = []
-    boxes: dict[str, int] = {}
+    boxes: dict[str, tuple[int, str]] = {}
     try:
         for path in created:
             if any(a in gone for a in _ancestors(path)):
@@ -328,9 +351,9 @@ def quarantine(before: dict[str, tuple[int, int, int, int]], after: dict[str, tu
             if root is None or len(moved) >= MAX_QUARANTINE:
                 failed.append(path)
                 continue
-            def box(root: str = root) -> int:
+            def box(root: str = root) -> tuple[int, str]:
                 if root not in boxes:
-                    boxes[root] = _quarantine_box(root, cell_id)
+                    boxes[root] = _quarantine_box(root, cell_id, give_to)
                 return boxes[root]
             try:
                 new = _move(path, after[path], owner_uid, since_ns, box, os.path.relpath(path, root))
@@ -339,10 +362,10 @@ def quarantine(before: dict[str, tuple[int, int, int, int]], after: dict[str, tu
                 continue
             if new is None:
                 continue  # not the cell's: left where it is (and reported as a change)
-            moved.append((path, os.path.join(root, QUARANTINE_DIR, new)))
+            moved.append((path, os.path.join(root, new)))
             gone.add(path)
     finally:
-        for fd in boxes.values():
+        for fd, _name in boxes.values():
             os.close(fd)
     return moved, failed
 
@@ -352,30 +375,24 @@ def _ancestors(path: str) -> list[str]:
     return ["/".join(parts[:i]) for i in range(2, len(parts))]
 
 
-def _quarantine_box(root: str, cell_id: str) -> int:
-    """An fd of a new ``<root>/.agentcell-quarantine/<cell id>-<random>`` (0700, ours)."""
+def _quarantine_box(root: str, cell_id: str, give_to: tuple[int, int] | None = None) -> tuple[int, str]:
+    """A new directory ``<root>/.agentcell-quarantine-<cell id>-<random>`` (0700), its fd and name.
+    A new, unguessable name per run: nothing the agent made beforehand can stand in its way. It
+    belongs to ``give_to`` (the human behind sudo) when given, so they can review it without root."""
+    name = f"{QUARANTINE_DIR}-{cell_id}-{os.urandom(4).hex()}"
     rfd = paths.open_nofollow(root)
     try:
-        try:
-            os.mkdir(QUARANTINE_DIR, 0o700, dir_fd=rfd)
-        except FileExistsError:
-            pass
-        qfd = os.open(QUARANTINE_DIR, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=rfd)
+        os.mkdir(name, 0o700, dir_fd=rfd)
+        fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=rfd)
     finally:
         os.close(rfd)
-    try:
-        st = os.fstat(qfd)
-        if st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) & 0o077:
-            raise LaunchError("quarantine", f"{root}/{QUARANTINE_DIR} is not a private directory of agentcell's")
-        name = f"{cell_id}-{os.urandom(4).hex()}"
-        os.mkdir(name, 0o700, dir_fd=qfd)
-        return os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=qfd)
-    finally:
-        os.close(qfd)
+    if give_to is not None:
+        os.chown(fd, *give_to)
+    return fd, name
 
 
 def _move(path: str, seen: tuple[int, int, int, int], owner_uid: int | None, since_ns: int,
-          box_of: Callable[[], int], rel: str) -> str | None:
+          box_of: Callable[[], tuple[int, str]], rel: str) -> str | None:
     """Rename ``path`` into ``box`` as its relative path with ``/`` spelled ``%2F``; the new name under
     the quarantine dir, or None when the entry is not the cell's. Raises OSError when it cannot move."""
     parent, name = os.path.split(path)
@@ -386,11 +403,13 @@ def _move(path: str, seen: tuple[int, int, int, int], owner_uid: int | None, sin
             raise OSError("replaced since the scan")
         if (owner_uid is not None and st.st_uid != owner_uid) or st.st_ctime_ns < since_ns:
             return None
-        box = box_of()  # made only when something is to move
+        box, box_name = box_of()  # made only when something is to move
         flat = rel.replace("%", "%25").replace("/", "%2F")
+        if len(os.fsencode(flat)) > 200:  # too long for one name: keep its end, made unique
+            flat = f"{os.urandom(4).hex()}-{flat[-150:]}"
         if os.path.lexists(f"/proc/self/fd/{box}/{flat}"):
             raise OSError("name taken")
         os.rename(name, flat, src_dir_fd=pfd, dst_dir_fd=box)
-        return os.path.join(os.path.basename(os.readlink(f"/proc/self/fd/{box}")), flat)
+        return os.path.join(box_name, flat)
     finally:
         os.close(pfd)

@@ -128,3 +128,10 @@ def close_fds_except(keep: set[int]) -> None:
             os.closerange(lo, fd)
         lo = fd + 1
     os.closerange(lo, 2**31 - 1)
+
+
+
+def fchown_fd(fd: int, uid: int, gid: int) -> None:
+    """chown the very file ``fd`` holds (an O_PATH fd too, a symlink's included): fchownat(fd, "",
+    AT_EMPTY_PATH) — no name is looked up, so nothing can be swapped in between."""
+    _check(_libc.fchownat(fd, b"", uid, gid, AT_EMPTY_PATH | AT_SYMLINK_NOFOLLOW), "fchownat")

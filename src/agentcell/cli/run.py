@@ -330,6 +330,14 @@ def _print_explain(info: dict[str, object]) -> None:
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 
 
+def _human() -> tuple[int, int] | None:
+    """Who gets the quarantine box: the human behind sudo (so they can review it without root)."""
+    uid, gid = os.environ.get("SUDO_UID", ""), os.environ.get("SUDO_GID", "")
+    if os.geteuid() == 0 and uid.isdigit() and gid.isdigit() and int(uid) != 0:
+        return int(uid), int(gid)
+    return None
+
+
 def _shown(path: str) -> str:
     """A path as it may be printed: names come from the agent, and control characters could rewrite
     the terminal (or set its clipboard)."""
@@ -408,7 +416,7 @@ def execute(ns: Args | Namespace) -> int:
         surface_before, surface_after, str(result.get("cell_id") or spec.cell_id), spec.rw_paths,
         allow_write=spec.allow_write, keep_out=(*spec.ro_paths, *spec.masked_paths),
         owner_uid=None if spec.identity.userns else spec.identity.uid, since_ns=started_ns,
-        before_truncated=truncated_before)
+        before_truncated=truncated_before, give_to=_human())
     changed = [p for p in protect.changes(surface_before, surface_after)
                if not any(p == a or p.startswith(a + "/") for a in spec.allow_write)]
     result["protected_changes"] = changed
@@ -422,9 +430,14 @@ def execute(ns: Args | Namespace) -> int:
     for path in changed:
         if path in gone or any(a in gone for a in protect._ancestors(path)):
             continue
-        sys.stderr.write(f"{PROG}: warning: the command {'created' if path in stuck else 'changed'} {_shown(path)}, "
-                         "which decides what git, your shell or your agent runs (hooks, git or harness config); "
-                         "review it before you use the project\n")
+        what = "created" if path in stuck or path not in surface_before else "changed"
+        sys.stderr.write(f"{PROG}: warning: the command {what} {_shown(path)}, which decides what git, your "
+                         "shell or your agent runs (hooks, git or harness config); review it before you use the "
+                         "project\n")
+    if truncated:
+        sys.stderr.write(f"{PROG}: warning: the writable paths hold more than the protected-path scan covers "
+                         f"({protect.MAX_DEPTH} levels, {protect.MAX_DIRS} directories): repositories and agent "
+                         "config past that were neither protected nor checked; review them before you use them\n")
     if result["error"]:
         sys.stderr.write(f"{PROG}: {result['error']}\n")
     elif result["timed_out"]:
