@@ -649,17 +649,20 @@ def test_ephemeral_account_lifecycle(state: Path, tmp_path: Path) -> None:
     assert ephemeral.leftovers() == []
 
 
-def test_cells_launch_while_accounts_come_and_go(user: User) -> None:
+def test_cells_launch_while_accounts_come_and_go(user: User, tmp_path: Path) -> None:
     # useradd/userdel replace /etc/shadow and /etc/gshadow by a rename: a cell built meanwhile must
     # mask the file found there, not fail (per-session accounts are made while other cells start).
     name = "ac-churn" + secrets.token_hex(2)
-    churn = subprocess.Popen(["sh", "-c", f"while :; do useradd -M {name} && userdel {name}; done"],
+    flag = tmp_path / "churning"
+    flag.touch()
+    # The loop ends itself once the flag is gone, after its last userdel: nothing is left mid-way.
+    churn = subprocess.Popen(["sh", "-c", f"while [ -e {flag} ]; do useradd -M {name}; userdel {name}; done"],
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         codes = [subprocess.run([AGENTCELL, "run", "--no-warm", "--as", str(user.uid), "--", "true"],
                                 capture_output=True, text=True) for _ in range(15)]
     finally:
-        churn.kill()
-        churn.wait()
+        flag.unlink()
+        churn.wait(30)
         subprocess.run(["userdel", name], capture_output=True)
     assert [c.returncode for c in codes] == [0] * 15, [c.stderr for c in codes if c.returncode]

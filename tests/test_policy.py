@@ -206,13 +206,30 @@ def test_to_cell_spec_carries_every_cell_field(project: Path, tmp_path: Path) ->
     assert spec.cell_id.endswith(pol.session_id)
 
 
-@pytest.mark.parametrize("network", ["proxy", "host-firewall"])
-def test_egress_networks_compile_but_cannot_launch_yet(project: Path, network: str) -> None:
-    pol = compile_(plan(project, network=network))
-    assert pol.firewall_rule and pol.network == network
+def test_host_firewall_compiles_but_cannot_launch_yet(project: Path) -> None:
+    pol = compile_(plan(project, network="host-firewall"))
+    assert pol.firewall_rule and pol.network == "host-firewall"
     with pytest.raises(PolicyError) as e:
         pol.to_cell_spec()
     assert e.value.field == "network"
+
+
+def test_a_proxy_plan_carries_its_rules_to_the_cell(project: Path) -> None:
+    pol = compile_(plan(project, network="proxy", allow_domains=["*.example.com"], allow_presets=["pypi"],
+                        deny_domains=["bad.example.com"], allow_ranges=["10.0.0.0/8"], resolver="192.0.2.53"))
+    spec = pol.to_cell_spec()
+    assert spec.network == "proxy" and spec.environ()["HTTPS_PROXY"] == "http://127.0.0.1:3128"
+    assert spec.egress == ("allow:pypi.org:443", "allow:files.pythonhosted.org:443", "allow:*.example.com",
+                           "deny:bad.example.com", "range:10.0.0.0/8", "resolver:192.0.2.53")
+
+
+@pytest.mark.parametrize(("fields", "field"), [({"network": "none", "allow_domains": ["a.example"]}, "network"),
+                                               ({"network": "proxy", "allow_domains": ["bad name"]}, "allow_domains"),
+                                               ({"network": "proxy", "allow_presets": ["nope"]}, "allow_presets")])
+def test_bad_proxy_plans_are_refused(project: Path, fields: dict[str, object], field: str) -> None:
+    with pytest.raises(PolicyError) as e:
+        compile_(plan(project, **fields))
+    assert e.value.field == field
 
 
 def test_policy_is_frozen_and_rejects_unknown_fields(project: Path) -> None:

@@ -31,9 +31,9 @@ from .cell import syscalls as sc
 Status = Literal["ok", "warn", "missing"]
 
 IDENTITY_MODES = ("self", "agent", "uid")
-NETWORK_MODES = ("none", "loopback")
+NETWORK_MODES = ("none", "loopback", "proxy")
 NEEDABLE_MODES = IDENTITY_MODES + NETWORK_MODES
-LATER_MODES = ("proxy", "host-firewall")
+LATER_MODES = ("host-firewall",)
 
 NOBODY_UID = 65534
 NOBODY_GID = 65534
@@ -714,15 +714,16 @@ def evaluate_modes(*, root: bool, userns_ok: bool, userns_fix: str, ns_root: Pro
     # Network modes: both need the cell's net namespace (lo brought up by the same probe).
     net = ns_root if root else ns_rootless
     for name, what in (("none", "a new network namespace, no interface up"),
-                       ("loopback", "a new network namespace with lo up")):
+                       ("loopback", "a new network namespace with lo up"),
+                       ("proxy", "a new network namespace with lo up, whose only way out is agentcell's proxy "
+                                 "(a listener made inside it, served from outside)")):
         if net is not None and net.ok:
             modes.append(Mode(name, "network", True, "ok", what))
         else:
             reason = net.reason if net else "not probed"
             fix = "see the 'namespaces' check" if root else "allow user namespaces, or run as root"
             modes.append(Mode(name, "network", False, "missing", f"{what}: fails ({reason})", fix))
-    for name, what in (("proxy", "domain allow-list egress proxy"),
-                       ("host-firewall", "nftables rules keyed on the agent's uid")):
+    for name, what in (("host-firewall", "nftables rules keyed on the agent's uid"),):
         modes.append(Mode(name, "network", False, "warn", f"not implemented yet ({what})",
                           "use --net none or --net loopback"))
     return modes

@@ -62,16 +62,17 @@ def recv(sock: _socket.socket) -> Command | None:
     return Command([os.fsdecode(a) for a in args], dict(zip(targets, received, strict=True)), tty_fds)
 
 
-def send_fd(sock: _socket.socket, fd: int) -> None:
-    """The cell's answer to an interactive command: the master side of its own pty."""
-    sock.sendmsg([b"P"], [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, pack_fds([fd]))])
+def send_fd(sock: _socket.socket, fd: int, tag: bytes = b"P") -> None:
+    """An fd from the cell to the supervisor: the master of an interactive command's pty (P), the
+    proxy's listening socket made in the cell's network namespace (L)."""
+    sock.sendmsg([tag], [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, pack_fds([fd]))])
 
 
-def recv_fd(sock: _socket.socket) -> int | None:
-    """The pty master from the cell, or None if the cell failed before it made one."""
+def recv_fd(sock: _socket.socket, tag: bytes = b"P") -> int | None:
+    """That fd, or None if the cell failed before it made one."""
     data, anc, _flags, _addr = sock.recvmsg(1, _socket.CMSG_SPACE(4))
     fds = unpack_fds(anc)
-    if data != b"P" or len(fds) != 1:
+    if data != tag or len(fds) != 1:
         for fd in fds:
             os.close(fd)
         return None

@@ -63,6 +63,7 @@ class Running:
         self.cg = cg
         self.pid1 = 0  # host pid of the cell's PID 1, known once C1 reports it
         self.pty_master: int | None = None  # an interactive cell's own pty, for the caller to relay
+        self.egress_fd: int | None = None  # network "proxy": the listener for the caller to serve
         self._buf = b""
         self._msgs: list[list[str]] = []
         self._eof = False
@@ -202,6 +203,7 @@ class Prepared:
     def __init__(self, spec: CellSpec, c1: int, status_r: int, ctl: object, cell_id: str,
                  cg: cgroups.CellCgroup | None) -> None:
         self.spec, self.c1, self._r, self._ctl, self.cell_id, self.cg = spec, c1, status_r, ctl, cell_id, cg
+        self.egress_fd: int | None = None  # the proxy's listening socket, made in the cell's netns
 
     def go(self, argv: Sequence[str], *, stdio: Sequence[int] = (0, 1, 2), pass_fds: Sequence[int] = (),
            tty_fds: Sequence[int] = ()) -> Running:
@@ -223,12 +225,15 @@ class Prepared:
             self._ctl.close()  # type: ignore[attr-defined]
         running = Running(self.spec, self.c1, self._r, started, self.cell_id, self.cg)
         running.pty_master = master
+        running.egress_fd, self.egress_fd = self.egress_fd, None
         return running
 
     def discard(self) -> None:
         """Throw away a cell that never got a command: with its channel closed, its command process
         exits without exec'ing anything, and PID 1 tears the cell down."""
         self._ctl.close()  # type: ignore[attr-defined]
+        if self.egress_fd is not None:
+            os.close(self.egress_fd)
         os.close(self._r)
         _waitpid_eintr(self.c1)
         if self.cg is not None:
@@ -262,7 +267,10 @@ def prepare(spec: CellSpec) -> Prepared:
         _run_child(w, lambda: _cell(spec, plan, w, theirs, outer_uid, outer_gid, cg))
     os.close(w)
     theirs.close()
-    return Prepared(spec, c1, r, ours, cell_id, cg)
+    prepared = Prepared(spec, c1, r, ours, cell_id, cg)
+    if spec.network == "proxy":  # None if the cell failed first: its status pipe says why
+        prepared.egress_fd = handoff.recv_fd(ours, b"L")
+    return prepared
 
 
 def cell_limits(spec: CellSpec) -> cgroups.Limits:
@@ -349,9 +357,13 @@ def _cell(spec: CellSpec, plan: mounts.MountPlan, w: int, ctl: object, outer_uid
     _step("mount", mounts.apply, plan)
     _step("pivot_root", mounts.pivot)
     plan.close()
-    # 6. Network and hostname.
-    if spec.network == "loopback":
+    # 6. Network and hostname. With the proxy, its listening socket is made here, inside the cell's
+    #    network namespace, and handed out: the proxy serves it from the host's namespace, and the
+    #    cell, whose only interface is lo, reaches nothing else.
+    if spec.network in ("loopback", "proxy"):
         _step("network", namespaces.loopback_up)
+    if spec.network == "proxy":
+        _step("network", namespaces.proxy_listener, ctl)
     _step("hostname", namespaces.set_hostname, spec.hostname)
     # PID 1 keeps none of the supervisor's stdio (it would hold a terminal or a pipe open).
     null = os.open("/dev/null", os.O_RDWR)

@@ -60,3 +60,20 @@ def loopback_up() -> None:
 
 def set_hostname(name: str) -> None:
     sc.sethostname(name)
+
+
+def proxy_listener(ctl: object) -> None:
+    """A TCP listener on 127.0.0.1:PROXY_PORT in this (the cell's) network namespace, sent over the
+    hand-off channel to the supervisor, which has it served by the proxy; we keep no copy."""
+    import _socket
+
+    from . import handoff
+    from .spec import PROXY_PORT
+
+    s = _socket.socket(_socket.AF_INET, _socket.SOCK_STREAM | _socket.SOCK_CLOEXEC)
+    try:
+        s.bind(("127.0.0.1", PROXY_PORT))
+        s.listen(128)
+        handoff.send_fd(ctl, s.fileno(), b"L")  # type: ignore[arg-type]
+    finally:
+        s.close()

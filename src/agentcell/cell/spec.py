@@ -15,7 +15,7 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Literal
 
-    NetworkMode = Literal["none", "loopback"]
+    NetworkMode = Literal["none", "loopback", "proxy"]
     IdentityMode = Literal["self", "agent", "uid"]
     LandlockMode = Literal["required", "best-effort"]
 
@@ -105,7 +105,7 @@ class CellSpec(_Frozen):
 
     __slots__ = ("identity", "rw_paths", "ro_paths", "masked_paths", "system_paths", "scratch_dir", "home_dir",
                  "network", "env", "cwd", "hostname", "landlock", "landlock_min_abi", "memory_max", "cpu_percent",
-                 "pids_max", "allow_write", "cell_id")
+                 "pids_max", "allow_write", "egress", "cell_id")
     identity: Identity
     rw_paths: tuple[str, ...]
     ro_paths: tuple[str, ...]
@@ -123,6 +123,7 @@ class CellSpec(_Frozen):
     cpu_percent: int | None  # of one core; None: not capped
     pids_max: int | None  # tasks; None: the default (4096)
     allow_write: tuple[str, ...]  # protected paths (cell/protect.py) the policy lets the command write
+    egress: tuple[str, ...]  # network "proxy": its rules as text (agentcell.network.rules)
     cell_id: str  # a label for reports; two specs that differ only here launch identical cells
 
     def __init__(self, identity: Identity, *, rw_paths: tuple[str, ...] = (), ro_paths: tuple[str, ...] = (),
@@ -131,12 +132,13 @@ class CellSpec(_Frozen):
                  env: tuple[tuple[str, str], ...] = (), cwd: str | None = None, hostname: str = CELL_HOSTNAME,
                  landlock: LandlockMode = "required", landlock_min_abi: int = 1, memory_max: int | None = None,
                  cpu_percent: int | None = None, pids_max: int | None = None, allow_write: tuple[str, ...] = (),
-                 cell_id: str = "") -> None:
+                 egress: tuple[str, ...] = (), cell_id: str = "") -> None:
         self._init(identity=identity, rw_paths=tuple(rw_paths), ro_paths=tuple(ro_paths),
                    masked_paths=tuple(masked_paths), system_paths=tuple(system_paths), scratch_dir=scratch_dir,
                    home_dir=home_dir, network=network, env=tuple((str(k), str(v)) for k, v in env), cwd=cwd,
                    hostname=hostname, landlock=landlock, landlock_min_abi=landlock_min_abi, memory_max=memory_max,
-                   cpu_percent=cpu_percent, pids_max=pids_max, allow_write=tuple(allow_write), cell_id=cell_id)
+                   cpu_percent=cpu_percent, pids_max=pids_max, allow_write=tuple(allow_write), egress=tuple(egress),
+                   cell_id=cell_id)
 
     def _key(self) -> tuple[object, ...]:
         return tuple(getattr(self, k) for k in self.__slots__ if k != "cell_id")
@@ -147,7 +149,23 @@ class CellSpec(_Frozen):
         return CellSpec(**values)  # type: ignore[arg-type]
 
     def environ(self) -> dict[str, str]:
-        return dict(self.env)
+        """The command's environment; with the proxy, where to find it (unless set explicitly)."""
+        env = dict(self.env)
+        if self.network == "proxy":
+            env = {**proxy_environment(), **env}
+        return env
+
+
+PROXY_PORT = 3128  # inside the cell's own network namespace: nothing else listens there
+
+
+def proxy_environment() -> dict[str, str]:
+    """What tools read to find the cell's proxy (both spellings; SOCKS with names resolved there)."""
+    http = f"http://127.0.0.1:{PROXY_PORT}"
+    env = {"HTTP_PROXY": http, "HTTPS_PROXY": http, "ALL_PROXY": f"socks5h://127.0.0.1:{PROXY_PORT}",
+           "NO_PROXY": "localhost,127.0.0.1,::1"}
+    env.update({k.lower(): v for k, v in env.items()})
+    return env
 
 
 def new_cell_id() -> str:

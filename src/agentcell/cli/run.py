@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from argparse import Namespace
     from typing import Any
 
+    from ..cell.launch import Running
     from .common import Parser
 else:  # see cell/launch.py
     import _signal as signal
@@ -32,7 +33,16 @@ OPTIONS: tuple[tuple[str, str, str, str, str], ...] = (
     ("--scratch", "scratch", "value", "DIR", "back the cell's writable /scratch with host DIR"),
     ("--tmpfs-scratch", "tmpfs_scratch", "flag", "", "a private tmpfs at /scratch (the default)"),
     ("--home", "home", "value", "DIR", "back the cell's $HOME with host DIR (kept across runs); default a tmpfs"),
-    ("--net", "net", "value", "MODE", "network: none (default) or loopback only"),
+    ("--net", "net", "value", "MODE", "network: none (default), loopback only, or proxy (allow-listed domains)"),
+    ("--allow-domain", "allow_domain", "append", "PATTERN[:PORT]", "with --net proxy: a domain the cell may reach "
+     "(*.example.com for names below it; port 80 and 443 unless given; :* for any)"),
+    ("--deny-domain", "deny_domain", "append", "PATTERN[:PORT]", "with --net proxy: never this domain (wins)"),
+    ("--allow-preset", "allow_preset", "append", "NAME", "with --net proxy: a named allow-list (claude_code, codex, "
+     "opencode, cursor, aider, gemini, pypi, npm, crates, go, github)"),
+    ("--allow-range", "allow_range", "append", "CIDR", "with --net proxy: let names resolve into this non-public "
+     "range"),
+    ("--resolver", "resolver", "value", "ADDR[:PORT]", "with --net proxy: the DNS server the proxy asks (default: "
+     "the host's resolver and /etc/hosts)"),
     ("--as", "as_", "value", "WHO", "self (default), agent:NAME or UID (root only)"),
     ("--env", "env", "append", "K=V", "set a variable in the cell (argv is public: pass secrets by --keep-env)"),
     ("--keep-env", "keep_env", "append", "NAME", "pass the host's NAME through"),
@@ -48,7 +58,7 @@ OPTIONS: tuple[tuple[str, str, str, str, str], ...] = (
     ("--landlock", "landlock", "value", "MODE", "required (default: refuse to run without Landlock) or best-effort"),
     ("--no-warm", "no_warm", "flag", "", "build the cell here even if a warm launcher runs (agentcell warm)"),
 )
-NET_MODES = ("none", "loopback")
+NET_MODES = ("none", "loopback", "proxy")
 LANDLOCK_MODES = ("required", "best-effort")
 
 
@@ -56,6 +66,11 @@ class Args:
     """Parsed options (attribute per dest), filled by :func:`fast_parse` or argparse."""
 
     rw: list[str]
+    allow_domain: list[str]
+    deny_domain: list[str]
+    allow_preset: list[str]
+    allow_range: list[str]
+    resolver: str | None
     ro: list[str]
     vault_ro: list[str]
     mask: list[str]
@@ -218,14 +233,29 @@ def build_spec(ns: Args | Namespace) -> CellSpec:
         if why:
             raise AgentcellError("--allow-write", why)
     return CellSpec(
+        egress=_egress(ns),
         allow_write=allow_write,
         memory_max=memory_max, cpu_percent=cpu_percent, pids_max=pids_max,
         identity=ident, rw_paths=rw, ro_paths=ro, masked_paths=masked, scratch_dir=scratch, home_dir=home,
-        network="loopback" if ns.net == "loopback" else "none",
+        network="proxy" if ns.net == "proxy" else "loopback" if ns.net == "loopback" else "none",
         env=rs.build_env(os.environ, ident, ns.env, ns.keep_env), cwd=cwd,
         landlock="best-effort" if ns.landlock == "best-effort" else "required",
         cell_id=new_cell_id(),
     )
+
+
+def _egress(ns: Args | Namespace) -> tuple[str, ...]:
+    """The proxy's rules as text, checked now (a bad pattern is a one-line error before anything runs)."""
+    given = ns.allow_domain or ns.deny_domain or ns.allow_preset or ns.allow_range or ns.resolver
+    if ns.net != "proxy":
+        if given:
+            raise AgentcellError("--net", "--allow-domain, --deny-domain, --allow-preset, --allow-range and "
+                                 "--resolver apply to the proxy", "add --net proxy")
+        return ()
+    from ..network import presets, rules
+
+    return rules.compile_rules([*presets.expand(ns.allow_preset), *ns.allow_domain], ns.deny_domain,
+                               ns.allow_range, ns.resolver)
 
 
 _UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
@@ -355,6 +385,21 @@ def _run_here(spec: CellSpec, command: list[str], timeout: float | None, ttys: t
         stdio[0] = os.open(os.devnull, os.O_RDONLY)
         ttys = tuple(fd for fd in ttys if fd != 0)
     running = launch.start(spec, command, stdio=stdio, tty_fds=ttys)
+    proxy = None
+    if running.egress_fd is not None:
+        from ..network import egress
+
+        proxy = egress.ProxyProcess(running.egress_fd, spec.egress)
+    try:
+        result = _wait_here(running, timeout, interactive)
+    finally:
+        blocked = proxy.stop() if proxy is not None else []
+    if spec.network == "proxy":
+        result["egress_blocked"] = blocked
+    return result
+
+
+def _wait_here(running: Running, timeout: float | None, interactive: bool) -> dict[str, Any]:
     relay = terminal.Relay(running.pty_master, interactive) if running.pty_master is not None else None
 
     def forward(sig: int, _frame: object) -> None:
@@ -396,7 +441,7 @@ def execute(ns: Args | Namespace) -> int:
         started_ns = time.time_ns() - 100_000_000  # file times are coarse (a tick or so): some slack
         surface_before, truncated_before = protect.surface(spec.rw_paths)
         result = None
-        if not ttys and not ns.no_warm:  # the warm launcher never gets a terminal: those runs relay here
+        if not ttys and not ns.no_warm and spec.network != "proxy":  # a terminal or a proxy: served here
             from ..cell import warm
 
             result = warm.run(spec, command, ns.timeout)
@@ -434,6 +479,10 @@ def execute(ns: Args | Namespace) -> int:
         sys.stderr.write(f"{PROG}: warning: the command {what} {_shown(path)}, which decides what git, your "
                          "shell or your agent runs (hooks, git or harness config); review it before you use the "
                          "project\n")
+    if result.get("egress_blocked"):
+        from ..network import egress
+
+        sys.stderr.write(f"{PROG}: {egress.summary(result['egress_blocked'])}\n")
     if truncated:
         sys.stderr.write(f"{PROG}: warning: the writable paths hold more than the protected-path scan covers "
                          f"({protect.MAX_DEPTH} levels, {protect.MAX_DIRS} directories): repositories and agent "

@@ -135,7 +135,26 @@ def compile_plan(plan: SessionPlan, *, environ: Mapping[str, str], euid: int | N
         landlock=plan.landlock,
         landlock_min_abi=plan.landlock_min_abi,
         allow_write=_allowed_writes(plan.allow_write, rw, host_cwd),
+        egress=_egress(plan),
     )
+
+
+def _egress(plan: SessionPlan) -> tuple[str, ...]:
+    given = plan.allow_domains or plan.deny_domains or plan.allow_presets or plan.allow_ranges or plan.resolver
+    if plan.network != "proxy":
+        if given:
+            raise PolicyError("network", "allow_domains, deny_domains, allow_presets, allow_ranges and resolver "
+                              "apply to the proxy", 'set network = "proxy"')
+        return ()
+    from ..network import presets, rules
+
+    fields = {"--allow-domain": "allow_domains", "--deny-domain": "deny_domains", "--allow-preset": "allow_presets",
+              "--allow-range": "allow_ranges", "--resolver": "resolver"}
+    try:
+        return rules.compile_rules([*presets.expand(plan.allow_presets), *plan.allow_domains], plan.deny_domains,
+                                   plan.allow_ranges, plan.resolver)
+    except PolicyError as e:
+        raise PolicyError(fields.get(e.field, e.field), e.problem, e.fix) from None
 
 
 def _anchor(path: str, base: str | None, key: str) -> str:

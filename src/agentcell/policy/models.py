@@ -73,6 +73,13 @@ class SessionPlan(BaseModel):
     landlock: LandlockMode = "required"
     landlock_min_abi: StrictInt = Field(default=1, ge=1, le=64)
     allow_write: list[str] = Field(default_factory=list)  # protected paths the command may write
+    # network = "proxy": the domain allow-list (agentcell.network.rules), named lists, ranges a name
+    # may resolve into, and the proxy's DNS server (default: the host's resolver).
+    allow_domains: list[str] = Field(default_factory=list)
+    deny_domains: list[str] = Field(default_factory=list)
+    allow_presets: list[str] = Field(default_factory=list)
+    allow_ranges: list[str] = Field(default_factory=list)
+    resolver: str | None = None
 
 
 class IdentityModel(BaseModel):
@@ -126,12 +133,12 @@ class SandboxPolicy(BaseModel):
     landlock: LandlockMode = "required"
     landlock_min_abi: StrictInt = Field(default=1, ge=1, le=64)
     allow_write: tuple[str, ...] = ()
+    egress: tuple[str, ...] = ()  # network = "proxy": its rules as text
 
     def to_cell_spec(self) -> CellSpec:
         """The launcher's view (the wall clock is the supervisor's to enforce, not the spec's)."""
-        if self.network not in ("none", "loopback"):
-            raise PolicyError("network", f"'{self.network}' cannot be launched yet",
-                              "proxy and host-firewall arrive with the egress layer")
+        if self.network == "host-firewall":
+            raise PolicyError("network", "'host-firewall' cannot be launched yet", "use network = \"proxy\"")
         return CellSpec(
             identity=self.identity.to_identity(),
             rw_paths=self.rw_paths,
@@ -139,7 +146,8 @@ class SandboxPolicy(BaseModel):
             masked_paths=self.masked_paths,
             scratch_dir=self.scratch_dir,
             home_dir=self.home_dir,
-            network="loopback" if self.network == "loopback" else "none",
+            network="proxy" if self.network == "proxy" else "loopback" if self.network == "loopback" else "none",
+            egress=self.egress,
             env=self.env,
             cwd=self.cwd,
             landlock=self.landlock,

@@ -1,0 +1,61 @@
+"""Starting a cell's proxy, stopping it, and reading what it refused.
+
+The supervisor (``agentcell run``) gets the listening socket from the cell (made inside the cell's
+network namespace, see ``cell/launch.py``), passes it to a proxy process of its own, and kills that
+process by PID when the cell has ended. Refusals arrive as JSON lines in an unlinked file (a pipe
+could fill up and stall the proxy while nobody reads it).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from typing import Any
+
+from ..cell.spec import PROXY_PORT, proxy_environment
+
+__all__ = ["PROXY_PORT", "ProxyProcess", "proxy_environment", "summary"]
+
+
+class ProxyProcess:
+    def __init__(self, listen_fd: int, rules: tuple[str, ...]) -> None:
+        # Held for the proxy's whole life and closed in stop(): no with-block fits.
+        self.events_file = tempfile.TemporaryFile(mode="w+b", prefix="agentcell-egress-")  # noqa: SIM115
+        argv = [sys.executable, "-I", "-c", "import sys; from agentcell.network.proxy import main; main(sys.argv[1:])",
+                "--listen-fd", str(listen_fd), "--events-fd", str(self.events_file.fileno()),
+                "--rules", json.dumps(list(rules)), "--parent", str(os.getpid())]
+        self.proc = subprocess.Popen(argv, pass_fds=(listen_fd, self.events_file.fileno()), cwd="/",
+                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                     env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"})
+        os.close(listen_fd)  # the proxy holds it now: the cell's way out is that process, nothing else
+
+    def stop(self) -> list[dict[str, Any]]:
+        """End the proxy (it has no work once its cell is gone) and return its refusals."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        self.events_file.seek(0)
+        events = []
+        for line in self.events_file.read().decode(errors="replace").splitlines():
+            try:
+                events.append(json.loads(line))
+            except ValueError:
+                continue
+        self.events_file.close()
+        return events
+
+
+def summary(events: list[dict[str, Any]]) -> str:
+    """``blocked: a:443 (3×), b:80 — add --allow-domain a to allow`` (one line; empty if none)."""
+    if not events:
+        return ""
+    counts: dict[str, int] = {}
+    for e in events:
+        counts[str(e.get("target"))] = counts.get(str(e.get("target")), 0) + 1
+    shown = ", ".join(f"{t}" + (f" ({n}x)" if n > 1 else "") for t, n in list(counts.items())[:8])
+    more = f" and {len(counts) - 8} more" if len(counts) > 8 else ""
+    first = str(events[0].get("reason", ""))
+    hint = first[first.find("add "):] if "add " in first else first
+    return f"blocked: {shown}{more} — {hint}"

@@ -1,0 +1,287 @@
+"""The egress proxy: the only way out of a ``--net proxy`` cell.
+
+One listening socket serves HTTP CONNECT, plain HTTP with an absolute URI (one request per
+connection: ``Connection: close``), and SOCKS5 CONNECT with names resolved here (``socks5h``); the
+first byte tells which (0x05 is SOCKS). The socket was made *inside* the cell's network namespace
+(127.0.0.1:3128, whose only interface is ``lo``) and handed to this process, which lives in the
+host's network namespace: the cell reaches nothing but this listener, with no link, route or
+firewall rule to get wrong.
+
+Every destination is checked by name first (:mod:`.rules`), resolved here only (the host's resolver,
+``/etc/hosts`` included, or ``--resolver``), and every address it resolves to is checked again (no
+private, loopback or metadata address unless an --allow-range covers it); the connection goes to
+that checked address, so a second resolution cannot rebind it. Each refusal is written as one JSON
+line to the events fd (what the escape monitor consumes, and what ``agentcell run`` summarises).
+
+Run as ``python -m agentcell.network.proxy --listen-fd N --events-fd M --rules JSON``; as root it
+first becomes ``nobody`` with no_new_privs: it parses what the agent sends.
+"""
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import json
+import os
+import socket
+import struct
+import sys
+import time
+from collections.abc import Awaitable, Callable
+
+from .rules import Address, Policy
+
+CONNECT_TIMEOUT_S = 10.0
+MAX_EVENTS = 10_000
+HEADER_LIMIT = 64 * 1024
+BUFFER = 256 * 1024
+
+Resolve = Callable[[str, int], Awaitable[list[Address]]]
+
+
+class Refused(Exception):
+    def __init__(self, why: str, code: int = 403) -> None:
+        super().__init__(why)
+        self.why, self.code = why, code
+
+
+async def system_resolve(host: str, port: int) -> list[Address]:
+    infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    return list(dict.fromkeys(ipaddress.ip_address(i[4][0]) for i in infos))
+
+
+def dns_resolver(server: tuple[str, int]) -> Resolve:
+    """Resolve A and AAAA records with one DNS server (dnspython), never the host's configuration."""
+    import dns.asyncresolver
+    import dns.exception
+    import dns.resolver
+
+    resolver = dns.asyncresolver.Resolver(configure=False)
+    resolver.nameservers = [server[0]]
+    resolver.port = server[1]
+    resolver.lifetime = 5.0
+
+    async def resolve(host: str, port: int) -> list[Address]:
+        out: list[Address] = []
+        for rdtype in ("A", "AAAA"):
+            try:
+                answer = await resolver.resolve(host, rdtype)
+            except (dns.resolver.NXDOMAIN, dns.resolver.NoAnswer, dns.resolver.NoNameservers,
+                    dns.exception.Timeout):
+                continue
+            out += [ipaddress.ip_address(r.to_text()) for r in answer]
+        return out
+    return resolve
+
+
+class Proxy:
+    def __init__(self, policy: Policy, events: Callable[[dict[str, object]], None],
+                 resolve: Resolve | None = None) -> None:
+        self.policy, self.events = policy, events
+        self.resolve = resolve or (dns_resolver(policy.resolver) if policy.resolver else system_resolve)
+
+    # ---- the decision ----------------------------------------------------------------------------
+
+    async def open(self, host: str, port: int, how: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """Check, resolve, check again, connect to the checked address; Refused otherwise."""
+        ok, why = self.policy.name_verdict(host, port)
+        if not ok:
+            raise self._refuse(host, port, how, why)
+        literal = _literal(host)
+        try:
+            addrs = [literal] if literal is not None else await self.resolve(host.rstrip("."), port)
+        except (OSError, UnicodeError) as e:
+            raise self._refuse(host, port, how, f"cannot resolve: {e}", 502) from None
+        if not addrs:
+            raise self._refuse(host, port, how, "the name does not resolve", 502)
+        allowed = []
+        for addr in addrs:
+            good, bad = self.policy.address_verdict(addr)
+            if not good:
+                raise self._refuse(host, port, how, bad)  # any bad address refuses the name: no rebinding
+            allowed.append(addr)
+        last: OSError | None = None
+        for addr in allowed:
+            try:
+                return await asyncio.wait_for(asyncio.open_connection(str(addr), port, limit=BUFFER),
+                                              CONNECT_TIMEOUT_S)
+            except OSError as e:  # TimeoutError included
+                last = e
+        raise Refused(f"{host}:{port} unreachable ({last})", 502)
+
+    def _refuse(self, host: str, port: int, how: str, why: str, code: int = 403) -> Refused:
+        self.events({"ts": time.time(), "operation": "network", "source": "proxy", "target": f"{host}:{port}",
+                     "protocol": how, "reason": why})
+        return Refused(why, code)
+
+    # ---- the protocols -----------------------------------------------------------------------------
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            first = await reader.readexactly(1)
+            if first == b"\x05":
+                await self._socks5(reader, writer)
+            else:
+                await self._http(first, reader, writer)
+        except (asyncio.IncompleteReadError, ConnectionError, asyncio.LimitOverrunError, ValueError):
+            pass
+        finally:
+            writer.close()
+
+    async def _http(self, first: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = first + await reader.readuntil(b"\r\n\r\n")
+        if len(head) > HEADER_LIMIT:
+            return
+        lines = head.decode("latin-1").split("\r\n")
+        method, _, rest = lines[0].partition(" ")
+        target, _, version = rest.partition(" ")
+        if method == "CONNECT":
+            host, port = _split_hostport(target, 443)
+            try:
+                up_r, up_w = await self.open(host, port, "http-connect")
+            except Refused as e:
+                writer.write(f"HTTP/1.1 {e.code} Blocked by agentcell\r\nContent-Type: text/plain\r\n"
+                             f"Connection: close\r\n\r\nagentcell: {e.why}\n".encode())
+                await writer.drain()
+                return
+            writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
+            await writer.drain()
+            await _pipe(reader, writer, up_r, up_w)
+            return
+        if not target.lower().startswith("http://"):
+            writer.write(b"HTTP/1.1 400 Bad Request\r\nConnection: close\r\n\r\nagentcell: use an absolute URI or "
+                         b"CONNECT\n")
+            await writer.drain()
+            return
+        hostport, _, path = target[7:].partition("/")
+        host, port = _split_hostport(hostport, 80)
+        try:
+            up_r, up_w = await self.open(host, port, "http")
+        except Refused as e:
+            writer.write(f"HTTP/1.1 {e.code} Blocked by agentcell\r\nContent-Type: text/plain\r\n"
+                         f"Connection: close\r\n\r\nagentcell: {e.why}\n".encode())
+            await writer.drain()
+            return
+        headers = [h for h in lines[1:] if h and not h.lower().startswith(("proxy-", "connection:", "keep-alive:"))]
+        up_w.write((f"{method} /{path} {version}\r\n" + "".join(f"{h}\r\n" for h in headers)
+                    + "Connection: close\r\n\r\n").encode("latin-1"))
+        await _pipe(reader, writer, up_r, up_w)
+
+    async def _socks5(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        n = (await reader.readexactly(1))[0]
+        methods = await reader.readexactly(n)
+        if 0 not in methods:
+            writer.write(b"\x05\xff")
+            return
+        writer.write(b"\x05\x00")
+        ver, cmd, _rsv, atyp = await reader.readexactly(4)
+        if atyp == 1:
+            host = str(ipaddress.IPv4Address(await reader.readexactly(4)))
+        elif atyp == 4:
+            host = str(ipaddress.IPv6Address(await reader.readexactly(16)))
+        elif atyp == 3:
+            host = (await reader.readexactly((await reader.readexactly(1))[0])).decode("idna")
+        else:
+            writer.write(b"\x05\x08\x00\x01" + bytes(6))
+            return
+        port = struct.unpack("!H", await reader.readexactly(2))[0]
+        if ver != 5 or cmd != 1:  # only CONNECT: no BIND, no UDP ASSOCIATE
+            self._refuse(host, port, "socks5", "only TCP CONNECT goes through the proxy (no UDP, no BIND)")
+            writer.write(b"\x05\x07\x00\x01" + bytes(6))
+            return
+        try:
+            up_r, up_w = await self.open(host, port, "socks5")
+        except Refused as e:
+            writer.write((b"\x05\x02" if e.code == 403 else b"\x05\x04") + b"\x00\x01" + bytes(6))
+            return
+        writer.write(b"\x05\x00\x00\x01" + bytes(6))
+        await writer.drain()
+        await _pipe(reader, writer, up_r, up_w)
+
+
+def _literal(host: str) -> Address | None:
+    try:
+        return ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return None
+
+
+def _split_hostport(text: str, default: int) -> tuple[str, int]:
+    if text.startswith("["):
+        host, _, rest = text[1:].partition("]")
+        port = rest.removeprefix(":")
+    elif text.count(":") == 1:
+        host, port = text.split(":")
+    else:
+        host, port = text, ""
+    if port and not port.isdigit():
+        raise ValueError(f"bad port in {text!r}")
+    return host, int(port) if port else default
+
+
+async def _pipe(cr: asyncio.StreamReader, cw: asyncio.StreamWriter, ur: asyncio.StreamReader,
+                uw: asyncio.StreamWriter) -> None:
+    async def one_way(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        try:
+            while chunk := await r.read(BUFFER):
+                w.write(chunk)
+                await w.drain()
+            if w.can_write_eof():
+                w.write_eof()
+        except (ConnectionError, OSError):
+            pass
+
+    try:
+        await asyncio.gather(one_way(cr, uw), one_way(ur, cw))
+    finally:
+        uw.close()
+
+
+# ---- the process ----------------------------------------------------------------------------------
+
+def _become_nobody() -> None:
+    if os.geteuid() != 0:
+        return
+    os.setgroups([])
+    os.setresgid(65534, 65534, 65534)
+    os.setresuid(65534, 65534, 65534)
+
+
+async def serve(listen_fd: int, policy: Policy, events_fd: int) -> None:
+    out = os.fdopen(events_fd, "w", buffering=1)
+    written = 0
+
+    def record(event: dict[str, object]) -> None:
+        nonlocal written
+        written += 1
+        if written > MAX_EVENTS:  # an agent refused in a loop must not fill the disk
+            return
+        try:
+            out.write(json.dumps(event if written < MAX_EVENTS else
+                                 {**event, "reason": f"{event['reason']} (and later refusals not recorded)"}) + "\n")
+        except OSError:
+            pass
+
+    proxy = Proxy(policy, record)
+    listener = socket.socket(fileno=listen_fd)
+    server = await asyncio.start_server(proxy.handle, sock=listener, limit=HEADER_LIMIT)
+    async with server:
+        await server.serve_forever()
+
+
+def main(argv: list[str]) -> None:
+    import ctypes
+
+    opts = dict(zip(argv[::2], argv[1::2], strict=False))
+    libc = ctypes.CDLL(None, use_errno=True)
+    parent = int(opts["--parent"])
+    _become_nobody()
+    libc.prctl(1, 9, 0, 0, 0)  # PR_SET_PDEATHSIG SIGKILL (after the uid change, which clears it)
+    if os.getppid() != parent:
+        sys.exit(0)  # the agentcell that started us is already gone
+    libc.prctl(38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS
+    policy = Policy.from_rules(json.loads(opts["--rules"]))
+    asyncio.run(serve(int(opts["--listen-fd"]), policy, int(opts["--events-fd"])))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

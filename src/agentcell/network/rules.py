@@ -1,0 +1,165 @@
+"""Egress rules: which destinations the proxy may connect a cell to. Pure: no I/O, no sockets.
+
+A rule is a domain pattern with an optional port: ``example.com`` (that name), ``*.example.com`` (any
+name below it, not the name itself), ``*`` (every name: an allow-all that still refuses private
+addresses); ``:443``, ``:*`` (any port). Without a port a rule covers 80 and 443 (HTTP and HTTPS).
+Deny rules win over allow rules. IP addresses and networks are never matched by a domain rule: an
+IP literal destination, and a name that resolves into a non-public range (loopback, private,
+link-local — the cloud metadata address 169.254.169.254 among them —, carrier NAT, benchmark,
+documentation, multicast, unspecified), is refused unless an ``--allow-range CIDR`` covers it.
+
+Rules travel in the cell's spec as text (``allow:PATTERN``, ``deny:PATTERN``, ``range:CIDR``,
+``resolver:ADDR[:PORT]``), so a spec stays a flat, serialisable value.
+"""
+from __future__ import annotations
+
+import ipaddress
+
+from ..errors import PolicyError
+
+DEFAULT_PORTS = (80, 443)
+ANY_PORT = -1
+_LABEL_CHARS = frozenset("abcdefghijklmnopqrstuvwxyz0123456789-_")
+
+Address = ipaddress.IPv4Address | ipaddress.IPv6Address
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+class Pattern:
+    """One domain rule: ``host`` (lower case, no trailing dot), ``wildcard`` for ``*.host``, ``ports``."""
+
+    __slots__ = ("text", "host", "wildcard", "ports")
+
+    def __init__(self, text: str, host: str, wildcard: bool, ports: tuple[int, ...]) -> None:
+        self.text, self.host, self.wildcard, self.ports = text, host, wildcard, ports
+
+    def matches(self, host: str, port: int) -> bool:
+        if self.ports != (ANY_PORT,) and port not in self.ports:
+            return False
+        if self.host == "*":
+            return True
+        if self.wildcard:
+            return host.endswith("." + self.host)
+        return host == self.host
+
+
+def normalise_host(host: str) -> str:
+    return host.strip().rstrip(".").lower()
+
+
+def parse_pattern(text: str, field: str = "--allow-domain") -> Pattern:
+    """``PATTERN[:PORT]``; a clear one-line error for anything else."""
+    raw = text.strip()
+    host, sep, port_text = raw.rpartition(":") if ":" in raw else (raw, "", "")
+    if not sep:
+        host = raw
+    host = normalise_host(host)
+    if sep:
+        if port_text == "*":
+            ports: tuple[int, ...] = (ANY_PORT,)
+        elif port_text.isdigit() and 0 < int(port_text) < 65536:
+            ports = (int(port_text),)
+        else:
+            raise PolicyError(field, f"'{text}': the port must be a number 1-65535 or *", "e.g. example.com:8443")
+    else:
+        ports = DEFAULT_PORTS
+    wildcard = host.startswith("*.")
+    name = host[2:] if wildcard else host
+    if name != "*":
+        labels = name.split(".")
+        if not name or any(not label or not set(label) <= _LABEL_CHARS for label in labels) or _is_ip(name):
+            raise PolicyError(field, f"'{text}' is not a domain pattern",
+                              "use a name like example.com or *.example.com (addresses: --allow-range CIDR)")
+    return Pattern(text, name, wildcard, ports)
+
+
+def parse_range(text: str, field: str = "--allow-range") -> Network:
+    try:
+        return ipaddress.ip_network(text.strip(), strict=False)
+    except ValueError:
+        raise PolicyError(field, f"'{text}' is not an address or network", "e.g. 10.1.2.0/24 or fd00::/8") from None
+
+
+def parse_resolver(text: str, field: str = "--resolver") -> tuple[str, int]:
+    raw = text.strip()
+    if raw.startswith("["):  # [v6]:port
+        addr, _, rest = raw[1:].partition("]")
+        port = rest.removeprefix(":") or "53"
+    elif raw.count(":") == 1:
+        addr, port = raw.split(":")
+    else:
+        addr, port = raw, "53"
+    if not _is_ip(addr) or not port.isdigit() or not 0 < int(port) < 65536:
+        raise PolicyError(field, f"'{text}' is not ADDR[:PORT]", "e.g. 192.0.2.53 or [2001:db8::53]:5353")
+    return addr, int(port)
+
+
+def _is_ip(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+        return True
+    except ValueError:
+        return False
+
+
+class Policy:
+    """The compiled rules of one cell."""
+
+    def __init__(self, allow: list[Pattern], deny: list[Pattern], ranges: list[Network],
+                 resolver: tuple[str, int] | None) -> None:
+        self.allow, self.deny, self.ranges, self.resolver = allow, deny, ranges, resolver
+
+    @classmethod
+    def from_rules(cls, rules: tuple[str, ...] | list[str]) -> Policy:
+        allow, deny, ranges, resolver = [], [], [], None
+        for rule in rules:
+            kind, _, value = rule.partition(":")
+            if kind == "allow":
+                allow.append(parse_pattern(value))
+            elif kind == "deny":
+                deny.append(parse_pattern(value, "--deny-domain"))
+            elif kind == "range":
+                ranges.append(parse_range(value))
+            elif kind == "resolver":
+                resolver = parse_resolver(value)
+            else:
+                raise PolicyError("egress", f"unknown rule '{rule}'", "allow:, deny:, range: or resolver:")
+        return cls(allow, deny, ranges, resolver)
+
+    def name_verdict(self, host: str, port: int) -> tuple[bool, str]:
+        """(allowed, why) for a destination named by the client, before any resolution."""
+        host = normalise_host(host)
+        if _is_ip(host.strip("[]")):
+            addr = ipaddress.ip_address(host.strip("[]"))
+            if self.range_allows(addr):
+                return True, f"address {addr} in --allow-range"
+            return False, f"an address, not a name: add --allow-range {addr} to allow it"
+        for p in self.deny:
+            if p.matches(host, port):
+                return False, f"denied by --deny-domain {p.text}"
+        for p in self.allow:
+            if p.matches(host, port):
+                return True, f"allowed by --allow-domain {p.text}"
+        return False, f"not on the allow-list: add --allow-domain {host}" + (
+            "" if port in DEFAULT_PORTS else f":{port}") + " to allow it"
+
+    def range_allows(self, addr: Address) -> bool:
+        return any(addr in net for net in self.ranges)
+
+    def address_verdict(self, addr: Address) -> tuple[bool, str]:
+        """(allowed, why) for an address a name resolved to: public, or in an --allow-range."""
+        if self.range_allows(addr):
+            return True, ""
+        if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+            return self.address_verdict(addr.ipv4_mapped)
+        if not addr.is_global or addr.is_multicast:
+            return False, f"resolves to {addr}, which is not a public address (add --allow-range {addr} to allow it)"
+        return True, ""
+
+
+def compile_rules(allow: list[str], deny: list[str], ranges: list[str], resolver: str | None) -> tuple[str, ...]:
+    """The rules as the spec carries them, each checked now (bad input: one line naming the field)."""
+    text = ([f"allow:{p}" for p in allow] + [f"deny:{p}" for p in deny] + [f"range:{r}" for r in ranges]
+            + ([f"resolver:{resolver}"] if resolver else []))
+    Policy.from_rules(text)
+    return tuple(text)

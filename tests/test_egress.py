@@ -1,0 +1,181 @@
+"""--net proxy (issue 5) against a fake internet the tests build (tests/fakenet.py): test hosts on
+198.18.0.0/15 and fd00:ac::/32 in a network namespace of their own, and a DNS server for them. No
+traffic leaves this machine."""
+from __future__ import annotations
+
+import os
+import secrets
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from agentcell.network import rules
+from conftest import User, agentcell_run, needs_root
+from fakenet import DNS4, GOOD4, GOOD6, FakeInternet, leftovers
+
+pytestmark = needs_root
+
+RANGES = ["--allow-range", "198.18.0.0/15", "--allow-range", "fd00:ac::/32"]
+BASE = ["--net", "proxy", "--resolver", DNS4, *RANGES]
+
+
+@pytest.fixture(scope="module")
+def inet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FakeInternet]:
+    fake = FakeInternet(tmp_path_factory.mktemp("inet"))
+    try:
+        yield fake
+    finally:
+        fake.close()
+        assert leftovers(fake) == []
+
+
+def proxied(user: User, *args: str, cmd: list[str]) -> tuple[int, str, str, list[dict[str, object]]]:
+    r = agentcell_run(["--as", str(user.uid), *BASE, *args, "--", *cmd], timeout=60)
+    return r.rc, r.out, r.err, list(r.result.get("egress_blocked", []))  # type: ignore[arg-type]
+
+
+PY_CONNECT = r'''
+import os, socket, sys
+host, port, path = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+s = socket.create_connection(("127.0.0.1", 3128), timeout=10)
+s.sendall(f"CONNECT {host}:{port} HTTP/1.1\r\nHost: {host}:{port}\r\n\r\n".encode())
+head = s.recv(4096)
+print(head.split(b"\r\n")[0].decode())
+if b" 200 " in head:
+    s.sendall(f"GET {path} HTTP/1.0\r\nHost: {host}\r\n\r\n".encode())
+    print(s.recv(65536).split(b"\r\n\r\n", 1)[1].decode().strip())
+'''
+
+PY_DIRECT = r'''
+import socket, sys
+for fam, addr in ((socket.AF_INET, ("198.18.1.10", 443)), (socket.AF_INET6, ("fd00:ac:1::10", 443))):
+    try:
+        socket.socket(fam).connect(addr); print("TCP", addr[0], "CONNECTED")
+    except OSError as e:
+        print("TCP", addr[0], "failed", e.errno)
+for fam, addr in ((socket.AF_INET, ("198.18.0.53", 53)), (socket.AF_INET6, ("fd00:ac:1::10", 53))):
+    try:
+        socket.socket(fam, socket.SOCK_DGRAM).sendto(b"x", addr); print("UDP", addr[0], "SENT")
+    except OSError as e:
+        print("UDP", addr[0], "failed", e.errno)
+'''
+
+
+def test_an_allowed_domain_is_reachable_every_way(user: User, inet: FakeInternet) -> None:
+    rc, out, err, blocked = proxied(user, "--allow-domain", "good.test:*", cmd=["sh", "-c", (
+        "curl -s --max-time 10 http://good.test/ && "  # plain HTTP through HTTP_PROXY
+        "curl -s --max-time 10 -p http://good.test:443/tunnel && "  # HTTPS-style CONNECT tunnel
+        "curl -s --max-time 10 --socks5-hostname 127.0.0.1:3128 http://good.test:8443/ && "  # SOCKS5, remote names
+        f"python3 -c '{PY_CONNECT}' good.test 443 /py && "
+        "python3 -c 'import urllib.request; print(urllib.request.urlopen(\"http://good.test/\", timeout=10)"
+        ".read().decode().strip())'")])
+    assert rc == 0, err
+    assert out.split("\n") == [f"hello from {GOOD4} port 80", f"hello from {GOOD4} port 443",
+                               f"hello from {GOOD4} port 8443", "HTTP/1.1 200 Connection established",
+                               f"hello from {GOOD4} port 443", f"hello from {GOOD4} port 80"], out
+    assert blocked == []
+
+
+def test_a_denied_domain_is_refused_and_reported(user: User, inet: FakeInternet) -> None:
+    rc, out, err, blocked = proxied(user, "--allow-domain", "*.test", "--deny-domain", "evil.test", cmd=[
+        "sh", "-c", f"python3 -c '{PY_CONNECT}' evil.test 443 /; python3 -c '{PY_CONNECT}' other.example 443 /; "
+        "curl -s -o /dev/null -w '%{http_code}\\n' http://evil.test/"])
+    assert out.split("\n") == ["HTTP/1.1 403 Blocked by agentcell", "HTTP/1.1 403 Blocked by agentcell", "403"], out
+    assert [(e["target"], e["protocol"]) for e in blocked] == [
+        ("evil.test:443", "http-connect"), ("other.example:443", "http-connect"), ("evil.test:80", "http")]
+    assert "deny-domain evil.test" in str(blocked[0]["reason"])
+    assert "add --allow-domain other.example" in str(blocked[1]["reason"])
+    assert "blocked: evil.test:443, other.example:443, evil.test:80" in err
+
+
+def test_names_resolving_to_private_or_metadata_addresses_are_refused(user: User, inet: FakeInternet) -> None:
+    rc, out, err, blocked = proxied(user, "--allow-domain", "*.test:*", "--allow-domain", "loop.test:*",
+                                    "--allow-domain", "meta.test:*", "--allow-domain", "mixed.test:*", cmd=[
+        "sh", "-c", f"for h in loop.test meta.test mixed.test 127.0.0.1 169.254.169.254; do python3 -c "
+        f"'{PY_CONNECT}' $h 80 /; done"])
+    assert out.split("\n") == ["HTTP/1.1 403 Blocked by agentcell"] * 5, out
+    reasons = [str(e["reason"]) for e in blocked]
+    assert "127.0.0.1" in reasons[0] and "169.254.169.254" in reasons[1] and "10.0.0.1" in reasons[2], reasons
+
+
+def test_the_cell_has_no_other_way_out(user: User, inet: FakeInternet) -> None:
+    probe = f"cellprobe-{secrets.token_hex(4)}.test"
+    rc, out, err, blocked = proxied(user, "--allow-domain", "good.test", cmd=["sh", "-c", (
+        f"python3 -c '{PY_DIRECT}'; getent hosts {probe} || echo NO-RESOLVER; "
+        f"python3 -c 'import socket; socket.getaddrinfo(\"{probe}\", 80)' 2>/dev/null || echo NO-DNS; "
+        "ip -o addr 2>/dev/null | grep -v ' lo ' || echo ONLY-LO")])
+    lines = out.split("\n")
+    assert all("failed" in line for line in lines[:4]), out  # TCP and UDP, IPv4 and IPv6
+    assert lines[4:] == ["NO-RESOLVER", "NO-DNS", "ONLY-LO"], out
+    assert all(name != probe for name, _peer in inet.dns_queries())  # nothing reached the DNS server
+
+
+def test_ipv6_destinations_go_through_the_proxy_only(user: User, inet: FakeInternet) -> None:
+    rc, out, err, blocked = proxied(user, "--allow-domain", "good6.test", cmd=[
+        "python3", "-c", PY_CONNECT, "good6.test", "443", "/v6"])
+    assert out.split("\n") == ["HTTP/1.1 200 Connection established", f"hello from {GOOD6} port 443"], out
+
+
+def test_udp_associate_is_refused_and_reported(user: User, inet: FakeInternet) -> None:
+    code = ("import socket\ns = socket.create_connection(('127.0.0.1', 3128))\ns.sendall(b'\\x05\\x01\\x00')\n"
+            "s.recv(2)\ns.sendall(b'\\x05\\x03\\x00\\x01' + bytes([198, 18, 0, 53]) + (53).to_bytes(2, 'big'))\n"
+            "print(s.recv(10)[1])")
+    rc, out, err, blocked = proxied(user, "--allow-domain", "good.test", cmd=["python3", "-c", code])
+    assert out.strip() == "7" and blocked and "UDP" in str(blocked[0]["reason"]), (out, blocked)
+
+
+def test_nothing_is_left_behind(user: User, inet: FakeInternet) -> None:
+    before = set(os.listdir("/proc"))
+    rc, out, err, blocked = proxied(user, "--allow-domain", "good.test", cmd=["true"])
+    assert rc == 0
+    new = [p for p in set(os.listdir("/proc")) - before if p.isdigit()]
+    procs = [Path(f"/proc/{p}/cmdline").read_bytes() for p in new if Path(f"/proc/{p}/cmdline").exists()]
+    assert not any(b"agentcell.network.proxy" in c for c in procs), procs
+
+
+@pytest.mark.parametrize(("args", "field"), [
+    (["--net", "proxy", "--allow-domain", "bad domain"], "--allow-domain"),
+    (["--net", "proxy", "--allow-domain", "example.com:99999"], "--allow-domain"),
+    (["--net", "proxy", "--allow-range", "300.1.2.3/8"], "--allow-range"),
+    (["--net", "proxy", "--resolver", "dns.example"], "--resolver"),
+    (["--net", "proxy", "--allow-preset", "nope"], "--allow-preset"),
+    (["--allow-domain", "example.com"], "--net"),
+])
+def test_bad_egress_input_is_one_line(user: User, args: list[str], field: str) -> None:
+    r = agentcell_run(["--as", str(user.uid), *args, "--", "true"])
+    assert r.rc == 125 and r.err.count("\n") == 1 and f": {field}: " in r.err, r.err
+
+
+def test_rules_match_as_documented() -> None:
+    pol = rules.Policy.from_rules(["allow:*.example.com", "allow:api.example.org:8443", "deny:bad.example.com",
+                                   "allow:any.example.net:*", "range:198.18.0.0/15"])
+    assert pol.name_verdict("a.example.com", 443)[0] and pol.name_verdict("A.Example.COM.", 80)[0]
+    assert not pol.name_verdict("example.com", 443)[0]  # *.example.com is below it, not it
+    assert not pol.name_verdict("a.example.com", 22)[0]  # 80 and 443 unless a port is given
+    assert not pol.name_verdict("bad.example.com", 443)[0]  # deny wins
+    assert pol.name_verdict("api.example.org", 8443)[0] and not pol.name_verdict("api.example.org", 443)[0]
+    assert pol.name_verdict("any.example.net", 2222)[0]
+    import ipaddress
+    for addr in ("127.0.0.1", "10.1.2.3", "169.254.169.254", "100.64.0.1", "::1", "fe80::1", "fc00::1",
+                 "::ffff:127.0.0.1", "0.0.0.0", "224.0.0.1"):
+        assert not pol.address_verdict(ipaddress.ip_address(addr))[0], addr
+    assert pol.address_verdict(ipaddress.ip_address("198.18.3.4"))[0]
+    assert pol.address_verdict(ipaddress.ip_address("93.184.216.34"))[0]
+
+
+def test_a_rootless_cell_gets_the_proxy_too(user: User, inet: FakeInternet) -> None:
+    r = agentcell_run([*BASE, "--allow-domain", "good.test", "--", "python3", "-c", PY_CONNECT, "good.test", "443",
+                       "/rootless"], as_user=user, timeout=60)
+    assert r.out.split("\n") == ["HTTP/1.1 200 Connection established", f"hello from {GOOD4} port 443"], r.err
+
+
+def test_the_python_api_refuses_a_proxy_cell_it_cannot_serve(user: User) -> None:
+    from agentcell import Cell, CellSpec
+    from agentcell.errors import AgentcellError
+    from agentcell.policy.resolve import build_env, resolve_identity
+
+    ident = resolve_identity(str(user.uid), euid=0)
+    spec = CellSpec(ident, env=build_env({}, ident), network="proxy")
+    with Cell(spec, prewarm=False) as cell, pytest.raises(AgentcellError, match="agentcell run"):
+        cell.run(["true"])
