@@ -33,7 +33,7 @@ from .rules import Address, Policy
 CONNECT_TIMEOUT_S = 10.0
 MAX_EVENTS = 10_000
 HEADER_LIMIT = 64 * 1024
-BUFFER = 256 * 1024
+BUFFER = 1024 * 1024
 
 Resolve = Callable[[str, int], Awaitable[list[Address]]]
 
