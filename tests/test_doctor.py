@@ -63,9 +63,8 @@ def test_json_runs_and_parses() -> None:
             assert c["fix"] and "\n" not in c["fix"], c
     assert [m["name"] for m in rep["modes"]] == ["self", "agent", "uid", "none", "loopback", "proxy",
                                                   "host-firewall"]
-    for later in ("host-firewall",):
-        m = by_name(rep["modes"], later)
-        assert m["status"] == "warn" and not m["works"] and "not implemented" in m["detail"]
+    fw = by_name(rep["modes"], "host-firewall")
+    assert fw["works"] == (os.geteuid() == 0 and by_name(rep["checks"], "nftables")["data"]["listed"] is True)
     # Exit status follows the default needs of this user.
     expected_needs = ["agent", "uid", "none"] if os.geteuid() == 0 else ["self", "none"]
     assert rep["needs"] == expected_needs

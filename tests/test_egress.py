@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import os
 import secrets
+import socket
+import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from agentcell.network import rules
-from conftest import User, agentcell_run, needs_root
+from conftest import AGENTCELL, User, agentcell_run, needs_root
 from fakenet import DNS4, GOOD4, GOOD6, FakeInternet, leftovers
 
 pytestmark = needs_root
@@ -179,3 +182,86 @@ def test_the_python_api_refuses_a_proxy_cell_it_cannot_serve(user: User) -> None
     spec = CellSpec(ident, env=build_env({}, ident), network="proxy")
     with Cell(spec, prewarm=False) as cell, pytest.raises(AgentcellError, match="agentcell run"):
         cell.run(["true"])
+
+
+# ---- --net host-firewall -------------------------------------------------------------------------
+
+FW_PROBE = r'''
+import socket, sys
+for fam, host, port in ((socket.AF_INET, "198.18.1.10", 443), (socket.AF_INET, "198.18.1.10", 80),
+                        (socket.AF_INET6, "fd00:ac:1::10", 443)):
+    try:
+        s = socket.socket(fam); s.settimeout(5); s.connect((host, port))
+        s.sendall(b"GET / HTTP/1.0\r\n\r\n")
+        print("TCP", host, port, s.recv(4096).split(b"\r\n\r\n")[1].decode().strip())
+    except OSError as e:
+        print("TCP", host, port, "refused", type(e).__name__)
+u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); u.settimeout(2)
+try:
+    u.sendto(b"\x00\x01\x01\x00\x00\x01\x00\x00\x00\x00\x00\x00" + sys.argv[1].encode(), ("198.18.0.53", 53))
+    u.recv(512); print("UDP answered")
+except OSError as e:
+    print("UDP refused", type(e).__name__)
+'''
+
+
+def tables() -> list[str]:
+    out = subprocess.run(["nft", "list", "tables"], capture_output=True, text=True).stdout
+    return [line.split()[-1] for line in out.splitlines() if "agentcell_" in line]
+
+
+def test_host_firewall_allows_exactly_what_is_configured(user: User, inet: FakeInternet) -> None:
+    probe = f"fwprobe-{secrets.token_hex(4)}"
+    r = agentcell_run(["--as", str(user.uid), "--net", "host-firewall", "--allow-egress", "198.18.0.0/15:443", "--",
+                       "python3", "-c", FW_PROBE, probe], timeout=60)
+    assert r.out.split("\n") == [f"TCP 198.18.1.10 443 hello from {GOOD4} port 443",
+                                 "TCP 198.18.1.10 80 refused ConnectionRefusedError",
+                                 "TCP fd00:ac:1::10 443 refused ConnectionRefusedError",
+                                 "UDP refused PermissionError"], r.out + r.err
+    assert all(probe not in name for name, _peer in inet.dns_queries())
+    assert tables() == []
+
+
+def test_host_firewall_leaves_other_users_alone_and_is_gone_after(user: User, inet: FakeInternet,
+                                                                   tmp_path: Path) -> None:
+    flag = tmp_path / "go"
+    tmp_path.chmod(0o777)  # the agent signals from inside the cell that it runs
+    p = subprocess.Popen([AGENTCELL, "run", "--no-warm", "--as", str(user.uid), "--net", "host-firewall",
+                          "--allow-egress", "seed", "--rw", str(tmp_path), "--", "sh", "-c",
+                          f"touch {flag}; sleep 3"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 20
+        while not flag.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert flag.exists()
+        [table] = tables()
+        listing = subprocess.run(["nft", "list", "table", "inet", table], capture_output=True, text=True).stdout
+        assert "jump agent" in listing and (f"skuid {user.uid} " in listing or f'skuid "{user.name}"' in listing)
+        assert "group 7" in listing and "tcp dport 443 accept" in listing, listing
+        with socket.create_connection((GOOD4, 80), timeout=5) as s:  # root, meanwhile: untouched
+            s.sendall(b"GET / HTTP/1.0\r\n\r\n")
+            assert b"hello from" in s.recv(4096)
+    finally:
+        assert p.wait(30) == 0, p.stderr.read() if p.stderr else ""
+    assert tables() == []
+
+
+def test_a_crashed_supervisors_table_is_swept(user: User, inet: FakeInternet, tmp_path: Path) -> None:
+    flag = tmp_path / "up"
+    tmp_path.chmod(0o777)
+    p = subprocess.Popen([AGENTCELL, "run", "--no-warm", "--as", str(user.uid), "--net", "host-firewall",
+                          "--rw", str(tmp_path), "--", "sh", "-c", f"touch {flag}; sleep 60"],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 20
+    while not flag.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert flag.exists() and len(tables()) == 1
+    p.kill()  # the supervisor dies without cleaning up (its cell dies with it: PDEATHSIG)
+    p.wait()
+    r = agentcell_run(["--as", str(user.uid), "--net", "host-firewall", "--", "true"])
+    assert r.rc == 0 and tables() == [], r.err
+
+
+def test_host_firewall_needs_an_account(user: User) -> None:
+    r = agentcell_run(["--net", "host-firewall", "--", "true"], as_user=user)
+    assert r.rc == 125 and "uid" in r.err and r.err.count("\n") == 1, r.err

@@ -206,12 +206,13 @@ def test_to_cell_spec_carries_every_cell_field(project: Path, tmp_path: Path) ->
     assert spec.cell_id.endswith(pol.session_id)
 
 
-def test_host_firewall_compiles_but_cannot_launch_yet(project: Path) -> None:
-    pol = compile_(plan(project, network="host-firewall"))
-    assert pol.firewall_rule and pol.network == "host-firewall"
+def test_a_host_firewall_plan_carries_its_rules_to_the_cell(project: Path) -> None:
+    pol = compile_(plan(project, network="host-firewall", identity="agent:nobody", allow_egress=["seed"],
+                        allow_loopback=True))
+    assert pol.firewall_rule and pol.to_cell_spec().egress == ("egress:seed", "loopback")
     with pytest.raises(PolicyError) as e:
-        pol.to_cell_spec()
-    assert e.value.field == "network"
+        compile_(plan(project, network="host-firewall", identity="agent:nobody", allow_egress=["x:y:z"]))
+    assert e.value.field == "allow_egress"
 
 
 def test_a_proxy_plan_carries_its_rules_to_the_cell(project: Path) -> None:

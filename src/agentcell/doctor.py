@@ -31,9 +31,8 @@ from .cell import syscalls as sc
 Status = Literal["ok", "warn", "missing"]
 
 IDENTITY_MODES = ("self", "agent", "uid")
-NETWORK_MODES = ("none", "loopback", "proxy")
+NETWORK_MODES = ("none", "loopback", "proxy", "host-firewall")
 NEEDABLE_MODES = IDENTITY_MODES + NETWORK_MODES
-LATER_MODES = ("host-firewall",)
 
 NOBODY_UID = 65534
 NOBODY_GID = 65534
@@ -614,7 +613,7 @@ def check_audit(*, root: bool) -> Check:
 
 def check_nft(*, root: bool) -> Check:
     nft = which("nft")
-    later = "needed only by the host-firewall network mode (not implemented yet)"
+    later = "needed only by the host-firewall network mode"
     if not nft:
         return Check("nftables", "warn", f"nft not installed; {later}", "apt install nftables", {"nft": None})
     if not root:
@@ -686,7 +685,7 @@ def check_acl_fs(path: str) -> Check:
 
 
 def evaluate_modes(*, root: bool, userns_ok: bool, userns_fix: str, ns_root: ProbeResult | None,
-                   ns_rootless: ProbeResult | None) -> list[Mode]:
+                   ns_rootless: ProbeResult | None, nft_ok: bool = False) -> list[Mode]:
     modes: list[Mode] = []
     # Identity modes.
     if userns_ok and ns_rootless is not None and ns_rootless.ok:
@@ -723,9 +722,15 @@ def evaluate_modes(*, root: bool, userns_ok: bool, userns_fix: str, ns_root: Pro
             reason = net.reason if net else "not probed"
             fix = "see the 'namespaces' check" if root else "allow user namespaces, or run as root"
             modes.append(Mode(name, "network", False, "missing", f"{what}: fails ({reason})", fix))
-    for name, what in (("host-firewall", "nftables rules keyed on the agent's uid"),):
-        modes.append(Mode(name, "network", False, "warn", f"not implemented yet ({what})",
-                          "use --net none or --net loopback"))
+    what = "the host's network, an nftables table on the agent's uid"
+    if root and nft_ok:
+        modes.append(Mode("host-firewall", "network", True, "ok", what))
+    elif not root:
+        modes.append(Mode("host-firewall", "network", False, "missing", f"{what}: needs root",
+                          "run through sudo with --as, or use --net proxy"))
+    else:
+        modes.append(Mode("host-firewall", "network", False, "missing", f"{what}: nft does not work here",
+                          "see the 'nftables' check"))
     return modes
 
 
@@ -749,9 +754,10 @@ def run() -> Report:
     checks.append(check_ns(ns_rootless, rootless=True, who="uid 65534" if root else user_name(euid)))
     checks += check_cgroups(root=root)
     checks.append(check_audit(root=root))
-    checks.append(check_nft(root=root))
+    nft = check_nft(root=root)
+    checks.append(nft)
     checks += check_tools()
     modes = evaluate_modes(root=root, userns_ok=userns.status == "ok", userns_fix=userns.fix,
-                           ns_root=ns_root, ns_rootless=ns_rootless)
+                           ns_root=ns_root, ns_rootless=ns_rootless, nft_ok=nft.data.get("listed") is True)
     return Report(uid=euid, user=user_name(euid), root=root, checks=checks, modes=modes,
                   default_needs=default_needs(root))

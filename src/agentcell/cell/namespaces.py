@@ -15,7 +15,9 @@ IFF_UP = 0x1
 
 
 def flags_for(spec: CellSpec) -> int:
-    f = sc.CLONE_NEWNS | sc.CLONE_NEWPID | sc.CLONE_NEWIPC | sc.CLONE_NEWUTS | sc.CLONE_NEWNET
+    f = sc.CLONE_NEWNS | sc.CLONE_NEWPID | sc.CLONE_NEWIPC | sc.CLONE_NEWUTS
+    if spec.network != "host-firewall":  # that mode keeps the host's network, filtered on the uid
+        f |= sc.CLONE_NEWNET
     if spec.identity.userns:
         f |= sc.CLONE_NEWUSER
     return f

@@ -15,7 +15,7 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Literal
 
-    NetworkMode = Literal["none", "loopback", "proxy"]
+    NetworkMode = Literal["none", "loopback", "proxy", "host-firewall"]
     IdentityMode = Literal["self", "agent", "uid"]
     LandlockMode = Literal["required", "best-effort"]
 
@@ -123,7 +123,7 @@ class CellSpec(_Frozen):
     cpu_percent: int | None  # of one core; None: not capped
     pids_max: int | None  # tasks; None: the default (4096)
     allow_write: tuple[str, ...]  # protected paths (cell/protect.py) the policy lets the command write
-    egress: tuple[str, ...]  # network "proxy": its rules as text (agentcell.network.rules)
+    egress: tuple[str, ...]  # "proxy": its rules (agentcell.network.rules); "host-firewall": its (network.firewall)
     cell_id: str  # a label for reports; two specs that differ only here launch identical cells
 
     def __init__(self, identity: Identity, *, rw_paths: tuple[str, ...] = (), ro_paths: tuple[str, ...] = (),

@@ -193,9 +193,9 @@ class Server:
         self.last_work = time.monotonic()
         try:
             spec = spec_from_dict(msg["spec"])
-            if spec.network == "proxy":  # nothing here would serve its proxy: it would just hang
-                raise AgentcellError("network", "a proxy cell is served by 'agentcell run' (the Python API gets it "
-                                     "with the session layer)", "use agentcell run --net proxy")
+            if spec.network in ("proxy", "host-firewall"):  # no proxy or firewall table is made here
+                raise AgentcellError("network", f"a {spec.network} cell is served by 'agentcell run' (the Python "
+                                     "API gets it with the session layer)", f"use agentcell run --net {spec.network}")
             argv = [str(a) for a in msg["argv"]]
             self.cells[key] = self.warm.take(spec).go(argv, stdio=fds)
             self._reply(conn, {"id": rid, "event": "started", "cell_id": self.cells[key].cell_id})

@@ -33,7 +33,12 @@ OPTIONS: tuple[tuple[str, str, str, str, str], ...] = (
     ("--scratch", "scratch", "value", "DIR", "back the cell's writable /scratch with host DIR"),
     ("--tmpfs-scratch", "tmpfs_scratch", "flag", "", "a private tmpfs at /scratch (the default)"),
     ("--home", "home", "value", "DIR", "back the cell's $HOME with host DIR (kept across runs); default a tmpfs"),
-    ("--net", "net", "value", "MODE", "network: none (default), loopback only, or proxy (allow-listed domains)"),
+    ("--net", "net", "value", "MODE", "network: none (default), loopback only, proxy (allow-listed domains) or "
+     "host-firewall (the host's network, nftables on the agent's uid)"),
+    ("--allow-egress", "allow_egress", "append", "[tcp:|udp:]ADDR:PORT", "with --net host-firewall: what the "
+     "agent may reach (*:443, 10.0.0.0/8:5432, udp:*:53; 'seed' is *:443)"),
+    ("--allow-loopback", "allow_loopback", "flag", "", "with --net host-firewall: let the agent reach the host's "
+     "loopback"),
     ("--allow-domain", "allow_domain", "append", "PATTERN[:PORT]", "with --net proxy: a domain the cell may reach "
      "(*.example.com for names below it; port 80 and 443 unless given; :* for any)"),
     ("--deny-domain", "deny_domain", "append", "PATTERN[:PORT]", "with --net proxy: never this domain (wins)"),
@@ -58,7 +63,7 @@ OPTIONS: tuple[tuple[str, str, str, str, str], ...] = (
     ("--landlock", "landlock", "value", "MODE", "required (default: refuse to run without Landlock) or best-effort"),
     ("--no-warm", "no_warm", "flag", "", "build the cell here even if a warm launcher runs (agentcell warm)"),
 )
-NET_MODES = ("none", "loopback", "proxy")
+NET_MODES = ("none", "loopback", "proxy", "host-firewall")
 LANDLOCK_MODES = ("required", "best-effort")
 
 
@@ -71,6 +76,8 @@ class Args:
     allow_preset: list[str]
     allow_range: list[str]
     resolver: str | None
+    allow_egress: list[str]
+    allow_loopback: bool
     ro: list[str]
     vault_ro: list[str]
     mask: list[str]
@@ -194,6 +201,9 @@ def parse(argv: list[str]) -> Args | Namespace:
 
 def build_spec(ns: Args | Namespace) -> CellSpec:
     ident = rs.resolve_identity(ns.as_)
+    if ns.net == "host-firewall" and ident.userns:
+        raise AgentcellError("--net", "host-firewall rules key on an account's uid, and a rootless cell has none of "
+                             "its own", "run through sudo with --as, or use --net proxy")
     homes = rs.home_dirs() if (ns.rw or ns.ro or ns.vault_ro or ns.mask or ns.scratch or ns.home
                                or ns.allow_write) else set()
     unsafe = ns.allow_unsafe_path
@@ -237,7 +247,7 @@ def build_spec(ns: Args | Namespace) -> CellSpec:
         allow_write=allow_write,
         memory_max=memory_max, cpu_percent=cpu_percent, pids_max=pids_max,
         identity=ident, rw_paths=rw, ro_paths=ro, masked_paths=masked, scratch_dir=scratch, home_dir=home,
-        network="proxy" if ns.net == "proxy" else "loopback" if ns.net == "loopback" else "none",
+        network=ns.net if ns.net in ("loopback", "proxy", "host-firewall") else "none",  # type: ignore[arg-type]
         env=rs.build_env(os.environ, ident, ns.env, ns.keep_env), cwd=cwd,
         landlock="best-effort" if ns.landlock == "best-effort" else "required",
         cell_id=new_cell_id(),
@@ -246,6 +256,8 @@ def build_spec(ns: Args | Namespace) -> CellSpec:
 
 def _egress(ns: Args | Namespace) -> tuple[str, ...]:
     """The proxy's rules as text, checked now (a bad pattern is a one-line error before anything runs)."""
+    if ns.net == "host-firewall" or ns.allow_egress or ns.allow_loopback:
+        return _firewall(ns)
     given = ns.allow_domain or ns.deny_domain or ns.allow_preset or ns.allow_range or ns.resolver
     if ns.net != "proxy":
         if given:
@@ -256,6 +268,20 @@ def _egress(ns: Args | Namespace) -> tuple[str, ...]:
 
     return rules.compile_rules([*presets.expand(ns.allow_preset), *ns.allow_domain], ns.deny_domain,
                                ns.allow_range, ns.resolver)
+
+
+def _firewall(ns: Args | Namespace) -> tuple[str, ...]:
+    if ns.net != "host-firewall":
+        raise AgentcellError("--net", "--allow-egress and --allow-loopback apply to the host firewall",
+                             "add --net host-firewall")
+    if ns.allow_domain or ns.deny_domain or ns.allow_preset or ns.allow_range or ns.resolver:
+        raise AgentcellError("--net", "the host firewall sees addresses, not names", "use --allow-egress, or --net "
+                             "proxy for domains")
+    from ..network import firewall
+
+    for text in ns.allow_egress:
+        firewall.parse_egress(text)
+    return (*(f"egress:{t}" for t in ns.allow_egress), *(["loopback"] if ns.allow_loopback else []))
 
 
 _UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
@@ -384,7 +410,18 @@ def _run_here(spec: CellSpec, command: list[str], timeout: float | None, ttys: t
     if 0 in ttys and not interactive:
         stdio[0] = os.open(os.devnull, os.O_RDONLY)
         ttys = tuple(fd for fd in ttys if fd != 0)
-    running = launch.start(spec, command, stdio=stdio, tty_fds=ttys)
+    fw = None
+    if spec.network == "host-firewall":  # the table exists before the agent does
+        from ..network import firewall
+
+        rules = [r for e in spec.egress if e.startswith("egress:") for r in firewall.parse_egress(e[7:])]
+        fw = firewall.HostFirewall.create(spec.cell_id, spec.identity.uid, rules, "loopback" in spec.egress)
+    try:
+        running = launch.start(spec, command, stdio=stdio, tty_fds=ttys)
+    except BaseException:
+        if fw is not None:
+            fw.remove()
+        raise
     proxy = None
     if running.egress_fd is not None:
         from ..network import egress
@@ -394,6 +431,8 @@ def _run_here(spec: CellSpec, command: list[str], timeout: float | None, ttys: t
         result = _wait_here(running, timeout, interactive)
     finally:
         blocked = proxy.stop() if proxy is not None else []
+        if fw is not None:
+            fw.remove()
     if spec.network == "proxy":
         result["egress_blocked"] = blocked
     return result
@@ -441,7 +480,8 @@ def execute(ns: Args | Namespace) -> int:
         started_ns = time.time_ns() - 100_000_000  # file times are coarse (a tick or so): some slack
         surface_before, truncated_before = protect.surface(spec.rw_paths)
         result = None
-        if not ttys and not ns.no_warm and spec.network != "proxy":  # a terminal or a proxy: served here
+        local = spec.network in ("proxy", "host-firewall")  # its proxy or firewall table is made here
+        if not ttys and not ns.no_warm and not local:  # a terminal, a proxy or a firewall: served here
             from ..cell import warm
 
             result = warm.run(spec, command, ns.timeout)

@@ -140,6 +140,18 @@ def compile_plan(plan: SessionPlan, *, environ: Mapping[str, str], euid: int | N
 
 
 def _egress(plan: SessionPlan) -> tuple[str, ...]:
+    if plan.network == "host-firewall" or plan.allow_egress or plan.allow_loopback:
+        if plan.network != "host-firewall":
+            raise PolicyError("network", "allow_egress and allow_loopback apply to the host firewall",
+                              'set network = "host-firewall"')
+        from ..network import firewall
+
+        for text in plan.allow_egress:
+            try:
+                firewall.parse_egress(text)
+            except PolicyError as e:
+                raise PolicyError("allow_egress", e.problem, e.fix) from None
+        return (*(f"egress:{t}" for t in plan.allow_egress), *(["loopback"] if plan.allow_loopback else []))
     given = plan.allow_domains or plan.deny_domains or plan.allow_presets or plan.allow_ranges or plan.resolver
     if plan.network != "proxy":
         if given:

@@ -15,7 +15,6 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 from ..cell.spec import CellSpec, Identity
-from ..errors import PolicyError
 
 Risk = Literal["low", "medium", "high"]
 Network = Literal["none", "loopback", "proxy", "host-firewall"]
@@ -80,6 +79,9 @@ class SessionPlan(BaseModel):
     allow_presets: list[str] = Field(default_factory=list)
     allow_ranges: list[str] = Field(default_factory=list)
     resolver: str | None = None
+    # network = "host-firewall": what the agent's uid may reach ([tcp:|udp:]ADDR|CIDR|*:PORT, or "seed").
+    allow_egress: list[str] = Field(default_factory=list)
+    allow_loopback: StrictBool = False
 
 
 class IdentityModel(BaseModel):
@@ -137,8 +139,6 @@ class SandboxPolicy(BaseModel):
 
     def to_cell_spec(self) -> CellSpec:
         """The launcher's view (the wall clock is the supervisor's to enforce, not the spec's)."""
-        if self.network == "host-firewall":
-            raise PolicyError("network", "'host-firewall' cannot be launched yet", "use network = \"proxy\"")
         return CellSpec(
             identity=self.identity.to_identity(),
             rw_paths=self.rw_paths,
@@ -146,7 +146,7 @@ class SandboxPolicy(BaseModel):
             masked_paths=self.masked_paths,
             scratch_dir=self.scratch_dir,
             home_dir=self.home_dir,
-            network="proxy" if self.network == "proxy" else "loopback" if self.network == "loopback" else "none",
+            network=self.network,
             egress=self.egress,
             env=self.env,
             cwd=self.cwd,

@@ -1,0 +1,161 @@
+"""``--net host-firewall``: no network namespace; an nftables table on the host keyed on the agent's uid.
+
+For account identities only (a rootless cell has no uid of its own to key on). While the cell runs,
+a table ``inet agentcell_<cell>`` holds one output chain: packets of any other uid pass untouched;
+the agent's go out only to what ``--allow-egress`` names (and to ``lo`` with ``--allow-loopback``);
+everything else it sends, IPv4 and IPv6, TCP, UDP or other, is logged to NFLOG group
+:data:`LOG_GROUP` (for the escape monitor) and rejected (a reset or an ICMP error: a dropped SYN would
+make connect() hang). A reject in our table is final whatever other tables accept.
+
+The table is recorded in ``/run/agentcell/nft/<table>`` (with the supervisor's pid) *before* it is
+made and removed after the cell; :func:`sweep` removes the tables of supervisors that died.
+"""
+from __future__ import annotations
+
+import ipaddress
+import os
+import subprocess
+
+from ..errors import LaunchError, PolicyError
+
+RECORDS = "/run/agentcell/nft"
+LOG_GROUP = 7
+PRESETS = {"seed": ("tcp:*:443",)}  # the seed's "egress: allow 443 only; deny all else"
+
+
+class EgressRule:
+    __slots__ = ("proto", "net", "port")
+
+    def __init__(self, proto: str, net: ipaddress.IPv4Network | ipaddress.IPv6Network | None, port: int | None):
+        self.proto, self.net, self.port = proto, net, port
+
+    def nft(self) -> str:
+        parts = []
+        if self.net is not None:
+            parts.append(f"{'ip' if self.net.version == 4 else 'ip6'} daddr {self.net}")
+        if self.port is not None:
+            parts.append(f"{self.proto} dport {self.port}")
+        else:
+            parts.append(f"meta l4proto {self.proto}")
+        return " ".join(parts) + " accept"
+
+
+def parse_egress(text: str, field: str = "--allow-egress") -> list[EgressRule]:
+    """``[tcp:|udp:]ADDR|CIDR|*:PORT|*`` (tcp unless said), or a preset name (``seed``)."""
+    raw = text.strip()
+    if raw in PRESETS:
+        return [r for t in PRESETS[raw] for r in parse_egress(t, field)]
+    proto = "tcp"
+    for p in ("tcp:", "udp:"):
+        if raw.startswith(p):
+            proto, raw = p[:-1], raw[len(p):]
+    where, sep, port_text = raw.rpartition(":")
+    if not sep or not where:
+        raise PolicyError(field, f"'{text}' is not [tcp:|udp:]ADDRESS:PORT", "e.g. *:443, 10.1.0.0/16:5432, udp:*:53")
+    if where.startswith("[") and where.endswith("]"):
+        where = where[1:-1]
+    try:
+        net = None if where == "*" else ipaddress.ip_network(where, strict=False)
+    except ValueError:
+        raise PolicyError(field, f"'{where}' is not an address, network or *",
+                          "name addresses (the firewall sees no names; --net proxy allows domains)") from None
+    if port_text == "*":
+        port = None
+    elif port_text.isdigit() and 0 < int(port_text) < 65536:
+        port = int(port_text)
+    else:
+        raise PolicyError(field, f"'{text}': the port must be 1-65535 or *", "e.g. *:443")
+    return [EgressRule(proto, net, port)]
+
+
+def table_name(cell_id: str) -> str:
+    return "agentcell_" + "".join(c for c in cell_id.removeprefix("agentcell-") if c.isalnum())[:24]
+
+
+def ruleset(table: str, uid: int, rules: list[EgressRule], allow_loopback: bool) -> str:
+    """Only packets of the agent's sockets enter the ``agent`` chain (a positive match: the reset a
+    reject sends back has no socket, and must not be rejected in turn)."""
+    lines = [f"table inet {table} {{", "  chain agent {"]
+    if allow_loopback:
+        lines.append('    oifname "lo" accept')
+    lines += [f"    {r.nft()}" for r in rules]
+    lines += [f'    log group {LOG_GROUP} prefix "{table} "', "    meta l4proto tcp reject with tcp reset",
+              "    reject with icmpx type admin-prohibited", "  }",
+              "  chain out {", "    type filter hook output priority filter; policy accept;",
+              f"    meta skuid {uid} jump agent", "  }", "}"]
+    return "\n".join(lines) + "\n"
+
+
+def _nft(script: str) -> None:
+    try:
+        p = subprocess.run(["nft", "-f", "-"], input=script, capture_output=True, text=True)
+    except FileNotFoundError:
+        raise LaunchError("firewall", "nft is not installed", "apt-get install nftables") from None
+    if p.returncode != 0:
+        raise LaunchError("firewall", f"nft refused the rules: {p.stderr.strip().splitlines()[-1:]}")
+
+
+class HostFirewall:
+    """The table of one cell: made by :meth:`create`, gone after :meth:`remove`."""
+
+    def __init__(self, table: str, record: str) -> None:
+        self.table, self.record = table, record
+
+    @classmethod
+    def create(cls, cell_id: str, uid: int, rules: list[EgressRule], allow_loopback: bool) -> HostFirewall:
+        if os.geteuid() != 0:
+            raise LaunchError("firewall", "host-firewall rules need root", "run through sudo with --as")
+        sweep()
+        table = table_name(cell_id)
+        os.makedirs(RECORDS, mode=0o700, exist_ok=True)
+        record = os.path.join(RECORDS, table)
+        fd = os.open(record, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        try:
+            os.write(fd, f"{os.getpid()}\n".encode())  # recorded before it exists: always found again
+        finally:
+            os.close(fd)
+        fw = cls(table, record)
+        try:
+            _nft(ruleset(table, uid, rules, allow_loopback))
+        except BaseException:
+            fw.remove()
+            raise
+        return fw
+
+    def remove(self) -> None:
+        subprocess.run(["nft", "delete", "table", "inet", self.table], capture_output=True)
+        try:
+            os.unlink(self.record)
+        except FileNotFoundError:
+            pass
+
+
+def exists(table: str) -> bool:
+    return subprocess.run(["nft", "list", "table", "inet", table], capture_output=True).returncode == 0
+
+
+def sweep() -> list[str]:
+    """Remove tables whose supervisor is gone (killed before it could); the tables removed."""
+    removed: list[str] = []
+    try:
+        names = os.listdir(RECORDS)
+    except OSError:
+        return removed
+    for name in names:
+        record = os.path.join(RECORDS, name)
+        try:
+            with open(record) as f:
+                pid = int(f.read().strip() or 0)
+        except (OSError, ValueError):
+            pid = 0
+        alive = False
+        if pid > 0:
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    alive = b"agentcell" in f.read()
+            except OSError:
+                alive = False
+        if not alive and name.startswith("agentcell_"):
+            HostFirewall(name, record).remove()
+            removed.append(name)
+    return removed
