@@ -220,6 +220,11 @@ def test_host_firewall_allows_exactly_what_is_configured(user: User, inet: FakeI
                                  "UDP refused PermissionError"], r.out + r.err
     assert all(probe not in name for name, _peer in inet.dns_queries())
     assert tables() == []
+    blocked = r.result["egress_blocked"]
+    assert {(e["target"], e["protocol"], e["uid"]) for e in blocked} >= {  # type: ignore[index]
+        ("198.18.1.10:80", "tcp", user.uid), ("[fd00:ac:1::10]:443", "tcp", user.uid),
+        ("198.18.0.53:53", "udp", user.uid)}, blocked
+    assert "add --allow-egress 198.18.1.10:80" in r.err, r.err
 
 
 def test_host_firewall_leaves_other_users_alone_and_is_gone_after(user: User, inet: FakeInternet,
@@ -237,7 +242,7 @@ def test_host_firewall_leaves_other_users_alone_and_is_gone_after(user: User, in
         [table] = tables()
         listing = subprocess.run(["nft", "list", "table", "inet", table], capture_output=True, text=True).stdout
         assert "jump agent" in listing and (f"skuid {user.uid} " in listing or f'skuid "{user.name}"' in listing)
-        assert "group 7" in listing and "tcp dport 443 accept" in listing, listing
+        assert " group " in listing and "tcp dport 443 accept" in listing, listing
         with socket.create_connection((GOOD4, 80), timeout=5) as s:  # root, meanwhile: untouched
             s.sendall(b"GET / HTTP/1.0\r\n\r\n")
             assert b"hello from" in s.recv(4096)

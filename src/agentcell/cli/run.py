@@ -410,17 +410,29 @@ def _run_here(spec: CellSpec, command: list[str], timeout: float | None, ttys: t
     if 0 in ttys and not interactive:
         stdio[0] = os.open(os.devnull, os.O_RDONLY)
         ttys = tuple(fd for fd in ttys if fd != 0)
-    fw = None
-    if spec.network == "host-firewall":  # the table exists before the agent does
-        from ..network import firewall
+    fw = log = None
+    if spec.network == "host-firewall":  # the table, and the reader of what it rejects, before the agent
+        from ..network import firewall, nflog
 
         rules = [r for e in spec.egress if e.startswith("egress:") for r in firewall.parse_egress(e[7:])]
-        fw = firewall.HostFirewall.create(spec.cell_id, spec.identity.uid, rules, "loopback" in spec.egress)
+        try:
+            log = nflog.open_group()
+        except OSError as e:
+            raise AgentcellError("--net", f"cannot read the firewall's log: {e.strerror}",
+                                 "see 'agentcell doctor'") from None
+        try:
+            fw = firewall.HostFirewall.create(spec.cell_id, spec.identity.uid, rules, "loopback" in spec.egress,
+                                              log.group)
+        except BaseException:
+            log.close()
+            raise
     try:
         running = launch.start(spec, command, stdio=stdio, tty_fds=ttys)
     except BaseException:
         if fw is not None:
             fw.remove()
+        if log is not None:
+            log.close()
         raise
     proxy = None
     if running.egress_fd is not None:
@@ -433,7 +445,10 @@ def _run_here(spec: CellSpec, command: list[str], timeout: float | None, ttys: t
         blocked = proxy.stop() if proxy is not None else []
         if fw is not None:
             fw.remove()
-    if spec.network == "proxy":
+        if log is not None:
+            blocked = log.events()
+            log.close()
+    if spec.network in ("proxy", "host-firewall"):
         result["egress_blocked"] = blocked
     return result
 

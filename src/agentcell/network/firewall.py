@@ -3,9 +3,10 @@
 For account identities only (a rootless cell has no uid of its own to key on). While the cell runs,
 a table ``inet agentcell_<cell>`` holds one output chain: packets of any other uid pass untouched;
 the agent's go out only to what ``--allow-egress`` names (and to ``lo`` with ``--allow-loopback``);
-everything else it sends, IPv4 and IPv6, TCP, UDP or other, is logged to NFLOG group
-:data:`LOG_GROUP` (for the escape monitor) and rejected (a reset or an ICMP error: a dropped SYN would
-make connect() hang). A reject in our table is final whatever other tables accept.
+everything else it sends, IPv4 and IPv6, TCP, UDP or other, is logged to an NFLOG group of the
+cell's own (:mod:`.nflog` reads it: the run's ``egress_blocked``, and the escape monitor) and
+rejected (a reset or an ICMP error: a dropped SYN would make connect() hang). A reject in our table
+is final whatever other tables accept.
 
 The table is recorded in ``/run/agentcell/nft/<table>`` (with the supervisor's pid) *before* it is
 made and removed after the cell; :func:`sweep` removes the tables of supervisors that died.
@@ -19,7 +20,6 @@ import subprocess
 from ..errors import LaunchError, PolicyError
 
 RECORDS = "/run/agentcell/nft"
-LOG_GROUP = 7
 PRESETS = {"seed": ("tcp:*:443",)}  # the seed's "egress: allow 443 only; deny all else"
 
 
@@ -72,14 +72,14 @@ def table_name(cell_id: str) -> str:
     return "agentcell_" + "".join(c for c in cell_id.removeprefix("agentcell-") if c.isalnum())[:24]
 
 
-def ruleset(table: str, uid: int, rules: list[EgressRule], allow_loopback: bool) -> str:
+def ruleset(table: str, uid: int, rules: list[EgressRule], allow_loopback: bool, log_group: int) -> str:
     """Only packets of the agent's sockets enter the ``agent`` chain (a positive match: the reset a
     reject sends back has no socket, and must not be rejected in turn)."""
     lines = [f"table inet {table} {{", "  chain agent {"]
     if allow_loopback:
         lines.append('    oifname "lo" accept')
     lines += [f"    {r.nft()}" for r in rules]
-    lines += [f'    log group {LOG_GROUP} prefix "{table} "', "    meta l4proto tcp reject with tcp reset",
+    lines += [f'    log group {log_group} prefix "{table} "', "    meta l4proto tcp reject with tcp reset",
               "    reject with icmpx type admin-prohibited", "  }",
               "  chain out {", "    type filter hook output priority filter; policy accept;",
               f"    meta skuid {uid} jump agent", "  }", "}"]
@@ -102,7 +102,8 @@ class HostFirewall:
         self.table, self.record = table, record
 
     @classmethod
-    def create(cls, cell_id: str, uid: int, rules: list[EgressRule], allow_loopback: bool) -> HostFirewall:
+    def create(cls, cell_id: str, uid: int, rules: list[EgressRule], allow_loopback: bool,
+               log_group: int) -> HostFirewall:
         if os.geteuid() != 0:
             raise LaunchError("firewall", "host-firewall rules need root", "run through sudo with --as")
         sweep()
@@ -116,7 +117,7 @@ class HostFirewall:
             os.close(fd)
         fw = cls(table, record)
         try:
-            _nft(ruleset(table, uid, rules, allow_loopback))
+            _nft(ruleset(table, uid, rules, allow_loopback, log_group))
         except BaseException:
             fw.remove()
             raise
