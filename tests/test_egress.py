@@ -3,6 +3,7 @@
 traffic leaves this machine."""
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import socket
@@ -270,3 +271,75 @@ def test_a_crashed_supervisors_table_is_swept(user: User, inet: FakeInternet, tm
 def test_host_firewall_needs_an_account(user: User) -> None:
     r = agentcell_run(["--net", "host-firewall", "--", "true"], as_user=user)
     assert r.rc == 125 and "uid" in r.err and r.err.count("\n") == 1, r.err
+
+
+# ---- what a red-team pass found (each fails on the first version) --------------------------------
+
+@pytest.fixture
+def host_server(request: pytest.FixtureRequest) -> Iterator[tuple[str, int]]:
+    """An HTTP server of the test's own on an address of this host (a parameter: loopback, or the
+    fake internet's host side, which an --allow-range covers)."""
+    addr = request.param
+    srv = socket.create_server((addr, 0))
+    port = srv.getsockname()[1]
+    stop = False
+
+    def serve() -> None:
+        while not stop:
+            try:
+                c, _ = srv.accept()
+            except OSError:
+                return
+            c.sendall(b"HTTP/1.0 200 OK\r\n\r\nthe host's own service\n")
+            c.close()
+    import threading
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    try:
+        yield addr, port
+    finally:
+        stop = True
+        srv.close()
+
+
+@pytest.mark.parametrize("host_server", ["198.18.0.1"], indirect=True)
+def test_the_proxy_never_connects_to_the_host_itself(user: User, inet: FakeInternet,
+                                                     host_server: tuple[str, int]) -> None:
+    addr, port = host_server
+    rc, out, err, blocked = proxied(user, cmd=["python3", "-c", PY_CONNECT, addr, str(port), "/"])
+    assert out.split("\n") == ["HTTP/1.1 403 Blocked by agentcell"], out
+    assert "address of the host itself" in str(blocked[0]["reason"]), blocked
+
+
+@pytest.mark.parametrize("host_server", ["127.0.0.1"], indirect=True)
+def test_host_firewall_keeps_the_host_closed_unless_allowed(user: User, inet: FakeInternet,
+                                                            host_server: tuple[str, int]) -> None:
+    addr, port = host_server
+    code = (f"import socket\ntry:\n    s = socket.create_connection(('{addr}', {port}), timeout=5); "
+            "print(s.recv(100).decode().split('\\n')[-2])\nexcept OSError as e:\n    print('refused')")
+    for extra, want in (([], "refused"), (["--allow-loopback"], "the host's own service")):
+        r = agentcell_run(["--as", str(user.uid), "--net", "host-firewall", "--allow-egress", f"*:{port}", *extra,
+                           "--", "python3", "-c", code], timeout=60)
+        assert r.out.strip() == want, (extra, r.out, r.err)
+
+
+def test_names_the_agent_chooses_stay_small_and_harmless(user: User, inet: FakeInternet) -> None:
+    code = ("import socket\nfor host in ('\\x1b]52;c;cm0gLXJmIH4K\\x07\\x1b[2K\\rdone', 'a' * 60000, "
+            "'good.test:99999'):\n    s = socket.create_connection(('127.0.0.1', 3128))\n"
+            "    s.sendall(f'CONNECT {host}:443 HTTP/1.1\\r\\n\\r\\n'.encode('latin-1'))\n"
+            "    print(s.recv(100).split(b'\\r\\n')[0].decode())")
+    r = agentcell_run(["--as", str(user.uid), *BASE, "--allow-domain", "good.test:*", "--", "python3", "-c", code],
+                      timeout=60)
+    assert "\x1b" not in r.err and "Traceback" not in r.err and "Task exception" not in r.err, r.err
+    assert len(r.err) < 4000 and len(json.dumps(r.result)) < 4000, (len(r.err), len(json.dumps(r.result)))
+
+
+def test_ipv6_forms_of_private_addresses_are_refused() -> None:
+    import ipaddress
+
+    pol = rules.Policy.from_rules([])
+    for addr in ("64:ff9b::a9fe:a9fe", "64:ff9b::7f00:1", "::7f00:1", "::a9fe:a9fe", "fec0::1", "64:ff9b:1::1",
+                 "::ffff:0:a00:1"):
+        assert not pol.address_verdict(ipaddress.ip_address(addr))[0], addr
+    assert pol.address_verdict(ipaddress.ip_address("64:ff9b::5db8:d822"))[0]  # NAT64 of a public address

@@ -182,6 +182,12 @@ class CellCgroup:
         for d in self.dirs.values():
             _write(f"{d}/cgroup.procs", "0")
 
+    def adopt(self, pid: int) -> None:
+        """Move another process into every group of the cell: one that serves the cell alone (its
+        egress proxy) and so counts against the cell's ceilings, and goes when the cell is killed."""
+        for d in self.dirs.values():
+            _write(f"{d}/cgroup.procs", str(pid))
+
     def way_out(self) -> list[int]:
         """fds of the root groups' cgroup.procs, opened now: C1 leaves through them after it forked
         PID 1, when PID 1's pivot_root may already have replaced the root of their shared mount

@@ -250,6 +250,9 @@ def build_spec(ns: Args | Namespace) -> CellSpec:
         network=ns.net if ns.net in ("loopback", "proxy", "host-firewall") else "none",  # type: ignore[arg-type]
         env=rs.build_env(os.environ, ident, ns.env, ns.keep_env), cwd=cwd,
         landlock="best-effort" if ns.landlock == "best-effort" else "required",
+        # In the host's network the host's abstract unix sockets (X11, D-Bus, ...) are reachable but
+        # for Landlock's scope, which needs ABI 6: below it such a cell fails closed.
+        landlock_min_abi=6 if ns.net == "host-firewall" else 1,
         cell_id=new_cell_id(),
     )
 
@@ -439,10 +442,16 @@ def _run_here(spec: CellSpec, command: list[str], timeout: float | None, ttys: t
         from ..network import egress
 
         proxy = egress.ProxyProcess(running.egress_fd, spec.egress)
+        if running.cg is not None:  # the proxy serves this cell alone: it counts against its ceilings
+            try:
+                running.cg.adopt(proxy.proc.pid)
+            except OSError:
+                pass  # it exited at once: the cell will find no one on its one way out
     try:
         result = _wait_here(running, timeout, interactive)
     finally:
         blocked = proxy.stop() if proxy is not None else []
+        running.clean_up()  # its cgroup, now that the proxy has left it too
         if fw is not None:
             fw.remove()
         if log is not None:
@@ -464,7 +473,7 @@ def _wait_here(running: Running, timeout: float | None, interactive: bool) -> di
     timed_out = False
     if relay is not None:
         timed_out = relay.pump(running, None if timeout is None else running.started + timeout)
-    result = running.wait(None if timed_out else timeout)
+    result = running.wait(None if timed_out else timeout, clean_up=False)
     if timed_out:
         result.timed_out, result.exit_status, result.signal = True, 124, signal.SIGKILL
     return dict(result.as_dict(), via="here")

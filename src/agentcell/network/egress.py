@@ -17,6 +17,7 @@ from typing import Any
 from ..cell.spec import PROXY_PORT, proxy_environment
 
 __all__ = ["PROXY_PORT", "ProxyProcess", "proxy_environment", "summary"]
+MAX_READ = 2 << 20  # the proxy writes at most 1 MiB of events
 
 
 class ProxyProcess:
@@ -27,7 +28,7 @@ class ProxyProcess:
                 "--listen-fd", str(listen_fd), "--events-fd", str(self.events_file.fileno()),
                 "--rules", json.dumps(list(rules)), "--parent", str(os.getpid())]
         self.proc = subprocess.Popen(argv, pass_fds=(listen_fd, self.events_file.fileno()), cwd="/",
-                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                      env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"})
         os.close(listen_fd)  # the proxy holds it now: the cell's way out is that process, nothing else
 
@@ -38,7 +39,7 @@ class ProxyProcess:
         self.proc.wait()
         self.events_file.seek(0)
         events = []
-        for line in self.events_file.read().decode(errors="replace").splitlines():
+        for line in self.events_file.read(MAX_READ).decode(errors="replace").splitlines():
             try:
                 events.append(json.loads(line))
             except ValueError:
@@ -58,4 +59,5 @@ def summary(events: list[dict[str, Any]]) -> str:
     more = f" and {len(counts) - 8} more" if len(counts) > 8 else ""
     first = str(events[0].get("reason", ""))
     hint = first[first.find("add "):] if "add " in first else first
-    return f"blocked: {shown}{more} — {hint}"
+    line = f"blocked: {shown}{more} — {hint}"[:2000]
+    return line if line.isprintable() else "".join(c if c.isprintable() else repr(c)[1:-1] for c in line)

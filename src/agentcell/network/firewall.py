@@ -72,16 +72,30 @@ def table_name(cell_id: str) -> str:
     return "agentcell_" + "".join(c for c in cell_id.removeprefix("agentcell-") if c.isalnum())[:24]
 
 
+# Never reached through a "*" rule, only by naming the address or network: the host itself,
+# private and link-local networks (the cloud metadata address among them), carrier NAT.
+NOT_BY_WILDCARD = ("0.0.0.0/8", "10.0.0.0/8", "100.64.0.0/10", "127.0.0.0/8", "169.254.0.0/16", "172.16.0.0/12",
+                   "192.168.0.0/16", "::1/128", "fc00::/7", "fe80::/10", "::ffff:0:0/96")
+
+
 def ruleset(table: str, uid: int, rules: list[EgressRule], allow_loopback: bool, log_group: int) -> str:
     """Only packets of the agent's sockets enter the ``agent`` chain (a positive match: the reset a
-    reject sends back has no socket, and must not be rejected in turn)."""
-    lines = [f"table inet {table} {{", "  chain agent {"]
+    reject sends back has no socket, and must not be rejected in turn). In order: lo and the host's
+    own addresses (only with --allow-loopback), rules that name addresses, then the non-public
+    ranges are refused, then the ``*`` rules, then the refusal of everything else."""
+    lines = [f"table inet {table} {{", "  chain deny {", f'    log group {log_group} prefix "{table} "',
+             "    meta l4proto tcp reject with tcp reset", "    reject with icmpx type admin-prohibited", "  }",
+             "  chain agent {"]
     if allow_loopback:
-        lines.append('    oifname "lo" accept')
-    lines += [f"    {r.nft()}" for r in rules]
-    lines += [f'    log group {log_group} prefix "{table} "', "    meta l4proto tcp reject with tcp reset",
-              "    reject with icmpx type admin-prohibited", "  }",
-              "  chain out {", "    type filter hook output priority filter; policy accept;",
+        lines += ['    oifname "lo" accept', "    fib daddr type local accept"]
+    else:
+        lines += ['    oifname "lo" goto deny', "    fib daddr type local goto deny"]
+    lines += [f"    {r.nft()}" for r in rules if r.net is not None]
+    v4 = ", ".join(n for n in NOT_BY_WILDCARD if ":" not in n)
+    v6 = ", ".join(n for n in NOT_BY_WILDCARD if ":" in n)
+    lines += [f"    ip daddr {{ {v4} }} goto deny", f"    ip6 daddr {{ {v6} }} goto deny"]
+    lines += [f"    {r.nft()}" for r in rules if r.net is None]
+    lines += ["    goto deny", "  }", "  chain out {", "    type filter hook output priority filter; policy accept;",
               f"    meta skuid {uid} jump agent", "  }", "}"]
     return "\n".join(lines) + "\n"
 

@@ -31,9 +31,14 @@ from collections.abc import Awaitable, Callable
 from .rules import Address, Policy
 
 CONNECT_TIMEOUT_S = 10.0
+HEADER_TIMEOUT_S = 30.0  # to send a request's head (slowloris)
+MAX_CONNECTIONS = 512  # open at once, per cell
 MAX_EVENTS = 10_000
+MAX_EVENT_BYTES = 1 << 20  # all events together: an agent's names are long and many
+MAX_TARGET = 255  # characters of a destination kept in an event
 HEADER_LIMIT = 64 * 1024
-BUFFER = 1024 * 1024
+READ = 1024 * 1024  # bytes per read; the stream's own buffer stays at LIMIT
+LIMIT = 128 * 1024
 
 Resolve = Callable[[str, int], Awaitable[list[Address]]]
 
@@ -78,6 +83,7 @@ class Proxy:
                  resolve: Resolve | None = None) -> None:
         self.policy, self.events = policy, events
         self.resolve = resolve or (dns_resolver(policy.resolver) if policy.resolver else system_resolve)
+        self.open_connections = 0
 
     # ---- the decision ----------------------------------------------------------------------------
 
@@ -102,33 +108,45 @@ class Proxy:
         last: OSError | None = None
         for addr in allowed:
             try:
-                return await asyncio.wait_for(asyncio.open_connection(str(addr), port, limit=BUFFER),
+                r, w = await asyncio.wait_for(asyncio.open_connection(str(addr), port, limit=LIMIT),
                                               CONNECT_TIMEOUT_S)
             except OSError as e:  # TimeoutError included
                 last = e
+                continue
+            local, peer = w.get_extra_info("sockname"), w.get_extra_info("peername")
+            if local and peer and local[0] == peer[0]:  # routed locally: one of this host's own addresses
+                w.close()
+                raise self._refuse(host, port, how, f"{addr} is an address of the host itself")
+            return r, w
         raise Refused(f"{host}:{port} unreachable ({last})", 502)
 
     def _refuse(self, host: str, port: int, how: str, why: str, code: int = 403) -> Refused:
-        self.events({"ts": time.time(), "operation": "network", "source": "proxy", "target": f"{host}:{port}",
-                     "protocol": how, "reason": why})
-        return Refused(why, code)
+        shown = _printable(host)
+        self.events({"ts": time.time(), "operation": "network", "source": "proxy", "target": f"{shown}:{port}",
+                     "protocol": how, "reason": _printable(why.replace(host, shown))})
+        return Refused(why if why.isprintable() and len(why) < 512 else "refused", code)
 
     # ---- the protocols -----------------------------------------------------------------------------
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self.open_connections >= MAX_CONNECTIONS:
+            writer.close()
+            return
+        self.open_connections += 1
         try:
-            first = await reader.readexactly(1)
+            first = await asyncio.wait_for(reader.readexactly(1), HEADER_TIMEOUT_S)
             if first == b"\x05":
                 await self._socks5(reader, writer)
             else:
                 await self._http(first, reader, writer)
-        except (asyncio.IncompleteReadError, ConnectionError, asyncio.LimitOverrunError, ValueError):
+        except Exception:  # noqa: BLE001 - one bad client closes its connection, never the proxy
             pass
         finally:
+            self.open_connections -= 1
             writer.close()
 
     async def _http(self, first: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        head = first + await reader.readuntil(b"\r\n\r\n")
+        head = first + await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), HEADER_TIMEOUT_S)
         if len(head) > HEADER_LIMIT:
             return
         lines = head.decode("latin-1").split("\r\n")
@@ -161,29 +179,31 @@ class Proxy:
                          f"Connection: close\r\n\r\nagentcell: {e.why}\n".encode())
             await writer.drain()
             return
-        headers = [h for h in lines[1:] if h and not h.lower().startswith(("proxy-", "connection:", "keep-alive:"))]
-        up_w.write((f"{method} /{path} {version}\r\n" + "".join(f"{h}\r\n" for h in headers)
+        # The Host header is the checked destination's (no fronting another name on a shared CDN).
+        headers = [h for h in lines[1:] if h and not h.lower().startswith(
+            ("proxy-", "connection:", "keep-alive:", "host:"))]
+        up_w.write((f"{method} /{path} {version}\r\nHost: {hostport}\r\n" + "".join(f"{h}\r\n" for h in headers)
                     + "Connection: close\r\n\r\n").encode("latin-1"))
         await _pipe(reader, writer, up_r, up_w)
 
     async def _socks5(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        n = (await reader.readexactly(1))[0]
-        methods = await reader.readexactly(n)
+        n = (await _timed(reader, 1))[0]
+        methods = await _timed(reader, n)
         if 0 not in methods:
             writer.write(b"\x05\xff")
             return
         writer.write(b"\x05\x00")
-        ver, cmd, _rsv, atyp = await reader.readexactly(4)
+        ver, cmd, _rsv, atyp = await _timed(reader, 4)
         if atyp == 1:
-            host = str(ipaddress.IPv4Address(await reader.readexactly(4)))
+            host = str(ipaddress.IPv4Address(await _timed(reader, 4)))
         elif atyp == 4:
-            host = str(ipaddress.IPv6Address(await reader.readexactly(16)))
+            host = str(ipaddress.IPv6Address(await _timed(reader, 16)))
         elif atyp == 3:
-            host = (await reader.readexactly((await reader.readexactly(1))[0])).decode("idna")
+            host = (await _timed(reader, (await _timed(reader, 1))[0])).decode("idna")
         else:
             writer.write(b"\x05\x08\x00\x01" + bytes(6))
             return
-        port = struct.unpack("!H", await reader.readexactly(2))[0]
+        port = struct.unpack("!H", await _timed(reader, 2))[0]
         if ver != 5 or cmd != 1:  # only CONNECT: no BIND, no UDP ASSOCIATE
             self._refuse(host, port, "socks5", "only TCP CONNECT goes through the proxy (no UDP, no BIND)")
             writer.write(b"\x05\x07\x00\x01" + bytes(6))
@@ -196,6 +216,17 @@ class Proxy:
         writer.write(b"\x05\x00\x00\x01" + bytes(6))
         await writer.drain()
         await _pipe(reader, writer, up_r, up_w)
+
+
+async def _timed(reader: asyncio.StreamReader, n: int) -> bytes:
+    """Read n bytes of a request's head, in HEADER_TIMEOUT_S at most."""
+    return await asyncio.wait_for(reader.readexactly(n), HEADER_TIMEOUT_S)
+
+
+def _printable(text: str) -> str:
+    """What an event may say of a name the agent chose: no control characters, not too long."""
+    shown = text if text.isprintable() else text.encode("unicode_escape", "backslashreplace").decode("ascii")
+    return shown if len(shown) <= MAX_TARGET else shown[:MAX_TARGET] + "..."
 
 
 def _literal(host: str) -> Address | None:
@@ -213,7 +244,7 @@ def _split_hostport(text: str, default: int) -> tuple[str, int]:
         host, port = text.split(":")
     else:
         host, port = text, ""
-    if port and not port.isdigit():
+    if port and not (port.isdigit() and 0 < int(port) < 65536):
         raise ValueError(f"bad port in {text!r}")
     return host, int(port) if port else default
 
@@ -222,7 +253,7 @@ async def _pipe(cr: asyncio.StreamReader, cw: asyncio.StreamWriter, ur: asyncio.
                 uw: asyncio.StreamWriter) -> None:
     async def one_way(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
         try:
-            while chunk := await r.read(BUFFER):
+            while chunk := await r.read(READ):
                 w.write(chunk)
                 await w.drain()
             if w.can_write_eof():
@@ -248,22 +279,28 @@ def _become_nobody() -> None:
 
 async def serve(listen_fd: int, policy: Policy, events_fd: int) -> None:
     out = os.fdopen(events_fd, "w", buffering=1)
-    written = 0
+    written = size = 0
+    full = False
 
     def record(event: dict[str, object]) -> None:
-        nonlocal written
-        written += 1
-        if written > MAX_EVENTS:  # an agent refused in a loop must not fill the disk
+        nonlocal written, size, full
+        if full:  # refused in a loop: the record says so once, and the disk is not filled
             return
+        line = json.dumps(event) + "\n"
+        written += 1
+        if written > MAX_EVENTS or size + len(line) > MAX_EVENT_BYTES:
+            full = True
+            line = json.dumps({**event, "target": "...", "reason": "later refusals were not recorded (too many)"})
+            line += "\n"
+        size += len(line)
         try:
-            out.write(json.dumps(event if written < MAX_EVENTS else
-                                 {**event, "reason": f"{event['reason']} (and later refusals not recorded)"}) + "\n")
+            out.write(line)
         except OSError:
             pass
 
     proxy = Proxy(policy, record)
     listener = socket.socket(fileno=listen_fd)
-    server = await asyncio.start_server(proxy.handle, sock=listener, limit=HEADER_LIMIT)
+    server = await asyncio.start_server(proxy.handle, sock=listener, limit=LIMIT)
     async with server:
         await server.serve_forever()
 

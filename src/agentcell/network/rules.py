@@ -102,6 +102,23 @@ def _is_ip(text: str) -> bool:
         return False
 
 
+NAT64 = (ipaddress.IPv6Network("64:ff9b::/96"),)
+NOT_PUBLIC_V6 = (ipaddress.IPv6Network("fec0::/10"), ipaddress.IPv6Network("64:ff9b:1::/48"),
+                 ipaddress.IPv6Network("::ffff:0:0:0/96"))
+
+
+def _embedded_v4(addr: ipaddress.IPv6Address) -> ipaddress.IPv4Address | None:
+    """The IPv4 address an IPv6 one stands for: ::ffff:a.b.c.d, ::a.b.c.d, 64:ff9b::a.b.c.d."""
+    if addr.ipv4_mapped is not None:
+        return addr.ipv4_mapped
+    packed = addr.packed
+    if packed[:12] == bytes(12) and packed[12:] not in (bytes(4), b"\0\0\0\1"):  # not :: or ::1
+        return ipaddress.IPv4Address(packed[12:])
+    if any(addr in net for net in NAT64):
+        return ipaddress.IPv4Address(packed[12:])
+    return None
+
+
 class Policy:
     """The compiled rules of one cell."""
 
@@ -147,13 +164,20 @@ class Policy:
         return any(addr in net for net in self.ranges)
 
     def address_verdict(self, addr: Address) -> tuple[bool, str]:
-        """(allowed, why) for an address a name resolved to: public, or in an --allow-range."""
+        """(allowed, why) for an address a name resolved to: public, or in an --allow-range. An IPv6
+        address that carries an IPv4 one (mapped, compatible, NAT64) is judged by that one too."""
         if self.range_allows(addr):
             return True, ""
-        if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
-            return self.address_verdict(addr.ipv4_mapped)
+        bad = f"resolves to {addr}, which is not a public address (add --allow-range {addr} to allow it)"
+        if isinstance(addr, ipaddress.IPv6Address):
+            inner = _embedded_v4(addr)
+            if inner is not None:
+                ok, _why = self.address_verdict(inner)
+                return (True, "") if ok else (False, bad)
+            if any(addr in net for net in NOT_PUBLIC_V6):
+                return False, bad
         if not addr.is_global or addr.is_multicast:
-            return False, f"resolves to {addr}, which is not a public address (add --allow-range {addr} to allow it)"
+            return False, bad
         return True, ""
 
 

@@ -133,7 +133,8 @@ def compile_plan(plan: SessionPlan, *, environ: Mapping[str, str], euid: int | N
         cwd=cwd,
         wall_clock_limit_s=plan.wall_clock_limit_s,
         landlock=plan.landlock,
-        landlock_min_abi=plan.landlock_min_abi,
+        # host-firewall keeps the host's network: Landlock's abstract-socket scope (ABI 6) is needed.
+        landlock_min_abi=max(plan.landlock_min_abi, 6) if plan.network == "host-firewall" else plan.landlock_min_abi,
         allow_write=_allowed_writes(plan.allow_write, rw, host_cwd),
         egress=_egress(plan),
     )
