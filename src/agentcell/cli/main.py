@@ -10,6 +10,7 @@ import sys
 COMMANDS = {
     "run": ("agentcell.cli.run", "launch a command in a cell"),
     "agent": ("agentcell.cli.agent", "agent accounts: a UNIX user per agent, folders shared through ACLs"),
+    "audit": ("agentcell.cli.audit", "verify and read the hash-chained audit trail"),
     "doctor": ("agentcell.cli.doctor", "report what this machine supports"),
     "warm": ("agentcell.cli.warm", "start/stop the warm launcher that makes agentcell run fast"),
 }

@@ -1,0 +1,235 @@
+"""The audit trail: append-only JSON lines, each chained to the one before by SHA-256.
+
+    {"seq": 7, "ts": 1796040000.12, "session": "s-1", "event": "spawn", "details": {...}, "prev": "<hex>"}
+
+``prev`` is the SHA-256 of the previous record's line (its exact bytes, without the newline); the
+first record's is 64 zeros. Editing, inserting, removing or reordering a record breaks the chain at
+that place. Cutting records off the end would not, so every append also rewrites a small anchor
+beside the log (``<log>.head``: the last seq and the hash of the last line, replaced atomically),
+and a log shorter than its anchor is reported as truncated; a last line cut in the middle is too.
+
+Appends take an exclusive lock on the log (``flock``) for read-last, write, fsync and anchor: any
+number of writers, in any processes, produce one chain of whole lines. The log is opened with
+``O_APPEND | O_NOFOLLOW``, written in one ``write``, fsynced (and so is the anchor and, when it is
+new, the directory). A failed write is retried 3 times (0.05, 0.2, 0.5 s), then
+:class:`AuditWriteError` is raised: the session treats it as fatal ("nothing runs unrecorded").
+
+The default log is ``<state dir>/audit/audit.jsonl`` (root's, 0600 in a 0700 directory): cells never
+see the state dir, so nothing inside one can write it.
+"""
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import stat
+import time
+from typing import Any
+
+from ..errors import AgentcellError
+
+GENESIS = "0" * 64
+RETRY_DELAYS = (0.05, 0.2, 0.5)
+
+
+class AuditWriteError(AgentcellError):
+    """The record could not be written after its retries: whatever was to be recorded must not go on."""
+
+    exit_code = 70  # EX_SOFTWARE-like: distinct from a refusal (125) or a launch failure (123)
+
+
+def default_path() -> str:
+    from ..accounts.registry import state_dir
+
+    return os.path.join(state_dir(), "audit", "audit.jsonl")
+
+
+def _digest(line: bytes) -> str:
+    return hashlib.sha256(line).hexdigest()
+
+
+def _last_line(fd: int) -> bytes:
+    """The last complete line of the open log (b"" if empty), read backwards from the end."""
+    end = os.lseek(fd, 0, os.SEEK_END)
+    if end == 0:
+        return b""
+    pos, buf = end, b""
+    while pos > 0:
+        step = min(65536, pos)
+        pos -= step
+        buf = os.pread(fd, step, pos) + buf
+        body = buf[:-1] if buf.endswith(b"\n") else buf
+        nl = body.rfind(b"\n")
+        if nl >= 0:
+            return body[nl + 1:]
+    return buf[:-1] if buf.endswith(b"\n") else buf
+
+
+class AuditLog:
+    def __init__(self, path: str | None = None) -> None:
+        self.path = path or default_path()
+        self.head = self.path + ".head"
+
+    def append(self, event: str, *, session: str = "", **details: Any) -> dict[str, Any]:
+        """Write one record; returns it. Raises AuditWriteError when it cannot be written."""
+        last: Exception | None = None
+        for delay in (0.0, *RETRY_DELAYS):
+            if delay:
+                time.sleep(delay)
+            try:
+                return self._append(event, session, details)
+            except (OSError, ValueError) as e:
+                last = e
+        raise AuditWriteError("audit", f"cannot write to {self.path} ({last})",
+                              "the session stops: fix the log (space, permissions), then 'agentcell audit verify'")
+
+    def _append(self, event: str, session: str, details: dict[str, Any]) -> dict[str, Any]:
+        d = os.path.dirname(self.path)
+        if not os.path.isdir(d):
+            os.makedirs(d, mode=0o700, exist_ok=True)
+            _fsync_dir(os.path.dirname(d))
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
+                raise ValueError(f"{self.path} must be a regular file of ours that no one else can write")
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            rfd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            try:
+                prev_line = _last_line(rfd)
+            finally:
+                os.close(rfd)
+            seq, prev = 1, GENESIS
+            if prev_line:
+                try:
+                    seq, prev = int(json.loads(prev_line)["seq"]) + 1, _digest(prev_line)
+                except (ValueError, KeyError, TypeError):
+                    raise ValueError(f"the last record of {self.path} is damaged: see 'agentcell audit "
+                                     "verify'") from None
+            record = {"seq": seq, "ts": round(time.time(), 6), "session": session, "event": event,
+                      "details": details, "prev": prev}
+            line = json.dumps(record, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+            start = os.lseek(fd, 0, os.SEEK_END)  # we hold the lock: nobody else appends meanwhile
+            try:
+                if os.write(fd, line + b"\n") != len(line) + 1:
+                    raise OSError(28, "short write (no space left on device?)")
+                os.fsync(fd)
+                _write_head(self.head, seq, _digest(line))
+            except OSError:
+                # Not written unless log and anchor agree: no half record, no record the anchor does
+                # not know (which verify would take for one added by hand).
+                os.ftruncate(fd, start)
+                os.fsync(fd)
+                raise
+            if seq == 1:
+                _fsync_dir(d)
+            return record
+        finally:
+            os.close(fd)  # releases the lock
+
+
+def _write_head(path: str, seq: int, digest: str) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        data = f"{seq} {digest}\n".encode()
+        if os.write(fd, data) != len(data):
+            raise OSError(28, "short write of the anchor (no space left on device?)")
+        os.fsync(fd)
+        os.rename(tmp, path)
+    except OSError:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(d: str) -> None:
+    fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class Verdict:
+    """What :func:`verify` found: ``problems`` (line number, what), empty when the trail is whole."""
+
+    def __init__(self, path: str, records: int, problems: list[tuple[int, str]]) -> None:
+        self.path, self.records, self.problems = path, records, problems
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def verify(path: str | None = None) -> Verdict:
+    path = path or default_path()
+    problems: list[tuple[int, str]] = []
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        return Verdict(path, 0, [(0, f"{path} does not exist")])
+    lines = data.split(b"\n")
+    if lines and lines[-1] == b"":
+        lines.pop()
+    elif lines:
+        problems.append((len(lines), "the last record is cut off in the middle (truncated)"))
+        lines.pop()
+    prev, seq = GENESIS, 0
+    for n, line in enumerate(lines, 1):
+        try:
+            rec = json.loads(line)
+            canonical = json.dumps(rec, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+        except ValueError:
+            problems.append((n, "not a JSON record (edited or inserted)"))
+            prev, seq = _digest(line), seq + 1
+            continue
+        if canonical != line:
+            problems.append((n, "not written by agentcell as it is now (edited)"))
+        if rec.get("prev") != prev:
+            problems.append((n, f"does not follow record {n - 1}: that one was edited, or a record was inserted, "
+                                "removed or moved here"))
+        if rec.get("seq") != seq + 1:
+            problems.append((n, f"sequence {rec.get('seq')} where {seq + 1} was expected (records removed, "
+                                "inserted or reordered)"))
+        prev = _digest(line)
+        seq = rec["seq"] if isinstance(rec.get("seq"), int) else seq + 1
+    try:
+        with open(path + ".head") as f:
+            head_seq, head_digest = f.read().split()
+        if int(head_seq) > len(lines):
+            problems.append((len(lines), f"the log ends at record {len(lines)} but {head_seq} were written "
+                                         "(truncated)"))
+        elif int(head_seq) == len(lines) and head_digest != prev:
+            problems.append((len(lines), "the last record is not the one written last (replaced)"))
+        elif int(head_seq) < len(lines):
+            problems.append((int(head_seq) + 1, "records after the last one written (appended by hand)"))
+    except FileNotFoundError:
+        if lines:
+            problems.append((0, f"{path}.head is missing: truncation cannot be ruled out"))
+    except ValueError:
+        problems.append((0, f"{path}.head is damaged"))
+    return Verdict(path, len(lines), problems)
+
+
+def records(path: str | None = None, session: str | None = None) -> list[dict[str, Any]]:
+    """The records that parse (verify first to know the trail is whole), optionally one session's."""
+    out = []
+    try:
+        with open(path or default_path(), "rb") as f:
+            for line in f:
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    continue
+                if session is None or rec.get("session") == session:
+                    out.append(rec)
+    except FileNotFoundError:
+        pass
+    return out

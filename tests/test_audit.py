@@ -1,0 +1,135 @@
+"""The audit trail (issue 6, part 2): a chain of whole records that no tampering gets past."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from agentcell.audit import AuditLog, AuditWriteError, verify
+from conftest import AGENTCELL
+
+
+def trail(tmp_path: Path, n: int = 6) -> Path:
+    log = AuditLog(str(tmp_path / "audit" / "audit.jsonl"))
+    for i in range(n):
+        log.append("step", session="s-1", n=i, text="é\nline")
+    return Path(log.path)
+
+
+def lines(p: Path) -> list[bytes]:
+    return p.read_bytes().split(b"\n")[:-1]
+
+
+def test_an_untouched_trail_verifies(tmp_path: Path) -> None:
+    p = trail(tmp_path)
+    v = verify(str(p))
+    assert v.ok and v.records == 6, v.problems
+    assert oct(p.stat().st_mode & 0o777) == "0o600" and oct(p.parent.stat().st_mode & 0o777) == "0o700"
+    recs = [json.loads(line) for line in lines(p)]
+    assert [r["seq"] for r in recs] == list(range(1, 7)) and recs[0]["prev"] == "0" * 64
+    assert recs[2]["details"] == {"n": 2, "text": "é\nline"}
+
+
+def _edit(ls: list[bytes]) -> list[bytes]:
+    rec = json.loads(ls[2])
+    rec["details"]["n"] = 99
+    return [*ls[:2], json.dumps(rec, sort_keys=True, separators=(",", ":")).encode(), *ls[3:]]
+
+
+def _insert(ls: list[bytes]) -> list[bytes]:
+    return [*ls[:3], ls[3], *ls[3:]]
+
+
+TAMPERING = {
+    "edited": (_edit, 4),  # the chain breaks at the next record, which names it
+    "edited_and_rechained": (lambda ls: _edit(ls)[:3] + ls[3:], 4),
+    "inserted": (_insert, 5),
+    "removed": (lambda ls: ls[:2] + ls[3:], 3),
+    "reordered": (lambda ls: [ls[0], ls[2], ls[1], *ls[3:]], 2),
+    "truncated_at_a_record": (lambda ls: ls[:4], 4),
+    "not_json": (lambda ls: [*ls[:1], b"garbage", *ls[2:]], 2),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(TAMPERING))
+def test_every_kind_of_tampering_is_found_and_placed(tmp_path: Path, kind: str) -> None:
+    p = trail(tmp_path)
+    change, line = TAMPERING[kind]
+    p.write_bytes(b"\n".join(change(lines(p))) + b"\n")
+    v = verify(str(p))
+    assert not v.ok and line in [n for n, _ in v.problems], (kind, v.problems)
+
+
+def test_a_record_cut_in_the_middle_is_found(tmp_path: Path) -> None:
+    p = trail(tmp_path)
+    p.write_bytes(p.read_bytes()[:-20])
+    v = verify(str(p))
+    assert not v.ok and any("cut off" in why for _, why in v.problems), v.problems
+
+
+def test_a_missing_anchor_is_said(tmp_path: Path) -> None:
+    p = trail(tmp_path)
+    Path(str(p) + ".head").unlink()
+    v = verify(str(p))
+    assert not v.ok and "truncation cannot be ruled out" in v.problems[0][1]
+
+
+def test_concurrent_writers_make_one_chain_of_whole_lines(tmp_path: Path) -> None:
+    path = tmp_path / "audit" / "audit.jsonl"
+    code = ("import sys; from agentcell.audit import AuditLog\n"
+            "log = AuditLog(sys.argv[1])\n"
+            "for i in range(150): log.append('w', session=sys.argv[2], i=i, pad='x' * 3000)\n")
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(path), f"w{k}"]) for k in range(6)]
+    assert [p.wait(120) for p in procs] == [0] * 6
+    v = verify(str(path))
+    assert v.ok and v.records == 900, v.problems[:3]
+    per = {}
+    for line in lines(path):
+        rec = json.loads(line)
+        per.setdefault(rec["session"], []).append(rec["details"]["i"])
+    assert all(v == list(range(150)) for v in per.values())
+
+
+def test_an_unwritable_trail_is_a_distinct_fatal_error(tmp_path: Path) -> None:
+    d = tmp_path / "audit"
+    d.mkdir()
+    (d / "audit.jsonl").symlink_to("/etc/passwd")  # never followed, never written
+    with pytest.raises(AuditWriteError) as e:
+        AuditLog(str(d / "audit.jsonl")).append("x")
+    assert e.value.exit_code == 70 and "session stops" in e.value.line()
+    assert "agentcell" not in Path("/etc/passwd").read_text()[-200:]
+
+
+def test_a_full_disk_is_a_clear_error(tmp_path: Path) -> None:
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "agentcell-test-small", str(mnt)], check=True)
+    try:
+        log = AuditLog(str(mnt / "audit" / "audit.jsonl"))
+        with pytest.raises(AuditWriteError) as e:
+            for i in range(100):
+                log.append("fill", big="x" * 4000, i=i)
+        assert "No space left" in e.value.line() or "short write" in e.value.line(), e.value.line()
+        v = verify(log.path)
+        assert v.ok, v.problems  # the failed record left nothing half-written behind
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)
+
+
+def test_the_cli_verifies_shows_and_tails(tmp_path: Path) -> None:
+    p = trail(tmp_path)
+    env = {"PATH": os.environ["PATH"]}
+    ok = subprocess.run([AGENTCELL, "audit", "verify", str(p)], capture_output=True, text=True, env=env)
+    assert ok.returncode == 0 and "6 records, chain intact" in ok.stdout
+    shown = subprocess.run([AGENTCELL, "audit", "show", str(p), "--session", "s-1", "--json"], capture_output=True,
+                           text=True, env=env)
+    assert len(json.loads(shown.stdout)) == 6
+    tail = subprocess.run([AGENTCELL, "audit", "tail", str(p), "-n", "2"], capture_output=True, text=True, env=env)
+    assert [line.split()[0] for line in tail.stdout.splitlines()] == ["5", "6"]
+    p.write_bytes(b"\n".join(_edit(lines(p))) + b"\n")
+    bad = subprocess.run([AGENTCELL, "audit", "verify", str(p)], capture_output=True, text=True, env=env)
+    assert bad.returncode == 1 and f"{p}:4: does not follow record 3" in bad.stdout
