@@ -121,6 +121,7 @@ class FakeInternet:
         _ip(*inside, "-6", "route", "add", "default", "via", "fd00:ac::1")
         _ip("route", "add", "198.18.0.0/15", "via", "198.18.0.2", "dev", self.host_if)
         _ip("-6", "route", "add", "fd00:ac::/32", "via", "fd00:ac::2", "dev", self.host_if)
+        _ip("route", "add", "239.255.0.0/16", "dev", self.host_if)  # test multicast stays on the veth
         self.proc = subprocess.Popen(["ip", "netns", "exec", self.ns, sys.executable, "-c", SERVERS,
                                       json.dumps(RECORDS), str(self.dns_log), DNS4],
                                      stdout=subprocess.PIPE, text=True)

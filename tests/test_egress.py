@@ -343,3 +343,25 @@ def test_ipv6_forms_of_private_addresses_are_refused() -> None:
                  "::ffff:0:a00:1"):
         assert not pol.address_verdict(ipaddress.ip_address(addr))[0], addr
     assert pol.address_verdict(ipaddress.ip_address("64:ff9b::5db8:d822"))[0]  # NAT64 of a public address
+
+
+def test_multicast_and_the_hosts_loopback_stay_closed(user: User, inet: FakeInternet) -> None:
+    # A '*' UDP rule does not open multicast (the local network); joining a group is refused outright
+    # (the kernel's IGMP reports have no owner a uid rule could match). Multicast here is routed to the
+    # fake internet's veth only.
+    code = ("import socket, struct\nu = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
+            "try:\n    u.sendto(b'x', ('239.255.1.1', 59999)); print('SENT')\nexcept OSError as e:\n"
+            "    print('refused', e.errno)\n"
+            "try:\n    u.setsockopt(socket.IPPROTO_IP, socket.IP_ADD_MEMBERSHIP, socket.inet_aton('239.255.1.1') + "
+            "socket.inet_aton('127.0.0.1')); print('JOINED')\nexcept OSError as e:\n    print('join refused', e.errno)")
+    r = agentcell_run(["--as", str(user.uid), "--net", "host-firewall", "--allow-egress", "udp:*:59999", "--",
+                       "python3", "-c", code], timeout=60)
+    assert r.out.split("\n") == ["refused 1", "join refused 1"], r.out + r.err
+
+
+def test_an_allow_range_never_opens_the_hosts_loopback() -> None:
+    import ipaddress
+
+    pol = rules.Policy.from_rules(["range:127.0.0.0/8", "range:::/0", "range:0.0.0.0/0"])
+    for addr in ("127.0.0.1", "127.0.0.2", "::1", "::ffff:127.0.0.2", "::127.0.0.2", "64:ff9b::7f00:2"):
+        assert not pol.address_verdict(ipaddress.ip_address(addr))[0], addr

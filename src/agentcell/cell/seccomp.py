@@ -43,8 +43,11 @@ ALLOWED_FAMILIES = (1, 2, 10, 16)
 # Newer syscalls libseccomp 2.5 has no names for (x86_64 numbers): statmount, listmount,
 # lsm_get_self_attr, lsm_set_self_attr, lsm_list_modules, open_tree_attr.
 EPERM_NUMBERS_X86_64 = (457, 458, 459, 460, 461, 467)
+# Joining a multicast group makes the kernel send IGMP/MLD reports no socket owns (so no uid-keyed
+# firewall sees them): a covert channel out of a host-firewall cell. (level, optname) pairs.
+MULTICAST_JOINS = ((0, 35), (0, 39), (0, 42), (0, 46), (41, 20), (41, 42), (41, 46))
 CACHE_DIR = "/var/lib/agentcell/seccomp"
-VERSION = 3  # bump when the rules change: it is part of the cache key
+VERSION = 4  # bump when the rules change: it is part of the cache key
 
 PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 22, 2
 _program: bytes | None = None
@@ -55,6 +58,7 @@ def describe() -> list[str]:
             "EPERM: clone with any CLONE_NEW* flag; ioctl TIOCSTI, TIOCLINUX; personality flags that weaken "
             "ASLR or NX; statmount, listmount, lsm_*_self_attr, lsm_list_modules, open_tree_attr",
             "EAFNOSUPPORT: sockets of any family but unix, IPv4, IPv6 and netlink (AF_VSOCK above all)",
+            "EPERM: setsockopt joining a multicast group (IGMP/MLD reports leave unowned)",
             "ENOSYS: clone3 (flags not inspectable; libc falls back to clone)",
             "KILL: any syscall from a foreign architecture (i386, x32)"]
 
@@ -85,6 +89,8 @@ def _compile() -> bytes:
         for family in range(max(ALLOWED_FAMILIES)):
             if family not in ALLOWED_FAMILIES:
                 f.add_rule(no_family, call, sc.Arg(0, sc.EQ, family))
+    for level, optname in MULTICAST_JOINS:
+        f.add_rule(deny, "setsockopt", sc.Arg(1, sc.EQ, level), sc.Arg(2, sc.EQ, optname))
     if os.uname().machine == "x86_64":
         for nr in EPERM_NUMBERS_X86_64:
             f.add_rule(deny, nr)
@@ -99,7 +105,7 @@ def _key() -> str:
     lib.seccomp_version.restype = ctypes.POINTER(ctypes.c_uint * 3)
     ver = tuple(lib.seccomp_version().contents)
     text = repr((VERSION, EPERM_CALLS, NAMESPACE_FLAGS, WEAKENING_PERSONALITIES, ALLOWED_FAMILIES,
-                 EPERM_NUMBERS_X86_64, ver, os.uname().machine))
+                 EPERM_NUMBERS_X86_64, MULTICAST_JOINS, ver, os.uname().machine))
     return f"v{VERSION}-{binascii.crc32(text.encode()):08x}"  # a key, not a defence: the dir is root's
 
 

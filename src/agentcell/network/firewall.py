@@ -74,8 +74,11 @@ def table_name(cell_id: str) -> str:
 
 # Never reached through a "*" rule, only by naming the address or network: the host itself,
 # private and link-local networks (the cloud metadata address among them), carrier NAT.
+# Multicast and broadcast too (they reach the local network whatever the address rules say), and the
+# IPv6 forms that carry an IPv4 address (NAT64, 6to4, compatible) or are site-local.
 NOT_BY_WILDCARD = ("0.0.0.0/8", "10.0.0.0/8", "100.64.0.0/10", "127.0.0.0/8", "169.254.0.0/16", "172.16.0.0/12",
-                   "192.168.0.0/16", "::1/128", "fc00::/7", "fe80::/10", "::ffff:0:0/96")
+                   "192.168.0.0/16", "224.0.0.0/4", "240.0.0.0/4", "::/96", "::ffff:0:0/96", "64:ff9b::/96",
+                   "64:ff9b:1::/48", "2002::/16", "fc00::/7", "fe80::/10", "fec0::/10", "ff00::/8")
 
 
 def ruleset(table: str, uid: int, rules: list[EgressRule], allow_loopback: bool, log_group: int) -> str:
@@ -90,6 +93,7 @@ def ruleset(table: str, uid: int, rules: list[EgressRule], allow_loopback: bool,
         lines += ['    oifname "lo" accept', "    fib daddr type local accept"]
     else:
         lines += ['    oifname "lo" goto deny', "    fib daddr type local goto deny"]
+    lines.append("    fib daddr type { broadcast, multicast, anycast } goto deny")
     lines += [f"    {r.nft()}" for r in rules if r.net is not None]
     v4 = ", ".join(n for n in NOT_BY_WILDCARD if ":" not in n)
     v6 = ", ".join(n for n in NOT_BY_WILDCARD if ":" in n)

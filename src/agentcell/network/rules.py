@@ -165,7 +165,12 @@ class Policy:
 
     def address_verdict(self, addr: Address) -> tuple[bool, str]:
         """(allowed, why) for an address a name resolved to: public, or in an --allow-range. An IPv6
-        address that carries an IPv4 one (mapped, compatible, NAT64) is judged by that one too."""
+        address that carries an IPv4 one (mapped, compatible, NAT64) is judged by that one too. The
+        host's loopback never: the proxy runs in the host's network, so an --allow-range that covers
+        127.0.0.0/8 would open the host's own services (the cell has a loopback of its own)."""
+        inner = _embedded_v4(addr) if isinstance(addr, ipaddress.IPv6Address) else addr
+        if addr.is_loopback or (inner is not None and inner.is_loopback):
+            return False, f"{addr} is the host's loopback: a cell reaches its own, never the host's"
         if self.range_allows(addr):
             return True, ""
         bad = f"resolves to {addr}, which is not a public address (add --allow-range {addr} to allow it)"
