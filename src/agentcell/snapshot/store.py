@@ -1,0 +1,599 @@
+"""Snapshots: a content-addressed store of our own (why ours: see bench/snapshot.py and the issue note).
+
+Layout of a store (``$BACKUP_DIR``, ``--store DIR``, default ``<state dir>/snapshots``; 0700, the
+supervisor's, never inside a path it snapshots)::
+
+    objects/ab/abcdef…   a file's content, named by its SHA-256 (stored once, however many files
+                         and snapshots have it)
+    snapshots/<id>.json  one manifest per snapshot: every entry of every root, with type, mode, owner,
+                         mtime, size, and the content's hash (files) or target (symlinks)
+    cache/<root>.json    the stat of each file at the last snapshot of that root (size, mtime, ctime,
+                         inode) and its hash: a file whose stat is unchanged is not read again
+
+Taking a snapshot of an unchanged tree therefore reads no file and writes one manifest. ctime is
+part of the key because nobody but root can set it back: content changed with a faked mtime is
+still read again.
+
+Restores are exact and in place by default: content, modes, owners, mtimes, symlinks (recreated,
+never followed), empty directories, and whatever was added since the snapshot is removed. A restore
+runs as root on a tree the agent wrote, so it walks on directory fds opened with O_NOFOLLOW (a
+directory the agent swapped for a symlink is replaced, not followed); a file is written to a new
+name beside its destination and renamed over it.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import stat
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from ..errors import AgentcellError
+
+CHUNK = 1 << 20
+Progress = Callable[[int, int], None]  # (done, total) bytes or entries
+
+
+class SnapshotError(AgentcellError):
+    pass
+
+
+def default_store() -> str:
+    from ..accounts.registry import state_dir
+
+    return os.environ.get("BACKUP_DIR") or os.path.join(state_dir(), "snapshots")
+
+
+def _hexpath(rel: str) -> str:
+    return os.fsencode(rel).hex()
+
+
+def _unhex(h: str) -> str:
+    return os.fsdecode(bytes.fromhex(h))
+
+
+class Store:
+    def __init__(self, path: str | None = None) -> None:
+        self.path = os.path.abspath(path or default_store())
+
+    # ---- the store itself ------------------------------------------------------------------------
+
+    def _ready(self, roots: tuple[str, ...] = ()) -> None:
+        for root in roots:
+            if self.path == root or self.path.startswith(root.rstrip("/") + "/"):
+                raise SnapshotError("--store", f"{self.path} is inside {root}, which it would snapshot (and which "
+                                    "the agent may write)", "put the store outside the snapshotted paths")
+        try:
+            for sub in ("", "objects", "snapshots", "cache"):
+                os.makedirs(os.path.join(self.path, sub), mode=0o700, exist_ok=True)
+        except OSError as e:
+            raise SnapshotError("--store", f"cannot create {self.path}: {e.strerror}",
+                                "give a directory you can write (--store or BACKUP_DIR)") from None
+        st = os.lstat(self.path)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
+            raise SnapshotError("--store", f"{self.path} must be a directory of yours that nobody else can write",
+                                f"chmod 700 {self.path}, or another --store")
+        if not os.access(self.path, os.W_OK):
+            raise SnapshotError("--store", f"{self.path} is not writable", "another --store, or fix its permissions")
+
+    def _object(self, digest: str) -> str:
+        return os.path.join(self.path, "objects", digest[:2], digest)
+
+    def _manifest_path(self, sid: str) -> str:
+        if not sid or "/" in sid or sid.startswith("."):
+            raise SnapshotError("ID", f"'{sid}' is not a snapshot id", "see 'agentcell snapshot list'")
+        return os.path.join(self.path, "snapshots", f"{sid}.json")
+
+    def manifest(self, sid: str) -> dict[str, Any]:
+        try:
+            with open(self._manifest_path(sid)) as f:
+                data: dict[str, Any] = json.load(f)
+        except FileNotFoundError:
+            raise SnapshotError("ID", f"no snapshot {sid} in {self.path}", "see 'agentcell snapshot list'") from None
+        except ValueError:
+            raise SnapshotError("ID", f"the manifest of {sid} is damaged",
+                                "'agentcell snapshot verify' says more") from None
+        return data
+
+    def snapshots(self) -> list[dict[str, Any]]:
+        out = []
+        try:
+            names = sorted(os.listdir(os.path.join(self.path, "snapshots")))
+        except FileNotFoundError:
+            return []
+        for name in names:
+            if name.endswith(".json"):
+                try:
+                    m = self.manifest(name[:-5])
+                except SnapshotError:
+                    continue
+                out.append({"id": m["id"], "created": m["created"], "roots": list(m["roots"]),
+                            "entries": sum(len(r["entries"]) for r in m["roots"].values()),
+                            "bytes": m.get("bytes", 0)})
+        return out
+
+    # ---- take ------------------------------------------------------------------------------------
+
+    def take(self, paths: list[str], progress: Progress | None = None) -> str:
+        roots = tuple(_resolve_root(p) for p in paths)
+        self._ready(roots)
+        sid = time.strftime("%Y%m%dT%H%M%S") + "-" + os.urandom(3).hex()
+        manifest: dict[str, Any] = {"id": sid, "created": time.time(), "roots": {}, "format": 1}
+        total = 0
+        for root in roots:
+            cache_path = os.path.join(self.path, "cache", hashlib.sha256(os.fsencode(root)).hexdigest() + ".json")
+            cache = _load_json(cache_path)
+            entries, new_cache = [], {}
+            for rel, st, link in _walk(root):
+                if not (stat.S_ISDIR(st.st_mode) or stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode)):
+                    continue  # sockets, FIFOs, devices: not project content, not restorable as such
+                e: dict[str, Any] = {"p": _hexpath(rel), "mode": st.st_mode, "uid": st.st_uid, "gid": st.st_gid,
+                                     "mtime": st.st_mtime_ns}
+                if stat.S_ISREG(st.st_mode):
+                    key = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+                    hit = cache.get(e["p"])
+                    if hit is not None and hit[:4] == key and os.path.exists(self._object(hit[4])):
+                        digest = hit[4]
+                    else:
+                        digest = self._put(root, rel, st)
+                    e.update(size=st.st_size, sha=digest, stat=key)
+                    new_cache[e["p"]] = [*key, digest]
+                    total += st.st_size
+                    if progress:
+                        progress(total, 0)
+                elif stat.S_ISLNK(st.st_mode):
+                    e["target"] = os.fsencode(link or "").hex()
+                entries.append(e)
+            manifest["roots"][root] = {"entries": entries}
+            _write_json(cache_path, new_cache)
+        manifest["bytes"] = total
+        _syncfs(self.path)  # every object on disk before the manifest that names them (one sync, not 20,000)
+        _write_json(self._manifest_path(sid), manifest)
+        return sid
+
+    def _put(self, root: str, rel: str, st: os.stat_result) -> str:
+        """Read the file once: hash it and, if the store lacks that content, keep a copy."""
+        fd = _open_below(root, rel, os.O_RDONLY | os.O_NONBLOCK)
+        try:
+            tmp = os.path.join(self.path, "objects", f".tmp-{os.getpid()}-{os.urandom(4).hex()}")
+            h = hashlib.sha256()
+            out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            try:
+                while chunk := os.read(fd, CHUNK):
+                    h.update(chunk)
+                    _write_all(out, chunk)
+            except BaseException:
+                os.close(out)
+                os.unlink(tmp)
+                raise
+            os.close(out)
+        finally:
+            os.close(fd)
+        digest = h.hexdigest()
+        dest = self._object(digest)
+        if os.path.exists(dest):
+            os.unlink(tmp)
+        else:
+            os.makedirs(os.path.dirname(dest), mode=0o700, exist_ok=True)
+            os.rename(tmp, dest)
+        return digest
+
+    # ---- verify ----------------------------------------------------------------------------------
+
+    def verify(self, sid: str, progress: Progress | None = None) -> list[str]:
+        """Every object the snapshot names is there and still has its hash; problems (empty: sound)."""
+        m = self.manifest(sid)
+        problems, done = [], 0
+        total = sum(e.get("size", 0) for r in m["roots"].values() for e in r["entries"])
+        checked: set[str] = set()
+        for root, r in m["roots"].items():
+            for e in r["entries"]:
+                digest = e.get("sha")
+                if digest is None or digest in checked:
+                    continue
+                checked.add(digest)
+                try:
+                    h = hashlib.sha256()
+                    with open(self._object(digest), "rb") as f:
+                        while chunk := f.read(CHUNK):
+                            h.update(chunk)
+                    if h.hexdigest() != digest:
+                        problems.append(f"{os.path.join(root, _unhex(e['p']))}: its stored content is damaged")
+                except FileNotFoundError:
+                    problems.append(f"{os.path.join(root, _unhex(e['p']))}: its stored content is missing")
+                done += e.get("size", 0)
+                if progress:
+                    progress(done, total)
+        return problems
+
+    # ---- restore ---------------------------------------------------------------------------------
+
+    def restore(self, sid: str, paths: list[str] | None = None, to: str | None = None,
+                progress: Progress | None = None) -> int:
+        """Make each root (or the given paths below them) exactly as it was; returns entries written.
+        With ``to``, into that directory instead (``to``/<root without its leading />)."""
+        m = self.manifest(sid)
+        problems = self.verify(sid)
+        if problems:
+            raise SnapshotError("ID", f"snapshot {sid} is damaged ({problems[0]}; {len(problems)} in all)",
+                                "it cannot be restored exactly; 'agentcell snapshot verify' lists the damage")
+        written = 0
+        wanted = [os.path.abspath(p) for p in paths or []]
+        for root, r in m["roots"].items():
+            entries = {_unhex(e["p"]): e for e in r["entries"]}
+            if wanted:
+                subset = [w for w in wanted if w == root or w.startswith(root.rstrip("/") + "/")]
+                if not subset:
+                    continue
+            else:
+                subset = [root]
+            dest_root = os.path.join(to, root.lstrip("/")) if to else root
+            for w in subset:
+                rel = os.path.relpath(w, root)
+                written += _Restorer(self, dest_root, entries, progress).run(rel)
+            _syncfs(dest_root)
+        return written
+
+    # ---- diff ------------------------------------------------------------------------------------
+
+    def diff(self, sid: str) -> dict[str, list[str]]:
+        """What changed since the snapshot: added, modified, deleted (paths); text diffs separately."""
+        m = self.manifest(sid)
+        out: dict[str, list[str]] = {"added": [], "modified": [], "deleted": []}
+        for root, r in m["roots"].items():
+            then = {_unhex(e["p"]): e for e in r["entries"]}
+            now = {rel: (st, link) for rel, st, link in _walk(root)} if os.path.lexists(root) else {}
+            for rel in sorted(set(then) | set(now)):
+                full = os.path.normpath(os.path.join(root, rel))
+                if rel not in now:
+                    out["deleted"].append(full)
+                elif rel not in then:
+                    out["added"].append(full)
+                elif _changed(then[rel], *now[rel], root, rel):
+                    out["modified"].append(full)
+        return out
+
+    def text_diff(self, sid: str, path: str, limit: int = 1 << 20) -> str:
+        """A unified diff of a text file between the snapshot and now ('' if binary or unchanged)."""
+        import difflib
+
+        m = self.manifest(sid)
+        path = os.path.abspath(path)
+        for root, r in m["roots"].items():
+            rel = os.path.relpath(path, root)
+            e = next((x for x in r["entries"] if _unhex(x["p"]) == rel), None)
+            if e is None or "sha" not in e:
+                continue
+            old = _read_text(self._object(e["sha"]), limit)
+            try:
+                new = _read_text_nofollow(root, rel, limit)
+            except OSError:
+                new = ""
+            if old is None or new is None:
+                return ""
+            return "".join(difflib.unified_diff(old.splitlines(True), new.splitlines(True),
+                                                f"a/{rel}", f"b/{rel}"))
+        return ""
+
+    # ---- prune -----------------------------------------------------------------------------------
+
+    def prune(self, keep: int) -> tuple[list[str], int]:
+        """Keep the newest ``keep`` snapshots; remove the others and every object none still needs."""
+        snaps = sorted(self.snapshots(), key=lambda s: s["created"])
+        gone = [s["id"] for s in snaps[:max(0, len(snaps) - keep)]]
+        for sid in gone:
+            os.unlink(self._manifest_path(sid))
+        needed = {e["sha"] for s in self.snapshots() for r in self.manifest(s["id"])["roots"].values()
+                  for e in r["entries"] if "sha" in e}
+        removed = 0
+        objects = os.path.join(self.path, "objects")
+        for sub in os.listdir(objects):
+            d = os.path.join(objects, sub)
+            if not os.path.isdir(d):
+                continue
+            for name in os.listdir(d):
+                if name not in needed:
+                    os.unlink(os.path.join(d, name))
+                    removed += 1
+        for cache in os.listdir(os.path.join(self.path, "cache")):  # may name removed objects: rebuilt
+            os.unlink(os.path.join(self.path, "cache", cache))
+        return gone, removed
+
+
+# ---- walking and reading without following symlinks -------------------------------------------------
+
+def _resolve_root(path: str) -> str:
+    real = os.path.abspath(path)
+    try:
+        st = os.lstat(real)
+    except FileNotFoundError:
+        raise SnapshotError("PATH", f"{path} does not exist", "give an existing directory") from None
+    except OSError as e:
+        raise SnapshotError("PATH", f"{path}: {e.strerror}", "snapshot it as a user who can read it") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise SnapshotError("PATH", f"{path} is not a directory", "snapshot the directory it is in")
+    from ..cell.paths import open_nofollow
+
+    try:
+        os.close(open_nofollow(real))
+    except AgentcellError:
+        raise SnapshotError("PATH", f"{path} has a symlink in it", "give the real path") from None
+    return real
+
+
+def _walk(root: str) -> Iterator[tuple[str, os.stat_result, str | None]]:
+    """(relative path, lstat, symlink target) for root and all below it, never through a symlink,
+    on root's file system only; iterative (any depth)."""
+    from ..accounts.acl import Walk
+
+    for n in Walk(root, links=True):
+        link = None
+        if stat.S_ISLNK(n.st.st_mode) and n.parent is not None:
+            link = os.readlink(n.name or "", dir_fd=n.parent)
+        yield n.rel, n.st, link
+
+
+def _open_below(root: str, rel: str, flags: int) -> int:
+    from ..cell.paths import open_nofollow
+
+    parent, name = os.path.split(rel)
+    dfd = open_nofollow(os.path.join(root, parent) if parent else root)
+    try:
+        return os.open(name, flags | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+    finally:
+        os.close(dfd)
+
+
+def _changed(e: dict[str, Any], st: os.stat_result, link: str | None, root: str, rel: str) -> bool:
+    if stat.S_IFMT(st.st_mode) != stat.S_IFMT(e["mode"]) or st.st_mode != e["mode"]:
+        return True
+    if stat.S_ISLNK(st.st_mode):
+        return os.fsencode(link or "").hex() != e.get("target")
+    if stat.S_ISREG(st.st_mode):
+        if [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino] == e.get("stat"):
+            return False
+        if st.st_size != e.get("size"):
+            return True
+        h = hashlib.sha256()
+        fd = _open_below(root, rel, os.O_RDONLY | os.O_NONBLOCK)
+        try:
+            while chunk := os.read(fd, CHUNK):
+                h.update(chunk)
+        finally:
+            os.close(fd)
+        return h.hexdigest() != e.get("sha")
+    return False
+
+
+def _read_text(path: str, limit: int) -> str | None:
+    with open(path, "rb") as f:
+        data = f.read(limit + 1)
+    if len(data) > limit or b"\0" in data:
+        return None
+    try:
+        return data.decode()
+    except UnicodeDecodeError:
+        return None
+
+
+def _read_text_nofollow(root: str, rel: str, limit: int) -> str | None:
+    fd = _open_below(root, rel, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        data = os.read(fd, limit + 1)
+    finally:
+        os.close(fd)
+    if len(data) > limit or b"\0" in data:
+        return None
+    try:
+        return data.decode()
+    except UnicodeDecodeError:
+        return None
+
+
+def _syncfs(path: str) -> None:
+    """Flush the file system holding ``path`` once (syncfs(2)), instead of an fsync per file."""
+    import ctypes
+
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        if ctypes.CDLL(None, use_errno=True).syncfs(fd) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err), path)
+    finally:
+        os.close(fd)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.write(fd, view)
+        view = view[n:]
+
+
+def _load_json(path: str) -> dict[str, Any]:
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_json(path: str, data: object) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        _write_all(fd, json.dumps(data, separators=(",", ":")).encode())
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        os.unlink(tmp)
+        raise
+    os.close(fd)
+    os.rename(tmp, path)
+
+
+# ---- restore on directory fds ----------------------------------------------------------------------
+
+class _Restorer:
+    """Make ``dest_root``/``rel`` exactly the snapshot's, walking on fds (nothing followed)."""
+
+    def __init__(self, store: Store, dest_root: str, entries: dict[str, dict[str, Any]],
+                 progress: Progress | None) -> None:
+        self.store, self.dest_root, self.entries, self.progress = store, dest_root, entries, progress
+        self.written = 0
+        self.children: dict[str, list[str]] = {}
+        for rel in entries:
+            if rel != ".":
+                parent = os.path.dirname(rel) or "."
+                self.children.setdefault(parent, []).append(os.path.basename(rel))
+
+    def run(self, rel: str) -> int:
+        rel = os.path.normpath(rel)
+        os.makedirs(self.dest_root, exist_ok=True)
+        from ..cell.paths import open_nofollow
+
+        top = open_nofollow(self.dest_root)
+        try:
+            rfd = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=top)
+        finally:
+            os.close(top)
+        try:
+            if rel == ".":
+                self._dir(rfd, ".")
+                self._meta_fd(rfd, self.entries["."])
+            else:
+                parent, name = os.path.split(rel)
+                pfd = self._descend(rfd, parent)
+                try:
+                    self._entry(pfd, name, rel)
+                finally:
+                    os.close(pfd)
+        finally:
+            os.close(rfd)
+        return self.written
+
+    def _descend(self, rfd: int, rel: str) -> int:
+        fd = os.dup(rfd)
+        for part in [p for p in rel.split("/") if p and p != "."]:
+            nfd = self._ensure_dir(fd, part)
+            os.close(fd)
+            fd = nfd
+        return fd
+
+    def _ensure_dir(self, dfd: int, name: str) -> int:
+        try:
+            return os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+        except OSError:
+            self._remove(dfd, name)
+            os.mkdir(name, 0o700, dir_fd=dfd)
+            return os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+
+    def _dir(self, dfd: int, rel: str) -> None:
+        """Iteratively: every child of ``rel`` as in the snapshot, and nothing else. A directory's fd
+        stays open only while its subtree is being done (fds in use = depth, not width)."""
+        stack: list[tuple[str, int, str, str]] = [("open", dfd, "", rel)]
+        while stack:
+            kind, fd, name, here = stack.pop()
+            if kind == "done":  # children are in place: now this directory's own metadata (mtime last)
+                if here != rel:
+                    self._meta_fd(fd, self.entries[here])
+                    os.close(fd)
+                continue
+            if here != rel:
+                fd = self._ensure_dir(fd, name)
+            want = set(self.children.get(here, []))
+            for extra in os.listdir(fd):
+                if extra not in want:
+                    self._remove(fd, extra)
+            stack.append(("done", fd, "", here))
+            for child_name in sorted(want):
+                child = child_name if here == "." else f"{here}/{child_name}"
+                e = self.entries[child]
+                if stat.S_ISDIR(e["mode"]):
+                    stack.append(("open", fd, child_name, child))
+                else:
+                    self._leaf(fd, child_name, e)
+
+    def _entry(self, pfd: int, name: str, rel: str) -> None:
+        e = self.entries.get(rel)
+        if e is None:
+            self._remove(pfd, name)
+        elif stat.S_ISDIR(e["mode"]):
+            cfd = self._ensure_dir(pfd, name)
+            try:
+                self._dir(cfd, rel)
+                self._meta_fd(cfd, e)
+            finally:
+                os.close(cfd)
+        else:
+            self._leaf(pfd, name, e)
+
+    def _leaf(self, dfd: int, name: str, e: dict[str, Any]) -> None:
+        try:
+            st: os.stat_result | None = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+        except FileNotFoundError:
+            st = None
+        if stat.S_ISLNK(e["mode"]):
+            target = os.fsdecode(bytes.fromhex(e["target"]))
+            if st is not None and stat.S_ISLNK(st.st_mode) and os.readlink(name, dir_fd=dfd) == target:
+                pass
+            else:
+                if st is not None:
+                    self._remove(dfd, name)
+                os.symlink(target, name, dir_fd=dfd)
+                self.written += 1
+            os.chown(name, e["uid"], e["gid"], dir_fd=dfd, follow_symlinks=False)
+            os.utime(name, ns=(e["mtime"], e["mtime"]), dir_fd=dfd, follow_symlinks=False)
+            return
+        if st is not None and stat.S_ISREG(st.st_mode) and [st.st_size, st.st_mtime_ns, st.st_ctime_ns,
+                                                            st.st_ino] == e.get("stat"):
+            return  # untouched since the snapshot (ctime: nobody but root sets it back)
+        tmp = f".agentcell-restore-{os.urandom(4).hex()}"
+        out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dfd)
+        try:
+            if stat.S_ISREG(e["mode"]):
+                with open(self.store._object(e["sha"]), "rb") as src:
+                    while chunk := src.read(CHUNK):
+                        _write_all(out, chunk)
+            os.fchown(out, e["uid"], e["gid"])
+            os.fchmod(out, stat.S_IMODE(e["mode"]))
+            os.utime(out, ns=(e["mtime"], e["mtime"]))
+        except BaseException:
+            os.close(out)
+            os.unlink(tmp, dir_fd=dfd)
+            raise
+        os.close(out)
+        if st is not None and stat.S_ISDIR(st.st_mode):
+            self._remove(dfd, name)
+        os.rename(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+        self.written += 1
+        if self.progress:
+            self.progress(self.written, len(self.entries))
+
+    def _meta_fd(self, fd: int, e: dict[str, Any]) -> None:
+        os.fchown(fd, e["uid"], e["gid"])
+        os.fchmod(fd, stat.S_IMODE(e["mode"]))
+        os.utime(fd, ns=(e["mtime"], e["mtime"]))
+
+    def _remove(self, dfd: int, name: str) -> None:
+        """Remove an entry whatever it is, without following anything: rm on the parent's fd."""
+        try:
+            st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+        except FileNotFoundError:
+            return
+        if not stat.S_ISDIR(st.st_mode):
+            os.unlink(name, dir_fd=dfd)
+            return
+        import subprocess
+
+        # GNU rm walks with openat/O_NOFOLLOW; given our directory fd, no name above it is looked up.
+        p = subprocess.run(["rm", "-rf", "--one-file-system", "--", f"/proc/self/fd/{dfd}/{name}"],
+                           pass_fds=(dfd,), capture_output=True, text=True)
+        if p.returncode != 0 or os.path.lexists(f"/proc/self/fd/{dfd}/{name}"):
+            raise SnapshotError("restore", f"cannot remove {name}: {p.stderr.strip()}")
+
+
+__all__ = ["SnapshotError", "Store", "default_store"]
