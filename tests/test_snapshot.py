@@ -139,6 +139,10 @@ def test_an_unwritable_or_misplaced_store_is_a_clear_error(user: User, tree: Pat
     inside = subprocess.run([AGENTCELL, "snapshot", "take", str(tree), "--store", str(tree / ".store")],
                             capture_output=True, text=True)
     assert inside.returncode == 125 and "inside" in inside.stderr and not (tree / ".store").exists()
+    # Below a directory an agent owns: it could rename the store away and put its own in its place.
+    theirs = subprocess.run([AGENTCELL, "snapshot", "take", str(tree), "--store", str(project / "store")],
+                            capture_output=True, text=True)
+    assert theirs.returncode == 125 and "can be changed by others" in theirs.stderr, theirs.stderr
 
 
 def test_a_full_disk_is_a_clear_error(tree: Path, tmp_path: Path) -> None:
