@@ -143,6 +143,7 @@ def test_an_unwritable_or_misplaced_store_is_a_clear_error(user: User, tree: Pat
     theirs = subprocess.run([AGENTCELL, "snapshot", "take", str(tree), "--store", str(project / "store")],
                             capture_output=True, text=True)
     assert theirs.returncode == 125 and "can be changed by others" in theirs.stderr, theirs.stderr
+    assert not (project / "store").exists()
 
 
 def test_a_full_disk_is_a_clear_error(tree: Path, tmp_path: Path) -> None:

@@ -65,6 +65,22 @@ class Store:
             if self.path == root or self.path.startswith(root.rstrip("/") + "/"):
                 raise SnapshotError("--store", f"{self.path} is inside {root}, which it would snapshot (and which "
                                     "the agent may write)", "put the store outside the snapshotted paths")
+        # Nobody else (an agent) may rename the store or a directory above it away and put their own
+        # there: checked before anything is made.
+        d = os.path.dirname(self.path)
+        while True:
+            try:
+                pst = os.lstat(d)
+            except FileNotFoundError:
+                d = os.path.dirname(d)
+                continue
+            shared = pst.st_mode & 0o022 and not pst.st_mode & stat.S_ISVTX
+            if stat.S_ISLNK(pst.st_mode) or pst.st_uid not in (0, os.geteuid()) or shared:
+                raise SnapshotError("--store", f"{d}, above the store, can be changed by others (an agent could "
+                                    "swap the store)", "put the store where only you and root can write")
+            if d == "/":
+                break
+            d = os.path.dirname(d)
         try:
             for sub in ("", "objects", "snapshots", "cache"):
                 os.makedirs(os.path.join(self.path, sub), mode=0o700, exist_ok=True)
@@ -75,17 +91,6 @@ class Store:
         if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
             raise SnapshotError("--store", f"{self.path} must be a directory of yours that nobody else can write",
                                 f"chmod 700 {self.path}, or another --store")
-        # Nor may anyone else (an agent) rename it or a directory above it away and put their own there.
-        d = os.path.dirname(self.path)
-        while True:
-            pst = os.lstat(d)
-            shared = pst.st_mode & 0o022 and not pst.st_mode & stat.S_ISVTX
-            if stat.S_ISLNK(pst.st_mode) or pst.st_uid not in (0, os.geteuid()) or shared:
-                raise SnapshotError("--store", f"{d}, above the store, can be changed by others (an agent could "
-                                    "swap the store)", "put the store where only you and root can write")
-            if d == "/":
-                break
-            d = os.path.dirname(d)
         if not os.access(self.path, os.W_OK):
             raise SnapshotError("--store", f"{self.path} is not writable", "another --store, or fix its permissions")
 
