@@ -129,6 +129,10 @@ def test_a_damaged_store_fails_verify_and_restore_loudly(tree: Path, tmp_path: P
     obj.unlink()
     with pytest.raises(SnapshotError, match="damaged"):
         Store(str(store_dir)).restore(sid)
+    manifest = store_dir / "snapshots" / f"{sid}.json"  # the manifest itself: checked against its hash
+    manifest.write_text(manifest.read_text().replace('"mode":33188', '"mode":35309', 1))
+    with pytest.raises(SnapshotError, match="damaged"):
+        Store(str(store_dir)).manifest(sid)
 
 
 def test_an_unwritable_or_misplaced_store_is_a_clear_error(user: User, tree: Path, project: Path) -> None:

@@ -103,9 +103,14 @@ class Store:
         return os.path.join(self.path, "snapshots", f"{sid}.json")
 
     def manifest(self, sid: str) -> dict[str, Any]:
+        path = self._manifest_path(sid)
         try:
-            with open(self._manifest_path(sid)) as f:
-                data: dict[str, Any] = json.load(f)
+            with open(path, "rb") as f:
+                raw = f.read()
+            with open(path[:-5] + ".sha256") as f:
+                if f.read().strip() != hashlib.sha256(raw).hexdigest():
+                    raise ValueError("its hash does not match")
+            data: dict[str, Any] = json.loads(raw)
         except FileNotFoundError:
             raise SnapshotError("ID", f"no snapshot {sid} in {self.path}", "see 'agentcell snapshot list'") from None
         except ValueError:
@@ -166,7 +171,10 @@ class Store:
             _write_json(cache_path, new_cache)
         manifest["bytes"] = total
         _syncfs(self.path)  # every object on disk before the manifest that names them (one sync, not 20,000)
-        _write_json(self._manifest_path(sid), manifest)
+        raw = json.dumps(manifest, separators=(",", ":")).encode()
+        path = self._manifest_path(sid)
+        _write_bytes(path[:-5] + ".sha256", hashlib.sha256(raw).hexdigest().encode())  # the manifest's own check
+        _write_bytes(path, raw)  # last: a snapshot exists once its manifest does
         return sid
 
     def _put(self, root: str, rel: str, st: os.stat_result) -> str:
@@ -301,6 +309,7 @@ class Store:
         gone = [s["id"] for s in snaps[:max(0, len(snaps) - keep)]]
         for sid in gone:
             os.unlink(self._manifest_path(sid))
+            os.unlink(self._manifest_path(sid)[:-5] + ".sha256")
         needed = {e["sha"] for s in self.snapshots() for r in self.manifest(s["id"])["roots"].values()
                   for e in r["entries"] if "sha" in e}
         removed = 0
@@ -438,10 +447,14 @@ def _load_json(path: str) -> dict[str, Any]:
 
 
 def _write_json(path: str, data: object) -> None:
+    _write_bytes(path, json.dumps(data, separators=(",", ":")).encode())
+
+
+def _write_bytes(path: str, data: bytes) -> None:
     tmp = f"{path}.tmp{os.getpid()}"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
-        _write_all(fd, json.dumps(data, separators=(",", ":")).encode())
+        _write_all(fd, data)
         os.fsync(fd)
     except BaseException:
         os.close(fd)
