@@ -133,3 +133,19 @@ def test_the_cli_verifies_shows_and_tails(tmp_path: Path) -> None:
     p.write_bytes(b"\n".join(_edit(lines(p))) + b"\n")
     bad = subprocess.run([AGENTCELL, "audit", "verify", str(p)], capture_output=True, text=True, env=env)
     assert bad.returncode == 1 and f"{p}:4: does not follow record 3" in bad.stdout
+
+
+def test_appending_never_buries_a_truncation(tmp_path: Path) -> None:
+    p = trail(tmp_path)
+    p.write_bytes(b"\n".join(lines(p)[:3]) + b"\n")  # records 4-6 cut off
+    with pytest.raises(AuditWriteError, match="anchor"):
+        AuditLog(str(p)).append("after")
+    assert not verify(str(p)).ok and len(lines(p)) == 3
+
+
+def test_a_json_line_that_is_not_a_record_is_reported_not_a_crash(tmp_path: Path) -> None:
+    p = trail(tmp_path)
+    ls = lines(p)
+    p.write_bytes(b"\n".join([*ls[:2], b"[]", *ls[3:]]) + b"\n")
+    v = verify(str(p))
+    assert not v.ok and 3 in [n for n, _ in v.problems]

@@ -1007,8 +1007,12 @@ def _(w: World) -> Attempt:
     arg = f"{300 + secrets.randbelow(600)}.{secrets.randbelow(10**9):09d}"
 
     def judge(o: Outcome) -> str | None:
-        left = pids_of(w.user.uid, arg)  # sleep itself, or the setsid/sh on their way to exec it
-        return f"sleep {arg} still runs as {left}" if left else None
+        deadline = time.monotonic() + 1.0  # a loaded machine may not have scheduled the setsid yet
+        while True:
+            left = pids_of(w.user.uid, arg)  # sleep itself, or the setsid/sh on their way to exec it
+            if left or time.monotonic() > deadline:
+                return f"sleep {arg} still runs as {left}" if left else None
+            time.sleep(0.05)
     return Attempt(["sh", "-c", f"setsid sleep {arg} >/dev/null 2>&1 </dev/null & exit 0"], judge)
 
 

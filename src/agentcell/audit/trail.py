@@ -31,6 +31,11 @@ from ..errors import AgentcellError
 
 GENESIS = "0" * 64
 RETRY_DELAYS = (0.05, 0.2, 0.5)
+LOCK_WAIT_S = 10.0  # a writer holding the lock longer is stuck (or hostile): give up, loudly
+
+
+class _Broken(Exception):
+    """The trail and its anchor disagree: appending would bury the damage; not retried."""
 
 
 class AuditWriteError(AgentcellError):
@@ -79,6 +84,9 @@ class AuditLog:
                 time.sleep(delay)
             try:
                 return self._append(event, session, details)
+            except _Broken as e:
+                raise AuditWriteError("audit", f"{self.path}: {e}", "nothing more is recorded until "
+                                      "'agentcell audit verify' has been looked at") from None
             except (OSError, ValueError) as e:
                 last = e
         raise AuditWriteError("audit", f"cannot write to {self.path} ({last})",
@@ -94,7 +102,7 @@ class AuditLog:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
                 raise ValueError(f"{self.path} must be a regular file of ours that no one else can write")
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            _lock(fd)
             rfd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
             try:
                 prev_line = _last_line(rfd)
@@ -105,8 +113,12 @@ class AuditLog:
                 try:
                     seq, prev = int(json.loads(prev_line)["seq"]) + 1, _digest(prev_line)
                 except (ValueError, KeyError, TypeError):
-                    raise ValueError(f"the last record of {self.path} is damaged: see 'agentcell audit "
-                                     "verify'") from None
+                    raise _Broken("its last record is damaged") from None
+            # The log must end where its anchor says: appending to a cut or replaced trail would give
+            # it a new, valid-looking end and bury the damage.
+            if _read_head(self.head) != ((seq - 1, prev) if prev_line else None):
+                raise _Broken("it does not end where its anchor says (records were cut off or replaced, or "
+                              "the anchor is gone)")
             record = {"seq": seq, "ts": round(time.time(), 6), "session": session, "event": event,
                       "details": details, "prev": prev}
             line = json.dumps(record, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
@@ -129,9 +141,32 @@ class AuditLog:
             os.close(fd)  # releases the lock
 
 
+def _lock(fd: int) -> None:
+    deadline = time.monotonic() + LOCK_WAIT_S
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                raise OSError(f"the log stayed locked for {LOCK_WAIT_S:g} s") from None
+            time.sleep(0.01)
+
+
+def _read_head(path: str) -> tuple[int, str] | None:
+    try:
+        with open(path) as f:
+            seq, digest = f.read().split()
+        return int(seq), digest
+    except FileNotFoundError:
+        return None
+    except ValueError:
+        return (-1, "")
+
+
 def _write_head(path: str, seq: int, digest: str) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    tmp = f"{path}.tmp-{os.urandom(6).hex()}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         data = f"{seq} {digest}\n".encode()
         if os.write(fd, data) != len(data):
@@ -186,6 +221,8 @@ def verify(path: str | None = None) -> Verdict:
         try:
             rec = json.loads(line)
             canonical = json.dumps(rec, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+            if not isinstance(rec, dict):
+                raise ValueError("not an object")
         except ValueError:
             problems.append((n, "not a JSON record (edited or inserted)"))
             prev, seq = _digest(line), seq + 1

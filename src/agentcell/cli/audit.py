@@ -33,12 +33,16 @@ def parser() -> Parser:
     return p
 
 
+def _shown(text: str) -> str:
+    return text if text.isprintable() else "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 def _row(rec: dict[str, object]) -> str:
     ts = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(rec.get("ts", 0))))  # type: ignore[arg-type]
     details = json.dumps(rec.get("details", {}), ensure_ascii=True, sort_keys=True)
     if len(details) > 100:
         details = details[:97] + "..."
-    session, event = str(rec.get("session", ""))[:20], str(rec.get("event", ""))[:16]
+    session, event = _shown(str(rec.get("session", "")))[:20], _shown(str(rec.get("event", "")))[:16]
     return f"{rec.get('seq', '?'):>6}  {ts}  {session:<20}  {event:<16}  {details}"
 
 

@@ -74,6 +74,12 @@ class Bar:
             sys.stderr.write("\r\033[K")
 
 
+def _shown(text: str) -> str:
+    """Names and text come from the agent: control characters are escaped, never sent to the terminal."""
+    return text if text.isprintable() else "".join(c if c.isprintable() or c == "\t" else repr(c)[1:-1]
+                                                   for c in text)
+
+
 def main(argv: list[str]) -> int:
     from ..snapshot import Store
 
@@ -117,9 +123,10 @@ def main(argv: list[str]) -> int:
                 return 0
             for kind, sign in (("added", "+"), ("modified", "~"), ("deleted", "-")):
                 for path in d[kind]:
-                    print(f"{sign} {path}")
+                    print(f"{sign} {_shown(path)}")
             for path in d["modified"]:
-                sys.stdout.write(st.text_diff(ns.id, path))
+                sys.stdout.write("".join(_shown(line.rstrip("\n")) + "\n" for line in
+                                         st.text_diff(ns.id, path).splitlines(True)))
             return 0
         gone, removed = st.prune(ns.keep)
         print(f"removed {len(gone)} snapshots and {removed} stored contents no snapshot needs")

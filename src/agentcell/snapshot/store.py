@@ -22,6 +22,7 @@ name beside its destination and renamed over it.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -143,30 +144,49 @@ class Store:
         sid = time.strftime("%Y%m%dT%H%M%S") + "-" + os.urandom(3).hex()
         manifest: dict[str, Any] = {"id": sid, "created": time.time(), "roots": {}, "format": 1}
         total = 0
+        budget = _free_bytes(self.path) * 9 // 10  # new content may fill at most 90 % of the free space
         for root in roots:
+            _syncfs(root)  # clean pages: a later write through a shared mapping must update mtime/ctime
             cache_path = os.path.join(self.path, "cache", hashlib.sha256(os.fsencode(root)).hexdigest() + ".json")
             cache = _load_json(cache_path)
             entries, new_cache = [], {}
-            for rel, st, link in _walk(root):
+            from ..accounts.acl import ACCESS, DEFAULT, Walk, _raw
+
+            walk = Walk(root, links=True)
+            for n in walk:
+                st = n.st
                 if not (stat.S_ISDIR(st.st_mode) or stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode)):
                     continue  # sockets, FIFOs, devices: not project content, not restorable as such
-                e: dict[str, Any] = {"p": _hexpath(rel), "mode": st.st_mode, "uid": st.st_uid, "gid": st.st_gid,
+                e: dict[str, Any] = {"p": _hexpath(n.rel), "mode": st.st_mode, "uid": st.st_uid, "gid": st.st_gid,
                                      "mtime": st.st_mtime_ns}
+                if not stat.S_ISLNK(st.st_mode):
+                    for key_name, which in (("acl", ACCESS), ("dacl", DEFAULT)):
+                        raw = _raw(n.fd, which)
+                        if raw:
+                            e[key_name] = raw.hex()
                 if stat.S_ISREG(st.st_mode):
                     key = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
                     hit = cache.get(e["p"])
                     if hit is not None and hit[:4] == key and os.path.exists(self._object(hit[4])):
                         digest = hit[4]
                     else:
-                        digest = self._put(root, rel, st)
+                        if st.st_size > budget:
+                            raise SnapshotError("PATH", f"{os.path.join(root, n.rel)} ({st.st_size} bytes) does not "
+                                                f"fit in the store's free space", "free space, or another --store")
+                        digest, stored = self._put(n.fd, st, os.path.join(root, n.rel))
+                        budget -= stored
                     e.update(size=st.st_size, sha=digest, stat=key)
                     new_cache[e["p"]] = [*key, digest]
                     total += st.st_size
                     if progress:
                         progress(total, 0)
                 elif stat.S_ISLNK(st.st_mode):
-                    e["target"] = os.fsencode(link or "").hex()
+                    e["target"] = os.fsencode(os.readlink(n.name or "", dir_fd=n.parent)).hex() \
+                        if n.parent is not None else ""
                 entries.append(e)
+            if walk.too_deep:
+                raise SnapshotError("PATH", f"{root} is deeper than the {walk.depth} levels a snapshot walks",
+                                    "remove the deep tree (an agent may have made it), or raise the fd limit")
             manifest["roots"][root] = {"entries": entries}
             _write_json(cache_path, new_cache)
         manifest["bytes"] = total
@@ -177,10 +197,15 @@ class Store:
         _write_bytes(path, raw)  # last: a snapshot exists once its manifest does
         return sid
 
-    def _put(self, root: str, rel: str, st: os.stat_result) -> str:
-        """Read the file once: hash it and, if the store lacks that content, keep a copy."""
-        fd = _open_below(root, rel, os.O_RDONLY | os.O_NONBLOCK)
+    def _put(self, opath: int, st: os.stat_result, shown: str) -> tuple[str, int]:
+        """Read the very file the walk opened (never a name again): hash it and, if the store lacks that
+        content, keep a copy; (hash, bytes stored). A file that changes while read is refused: its
+        owner and mode would not go with its content."""
+        fd = os.open(f"/proc/self/fd/{opath}", os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
         try:
+            if _key(os.fstat(fd)) != _key(st):
+                raise SnapshotError("PATH", f"{shown} changed while it was snapshotted",
+                                    "no agent process may run during a snapshot; try again when none does")
             tmp = os.path.join(self.path, "objects", f".tmp-{os.getpid()}-{os.urandom(4).hex()}")
             h = hashlib.sha256()
             out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
@@ -193,16 +218,20 @@ class Store:
                 os.unlink(tmp)
                 raise
             os.close(out)
+            if _key(os.fstat(fd)) != _key(st):
+                os.unlink(tmp)
+                raise SnapshotError("PATH", f"{shown} changed while it was snapshotted",
+                                    "no agent process may run during a snapshot; try again when none does")
         finally:
             os.close(fd)
         digest = h.hexdigest()
         dest = self._object(digest)
         if os.path.exists(dest):
             os.unlink(tmp)
-        else:
-            os.makedirs(os.path.dirname(dest), mode=0o700, exist_ok=True)
-            os.rename(tmp, dest)
-        return digest
+            return digest, 0
+        os.makedirs(os.path.dirname(dest), mode=0o700, exist_ok=True)
+        os.rename(tmp, dest)
+        return digest, st.st_size
 
     # ---- verify ----------------------------------------------------------------------------------
 
@@ -348,6 +377,15 @@ def _resolve_root(path: str) -> str:
     return real
 
 
+def _key(st: os.stat_result) -> tuple[int, ...]:
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def _free_bytes(path: str) -> int:
+    sv = os.statvfs(path)
+    return sv.f_bavail * sv.f_frsize
+
+
 def _walk(root: str) -> Iterator[tuple[str, os.stat_result, str | None]]:
     """(relative path, lstat, symlink target) for root and all below it, never through a symlink,
     on root's file system only; iterative (any depth)."""
@@ -451,8 +489,8 @@ def _write_json(path: str, data: object) -> None:
 
 
 def _write_bytes(path: str, data: bytes) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    tmp = f"{path}.tmp-{os.urandom(6).hex()}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         _write_all(fd, data)
         os.fsync(fd)
@@ -467,19 +505,31 @@ def _write_bytes(path: str, data: bytes) -> None:
 # ---- restore on directory fds ----------------------------------------------------------------------
 
 class _Restorer:
-    """Make ``dest_root``/``rel`` exactly the snapshot's, walking on fds (nothing followed)."""
+    """Make ``dest_root``/``rel`` exactly the snapshot's, walking on fds (nothing followed).
+
+    Each file or symlink is made in a staging directory of the restorer's own (0700, made in the
+    directory being restored, reached only through its fd), gets its owner, mode, ACLs and times
+    there, and is renamed into place: nothing the agent can reach is ever chowned or chmodded by
+    name. An existing file is kept only if its content hashes to the snapshot's (a write through a
+    shared mapping changes content without a timestamp)."""
 
     def __init__(self, store: Store, dest_root: str, entries: dict[str, dict[str, Any]],
                  progress: Progress | None) -> None:
         self.store, self.dest_root, self.entries, self.progress = store, dest_root, entries, progress
         self.written = 0
         self.children: dict[str, list[str]] = {}
-        for rel in entries:
+        for rel, e in entries.items():
+            _check_entry(rel, e)
             if rel != ".":
                 parent = os.path.dirname(rel) or "."
                 self.children.setdefault(parent, []).append(os.path.basename(rel))
 
     def run(self, rel: str) -> int:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft < hard:  # one fd per directory level: as deep as the limit allows
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
         rel = os.path.normpath(rel)
         os.makedirs(self.dest_root, exist_ok=True)
         from ..cell.paths import open_nofollow
@@ -515,7 +565,9 @@ class _Restorer:
     def _ensure_dir(self, dfd: int, name: str) -> int:
         try:
             return os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
-        except OSError:
+        except OSError as e:
+            if e.errno not in (errno.ENOTDIR, errno.ELOOP, errno.ENOENT):
+                raise  # EMFILE, EIO, ...: never taken for "not a directory, remove it"
             self._remove(dfd, name)
             os.mkdir(name, 0o700, dir_fd=dfd)
             return os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
@@ -538,13 +590,17 @@ class _Restorer:
                 if extra not in want:
                     self._remove(fd, extra)
             stack.append(("done", fd, "", here))
-            for child_name in sorted(want):
-                child = child_name if here == "." else f"{here}/{child_name}"
-                e = self.entries[child]
-                if stat.S_ISDIR(e["mode"]):
-                    stack.append(("open", fd, child_name, child))
-                else:
-                    self._leaf(fd, child_name, e)
+            stage = _Stage(fd)
+            try:
+                for child_name in sorted(want):
+                    child = child_name if here == "." else f"{here}/{child_name}"
+                    e = self.entries[child]
+                    if stat.S_ISDIR(e["mode"]):
+                        stack.append(("open", fd, child_name, child))
+                    else:
+                        self._leaf(fd, child_name, e, stage)
+            finally:
+                stage.close()
 
     def _entry(self, pfd: int, name: str, rel: str) -> None:
         e = self.entries.get(rel)
@@ -558,46 +614,64 @@ class _Restorer:
             finally:
                 os.close(cfd)
         else:
-            self._leaf(pfd, name, e)
+            stage = _Stage(pfd)
+            try:
+                self._leaf(pfd, name, e, stage)
+            finally:
+                stage.close()
 
-    def _leaf(self, dfd: int, name: str, e: dict[str, Any]) -> None:
+    def _same_file(self, dfd: int, name: str, e: dict[str, Any]) -> bool:
+        """The existing entry is a regular file with the snapshot's content, owner, mode and ACLs."""
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dfd)
+        except OSError:
+            return False
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_size != e["size"] or st.st_mode != e["mode"] or \
+                    (st.st_uid, st.st_gid, st.st_mtime_ns) != (e["uid"], e["gid"], e["mtime"]):
+                return False
+            if _acls(fd) != (e.get("acl", ""), e.get("dacl", "")):
+                return False
+            h = hashlib.sha256()
+            while chunk := os.read(fd, CHUNK):
+                h.update(chunk)
+            return bool(h.hexdigest() == e["sha"])
+        finally:
+            os.close(fd)
+
+    def _leaf(self, dfd: int, name: str, e: dict[str, Any], stage: _Stage) -> None:
         try:
             st: os.stat_result | None = os.stat(name, dir_fd=dfd, follow_symlinks=False)
         except FileNotFoundError:
             st = None
         if stat.S_ISLNK(e["mode"]):
             target = os.fsdecode(bytes.fromhex(e["target"]))
-            if st is not None and stat.S_ISLNK(st.st_mode) and os.readlink(name, dir_fd=dfd) == target:
-                pass
-            else:
-                if st is not None:
-                    self._remove(dfd, name)
-                os.symlink(target, name, dir_fd=dfd)
-                self.written += 1
-            os.chown(name, e["uid"], e["gid"], dir_fd=dfd, follow_symlinks=False)
-            os.utime(name, ns=(e["mtime"], e["mtime"]), dir_fd=dfd, follow_symlinks=False)
-            return
-        if st is not None and stat.S_ISREG(st.st_mode) and [st.st_size, st.st_mtime_ns, st.st_ctime_ns,
-                                                            st.st_ino] == e.get("stat"):
-            return  # untouched since the snapshot (ctime: nobody but root sets it back)
-        tmp = f".agentcell-restore-{os.urandom(4).hex()}"
-        out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dfd)
-        try:
-            if stat.S_ISREG(e["mode"]):
+            if st is not None and stat.S_ISLNK(st.st_mode) and os.readlink(name, dir_fd=dfd) == target and \
+                    (st.st_uid, st.st_gid, st.st_mtime_ns) == (e["uid"], e["gid"], e["mtime"]):
+                return
+            sfd, tmp = stage.fd(), stage.name()
+            os.symlink(target, tmp, dir_fd=sfd)  # in the stage: nobody else can reach it by any name
+            os.chown(tmp, e["uid"], e["gid"], dir_fd=sfd, follow_symlinks=False)
+            os.utime(tmp, ns=(e["mtime"], e["mtime"]), dir_fd=sfd, follow_symlinks=False)
+        else:
+            if st is not None and stat.S_ISREG(st.st_mode) and self._same_file(dfd, name, e):
+                return
+            sfd, tmp = stage.fd(), stage.name()
+            out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=sfd)
+            try:
                 with open(self.store._object(e["sha"]), "rb") as src:
                     while chunk := src.read(CHUNK):
                         _write_all(out, chunk)
-            os.fchown(out, e["uid"], e["gid"])
-            os.fchmod(out, stat.S_IMODE(e["mode"]))
-            os.utime(out, ns=(e["mtime"], e["mtime"]))
-        except BaseException:
-            os.close(out)
-            os.unlink(tmp, dir_fd=dfd)
-            raise
-        os.close(out)
+                os.fchown(out, e["uid"], e["gid"])
+                os.fchmod(out, stat.S_IMODE(e["mode"]))
+                _set_acls(out, e)
+                os.utime(out, ns=(e["mtime"], e["mtime"]))
+            finally:
+                os.close(out)
         if st is not None and stat.S_ISDIR(st.st_mode):
             self._remove(dfd, name)
-        os.rename(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+        os.rename(tmp, name, src_dir_fd=sfd, dst_dir_fd=dfd)
         self.written += 1
         if self.progress:
             self.progress(self.written, len(self.entries))
@@ -605,6 +679,7 @@ class _Restorer:
     def _meta_fd(self, fd: int, e: dict[str, Any]) -> None:
         os.fchown(fd, e["uid"], e["gid"])
         os.fchmod(fd, stat.S_IMODE(e["mode"]))
+        _set_acls(fd, e)
         os.utime(fd, ns=(e["mtime"], e["mtime"]))
 
     def _remove(self, dfd: int, name: str) -> None:
@@ -622,7 +697,72 @@ class _Restorer:
         p = subprocess.run(["rm", "-rf", "--one-file-system", "--", f"/proc/self/fd/{dfd}/{name}"],
                            pass_fds=(dfd,), capture_output=True, text=True)
         if p.returncode != 0 or os.path.lexists(f"/proc/self/fd/{dfd}/{name}"):
-            raise SnapshotError("restore", f"cannot remove {name}: {p.stderr.strip()}")
+            raise SnapshotError("restore", f"cannot remove {name!r}: {p.stderr.strip()}")
+
+
+class _Stage:
+    """A private directory (0700) inside a directory being restored, made on first use and removed
+    after: new entries are finished in it, then renamed into place."""
+
+    def __init__(self, parent: int) -> None:
+        self.parent, self._fd, self._name, self.n = parent, -1, "", 0
+
+    def fd(self) -> int:
+        if self._fd < 0:
+            self._name = f".agentcell-restore-{os.urandom(6).hex()}"
+            os.mkdir(self._name, 0o700, dir_fd=self.parent)
+            self._fd = os.open(self._name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                               dir_fd=self.parent)
+        return self._fd
+
+    def name(self) -> str:
+        self.n += 1
+        return f"e{self.n}"
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            try:
+                os.rmdir(self._name, dir_fd=self.parent)
+            except OSError:
+                pass  # moved or filled by someone else meanwhile: what is in it is theirs or empty
+
+
+def _acls(fd: int) -> tuple[str, str]:
+    from ..accounts.acl import ACCESS, DEFAULT, _raw
+
+    return _raw(fd, ACCESS).hex(), _raw(fd, DEFAULT).hex()
+
+
+def _set_acls(fd: int, e: dict[str, Any]) -> None:
+    """Exactly the snapshot's ACLs (none if it had none): an agent's added entries do not survive.
+    Set after fchmod: an access ACL decides the mode's group bits itself."""
+    from ..accounts.acl import ACCESS, DEFAULT
+
+    for key, which in (("acl", ACCESS), ("dacl", DEFAULT)):
+        want = bytes.fromhex(e[key]) if e.get(key) else None
+        try:
+            if want is not None:
+                os.setxattr(f"/proc/self/fd/{fd}", which, want)
+            else:
+                os.removexattr(f"/proc/self/fd/{fd}", which)
+        except OSError as err:  # nothing to remove (or a file, which has no default ACL): fine
+            if want is not None or err.errno not in (errno.ENODATA, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EACCES):
+                raise
+
+
+def _check_entry(rel: str, e: dict[str, Any]) -> None:
+    """A manifest is ours, but it is read as untrusted: a name that climbs out or a missing field
+    stops the restore before anything is touched."""
+    parts = rel.split("/")
+    if rel != "." and (not rel or "\0" in rel or rel.startswith("/") or any(p in ("", ".", "..") for p in parts)):
+        raise SnapshotError("ID", f"the manifest names {rel!r}, which is not a path inside its root",
+                            "the store is damaged; restore another snapshot")
+    needed = ("mode", "uid", "gid", "mtime", *(("sha", "size") if stat.S_ISREG(e.get("mode", 0)) else ()),
+              *(("target",) if stat.S_ISLNK(e.get("mode", 0)) else ()))
+    if any(k not in e for k in needed):
+        raise SnapshotError("ID", f"the manifest's entry for {rel!r} is incomplete",
+                            "the store is damaged; restore another snapshot")
 
 
 __all__ = ["SnapshotError", "Store", "default_store"]
