@@ -258,33 +258,15 @@ def build_spec(ns: Args | Namespace) -> CellSpec:
 
 
 def _egress(ns: Args | Namespace) -> tuple[str, ...]:
-    """The proxy's rules as text, checked now (a bad pattern is a one-line error before anything runs)."""
-    if ns.net == "host-firewall" or ns.allow_egress or ns.allow_loopback:
-        return _firewall(ns)
-    given = ns.allow_domain or ns.deny_domain or ns.allow_preset or ns.allow_range or ns.resolver
-    if ns.net != "proxy":
-        if given:
-            raise AgentcellError("--net", "--allow-domain, --deny-domain, --allow-preset, --allow-range and "
-                                 "--resolver apply to the proxy", "add --net proxy")
-        return ()
-    from ..network import presets, rules
+    """The proxy's or the firewall's rules as text, checked now (one line, before anything runs)."""
+    if not (ns.net in ("proxy", "host-firewall") or ns.allow_domain or ns.deny_domain or ns.allow_preset
+            or ns.allow_range or ns.resolver or ns.allow_egress or ns.allow_loopback):
+        return ()  # the hot path: nothing to import
+    from ..network import compile as nc
 
-    return rules.compile_rules([*presets.expand(ns.allow_preset), *ns.allow_domain], ns.deny_domain,
-                               ns.allow_range, ns.resolver)
-
-
-def _firewall(ns: Args | Namespace) -> tuple[str, ...]:
-    if ns.net != "host-firewall":
-        raise AgentcellError("--net", "--allow-egress and --allow-loopback apply to the host firewall",
-                             "add --net host-firewall")
-    if ns.allow_domain or ns.deny_domain or ns.allow_preset or ns.allow_range or ns.resolver:
-        raise AgentcellError("--net", "the host firewall sees addresses, not names", "use --allow-egress, or --net "
-                             "proxy for domains")
-    from ..network import firewall
-
-    for text in ns.allow_egress:
-        firewall.parse_egress(text)
-    return (*(f"egress:{t}" for t in ns.allow_egress), *(["loopback"] if ns.allow_loopback else []))
+    return nc.egress(ns.net or "none", allow_domains=ns.allow_domain, deny_domains=ns.deny_domain,
+                     allow_presets=ns.allow_preset, allow_ranges=ns.allow_range, resolver=ns.resolver,
+                     allow_egress=ns.allow_egress, allow_loopback=ns.allow_loopback, names=nc.FLAGS)
 
 
 _UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}

@@ -157,9 +157,7 @@ class Proxy:
             try:
                 up_r, up_w = await self.open(host, port, "http-connect")
             except Refused as e:
-                writer.write(f"HTTP/1.1 {e.code} Blocked by agentcell\r\nContent-Type: text/plain\r\n"
-                             f"Connection: close\r\n\r\nagentcell: {e.why}\n".encode())
-                await writer.drain()
+                await _blocked(writer, e)
                 return
             writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
             await writer.drain()
@@ -175,9 +173,7 @@ class Proxy:
         try:
             up_r, up_w = await self.open(host, port, "http")
         except Refused as e:
-            writer.write(f"HTTP/1.1 {e.code} Blocked by agentcell\r\nContent-Type: text/plain\r\n"
-                         f"Connection: close\r\n\r\nagentcell: {e.why}\n".encode())
-            await writer.drain()
+            await _blocked(writer, e)
             return
         # The Host header is the checked destination's (no fronting another name on a shared CDN).
         headers = [h for h in lines[1:] if h and not h.lower().startswith(
@@ -216,6 +212,12 @@ class Proxy:
         writer.write(b"\x05\x00\x00\x01" + bytes(6))
         await writer.drain()
         await _pipe(reader, writer, up_r, up_w)
+
+
+async def _blocked(writer: asyncio.StreamWriter, e: Refused) -> None:
+    writer.write(f"HTTP/1.1 {e.code} Blocked by agentcell\r\nContent-Type: text/plain\r\n"
+                 f"Connection: close\r\n\r\nagentcell: {e.why}\n".encode())
+    await writer.drain()
 
 
 async def _timed(reader: asyncio.StreamReader, n: int) -> bytes:

@@ -141,33 +141,11 @@ def compile_plan(plan: SessionPlan, *, environ: Mapping[str, str], euid: int | N
 
 
 def _egress(plan: SessionPlan) -> tuple[str, ...]:
-    if plan.network == "host-firewall" or plan.allow_egress or plan.allow_loopback:
-        if plan.network != "host-firewall":
-            raise PolicyError("network", "allow_egress and allow_loopback apply to the host firewall",
-                              'set network = "host-firewall"')
-        from ..network import firewall
+    from ..network import compile as nc
 
-        for text in plan.allow_egress:
-            try:
-                firewall.parse_egress(text)
-            except PolicyError as e:
-                raise PolicyError("allow_egress", e.problem, e.fix) from None
-        return (*(f"egress:{t}" for t in plan.allow_egress), *(["loopback"] if plan.allow_loopback else []))
-    given = plan.allow_domains or plan.deny_domains or plan.allow_presets or plan.allow_ranges or plan.resolver
-    if plan.network != "proxy":
-        if given:
-            raise PolicyError("network", "allow_domains, deny_domains, allow_presets, allow_ranges and resolver "
-                              "apply to the proxy", 'set network = "proxy"')
-        return ()
-    from ..network import presets, rules
-
-    fields = {"--allow-domain": "allow_domains", "--deny-domain": "deny_domains", "--allow-preset": "allow_presets",
-              "--allow-range": "allow_ranges", "--resolver": "resolver"}
-    try:
-        return rules.compile_rules([*presets.expand(plan.allow_presets), *plan.allow_domains], plan.deny_domains,
-                                   plan.allow_ranges, plan.resolver)
-    except PolicyError as e:
-        raise PolicyError(fields.get(e.field, e.field), e.problem, e.fix) from None
+    return nc.egress(plan.network, allow_domains=plan.allow_domains, deny_domains=plan.deny_domains,
+                     allow_presets=plan.allow_presets, allow_ranges=plan.allow_ranges, resolver=plan.resolver,
+                     allow_egress=plan.allow_egress, allow_loopback=plan.allow_loopback, names=nc.PLAN)
 
 
 def _anchor(path: str, base: str | None, key: str) -> str:

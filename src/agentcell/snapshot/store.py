@@ -432,21 +432,19 @@ def _changed(e: dict[str, Any], st: os.stat_result, link: str | None, root: str,
 
 def _read_text(path: str, limit: int) -> str | None:
     with open(path, "rb") as f:
-        data = f.read(limit + 1)
-    if len(data) > limit or b"\0" in data:
-        return None
-    try:
-        return data.decode()
-    except UnicodeDecodeError:
-        return None
+        return _text(f.read(limit + 1), limit)
 
 
 def _read_text_nofollow(root: str, rel: str, limit: int) -> str | None:
     fd = _open_below(root, rel, os.O_RDONLY | os.O_NONBLOCK)
     try:
-        data = os.read(fd, limit + 1)
+        return _text(os.read(fd, limit + 1), limit)
     finally:
         os.close(fd)
+
+
+def _text(data: bytes, limit: int) -> str | None:
+    """The data as text, or None if it is binary (a NUL, not UTF-8) or longer than ``limit``."""
     if len(data) > limit or b"\0" in data:
         return None
     try:
