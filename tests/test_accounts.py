@@ -80,6 +80,16 @@ def _force_remove(name: str) -> list[str]:
     return left
 
 
+def _remove_agents(*names: str) -> None:
+    """Delete agents a test made itself (through agentcell, then by force for what is left)."""
+    for n in names:
+        with open_registry() as reg:
+            known = n in reg.agents
+        if known:
+            accounts.delete(n, delete_home=True, cmds=Commands())
+        _force_remove(n)
+
+
 @pytest.fixture
 def agent(state: Path, human: Human) -> Iterator[str]:
     name = "ac-a" + secrets.token_hex(3)
@@ -360,12 +370,7 @@ def test_delete_strips_the_agents_own_acl_entries_and_never_reuses_its_uid(state
         nxt = accounts.new(later, human=human.name, cmds=Commands())
         assert nxt.uid > rec.uid
     finally:
-        for n in (name, later):
-            with open_registry() as reg:
-                known = n in reg.agents
-            if known:
-                accounts.delete(n, delete_home=True, cmds=Commands())
-            _force_remove(n)
+        _remove_agents(name, later)
 
 
 def test_deep_and_long_trees_neither_crash_nor_keep_the_uid(agent: str, human: Human) -> None:
@@ -440,12 +445,7 @@ def test_revoke_only_removes_and_keeps_what_others_changed(state: Path, human: H
         assert acl_dump(proj) == original
         assert acl.residue(ra.uid, ra.gid, str(proj)) == acl.residue(rb.uid, rb.gid, str(proj)) == []
     finally:
-        for n in (a, b):
-            with open_registry() as reg:
-                known = n in reg.agents
-            if known:
-                accounts.delete(n, delete_home=True, cmds=Commands())
-            _force_remove(n)
+        _remove_agents(a, b)
 
 
 def test_files_handed_to_the_human_lose_what_the_agent_opened_up(agent: str, human: Human) -> None:
