@@ -202,6 +202,21 @@ class CellCgroup:
             os.write(fd, b"0")
             os.close(fd)
 
+    def freeze(self) -> None:
+        """Stop every process of the cell where it stands (cgroup v2 ``cgroup.freeze``; the v1 freezer on
+        hosts without a unified hierarchy). A frozen cell can still be killed."""
+        if "unified" in self.dirs and os.path.exists(f"{self.dirs['unified']}/cgroup.freeze"):
+            _write(f"{self.dirs['unified']}/cgroup.freeze", "1")
+        elif "freezer" in self.dirs:
+            _write(f"{self.dirs['freezer']}/freezer.state", "FROZEN")
+        else:
+            raise OSError("no freezer for this cell")
+
+    def frozen(self) -> bool:
+        if "unified" in self.dirs:
+            return "frozen 1" in _read(f"{self.dirs['unified']}/cgroup.events")
+        return _read(f"{self.dirs.get('freezer', '')}/freezer.state").strip() == "FROZEN"
+
     def kill(self) -> bool:
         """Kill every process of the cell at once, if the kernel has cgroup.kill."""
         if "unified" not in self.dirs or not os.path.exists(f"{self.dirs['unified']}/cgroup.kill"):

@@ -62,6 +62,10 @@ OPTIONS: tuple[tuple[str, str, str, str, str], ...] = (
     ("--limits", "limits", "value", "PROFILE", "ops1: OPS-1's 2G memory, 50%% CPU, 64 tasks (flags above win)"),
     ("--landlock", "landlock", "value", "MODE", "required (default: refuse to run without Landlock) or best-effort"),
     ("--no-warm", "no_warm", "flag", "", "build the cell here even if a warm launcher runs (agentcell warm)"),
+    ("--monitor", "monitor", "flag", "", "watch the cell for escape attempts (Landlock denials, resource events) "
+     "and report them, attributed"),
+    ("--on-escape", "on_escape", "value", "VERDICT", "with --monitor: terminate (default: freeze, record, kill "
+     "the cell at the first attempt) or record"),
 )
 NET_MODES = ("none", "loopback", "proxy", "host-firewall")
 LANDLOCK_MODES = ("required", "best-effort")
@@ -78,6 +82,8 @@ class Args:
     resolver: str | None
     allow_egress: list[str]
     allow_loopback: bool
+    monitor: bool
+    on_escape: str | None
     ro: list[str]
     vault_ro: list[str]
     mask: list[str]
@@ -153,6 +159,8 @@ def fast_parse(argv: list[str]) -> Args | None:
         ns.landlock = "required"
     if ns.net not in NET_MODES or ns.landlock not in LANDLOCK_MODES or (ns.scratch and ns.tmpfs_scratch):
         return None
+    if ns.on_escape not in (None, "terminate", "record"):
+        return None
     return ns
 
 
@@ -182,6 +190,8 @@ def parser() -> Parser:
             target.add_argument(flag, dest=dest, choices=NET_MODES, default="none", help=help_)
         elif dest == "landlock":
             target.add_argument(flag, dest=dest, choices=LANDLOCK_MODES, default="required", help=help_)
+        elif dest == "on_escape":
+            target.add_argument(flag, dest=dest, choices=("terminate", "record"), default=None, help=help_)
         else:
             target.add_argument(flag, dest=dest, metavar=metavar, help=help_,
                                 type=float if dest == "timeout" else str)
@@ -386,7 +396,7 @@ def _shown(path: str) -> str:
 
 
 def _run_here(spec: CellSpec, command: list[str], timeout: float | None, ttys: tuple[int, ...],
-              interactive: bool) -> dict[str, Any]:
+              interactive: bool, monitor: str | None = None) -> dict[str, Any]:
     """The cold path: build the cell in this process. Where our 0, 1, 2 are terminals the cell gets a
     pty of its own, relayed; stdin only when the run is interactive (else /dev/null)."""
     from ..cell import launch
@@ -411,6 +421,11 @@ def _run_here(spec: CellSpec, command: list[str], timeout: float | None, ttys: t
         except BaseException:
             log.close()
             raise
+    watch = None
+    if monitor is not None:  # its sources open before the command can run: nothing is missed
+        from ..monitor.monitor import Monitor
+
+        watch = Monitor(spec.cell_id, None, monitor)
     try:
         running = launch.start(spec, command, stdio=stdio, tty_fds=ttys)
     except BaseException:
@@ -418,6 +433,8 @@ def _run_here(spec: CellSpec, command: list[str], timeout: float | None, ttys: t
             fw.remove()
         if log is not None:
             log.close()
+        if watch is not None:
+            watch.stop()
         raise
     proxy = None
     if running.egress_fd is not None:
@@ -429,9 +446,13 @@ def _run_here(spec: CellSpec, command: list[str], timeout: float | None, ttys: t
                 running.cg.adopt(proxy.proc.pid)
             except OSError:
                 pass  # it exited at once: the cell will find no one on its one way out
+    if watch is not None:
+        watch.cg = running.cg
+        watch.start()  # a thread: the cell's processes are all forked by now (none is forked from us)
     try:
         result = _wait_here(running, timeout, interactive)
     finally:
+        events = watch.stop() if watch is not None else []
         blocked = proxy.stop() if proxy is not None else []
         running.clean_up()  # its cgroup, now that the proxy has left it too
         if fw is not None:
@@ -441,6 +462,14 @@ def _run_here(spec: CellSpec, command: list[str], timeout: float | None, ttys: t
             log.close()
     if spec.network in ("proxy", "host-firewall"):
         result["egress_blocked"] = blocked
+    if watch is not None:
+        result["events"] = [ev.as_dict() for ev in events]
+        result["terminated_by_monitor"] = watch.terminated
+        for ev in events:
+            sys.stderr.write(f"{PROG}: {'escape' if ev.operation != 'resource' else 'resource'}: {ev.line()}\n")
+        if watch.terminated:
+            sys.stderr.write(f"{PROG}: the cell was frozen and killed at the first escape attempt "
+                             "(--on-escape record to only record)\n")
     return result
 
 
@@ -486,7 +515,7 @@ def execute(ns: Args | Namespace) -> int:
         started_ns = time.time_ns() - 100_000_000  # file times are coarse (a tick or so): some slack
         surface_before, truncated_before = protect.surface(spec.rw_paths)
         result = None
-        local = spec.network in ("proxy", "host-firewall")  # its proxy or firewall table is made here
+        local = spec.network in ("proxy", "host-firewall") or ns.monitor  # its proxy, table or monitor is here
         if not ttys and not ns.no_warm and not local:  # a terminal, a proxy or a firewall: served here
             from ..cell import warm
 
@@ -494,7 +523,8 @@ def execute(ns: Args | Namespace) -> int:
             if result is not None:
                 result["via"] = "warm launcher"
         if result is None:
-            result = _run_here(spec, command, ns.timeout, ttys, interactive)
+            result = _run_here(spec, command, ns.timeout, ttys, interactive,
+                               monitor=ns.on_escape or "terminate" if ns.monitor else None)
     except AgentcellError as e:
         return report(PROG, e)
     # What could not be bound read-only (it did not exist, or lives in .git where git must write) is

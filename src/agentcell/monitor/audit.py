@@ -1,0 +1,185 @@
+"""Landlock denials from the kernel's audit stream (NETLINK_AUDIT), read as a passive listener.
+
+Audit is switched on for as long as a reader is open (``AUDIT_SET`` enabled=1, which is what
+``auditctl -e 1`` does) and put back as it was when the last reader closes. A reader binds the
+read-only multicast group (no auditd, no pid registration). Each kernel event arrives as several
+records sharing a serial (``audit(TS:SERIAL)``): a Landlock denial is type 1423
+(``domain=… blockers=fs.read_file path=… | net.connect_tcp daddr=… dest=…``), followed by the
+SYSCALL record (pid, exe) and an end-of-event record (1320) that completes it.
+"""
+from __future__ import annotations
+
+import os
+import shlex
+import socket
+import struct
+import time
+from typing import Any
+
+NETLINK_AUDIT = 9
+AUDIT_GET, AUDIT_SET = 1000, 1001
+AUDIT_SYSCALL, AUDIT_EOE, AUDIT_LANDLOCK_ACCESS, AUDIT_LANDLOCK_DOMAIN = 1300, 1320, 1423, 1424
+AUDIT_NLGRP_READLOG = 1
+_NLMSG = struct.Struct("=IHHII")
+_STATUS = struct.Struct("=11I")
+
+
+def _status_request(sock: socket.socket, kind: int, payload: bytes = b"") -> bytes:
+    sock.send(_NLMSG.pack(_NLMSG.size + len(payload), kind, 1 | 4 if payload else 1, 1, 0) + payload)
+    return sock.recv(65536)
+
+
+def audit_enabled() -> int:
+    """The audit 'enabled' flag: 0, 1, or 2 (locked)."""
+    with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC, NETLINK_AUDIT) as s:
+        s.bind((0, 0))
+        reply = _status_request(s, AUDIT_GET)
+        _len, kind, _f, _seq, _pid = _NLMSG.unpack_from(reply)
+        if kind != AUDIT_GET:
+            raise OSError("the kernel did not answer AUDIT_GET")
+        return int(_STATUS.unpack_from(reply, _NLMSG.size)[1])
+
+
+def set_audit_enabled(value: int) -> None:
+    with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC, NETLINK_AUDIT) as s:
+        s.bind((0, 0))
+        reply = _status_request(s, AUDIT_SET, _STATUS.pack(1, value, 0, 0, 0, 0, 0, 0, 0, 0, 0))
+        _len, kind, _f, _seq, _pid = _NLMSG.unpack_from(reply)
+        if kind == 2:  # NLMSG_ERROR
+            err = -struct.unpack_from("=i", reply, _NLMSG.size)[0]
+            if err:
+                raise OSError(err, os.strerror(err))
+
+
+def parse_fields(text: str) -> dict[str, str]:
+    """key=value pairs of a record (values may be quoted or hex-encoded)."""
+    out: dict[str, str] = {}
+    try:
+        words = shlex.split(text)
+    except ValueError:
+        words = text.split()
+    for w in words:
+        k, eq, v = w.partition("=")
+        if eq:
+            out[k] = v
+    return out
+
+
+USERS = "/run/agentcell/audit-users"  # one file per reader (its pid); the state before the first
+
+
+def _acquire() -> None:
+    """Audit on while any reader runs, in any process; the state before the first is put back by the
+    last (a reader that died is swept: its pid is gone)."""
+    import fcntl
+
+    os.makedirs(USERS, mode=0o700, exist_ok=True)
+    lock = os.open(os.path.join(USERS, ".lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        live = _live_readers()
+        if not live:
+            previous = os.path.join(USERS, ".previous")
+            if not os.path.exists(previous):  # else a reader died before restoring: that value still stands
+                with open(previous, "w") as f:
+                    f.write(str(audit_enabled()))
+            set_audit_enabled(1)
+        open(os.path.join(USERS, str(os.getpid())), "w").close()
+    finally:
+        os.close(lock)
+
+
+def _release() -> None:
+    import fcntl
+
+    lock = os.open(os.path.join(USERS, ".lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            os.unlink(os.path.join(USERS, str(os.getpid())))
+        except FileNotFoundError:
+            pass
+        if not _live_readers():
+            try:
+                with open(os.path.join(USERS, ".previous")) as f:
+                    previous = int(f.read().strip() or 0)
+            except (OSError, ValueError):
+                previous = 0
+            if previous == 0:
+                set_audit_enabled(0)
+            try:
+                os.unlink(os.path.join(USERS, ".previous"))
+            except FileNotFoundError:
+                pass
+    finally:
+        os.close(lock)
+
+
+def _live_readers() -> list[int]:
+    live = []
+    for name in os.listdir(USERS):
+        if name.isdigit():
+            if os.path.exists(f"/proc/{name}"):
+                live.append(int(name))
+            else:
+                os.unlink(os.path.join(USERS, name))
+    return live
+
+
+class AuditReader:
+    """The multicast reader; :meth:`read` returns Landlock denials completed so far."""
+
+    def __init__(self) -> None:
+        _acquire()
+        try:
+            self.sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC, NETLINK_AUDIT)
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+            self.sock.bind((0, 1 << (AUDIT_NLGRP_READLOG - 1)))
+        except BaseException:
+            _release()
+            raise
+        self.pending: dict[str, dict[str, Any]] = {}
+        self.domains: dict[str, int] = {}  # Landlock domain -> the pid that made it
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def read(self) -> list[dict[str, Any]]:
+        """Everything that can be read now, without blocking; completed denials."""
+        out: list[dict[str, Any]] = []
+        self.sock.setblocking(False)
+        while True:
+            try:
+                data = self.sock.recv(1 << 16)
+            except BlockingIOError:
+                return out
+            except OSError:  # ENOBUFS: the kernel dropped records; say so
+                out.append({"lost": True, "ts": time.time()})
+                continue
+            if len(data) < _NLMSG.size:
+                continue
+            length, kind, _f, _seq, _pid = _NLMSG.unpack_from(data)
+            text = data[_NLMSG.size:length].decode(errors="replace").rstrip("\0")
+            head, _, body = text.partition("): ")
+            serial = head.rpartition(":")[2]
+            done = self._record(kind, serial, body)
+            if done is not None:
+                out.append(done)
+
+    def _record(self, kind: int, serial: str, body: str) -> dict[str, Any] | None:
+        if kind == AUDIT_LANDLOCK_ACCESS:
+            self.pending[serial] = {"landlock": parse_fields(body), "ts": time.time()}
+        elif kind == AUDIT_LANDLOCK_DOMAIN:
+            f = parse_fields(body)
+            if f.get("status") == "allocated" and f.get("pid", "").isdigit():
+                self.domains[f.get("domain", "")] = int(f["pid"])
+        elif kind == AUDIT_SYSCALL and serial in self.pending:
+            f = parse_fields(body)
+            self.pending[serial]["syscall"] = f
+        elif kind == AUDIT_EOE and serial in self.pending:
+            return self.pending.pop(serial)
+        return None
+
+    def close(self) -> None:
+        self.sock.close()
+        _release()

@@ -1,0 +1,198 @@
+"""The escape monitor around one cell: sources → events → verdict → freeze, record, kill.
+
+Sources in this version (each yields :class:`CellEvent`):
+
+* ``landlock`` — Landlock denials from the audit stream (:mod:`.audit`), attributed to the cell by
+  the denying process's cgroup (or by its Landlock domain, learnt from the first attributed denial);
+* ``resource`` — the cell's cgroup events: an OOM kill, a refused fork at the task limit;
+* ``telemetry`` — every source reports in; one that fails is itself an event (and, under
+  ``terminate``, ends the cell: a monitor that cannot see is no monitor).
+
+Verdict: ``terminate`` (the default) for read/write/execute/network and telemetry events:
+**freeze the cell's cgroup first** (nothing of it runs on while the event is recorded), record,
+then kill the whole cgroup. ``record`` only records. Resource events are recorded. Duplicates are
+counted, never dropped: the first event always stands.
+
+The monitor runs in a thread of the supervisor, started after the cell exists (the launcher never
+forks from a process with threads).
+"""
+from __future__ import annotations
+
+import os
+import select
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ..cell.cgroups import CellCgroup
+
+ESCAPES = ("read", "write", "execute", "network", "telemetry")
+
+
+class CellEvent:
+    __slots__ = ("operation", "target", "reason", "pid", "exe", "cell", "source", "ts", "allow", "count")
+
+    def __init__(self, operation: str, target: str, reason: str, *, source: str, cell: str, pid: int | None = None,
+                 exe: str = "", allow: str = "", ts: float | None = None) -> None:
+        self.operation, self.target, self.reason, self.pid, self.exe = operation, target, reason, pid, exe
+        self.cell, self.source, self.allow, self.ts, self.count = cell, source, allow, ts or time.time(), 1
+
+    def key(self) -> tuple[str, str, str]:
+        return (self.operation, self.target, self.source)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.__slots__}
+
+    def line(self) -> str:
+        who = f"{os.path.basename(self.exe) or '?'} (pid {self.pid})" if self.pid else "the cell"
+        more = f" ({self.count}x)" if self.count > 1 else ""
+        hint = f"; to allow it: {self.allow}" if self.allow else ""
+        text = f"{self.operation} {self.target} by {who}{more}: {self.reason}{hint}"
+        return text if text.isprintable() else "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+_BLOCKERS = {"fs.execute": "execute", "fs.read_file": "read", "fs.read_dir": "read", "net.bind_tcp": "network",
+             "net.connect_tcp": "network", "scope.abstract_unix_socket": "network", "scope.signal": "execute"}
+
+
+def landlock_event(raw: dict[str, Any], cell: str) -> CellEvent:
+    """A completed Landlock denial (audit records) as a CellEvent, with the flag that would allow it."""
+    ll, sc = raw.get("landlock", {}), raw.get("syscall", {})
+    blockers = ll.get("blockers", "")
+    op = next((v for k, v in _BLOCKERS.items() if blockers.startswith(k)), "write" if "fs." in blockers else "execute")
+    if "daddr" in ll:
+        target = f"{ll['daddr']}:{ll.get('dest', '?')}"
+        allow = "--net loopback (a cell's own loopback) or --net proxy with --allow-domain"
+    elif "path" in ll:
+        target = ll["path"]
+        allow = f"--ro {target}" if op in ("read", "execute") else f"--rw {target}"
+    else:
+        target, allow = ll.get("opid", blockers), ""
+    pid = int(sc["pid"]) if sc.get("pid", "").isdigit() else None
+    return CellEvent(op, target, f"blocked by Landlock ({blockers})", source="landlock", cell=cell, pid=pid,
+                     exe=sc.get("exe", ""), allow=allow, ts=raw.get("ts"))
+
+
+class Monitor:
+    """Watch one running cell. ``on_escape``: terminate | record."""
+
+    def __init__(self, cell_id: str, cg: CellCgroup | None, on_escape: str = "terminate",
+                 callback: Callable[[CellEvent], None] | None = None) -> None:
+        self.cell_id, self.cg, self.on_escape, self.callback = cell_id, cg, on_escape, callback
+        self.events: list[CellEvent] = []
+        self.frozen_at: float | None = None
+        self.terminated = False
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._domains: set[str] = set()
+        self._resources = {"oom_kills": 0, "pids_limit_hits": 0}
+        self.audit: Any = None
+        try:
+            from .audit import AuditReader
+
+            self.audit = AuditReader()
+        except (OSError, PermissionError) as e:
+            self._event(CellEvent("telemetry", "landlock", f"the audit stream cannot be read ({e}): Landlock "
+                                  "denials are not seen", source="telemetry", cell=cell_id))
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="agentcell-monitor", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> list[CellEvent]:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5)
+        try:
+            self._drain()  # what arrived after the loop's last look
+        except (OSError, ValueError) as e:
+            self._event(CellEvent("telemetry", "landlock", f"the audit stream failed: {e}", source="telemetry",
+                                  cell=self.cell_id))
+        if self.audit is not None:
+            try:
+                self.audit.close()
+            except OSError:
+                pass
+        return self.events
+
+    # ---- the loop --------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                if self.audit is not None:
+                    if select.select([self.audit], [], [], 0.02)[0]:
+                        self._drain()
+                else:
+                    time.sleep(0.02)
+                self._poll_resources()
+        except Exception as e:  # noqa: BLE001 - a monitor that stops seeing must say so, and act
+            self._event(CellEvent("telemetry", "monitor", f"the monitor stopped: {e!r}", source="telemetry",
+                                  cell=self.cell_id))
+
+    def _drain(self) -> None:
+        if self.audit is None:
+            return
+        for raw in self.audit.read():
+            if raw.get("lost"):
+                self._event(CellEvent("telemetry", "landlock", "the kernel dropped audit records", source="telemetry",
+                                      cell=self.cell_id))
+                continue
+            if self._ours(raw):
+                self._event(landlock_event(raw, self.cell_id))
+
+    def _ours(self, raw: dict[str, Any]) -> bool:
+        """Is the denying process one of this cell's? Its cgroup says so while it lives; its Landlock
+        domain says so once a first denial of it was attributed."""
+        domain = raw.get("landlock", {}).get("domain", "")
+        if domain in self._domains:
+            return True
+        pid = raw.get("syscall", {}).get("pid", "")
+        if pid.isdigit():
+            try:
+                with open(f"/proc/{pid}/cgroup") as f:
+                    if f"/{self.cell_id}" in f.read():
+                        self._domains.add(domain)
+                        return True
+            except OSError:
+                pass
+        return False
+
+    def _poll_resources(self) -> None:
+        if self.cg is None:
+            return
+        try:
+            now = self.cg.events() or {}
+        except OSError:
+            return
+        for key, what in (("oom_kills", "a process was killed for memory (OOM) at the cell's --memory"),
+                          ("pids_limit_hits", "a fork was refused at the cell's --pids")):
+            n = int(now.get(key, 0))
+            if n > self._resources[key]:
+                self._resources[key] = n
+                self._event(CellEvent("resource", key, what, source="cgroup", cell=self.cell_id))
+
+    # ---- verdicts --------------------------------------------------------------------------------
+
+    def _event(self, ev: CellEvent) -> None:
+        for seen in self.events:
+            if seen.key() == ev.key():
+                seen.count += 1  # a duplicate: counted, the first one stands
+                return
+        self.events.append(ev)
+        if ev.operation in ESCAPES and self.on_escape == "terminate" and not self.terminated:
+            self._terminate()
+        if self.callback is not None:
+            self.callback(ev)
+
+    def _terminate(self) -> None:
+        """Freeze first (nothing of the cell runs on), then kill the whole cgroup."""
+        self.terminated = True
+        if self.cg is not None:
+            try:
+                self.cg.freeze()
+                self.frozen_at = time.time()
+            except OSError:
+                pass
+            self.cg.kill()
