@@ -365,3 +365,18 @@ def test_an_allow_range_never_opens_the_hosts_loopback() -> None:
     pol = rules.Policy.from_rules(["range:127.0.0.0/8", "range:::/0", "range:0.0.0.0/0"])
     for addr in ("127.0.0.1", "127.0.0.2", "::1", "::ffff:127.0.0.2", "::127.0.0.2", "64:ff9b::7f00:2"):
         assert not pol.address_verdict(ipaddress.ip_address(addr))[0], addr
+
+
+def test_the_monitor_ends_a_cell_at_its_first_refused_destination(user: User, inet: FakeInternet) -> None:
+    code = (f"{PY_CONNECT}\nimport time; time.sleep(5); print('still running')")
+    r = agentcell_run(["--as", str(user.uid), *BASE, "--allow-domain", "good.test", "--monitor", "--", "python3",
+                       "-c", code, "evil.test", "443", "/"], timeout=60)
+    assert r.rc == 137 and r.result["terminated_by_monitor"] is True and "still running" not in r.out, r.err
+    assert [(e["operation"], e["target"], e["source"]) for e in r.result["events"]] == [  # type: ignore[union-attr]
+        ("network", "evil.test:443", "proxy")]
+    fw = agentcell_run(["--as", str(user.uid), "--net", "host-firewall", "--allow-egress", "198.18.0.0/15:443",
+                        "--monitor", "--", "python3", "-c",
+                        "import socket, time\ntry:\n    socket.create_connection(('198.18.1.10', 80), timeout=5)\n"
+                        "except OSError:\n    pass\ntime.sleep(5)\nprint('still running')"], timeout=60)
+    assert fw.rc == 137 and [e["source"] for e in fw.result["events"]] == ["nftables"], fw.err  # type: ignore[union-attr]
+    assert fw.result["egress_blocked"], fw.result

@@ -448,6 +448,17 @@ def _run_here(spec: CellSpec, command: list[str], timeout: float | None, ttys: t
                 pass  # it exited at once: the cell will find no one on its one way out
     if watch is not None:
         watch.cg = running.cg
+        if proxy is not None:
+            watch.add_source(proxy.new_events)
+        if log is not None:
+            firewall_log = log
+            seen: list[dict[str, Any]] = []
+
+            def firewall_events() -> list[dict[str, Any]]:
+                new = firewall_log.events()
+                seen.extend(new)
+                return new
+            watch.add_source(firewall_events)
         watch.start()  # a thread: the cell's processes are all forked by now (none is forked from us)
     try:
         result = _wait_here(running, timeout, interactive)
@@ -458,7 +469,7 @@ def _run_here(spec: CellSpec, command: list[str], timeout: float | None, ttys: t
         if fw is not None:
             fw.remove()
         if log is not None:
-            blocked = log.events()
+            blocked = [*(seen if watch is not None else []), *log.events()]
             log.close()
     if spec.network in ("proxy", "host-firewall"):
         result["egress_blocked"] = blocked

@@ -6,7 +6,8 @@ Sources in this version (each yields :class:`CellEvent`):
   the denying process's cgroup (or by its Landlock domain, learnt from the first attributed denial);
 * ``resource`` — the cell's cgroup events: an OOM kill, a refused fork at the task limit;
 * ``telemetry`` — every source reports in; one that fails is itself an event (and, under
-  ``terminate``, ends the cell: a monitor that cannot see is no monitor).
+  ``terminate``, ends the cell: a monitor that cannot see is no monitor);
+* ``proxy`` / ``nftables`` — the egress layer's refusals (:meth:`Monitor.add_source`), polled.
 
 Verdict: ``terminate`` (the default) for read/write/execute/network and telemetry events:
 **freeze the cell's cgroup first** (nothing of it runs on while the event is recorded), record,
@@ -87,6 +88,7 @@ class Monitor:
         self._thread: threading.Thread | None = None
         self._domains: set[str] = set()
         self._resources = {"oom_kills": 0, "pids_limit_hits": 0}
+        self._sources: list[Callable[[], list[dict[str, Any]]]] = []
         self.audit: Any = None
         try:
             from .audit import AuditReader
@@ -95,6 +97,10 @@ class Monitor:
         except (OSError, PermissionError) as e:
             self._event(CellEvent("telemetry", "landlock", f"the audit stream cannot be read ({e}): Landlock "
                                   "denials are not seen", source="telemetry", cell=cell_id))
+
+    def add_source(self, poll: Callable[[], list[dict[str, Any]]]) -> None:
+        """An egress source: ``poll()`` returns the refusals (proxy or firewall events) since its last call."""
+        self._sources.append(poll)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="agentcell-monitor", daemon=True)
@@ -106,6 +112,7 @@ class Monitor:
             self._thread.join(5)
         try:
             self._drain()  # what arrived after the loop's last look
+            self._poll_egress()
         except (OSError, ValueError) as e:
             self._event(CellEvent("telemetry", "landlock", f"the audit stream failed: {e}", source="telemetry",
                                   cell=self.cell_id))
@@ -127,6 +134,7 @@ class Monitor:
                 else:
                     time.sleep(0.02)
                 self._poll_resources()
+                self._poll_egress()
         except Exception as e:  # noqa: BLE001 - a monitor that stops seeing must say so, and act
             self._event(CellEvent("telemetry", "monitor", f"the monitor stopped: {e!r}", source="telemetry",
                                   cell=self.cell_id))
@@ -158,6 +166,15 @@ class Monitor:
             except OSError:
                 pass
         return False
+
+    def _poll_egress(self) -> None:
+        for poll in self._sources:
+            for raw in poll():
+                reason = str(raw.get("reason", ""))
+                allow = reason[reason.find("add ") + 4:].removesuffix(" to allow it") if "add " in reason else ""
+                self._event(CellEvent("network", str(raw.get("target", "?")), reason,
+                                      source=str(raw.get("source", "egress")), cell=self.cell_id,
+                                      pid=None, allow=allow, ts=raw.get("ts")))
 
     def _poll_resources(self) -> None:
         if self.cg is None:

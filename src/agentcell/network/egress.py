@@ -24,6 +24,7 @@ class ProxyProcess:
     def __init__(self, listen_fd: int, rules: tuple[str, ...]) -> None:
         # Held for the proxy's whole life and closed in stop(): no with-block fits.
         self.events_file = tempfile.TemporaryFile(mode="w+b", prefix="agentcell-egress-")  # noqa: SIM115
+        self._offset = 0  # how far new_events() has read
         argv = [sys.executable, "-I", "-c", "import sys; from agentcell.network.proxy import main; main(sys.argv[1:])",
                 "--listen-fd", str(listen_fd), "--events-fd", str(self.events_file.fileno()),
                 "--rules", json.dumps(list(rules)), "--parent", str(os.getpid())]
@@ -31,6 +32,20 @@ class ProxyProcess:
                                      stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                      env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"})
         os.close(listen_fd)  # the proxy holds it now: the cell's way out is that process, nothing else
+
+    def new_events(self) -> list[dict[str, Any]]:
+        """Refusals written since the last call (the monitor's live view of them)."""
+        offset = self._offset
+        data = os.pread(self.events_file.fileno(), MAX_READ, offset)
+        complete = data[:data.rfind(b"\n") + 1]
+        self._offset = offset + len(complete)
+        out = []
+        for line in complete.decode(errors="replace").splitlines():
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue
+        return out
 
     def stop(self) -> list[dict[str, Any]]:
         """End the proxy (it has no work once its cell is gone) and return its refusals."""
