@@ -39,7 +39,7 @@ def latency(spec: CellSpec, work: Path, attempts: int) -> list[float]:
     for i in range(attempts):
         stamp = work / f"t{i}"
         cell = spec.replace(cell_id="agentcell-bench" + secrets.token_hex(4))
-        watch = Monitor(cell.cell_id, None)
+        watch = Monitor(cell.cell_id, None, uid=cell.identity.uid)
         running = launch.start(cell, ["python3", "-c", ATTEMPT, str(stamp)])
         watch.cg = running.cg
         watch.start()
@@ -58,7 +58,7 @@ def overhead(spec: CellSpec, tree: Path, rounds: int) -> tuple[float, float]:
     for _ in range(rounds):
         for monitored in (False, True):
             cell = spec.replace(cell_id="agentcell-bench" + secrets.token_hex(4))
-            watch = Monitor(cell.cell_id, None, "record") if monitored else None
+            watch = Monitor(cell.cell_id, None, "record", uid=cell.identity.uid) if monitored else None
             t = time.perf_counter()
             running = launch.start(cell, ["sh", "-c", work])
             if watch is not None:

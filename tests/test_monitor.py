@@ -70,7 +70,7 @@ def test_a_source_that_stops_is_a_telemetry_event_and_ends_the_cell(user: User) 
 
     ident = resolve_identity(str(user.uid), euid=0)
     spec = CellSpec(ident, env=build_env({}, ident), cell_id="agentcell-montest" + os.urandom(3).hex())
-    watch = Monitor(spec.cell_id, None)
+    watch = Monitor(spec.cell_id, None, uid=user.uid)
     running = launch.start(spec, ["sleep", "30"])
     watch.cg = running.cg
     watch.start()
@@ -81,3 +81,11 @@ def test_a_source_that_stops_is_a_telemetry_event_and_ends_the_cell(user: User) 
     assert events and {e.operation for e in events} == {"telemetry"}, [e.line() for e in events]
     assert any("stopped" in e.reason or "failed" in e.reason for e in events)
 
+
+
+def test_a_privilege_tool_run_in_the_cell_is_an_escape_attempt(user: User) -> None:
+    r = agentcell_run(["--as", str(user.uid), "--monitor", "--on-escape", "record", "--", "sh", "-c",
+                       "mount --version >/dev/null 2>&1; su -c true 2>/dev/null; echo done"], timeout=60)
+    assert r.rc == 0 and r.out.strip() == "done", r.err
+    got = [(e["operation"], e["target"], e["source"]) for e in r.result["events"]]  # type: ignore[union-attr]
+    assert got == [("execute", "mount", "exec"), ("execute", "su", "exec")], r.result["events"]

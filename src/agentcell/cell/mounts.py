@@ -309,8 +309,16 @@ def _apply_one(s: Step, root_fd: int, owned: set[int]) -> None:
     elif s.kind == "devnode":
         _bind(sc.AT_FDCWD, s.source, s.dest, False, ATTR_DEVNODE, root_fd, owned)
     elif s.kind == "mask":
-        _bind(sc.AT_FDCWD, _EMPTY_DIR if s.is_dir else _EMPTY_FILE, s.dest, s.is_dir, ATTR_MASK, root_fd, owned,
-              s.dest_id)
+        for attempt in range(20):
+            try:
+                _bind(sc.AT_FDCWD, _EMPTY_DIR if s.is_dir else _EMPTY_FILE, s.dest, s.is_dir, ATTR_MASK, root_fd,
+                      owned, s.dest_id)
+                return
+            except FileNotFoundError:
+                # A file only root can rename (dest_id None: /etc/shadow while useradd runs) was renamed
+                # over between our open and the mount: mask whatever holds the name now.
+                if s.dest_id is not None or attempt == 19:
+                    raise
     elif s.kind in ("tmpfs", "proc", "devpts"):
         fd = _target(s.dest, True, root_fd, owned)
         try:

@@ -425,7 +425,7 @@ def _run_here(spec: CellSpec, command: list[str], timeout: float | None, ttys: t
     if monitor is not None:  # its sources open before the command can run: nothing is missed
         from ..monitor.monitor import Monitor
 
-        watch = Monitor(spec.cell_id, None, monitor)
+        watch = Monitor(spec.cell_id, None, monitor, uid=spec.identity.uid)
     try:
         running = launch.start(spec, command, stdio=stdio, tty_fds=ttys)
     except BaseException:
@@ -450,6 +450,7 @@ def _run_here(spec: CellSpec, command: list[str], timeout: float | None, ttys: t
         watch.cg = running.cg
         if proxy is not None:
             watch.add_source(proxy.new_events)
+            watch.trusted.add(proxy.proc.pid)  # it becomes nobody inside the cell's cgroup: not the agent
         if log is not None:
             firewall_log = log
             seen: list[dict[str, Any]] = []

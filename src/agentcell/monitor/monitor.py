@@ -7,7 +7,8 @@ Sources in this version (each yields :class:`CellEvent`):
 * ``resource`` — the cell's cgroup events: an OOM kill, a refused fork at the task limit;
 * ``telemetry`` — every source reports in; one that fails is itself an event (and, under
   ``terminate``, ends the cell: a monitor that cannot see is no monitor);
-* ``proxy`` / ``nftables`` — the egress layer's refusals (:meth:`Monitor.add_source`), polled.
+* ``proxy`` / ``nftables`` — the egress layer's refusals (:meth:`Monitor.add_source`), polled;
+* ``exec`` — the proc connector (:mod:`.execwatch`): a privilege tool run in the cell, or a uid change.
 
 Verdict: ``terminate`` (the default) for read/write/execute/network and telemetry events:
 **freeze the cell's cgroup first** (nothing of it runs on while the event is recorded), record,
@@ -79,8 +80,10 @@ class Monitor:
     """Watch one running cell. ``on_escape``: terminate | record."""
 
     def __init__(self, cell_id: str, cg: CellCgroup | None, on_escape: str = "terminate",
-                 callback: Callable[[CellEvent], None] | None = None) -> None:
+                 callback: Callable[[CellEvent], None] | None = None, uid: int | None = None) -> None:
         self.cell_id, self.cg, self.on_escape, self.callback = cell_id, cg, on_escape, callback
+        self.uid = uid  # the cell's account: the launcher's own drop to it is not an event
+        self.trusted: set[int] = set()  # agentcell's own processes in the cell's cgroup (its proxy)
         self.events: list[CellEvent] = []
         self.frozen_at: float | None = None
         self.terminated = False
@@ -90,6 +93,7 @@ class Monitor:
         self._resources = {"oom_kills": 0, "pids_limit_hits": 0}
         self._sources: list[Callable[[], list[dict[str, Any]]]] = []
         self.audit: Any = None
+        self.execs: Any = None
         try:
             from .audit import AuditReader
 
@@ -97,6 +101,13 @@ class Monitor:
         except (OSError, PermissionError) as e:
             self._event(CellEvent("telemetry", "landlock", f"the audit stream cannot be read ({e}): Landlock "
                                   "denials are not seen", source="telemetry", cell=cell_id))
+        try:
+            from .execwatch import ExecWatch
+
+            self.execs = ExecWatch()
+        except (OSError, PermissionError) as e:
+            self._event(CellEvent("telemetry", "exec", f"the proc connector cannot be read ({e}): execs are not "
+                                  "seen", source="telemetry", cell=cell_id))
 
     def add_source(self, poll: Callable[[], list[dict[str, Any]]]) -> None:
         """An egress source: ``poll()`` returns the refusals (proxy or firewall events) since its last call."""
@@ -116,11 +127,12 @@ class Monitor:
         except (OSError, ValueError) as e:
             self._event(CellEvent("telemetry", "landlock", f"the audit stream failed: {e}", source="telemetry",
                                   cell=self.cell_id))
-        if self.audit is not None:
-            try:
-                self.audit.close()
-            except OSError:
-                pass
+        for source in (self.audit, self.execs):
+            if source is not None:
+                try:
+                    source.close()
+                except OSError:
+                    pass
         return self.events
 
     # ---- the loop --------------------------------------------------------------------------------
@@ -128,8 +140,9 @@ class Monitor:
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
-                if self.audit is not None:
-                    if select.select([self.audit], [], [], 0.02)[0]:
+                watched = [s for s in (self.audit, self.execs) if s is not None]
+                if watched:
+                    if select.select(watched, [], [], 0.02)[0]:
                         self._drain()
                 else:
                     time.sleep(0.02)
@@ -140,6 +153,8 @@ class Monitor:
                                   cell=self.cell_id))
 
     def _drain(self) -> None:
+        for ex in self.execs.read() if self.execs is not None else []:
+            self._exec_event(ex)
         if self.audit is None:
             return
         for raw in self.audit.read():
@@ -149,6 +164,25 @@ class Monitor:
                 continue
             if self._ours(raw):
                 self._event(landlock_event(raw, self.cell_id))
+
+    def _exec_event(self, ex: dict[str, Any]) -> None:
+        from .execwatch import PRIVILEGE_TOOLS
+
+        if ex["kind"] == "lost":
+            self._event(CellEvent("telemetry", "exec", "the kernel dropped proc connector events", source="telemetry",
+                                  cell=self.cell_id))
+            return
+        if f"/{self.cell_id}" not in ex.get("cgroup", "") or ex["pid"] in self.trusted:
+            return  # another process of the host (or ours), or gone before we looked (then unattributable)
+        name = os.path.basename(ex.get("exe", "")) or ex.get("comm", "")
+        if ex["kind"] == "exec" and name in PRIVILEGE_TOOLS:
+            self._event(CellEvent("execute", name, f"a privilege tool was run in the cell ({name}: mounts are "
+                                  "nosuid, so it can only be an attempt)", source="exec", cell=self.cell_id,
+                                  pid=ex["pid"], exe=ex.get("exe", ""), allow="nothing: a cell never gains privilege"))
+        elif ex["kind"] == "uid" and not (ex.get("ruid") == ex.get("euid") == self.uid):
+            self._event(CellEvent("execute", f"uid {ex.get('ruid')}/{ex.get('euid')}", "a process of the cell "
+                                  "changed its uid", source="exec", cell=self.cell_id, pid=ex["pid"],
+                                  exe=ex.get("exe", "")))
 
     def _ours(self, raw: dict[str, Any]) -> bool:
         """Is the denying process one of this cell's? Its cgroup says so while it lives; its Landlock
