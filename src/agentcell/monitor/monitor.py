@@ -336,7 +336,7 @@ class Monitor:
         if pid not in self._members or pid in self.trusted:
             return  # another process of the host (or ours)
         name = ex.get("tool") or os.path.basename(ex.get("exe", "")) or ex.get("comm", "")
-        if (kind == "tool" or (kind == "exec" and self.tools is None)) and name in PRIVILEGE_TOOLS:
+        if kind in ("tool", "exec") and name in PRIVILEGE_TOOLS:  # a copy under the same name too (exec)
             self._event(CellEvent("execute", name, f"a privilege tool was run in the cell ({name}: mounts are "
                                   "nosuid, so it can only be an attempt)", source="exec", cell=self.cell_id,
                                   pid=ex["pid"], exe=ex.get("exe", ""), allow="nothing: a cell never gains privilege"))
