@@ -128,6 +128,7 @@ class Monitor:
         self._queue: queue.Queue[CellEvent | None] = queue.Queue()
         self._lock = threading.RLock()
         self._stop = threading.Event()
+        self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)  # stop() wakes the loop's select
         self._thread: threading.Thread | None = None
         self._domains: set[str] = set()
         self._resources = {"oom_kills": 0, "pids_limit_hits": 0}
@@ -205,9 +206,16 @@ class Monitor:
         return dict(self._state)
 
     def start(self) -> None:
+        """The loop, and a watchdog beside it: a loop that hangs (a source that blocks) or dies is a
+        telemetry event within about a second."""
         self.heartbeat = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="agentcell-monitor", daemon=True)
         self._thread.start()
+        threading.Thread(target=self._watchdog, name="agentcell-monitor-watchdog", daemon=True).start()
+
+    def _watchdog(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S / 4):
+            self.check()
 
     def alive(self) -> bool:
         """The loop is running and came round within the last second. When not, the caller records
@@ -234,6 +242,10 @@ class Monitor:
 
     def stop(self) -> list[CellEvent]:
         self._stop.set()
+        try:
+            os.write(self._wake_w, b"x")
+        except OSError:
+            pass
         if self._thread is not None:
             self._thread.join(5)
         try:
@@ -249,6 +261,12 @@ class Monitor:
                 except OSError:
                     pass
         self.audit = self.execs = self.tools = self.canaries = self.seccomp = None
+        for fd in (self._wake_r, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self._wake_r = self._wake_w = -1
         self._queue.put(None)
         return self.events
 
@@ -260,11 +278,8 @@ class Monitor:
                 self.heartbeat = time.monotonic()
                 watched = [s for s in (self.audit, self.execs, self.tools, self.canaries, self.seccomp)
                            if s is not None]
-                if watched:
-                    if select.select(watched, [], [], 0.02)[0]:
-                        self._drain()
-                else:
-                    time.sleep(0.02)
+                if select.select([*watched, self._wake_r], [], [], 0.02)[0]:
+                    self._drain()
                 self._poll_resources()
                 self._poll_egress()
         except Exception as e:  # noqa: BLE001 - a monitor that stops seeing must say so, and act
