@@ -106,8 +106,10 @@ def test_a_monitor_loop_that_hangs_is_a_telemetry_event_and_ends_the_cell(user: 
         sup.terminate("cleanup")
         sup.wait(20)
     assert result["signal"] == 9 and result["terminated_by_monitor"] is True, result
-    assert [e["target"] for e in result["events"]] == ["monitor"]  # type: ignore[union-attr]
-    assert "stopped reporting" in result["events"][0]["reason"]  # type: ignore[index]
+    events = result["events"]
+    assert events[0]["target"] == "monitor" and "stopped reporting" in events[0]["reason"], events  # type: ignore[index]
+    # A hung loop also lets the kernel's queues overflow on a busy host: more telemetry, nothing else.
+    assert {e["operation"] for e in events} == {"telemetry"}, events  # type: ignore[union-attr]
 
 
 def test_a_privilege_tool_run_in_the_cell_is_an_escape_attempt(user: User) -> None:

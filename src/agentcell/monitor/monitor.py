@@ -304,10 +304,14 @@ class Monitor:
                                   allow="nothing: it is a decoy; give real credentials with --ro PATH if a tool "
                                   "needs them"))
             self.canaries.answer(c)  # recorded (and, under terminate, frozen): now the open may go on
-        tools = self.tools.read() if self.tools is not None else []  # first: its forks are read below
-        for ex in self.execs.read() if self.execs is not None else []:
-            self._exec_event(ex)
-        for ex in tools:
+        # Order: who belongs to the cell first (forks, from the connector), then the tools' execs
+        # (fanotify, in the order they happened), then the connector's own exec and uid events.
+        tools = self.tools.read() if self.tools is not None else []
+        execs = self.execs.read() if self.execs is not None else []
+        for ex in execs:
+            if ex["kind"] in ("fork", "exit"):
+                self._exec_event(ex)
+        for ex in (*tools, *(e for e in execs if e["kind"] not in ("fork", "exit"))):
             self._exec_event(ex)
         if self.audit is None:
             return
