@@ -254,12 +254,17 @@ class Monitor:
         except (OSError, ValueError) as e:
             self._event(CellEvent("telemetry", "monitor", f"a source failed: {e}", source="telemetry",
                                   cell=self.cell_id))
-        for source in (self.audit, self.execs, self.tools, self.canaries, self.seccomp):
+        for source in (self.audit, self.execs, self.seccomp):
             if source is not None:
                 try:
                     source.close()
                 except OSError:
                     pass
+        # Closing a fanotify group waits for an SRCU grace period (10-30 ms here): off the caller's
+        # path. The cell is gone by now; a decoy's waiting open (there is none left) would be let go.
+        groups = [g for g in (self.tools, self.canaries) if g is not None]
+        if groups:
+            threading.Thread(target=_close_all, args=(groups,), name="agentcell-monitor-close", daemon=True).start()
         self.audit = self.execs = self.tools = self.canaries = self.seccomp = None
         for fd in (self._wake_r, self._wake_w):
             try:
@@ -438,6 +443,14 @@ class Monitor:
         elif not killed:
             self._event(CellEvent("telemetry", "monitor", "the cell could not be killed (no cgroup.kill, no PID 1 "
                                   "known)", source="telemetry", cell=self.cell_id))
+
+
+def _close_all(sources: list[Any]) -> None:
+    for source in sources:
+        try:
+            source.close()
+        except OSError:
+            pass
 
 
 def _readable(source: Any) -> bool:
