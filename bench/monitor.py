@@ -82,7 +82,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--attempts", type=int, default=100)
     ap.add_argument("--files", type=int, default=20_000)
-    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--rounds", type=int, default=11)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     if os.geteuid() != 0:
