@@ -24,7 +24,9 @@ def test_an_escape_attempt_is_attributed_and_ends_the_cell(user: User) -> None:
     r = agentcell_run(["--as", str(user.uid), "--monitor", "--", "python3", "-c", CONNECT], timeout=60)
     assert r.rc == 137 and r.result["terminated_by_monitor"] is True, (r.out, r.err)
     assert "still running" not in r.out
-    [ev] = r.result["events"]  # type: ignore[misc]
+    events = r.result["events"]
+    assert isinstance(events, list) and len(events) == 1, events
+    ev = events[0]
     assert (ev["operation"], ev["target"], ev["source"]) == ("network", "127.0.0.1:1", "landlock"), ev
     assert ev["pid"] and ev["exe"].endswith(("python3", "python3.11")) and ev["cell"] == r.result["cell_id"]
     assert "to allow it: --net loopback" in r.err and "frozen and killed" in r.err
@@ -129,7 +131,9 @@ def test_a_canary_credential_opened_is_attributed_and_ends_the_cell(user: User) 
                        "ls -a ~/.ssh; head -c 10 ~/.ssh/id_ed25519; sleep 3; echo still running"], timeout=60)
     assert r.rc == 137 and "still running" not in r.out, (r.out, r.err)
     assert "id_ed25519" in r.out and "id_rsa" in r.out  # listing the directory is not an attempt
-    [ev] = r.result["events"]  # type: ignore[misc]
+    events = r.result["events"]
+    assert isinstance(events, list) and len(events) == 1, events
+    ev = events[0]
     assert (ev["operation"], ev["source"], ev["target"]) == ("read", "canary", f"/home/{user.name}/.ssh/id_ed25519")
     assert ev["pid"] and os.path.basename(ev["exe"]) == "head", ev
     assert r.result["monitor_sources"]["canary"] == "on"  # type: ignore[index]
@@ -138,7 +142,9 @@ def test_a_canary_credential_opened_is_attributed_and_ends_the_cell(user: User) 
 def test_a_refused_escape_call_is_reported_by_seccomp_and_ends_the_cell(user: User) -> None:
     r = agentcell_run(["--as", str(user.uid), "--monitor", "--", "python3", "-c", PTRACE], timeout=60)
     assert r.rc == 137 and "still running" not in r.out, (r.out, r.err)
-    [ev] = r.result["events"]  # type: ignore[misc]
+    events = r.result["events"]
+    assert isinstance(events, list) and len(events) == 1, events
+    ev = events[0]
     assert (ev["operation"], ev["source"], ev["target"]) == ("execute", "seccomp", "ptrace pid 1"), ev
     assert ev["exe"].startswith("/usr/bin/python3") and ev["pid"]
 
@@ -186,7 +192,9 @@ def test_rootless_says_what_it_cannot_see_and_uses_what_remains(user: User) -> N
     assert "not watched: cgroup" in r.err and "audit stream needs root" in r.err
     # No cgroup to freeze: the cell is killed through its PID 1 at the first event (the canary).
     assert r.rc == 137 and "ptrace" not in r.out, (r.out, r.err)
-    [ev] = r.result["events"]  # type: ignore[misc]
+    events = r.result["events"]
+    assert isinstance(events, list) and len(events) == 1, events
+    ev = events[0]
     assert (ev["source"], ev["pid"]) == ("canary", None)  # inotify: the open, not who made it
     r = agentcell_run(["--monitor", "--on-escape", "record", "--", "python3", "-c", PTRACE.replace("time.sleep(3)",
                        "0")], as_user=user, timeout=60)

@@ -85,10 +85,10 @@ class ExecWatch:
                     out.append({"kind": "exit", "pid": tgid})
             elif what == PROC_EVENT_EXEC and len(data) >= body + 8:
                 pid, _tgid = struct.unpack_from("=ii", data, body)
-                out.append({"kind": "exec", "pid": pid, **_identify(pid)})
+                out.append({"kind": "exec", "pid": pid})  # identified by the monitor, for its cell's only
             elif what == PROC_EVENT_UID and len(data) >= body + 16:
                 pid, _tgid, ruid, euid = struct.unpack_from("=iiII", data, body)
-                out.append({"kind": "uid", "pid": pid, "ruid": ruid, "euid": euid, **_identify(pid)})
+                out.append({"kind": "uid", "pid": pid, "ruid": ruid, "euid": euid})
 
     def close(self) -> None:
         try:
@@ -98,7 +98,7 @@ class ExecWatch:
         self.sock.close()
 
 
-def _identify(pid: int) -> dict[str, str]:
+def identify(pid: int) -> dict[str, str]:
     """What the process is, read at once (it may be gone: then empty strings)."""
     out = {"exe": "", "comm": "", "cgroup": ""}
     for key, path in (("exe", f"/proc/{pid}/exe"), ("comm", f"/proc/{pid}/comm"), ("cgroup", f"/proc/{pid}/cgroup")):

@@ -359,6 +359,10 @@ class Monitor:
             return
         if pid not in self._members or pid in self.trusted:
             return  # another process of the host (or ours)
+        if kind in ("exec", "uid"):  # read now, for the cell's processes only (the host's are many)
+            from .execwatch import identify
+
+            ex = {**identify(pid), **ex}
         name = ex.get("tool") or os.path.basename(ex.get("exe", "")) or ex.get("comm", "")
         if kind in ("tool", "exec") and name in PRIVILEGE_TOOLS:  # a copy under the same name too (exec)
             self._event(CellEvent("execute", name, f"a privilege tool was run in the cell ({name}: mounts are "
