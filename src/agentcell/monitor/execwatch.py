@@ -56,11 +56,12 @@ class ExecWatch:
     def fileno(self) -> int:
         return self.sock.fileno()
 
-    def read(self) -> list[dict[str, Any]]:
-        """exec and uid events now readable: {"kind": "exec"|"uid", "pid": …, ...}; never blocks."""
+    def read(self, limit: int = 8192) -> list[dict[str, Any]]:
+        """fork, exit, exec and uid events now readable (at most ``limit``: the caller's loop must come
+        round): {"kind": "fork"|"exit"|"exec"|"uid", "pid": …, ...}; never blocks."""
         out: list[dict[str, Any]] = []
         self.sock.setblocking(False)
-        while True:
+        for _ in range(limit):
             try:
                 data = self.sock.recv(4096)
             except BlockingIOError:
@@ -89,6 +90,7 @@ class ExecWatch:
             elif what == PROC_EVENT_UID and len(data) >= body + 16:
                 pid, _tgid, ruid, euid = struct.unpack_from("=iiII", data, body)
                 out.append({"kind": "uid", "pid": pid, "ruid": ruid, "euid": euid})
+        return out
 
     def close(self) -> None:
         try:
@@ -150,7 +152,7 @@ class ToolExecs:
         out: list[dict[str, Any]] = []
         for mask, fd, pid in fanotify.events(data):
             if mask & fanotify.FAN_Q_OVERFLOW:
-                out.append({"kind": "lost"})
+                out.append({"kind": "lost", "tools": True})
             if fd < 0:
                 continue
             try:
