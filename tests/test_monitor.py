@@ -203,7 +203,8 @@ def test_rootless_says_what_it_cannot_see_and_uses_what_remains(user: User) -> N
                       as_user=user, timeout=60)
     sources = r.result["monitor_sources"]
     assert {k: v.split(":")[0] for k, v in sources.items()} == {  # type: ignore[union-attr]
-        "landlock": "off", "exec": "off", "cgroup": "off", "canary": "on (inotify", "seccomp": "on"}, sources
+        "landlock": "off", "exec": "off", "cgroup": "off", "canary": "on (inotify", "seccomp": "on",
+        "masks": "off"}, sources  # the cell's PID 1 is out of an unprivileged caller's reach
     assert "not watched: cgroup" in r.err and "audit stream needs root" in r.err
     # No cgroup to freeze: the cell is killed through its PID 1 at the first event (the canary).
     assert r.rc == 137 and "ptrace" not in r.out, (r.out, r.err)
@@ -292,3 +293,37 @@ def test_a_watched_cell_without_a_monitor_is_refused(user: User) -> None:
     ident = resolve_identity(str(user.uid), euid=0)
     with pytest.raises(AgentcellError, match="needs its monitor"):
         Supervised.start(CellSpec(ident, env=build_env({}, ident), watch=True), ["true"], monitor=None)
+
+
+def test_a_mask_the_host_undoes_by_a_rename_ends_the_cell(user: User, tmp_path: Path) -> None:
+    # An editor saving a masked .env (write a new file, rename it over) detaches the mask in every
+    # cell: the kernel allows it. The monitor notices at once and ends the cell before it reads on.
+    shared = tmp_path / "app"
+    shared.mkdir()
+    (shared / ".env").write_text("OLD-SECRET\n")
+    for p in (tmp_path, shared, shared / ".env"):
+        os.chmod(p, 0o755 if p.is_dir() else 0o644)
+    work = (f"cat {shared}/.env 2>/dev/null || echo masked; echo ready; "
+            f"for i in $(seq 100); do sleep 0.05; cat {shared}/.env 2>/dev/null; done; echo survived")
+    p = subprocess.Popen([AGENTCELL, "run", "--json", "--no-warm", "--as", str(user.uid), "--ro", str(shared),
+                          "--mask", f"{shared}/.env", "--monitor", "--", "sh", "-c", work],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert p.stdout is not None
+    try:
+        first = p.stdout.readline() + p.stdout.readline()
+        assert first == "masked\nready\n", first
+        (shared / ".env.new").write_text("NEW-SECRET\n")
+        os.chmod(shared / ".env.new", 0o644)
+        os.rename(shared / ".env.new", shared / ".env")
+        out, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    result = json.loads(out.strip().splitlines()[-1])
+    lines = out.splitlines()[:-1]
+    assert p.returncode == 137 and "survived" not in lines, (out, err)
+    assert [(e["source"], e["target"]) for e in result["events"]] == [("masks", f"{shared}/.env")], result["events"]
+    # Between the rename and the freeze the cell may read the new file: a window of milliseconds
+    # (the loop reads every 50 ms here); never more than a read or two.
+    assert lines.count("NEW-SECRET") <= 2, lines

@@ -79,7 +79,7 @@ class Supervised:
                 from .monitor.monitor import Monitor
 
                 watch = Monitor(spec.cell_id, None, monitor, uid=spec.identity.uid, callback=callback,
-                                rootless=spec.identity.userns)
+                                rootless=spec.identity.userns, dedicated=spec.identity.mode == "agent")
                 if watch.terminated:  # a source that cannot start, under terminate: the cell never runs
                     raise AgentcellError("--monitor", f"the monitor cannot see: {watch.reason}",
                                          "see 'agentcell doctor', or --on-escape record to run without that source")

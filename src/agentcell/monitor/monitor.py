@@ -76,8 +76,9 @@ class CellEvent:
         # harmless in any cell: a TCP bind where nothing can connect).
         self.acts = acts
 
-    def key(self) -> tuple[str, str, str]:
-        return (self.operation, self.target, self.source)
+    def key(self) -> tuple[str, str, str, bool]:
+        # acts is part of it: a refusal first noted as not the cell's must not mask a later one that is
+        return (self.operation, self.target, self.source, self.acts)
 
     def as_dict(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.__slots__}
@@ -121,11 +122,15 @@ class Monitor:
 
     def __init__(self, cell_id: str, cg: CellCgroup | None, on_escape: str = "terminate",
                  callback: Callable[[CellEvent], None] | None = None, uid: int | None = None,
-                 rootless: bool = False) -> None:
+                 rootless: bool = False, dedicated: bool = False) -> None:
         self.cell_id, self.cg, self.callback = cell_id, cg, callback
         self.verdicts = parse_verdicts(on_escape)
         self.on_escape = on_escape
         self.uid = uid  # the cell's account: the launcher's own drop to it is not an event
+        # The account exists for agents alone (agent:NAME, a session's own): whatever its uid does
+        # on the host's network is the cell's. A person's uid (--as UID, sudo's caller) is not.
+        self.dedicated = dedicated
+        self._denied_at = 0.0  # when this cell last made Landlock refuse something
         self.trusted: set[int] = set()  # agentcell's own processes in the cell's cgroup (its proxy)
         self.events: list[CellEvent] = []
         self.frozen_at: float | None = None
@@ -146,10 +151,12 @@ class Monitor:
         self.canaries: Any = None
         self.seccomp: Any = None
         self.tools: Any = None
+        self.masks: Any = None
+        self._masks_checked = self._masks_until = 0.0
         self._running: Any = None
         self._members: set[int] = set()  # the cell's processes, followed by descent from its PID 1
         self._exited: collections.deque[tuple[float, int]] = collections.deque()  # members gone, forgotten after 5 s
-        self._index: dict[tuple[str, str, str], CellEvent] = {}
+        self._index: dict[tuple[str, str, str, bool], CellEvent] = {}
         self._final = False  # the cell has ended: events are recorded, no verdict acts any more
         self._pidfd: int | None = None
         self._audit_lost: int | None = None
@@ -217,6 +224,16 @@ class Monitor:
         else:
             self._state["canary"] = ("off: the home is a host directory (--home); no decoys are planted there"
                                      if running.spec.home_dir else "off: the cell made no canaries")
+        if running.pid1:
+            from ..cell.spec import SECRET_FILES
+            from .masks import MaskWatch
+
+            try:
+                secrets = tuple(p for p in SECRET_FILES if os.path.exists(p) and not os.path.islink(p))
+                self.masks = MaskWatch(running.pid1, (*secrets, *running.spec.masked_paths))
+                self._state["masks"] = "on"
+            except OSError as e:
+                self._state["masks"] = f"off: {e.strerror or e}"
         if running.seccomp_fd is not None:
             from .seccompwatch import SeccompWatch
 
@@ -280,7 +297,7 @@ class Monitor:
         except (OSError, ValueError) as e:
             self._event(CellEvent("telemetry", "monitor", f"a source failed: {e}", source="telemetry",
                                   cell=self.cell_id))
-        for source in (self.audit, self.execs, self.seccomp):
+        for source in (self.audit, self.execs, self.seccomp, self.masks):
             if source is not None:
                 try:
                     source.close()
@@ -291,7 +308,7 @@ class Monitor:
         groups = [g for g in (self.tools, self.canaries) if g is not None]
         if groups:
             threading.Thread(target=_close_all, args=(groups,), name="agentcell-monitor-close", daemon=True).start()
-        self.audit = self.execs = self.tools = self.canaries = self.seccomp = None
+        self.audit = self.execs = self.tools = self.canaries = self.seccomp = self.masks = None
         if self._pidfd is not None:
             os.close(self._pidfd)
             self._pidfd = None
@@ -311,12 +328,13 @@ class Monitor:
         try:
             while not self._stop.is_set():
                 self.heartbeat = time.monotonic()
-                watched = [s for s in (self.audit, self.execs, self.tools, self.canaries, self.seccomp)
+                watched = [s for s in (self.audit, self.execs, self.tools, self.canaries, self.seccomp, self.masks)
                            if s is not None]
                 if select.select([*watched, self._wake_r], [], [], 0.02)[0]:
                     self._drain()
                 self._poll_resources()
                 self._poll_egress()
+                self._poll_masks()
                 if self.audit is not None and time.monotonic() - last_lost_check >= 1:
                     last_lost_check = time.monotonic()
                     self._poll_audit_lost()
@@ -349,10 +367,8 @@ class Monitor:
         if self.audit is None:
             return
         for raw in self.audit.read(accept=self._accept):
-            if raw.get("lost"):  # the host's other Landlock users can cause it: noted, not held against the cell
-                self._event(CellEvent("telemetry", "landlock", "the audit stream overflowed: a Landlock denial may be "
-                                      "missing from this report (the kernel still refused it)", source="telemetry",
-                                      cell=self.cell_id, acts=False))
+            if raw.get("lost"):
+                self._audit_overflow("the audit stream overflowed")
                 continue
             if self._ours(raw):
                 self._event(landlock_event(raw, self.cell_id))
@@ -371,9 +387,29 @@ class Monitor:
         """A Landlock denial worth parsing: by one of the cell's processes (or its domain). A process
         forked after the connector was last read is looked up after reading it again."""
         if pid in self._members or domain in self._domains:
+            self._denied_at = time.monotonic()
             return True
         self._drain_connector()
-        return pid in self._members
+        if pid in self._members:
+            self._denied_at = time.monotonic()
+            return True
+        return False
+
+    def _poll_masks(self) -> None:
+        """The host's events on the masked names (the kernel reports the rename a moment before it
+        detaches the mount: look again on each pass for half a second), and every 0.1 s anyway."""
+        if self.masks is None:
+            return
+        now = time.monotonic()
+        if self.masks.touched():
+            self._masks_until = now + 0.5
+        if now < self._masks_until or now - self._masks_checked >= 0.1:
+            self._masks_checked = now
+            for path in self.masks.check():
+                self._event(CellEvent("read", path, "the mask over it is gone: the file was replaced on the host "
+                                      "(a rename over a masked file detaches the mask in every cell), so the cell "
+                                      "could read the new one", source="masks", cell=self.cell_id,
+                                      allow="keep masked files from being replaced while a cell runs"))
 
     def _poll_audit_lost(self) -> None:
         """Records the kernel dropped before anyone could read them (its backlog was full). Host-wide,
@@ -385,10 +421,19 @@ class Monitor:
         except OSError:
             return
         if self._audit_lost is not None and lost > self._audit_lost:
-            self._event(CellEvent("telemetry", "landlock", "the kernel dropped audit records (its backlog was full): "
-                                  "a Landlock denial may be missing from this report (the kernel still refused it)",
-                                  source="telemetry", cell=self.cell_id, acts=False))
+            self._audit_overflow("the kernel dropped audit records (its backlog was full)")
         self._audit_lost = lost
+
+    def _audit_overflow(self, what: str) -> None:
+        """Lost Landlock records. If this cell was itself making Landlock refuse things just now, it may
+        have flooded the stream to hide one attempt among them: that ends it like any attempt. If it
+        was quiet, the host's other Landlock users did it: noted, not held against the cell (a denial
+        may be missing from the report; the kernel still refused it)."""
+        busy = time.monotonic() - self._denied_at < 2.0
+        self._event(CellEvent("telemetry", "landlock", f"{what}: a Landlock denial may be missing from this report"
+                              + (" while the cell itself was being refused" if busy else
+                                 " (the kernel still refused it)"),
+                              source="telemetry", cell=self.cell_id, acts=busy))
 
     def _cgroup_pids(self) -> set[int]:
         return _pids_in(self.cg)
@@ -411,7 +456,7 @@ class Monitor:
                 return
             # The connector carries the whole host's forks: a busy host can overflow it. Who is in the
             # cell is read again from its cgroup (a tool's exec is still named by fanotify).
-            self._members |= self._cgroup_pids()
+            self._members = self._cgroup_pids() | ({self._seed} if self._seed else set())
             self._event(CellEvent("telemetry", "exec", "the proc connector overflowed (a busy host); the cell's "
                                   "processes were re-read from its cgroup", source="telemetry", cell=self.cell_id,
                                   acts=False))
@@ -475,26 +520,13 @@ class Monitor:
                 reason = reason[:cut].rstrip(" ;:,")
             source = str(raw.get("source", "egress"))
             # The proxy serves this cell alone. The host firewall matches the account's uid: its
-            # refusal is the cell's only while no process of that account runs outside the cell
-            # (an agent or session account); otherwise it is recorded, not pinned on the cell.
-            acts = source != "nftables" or self._uid_only_in_cell()
+            # refusal is the cell's when the account is an agent's own (nothing else runs as it);
+            # for a person's uid it is recorded, not pinned on the cell.
+            acts = source != "nftables" or self.dedicated
             if not acts:
-                reason += " (by the account's uid: it also runs outside the cell, so this is not held against it)"
+                reason += " (matched by a person's uid, which runs outside the cell too: not held against it)"
             self._event(CellEvent("network", str(raw.get("target", "?")), reason, source=source,
                                   cell=self.cell_id, pid=None, allow=allow, ts=raw.get("ts"), acts=acts))
-
-    def _uid_only_in_cell(self) -> bool:
-        if self.uid is None:
-            return False
-        inside = self._members | _pids_in(self.cg)
-        for name in os.listdir("/proc"):
-            if name.isdigit() and int(name) not in inside and int(name) not in self.trusted:
-                try:
-                    if os.stat(f"/proc/{name}").st_uid == self.uid:
-                        return False
-                except OSError:
-                    continue
-        return True
 
     def _poll_resources(self) -> None:
         if self.cg is None:
@@ -516,19 +548,21 @@ class Monitor:
         with self._lock:
             seen = self._index.get(ev.key())
             if seen is not None:
-                seen.count += 1  # a duplicate: counted, the first one stands
+                seen.count += 1  # a duplicate: counted, the first one stands (and has acted already)
                 return
-            if len(self.events) >= MAX_EVENTS:  # a flood: the first ones stand, the rest are counted
-                ev = CellEvent("telemetry", "events", f"more than {MAX_EVENTS} distinct events: the rest are "
-                               "counted here", source="telemetry", cell=self.cell_id, acts=False)
-                seen = self._index.get(ev.key())
-                if seen is not None:
-                    seen.count += 1
-                    return
-            self._index[ev.key()] = ev
-            self.events.append(ev)
+            # The verdict first: a cap on what is kept must never decide what is acted on.
             if ev.acts and not self._final and self.verdicts.get(ev.operation) == "terminate" and not self.terminated:
                 self.terminate(ev.line())
+            if len(self.events) >= MAX_EVENTS:
+                overflow = CellEvent("telemetry", "events", f"more than {MAX_EVENTS} distinct events: the rest are "
+                                     "counted here", source="telemetry", cell=self.cell_id, acts=False)
+                kept = self._index.get(overflow.key())
+                if kept is not None:
+                    kept.count += 1
+                    return
+                ev = overflow
+            self._index[ev.key()] = ev
+            self.events.append(ev)
         self._queue.put(ev)
         if self.callback is not None:
             self.callback(ev)

@@ -1,0 +1,94 @@
+"""Masks that the host undoes: a mount over a file is detached, in every other mount namespace, when
+that file is replaced on the host by a rename (useradd rewriting /etc/shadow; an editor saving the
+.env that ``--mask`` hides by writing a new file and renaming it over). The cell would then see the
+new file. The kernel allows this; nothing stops it. What the monitor can do is notice at once:
+
+* inotify on the host directories that hold masked files (create, rename, delete of those names);
+* on such an event (and every 0.1 s anyway), the name is looked up again *inside* the cell
+  (``/proc/<PID 1>/root/...``): if it no longer leads to the cell's own mask device (every mask is
+  a bind of the cell's empty file or directory), the mask is gone. That is an event that ends the
+  cell (it is no longer confined as declared), whoever caused it. The cell's mount table is no
+  witness: a detached mount can linger in it while the name already leads past it.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import struct
+
+IN_CREATE, IN_DELETE, IN_MOVED_FROM, IN_MOVED_TO = 0x100, 0x200, 0x40, 0x80
+IN_NONBLOCK, IN_CLOEXEC = 0o4000, 0o2000000
+_EV = struct.Struct("=iIII")
+
+
+class MaskWatch:
+    """``candidates``: every path the cell was built with a mask on. All masks are binds of the cell's
+    own empty file or directory, on the cell's staging tmpfs: a name that leads to another device
+    is not masked any more. The device is the one most masks are on when the watch starts (the
+    command may already run by then, and a host rename may already have undone one of them)."""
+
+    def __init__(self, pid1: int, candidates: tuple[str, ...]) -> None:
+        self.pid1 = pid1
+        devs: dict[str, int] = {}
+        for p in candidates:
+            try:
+                devs[p] = os.stat(f"/proc/{pid1}/root{p}", follow_symlinks=False).st_dev
+            except OSError:
+                continue
+        if not devs:
+            raise OSError(2, "no masked path is in the cell")
+        counts: dict[int, int] = {}
+        for d in devs.values():
+            counts[d] = counts.get(d, 0) + 1
+        self.dev = max(counts, key=lambda d: counts[d])
+        if counts[self.dev] < 2 and len(devs) > 1:
+            raise OSError(22, "the cell's masks could not be told apart")
+        self.masks = tuple(devs)
+        libc = ctypes.CDLL(None, use_errno=True)
+        self.fd = libc.inotify_init1(IN_NONBLOCK | IN_CLOEXEC)
+        if self.fd < 0:
+            raise OSError(ctypes.get_errno(), "inotify_init1")
+        self._names: dict[int, set[str]] = {}
+        for p in self.masks:
+            parent, name = os.path.split(p)
+            wd = libc.inotify_add_watch(self.fd, os.fsencode(parent), IN_CREATE | IN_DELETE | IN_MOVED_FROM | IN_MOVED_TO)
+            if wd >= 0:
+                self._names.setdefault(wd, set()).add(name)
+
+    def fileno(self) -> int:
+        return int(self.fd)
+
+    def touched(self) -> bool:
+        """The host created, renamed or removed a masked name since the last look (never blocks)."""
+        touched = False
+        while True:
+            try:
+                data = os.read(self.fd, 1 << 16)
+            except BlockingIOError:
+                return touched
+            off = 0
+            while off + _EV.size <= len(data):
+                wd, _mask, _c, length = _EV.unpack_from(data, off)
+                name = data[off + _EV.size:off + _EV.size + length].rstrip(b"\0").decode(errors="replace")
+                off += _EV.size + length
+                touched = touched or name in self._names.get(wd, ())
+
+    def check(self) -> list[str]:
+        """Masks the cell's names no longer lead to."""
+        gone = []
+        for p in self.masks:
+            try:
+                st = os.stat(f"/proc/{self.pid1}/root{p}", follow_symlinks=False)
+            except FileNotFoundError:
+                if not os.path.exists(f"/proc/{self.pid1}/root/"):
+                    return []  # the cell is gone
+                gone.append(p)
+                continue
+            except OSError:
+                return []
+            if st.st_dev != self.dev:
+                gone.append(p)
+        return gone
+
+    def close(self) -> None:
+        os.close(self.fd)
