@@ -1,0 +1,484 @@
+"""The session's nodes: each calls one layer and writes one audit record; edges and retries are the graph's.
+
+A node returns the part of the state it changes. A node that fails raises: its ``RetryPolicy`` (in
+:mod:`.graph`) retries it, and when the retries are spent its error handler (:meth:`Nodes.on_error`)
+routes the session — to ``abort`` before anything runs, to ``terminate`` once something does. The
+teardown nodes (``terminate``, ``cleanup``, ``abort``, ``audit``) never raise: they work from the
+checkpointed state alone when the supervisor's handles are gone (``session recover``), and report what
+they could not undo.
+
+Fault injection (tests): :attr:`Runtime.faults` names a point and how many times it fails —
+``preflight``, ``account``, ``firewall``, ``spawn``, ``telemetry``, and ``audit@NODE`` (that node's audit
+record is written to a path that cannot be written, so the trail's own retries run and fail for real).
+"""
+from __future__ import annotations
+
+import os
+import stat
+import time
+from typing import Any
+
+from langgraph.errors import NodeError
+from langgraph.types import Command
+
+from ..audit.trail import AuditLog, AuditWriteError
+from ..errors import AgentcellError
+from .state import FINAL, SECRET_PLACEHOLDER, Runtime, SessionState
+
+UNWRITABLE_AUDIT = "/proc/agentcell-fault/audit.jsonl"  # /proc takes no new files: a real write failure
+MAX_EVENTS = 100
+
+
+class InjectedFault(AgentcellError):
+    """A failure made on purpose by the fault-injection hook."""
+
+
+class SpawnCrash(AgentcellError):
+    """The cell's process failed before its command ran (a launch step, fork): retried once."""
+
+
+class TelemetryLost(AgentcellError):
+    """The session lost sight of its cell (the handle or the monitor's stream): retried, then a violation."""
+
+
+def _line(e: BaseException) -> str:
+    return e.line() if isinstance(e, AgentcellError) else f"{type(e).__name__}: {e}"
+
+
+class Nodes:
+    def __init__(self, runtime: Runtime) -> None:
+        self.rt = runtime
+
+    # ---- helpers -----------------------------------------------------------------------------------
+
+    def _audit(self, state: SessionState, node: str, event: str, **details: Any) -> None:
+        path = (state.get("config") or {}).get("audit_log_path")
+        if self.rt.fault(f"audit@{node}"):
+            path = UNWRITABLE_AUDIT
+        AuditLog(path).append(event, session=state["session_id"], **details)
+
+    def _audit_quietly(self, state: SessionState, node: str, event: str, **details: Any) -> dict[str, Any]:
+        """For teardown nodes: a failed record is kept in the state, never raised."""
+        try:
+            self._audit(state, node, event, **details)
+            return {}
+        except AuditWriteError as e:
+            return {"audit_error": e.line()}
+
+    def _inject(self, point: str, exc: type[AgentcellError]) -> None:
+        if self.rt.fault(point):
+            raise exc(point, "injected fault", f"unset {point} in the fault-injection hook")
+
+    def on_error(self, node: str, route: str) -> Any:
+        """The node's error handler: where the session goes once the node's retries are spent."""
+        def handler(state: SessionState, error: NodeError) -> Command[str]:
+            err = error.error
+            if isinstance(err, AuditWriteError):  # nothing runs unrecorded: the session stops
+                goto, reason = "terminate", f"the audit log cannot be written ({err.line()})"
+            else:
+                goto, reason = route, f"{node} failed: {_line(err)}"
+            status = "aborted" if goto == "abort" else "terminated"
+            update: dict[str, Any] = {"status": status, "reason": reason}
+            if node == "monitor" and isinstance(err, TelemetryLost):
+                update["escape"] = self._escape(state, "telemetry", "monitor", f"telemetry lost: {err.line()}",
+                                                source="telemetry")
+            return Command(goto=goto, update=update)
+        handler.__name__ = f"on_{node}_error"
+        return handler
+
+    @staticmethod
+    def _escape(state: SessionState, operation: str, target: str, reason: str, *, source: str,
+                pid: int | None = None, exe: str | None = None, ts: float | None = None) -> dict[str, Any]:
+        from ..policy.models import EscapeEvent
+
+        ev = EscapeEvent(session_id=state["session_id"], operation=operation,  # type: ignore[arg-type]
+                         target=target, reason=reason, pid=pid, exe=exe or None, source=source,
+                         ts=ts or time.time())
+        return ev.model_dump()
+
+    # ---- plan → policy → preflight -------------------------------------------------------------------
+
+    def plan(self, state: SessionState) -> dict[str, Any]:
+        """The request, from the configuration and the harness profile (pure)."""
+        from ..accounts import ephemeral
+        from ..policy.models import SessionPlan
+        from . import profiles
+
+        cfg = state["config"]
+        prof = profiles.get(cfg["harness"])
+        network = cfg.get("network") or ("host-firewall" if cfg.get("firewall_enabled") else prof.network)
+        if os.geteuid() != 0:
+            identity = "self"
+        elif cfg.get("agent"):
+            identity = f"agent:{cfg['agent']}"
+        else:  # the per-session account does not exist yet: checked against a uid of its range
+            identity = str(ephemeral.UID_FIRST)
+        plan = SessionPlan(
+            session_id=state["session_id"], harness=cfg["harness"],
+            declared_paths=list(cfg.get("declared_paths") or [cfg["project_root"]]),
+            wall_clock_limit_s=cfg["wall_clock_limit_s"], network=network,  # type: ignore[arg-type]
+            identity=identity,
+            env=dict(prof.env), keep_env=sorted(cfg.get("secret_names") or []),
+            allow_presets=[prof.egress_preset] if network == "proxy" and prof.egress_preset else [],
+            allow_egress=["seed"] if network == "host-firewall" else [])
+        self._audit(state, "plan", "session.plan", harness=plan.harness, declared_paths=plan.declared_paths,
+                    network=plan.network, wall_clock_limit_s=plan.wall_clock_limit_s, identity=plan.identity,
+                    sources=cfg.get("sources", {}))
+        return {"plan": plan.model_dump(), "status": "running", "reason": "", "cell_id": f"agentcell-{plan.session_id}"}
+
+    def _compile(self, state: SessionState, identity: str | None = None) -> dict[str, Any]:
+        from ..policy.compile import compile_plan
+        from ..policy.models import SessionPlan
+
+        plan = SessionPlan.model_validate(state["plan"])
+        if identity is not None:
+            plan = plan.model_copy(update={"identity": identity})
+        environ = {k: v for k, v in self.rt.environ.items() if k in ("LANG", "TERM") or k.startswith("LC_")}
+        environ.update({k: SECRET_PLACEHOLDER for k in plan.keep_env})
+        policy = compile_plan(plan, environ=environ, host_cwd=state["config"]["project_root"])
+        return policy.model_dump()
+
+    def policy(self, state: SessionState) -> dict[str, Any]:
+        policy = self._compile(state)
+        self._audit(state, "policy", "session.policy", os_user=policy["os_user"], write_paths=policy["write_paths"],
+                    read_paths=policy["read_paths"], env_allowlist=policy["env_allowlist"],
+                    firewall_rule=policy["firewall_rule"])
+        return {"policy": policy}
+
+    def preflight(self, state: SessionState) -> dict[str, Any]:
+        """The backup: no backup, no agent."""
+        from ..snapshot.store import SnapshotError, Store
+
+        self._inject("preflight", SnapshotError)
+        store = Store(state["config"].get("backup_dir"))
+        backup = store.take(list(state["policy"]["rw_paths"]))
+        self._audit(state, "preflight", "session.preflight", backup_id=backup, store=store.path,
+                    paths=state["policy"]["rw_paths"])
+        return {"backup_id": backup}
+
+    def abort(self, state: SessionState) -> dict[str, Any]:
+        update: dict[str, Any] = {"status": "aborted", "reason": state.get("reason") or "aborted"}
+        update.update(self._audit_quietly(state, "abort", "session.abort", reason=update["reason"],
+                                          backup_id=state.get("backup_id")))
+        return update
+
+    # ---- account → firewall → spawn ------------------------------------------------------------------
+
+    def account(self, state: SessionState) -> dict[str, Any]:
+        """The least-privilege account the agent runs as, and the declared paths shared with it (ACLs)."""
+        from ..accounts import acl
+        from ..accounts.commands import Commands
+
+        self._inject("account", InjectedFault)
+        cmds = Commands()
+        cfg, policy = state["config"], state["policy"]
+        update: dict[str, Any] = {}
+        if os.geteuid() != 0:
+            account = {"kind": "self", "name": policy["os_user"], "uid": os.geteuid(), "gid": os.getegid(),
+                       "group": ""}
+            grants: list[dict[str, Any]] = []
+        elif cfg.get("agent"):
+            account, human, wanted = self._persistent(cfg["agent"], policy["rw_paths"])
+            update["human"] = human
+            grants = self._grant(cmds, account, wanted)
+        else:
+            from ..accounts import ephemeral
+
+            made = ephemeral.create_ephemeral(state["session_id"], cmds)
+            account = {"kind": "ephemeral", "name": made.name, "uid": made.uid, "gid": made.gid, "group": made.name}
+            try:
+                update["human"] = self._human(cfg["project_root"])
+                grants = self._grant(cmds, account, list(policy["rw_paths"]))
+                update["policy"] = self._compile(state, identity=str(made.uid))
+            except BaseException:  # undone here, so that the retry starts clean
+                for p in policy["rw_paths"]:
+                    acl.revoke(cmds, made.uid, made.gid, p, [])
+                ephemeral.delete(made, cmds)
+                raise
+        update.update(account=account, grants=grants)
+        self._audit(state, "account", "session.account", account=account,
+                    grants=[g["path"] for g in grants])
+        return update
+
+    @staticmethod
+    def _persistent(name: str, paths: list[str]) -> tuple[dict[str, Any], list[int] | None, list[str]]:
+        import pwd
+
+        from ..accounts.registry import open_registry
+
+        with open_registry() as reg:
+            rec = reg.get(name)
+        if rec.state != "ready":
+            raise AgentcellError("AGENT_OS_USER", f"agent '{name}' is {rec.state}, not ready",
+                                 f"'agentcell agent delete {name} --yes' removes what was made")
+        account = {"kind": "agent", "name": name, "uid": rec.uid, "gid": rec.gid, "group": rec.group}
+        try:
+            pw = pwd.getpwnam(rec.human)
+            human: list[int] | None = [pw.pw_uid, pw.pw_gid]
+        except KeyError:
+            human = None
+        # A path the agent already shares read-write keeps its share: granting and revoking it here would
+        # take that share away at the end of the session.
+        wanted = [p for p in paths if not any(s.mode == "rw" and (p == s.source or p.startswith(s.source + "/"))
+                                              for s in rec.shares)]
+        return account, human, wanted
+
+    @staticmethod
+    def _human(project_root: str) -> list[int]:
+        """Who gets what the agent made: the human behind sudo, else the project's owner."""
+        uid, gid = os.environ.get("SUDO_UID", ""), os.environ.get("SUDO_GID", "")
+        if uid.isdigit() and gid.isdigit() and int(uid) != 0:
+            return [int(uid), int(gid)]
+        st = os.stat(project_root)
+        return [st.st_uid, st.st_gid]
+
+    @staticmethod
+    def _grant(cmds: Any, account: dict[str, Any], paths: list[str]) -> list[dict[str, Any]]:
+        from ..accounts import acl
+
+        grants = []
+        for p in paths:
+            grants.append({"path": p, "prior": acl.prior_acl(p)})
+            acl.grant(cmds, account["group"], account["gid"], p, "rw")
+        return grants
+
+    def firewall(self, state: SessionState) -> dict[str, Any]:
+        """The egress rule before the agent exists. Namespaced modes need none on the host: the cell's
+        own network namespace (none, loopback) or its proxy (made with the cell) is the rule."""
+        self._inject("firewall", InjectedFault)
+        policy = state["policy"]
+        table = None
+        if policy["network"] == "host-firewall":
+            from ..network import firewall, nflog
+
+            rules = [r for e in policy["egress"] if e.startswith("egress:") for r in firewall.parse_egress(e[7:])]
+            log = nflog.open_group()
+            try:
+                fw = firewall.HostFirewall.create(state["cell_id"], policy["identity"]["uid"], rules,
+                                                  "loopback" in policy["egress"], log.group)
+            except BaseException:
+                log.close()
+                raise
+            self.rt.firewalls[state["session_id"]] = (fw, log)
+            table = fw.table
+        self._audit(state, "firewall", "session.firewall", network=policy["network"], rule=policy["firewall_rule"],
+                    table=table, egress=list(policy["egress"]))
+        return {"firewall_table": table}
+
+    def spawn(self, state: SessionState) -> dict[str, Any]:
+        from ..policy.models import SandboxPolicy
+        from . import spawn
+
+        self._inject("spawn", SpawnCrash)
+        sid = state["session_id"]
+        policy = SandboxPolicy.model_validate(state["policy"])
+        spec = policy.to_cell_spec()
+        env = tuple((k, self.rt.secrets.get(k, "") if v == SECRET_PLACEHOLDER else v) for k, v in spec.env)
+        spec = spec.replace(env=env)
+        sources = []
+        if sid in self.rt.firewalls:
+            sources.append(self.rt.firewalls[sid][1].events)
+        try:
+            cell = spawn.start(spec, list(state["argv"]), stdio=self.rt.stdio, sources=sources)
+        except (OSError, AgentcellError) as e:
+            raise SpawnCrash("spawn", _line(e)) from None
+        pid1 = cell.pid1
+        if not pid1:  # the cell died before its PID 1 reported: a launch step failed
+            result = cell.wait()
+            raise SpawnCrash("spawn", str(result.get("error") or f"the cell ended at once ({result})"))
+        self.rt.cells[sid] = cell
+        now = time.time()
+        self._audit(state, "spawn", "session.spawn", cell_id=cell.cell_id, pid1=pid1, argv0=state["argv"][0],
+                    uid=policy.identity.uid)
+        return {"harness_pid": pid1, "cell_id": cell.cell_id, "started_at": now,
+                "deadline": now + policy.wall_clock_limit_s}
+
+    # ---- monitor ⟲ → terminate → cleanup → audit ---------------------------------------------------
+
+    def monitor(self, state: SessionState) -> dict[str, Any]:
+        """One watch of up to ``tick_s``: the first escape, the cell's end, the wall clock, a stop."""
+        from ..monitor.monitor import ESCAPES
+
+        sid = state["session_id"]
+        self._inject("telemetry", TelemetryLost)
+        cell = self.rt.cells.get(sid)
+        if cell is None:
+            raise TelemetryLost("monitor", "the supervisor holds no handle on the cell")
+        until = min(time.monotonic() + self.rt.tick_s, time.monotonic() + max(0.0, state["deadline"] - time.time()))
+        while True:
+            escape = next((e for e in cell.events() if e.operation in ESCAPES), None)
+            result = cell.poll()
+            if escape is not None:
+                ev = self._escape(state, escape.operation, escape.target, escape.reason, source=escape.source,
+                                  pid=escape.pid, exe=escape.exe, ts=escape.ts)
+                self._audit(state, "monitor", "session.escape", **{k: v for k, v in ev.items() if k != "session_id"})
+                return {"status": "terminated", "reason": f"escape: {escape.line()}", "escape": ev}
+            if result is not None:
+                self._audit(state, "monitor", "session.exit", exit_status=result["exit_status"],
+                            signal=result["signal"])
+                return {"status": "completed", "reason": f"exit {result['exit_status']}", "result": result}
+            if sid in self.rt.stop_requested:
+                why = self.rt.stop_requested[sid]
+                self._audit(state, "monitor", "session.stop", reason=why)
+                return {"status": "terminated", "reason": f"stopped: {why}"}
+            if time.time() >= state["deadline"]:
+                self._audit(state, "monitor", "session.timeout",
+                            wall_clock_limit_s=state["policy"]["wall_clock_limit_s"])
+                return {"status": "completed", "reason": "timeout"}
+            if time.monotonic() >= until:
+                break
+            time.sleep(0.05)
+        if self.rt.status_line:
+            self._status_line(state, cell)
+        return {}
+
+    def _status_line(self, state: SessionState, cell: Any) -> None:
+        import sys
+
+        s = cell.stats()
+        mem = f"{s['memory_bytes'] / 2**20:.0f} MiB" if s.get("memory_bytes") is not None else "-"
+        cpu = f"{s['cpu_s']:.1f} s" if s.get("cpu_s") is not None else "-"
+        sys.stderr.write(f"\r\033[Ksession {state['session_id']}: {time.time() - state['started_at']:.0f} s, "
+                         f"cpu {cpu}, memory {mem}, events {len(cell.events())}")
+        sys.stderr.flush()
+
+    def terminate(self, state: SessionState) -> dict[str, Any]:
+        """End the cell (freeze, then kill) whatever brought us here, and collect its result."""
+        sid = state["session_id"]
+        cell = self.rt.cells.pop(sid, None)
+        update: dict[str, Any] = {}
+        if state.get("status") not in FINAL:
+            update["status"] = "terminated"
+        if self.rt.status_line:
+            import sys
+
+            sys.stderr.write("\r\033[K")
+        result = state.get("result")
+        if cell is not None:
+            if cell.poll() is None:
+                cell.terminate(state.get("reason") or "terminated")
+            result = cell.wait()
+        elif state.get("cell_id"):
+            _kill_cell(state["cell_id"])
+        if result is not None:
+            update["result"] = {k: v for k, v in result.items() if k != "events"}
+            update["events"] = list(result.get("events", []))[:MAX_EVENTS]
+        update.update(self._audit_quietly(state, "terminate", "session.terminate",
+                                          status=update.get("status", state.get("status")),
+                                          reason=state.get("reason"),
+                                          exit_status=(result or {}).get("exit_status"),
+                                          events=len(update.get("events", []))))
+        return update
+
+    def cleanup(self, state: SessionState) -> dict[str, Any]:
+        """Undo everything made for the session: firewall table, ACL grants, the per-session account.
+        Works from the state alone; each problem is reported, none stops the rest."""
+        from ..accounts import acl, ephemeral
+        from ..accounts.commands import Commands
+
+        cmds = Commands()
+        sid = state["session_id"]
+        problems: list[str] = []
+        fw = self.rt.firewalls.pop(sid, None)
+        try:
+            if fw is not None:
+                fw[0].remove()
+                fw[1].close()
+            elif table := state.get("firewall_table"):
+                from ..network import firewall
+
+                firewall.HostFirewall(table, os.path.join(firewall.RECORDS, table)).remove()
+        except OSError as e:
+            problems.append(f"firewall: {e}")
+        account = state.get("account")
+        if account is None and os.geteuid() == 0 and not (state.get("config") or {}).get("agent"):
+            account = _ephemeral_left(sid)  # made, but the node did not get to record it (a crash)
+        if account is not None and account.get("kind") in ("ephemeral", "agent"):
+            grants = state.get("grants")
+            if grants is None:  # crashed while granting: revoke wherever the plan asked
+                grants = [{"path": p, "prior": []} for p in (state.get("policy") or {}).get("rw_paths", [])]
+            for g in grants:
+                try:
+                    problems += acl.revoke(cmds, account["uid"], account["gid"], g["path"], g["prior"])
+                except (OSError, AgentcellError) as e:
+                    problems.append(f"revoke {g['path']}: {_line(e)}")
+            human = state.get("human")
+            give_to = (human[0], human[1]) if human else None
+            paths = [g["path"] for g in grants]
+            try:
+                if account["kind"] == "ephemeral":
+                    ephemeral.delete(ephemeral.Account(account["name"], account["uid"], account["gid"], sid), cmds,
+                                     paths=paths, give_to=give_to or (0, 0))
+                elif give_to is not None:
+                    for p in paths:
+                        problems += acl.reassign(cmds, account["uid"], account["gid"], give_to[0], give_to[1], p)
+            except (OSError, AgentcellError) as e:
+                problems.append(_line(e))
+        if state.get("cell_id"):
+            problems += _remove_cgroup(state["cell_id"])
+        update: dict[str, Any] = {"problems": problems}
+        update.update(self._audit_quietly(state, "cleanup", "session.cleanup", problems=problems,
+                                          account=(account or {}).get("name")))
+        return update
+
+    def audit(self, state: SessionState) -> dict[str, Any]:
+        """The session's last record: how it ended, and what it tried beyond its policy."""
+        escape = state.get("escape")
+        update: dict[str, Any] = {"finished": True, "ended_at": time.time()}
+        update.update(self._audit_quietly(state, "audit", "session.end", status=state.get("status"),
+                                          reason=state.get("reason"), escape=escape,
+                                          backup_id=state.get("backup_id"),
+                                          exit_status=(state.get("result") or {}).get("exit_status"),
+                                          problems=state.get("problems", [])))
+        return update
+
+
+# ---- teardown from the state alone (the supervisor may be gone) ------------------------------------
+
+def _kill_cell(cell_id: str) -> None:
+    """Kill every process of a cell whose handle is gone, through its cgroup."""
+    from ..cell import cgroups
+
+    d = os.path.join(cgroups.ROOT, cgroups.PARENT, cell_id)
+    for name, value in (("cgroup.freeze", "1"), ("cgroup.kill", "1")):
+        try:
+            with open(os.path.join(d, name), "w") as f:
+                f.write(value)
+        except OSError:
+            pass
+    for _ in range(200):
+        try:
+            with open(os.path.join(d, "cgroup.procs")) as f:
+                if not f.read().strip():
+                    return
+        except OSError:
+            return
+        time.sleep(0.01)
+
+
+def _remove_cgroup(cell_id: str) -> list[str]:
+    from ..cell import cgroups
+
+    d = os.path.join(cgroups.ROOT, cgroups.PARENT, cell_id)
+    try:
+        if stat.S_ISDIR(os.lstat(d).st_mode):
+            _kill_cell(cell_id)
+            os.rmdir(d)
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        return [f"cgroup {d}: {e.strerror}"]
+    try:
+        os.unlink(os.path.join(cgroups.RECORDS, cell_id))
+    except OSError:
+        pass
+    return []
+
+
+def _ephemeral_left(session_id: str) -> dict[str, Any] | None:
+    from ..accounts import ephemeral
+
+    for a in ephemeral.leftovers():
+        if a.session_id == session_id:
+            return {"kind": "ephemeral", "name": a.name, "uid": a.uid, "gid": a.gid, "group": a.name}
+    return None
