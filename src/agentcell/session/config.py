@@ -37,6 +37,9 @@ ENV_NAMES = ("AGENT_HARNESS", "PROJECT_ROOT", "DECLARED_PATHS", "AGENT_OS_USER",
 TOML_KEYS = ("harness", "declared_paths", "agent", "backup_dir", "audit_log_path", "wall_clock_limit_s",
              "firewall_enabled", "network")
 NETWORKS = ("none", "loopback", "proxy", "host-firewall")
+FLAGS = {"harness": "--harness", "project_root": "--project", "declared_paths": "--rw", "agent": "--agent",
+         "backup_dir": "--backup-dir", "audit_log_path": "--audit-log", "wall_clock_limit_s": "--wall-clock",
+         "firewall_enabled": "--firewall", "network": "--net"}
 DEFAULT_WALL_CLOCK_S = 3600
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
 
@@ -196,7 +199,7 @@ def load(flags: Mapping[str, Any], *, environ: Mapping[str, str] | None = None, 
     def pick(key: str, env: str | None) -> tuple[object, str] | None:
         flag_value = flags.get(key)
         if flag_value not in (None, [], ()):
-            return flag_value, f"--{key.replace('_', '-')}"
+            return flag_value, FLAGS[key]
         if env is not None and env_view.get(env, "") != "":
             return env_view[env], env_where(env)
         if key in toml:
