@@ -244,6 +244,17 @@ class CellCgroup:
         text = _read(f"{acct}/cpuacct.usage").strip() if acct else ""
         return int(text) / 1e9 if text.isdigit() else 0.0
 
+    def memory_current(self) -> int:
+        """Bytes of memory the cell uses now (0 where the tree has no memory controller)."""
+        if self.kind == "v2":
+            path = f"{self.dirs['unified']}/memory.current"
+        elif "memory" in self.dirs:
+            path = f"{self.dirs['memory']}/memory.usage_in_bytes"
+        else:
+            return 0
+        text = _read(path).strip()
+        return int(text) if text.isdigit() else 0
+
     def remove(self) -> None:
         """Remove the cell's groups (empty by now: PID 1 has killed and reaped everything)."""
         for d in self.created:

@@ -17,7 +17,7 @@ import stat
 import time
 
 from ..errors import EXIT_CANNOT_EXEC, EXIT_NOT_FOUND, EXIT_SETUP, EXIT_TIMEOUT, LaunchError, PolicyError
-from . import cgroups, handoff, identity, landlock, mounts, namespaces, pid1, seccomp, terminal
+from . import canary, cgroups, handoff, identity, landlock, mounts, namespaces, pid1, seccomp, terminal
 from . import syscalls as sc
 from .spec import TYPE_CHECKING, CellSpec, new_cell_id
 
@@ -64,6 +64,8 @@ class Running:
         self.pid1 = 0  # host pid of the cell's PID 1, known once C1 reports it
         self.pty_master: int | None = None  # an interactive cell's own pty, for the caller to relay
         self.egress_fd: int | None = None  # network "proxy": the listener for the caller to serve
+        self.canary_fd: int | None = None  # spec.watch: the watch on the canary credentials (monitor)
+        self.seccomp_fd: int | None = None  # spec.watch: the seccomp listener (monitor)
         self._buf = b""
         self._msgs: list[list[str]] = []
         self._eof = False
@@ -204,6 +206,7 @@ class Prepared:
                  cg: cgroups.CellCgroup | None) -> None:
         self.spec, self.c1, self._r, self._ctl, self.cell_id, self.cg = spec, c1, status_r, ctl, cell_id, cg
         self.egress_fd: int | None = None  # the proxy's listening socket, made in the cell's netns
+        self.canary_fd: int | None = None  # spec.watch: the canaries' watch, made by PID 1
 
     def go(self, argv: Sequence[str], *, stdio: Sequence[int] = (0, 1, 2), pass_fds: Sequence[int] = (),
            tty_fds: Sequence[int] = ()) -> Running:
@@ -214,11 +217,13 @@ class Prepared:
         fds = {i: fd for i, fd in enumerate(stdio) if i not in tty_fds}
         fds.update({fd: fd for fd in pass_fds})
         started = time.monotonic()
-        master = None
+        master = listener = None
         try:
             handoff.send(self._ctl, list(argv), fds, tuple(tty_fds))  # type: ignore[arg-type]
             if tty_fds:
                 master = handoff.recv_fd(self._ctl)  # type: ignore[arg-type]
+            if self.spec.watch:  # the command process loads its filter, then hands out the listener
+                listener = handoff.recv_fd(self._ctl, b"S")  # type: ignore[arg-type]
         except (BrokenPipeError, ConnectionResetError):
             pass  # the cell failed while being prepared; its status pipe says where (see wait())
         finally:
@@ -226,14 +231,17 @@ class Prepared:
         running = Running(self.spec, self.c1, self._r, started, self.cell_id, self.cg)
         running.pty_master = master
         running.egress_fd, self.egress_fd = self.egress_fd, None
+        running.canary_fd, self.canary_fd = self.canary_fd, None
+        running.seccomp_fd = listener
         return running
 
     def discard(self) -> None:
         """Throw away a cell that never got a command: with its channel closed, its command process
         exits without exec'ing anything, and PID 1 tears the cell down."""
         self._ctl.close()  # type: ignore[attr-defined]
-        if self.egress_fd is not None:
-            os.close(self.egress_fd)
+        for fd in (self.egress_fd, self.canary_fd):
+            if fd is not None:
+                os.close(fd)
         os.close(self._r)
         _waitpid_eintr(self.c1)
         if self.cg is not None:
@@ -246,7 +254,7 @@ def prepare(spec: CellSpec) -> Prepared:
     # 1. Resolve every path once without following symlinks and record its identity (dev, ino); the
     #    child re-opens each in its mount namespace the same way and refuses one that changed.
     plan = mounts.plan(spec)
-    seccomp.program()  # compiled (or read from root's cache) here, once, not in every cell
+    seccomp.program(spec.watch)  # compiled (or read from root's cache) here, once, not in every cell
     # 2. The cell's own cgroup (limits; freeze and kill as a whole). Root only: unprivileged users
     #    have no delegated cgroup on hybrid hosts (doctor says so). 3. Network links: the egress layer.
     if os.geteuid() == 0:
@@ -270,6 +278,8 @@ def prepare(spec: CellSpec) -> Prepared:
     prepared = Prepared(spec, c1, r, ours, cell_id, cg)
     if spec.network == "proxy":  # None if the cell failed first: its status pipe says why
         prepared.egress_fd = handoff.recv_fd(ours, b"L")
+    if canary.planned(spec):  # None if the cell failed first
+        prepared.canary_fd = handoff.recv_fd(ours, b"C")
     return prepared
 
 
@@ -365,6 +375,8 @@ def _cell(spec: CellSpec, plan: mounts.MountPlan, w: int, ctl: object, outer_uid
     if spec.network == "proxy":
         _step("network", namespaces.proxy_listener, ctl)
     _step("hostname", namespaces.set_hostname, spec.hostname)
+    # Under the monitor: decoy credentials in the cell's home, watched before the command exists.
+    _step("canaries", canary.plant_and_watch, spec, ctl)
     # PID 1 keeps none of the supervisor's stdio (it would hold a terminal or a pipe open).
     null = os.open("/dev/null", os.O_RDWR)
     for fd in (0, 1, 2):
@@ -387,7 +399,7 @@ def _command(spec: CellSpec, ctl: object, w: int) -> NoReturn:
     # 8. Landlock, first half: the ruleset (the mount tree again, as kernel rules), built now so a
     #    prepared cell has it ready; enforced just before exec.
     rules = landlock.prepare(spec)
-    filter_program = seccomp.program()  # compiled by the supervisor before the fork: bytes in memory
+    filter_program = seccomp.program(spec.watch)  # compiled by the supervisor before the fork: in memory
     # The command arrives now: at once from `agentcell run`, later for a warm cell. A cell discarded
     # unused ends here.
     cmd = handoff.recv(ctl)  # type: ignore[arg-type]
@@ -410,12 +422,16 @@ def _command(spec: CellSpec, ctl: object, w: int) -> NoReturn:
         rules.enforce()
     keep = set(cmd.fds) | set(cmd.tty_fds)
     terminal.refuse_foreign(keep)
+    env = spec.environ()
+    # 9. seccomp, last: from here on this process only closes fds and execs. Under the monitor the
+    #    filter's listener goes to the supervisor (which must have it before any call is notified).
+    listener = seccomp.load(filter_program, listen=spec.watch)
+    if listener is not None:
+        handoff.send_fd(ctl, listener, b"S")  # type: ignore[arg-type]
+        os.close(listener)
     sc.close_fds_except(keep | {w})  # w is close-on-exec: it reports a failed exec, then vanishes
     for fd in keep:
         os.set_inheritable(fd, True)
-    env = spec.environ()
-    # 9. seccomp, last: from here on this process only execs.
-    seccomp.load(filter_program)
     argv = cmd.argv
     try:
         _execvpe(argv, env)

@@ -7,6 +7,16 @@ the terminal ioctls that type into a terminal (TIOCSTI, TIOCLINUX). Denied calls
 (clone3 with ENOSYS: its flags live in memory and cannot be inspected, and libc then falls back to
 clone); a call from a foreign architecture (i386, x32) kills the process.
 
+Under the escape monitor (``spec.watch``) the calls that can only be an attempt to leave the cell
+(``ESCAPE_CALLS``, namespace flags to clone, the terminal-typing ioctls, AF_VSOCK) are not failed by
+the kernel but handed to the supervisor (``SECCOMP_RET_USER_NOTIF``), which reports who tried what and
+answers EPERM (see ``agentcell.monitor.seccompwatch``). Why notification and not the audit log: an
+EPERM the filter asks to log (``SECCOMP_FILTER_FLAG_LOG``) reaches audit only from a syscall with an
+audit context, which needs audit rules on every syscall of the host; a notification costs ~40 µs on
+the denied call alone, names the process, and works rootless. Calls ordinary software makes and
+copes with (io_uring, keyrings, perf, clone3, personality) keep their plain errno: no false alarm. If
+the supervisor is gone, the kernel fails a notified call with ENOSYS: still refused.
+
 The filter is compiled with libseccomp (the pyseccomp binding) to a classic BPF program. Importing
 and compiling cost ~30 ms, so the program is cached: in-process, and for root in a root-only file
 under /var/lib/agentcell (a cell never sees /var). The launch itself only loads bytes.
@@ -30,6 +40,14 @@ EPERM_CALLS = (
     "move_mount", "open_tree", "mount_setattr", "swapon", "swapoff", "reboot", "acct", "quotactl",
     "lookup_dcookie", "vhangup", "syslog",
 )
+# Refused under the monitor by notification (the rest of EPERM_CALLS: EPERM in every cell).
+ESCAPE_CALLS = (
+    "ptrace", "process_vm_readv", "process_vm_writev", "mount", "umount2", "pivot_root", "chroot", "unshare",
+    "setns", "bpf", "init_module", "finit_module", "delete_module", "kexec_load", "kexec_file_load",
+    "open_by_handle_at", "fsopen", "fsconfig", "fsmount", "fspick", "move_mount", "open_tree", "mount_setattr",
+    "swapon", "swapoff", "reboot", "acct",
+)
+AF_VSOCK = 40
 NAMESPACE_FLAGS = (0x00020000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x20000000, 0x40000000,
                    0x00000080)  # CLONE_NEWNS, NEWCGROUP, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET, NEWTIME
 TIOCSTI, TIOCLINUX = 0x5412, 0x541C
@@ -47,10 +65,12 @@ EPERM_NUMBERS_X86_64 = (457, 458, 459, 460, 461, 467)
 # firewall sees them): a covert channel out of a host-firewall cell. (level, optname) pairs.
 MULTICAST_JOINS = ((0, 35), (0, 39), (0, 42), (0, 46), (41, 20), (41, 42), (41, 46))
 CACHE_DIR = "/var/lib/agentcell/seccomp"
-VERSION = 4  # bump when the rules change: it is part of the cache key
+VERSION = 5  # bump when the rules change: it is part of the cache key
 
 PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 22, 2
-_program: bytes | None = None
+SYS_SECCOMP = {"x86_64": 317, "aarch64": 277}
+SECCOMP_SET_MODE_FILTER, SECCOMP_FILTER_FLAG_NEW_LISTENER = 1, 8
+_programs: dict[bool, bytes] = {}
 
 
 def describe() -> list[str]:
@@ -63,7 +83,7 @@ def describe() -> list[str]:
             "KILL: any syscall from a foreign architecture (i386, x32)"]
 
 
-def _compile() -> bytes:
+def _compile(notify: bool) -> bytes:
     import tempfile
 
     import pyseccomp as sc
@@ -71,16 +91,17 @@ def _compile() -> bytes:
     f = sc.SyscallFilter(sc.ALLOW)
     f.set_attr(sc.Attr.ACT_BADARCH, sc.KILL_PROCESS)
     deny = sc.ERRNO(errno.EPERM)
+    escape = sc.NOTIFY if notify else deny
     for name in EPERM_CALLS:
         try:
-            f.add_rule(deny, name)
+            f.add_rule(escape if name in ESCAPE_CALLS else deny, name)
         except (RuntimeError, ValueError, OSError):
             continue  # not a syscall on this architecture
     for flag in NAMESPACE_FLAGS:
-        f.add_rule(deny, "clone", sc.Arg(0, sc.MASKED_EQ, flag, flag))
+        f.add_rule(escape, "clone", sc.Arg(0, sc.MASKED_EQ, flag, flag))
     f.add_rule(sc.ERRNO(errno.ENOSYS), "clone3")
     for request in (TIOCSTI, TIOCLINUX):
-        f.add_rule(deny, "ioctl", sc.Arg(1, sc.MASKED_EQ, 0xFFFFFFFF, request))
+        f.add_rule(escape, "ioctl", sc.Arg(1, sc.MASKED_EQ, 0xFFFFFFFF, request))
     for flag in WEAKENING_PERSONALITIES:
         f.add_rule(deny, "personality", sc.Arg(0, sc.MASKED_EQ, flag, flag))
     no_family = sc.ERRNO(errno.EAFNOSUPPORT)
@@ -88,7 +109,7 @@ def _compile() -> bytes:
         f.add_rule(no_family, call, sc.Arg(0, sc.GT, max(ALLOWED_FAMILIES)))  # also any high bits
         for family in range(max(ALLOWED_FAMILIES)):
             if family not in ALLOWED_FAMILIES:
-                f.add_rule(no_family, call, sc.Arg(0, sc.EQ, family))
+                f.add_rule(escape if notify and family == AF_VSOCK else no_family, call, sc.Arg(0, sc.EQ, family))
     for level, optname in MULTICAST_JOINS:
         f.add_rule(deny, "setsockopt", sc.Arg(1, sc.EQ, level), sc.Arg(2, sc.EQ, optname))
     if os.uname().machine == "x86_64":
@@ -100,11 +121,11 @@ def _compile() -> bytes:
         return out.read()
 
 
-def _key() -> str:
+def _key(notify: bool) -> str:
     lib = ctypes.CDLL("libseccomp.so.2")
     lib.seccomp_version.restype = ctypes.POINTER(ctypes.c_uint * 3)
     ver = tuple(lib.seccomp_version().contents)
-    text = repr((VERSION, EPERM_CALLS, NAMESPACE_FLAGS, WEAKENING_PERSONALITIES, ALLOWED_FAMILIES,
+    text = repr((VERSION, notify, EPERM_CALLS, ESCAPE_CALLS, NAMESPACE_FLAGS, WEAKENING_PERSONALITIES, ALLOWED_FAMILIES,
                  EPERM_NUMBERS_X86_64, MULTICAST_JOINS, ver, os.uname().machine))
     return f"v{VERSION}-{binascii.crc32(text.encode()):08x}"  # a key, not a defence: the dir is root's
 
@@ -139,38 +160,59 @@ def _store(path: str, prog: bytes) -> None:
     os.replace(tmp, path)
 
 
-def program() -> bytes:
-    """The compiled filter: from memory, from root's cache, or compiled now (and cached for root)."""
-    global _program
-    if _program is not None:
-        return _program
+def program(notify: bool = False) -> bytes:
+    """The compiled filter: from memory, from root's cache, or compiled now (and cached for root).
+    ``notify``: escape calls go to the supervisor (the monitor's variant)."""
+    prog = _programs.get(notify)
+    if prog is None:
+        prog = _programs[notify] = _load_or_compile(notify)
+    return prog
+
+
+def _load_or_compile(notify: bool) -> bytes:
+    prog: bytes | None = None
     try:
-        path = os.path.join(CACHE_DIR, _key() + ".bpf")
+        path = os.path.join(CACHE_DIR, _key(notify) + ".bpf")
     except OSError as e:
         raise LaunchError("seccomp", f"libseccomp is missing ({e})", "apt-get install libseccomp2") from None
     if os.geteuid() == 0:
         try:
             if _trusted_root_file(path):
                 with open(path, "rb") as f:
-                    _program = f.read()
+                    prog = f.read()
         except OSError:
             pass
-    if _program is None:
+    if prog is None:
         try:
-            _program = _compile()
+            prog = _compile(notify)
         except ImportError:
             raise LaunchError("seccomp", "the pyseccomp binding is missing", "pip install pyseccomp") from None
         if os.geteuid() == 0:
-            _store(path, _program)
-    if not _program or len(_program) % 8:
+            _store(path, prog)
+    if not prog or len(prog) % 8:
         raise LaunchError("seccomp", "the compiled filter is malformed")
-    return _program
+    return prog
 
 
-def load(prog: bytes) -> None:
-    """Install the filter on the calling process (no_new_privs is already set); it survives exec."""
+def load(prog: bytes, *, listen: bool = False) -> int | None:
+    """Install the filter on the calling process (no_new_privs is already set); it survives exec.
+    ``listen``: the notify variant; returns its listener fd (for the supervisor)."""
     buf = ctypes.create_string_buffer(prog, len(prog))
     fprog = struct.pack("HxxxxxxQ", len(prog) // 8, ctypes.addressof(buf))
     libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.c_char_p(fprog), 0, 0) != 0:
-        raise LaunchError("seccomp", f"loading the filter: {os.strerror(ctypes.get_errno())}")
+    if not listen:
+        if libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.c_char_p(fprog), 0, 0) != 0:
+            raise LaunchError("seccomp", f"loading the filter: {os.strerror(ctypes.get_errno())}")
+        return None
+    nr = SYS_SECCOMP.get(os.uname().machine)
+    if nr is None:
+        raise LaunchError("seccomp", f"no seccomp syscall number known for {os.uname().machine}",
+                          "run without --monitor")
+    fd = libc.syscall(ctypes.c_long(nr), ctypes.c_long(SECCOMP_SET_MODE_FILTER),
+                      ctypes.c_long(SECCOMP_FILTER_FLAG_NEW_LISTENER), ctypes.c_char_p(fprog))
+    if fd < 0:
+        err = ctypes.get_errno()
+        hint = ("an outer seccomp filter already has a listener (a monitored cell inside another)"
+                if err == errno.EBUSY else "")
+        raise LaunchError("seccomp", f"loading the filter with a listener: {os.strerror(err)}", hint)
+    return int(fd)

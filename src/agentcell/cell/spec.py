@@ -105,7 +105,7 @@ class CellSpec(_Frozen):
 
     __slots__ = ("identity", "rw_paths", "ro_paths", "masked_paths", "system_paths", "scratch_dir", "home_dir",
                  "network", "env", "cwd", "hostname", "landlock", "landlock_min_abi", "memory_max", "cpu_percent",
-                 "pids_max", "allow_write", "egress", "cell_id")
+                 "pids_max", "allow_write", "egress", "watch", "cell_id")
     identity: Identity
     rw_paths: tuple[str, ...]
     ro_paths: tuple[str, ...]
@@ -124,6 +124,9 @@ class CellSpec(_Frozen):
     pids_max: int | None  # tasks; None: the default (4096)
     allow_write: tuple[str, ...]  # protected paths (cell/protect.py) the policy lets the command write
     egress: tuple[str, ...]  # "proxy": its rules (agentcell.network.rules); "host-firewall": its (network.firewall)
+    # Under the escape monitor: canary credentials in the home, and seccomp refusals of escape calls
+    # reported to the supervisor (a listener it must serve: only a monitor launches such a cell).
+    watch: bool
     cell_id: str  # a label for reports; two specs that differ only here launch identical cells
 
     def __init__(self, identity: Identity, *, rw_paths: tuple[str, ...] = (), ro_paths: tuple[str, ...] = (),
@@ -132,13 +135,13 @@ class CellSpec(_Frozen):
                  env: tuple[tuple[str, str], ...] = (), cwd: str | None = None, hostname: str = CELL_HOSTNAME,
                  landlock: LandlockMode = "required", landlock_min_abi: int = 1, memory_max: int | None = None,
                  cpu_percent: int | None = None, pids_max: int | None = None, allow_write: tuple[str, ...] = (),
-                 egress: tuple[str, ...] = (), cell_id: str = "") -> None:
+                 egress: tuple[str, ...] = (), watch: bool = False, cell_id: str = "") -> None:
         self._init(identity=identity, rw_paths=tuple(rw_paths), ro_paths=tuple(ro_paths),
                    masked_paths=tuple(masked_paths), system_paths=tuple(system_paths), scratch_dir=scratch_dir,
                    home_dir=home_dir, network=network, env=tuple((str(k), str(v)) for k, v in env), cwd=cwd,
                    hostname=hostname, landlock=landlock, landlock_min_abi=landlock_min_abi, memory_max=memory_max,
                    cpu_percent=cpu_percent, pids_max=pids_max, allow_write=tuple(allow_write), egress=tuple(egress),
-                   cell_id=cell_id)
+                   watch=bool(watch), cell_id=cell_id)
 
     def _key(self) -> tuple[object, ...]:
         return tuple(getattr(self, k) for k in self.__slots__ if k != "cell_id")

@@ -196,6 +196,9 @@ class Server:
             if spec.network in ("proxy", "host-firewall"):  # no proxy or firewall table is made here
                 raise AgentcellError("network", f"a {spec.network} cell is served by 'agentcell run' (the Python "
                                      "API gets it with the session layer)", f"use agentcell run --net {spec.network}")
+            if spec.watch:  # its seccomp listener and canary watch are for a monitor, which lives with its caller
+                raise AgentcellError("watch", "a watched cell is served with its monitor (agentcell.supervise)",
+                                     "use agentcell.supervise.Supervised.start, or agentcell run --monitor")
             argv = [str(a) for a in msg["argv"]]
             self.cells[key] = self.warm.take(spec).go(argv, stdio=fds)
             self._reply(conn, {"id": rid, "event": "started", "cell_id": self.cells[key].cell_id})

@@ -62,10 +62,10 @@ OPTIONS: tuple[tuple[str, str, str, str, str], ...] = (
     ("--limits", "limits", "value", "PROFILE", "ops1: OPS-1's 2G memory, 50%% CPU, 64 tasks (flags above win)"),
     ("--landlock", "landlock", "value", "MODE", "required (default: refuse to run without Landlock) or best-effort"),
     ("--no-warm", "no_warm", "flag", "", "build the cell here even if a warm launcher runs (agentcell warm)"),
-    ("--monitor", "monitor", "flag", "", "watch the cell for escape attempts (Landlock denials, resource events) "
-     "and report them, attributed"),
+    ("--monitor", "monitor", "flag", "", "watch the cell for escape attempts (Landlock and seccomp refusals, "
+     "canary credentials, privilege tools, egress refusals, resource events) and report them, attributed"),
     ("--on-escape", "on_escape", "value", "VERDICT", "with --monitor: terminate (default: freeze, record, kill "
-     "the cell at the first attempt) or record"),
+     "the cell at the first attempt) or record; per class: terminate,network=record"),
 )
 NET_MODES = ("none", "loopback", "proxy", "host-firewall")
 LANDLOCK_MODES = ("required", "best-effort")
@@ -159,8 +159,6 @@ def fast_parse(argv: list[str]) -> Args | None:
         ns.landlock = "required"
     if ns.net not in NET_MODES or ns.landlock not in LANDLOCK_MODES or (ns.scratch and ns.tmpfs_scratch):
         return None
-    if ns.on_escape not in (None, "terminate", "record"):
-        return None
     return ns
 
 
@@ -190,8 +188,6 @@ def parser() -> Parser:
             target.add_argument(flag, dest=dest, choices=NET_MODES, default="none", help=help_)
         elif dest == "landlock":
             target.add_argument(flag, dest=dest, choices=LANDLOCK_MODES, default="required", help=help_)
-        elif dest == "on_escape":
-            target.add_argument(flag, dest=dest, choices=("terminate", "record"), default=None, help=help_)
         else:
             target.add_argument(flag, dest=dest, metavar=metavar, help=help_,
                                 type=float if dest == "timeout" else str)
@@ -210,6 +206,12 @@ def parse(argv: list[str]) -> Args | Namespace:
 
 
 def build_spec(ns: Args | Namespace) -> CellSpec:
+    if ns.on_escape is not None:
+        if not ns.monitor:
+            raise AgentcellError("--on-escape", "says what the monitor does", "add --monitor")
+        from ..monitor.monitor import parse_verdicts
+
+        parse_verdicts(ns.on_escape)  # a bad verdict is refused before anything is made
     ident = rs.resolve_identity(ns.as_)
     if ns.net == "host-firewall" and ident.userns:
         raise AgentcellError("--net", "host-firewall rules key on an account's uid, and a rootless cell has none of "
@@ -263,6 +265,7 @@ def build_spec(ns: Args | Namespace) -> CellSpec:
         # In the host's network the host's abstract unix sockets (X11, D-Bus, ...) are reachable but
         # for Landlock's scope, which needs ABI 6: below it such a cell fails closed.
         landlock_min_abi=6 if ns.net == "host-firewall" else 1,
+        watch=bool(ns.monitor),
         cell_id=new_cell_id(),
     )
 
@@ -399,89 +402,30 @@ def _run_here(spec: CellSpec, command: list[str], timeout: float | None, ttys: t
               interactive: bool, monitor: str | None = None) -> dict[str, Any]:
     """The cold path: build the cell in this process. Where our 0, 1, 2 are terminals the cell gets a
     pty of its own, relayed; stdin only when the run is interactive (else /dev/null)."""
-    from ..cell import launch
+    from ..supervise import Supervised
 
     stdio = [0, 1, 2]
     if 0 in ttys and not interactive:
         stdio[0] = os.open(os.devnull, os.O_RDONLY)
         ttys = tuple(fd for fd in ttys if fd != 0)
-    fw = log = None
-    if spec.network == "host-firewall":  # the table, and the reader of what it rejects, before the agent
-        from ..network import firewall, nflog
-
-        rules = [r for e in spec.egress if e.startswith("egress:") for r in firewall.parse_egress(e[7:])]
-        try:
-            log = nflog.open_group()
-        except OSError as e:
-            raise AgentcellError("--net", f"cannot read the firewall's log: {e.strerror}",
-                                 "see 'agentcell doctor'") from None
-        try:
-            fw = firewall.HostFirewall.create(spec.cell_id, spec.identity.uid, rules, "loopback" in spec.egress,
-                                              log.group)
-        except BaseException:
-            log.close()
-            raise
-    watch = None
-    if monitor is not None:  # its sources open before the command can run: nothing is missed
-        from ..monitor.monitor import Monitor
-
-        watch = Monitor(spec.cell_id, None, monitor, uid=spec.identity.uid)
+    sup = Supervised.start(spec, command, monitor=monitor, stdio=stdio, tty_fds=ttys)
     try:
-        running = launch.start(spec, command, stdio=stdio, tty_fds=ttys)
+        cell = _wait_here(sup.running, timeout, interactive)
     except BaseException:
-        if fw is not None:
-            fw.remove()
-        if log is not None:
-            log.close()
-        if watch is not None:
-            watch.stop()
+        sup.finish(None)
         raise
-    proxy = None
-    if running.egress_fd is not None:
-        from ..network import egress
-
-        proxy = egress.ProxyProcess(running.egress_fd, spec.egress)
-        if running.cg is not None:  # the proxy serves this cell alone: it counts against its ceilings
-            try:
-                running.cg.adopt(proxy.proc.pid)
-            except OSError:
-                pass  # it exited at once: the cell will find no one on its one way out
+    result = sup.finish(cell)
+    watch = sup.monitor
     if watch is not None:
-        watch.cg = running.cg
-        if proxy is not None:
-            watch.add_source(proxy.new_events)
-            watch.trusted.add(proxy.proc.pid)  # it becomes nobody inside the cell's cgroup: not the agent
-        if log is not None:
-            firewall_log = log
-            seen: list[dict[str, Any]] = []
-
-            def firewall_events() -> list[dict[str, Any]]:
-                new = firewall_log.events()
-                seen.extend(new)
-                return new
-            watch.add_source(firewall_events)
-        watch.start()  # a thread: the cell's processes are all forked by now (none is forked from us)
-    try:
-        result = _wait_here(running, timeout, interactive)
-    finally:
-        events = watch.stop() if watch is not None else []
-        blocked = proxy.stop() if proxy is not None else []
-        running.clean_up()  # its cgroup, now that the proxy has left it too
-        if fw is not None:
-            fw.remove()
-        if log is not None:
-            blocked = [*(seen if watch is not None else []), *log.events()]
-            log.close()
-    if spec.network in ("proxy", "host-firewall"):
-        result["egress_blocked"] = blocked
-    if watch is not None:
-        result["events"] = [ev.as_dict() for ev in events]
-        result["terminated_by_monitor"] = watch.terminated
-        for ev in events:
+        off = {k: v for k, v in watch.sources().items() if not v.startswith("on")}
+        if off:
+            sys.stderr.write(f"{PROG}: monitor: not watched: "
+                             f"{'; '.join(f'{k} ({v})' for k, v in sorted(off.items()))}\n")
+        for ev in watch.events:
             sys.stderr.write(f"{PROG}: {'escape' if ev.operation != 'resource' else 'resource'}: {ev.line()}\n")
         if watch.terminated:
-            sys.stderr.write(f"{PROG}: the cell was frozen and killed at the first escape attempt "
-                             "(--on-escape record to only record)\n")
+            sys.stderr.write(f"{PROG}: the cell was {'frozen and ' if watch.frozen_at else ''}killed at the first "
+                             "escape attempt (--on-escape record to only record)\n")
     return result
 
 

@@ -8,12 +8,18 @@ Sources in this version (each yields :class:`CellEvent`):
 * ``telemetry`` — every source reports in; one that fails is itself an event (and, under
   ``terminate``, ends the cell: a monitor that cannot see is no monitor);
 * ``proxy`` / ``nftables`` — the egress layer's refusals (:meth:`Monitor.add_source`), polled;
-* ``exec`` — the proc connector (:mod:`.execwatch`): a privilege tool run in the cell, or a uid change.
+* ``exec`` — the proc connector (:mod:`.execwatch`): a privilege tool run in the cell, or a uid change;
+* ``canary`` — decoy credentials in the cell's home opened (:mod:`.canaries`);
+* ``seccomp`` — an escape call the cell's filter handed to us and we refused (:mod:`.seccompwatch`).
 
-Verdict: ``terminate`` (the default) for read/write/execute/network and telemetry events:
-**freeze the cell's cgroup first** (nothing of it runs on while the event is recorded), record,
-then kill the whole cgroup. ``record`` only records. Resource events are recorded. Duplicates are
-counted, never dropped: the first event always stands.
+Verdicts per class of event (:func:`parse_verdicts`): ``terminate`` (the default for read, write,
+execute, network and telemetry): **freeze the cell's cgroup first** (nothing of it runs on while
+the event is recorded), record, then kill the whole cgroup. ``record`` only records (the default
+for resource events). Duplicates are counted, never dropped: the first event always stands.
+
+Rootless, the kernel's audit stream, the proc connector and cgroup events are out of reach (they
+need root; this host delegates no cgroup): canaries (inotify: the open, not who made it), seccomp
+notification and the proxy's refusals remain, and :meth:`Monitor.sources` says which is which.
 
 The monitor runs in a thread of the supervisor, started after the cell exists (the launcher never
 forks from a process with threads).
@@ -21,15 +27,39 @@ forks from a process with threads).
 from __future__ import annotations
 
 import os
+import queue
 import select
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from ..cell.cgroups import CellCgroup
 
 ESCAPES = ("read", "write", "execute", "network", "telemetry")
+CLASSES = (*ESCAPES, "resource")
+HEARTBEAT_S = 1.0  # a loop that has not come round for this long has stopped: a telemetry event
+
+
+def parse_verdicts(text: str) -> dict[str, str]:
+    """``terminate`` | ``record`` for every escape class, then ``CLASS=VERDICT`` overrides, comma
+    separated: ``terminate,network=record``. Resource events are recorded unless said otherwise."""
+    from ..errors import PolicyError
+
+    out = {c: "terminate" for c in ESCAPES}
+    out["resource"] = "record"
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        cls, eq, verdict = part.rpartition("=") if "=" in part else ("", "", part)
+        if verdict not in ("terminate", "record"):
+            raise PolicyError("--on-escape", f"unknown verdict {verdict!r}", "use terminate or record, e.g. "
+                              "--on-escape terminate,network=record")
+        if not eq:
+            out.update({c: verdict for c in ESCAPES})
+        elif cls in CLASSES:
+            out[cls] = verdict
+        else:
+            raise PolicyError("--on-escape", f"unknown class {cls!r}", f"classes: {', '.join(CLASSES)}")
+    return out
 
 
 class CellEvent:
@@ -77,45 +107,121 @@ def landlock_event(raw: dict[str, Any], cell: str) -> CellEvent:
 
 
 class Monitor:
-    """Watch one running cell. ``on_escape``: terminate | record."""
+    """Watch one running cell. ``on_escape``: terminate | record | ``CLASS=VERDICT,…`` (:func:`parse_verdicts`).
+
+    For Python programs: ``callback`` is called (from the monitor's thread) with every new event, and
+    :meth:`stream` yields them as they come."""
 
     def __init__(self, cell_id: str, cg: CellCgroup | None, on_escape: str = "terminate",
-                 callback: Callable[[CellEvent], None] | None = None, uid: int | None = None) -> None:
-        self.cell_id, self.cg, self.on_escape, self.callback = cell_id, cg, on_escape, callback
+                 callback: Callable[[CellEvent], None] | None = None, uid: int | None = None,
+                 rootless: bool = False) -> None:
+        self.cell_id, self.cg, self.callback = cell_id, cg, callback
+        self.verdicts = parse_verdicts(on_escape)
+        self.on_escape = on_escape
         self.uid = uid  # the cell's account: the launcher's own drop to it is not an event
         self.trusted: set[int] = set()  # agentcell's own processes in the cell's cgroup (its proxy)
         self.events: list[CellEvent] = []
         self.frozen_at: float | None = None
         self.terminated = False
+        self.reason = ""
+        self.heartbeat = time.monotonic()
+        self._queue: queue.Queue[CellEvent | None] = queue.Queue()
+        self._lock = threading.RLock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._domains: set[str] = set()
         self._resources = {"oom_kills": 0, "pids_limit_hits": 0}
         self._sources: list[Callable[[], list[dict[str, Any]]]] = []
+        self._state: dict[str, str] = {}  # source -> "on" | why it is off
         self.audit: Any = None
         self.execs: Any = None
+        self.canaries: Any = None
+        self.seccomp: Any = None
+        self._running: Any = None
+        if rootless:
+            self._state["landlock"] = "off: the audit stream needs root (CAP_AUDIT_CONTROL, CAP_AUDIT_READ)"
+            self._state["exec"] = "off: the proc connector needs root (CAP_NET_ADMIN in the host's namespace)"
+            self._state["cgroup"] = "off: no cgroup is delegated to unprivileged users here"
+            return
         try:
             from .audit import AuditReader
 
             self.audit = AuditReader()
+            self._state["landlock"] = "on"
         except (OSError, PermissionError) as e:
+            self._state["landlock"] = f"failed: {e}"
             self._event(CellEvent("telemetry", "landlock", f"the audit stream cannot be read ({e}): Landlock "
                                   "denials are not seen", source="telemetry", cell=cell_id))
         try:
             from .execwatch import ExecWatch
 
             self.execs = ExecWatch()
+            self._state["exec"] = "on"
         except (OSError, PermissionError) as e:
+            self._state["exec"] = f"failed: {e}"
             self._event(CellEvent("telemetry", "exec", f"the proc connector cannot be read ({e}): execs are not "
                                   "seen", source="telemetry", cell=cell_id))
 
     def add_source(self, poll: Callable[[], list[dict[str, Any]]]) -> None:
         """An egress source: ``poll()`` returns the refusals (proxy or firewall events) since its last call."""
         self._sources.append(poll)
+        self._state["egress"] = "on"
+
+    def attach(self, running: Any) -> None:
+        """The launched cell: its cgroup, and the watches it handed out (canaries, seccomp listener)."""
+        from ..cell import canary
+
+        self.cg, self._running = running.cg, running
+        self._state.setdefault("cgroup", "on" if running.cg is not None else "off: the cell has no cgroup")
+        planned = canary.planned(running.spec)
+        if running.canary_fd is not None:
+            from .canaries import CanaryWatch
+
+            self.canaries = CanaryWatch(running.canary_fd, planned, running.spec.identity.home)
+            self._state["canary"] = "on" if self.canaries.kind == "fanotify" else \
+                "on (inotify: the open is seen, not which process made it)"
+        else:
+            self._state["canary"] = ("off: the home is a host directory (--home); no decoys are planted there"
+                                     if running.spec.home_dir else "off: the cell made no canaries")
+        if running.seccomp_fd is not None:
+            from .seccompwatch import SeccompWatch
+
+            self.seccomp = SeccompWatch(running.seccomp_fd)
+            self._state["seccomp"] = "on"
+        else:
+            self._state["seccomp"] = "off: the cell's filter gave no listener"
+
+    def sources(self) -> dict[str, str]:
+        """Each source and whether it is on (or why not)."""
+        return dict(self._state)
 
     def start(self) -> None:
+        self.heartbeat = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="agentcell-monitor", daemon=True)
         self._thread.start()
+
+    def alive(self) -> bool:
+        """The loop is running and came round within the last second. When not, the caller records
+        a telemetry event (:meth:`check`)."""
+        return (self._thread is not None and self._thread.is_alive()
+                and time.monotonic() - self.heartbeat < HEARTBEAT_S)
+
+    def check(self) -> None:
+        """For the supervisor's own loop: a monitor that has stopped seeing is itself an escape event."""
+        if self._thread is not None and not self._stop.is_set() and not self.alive():
+            self._event(CellEvent("telemetry", "monitor", "the monitor's loop stopped reporting",
+                                  source="telemetry", cell=self.cell_id))
+
+    def stream(self, timeout: float | None = None) -> Iterator[CellEvent]:
+        """Events as they come, until the monitor stops (or ``timeout`` seconds pass with none)."""
+        while True:
+            try:
+                ev = self._queue.get(timeout=timeout)
+            except queue.Empty:
+                return
+            if ev is None:
+                return
+            yield ev
 
     def stop(self) -> list[CellEvent]:
         self._stop.set()
@@ -125,14 +231,16 @@ class Monitor:
             self._drain()  # what arrived after the loop's last look
             self._poll_egress()
         except (OSError, ValueError) as e:
-            self._event(CellEvent("telemetry", "landlock", f"the audit stream failed: {e}", source="telemetry",
+            self._event(CellEvent("telemetry", "monitor", f"a source failed: {e}", source="telemetry",
                                   cell=self.cell_id))
-        for source in (self.audit, self.execs):
+        for source in (self.audit, self.execs, self.canaries, self.seccomp):
             if source is not None:
                 try:
                     source.close()
                 except OSError:
                     pass
+        self.audit = self.execs = self.canaries = self.seccomp = None
+        self._queue.put(None)
         return self.events
 
     # ---- the loop --------------------------------------------------------------------------------
@@ -140,7 +248,8 @@ class Monitor:
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
-                watched = [s for s in (self.audit, self.execs) if s is not None]
+                self.heartbeat = time.monotonic()
+                watched = [s for s in (self.audit, self.execs, self.canaries, self.seccomp) if s is not None]
                 if watched:
                     if select.select(watched, [], [], 0.02)[0]:
                         self._drain()
@@ -153,6 +262,23 @@ class Monitor:
                                   cell=self.cell_id))
 
     def _drain(self) -> None:
+        for n in self.seccomp.read() if self.seccomp is not None and _readable(self.seccomp) else []:
+            self._seccomp_event(n)
+        for c in self.canaries.read() if self.canaries is not None else []:
+            if c.get("lost"):
+                self._event(CellEvent("telemetry", "canary", "the kernel dropped canary events", source="telemetry",
+                                      cell=self.cell_id))
+                continue
+            pid = c.get("pid")
+            if pid in self.trusted:
+                self.canaries.answer(c)
+                continue
+            self._event(CellEvent("read", c["path"], "a canary credential was opened (a decoy agentcell planted "
+                                  "in the cell's home: nothing legitimate reads it)", source="canary",
+                                  cell=self.cell_id, pid=pid, exe=c.get("exe", ""),
+                                  allow="nothing: it is a decoy; give real credentials with --ro PATH if a tool "
+                                  "needs them"))
+            self.canaries.answer(c)  # recorded (and, under terminate, frozen): now the open may go on
         for ex in self.execs.read() if self.execs is not None else []:
             self._exec_event(ex)
         if self.audit is None:
@@ -164,6 +290,13 @@ class Monitor:
                 continue
             if self._ours(raw):
                 self._event(landlock_event(raw, self.cell_id))
+
+    def _seccomp_event(self, n: dict[str, Any]) -> None:
+        from .seccompwatch import describe
+
+        op, target, reason = describe(n["call"], n["args"])
+        self._event(CellEvent(op, target, reason, source="seccomp", cell=self.cell_id, pid=n["pid"],
+                              exe=n.get("exe", ""), allow="nothing: a cell never gets this call"))
 
     def _exec_event(self, ex: dict[str, Any]) -> None:
         from .execwatch import PRIVILEGE_TOOLS
@@ -227,23 +360,35 @@ class Monitor:
     # ---- verdicts --------------------------------------------------------------------------------
 
     def _event(self, ev: CellEvent) -> None:
-        for seen in self.events:
-            if seen.key() == ev.key():
-                seen.count += 1  # a duplicate: counted, the first one stands
-                return
-        self.events.append(ev)
-        if ev.operation in ESCAPES and self.on_escape == "terminate" and not self.terminated:
-            self._terminate()
+        with self._lock:
+            for seen in self.events:
+                if seen.key() == ev.key():
+                    seen.count += 1  # a duplicate: counted, the first one stands
+                    return
+            self.events.append(ev)
+            if self.verdicts.get(ev.operation) == "terminate" and not self.terminated:
+                self.terminate(ev.line())
+        self._queue.put(ev)
         if self.callback is not None:
             self.callback(ev)
 
-    def _terminate(self) -> None:
+    def terminate(self, reason: str) -> None:
         """Freeze first (nothing of the cell runs on), then kill the whole cgroup."""
-        self.terminated = True
+        with self._lock:
+            if self.terminated:
+                return
+            self.terminated, self.reason = True, reason
+        killed = False
         if self.cg is not None:
             try:
                 self.cg.freeze()
                 self.frozen_at = time.time()
             except OSError:
                 pass
-            self.cg.kill()
+            killed = self.cg.kill()
+        if not killed and self._running is not None:
+            self._running.forward(9)  # SIGKILL to PID 1: its death ends the cell's PID namespace
+
+
+def _readable(source: Any) -> bool:
+    return bool(select.select([source], [], [], 0)[0])

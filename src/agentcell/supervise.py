@@ -1,0 +1,192 @@
+"""One cell and everything that lives beside it in the supervisor: the host firewall's table and the
+reader of what it rejects, the egress proxy, and the escape monitor.
+
+``agentcell run`` (cold path) and the session workflow both start cells through :class:`Supervised`,
+so the order below is written once:
+
+1. host-firewall: the nftables table and its log reader exist before the agent's first packet;
+2. the monitor's sources are open before the command can run (nothing it does is missed);
+3. the cell is launched; the proxy serves its one way out from inside its cgroup;
+4. the monitor thread starts (a thread only now: the launcher never forks from a threaded process);
+5. at the end, in reverse: monitor, proxy, the cell's cgroup, the table, the log.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from .cell import launch
+from .cell.spec import CellSpec
+from .errors import AgentcellError
+
+if TYPE_CHECKING:
+    from .cell.cgroups import CellCgroup
+    from .monitor.monitor import CellEvent, Monitor
+
+
+class Supervised:
+    """A running cell under supervision. Use :meth:`start`; then :meth:`wait` (or :meth:`poll`), which
+    returns the same result dict as ``agentcell run --json``."""
+
+    def __init__(self, spec: CellSpec, running: launch.Running, monitor: Monitor | None, proxy: Any,
+                 firewall: Any, log: Any) -> None:
+        self.spec, self.running, self.monitor = spec, running, monitor
+        self._proxy, self._fw, self._log = proxy, firewall, log
+        self._blocked: list[dict[str, Any]] = []
+        self._result: dict[str, Any] | None = None
+
+    @property
+    def cell_id(self) -> str:
+        return self.running.cell_id
+
+    @property
+    def pid1(self) -> int:
+        while not self.running.pid1 and not self.running.finished_reading():
+            self.running.poll_messages(0.05)
+        return self.running.pid1
+
+    @property
+    def cg(self) -> CellCgroup | None:
+        return self.running.cg
+
+    @classmethod
+    def start(cls, spec: CellSpec, argv: Sequence[str], *, monitor: str | None = "terminate",
+              callback: Callable[[CellEvent], None] | None = None, stdio: Sequence[int] = (0, 1, 2),
+              tty_fds: Sequence[int] = ()) -> Supervised:
+        """Launch ``argv`` in a cell for ``spec``. ``monitor``: terminate | record | None (no monitor)."""
+        if monitor not in (None, "terminate", "record"):
+            raise AgentcellError("--on-escape", f"unknown verdict {monitor!r}", "use terminate or record")
+        fw = log = None
+        if spec.network == "host-firewall":
+            from .network import firewall, nflog
+
+            rules = [r for e in spec.egress if e.startswith("egress:") for r in firewall.parse_egress(e[7:])]
+            try:
+                log = nflog.open_group()
+            except OSError as e:
+                raise AgentcellError("--net", f"cannot read the firewall's log: {e.strerror}",
+                                     "see 'agentcell doctor'") from None
+            try:
+                fw = firewall.HostFirewall.create(spec.cell_id, spec.identity.uid, rules, "loopback" in spec.egress,
+                                                  log.group)
+            except BaseException:
+                log.close()
+                raise
+        watch = None
+        try:
+            if monitor is not None:
+                from .monitor.monitor import Monitor
+
+                watch = Monitor(spec.cell_id, None, monitor, uid=spec.identity.uid, callback=callback,
+                                rootless=spec.identity.userns)
+                if watch.terminated:  # a source that cannot start, under terminate: the cell never runs
+                    raise AgentcellError("--monitor", f"the monitor cannot see: {watch.reason}",
+                                         "see 'agentcell doctor', or --on-escape record to run without that source")
+                if not spec.watch:
+                    spec = spec.replace(watch=True)  # canaries and seccomp reports: only a monitor serves them
+            running = launch.start(spec, list(argv), stdio=stdio, tty_fds=tty_fds)
+        except BaseException:
+            if watch is not None:
+                watch.stop()
+            if fw is not None:
+                fw.remove()
+            if log is not None:
+                log.close()
+            raise
+        proxy = None
+        if running.egress_fd is not None:
+            from .network import egress
+
+            proxy = egress.ProxyProcess(running.egress_fd, spec.egress)
+            if running.cg is not None:  # the proxy serves this cell alone: it counts against its ceilings
+                try:
+                    running.cg.adopt(proxy.proc.pid)
+                except OSError:
+                    pass  # it exited at once: the cell will find no one on its one way out
+        sup = cls(spec, running, watch, proxy, fw, log)
+        if watch is not None:
+            watch.attach(running)
+            if proxy is not None:
+                watch.add_source(proxy.new_events)
+                watch.trusted.add(proxy.proc.pid)  # it becomes nobody inside the cell's cgroup: not the agent
+            if log is not None:
+                watch.add_source(sup._firewall_events)
+            watch.start()
+        return sup
+
+    def _firewall_events(self) -> list[dict[str, Any]]:
+        new: list[dict[str, Any]] = self._log.events()
+        self._blocked.extend(new)
+        return new
+
+    def events(self) -> list[CellEvent]:
+        return list(self.monitor.events) if self.monitor is not None else []
+
+    def stats(self) -> dict[str, float]:
+        """What the cell has used so far (cgroup accounting; empty without a cgroup)."""
+        cg = self.running.cg
+        if cg is None:
+            return {}
+        out: dict[str, float] = {}
+        try:
+            out["cpu_s"] = cg.cpu_usage_s() or 0.0
+            out["memory_bytes"] = float(cg.memory_current() or 0)
+        except OSError:
+            pass
+        return out
+
+    def terminate(self, reason: str) -> None:
+        """Freeze the whole cell, then kill it (the monitor's own verdict path, for a caller's reason)."""
+        if self.monitor is not None:
+            self.monitor.terminate(reason)
+        else:
+            if self.running.cg is not None:
+                try:
+                    self.running.cg.freeze()
+                except OSError:
+                    pass
+            self.running.kill()
+
+    def poll(self) -> dict[str, Any] | None:
+        """The result once the cell has ended, else None; never blocks."""
+        if self._result is not None:
+            return self._result
+        self.running.poll_messages(0)
+        if self.running.reported() or self.running.finished_reading():
+            return self.wait()
+        return None
+
+    def wait(self, timeout: float | None = None) -> dict[str, Any]:
+        """Wait for the end (``timeout`` seconds from the start: then the cell is killed, exit 124)."""
+        if self._result is not None:
+            return self._result
+        try:
+            r = self.running.wait(timeout, clean_up=False)
+        except BaseException:
+            self.finish(None)
+            raise
+        return self.finish(dict(r.as_dict()))
+
+    def finish(self, result: dict[str, Any] | None) -> dict[str, Any]:
+        """Take down what lives beside the cell, in reverse order, and complete ``result`` (from
+        ``Running.wait``) with the events and refusals. Idempotent."""
+        if self._result is not None:
+            return self._result
+        events = self.monitor.stop() if self.monitor is not None else []
+        blocked = self._proxy.stop() if self._proxy is not None else []
+        self.running.clean_up()  # its cgroup, now that the proxy has left it too
+        if self._fw is not None:
+            self._fw.remove()
+        if self._log is not None:
+            blocked = [*self._blocked, *self._log.events()]
+            self._log.close()
+        out = dict(result or {})
+        if self.spec.network in ("proxy", "host-firewall"):
+            out["egress_blocked"] = blocked
+        if self.monitor is not None:
+            out["events"] = [ev.as_dict() for ev in events]
+            out["terminated_by_monitor"] = self.monitor.terminated
+            out["monitor_sources"] = self.monitor.sources()
+        self._result = out
+        return out
+
