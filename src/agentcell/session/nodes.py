@@ -244,7 +244,10 @@ class Nodes:
 
     def firewall(self, state: SessionState) -> dict[str, Any]:
         """The egress rule before the agent exists. Namespaced modes need none on the host: the cell's
-        own network namespace (none, loopback) or its proxy (made with the cell) is the rule."""
+        own network namespace (none, loopback) or its proxy (made with the cell) is the rule. For
+        host-firewall the table is made here, so that a host that cannot have it fails (retried once,
+        then aborted) before anything runs; spawn hands it over to Supervised, which remakes it with
+        the cell and owns it from then on (it has no way to adopt one made before: see the report)."""
         self._inject("firewall", InjectedFault)
         policy = state["policy"]
         table = None
@@ -275,11 +278,12 @@ class Nodes:
         spec = policy.to_cell_spec()
         env = tuple((k, self.rt.secrets.get(k, "") if v == SECRET_PLACEHOLDER else v) for k, v in spec.env)
         spec = spec.replace(env=env)
-        sources = []
-        if sid in self.rt.firewalls:
-            sources.append(self.rt.firewalls[sid][1].events)
+        made = self.rt.firewalls.pop(sid, None)
+        if made is not None:  # Supervised makes the table again, atomically with the cell, and owns it
+            made[0].remove()
+            made[1].close()
         try:
-            cell = spawn.start(spec, list(state["argv"]), stdio=self.rt.stdio, sources=sources)
+            cell = spawn.start(spec, list(state["argv"]), stdio=self.rt.stdio)
         except (OSError, AgentcellError) as e:
             raise SpawnCrash("spawn", _line(e)) from None
         pid1 = cell.pid1
@@ -336,7 +340,7 @@ class Nodes:
         import sys
 
         s = cell.stats()
-        mem = f"{s['memory_bytes'] / 2**20:.0f} MiB" if s.get("memory_bytes") is not None else "-"
+        mem = f"{s['memory_bytes'] / 2**20:.0f} MiB" if s.get("memory_bytes") else "-"
         cpu = f"{s['cpu_s']:.1f} s" if s.get("cpu_s") is not None else "-"
         sys.stderr.write(f"\r\033[Ksession {state['session_id']}: {time.time() - state['started_at']:.0f} s, "
                          f"cpu {cpu}, memory {mem}, events {len(cell.events())}")

@@ -4,7 +4,7 @@ It runs inside the cell with the system's Python and the standard library only (
 profile hands this file's text to ``python3 -I -S -c``), so nothing of agentcell has to be visible
 there. One step per line, words split like a shell's; ``#`` starts a comment::
 
-    write PATH TEXT           create or replace a file (TEXT, then a newline)
+    write PATH TEXT           create or replace a file (TEXT, then a newline); ~ is the cell's home
     append PATH TEXT          add a line to a file
     edit PATH OLD NEW         replace the first OLD in the file with NEW (the file must contain OLD)
     read PATH                 read a file
@@ -49,6 +49,8 @@ def parse(text: str) -> list[list[str]]:
 
 def step(words: list[str]) -> str:
     op, args = words[0], words[1:]
+    if op in ("write", "append", "edit", "read"):
+        args[0] = os.path.expanduser(args[0])  # ~ is the cell's home
     if op == "write":
         with open(args[0], "w") as f:
             f.write(args[1] + "\n")
