@@ -157,7 +157,10 @@ class Nodes:
         return {"backup_id": backup}
 
     def abort(self, state: SessionState) -> dict[str, Any]:
-        update: dict[str, Any] = {"status": "aborted", "reason": state.get("reason") or "aborted"}
+        reason = state.get("reason") or "aborted"
+        if state.get("backup_id"):
+            reason += f"; the backup {state['backup_id']} is kept"
+        update: dict[str, Any] = {"status": "aborted", "reason": reason}
         update.update(self._audit_quietly(state, "abort", "session.abort", reason=update["reason"],
                                           backup_id=state.get("backup_id")))
         return update

@@ -1,0 +1,301 @@
+"""The session workflow (issue 8, foundation): the seed's three scenarios, each retry rule by fault
+injection, recovery after the supervisor is killed, configuration precedence and refusals.
+
+Sessions run through the real CLI as root with real per-session accounts, real cells and real snapshots.
+Each test gets its own state dir (AGENTCELL_STATE_DIR: checkpoints, account records, snapshots, audit log);
+its finalizer recovers whatever a failed test left (account, ACL grants, cell) before removing it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import secrets
+import shutil
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import AGENTCELL, User, needs_root
+
+
+@dataclass
+class Env:
+    state: Path
+    project: Path
+
+    @property
+    def audit(self) -> Path:
+        return self.state / "audit.jsonl"
+
+
+@dataclass
+class Session:
+    rc: int
+    out: str
+    err: str
+    summary: dict[str, Any]
+
+
+def _environ(env: Env, extra: dict[str, str] | None = None) -> dict[str, str]:
+    base = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8", "AGENTCELL_STATE_DIR": str(env.state),
+            "AUDIT_LOG_PATH": str(env.audit), "BACKUP_DIR": str(env.state / "backups")}
+    return {**base, **(extra or {})}
+
+
+def session(env: Env, args: list[str], *, extra: dict[str, str] | None = None, timeout: float = 120) -> Session:
+    p = subprocess.run([AGENTCELL, "session", *args], capture_output=True, text=True, env=_environ(env, extra),
+                       timeout=timeout, cwd=env.project, stdin=subprocess.DEVNULL)
+    lines = p.stdout.rstrip("\n").split("\n")
+    summary: dict[str, Any] = {}
+    if lines and lines[-1].startswith(("{", "[")):
+        summary = json.loads(lines[-1])
+        lines = lines[:-1]
+    assert "Traceback" not in p.stderr, p.stderr
+    return Session(p.returncode, "\n".join(lines), p.stderr, summary)
+
+
+def scripted(env: Env, steps: str, *args: str, extra: dict[str, str] | None = None) -> Session:
+    script = env.state / f"steps-{secrets.token_hex(3)}.txt"
+    script.write_text(steps)
+    return session(env, ["start", "--harness", "scripted", "--json", *args, "--", str(script)], extra=extra)
+
+
+def records(env: Env, sid: str) -> list[dict[str, Any]]:
+    if not env.audit.exists():
+        return []
+    out = [json.loads(line) for line in env.audit.read_text().splitlines()]
+    return [r for r in out if r["session"] == sid]
+
+
+def account_gone(name: str | None) -> bool:
+    if name is None:
+        return True
+    try:
+        pwd.getpwnam(name)
+        return False
+    except KeyError:
+        return True
+
+
+def acl_names(path: Path) -> str:
+    return subprocess.run(["getfacl", "-Rcp", str(path)], capture_output=True, text=True).stdout
+
+
+@pytest.fixture
+def env(user: User, project: Path) -> Iterator[Env]:
+    """A project the throwaway user owns (src/ is declared, docs/ is not) and a private state dir."""
+    state = Path("/tmp") / ("agentcell-test-state-" + secrets.token_hex(4))
+    state.mkdir(mode=0o700)
+    (project / "src").mkdir()
+    (project / "src" / "app.py").write_text("x = 1\n")
+    (project / "docs").mkdir()
+    (project / "docs" / "notes.md").write_text("notes\n")
+    for p in (project / "src", project / "src" / "app.py", project / "docs", project / "docs" / "notes.md"):
+        shutil.chown(p, user.uid, user.gid)
+    e = Env(state, project)
+    try:
+        yield e
+    finally:
+        # Whatever a failed test left: its sessions' teardown (cell, ACL grants, account), then the files.
+        subprocess.run([AGENTCELL, "session", "recover"], env=_environ(e), capture_output=True, timeout=120)
+        left = sorted(os.listdir(state / "ephemeral")) if (state / "ephemeral").is_dir() else []
+        for name in left:
+            subprocess.run(["userdel", name], capture_output=True)
+            subprocess.run(["groupdel", name], capture_output=True)
+        subprocess.run(["chattr", "-R", "-i", str(state)], capture_output=True)
+        shutil.rmtree(state, ignore_errors=True)
+        assert not left, f"session accounts left behind: {left}"
+
+
+pytestmark = needs_root
+
+CLEAN = """\
+edit {p}/src/app.py 'x = 1' 'x = 2'
+write {p}/src/new.py 'print(1)'
+run python3 {p}/src/new.py
+sleep 600
+"""
+
+
+def test_a_clean_session_edits_only_declared_paths_and_ends_at_its_wall_clock(env: Env, user: User) -> None:
+    s = scripted(env, CLEAN.format(p=env.project), "--rw", "src", "--wall-clock", "3")
+    assert s.rc == 0, (s.out, s.err)
+    assert (s.summary["status"], s.summary["reason"], s.summary["escape_target"]) == ("completed", "timeout", None)
+    assert s.out.splitlines()[:4] == [f"step 1: ALLOWED: edited {env.project}/src/app.py",
+                                      f"step 2: ALLOWED: wrote {env.project}/src/new.py", "1",
+                                      f"step 3: ALLOWED: ran python3 {env.project}/src/new.py"], s.out
+    sid = s.summary["session"]
+    diff = session(env, ["diff", sid, "--json"])
+    assert diff.summary == {"added": [f"{env.project}/src/new.py"], "modified": [f"{env.project}/src/app.py"],
+                            "deleted": []}
+    assert (env.project / "docs" / "notes.md").read_text() == "notes\n"
+    # Torn down: the per-session account is gone, its ACL grants too, and what it made is the human's.
+    assert account_gone(s.summary["os_user"]) and s.summary["os_user"].startswith("ac-s")
+    assert s.summary["os_user"] not in acl_names(env.project) and str(s.summary["problems"]) == "[]"
+    assert (env.project / "src" / "new.py").stat().st_uid == user.uid
+    assert not Path(f"/sys/fs/cgroup/agentcell/{s.summary['cell_id']}").exists()
+    events = [r["event"] for r in records(env, sid)]
+    assert events == ["session.plan", "session.policy", "session.preflight", "session.account", "session.firewall",
+                      "session.spawn", "session.timeout", "session.terminate", "session.cleanup", "session.end"]
+    verify = subprocess.run([AGENTCELL, "audit", "verify", str(env.audit)], capture_output=True, text=True)
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+    # And the human can have it all back.
+    assert session(env, ["restore", sid]).rc == 0
+    assert (env.project / "src" / "app.py").read_text() == "x = 1\n" and not (env.project / "src" / "new.py").exists()
+
+
+ESCAPE = """\
+edit {p}/src/app.py 'x = 1' 'x = 2'
+read ~/.ssh/id_rsa
+write {p}/src/after.txt 'still running'
+"""
+
+
+def test_an_escape_outside_the_declared_paths_terminates_the_session_and_is_audited(env: Env) -> None:
+    s = scripted(env, ESCAPE.format(p=env.project), "--rw", "src", "--wall-clock", "60")
+    assert s.rc == 120, (s.out, s.err)
+    assert s.summary["status"] == "terminated" and s.summary["escape_target"].endswith("/.ssh/id_rsa"), s.summary
+    assert s.summary["escape"]["operation"] == "read" and s.summary["escape"]["source"] == "canary"
+    assert not (env.project / "src" / "after.txt").exists()  # frozen and killed at the attempt
+    assert (env.project / "src" / "app.py").read_text() == "x = 2\n"
+    sid = s.summary["session"]
+    recs = {r["event"]: r for r in records(env, sid)}
+    assert recs["session.escape"]["details"]["target"] == s.summary["escape_target"]
+    assert recs["session.end"]["details"]["status"] == "terminated"
+    assert recs["session.end"]["details"]["escape"]["target"] == s.summary["escape_target"]
+    assert account_gone(s.summary["os_user"])
+
+
+def test_an_unwritable_backup_dir_aborts_before_spawn_and_the_harness_never_starts(env: Env) -> None:
+    backups = env.state / "ro-backups"
+    backups.mkdir()
+    subprocess.run(["chattr", "+i", str(backups)], check=True)  # not even root can create the store in it
+    steps = f"write {env.project}/src/started.txt yes\n"
+    s = scripted(env, steps, "--rw", "src", "--backup-dir", str(backups / "store"))
+    assert s.rc == 123, (s.out, s.err)
+    assert s.summary["status"] == "aborted" and "preflight failed" in s.summary["reason"], s.summary
+    assert not (env.project / "src" / "started.txt").exists() and s.out == ""
+    events = [r["event"] for r in records(env, s.summary["session"])]
+    assert events == ["session.plan", "session.policy", "session.abort", "session.cleanup", "session.end"]
+    assert s.summary["os_user"] is None and s.summary["cell_id"] and s.summary["backup_id"] is None
+
+
+# ---- the retry rules, by fault injection (AGENTCELL_TEST_FAULTS: POINT=how many times it fails) ------------
+
+WORK = "write {p}/src/started.txt yes\n"
+
+
+@pytest.mark.parametrize(("faults", "status", "rc", "started"), [
+    ("preflight=2", "completed", 0, True),  # two retries (1 s, 3 s): the third attempt backs up
+    ("account=1", "completed", 0, True),  # one retry
+    ("account=2", "terminated", 120, False),  # then terminate (nothing was spawned)
+    ("firewall=1", "completed", 0, True),
+    ("firewall=2", "aborted", 123, False),  # then abort before spawn
+    ("spawn=1", "completed", 0, True),
+    ("spawn=2", "aborted", 123, False),  # then abort, keeping the backup
+    ("telemetry=3", "completed", 0, True),  # three reconnects with backoff
+    ("telemetry=4", "terminated", 120, True),  # then lost telemetry is a violation
+    ("audit@spawn=1", "terminated", 120, None),  # an unwritable log (after the trail's 3 retries) terminates
+])
+def test_each_retry_rule(env: Env, faults: str, status: str, rc: int, started: bool | None) -> None:
+    steps = WORK.format(p=env.project) + ("sleep 2\n" if faults.startswith("telemetry") else "")
+    s = scripted(env, steps, "--rw", "src", "--wall-clock", "60", extra={"AGENTCELL_TEST_FAULTS": faults})
+    assert (s.rc, s.summary.get("status")) == (rc, status), (s.summary, s.err)
+    if started is not None:
+        assert (env.project / "src" / "started.txt").exists() == started, s.summary
+    assert account_gone(s.summary["os_user"]) and s.summary["problems"] == [], s.summary
+    sid = s.summary["session"]
+    events = [r["event"] for r in records(env, sid)]
+    point = faults.split("=")[0]
+    if point == "spawn" and status == "aborted":
+        assert s.summary["backup_id"] and "backup" in s.summary["reason"], s.summary
+        store = session(env, ["diff", sid, "--json"])  # the backup is there to compare with
+        assert store.rc == 0 and store.summary["added"] == [], store.summary
+    if point == "telemetry" and status == "terminated":
+        assert s.summary["escape"]["operation"] == "telemetry", s.summary
+    if point == "audit@spawn":
+        assert "audit log cannot be written" in s.summary["reason"] and "session.spawn" not in events
+        assert events[-3:] == ["session.terminate", "session.cleanup", "session.end"]
+    if status != "completed" or point != "preflight":
+        assert events.count("session.preflight") <= 1
+
+
+# ---- recovery, configuration, refusals ---------------------------------------------------------------
+
+
+def test_recover_finishes_the_teardown_after_the_supervisor_is_killed(env: Env) -> None:
+    marker = env.project / "src" / "running.txt"
+    script = env.state / "steps.txt"
+    script.write_text(f"write {marker} yes\nsleep 600\n")
+    sup = subprocess.Popen([AGENTCELL, "session", "start", "--harness", "scripted", "--rw", "src", "--json", "--",
+                            str(script)], env=_environ(env), cwd=env.project, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL)
+    try:
+        for _ in range(600):  # the cell is up once the agent has written its marker
+            if marker.exists() or sup.poll() is not None:
+                break
+            time.sleep(0.05)
+        assert marker.exists(), "the session did not start"
+        listed = session(env, ["list", "--json"]).summary
+        [row] = listed  # type: ignore[misc]
+        assert row["status"] == "running" and not row["needs_recover"]
+    finally:
+        sup.kill()  # our own child: kill -9 of the supervisor, mid-session
+        sup.wait()
+    name = row["os_user"]
+    assert session(env, ["list", "--json"]).summary[0]["needs_recover"] is True  # type: ignore[index]
+    r = session(env, ["recover", "--json"])
+    [done] = r.summary  # type: ignore[misc]
+    assert (done["session"], done["status"]) == (row["session"], "terminated"), (done, r.err)
+    assert account_gone(name) and name not in acl_names(env.project)
+    assert not Path(f"/sys/fs/cgroup/agentcell/{row['cell_id']}").exists()
+    assert [e["event"] for e in records(env, row["session"])][-3:] == ["session.terminate", "session.cleanup",
+                                                                       "session.end"]
+    assert session(env, ["recover", "--json"]).summary == []  # nothing left to do
+
+
+def test_config_precedence_is_flags_then_env_then_dotenv_then_toml(tmp_path: Path) -> None:
+    from agentcell.session.config import load
+
+    (tmp_path / "agentcell.toml").write_text('[session]\nharness = "aider"\nwall_clock_limit_s = 10\n'
+                                             'declared_paths = ["src"]\nfirewall_enabled = true\n')
+    (tmp_path / ".env").write_text("WALL_CLOCK_LIMIT_S=20\nAGENT_HARNESS='codex'\nOPENAI_API_KEY=from-dotenv\n")
+    cfg = load({}, environ={"AGENT_HARNESS": "gemini"}, cwd=str(tmp_path))
+    assert (cfg.harness, cfg.wall_clock_limit_s, cfg.firewall_enabled) == ("gemini", 20, True)
+    assert cfg.declared_paths == (str(tmp_path / "src"),) and cfg.secrets == {}  # gemini reads no OpenAI key
+    cfg = load({"harness": "codex", "wall_clock_limit_s": "5"}, environ={}, cwd=str(tmp_path))
+    assert (cfg.harness, cfg.wall_clock_limit_s, cfg.secrets) == ("codex", 5, {"OPENAI_API_KEY": "from-dotenv"})
+    assert cfg.sources["wall_clock_limit_s"] == "--wall-clock"
+    assert "from-dotenv" not in json.dumps(cfg.as_dict())  # secrets are never part of the recorded config
+
+
+@pytest.mark.parametrize(("extra", "args", "message"), [
+    ({"WALL_CLOCK_LIMIT_S": "soon"}, [], "WALL_CLOCK_LIMIT_S: 'soon' is not a number of seconds (use a whole"),
+    ({"FIREWALL_ENABLED": "maybe"}, [], "FIREWALL_ENABLED: 'maybe' is not a boolean (use true or false)"),
+    ({}, ["--harness", "nope"], "--harness: unknown harness 'nope' (one of claude_code,"),
+    ({}, ["--wall-clock", "0"], "--wall-clock: 0 is not above 0"),
+    ({}, ["--harness", "codex"], "harness codex: codex (Codex CLI) is not installed where the cell can run it"),
+    ({}, ["--agent", "Not A Name"], "--agent: 'Not A Name' is not a valid agent name"),
+])
+def test_bad_configuration_is_one_line_and_nothing_is_created(env: Env, extra: dict[str, str], args: list[str],
+                                                             message: str) -> None:
+    s = session(env, ["start", *args, "--", "true"], extra=extra)
+    assert s.rc == 125 and s.err.startswith(f"agentcell session: {message}"), s.err
+    assert len(s.err.strip().splitlines()) == 1
+    assert not (env.state / "sessions").exists() and not env.audit.exists()
+
+
+def test_agentcell_run_does_not_import_langgraph() -> None:
+    import sys
+
+    p = subprocess.run([sys.executable, "-X", "importtime", "-c",
+                        "import sys; from agentcell.cli.main import main; sys.exit(main(['run', '--explain', "
+                        "'--as', '65534', '--', 'true']))"], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "langgraph" not in p.stderr and "agentcell.session" not in p.stderr
