@@ -299,3 +299,82 @@ def test_agentcell_run_does_not_import_langgraph() -> None:
                         "'--as', '65534', '--', 'true']))"], capture_output=True, text=True)
     assert p.returncode == 0, p.stderr[-2000:]
     assert "langgraph" not in p.stderr and "agentcell.session" not in p.stderr
+
+
+def named_acl_entries(path: Path) -> list[str]:
+    """ACL entries naming a user or group, anywhere below ``path`` (the test projects start with none)."""
+    out = subprocess.run(["getfacl", "-Rpn", str(path)], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines()
+            if line.split(":")[0] in ("user", "group", "default") and line.split(":")[1 if not line.startswith(
+                "default:") else 2]]
+
+
+@pytest.mark.parametrize("node", ["plan", "policy", "preflight", "account", "firewall", "spawn", "monitor",
+                                  "terminate", "cleanup", "audit"])
+def test_kill_9_of_the_supervisor_at_any_node_then_recover_leaves_nothing_behind(env: Env, node: str) -> None:
+    before = (env.project / "src" / "app.py").read_bytes(), (env.project / "docs" / "notes.md").read_bytes()
+    s = scripted(env, f"write {env.project}/src/marker.txt yes\nsleep 600\n", "--rw", "src", "--wall-clock", "2",
+                 extra={"AGENTCELL_TEST_FAULTS": f"kill@{node}=1"})
+    assert s.rc == -9 and s.summary == {}, (s.rc, s.err)
+    r = session(env, ["recover", "--json"])
+    [done] = r.summary  # type: ignore[misc]
+    assert done["status"] in ("terminated", "completed") and done["problems"] == [], (done, r.err)
+    assert account_gone(done["os_user"]) and not os.listdir(env.state / "ephemeral")
+    assert named_acl_entries(env.project) == []
+    assert not Path(f"/sys/fs/cgroup/agentcell/{done['cell_id']}").exists()
+    assert not any(p.name == done["cell_id"] for p in Path("/run/agentcell/cgroups").glob("*"))
+    assert ((env.project / "src" / "app.py").read_bytes(), (env.project / "docs" / "notes.md").read_bytes()) == before
+    events = [r["event"] for r in records(env, done["session"])]
+    assert events[-1] == "session.end" and "session.spawn" not in events[events.index("session.end"):], events
+    assert session(env, ["recover", "--json"]).summary == []
+
+
+def test_session_stop_terminates_a_running_session(env: Env) -> None:
+    marker = env.project / "src" / "running.txt"
+    script = env.state / "steps.txt"
+    script.write_text(f"write {marker} yes\nsleep 600\n")
+    sup = subprocess.Popen([AGENTCELL, "session", "start", "--harness", "scripted", "--rw", "src", "--json", "--",
+                            str(script)], env=_environ(env), cwd=env.project, stdout=subprocess.PIPE,
+                           stderr=subprocess.DEVNULL, text=True)
+    try:
+        for _ in range(600):
+            if marker.exists() or sup.poll() is not None:
+                break
+            time.sleep(0.05)
+        [row] = session(env, ["list", "--json"]).summary  # type: ignore[misc]
+        stop = session(env, ["stop", row["session"]])
+        assert stop.rc == 0, stop.err
+        out, _ = sup.communicate(timeout=60)
+    finally:
+        if sup.poll() is None:
+            sup.kill()
+            sup.wait()
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert sup.returncode == 120 and summary["status"] == "terminated" and summary["reason"] == "stopped: signal 15"
+    assert account_gone(summary["os_user"]) and named_acl_entries(env.project) == []
+    again = session(env, ["stop", row["session"]])
+    assert again.rc == 125 and "has ended (terminated)" in again.err
+
+
+def test_a_persistent_agent_keeps_its_own_shares_and_loses_the_sessions(env: Env, user: User) -> None:
+    name = "ac-a" + secrets.token_hex(3)
+
+    def agent(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([AGENTCELL, "agent", *args], capture_output=True, text=True, env=_environ(env),
+                              cwd="/", stdin=subprocess.DEVNULL, timeout=60)
+
+    assert agent("new", name, "--human", user.name, "--yes").returncode == 0
+    try:
+        assert agent("mount", "add", "--rw", str(env.project / "docs"), "--agent", name).returncode == 0
+        shared = named_acl_entries(env.project / "docs")
+        assert shared, "the persistent share made no ACL entry"
+        steps = f"write {env.project}/src/by-agent.py 'x = 3'\nwrite {env.project}/docs/by-agent.md hi\n"
+        s = scripted(env, steps, "--agent", name, "--rw", "src", "--rw", "docs")
+        assert (s.rc, s.summary["status"], s.summary["os_user"]) == (0, "completed", name), (s.out, s.err)
+        assert named_acl_entries(env.project / "src") == []  # the session's grant is gone
+        assert all(e in named_acl_entries(env.project / "docs") for e in shared)  # the agent's own share stays
+        assert (env.project / "src" / "by-agent.py").stat().st_uid == user.uid  # given to the agent's human
+        assert (env.project / "docs" / "by-agent.md").exists()
+    finally:
+        p = agent("delete", name, "--yes")
+        assert p.returncode == 0, p.stderr

@@ -8,8 +8,9 @@ checkpointed state alone when the supervisor's handles are gone (``session recov
 they could not undo.
 
 Fault injection (tests): :attr:`Runtime.faults` names a point and how many times it fails —
-``preflight``, ``account``, ``firewall``, ``spawn``, ``telemetry``, and ``audit@NODE`` (that node's audit
-record is written to a path that cannot be written, so the trail's own retries run and fail for real).
+``preflight``, ``account``, ``firewall``, ``spawn``, ``telemetry``, ``audit@NODE`` (that node's audit
+record is written to a path that cannot be written, so the trail's own retries run and fail for real),
+and ``kill@NODE`` (the supervisor is killed with SIGKILL after that node's work, before its checkpoint).
 """
 from __future__ import annotations
 
@@ -64,6 +65,14 @@ class Nodes:
             return {}
         except AuditWriteError as e:
             return {"audit_error": e.line()}
+
+    def _crash(self, node: str) -> None:
+        """``kill@NODE``: the supervisor dies by SIGKILL here — after the node's work, before its
+        checkpoint, the hardest place for ``session recover``."""
+        if self.rt.fault(f"kill@{node}"):
+            import signal
+
+            os.kill(os.getpid(), signal.SIGKILL)
 
     def _inject(self, point: str, exc: type[AgentcellError]) -> None:
         if self.rt.fault(point):
@@ -121,6 +130,7 @@ class Nodes:
             env=dict(prof.env), keep_env=sorted(cfg.get("secret_names") or []),
             allow_presets=[prof.egress_preset] if network == "proxy" and prof.egress_preset else [],
             allow_egress=["seed"] if network == "host-firewall" else [])
+        self._crash("plan")
         self._audit(state, "plan", "session.plan", harness=plan.harness, declared_paths=plan.declared_paths,
                     network=plan.network, wall_clock_limit_s=plan.wall_clock_limit_s, identity=plan.identity,
                     sources=cfg.get("sources", {}))
@@ -140,6 +150,7 @@ class Nodes:
 
     def policy(self, state: SessionState) -> dict[str, Any]:
         policy = self._compile(state)
+        self._crash("policy")
         self._audit(state, "policy", "session.policy", os_user=policy["os_user"], write_paths=policy["write_paths"],
                     read_paths=policy["read_paths"], env_allowlist=policy["env_allowlist"],
                     firewall_rule=policy["firewall_rule"])
@@ -152,6 +163,7 @@ class Nodes:
         self._inject("preflight", SnapshotError)
         store = Store(state["config"].get("backup_dir"))
         backup = store.take(list(state["policy"]["rw_paths"]))
+        self._crash("preflight")
         self._audit(state, "preflight", "session.preflight", backup_id=backup, store=store.path,
                     paths=state["policy"]["rw_paths"])
         return {"backup_id": backup}
@@ -199,6 +211,7 @@ class Nodes:
                 ephemeral.delete(made, cmds)
                 raise
         update.update(account=account, grants=grants)
+        self._crash("account")
         self._audit(state, "account", "session.account", account=account,
                     grants=[g["path"] for g in grants])
         return update
@@ -267,6 +280,7 @@ class Nodes:
                 raise
             self.rt.firewalls[state["session_id"]] = (fw, log)
             table = fw.table
+        self._crash("firewall")
         self._audit(state, "firewall", "session.firewall", network=policy["network"], rule=policy["firewall_rule"],
                     table=table, egress=list(policy["egress"]))
         return {"firewall_table": table}
@@ -295,6 +309,7 @@ class Nodes:
             raise SpawnCrash("spawn", str(result.get("error") or f"the cell ended at once ({result})"))
         self.rt.cells[sid] = cell
         now = time.time()
+        self._crash("spawn")
         self._audit(state, "spawn", "session.spawn", cell_id=cell.cell_id, pid1=pid1, argv0=state["argv"][0],
                     uid=policy.identity.uid)
         return {"harness_pid": pid1, "cell_id": cell.cell_id, "started_at": now,
@@ -311,6 +326,7 @@ class Nodes:
         cell = self.rt.cells.get(sid)
         if cell is None:
             raise TelemetryLost("monitor", "the supervisor holds no handle on the cell")
+        self._crash("monitor")
         until = min(time.monotonic() + self.rt.tick_s, time.monotonic() + max(0.0, state["deadline"] - time.time()))
         while True:
             escape = next((e for e in cell.events() if e.operation in ESCAPES), None)
@@ -370,6 +386,7 @@ class Nodes:
         if result is not None:
             update["result"] = {k: v for k, v in result.items() if k != "events"}
             update["events"] = list(result.get("events", []))[:MAX_EVENTS]
+        self._crash("terminate")
         update.update(self._audit_quietly(state, "terminate", "session.terminate",
                                           status=update.get("status", state.get("status")),
                                           reason=state.get("reason"),
@@ -423,6 +440,7 @@ class Nodes:
                 problems.append(_line(e))
         if state.get("cell_id"):
             problems += _remove_cgroup(state["cell_id"])
+        self._crash("cleanup")
         update: dict[str, Any] = {"problems": problems}
         update.update(self._audit_quietly(state, "cleanup", "session.cleanup", problems=problems,
                                           account=(account or {}).get("name")))
@@ -431,6 +449,7 @@ class Nodes:
     def audit(self, state: SessionState) -> dict[str, Any]:
         """The session's last record: how it ended, and what it tried beyond its policy."""
         escape = state.get("escape")
+        self._crash("audit")
         update: dict[str, Any] = {"finished": True, "ended_at": time.time()}
         update.update(self._audit_quietly(state, "audit", "session.end", status=state.get("status"),
                                           reason=state.get("reason"), escape=escape,
