@@ -378,3 +378,28 @@ def test_a_persistent_agent_keeps_its_own_shares_and_loses_the_sessions(env: Env
     finally:
         p = agent("delete", name, "--yes")
         assert p.returncode == 0, p.stderr
+
+
+def test_the_agent_cannot_read_dotenv_nor_change_the_config_of_the_next_session(env: Env) -> None:
+    (env.project / ".env").write_text("WALL_CLOCK_LIMIT_S=30\n")
+    (env.project / "agentcell.toml").write_text('[session]\nharness = "scripted"\n')
+    steps = (f"read {env.project}/.env\nappend {env.project}/agentcell.toml 'declared_paths = [\"/srv\"]'\n"
+             f"write {env.project}/src/agentcell.toml '[session]'\n")
+    script = env.state / "steps.txt"
+    script.write_text(steps)
+    s = session(env, ["start", "--json", "--", str(script)])  # the harness comes from agentcell.toml
+    assert s.rc == 0 and s.summary["harness"] == "scripted", (s.out, s.err)
+    lines = s.out.splitlines()
+    assert lines[0].startswith(f"step 1: DENIED: read {env.project}/.env") and "DENIED" in lines[1], s.out
+    assert (env.project / "agentcell.toml").read_text() == '[session]\nharness = "scripted"\n'
+    sources = session(env, ["show", s.summary["session"], "--json"]).summary["config"]["sources"]
+    assert sources["wall_clock_limit_s"] == f"WALL_CLOCK_LIMIT_S (in {env.project}/.env)"
+    assert sources["harness"] == f"{env.project}/agentcell.toml: session.harness"
+
+
+def test_a_config_file_the_agent_creates_is_reported(env: Env) -> None:
+    steps = f"write {env.project}/agentcell.toml '[session]'\n"
+    s = scripted(env, steps)  # the whole project is declared: its agentcell.toml is the next session's
+    assert s.rc == 0 and s.summary["warnings"] == [
+        f"{env.project}/agentcell.toml was created during the session: the next session reads it; review it first"]
+    assert "review it first" in s.err

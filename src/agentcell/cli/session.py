@@ -155,6 +155,7 @@ def _summary(st: dict[str, Any]) -> dict[str, Any]:
         "duration_s": result.get("duration_s"),
         "events": len(st.get("events") or []),
         "problems": st.get("problems") or [],
+        "warnings": st.get("warnings") or [],
         "audit_error": st.get("audit_error"),
     }
 
@@ -167,6 +168,8 @@ def _print_end(s: dict[str, Any]) -> None:
     if s["backup_id"]:
         sys.stderr.write(f"{PROG}: backup {s['backup_id']}: 'agentcell session diff {s['session']}' shows the "
                          f"changes, 'agentcell session restore {s['session']}' undoes them\n")
+    for w in s["warnings"]:
+        sys.stderr.write(_shown(f"{PROG}: warning: {w}") + "\n")
     for p in s["problems"]:
         sys.stderr.write(_shown(f"{PROG}: warning: teardown left: {p}") + "\n")
     if s["audit_error"]:

@@ -58,6 +58,7 @@ class SessionConfig:
     firewall_enabled: bool = False
     network: str | None = None  # None: host-firewall if firewall_enabled, else the profile's
     harness_args: tuple[str, ...] = ()
+    config_files: tuple[str, ...] = ()  # the .env and agentcell.toml read (or looked for): see nodes.plan
     secrets: dict[str, str] = field(default_factory=dict)  # API-key variables found (env or .env), by name
     sources: dict[str, str] = field(default_factory=dict)  # field -> where its value came from
 
@@ -67,7 +68,8 @@ class SessionConfig:
                 "declared_paths": list(self.declared_paths), "agent": self.agent, "backup_dir": self.backup_dir,
                 "audit_log_path": self.audit_log_path, "wall_clock_limit_s": self.wall_clock_limit_s,
                 "firewall_enabled": self.firewall_enabled, "network": self.network,
-                "harness_args": list(self.harness_args), "secret_names": sorted(self.secrets),
+                "harness_args": list(self.harness_args), "config_files": list(self.config_files),
+                "secret_names": sorted(self.secrets),
                 "sources": dict(self.sources)}
 
 
@@ -241,6 +243,7 @@ def load(flags: Mapping[str, Any], *, environ: Mapping[str, str] | None = None, 
         raise PolicyError(sources["network"], f"network {values['network']} contradicts FIREWALL_ENABLED "
                           f"(from {sources['firewall_enabled']})", "drop one of them")
     values["harness_args"] = tuple(flags.get("harness_args") or ())
+    values["config_files"] = (os.path.abspath(dot_path), os.path.join(root, "agentcell.toml"))
     cfg = replace(cfg, **values, sources=sources)
     from .profiles import PROFILES
 

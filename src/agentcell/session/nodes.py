@@ -122,9 +122,11 @@ class Nodes:
             identity = f"agent:{cfg['agent']}"
         else:  # the per-session account does not exist yet: checked against a uid of its range
             identity = str(ephemeral.UID_FIRST)
+        declared = list(cfg.get("declared_paths") or [cfg["project_root"]])
+        ro, masked, marks = _config_files(cfg.get("config_files", []), declared)
         plan = SessionPlan(
             session_id=state["session_id"], harness=cfg["harness"],
-            declared_paths=list(cfg.get("declared_paths") or [cfg["project_root"]]),
+            declared_paths=declared, ro_paths=ro, masked_paths=masked,
             wall_clock_limit_s=cfg["wall_clock_limit_s"], network=network,  # type: ignore[arg-type]
             identity=identity,
             env=dict(prof.env), keep_env=sorted(cfg.get("secret_names") or []),
@@ -134,7 +136,8 @@ class Nodes:
         self._audit(state, "plan", "session.plan", harness=plan.harness, declared_paths=plan.declared_paths,
                     network=plan.network, wall_clock_limit_s=plan.wall_clock_limit_s, identity=plan.identity,
                     sources=cfg.get("sources", {}))
-        return {"plan": plan.model_dump(), "status": "running", "reason": "", "cell_id": f"agentcell-{plan.session_id}"}
+        return {"plan": plan.model_dump(), "status": "running", "reason": "", "cell_id": f"agentcell-{plan.session_id}",
+                "config_marks": marks}
 
     def _compile(self, state: SessionState, identity: str | None = None) -> dict[str, Any]:
         from ..policy.compile import compile_plan
@@ -441,7 +444,10 @@ class Nodes:
         if state.get("cell_id"):
             problems += _remove_cgroup(state["cell_id"])
         self._crash("cleanup")
-        update: dict[str, Any] = {"problems": problems}
+        warnings = [f"{f} was {'created' if was is None else 'changed'} during the session: the next session "
+                    "reads it; review it first" for f, was in (state.get("config_marks") or {}).items()
+                    if _fingerprint(f) != was]
+        update: dict[str, Any] = {"problems": problems, "warnings": warnings}
         update.update(self._audit_quietly(state, "cleanup", "session.cleanup", problems=problems,
                                           account=(account or {}).get("name")))
         return update
@@ -457,6 +463,46 @@ class Nodes:
                                           exit_status=(state.get("result") or {}).get("exit_status"),
                                           problems=state.get("problems", [])))
         return update
+
+
+# ---- the session's own configuration inside the project -------------------------------------------
+
+def _config_files(files: list[str], declared: list[str]) -> tuple[list[str], list[str], dict[str, str | None]]:
+    """The agent must not change what configures its next session, nor read the secrets in ``.env``: an
+    ``agentcell.toml`` inside a declared path is bound read-only, a ``.env`` there is hidden. One that
+    does not exist yet cannot be bound: cleanup warns if the agent created it."""
+    roots = [os.path.realpath(d) for d in declared]
+    ro: list[str] = []
+    masked: list[str] = []
+    marks: dict[str, str | None] = {}
+    for f in files:
+        parent = os.path.realpath(os.path.dirname(f))
+        if not any(parent == r or parent.startswith(r.rstrip("/") + "/") for r in roots):
+            continue
+        marks[f] = _fingerprint(f)
+        if marks[f] is not None:
+            (masked if os.path.basename(f) == ".env" else ro).append(f)
+    return ro, masked, marks
+
+
+def _fingerprint(path: str) -> str | None:
+    import hashlib
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except OSError:
+        return "unreadable"
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return "not a regular file"
+        h = hashlib.sha256()
+        while chunk := os.read(fd, 1 << 20):
+            h.update(chunk)
+        return h.hexdigest()
+    finally:
+        os.close(fd)
 
 
 # ---- teardown from the state alone (the supervisor may be gone) ------------------------------------

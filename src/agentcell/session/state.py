@@ -46,7 +46,9 @@ class SessionState(TypedDict, total=False):
     result: dict[str, Any] | None  # the cell's result (exit status, signal, duration, events)
     status: Status
     reason: str
+    config_marks: dict[str, str | None]  # .env / agentcell.toml inside a declared path: SHA-256 (None: absent)
     problems: list[str]  # what teardown could not undo
+    warnings: list[str]  # what the human should look at (config files the agent created)
     audit_error: str
     ended_at: float
     finished: bool  # the audit node ran: nothing left to recover
