@@ -342,6 +342,12 @@ def test_session_stop_terminates_a_running_session(env: Env) -> None:
                 break
             time.sleep(0.05)
         [row] = session(env, ["list", "--json"]).summary  # type: ignore[misc]
+        # The cell was forked by its host process, not by the graph's (LangGraph keeps worker threads there).
+        uid = pwd.getpwnam(row["os_user"]).pw_uid
+        agent_pid = next(int(p) for p in os.listdir("/proc") if p.isdigit() and _uid_of(p) == uid)
+        chain = _ancestors(agent_pid)  # the cell's PID 1, C1 (forked: the host's cmdline), the host, us
+        host = [p for p in chain if b"agentcell.session.cellhost" in _cmdline(p)][-1]
+        assert chain[chain.index(host) + 1] == sup.pid
         stop = session(env, ["stop", row["session"]])
         assert stop.rc == 0, stop.err
         out, _ = sup.communicate(timeout=60)
@@ -354,6 +360,31 @@ def test_session_stop_terminates_a_running_session(env: Env) -> None:
     assert account_gone(summary["os_user"]) and named_acl_entries(env.project) == []
     again = session(env, ["stop", row["session"]])
     assert again.rc == 125 and "has ended (terminated)" in again.err
+
+
+def _uid_of(pid: str) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return int(next(line for line in f if line.startswith("Uid:")).split()[1])
+    except (OSError, StopIteration):
+        return -1
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
+def _ancestors(pid: int) -> list[int]:
+    out = []
+    while pid > 1:
+        with open(f"/proc/{pid}/status") as f:
+            pid = int(next(line for line in f if line.startswith("PPid:")).split()[1])
+        out.append(pid)
+    return out
 
 
 def test_a_persistent_agent_keeps_its_own_shares_and_loses_the_sessions(env: Env, user: User) -> None:

@@ -307,9 +307,6 @@ class Nodes:
         except (OSError, AgentcellError) as e:
             raise SpawnCrash("spawn", _line(e)) from None
         pid1 = cell.pid1
-        if not pid1:  # the cell died before its PID 1 reported: a launch step failed
-            result = cell.wait()
-            raise SpawnCrash("spawn", str(result.get("error") or f"the cell ended at once ({result})"))
         self.rt.cells[sid] = cell
         now = time.time()
         self._crash("spawn")
@@ -332,13 +329,16 @@ class Nodes:
         self._crash("monitor")
         until = min(time.monotonic() + self.rt.tick_s, time.monotonic() + max(0.0, state["deadline"] - time.time()))
         while True:
-            escape = next((e for e in cell.events() if e.operation in ESCAPES), None)
+            escape = next((e for e in cell.events() if e["operation"] in ESCAPES), None)
             result = cell.poll()
             if escape is not None:
-                ev = self._escape(state, escape.operation, escape.target, escape.reason, source=escape.source,
-                                  pid=escape.pid, exe=escape.exe, ts=escape.ts)
-                self._audit(state, "monitor", "session.escape", **{k: v for k, v in ev.items() if k != "session_id"})
-                return {"status": "terminated", "reason": f"escape: {escape.line()}", "escape": ev}
+                ev = self._escape(state, escape["operation"], escape["target"], escape["reason"],
+                                  source=escape["source"], pid=escape.get("pid"), exe=escape.get("exe"),
+                                  ts=escape.get("ts"))
+                self._audit(state, "monitor", "session.escape", allow=escape.get("allow", ""),
+                            **{k: v for k, v in ev.items() if k != "session_id"})
+                return {"status": "terminated", "reason": f"escape: {ev['operation']} {ev['target']} by "
+                        f"{os.path.basename(ev['exe'] or '?')} (pid {ev['pid']}): {ev['reason']}", "escape": ev}
             if result is not None:
                 self._audit(state, "monitor", "session.exit", exit_status=result["exit_status"],
                             signal=result["signal"])

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, TypedDict
 
 if TYPE_CHECKING:
-    from .spawn import Supervised
+    from .spawn import HostedCell
 
 Status = Literal["running", "completed", "terminated", "aborted"]
 FINAL: tuple[str, ...] = ("completed", "terminated", "aborted")
@@ -62,7 +62,7 @@ class Runtime:
     faults: dict[str, int] = field(default_factory=dict)  # point -> failures still to inject
     secrets: dict[str, str] = field(default_factory=dict)
     environ: dict[str, str] = field(default_factory=dict)  # the invoking user's (LANG, TERM, SUDO_UID)
-    cells: dict[str, Supervised] = field(default_factory=dict)
+    cells: dict[str, HostedCell] = field(default_factory=dict)
     firewalls: dict[str, tuple[Any, Any]] = field(default_factory=dict)  # session -> (HostFirewall, log)
     stop_requested: dict[str, str] = field(default_factory=dict)  # session -> why
     status_line: bool = False
