@@ -434,3 +434,33 @@ def test_a_config_file_the_agent_creates_is_reported(env: Env) -> None:
     assert s.rc == 0 and s.summary["warnings"] == [
         f"{env.project}/agentcell.toml was created during the session: the next session reads it; review it first"]
     assert "review it first" in s.err
+
+
+def test_api_keys_reach_the_cell_of_the_harness_that_needs_them_and_never_the_checkpoints(
+        env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
+    """In-process (the codex binary is not installed here, and the CLI refuses a missing harness): the
+    codex profile's key, from .env, is in the cell; its value is in no checkpoint and no audit record."""
+    from langgraph.checkpoint.sqlite import SqliteSaver
+
+    from agentcell.session import config, graph, state
+
+    monkeypatch.setenv("AGENTCELL_STATE_DIR", str(env.state))
+    (env.state / "keys.env").write_text("OPENAI_API_KEY=sk-test-0123456789\nANTHROPIC_API_KEY=sk-not-for-codex\n")
+    cfg = config.load({"harness": "codex", "network": "none", "declared_paths": ["src"],
+                       "audit_log_path": str(env.audit), "backup_dir": str(env.state / "backups")},
+                      environ={"LANG": "C.UTF-8"}, cwd=str(env.project), dotenv=str(env.state / "keys.env"))
+    out = env.state / "out.txt"
+    fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        rt = state.Runtime(stdio=(0, fd, 2), secrets=dict(cfg.secrets), environ={"LANG": "C.UTF-8"})
+        conn = state.connect()
+        g = graph.build_graph(rt, checkpointer=SqliteSaver(conn))
+        final = graph.run(g, {"session_id": graph.new_session_id(), "config": cfg.as_dict(),
+                              "argv": ["sh", "-c", 'echo "openai=$OPENAI_API_KEY anthropic=$ANTHROPIC_API_KEY"']})
+        conn.close()
+    finally:
+        os.close(fd)
+    assert final["status"] == "completed" and final["reason"] == "exit 0", final.get("reason")
+    assert out.read_text() == "openai=sk-test-0123456789 anthropic=\n"
+    for f in [*(env.state / "sessions").iterdir(), env.audit]:
+        assert b"sk-test-0123456789" not in f.read_bytes(), f
