@@ -1,11 +1,14 @@
-"""The escape monitor (issue 7, first part): Landlock denials from the audit stream, resource events,
-telemetry; freeze, record, kill."""
+"""The escape monitor (issue 7): Landlock denials from the audit stream, exec watch, canary
+credentials, seccomp refusals, resource events, telemetry; per-class verdicts; freeze, record, kill;
+the rootless subset; the Python API. Every probe class under the monitor: tests/escape/test_monitor_probes.py."""
 from __future__ import annotations
 
 import json
 import os
 import subprocess
 from pathlib import Path
+
+import pytest
 
 from agentcell.monitor import audit
 from conftest import AGENTCELL, User, agentcell_run, needs_root
@@ -72,7 +75,7 @@ def test_a_source_that_stops_is_a_telemetry_event_and_ends_the_cell(user: User) 
     spec = CellSpec(ident, env=build_env({}, ident), cell_id="agentcell-montest" + os.urandom(3).hex())
     watch = Monitor(spec.cell_id, None, uid=user.uid)
     running = launch.start(spec, ["sleep", "30"])
-    watch.cg = running.cg
+    watch.attach(running)
     watch.start()
     watch.audit.sock.close()  # the source dies under the monitor
     result = running.wait(20)
@@ -89,3 +92,115 @@ def test_a_privilege_tool_run_in_the_cell_is_an_escape_attempt(user: User) -> No
     assert r.rc == 0 and r.out.strip() == "done", r.err
     got = [(e["operation"], e["target"], e["source"]) for e in r.result["events"]]  # type: ignore[union-attr]
     assert got == [("execute", "mount", "exec"), ("execute", "su", "exec")], r.result["events"]
+
+
+PTRACE = ("import ctypes, time; l = ctypes.CDLL(None, use_errno=True); print('ptrace', l.ptrace(16, 1, 0, 0), "
+          "ctypes.get_errno(), flush=True); time.sleep(3); print('still running')")
+
+
+def test_a_canary_credential_opened_is_attributed_and_ends_the_cell(user: User) -> None:
+    r = agentcell_run(["--as", str(user.uid), "--monitor", "--", "sh", "-c",
+                       "ls -a ~/.ssh; head -c 10 ~/.ssh/id_ed25519; sleep 3; echo still running"], timeout=60)
+    assert r.rc == 137 and "still running" not in r.out, (r.out, r.err)
+    assert "id_ed25519" in r.out and "id_rsa" in r.out  # listing the directory is not an attempt
+    [ev] = r.result["events"]  # type: ignore[misc]
+    assert (ev["operation"], ev["source"], ev["target"]) == ("read", "canary", f"/home/{user.name}/.ssh/id_ed25519")
+    assert ev["pid"] and os.path.basename(ev["exe"]) == "head", ev
+    assert r.result["monitor_sources"]["canary"] == "on"  # type: ignore[index]
+
+
+def test_a_refused_escape_call_is_reported_by_seccomp_and_ends_the_cell(user: User) -> None:
+    r = agentcell_run(["--as", str(user.uid), "--monitor", "--", "python3", "-c", PTRACE], timeout=60)
+    assert r.rc == 137 and "still running" not in r.out, (r.out, r.err)
+    [ev] = r.result["events"]  # type: ignore[misc]
+    assert (ev["operation"], ev["source"], ev["target"]) == ("execute", "seccomp", "ptrace pid 1"), ev
+    assert ev["exe"].startswith("/usr/bin/python3") and ev["pid"]
+
+
+def test_without_the_monitor_the_same_call_is_refused_plainly(user: User) -> None:
+    r = agentcell_run(["--as", str(user.uid), "--", "python3", "-c", PTRACE.replace("time.sleep(3)", "0")])
+    assert r.rc == 0 and r.out.splitlines() == ["ptrace -1 1", "still running"], (r.out, r.err)
+    assert "events" not in r.result
+
+
+def test_verdicts_are_set_per_class(user: User) -> None:
+    r = agentcell_run(["--as", str(user.uid), "--monitor", "--on-escape", "terminate,read=record", "--", "sh", "-c",
+                       f"cat ~/.kube/config >/dev/null; echo read-went-on; python3 -c \"{PTRACE}\""], timeout=60)
+    # ptrace waits in the call until the event is recorded and the cell frozen: it never returns
+    assert r.rc == 137 and r.out.splitlines() == ["read-went-on"], (r.out, r.err)
+    assert [e["source"] for e in r.result["events"]] == ["canary", "seccomp"]  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("flags", [["--on-escape", "kill"], ["--monitor", "--on-escape", "files=record"],
+                                   ["--on-escape", "record"]])
+def test_a_bad_verdict_is_one_line_and_nothing_runs(user: User, flags: list[str]) -> None:
+    r = agentcell_run(["--as", str(user.uid), *flags, "--", "touch", "/tmp/x"])
+    assert r.rc == 125 and len(r.err.strip().splitlines()) == 1 and "--on-escape" in r.err, r.err
+
+
+def test_no_decoys_in_a_host_home_and_no_netrc_where_http_may_run(user: User, tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    home.mkdir()
+    os.chown(home, user.uid, user.gid)
+    r = agentcell_run(["--as", str(user.uid), "--home", str(home), "--monitor", "--", "sh", "-c", "ls -A ~"])
+    assert r.rc == 0 and r.out == "" and list(home.iterdir()) == [], r.out
+    assert r.result["monitor_sources"]["canary"].startswith("off: the home is a host directory")  # type: ignore[index]
+    r = agentcell_run(["--as", str(user.uid), "--net", "loopback", "--monitor", "--", "sh", "-c",
+                       "ls -A ~; cat ~/.netrc 2>/dev/null; true"])
+    assert r.rc == 0 and ".ssh" in r.out.split() and ".netrc" not in r.out.split(), r.out
+    assert r.result["events"] == []
+
+
+def test_rootless_says_what_it_cannot_see_and_uses_what_remains(user: User) -> None:
+    r = agentcell_run(["--monitor", "--", "sh", "-c", f"cat ~/.aws/credentials >/dev/null; python3 -c \"{PTRACE}\""],
+                      as_user=user, timeout=60)
+    sources = r.result["monitor_sources"]
+    assert {k: v.split(":")[0] for k, v in sources.items()} == {  # type: ignore[union-attr]
+        "landlock": "off", "exec": "off", "cgroup": "off", "canary": "on (inotify", "seccomp": "on"}, sources
+    assert "not watched: cgroup" in r.err and "audit stream needs root" in r.err
+    # No cgroup to freeze: the cell is killed through its PID 1 at the first event (the canary).
+    assert r.rc == 137 and "ptrace" not in r.out, (r.out, r.err)
+    [ev] = r.result["events"]  # type: ignore[misc]
+    assert (ev["source"], ev["pid"]) == ("canary", None)  # inotify: the open, not who made it
+    r = agentcell_run(["--monitor", "--on-escape", "record", "--", "python3", "-c", PTRACE.replace("time.sleep(3)",
+                       "0")], as_user=user, timeout=60)
+    assert r.rc == 0 and [(e["source"], bool(e["pid"])) for e in r.result["events"]] == [  # type: ignore[union-attr]
+        ("seccomp", True)], r.result
+
+
+def test_the_python_api_streams_events_as_they_come(user: User) -> None:
+    from agentcell import CellSpec
+    from agentcell.policy.resolve import build_env, resolve_identity
+    from agentcell.supervise import Supervised
+
+    ident = resolve_identity(str(user.uid), euid=0)
+    spec = CellSpec(ident, env=build_env({}, ident), cell_id="agentcell-apitest" + os.urandom(3).hex())
+    seen: list[str] = []
+    sup = Supervised.start(spec, ["sh", "-c", "cat ~/.netrc ~/.ssh/id_rsa >/dev/null; sleep 30"], monitor="record",
+                           callback=lambda ev: seen.append(ev.target), stdio=(os.open(os.devnull, os.O_RDWR),) * 3)
+    try:
+        assert sup.monitor is not None
+        stream = sup.monitor.stream(timeout=20)
+        first, second = next(stream), next(stream)
+        assert {first.target, second.target} == {f"/home/{user.name}/.netrc", f"/home/{user.name}/.ssh/id_rsa"}
+        assert first.pid and first.exe.endswith("/cat") and sup.poll() is None  # record: it runs on
+        assert sup.stats()["cpu_s"] >= 0
+        sup.terminate("the test is done")
+        result = sup.wait(20)
+    finally:
+        sup.terminate("cleanup")
+        sup.wait(20)
+    assert result["signal"] == 9 and result["terminated_by_monitor"] is True
+    assert sup.monitor.reason == "the test is done"
+    assert sorted(seen) == sorted(e["target"] for e in result["events"])
+
+
+def test_the_warm_launcher_refuses_a_watched_cell(user: User) -> None:
+    from agentcell import Cell, CellSpec
+    from agentcell.errors import AgentcellError
+    from agentcell.policy.resolve import build_env, resolve_identity
+
+    ident = resolve_identity(str(user.uid), euid=0)
+    spec = CellSpec(ident, env=build_env({}, ident), watch=True)
+    with Cell(spec) as cell, pytest.raises(AgentcellError, match="with its monitor"):
+        cell.run(["true"])

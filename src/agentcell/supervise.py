@@ -53,9 +53,8 @@ class Supervised:
     def start(cls, spec: CellSpec, argv: Sequence[str], *, monitor: str | None = "terminate",
               callback: Callable[[CellEvent], None] | None = None, stdio: Sequence[int] = (0, 1, 2),
               tty_fds: Sequence[int] = ()) -> Supervised:
-        """Launch ``argv`` in a cell for ``spec``. ``monitor``: terminate | record | None (no monitor)."""
-        if monitor not in (None, "terminate", "record"):
-            raise AgentcellError("--on-escape", f"unknown verdict {monitor!r}", "use terminate or record")
+        """Launch ``argv`` in a cell for ``spec``. ``monitor``: terminate | record | ``CLASS=VERDICT,…``
+        (:func:`agentcell.monitor.monitor.parse_verdicts`) | None (no monitor)."""
         fw = log = None
         if spec.network == "host-firewall":
             from .network import firewall, nflog
@@ -105,6 +104,7 @@ class Supervised:
                     pass  # it exited at once: the cell will find no one on its one way out
         sup = cls(spec, running, watch, proxy, fw, log)
         if watch is not None:
+            _ = sup.pid1  # known before the monitor follows the cell's processes by descent from it
             watch.attach(running)
             if proxy is not None:
                 watch.add_source(proxy.new_events)

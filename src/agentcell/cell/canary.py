@@ -24,10 +24,7 @@ import os
 
 from .spec import CellSpec
 
-FAN_CLOEXEC, FAN_NONBLOCK, FAN_CLASS_CONTENT = 0x1, 0x2, 0x4
-FAN_MARK_ADD, FAN_OPEN_PERM = 0x1, 0x10000
 IN_OPEN, IN_NONBLOCK, IN_CLOEXEC = 0x20, 0o4000, 0o2000000
-AT_FDCWD = -100
 
 # Relative to the cell's home, in the order they are marked (inotify watch descriptors follow it).
 CANARIES = (".ssh/id_ed25519", ".ssh/id_rsa", ".aws/credentials", ".kube/config", ".config/gh/hosts.yml", ".netrc")
@@ -98,27 +95,24 @@ def plant_and_watch(spec: CellSpec, ctl: object) -> None:
         os.close(watch)
 
 
-def _libc() -> ctypes.CDLL:
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.fanotify_mark.argtypes = [ctypes.c_int, ctypes.c_uint, ctypes.c_uint64, ctypes.c_int, ctypes.c_char_p]
-    return libc
-
-
 def _fanotify(paths: tuple[str, ...]) -> int | None:
-    libc = _libc()
-    fd = libc.fanotify_init(FAN_CLASS_CONTENT | FAN_CLOEXEC | FAN_NONBLOCK, os.O_RDONLY | os.O_CLOEXEC)
-    if fd < 0:
+    from . import fanotify
+
+    try:
+        fd = fanotify.init(fanotify.FAN_CLASS_CONTENT)
+    except OSError:
         return None  # no CAP_SYS_ADMIN after all (a container): inotify sees the opens, not who
-    for p in paths:
-        if libc.fanotify_mark(fd, FAN_MARK_ADD, FAN_OPEN_PERM, AT_FDCWD, os.fsencode(p)) != 0:
-            err = ctypes.get_errno()
-            os.close(fd)
-            raise OSError(err, f"fanotify_mark {p}: {os.strerror(err)}")
-    return int(fd)
+    try:
+        for p in paths:
+            fanotify.mark(fd, fanotify.FAN_OPEN_PERM, p)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _inotify(paths: tuple[str, ...]) -> int:
-    libc = _libc()
+    libc = ctypes.CDLL(None, use_errno=True)
     fd = libc.inotify_init1(IN_NONBLOCK | IN_CLOEXEC)
     if fd < 0:
         err = ctypes.get_errno()

@@ -9,6 +9,7 @@ SYSCALL record (pid, exe) and an end-of-event record (1320) that completes it.
 """
 from __future__ import annotations
 
+import errno
 import os
 import shlex
 import socket
@@ -153,8 +154,10 @@ class AuditReader:
                 data = self.sock.recv(1 << 16)
             except BlockingIOError:
                 return out
-            except OSError:  # ENOBUFS: the kernel dropped records; say so
-                out.append({"lost": True, "ts": time.time()})
+            except OSError as e:
+                if e.errno != errno.ENOBUFS:  # a closed or broken socket: the source has stopped
+                    raise
+                out.append({"lost": True, "ts": time.time()})  # the kernel dropped records; say so
                 continue
             if len(data) < _NLMSG.size:
                 continue

@@ -8,9 +8,8 @@ import os
 import struct
 from typing import Any
 
-_FAN = struct.Struct("=IBBHQii")  # event_len, vers, reserved, metadata_len, mask, fd, pid
 _INO = struct.Struct("=iIII")  # wd, mask, cookie, len
-FAN_Q_OVERFLOW, IN_Q_OVERFLOW, IN_OPEN, FAN_OPEN_PERM, FAN_ALLOW = 0x4000, 0x4000, 0x20, 0x10000, 0x1
+FAN_Q_OVERFLOW, IN_Q_OVERFLOW, IN_OPEN, FAN_OPEN_PERM = 0x4000, 0x4000, 0x20, 0x10000
 
 
 class CanaryWatch:
@@ -31,11 +30,10 @@ class CanaryWatch:
         return self._fanotify(data) if self.kind == "fanotify" else self._inotify(data)
 
     def _fanotify(self, data: bytes) -> list[dict[str, Any]]:
+        from ..cell import fanotify
+
         out: list[dict[str, Any]] = []
-        off = 0
-        while off + _FAN.size <= len(data):
-            length, _v, _r, _m, mask, fd, pid = _FAN.unpack_from(data, off)
-            off += max(length, _FAN.size)
+        for mask, fd, pid in fanotify.events(data):
             if mask & FAN_Q_OVERFLOW:
                 out.append({"lost": True})
                 continue
@@ -59,8 +57,10 @@ class CanaryWatch:
         fd = event.get("answer")
         if fd is None:
             return
+        from ..cell import fanotify
+
         try:
-            os.write(self.fd, struct.pack("=iI", fd, FAN_ALLOW))
+            fanotify.allow(self.fd, fd)
         except OSError:
             pass  # the opener was killed meanwhile
         finally:

@@ -6,12 +6,21 @@ on the host within a millisecond; the monitor keeps those of the cell's processe
   they cannot work: trying is the signal);
 * any uid change of a cell's process (nothing in a cell can change its uid by design).
 
-The event carries only pids: the executable is read from ``/proc/<pid>/exe`` (and ``comm``) at once;
-a process that is already gone is reported by pid alone. Needs CAP_NET_ADMIN in the host's network
-namespace (root).
+The connector's events carry only pids, so two things make the watch exact rather than racy:
+
+* **membership by descent**: fork and exit events are followed from the cell's PID 1, so a process
+  is known to be the cell's even if it is gone before anyone looks at ``/proc`` (a cgroup read races
+  with a short-lived process);
+* **which binary, from the kernel**: :class:`ToolExecs` puts fanotify ``FAN_OPEN_EXEC`` marks on the
+  privilege tools' binaries themselves (notification only: nothing on the host ever waits for us);
+  each event holds the binary open, so its name is known even when ``mount --version`` has long
+  exited. Where fanotify is unavailable the connector's exec event and ``/proc/<pid>/exe`` remain.
+
+Needs CAP_NET_ADMIN in the host's network namespace and CAP_SYS_ADMIN (root).
 """
 from __future__ import annotations
 
+import errno
 import os
 import socket
 import struct
@@ -20,7 +29,8 @@ from typing import Any
 NETLINK_CONNECTOR = 11
 CN_IDX_PROC, CN_VAL_PROC = 1, 1
 PROC_CN_MCAST_LISTEN, PROC_CN_MCAST_IGNORE = 1, 2
-PROC_EVENT_EXEC, PROC_EVENT_UID = 0x2, 0x4
+PROC_EVENT_FORK, PROC_EVENT_EXEC, PROC_EVENT_UID, PROC_EVENT_EXIT = 0x1, 0x2, 0x4, 0x80000000
+TOOL_DIRS = ("/usr/bin", "/usr/sbin", "/bin", "/sbin", "/usr/local/bin", "/usr/local/sbin")
 PRIVILEGE_TOOLS = frozenset({"sudo", "su", "pkexec", "passwd", "newgrp", "sg", "ssh", "mount", "umount", "chsh",
                              "chfn", "gpasswd", "doas"})
 _NLMSG = struct.Struct("=IHHII")
@@ -55,15 +65,25 @@ class ExecWatch:
                 data = self.sock.recv(4096)
             except BlockingIOError:
                 return out
-            except OSError:  # ENOBUFS: events were dropped
-                out.append({"kind": "lost"})
+            except OSError as e:
+                if e.errno != errno.ENOBUFS:  # a closed or broken socket: the source has stopped
+                    raise
+                out.append({"kind": "lost"})  # events were dropped
                 continue
             off = _NLMSG.size + _CNMSG.size
             if len(data) < off + _EVENT.size:
                 continue
             what, _cpu, _ts = _EVENT.unpack_from(data, off)
             body = off + _EVENT.size
-            if what == PROC_EVENT_EXEC and len(data) >= body + 8:
+            if what == PROC_EVENT_FORK and len(data) >= body + 16:
+                _ppid, ptgid, cpid, ctgid = struct.unpack_from("=iiii", data, body)
+                if cpid == ctgid:  # a new process, not a thread
+                    out.append({"kind": "fork", "parent": ptgid, "pid": ctgid})
+            elif what == PROC_EVENT_EXIT and len(data) >= body + 8:
+                pid, tgid = struct.unpack_from("=ii", data, body)
+                if pid == tgid:
+                    out.append({"kind": "exit", "pid": tgid})
+            elif what == PROC_EVENT_EXEC and len(data) >= body + 8:
                 pid, _tgid = struct.unpack_from("=ii", data, body)
                 out.append({"kind": "exec", "pid": pid, **_identify(pid)})
             elif what == PROC_EVENT_UID and len(data) >= body + 16:
@@ -91,3 +111,56 @@ def _identify(pid: int) -> dict[str, str]:
         except OSError:
             pass
     return out
+
+
+class ToolExecs:
+    """fanotify FAN_OPEN_EXEC on the privilege tools' binaries (by inode: every name and bind of them)."""
+
+    def __init__(self) -> None:
+        from ..cell import fanotify
+
+        self.fd = fanotify.init(fanotify.FAN_CLASS_NOTIF)
+        seen: set[tuple[int, int]] = set()
+        try:
+            for d in TOOL_DIRS:
+                for name in PRIVILEGE_TOOLS:
+                    path = os.path.join(d, name)
+                    try:
+                        st = os.stat(path)
+                    except OSError:
+                        continue
+                    if (st.st_dev, st.st_ino) not in seen:
+                        seen.add((st.st_dev, st.st_ino))
+                        fanotify.mark(self.fd, fanotify.FAN_OPEN_EXEC, path)
+        except BaseException:
+            os.close(self.fd)
+            raise
+
+    def fileno(self) -> int:
+        return self.fd
+
+    def read(self) -> list[dict[str, Any]]:
+        """{"pid", "tool"} for each exec of a marked binary since the last read ({"kind": "lost"} on overflow)."""
+        from ..cell import fanotify
+
+        try:
+            data = os.read(self.fd, 1 << 16)
+        except BlockingIOError:
+            return []
+        out: list[dict[str, Any]] = []
+        for mask, fd, pid in fanotify.events(data):
+            if mask & fanotify.FAN_Q_OVERFLOW:
+                out.append({"kind": "lost"})
+            if fd < 0:
+                continue
+            try:
+                path = os.readlink(f"/proc/self/fd/{fd}")
+            except OSError:
+                path = "?"
+            finally:
+                os.close(fd)
+            out.append({"kind": "tool", "pid": pid, "tool": os.path.basename(path), "exe": path})
+        return out
+
+    def close(self) -> None:
+        os.close(self.fd)

@@ -137,7 +137,10 @@ class Monitor:
         self.execs: Any = None
         self.canaries: Any = None
         self.seccomp: Any = None
+        self.tools: Any = None
         self._running: Any = None
+        self._members: set[int] = set()  # the cell's processes, followed by descent from its PID 1
+        self._exited: dict[int, float] = {}  # members that exited, and when (forgotten after 5 s)
         if rootless:
             self._state["landlock"] = "off: the audit stream needs root (CAP_AUDIT_CONTROL, CAP_AUDIT_READ)"
             self._state["exec"] = "off: the proc connector needs root (CAP_NET_ADMIN in the host's namespace)"
@@ -153,10 +156,14 @@ class Monitor:
             self._event(CellEvent("telemetry", "landlock", f"the audit stream cannot be read ({e}): Landlock "
                                   "denials are not seen", source="telemetry", cell=cell_id))
         try:
-            from .execwatch import ExecWatch
+            from .execwatch import ExecWatch, ToolExecs
 
             self.execs = ExecWatch()
             self._state["exec"] = "on"
+            try:
+                self.tools = ToolExecs()
+            except OSError as e:  # the connector alone still sees execs, racing short-lived ones
+                self._state["exec"] = f"on (without fanotify: {e.strerror}; a tool that exits at once may be missed)"
         except (OSError, PermissionError) as e:
             self._state["exec"] = f"failed: {e}"
             self._event(CellEvent("telemetry", "exec", f"the proc connector cannot be read ({e}): execs are not "
@@ -172,6 +179,8 @@ class Monitor:
         from ..cell import canary
 
         self.cg, self._running = running.cg, running
+        if running.pid1:
+            self._members.add(running.pid1)
         self._state.setdefault("cgroup", "on" if running.cg is not None else "off: the cell has no cgroup")
         planned = canary.planned(running.spec)
         if running.canary_fd is not None:
@@ -233,13 +242,13 @@ class Monitor:
         except (OSError, ValueError) as e:
             self._event(CellEvent("telemetry", "monitor", f"a source failed: {e}", source="telemetry",
                                   cell=self.cell_id))
-        for source in (self.audit, self.execs, self.canaries, self.seccomp):
+        for source in (self.audit, self.execs, self.tools, self.canaries, self.seccomp):
             if source is not None:
                 try:
                     source.close()
                 except OSError:
                     pass
-        self.audit = self.execs = self.canaries = self.seccomp = None
+        self.audit = self.execs = self.tools = self.canaries = self.seccomp = None
         self._queue.put(None)
         return self.events
 
@@ -249,7 +258,8 @@ class Monitor:
         try:
             while not self._stop.is_set():
                 self.heartbeat = time.monotonic()
-                watched = [s for s in (self.audit, self.execs, self.canaries, self.seccomp) if s is not None]
+                watched = [s for s in (self.audit, self.execs, self.tools, self.canaries, self.seccomp)
+                           if s is not None]
                 if watched:
                     if select.select(watched, [], [], 0.02)[0]:
                         self._drain()
@@ -279,7 +289,10 @@ class Monitor:
                                   allow="nothing: it is a decoy; give real credentials with --ro PATH if a tool "
                                   "needs them"))
             self.canaries.answer(c)  # recorded (and, under terminate, frozen): now the open may go on
+        tools = self.tools.read() if self.tools is not None else []  # first: its forks are read below
         for ex in self.execs.read() if self.execs is not None else []:
+            self._exec_event(ex)
+        for ex in tools:
             self._exec_event(ex)
         if self.audit is None:
             return
@@ -297,6 +310,7 @@ class Monitor:
         op, target, reason = describe(n["call"], n["args"])
         self._event(CellEvent(op, target, reason, source="seccomp", cell=self.cell_id, pid=n["pid"],
                               exe=n.get("exe", ""), allow="nothing: a cell never gets this call"))
+        self.seccomp.refuse(n)  # recorded (and, under terminate, frozen): now the call fails
 
     def _exec_event(self, ex: dict[str, Any]) -> None:
         from .execwatch import PRIVILEGE_TOOLS
@@ -305,10 +319,24 @@ class Monitor:
             self._event(CellEvent("telemetry", "exec", "the kernel dropped proc connector events", source="telemetry",
                                   cell=self.cell_id))
             return
-        if f"/{self.cell_id}" not in ex.get("cgroup", "") or ex["pid"] in self.trusted:
-            return  # another process of the host (or ours), or gone before we looked (then unattributable)
-        name = os.path.basename(ex.get("exe", "")) or ex.get("comm", "")
-        if ex["kind"] == "exec" and name in PRIVILEGE_TOOLS:
+        kind, pid = ex["kind"], int(ex.get("pid") or 0)
+        if kind == "fork":
+            if ex["parent"] in self._members:
+                self._members.add(pid)
+                self._exited.pop(pid, None)
+            return
+        if kind == "exit":  # kept a while: the fanotify event of a tool that exited at once may come later
+            self._exited[pid] = time.monotonic()
+            if len(self._exited) > 256:
+                old = time.monotonic() - 5
+                for p in [p for p, t in self._exited.items() if t < old]:
+                    self._members.discard(p)
+                    del self._exited[p]
+            return
+        if pid not in self._members or pid in self.trusted:
+            return  # another process of the host (or ours)
+        name = ex.get("tool") or os.path.basename(ex.get("exe", "")) or ex.get("comm", "")
+        if kind in ("tool", "exec") and name in PRIVILEGE_TOOLS:  # a copy under the same name too (exec)
             self._event(CellEvent("execute", name, f"a privilege tool was run in the cell ({name}: mounts are "
                                   "nosuid, so it can only be an attempt)", source="exec", cell=self.cell_id,
                                   pid=ex["pid"], exe=ex.get("exe", ""), allow="nothing: a cell never gains privilege"))
@@ -386,8 +414,11 @@ class Monitor:
             except OSError:
                 pass
             killed = self.cg.kill()
-        if not killed and self._running is not None:
-            self._running.forward(9)  # SIGKILL to PID 1: its death ends the cell's PID namespace
+        if self._running is not None:  # and in any case PID 1: its death ends the cell's PID namespace
+            self._running.forward(9)
+        elif not killed:
+            self._event(CellEvent("telemetry", "monitor", "the cell could not be killed (no cgroup.kill, no PID 1 "
+                                  "known)", source="telemetry", cell=self.cell_id))
 
 
 def _readable(source: Any) -> bool:

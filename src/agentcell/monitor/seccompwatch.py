@@ -57,7 +57,8 @@ class SeccompWatch:
         return self.fd
 
     def read(self) -> list[dict[str, Any]]:
-        """Receive one pending notification and refuse it; [] if it went away (its process was killed)."""
+        """Receive one pending notification; [] if it went away (its process was killed). Each must be
+        refused with :meth:`refuse` once recorded (the caller waits in the call until then)."""
         buf = bytearray(_NOTIF.size)
         try:
             fcntl.ioctl(self.fd, NOTIF_RECV, buf, True)
@@ -67,9 +68,10 @@ class SeccompWatch:
             raise
         nid, pid, _flags, nr, _arch, _ip, *args = _NOTIF.unpack(buf)
         name = self._names.get(nr) or self._names.setdefault(nr, call_name(nr))
-        out = {"pid": pid, "call": name, "args": args, **_identify(pid)}
-        self.answer(nid, -errno.EPERM)
-        return [out]
+        return [{"id": nid, "pid": pid, "call": name, "args": args, **_identify(pid)}]
+
+    def refuse(self, notification: dict[str, Any]) -> None:
+        self.answer(notification["id"], -errno.EPERM)
 
     def answer(self, nid: int, error: int) -> None:
         try:
