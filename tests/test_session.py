@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from agentcell.session.nodes import cell_cgroups
 from conftest import AGENTCELL, User, needs_root
 
 
@@ -139,7 +140,7 @@ def test_a_clean_session_edits_only_declared_paths_and_ends_at_its_wall_clock(en
     assert account_gone(s.summary["os_user"]) and s.summary["os_user"].startswith("ac-s")
     assert s.summary["os_user"] not in acl_names(env.project) and str(s.summary["problems"]) == "[]"
     assert (env.project / "src" / "new.py").stat().st_uid == user.uid
-    assert not Path(f"/sys/fs/cgroup/agentcell/{s.summary['cell_id']}").exists()
+    assert cell_cgroups(s.summary['cell_id']) == []
     events = [r["event"] for r in records(env, sid)]
     assert events == ["session.plan", "session.policy", "session.preflight", "session.account", "session.firewall",
                       "session.spawn", "session.timeout", "session.terminate", "session.cleanup", "session.end"]
@@ -254,7 +255,7 @@ def test_recover_finishes_the_teardown_after_the_supervisor_is_killed(env: Env) 
     [done] = r.summary  # type: ignore[misc]
     assert (done["session"], done["status"]) == (row["session"], "terminated"), (done, r.err)
     assert account_gone(name) and name not in acl_names(env.project)
-    assert not Path(f"/sys/fs/cgroup/agentcell/{row['cell_id']}").exists()
+    assert cell_cgroups(row['cell_id']) == []
     assert [e["event"] for e in records(env, row["session"])][-3:] == ["session.terminate", "session.cleanup",
                                                                        "session.end"]
     assert session(env, ["recover", "--json"]).summary == []  # nothing left to do
@@ -321,8 +322,8 @@ def test_kill_9_of_the_supervisor_at_any_node_then_recover_leaves_nothing_behind
     assert done["status"] in ("terminated", "completed") and done["problems"] == [], (done, r.err)
     assert account_gone(done["os_user"]) and not os.listdir(env.state / "ephemeral")
     assert named_acl_entries(env.project) == []
-    assert not Path(f"/sys/fs/cgroup/agentcell/{done['cell_id']}").exists()
-    assert not any(p.name == done["cell_id"] for p in Path("/run/agentcell/cgroups").glob("*"))
+    assert cell_cgroups(f"agentcell-{done['session']}") == []
+    assert not Path(f"/run/agentcell/cgroups/agentcell-{done['session']}").exists()
     assert ((env.project / "src" / "app.py").read_bytes(), (env.project / "docs" / "notes.md").read_bytes()) == before
     events = [r["event"] for r in records(env, done["session"])]
     assert events[-1] == "session.end" and "session.spawn" not in events[events.index("session.end"):], events

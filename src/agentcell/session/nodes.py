@@ -507,44 +507,91 @@ def _fingerprint(path: str) -> str | None:
 
 # ---- teardown from the state alone (the supervisor may be gone) ------------------------------------
 
-def _kill_cell(cell_id: str) -> None:
-    """Kill every process of a cell whose handle is gone, through its cgroup."""
+def cell_cgroups(cell_id: str) -> list[str]:
+    """Every group of a cell on this host, v2 or hybrid/v1 (one per controller), whether or not its
+    record (``cgroups.RECORDS``) survived."""
+    import glob
+
     from ..cell import cgroups
 
-    d = os.path.join(cgroups.ROOT, cgroups.PARENT, cell_id)
-    for name, value in (("cgroup.freeze", "1"), ("cgroup.kill", "1")):
-        try:
-            with open(os.path.join(d, name), "w") as f:
-                f.write(value)
-        except OSError:
-            pass
+    return sorted({*glob.glob(f"{cgroups.ROOT}/{cgroups.PARENT}/{glob.escape(cell_id)}"),
+                   *glob.glob(f"{cgroups.ROOT}/*/{cgroups.PARENT}/{glob.escape(cell_id)}")})
+
+
+def _procs(d: str) -> list[int]:
+    try:
+        with open(os.path.join(d, "cgroup.procs")) as f:
+            return [int(p) for p in f.read().split()]
+    except (OSError, ValueError):
+        return []
+
+
+def _kill_cell(cell_id: str) -> None:
+    """Kill every process of a cell whose handle is gone, through its groups: frozen first, then
+    ``cgroup.kill`` where the kernel has it, else each member (a frozen member cannot fork or exit, so
+    its pid names it until it is killed)."""
+    dirs = cell_cgroups(cell_id)
+    for d in dirs:
+        for name, value in (("cgroup.freeze", "1"), ("freezer.state", "FROZEN")):
+            if os.path.exists(os.path.join(d, name)):
+                try:
+                    with open(os.path.join(d, name), "w") as f:
+                        f.write(value)
+                except OSError:
+                    pass
     for _ in range(200):
-        try:
-            with open(os.path.join(d, "cgroup.procs")) as f:
-                if not f.read().strip():
-                    return
-        except OSError:
-            return
+        members = {p for d in dirs for p in _procs(d)}
+        if not members:
+            break
+        for d in dirs:
+            if os.path.exists(os.path.join(d, "cgroup.kill")):
+                try:
+                    with open(os.path.join(d, "cgroup.kill"), "w") as f:
+                        f.write("1")
+                except OSError:
+                    pass
+        for pid in members:
+            try:
+                os.kill(pid, 9)
+            except ProcessLookupError:
+                pass
+        for d in dirs:  # a killed process of a frozen v1 group dies only once thawed
+            if os.path.exists(os.path.join(d, "freezer.state")):
+                try:
+                    with open(os.path.join(d, "freezer.state"), "w") as f:
+                        f.write("THAWED")
+                except OSError:
+                    pass
         time.sleep(0.01)
 
 
 def _remove_cgroup(cell_id: str) -> list[str]:
     from ..cell import cgroups
 
-    d = os.path.join(cgroups.ROOT, cgroups.PARENT, cell_id)
-    try:
-        if stat.S_ISDIR(os.lstat(d).st_mode):
-            _kill_cell(cell_id)
-            os.rmdir(d)
-    except FileNotFoundError:
-        pass
-    except OSError as e:
-        return [f"cgroup {d}: {e.strerror}"]
+    _kill_cell(cell_id)
+    problems = []
+    for d in cell_cgroups(cell_id):
+        for _ in range(200):
+            try:
+                os.rmdir(d)
+                break
+            except FileNotFoundError:
+                break
+            except OSError as e:
+                err = e
+                time.sleep(0.01)
+        else:
+            problems.append(f"cgroup {d}: {err.strerror}")
+            continue
+        try:
+            os.rmdir(os.path.dirname(d))  # the shared agentcell/ parent, when no other cell uses it
+        except OSError:
+            pass
     try:
         os.unlink(os.path.join(cgroups.RECORDS, cell_id))
     except OSError:
         pass
-    return []
+    return problems
 
 
 def _ephemeral_left(session_id: str) -> dict[str, Any] | None:
