@@ -465,3 +465,39 @@ def test_api_keys_reach_the_cell_of_the_harness_that_needs_them_and_never_the_ch
     assert out.read_text() == "openai=sk-test-0123456789 anthropic=\n"
     for f in [*(env.state / "sessions").iterdir(), env.audit]:
         assert b"sk-test-0123456789" not in f.read_bytes(), f
+
+
+def test_ten_concurrent_sessions_cannot_see_each_others_files_or_processes(env: Env, user: User) -> None:
+    projects = [Path("/tmp") / ("agentcell-test-c" + secrets.token_hex(4)) for _ in range(10)]
+    sups: list[subprocess.Popen[str]] = []
+    try:
+        for i, p in enumerate(projects):
+            (p / "src").mkdir(parents=True)
+            (p / "src" / "secret.txt").write_text(f"project {i}\n")
+            for q in (p, p / "src", p / "src" / "secret.txt"):
+                shutil.chown(q, user.uid, user.gid)
+        for i, p in enumerate(projects):
+            others = "".join(f"read {q}/src/secret.txt\n" for q in projects if q != p)
+            script = env.state / f"steps-{i}.txt"
+            script.write_text(f"write {p}/src/mine.txt {i}\n{others}run ps -eo uid=,comm=\n")
+            sups.append(subprocess.Popen([AGENTCELL, "session", "start", "--harness", "scripted", "--project", str(p),
+                                          "--json", "--", str(script)], env=_environ(env), cwd=p, text=True,
+                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+        outs = [s.communicate(timeout=300) for s in sups]
+        for i, (out, err) in enumerate(outs):
+            summary = json.loads(out.strip().splitlines()[-1])
+            assert summary["status"] == "completed" and summary["exit_status"] == 0, (i, summary, err)
+            lines = out.strip().splitlines()[:-1]
+            denied = [line for line in lines if "DENIED: read" in line]
+            assert len(denied) == 9 and all("No such file or directory" in line for line in denied), lines
+            uids = {line.split()[0] for line in lines if line.split()[0].isdigit()}
+            assert len(uids) == 1, lines  # only its own account's processes: a PID namespace per cell
+            assert (projects[i] / "src" / "mine.txt").read_text() == f"{i}\n"
+            assert account_gone(summary["os_user"])
+    finally:
+        for s in sups:
+            if s.poll() is None:
+                s.kill()
+                s.wait()
+        for p in projects:
+            shutil.rmtree(p, ignore_errors=True)
