@@ -501,3 +501,14 @@ def test_ten_concurrent_sessions_cannot_see_each_others_files_or_processes(env: 
                 s.wait()
         for p in projects:
             shutil.rmtree(p, ignore_errors=True)
+
+
+def test_the_seed_firewall_refuses_and_reports_egress_outside_443_and_goes_away(env: Env) -> None:
+    s = scripted(env, "connect 127.0.0.1 9\nsleep 600\n", "--rw", "src", "--wall-clock", "60",
+                 extra={"FIREWALL_ENABLED": "true"})
+    assert s.rc == 120 and s.out.startswith("step 1: DENIED: connect 127.0.0.1 9"), (s.out, s.err)
+    assert (s.summary["escape_target"], s.summary["escape"]["source"]) == ("127.0.0.1:9", "nftables"), s.summary
+    firewall = next(r for r in records(env, s.summary["session"]) if r["event"] == "session.firewall")
+    assert firewall["details"]["network"] == "host-firewall" and firewall["details"]["table"]
+    tables = subprocess.run(["nft", "list", "tables"], capture_output=True, text=True).stdout
+    assert firewall["details"]["table"] not in tables

@@ -305,7 +305,7 @@ class Nodes:
         try:
             cell = spawn.start(spec, list(state["argv"]), stdio=self.rt.stdio)
         except (OSError, AgentcellError) as e:
-            raise SpawnCrash("spawn", _line(e)) from None
+            raise SpawnCrash("", _line(e)) from None
         pid1 = cell.pid1
         self.rt.cells[sid] = cell
         now = time.time()
@@ -337,8 +337,9 @@ class Nodes:
                                   ts=escape.get("ts"))
                 self._audit(state, "monitor", "session.escape", allow=escape.get("allow", ""),
                             **{k: v for k, v in ev.items() if k != "session_id"})
-                return {"status": "terminated", "reason": f"escape: {ev['operation']} {ev['target']} by "
-                        f"{os.path.basename(ev['exe'] or '?')} (pid {ev['pid']}): {ev['reason']}", "escape": ev}
+                who = f" by {os.path.basename(ev['exe'] or '?')} (pid {ev['pid']})" if ev["pid"] else ""
+                return {"status": "terminated", "reason": f"escape: {ev['operation']} {ev['target']}{who}: "
+                        f"{ev['reason']}", "escape": ev}
             if result is not None:
                 self._audit(state, "monitor", "session.exit", exit_status=result["exit_status"],
                             signal=result["signal"])

@@ -35,7 +35,7 @@ class HostedCell:
         try:
             proc = subprocess.Popen(cellhost.command(ctl_r, rep_w), stdin=stdio[0], stdout=stdio[1],
                                     stderr=stdio[2], pass_fds=(ctl_r, rep_w), cwd="/",
-                                    env={"PATH": "/usr/local/bin:/usr/bin:/bin",
+                                    env={"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
                                          "LANG": os.environ.get("LANG", "C.UTF-8")})
         except OSError as e:
             for fd in (ctl_r, ctl_w, rep_r, rep_w):
@@ -49,7 +49,7 @@ class HostedCell:
             msg = cell._next(None)
             if msg is None or "error" in msg:
                 cell.close()
-                raise LaunchError("spawn", str(msg["error"]) if msg else "the cell's host ended before the cell "
+                raise LaunchError("cell", str(msg["error"]) if msg else "the cell's host ended before the cell "
                                   "started")
             if "started" in msg:
                 cell.cell_id, cell.pid1 = str(msg["started"]["cell_id"]), int(msg["started"]["pid1"])
