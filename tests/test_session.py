@@ -283,6 +283,9 @@ def test_config_precedence_is_flags_then_env_then_dotenv_then_toml(tmp_path: Pat
     ({}, ["--wall-clock", "0"], "--wall-clock: 0 is not above 0"),
     ({}, ["--harness", "codex"], "harness codex: codex (Codex CLI) is not installed where the cell can run it"),
     ({}, ["--agent", "Not A Name"], "--agent: 'Not A Name' is not a valid agent name"),
+    ({}, ["--agent", "ac-nobody"], "identity: no account named 'ac-nobody'"),
+    ({}, ["--rw", "/tmp/agentcell-no-such-dir"], "declared_paths: /tmp/agentcell-no-such-dir does not exist"),
+    ({"DECLARED_PATHS": "/etc"}, [], "declared_paths: /etc is refused: it is a system directory"),
 ])
 def test_bad_configuration_is_one_line_and_nothing_is_created(env: Env, extra: dict[str, str], args: list[str],
                                                              message: str) -> None:

@@ -111,11 +111,15 @@ def _start(ns: Any, harness_args: list[str]) -> int:
     flags["harness_args"] = harness_args
     cfg = config.load(flags, dotenv=ns.env_file)
     argv = profiles.command(profiles.get(cfg.harness), cfg.harness_args)  # a missing harness: refused here
+    sid = graph.new_session_id()
+    from ..session.nodes import compile_policy, make_plan
+
+    plan, _ = make_plan(cfg.as_dict(), sid)  # bad input is refused here, before a session exists
+    compile_policy(plan, dict(os.environ), cfg.project_root)
     faults = state.parse_faults(os.environ.get(state.FAULTS_ENV, ""))
     rt = state.Runtime(faults=faults, secrets=dict(cfg.secrets), environ=dict(os.environ),
                        status_line=sys.stderr.isatty() and not ns.json)
     g, _conn = _graph(rt)
-    sid = graph.new_session_id()
 
     def stop(sig: int, _frame: object) -> None:
         rt.stop_requested[sid] = f"signal {sig}"

@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import stat
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from langgraph.errors import NodeError
 from langgraph.types import Command
@@ -25,6 +25,9 @@ from langgraph.types import Command
 from ..audit.trail import AuditLog, AuditWriteError
 from ..errors import AgentcellError
 from .state import FINAL, SECRET_PLACEHOLDER, Runtime, SessionState
+
+if TYPE_CHECKING:
+    from ..policy.models import SessionPlan
 
 UNWRITABLE_AUDIT = "/proc/agentcell-fault/audit.jsonl"  # /proc takes no new files: a real write failure
 MAX_EVENTS = 100
@@ -109,47 +112,19 @@ class Nodes:
 
     def plan(self, state: SessionState) -> dict[str, Any]:
         """The request, from the configuration and the harness profile (pure)."""
-        from ..accounts import ephemeral
-        from ..policy.models import SessionPlan
-        from . import profiles
-
-        cfg = state["config"]
-        prof = profiles.get(cfg["harness"])
-        network = cfg.get("network") or ("host-firewall" if cfg.get("firewall_enabled") else prof.network)
-        if os.geteuid() != 0:
-            identity = "self"
-        elif cfg.get("agent"):
-            identity = f"agent:{cfg['agent']}"
-        else:  # the per-session account does not exist yet: checked against a uid of its range
-            identity = str(ephemeral.UID_FIRST)
-        declared = list(cfg.get("declared_paths") or [cfg["project_root"]])
-        ro, masked, marks = _config_files(cfg.get("config_files", []), declared)
-        plan = SessionPlan(
-            session_id=state["session_id"], harness=cfg["harness"],
-            declared_paths=declared, ro_paths=ro, masked_paths=masked,
-            wall_clock_limit_s=cfg["wall_clock_limit_s"], network=network,  # type: ignore[arg-type]
-            identity=identity,
-            env=dict(prof.env), keep_env=sorted(cfg.get("secret_names") or []),
-            allow_presets=[prof.egress_preset] if network == "proxy" and prof.egress_preset else [],
-            allow_egress=["seed"] if network == "host-firewall" else [])
+        plan, marks = make_plan(state["config"], state["session_id"])
         self._crash("plan")
         self._audit(state, "plan", "session.plan", harness=plan.harness, declared_paths=plan.declared_paths,
                     network=plan.network, wall_clock_limit_s=plan.wall_clock_limit_s, identity=plan.identity,
-                    sources=cfg.get("sources", {}))
+                    sources=state["config"].get("sources", {}))
         return {"plan": plan.model_dump(), "status": "running", "reason": "", "cell_id": f"agentcell-{plan.session_id}",
                 "config_marks": marks}
 
     def _compile(self, state: SessionState, identity: str | None = None) -> dict[str, Any]:
-        from ..policy.compile import compile_plan
         from ..policy.models import SessionPlan
 
         plan = SessionPlan.model_validate(state["plan"])
-        if identity is not None:
-            plan = plan.model_copy(update={"identity": identity})
-        environ = {k: v for k, v in self.rt.environ.items() if k in ("LANG", "TERM") or k.startswith("LC_")}
-        environ.update({k: SECRET_PLACEHOLDER for k in plan.keep_env})
-        policy = compile_plan(plan, environ=environ, host_cwd=state["config"]["project_root"])
-        return policy.model_dump()
+        return compile_policy(plan, self.rt.environ, state["config"]["project_root"], identity)
 
     def policy(self, state: SessionState) -> dict[str, Any]:
         policy = self._compile(state)
@@ -464,6 +439,44 @@ class Nodes:
                                           exit_status=(state.get("result") or {}).get("exit_status"),
                                           problems=state.get("problems", [])))
         return update
+
+
+# ---- plan and policy (pure: the CLI runs them too, to refuse bad input before a session exists) --------
+
+def make_plan(cfg: dict[str, Any], session_id: str) -> tuple[SessionPlan, dict[str, str | None]]:
+    from ..accounts import ephemeral
+    from ..policy.models import SessionPlan
+    from . import profiles
+
+    prof = profiles.get(cfg["harness"])
+    network = cfg.get("network") or ("host-firewall" if cfg.get("firewall_enabled") else prof.network)
+    if os.geteuid() != 0:
+        identity = "self"
+    elif cfg.get("agent"):
+        identity = f"agent:{cfg['agent']}"
+    else:  # the per-session account does not exist yet: checked against a uid of its range
+        identity = str(ephemeral.UID_FIRST)
+    declared = list(cfg.get("declared_paths") or [cfg["project_root"]])
+    ro, masked, marks = _config_files(cfg.get("config_files", []), declared)
+    plan = SessionPlan(
+        session_id=session_id, harness=cfg["harness"], declared_paths=declared, ro_paths=ro, masked_paths=masked,
+        wall_clock_limit_s=cfg["wall_clock_limit_s"], network=network,  # type: ignore[arg-type]
+        identity=identity, env=dict(prof.env), keep_env=sorted(cfg.get("secret_names") or []),
+        allow_presets=[prof.egress_preset] if network == "proxy" and prof.egress_preset else [],
+        allow_egress=["seed"] if network == "host-firewall" else [])
+    return plan, marks
+
+
+def compile_policy(plan: SessionPlan, environ: dict[str, str], project_root: str,
+                   identity: str | None = None) -> dict[str, Any]:
+    """The policy, as state: secrets are placeholders (filled in at spawn, never checkpointed)."""
+    from ..policy.compile import compile_plan
+
+    if identity is not None:
+        plan = plan.model_copy(update={"identity": identity})
+    env = {k: v for k, v in environ.items() if k in ("LANG", "TERM") or k.startswith("LC_")}
+    env.update({k: SECRET_PLACEHOLDER for k in plan.keep_env})
+    return compile_plan(plan, environ=env, host_cwd=project_root).model_dump()
 
 
 # ---- the session's own configuration inside the project -------------------------------------------
