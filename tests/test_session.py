@@ -515,3 +515,53 @@ def test_the_seed_firewall_refuses_and_reports_egress_outside_443_and_goes_away(
     assert firewall["details"]["network"] == "host-firewall" and firewall["details"]["table"]
     tables = subprocess.run(["nft", "list", "tables"], capture_output=True, text=True).stdout
     assert firewall["details"]["table"] not in tables
+
+
+STI_ATTACK = """
+import fcntl, os, termios
+print("TTY", os.ttyname(1))
+fd = os.open("/dev/tty", os.O_RDWR) if os.path.exists("/dev/tty") else 0
+for c in b"echo INJECTED\\n":
+    try:
+        fcntl.ioctl(fd, termios.TIOCSTI, bytes([c]))
+    except OSError as e:
+        print("STI-REFUSED", e.errno)
+        break
+"""
+
+
+def _read_all(fd: int, until: bytes, limit_s: float = 60) -> bytes:
+    import select
+
+    out, end = b"", time.monotonic() + limit_s
+    while until not in out and time.monotonic() < end:
+        if select.select([fd], [], [], 0.5)[0]:
+            try:
+                chunk = os.read(fd, 65536)
+            except OSError:  # EIO: the terminal's last process has exited
+                break
+            if not chunk:
+                break
+            out += chunk
+    return out
+
+
+def test_the_harness_gets_a_terminal_of_its_own_and_cannot_type_into_ours(env: Env) -> None:
+    import pty
+
+    script = (f"{AGENTCELL} session start --rw src -- python3 -c '{STI_ATTACK}'; "
+              "IFS= read -r -t 2 line; echo \"SHELL-READ:[$line]\"")
+    pid, fd = pty.fork()
+    if pid == 0:
+        os.chdir(env.project)
+        os.execve("/bin/bash", ["/bin/bash", "--norc", "-c", script], _environ(env))
+    try:
+        out = _read_all(fd, b"SHELL-READ:")
+        out += _read_all(fd, b"]", 10)
+    finally:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        os.close(fd)
+    text = out.decode(errors="replace")
+    assert "TTY /dev/pts/0" in text and "SHELL-READ:[]" in text, text  # the cell's own pty, relayed
+    assert "terminated (escape: write ioctl TIOCSTI" in text, text  # and the attempt ends the session

@@ -49,6 +49,7 @@ class _Out:
 def main(argv: list[str]) -> int:
     import signal
 
+    from ..cell import terminal
     from ..cell.spec import spec_from_dict
     from ..errors import AgentcellError
     from ..supervise import Supervised
@@ -63,31 +64,65 @@ def main(argv: list[str]) -> int:
         buf += chunk
     line, buf = buf.split(b"\n", 1)
     req = json.loads(line)
+    # Where our 0, 1, 2 are terminals the cell gets a pty of its own, relayed (as agentcell run does): it
+    # never holds the human's terminal (TIOCSTI). stdin only when the session runs in the foreground.
+    ttys, interactive = terminal.tty_fds(), terminal.is_ours()
+    stdio = [0, 1, 2]
+    if 0 in ttys and not interactive:
+        stdio[0] = os.open(os.devnull, os.O_RDONLY)
+        ttys = tuple(fd for fd in ttys if fd != 0)
     try:
         sup = Supervised.start(spec_from_dict(req["spec"]), req["argv"], monitor="terminate",
-                               callback=lambda ev: out.send({"event": ev.as_dict()}), stdio=(0, 1, 2))
+                               callback=lambda ev: out.send({"event": ev.as_dict()}), stdio=stdio, tty_fds=ttys)
     except (AgentcellError, OSError) as e:
         out.send({"error": e.line() if isinstance(e, AgentcellError) else f"{type(e).__name__}: {e}"})
         return 1
     out.send({"started": {"cell_id": sup.cell_id, "pid1": sup.pid1}})
-    last_stats = 0.0
-    while True:
-        result = sup.poll()
-        if result is not None:
-            out.send({"result": result})
-            return 0
-        if time.monotonic() - last_stats >= 1.0:
-            last_stats = time.monotonic()
-            out.send({"stats": sup.stats()})
-        if select.select([ctl], [], [], 0.05)[0]:
-            chunk = os.read(ctl, 1 << 16)
-            if not chunk:  # the session's supervisor is gone: fail closed
-                sup.terminate("the session's supervisor is gone")
-                out.send({"result": sup.wait()})
-                return 0
-            buf += chunk
-            while b"\n" in buf:
-                line, buf = buf.split(b"\n", 1)
-                msg = json.loads(line)
-                if "terminate" in msg:
-                    sup.terminate(str(msg["terminate"]))
+    control = _Control(sup, ctl, buf, out)
+    master = sup.running.pty_master
+    if master is None:
+        control.run(until_end=True)
+        return 0
+    # The relay needs this (main) thread for SIGWINCH; the session's requests are served beside it.
+    threading.Thread(target=control.run, kwargs={"until_end": False}, name="agentcell-cellhost", daemon=True).start()
+    terminal.Relay(master, interactive).pump(sup.running, None)
+    control.finish(sup.wait())
+    return 0
+
+
+class _Control:
+    """The session's side of the protocol: its requests (and its EOF), stats, the result."""
+
+    def __init__(self, sup: Any, ctl: int, buf: bytes, out: _Out) -> None:
+        self.sup, self.ctl, self.buf, self.out = sup, ctl, buf, out
+        self.done = threading.Event()
+
+    def finish(self, result: dict[str, Any]) -> None:
+        if not self.done.is_set():
+            self.done.set()
+            self.out.send({"result": result})
+
+    def run(self, until_end: bool) -> None:
+        last_stats = 0.0
+        while not self.done.is_set():
+            if until_end:
+                result = self.sup.poll()
+                if result is not None:
+                    self.finish(result)
+                    return
+            if time.monotonic() - last_stats >= 1.0:
+                last_stats = time.monotonic()
+                self.out.send({"stats": self.sup.stats()})
+            if select.select([self.ctl], [], [], 0.05)[0]:
+                chunk = os.read(self.ctl, 1 << 16)
+                if not chunk:  # the session's supervisor is gone: fail closed
+                    self.sup.terminate("the session's supervisor is gone")
+                    if until_end:
+                        self.finish(self.sup.wait())
+                    return
+                self.buf += chunk
+                while b"\n" in self.buf:
+                    line, self.buf = self.buf.split(b"\n", 1)
+                    msg = json.loads(line)
+                    if "terminate" in msg:
+                        self.sup.terminate(str(msg["terminate"]))
