@@ -565,3 +565,21 @@ def test_the_harness_gets_a_terminal_of_its_own_and_cannot_type_into_ours(env: E
     text = out.decode(errors="replace")
     assert "TTY /dev/pts/0" in text and "SHELL-READ:[]" in text, text  # the cell's own pty, relayed
     assert "terminated (escape: write ioctl TIOCSTI" in text, text  # and the attempt ends the session
+
+
+def test_build_graph_reads_like_the_diagram_and_declares_the_retry_rules() -> None:
+    from langgraph.types import RetryPolicy
+
+    from agentcell import build_graph
+
+    g = build_graph()
+    edges = {(e.source, e.target) for e in g.get_graph().edges}
+    main_line = ["__start__", "plan", "policy", "preflight", "account", "firewall", "spawn", "monitor", "terminate",
+                 "cleanup", "audit", "__end__"]
+    assert set(zip(main_line, main_line[1:], strict=False)) | {("monitor", "monitor")} <= edges, edges
+    retries = {name: g.builder.nodes[name].retry_policy for name in ("preflight", "account", "firewall", "spawn",
+                                                                      "monitor")}
+    got = {n: (p.max_attempts, p.initial_interval, p.backoff_factor) for n, p in retries.items()
+           if isinstance(p, RetryPolicy)}
+    assert got == {"preflight": (3, 1.0, 3.0), "account": (2, 0.5, 2.0), "firewall": (2, 0.5, 2.0),
+                   "spawn": (2, 0.5, 2.0), "monitor": (4, 0.5, 2.0)}
