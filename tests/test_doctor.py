@@ -54,7 +54,7 @@ def test_json_runs_and_parses() -> None:
     assert rep["root"] == (os.geteuid() == 0)
     names = [c["name"] for c in rep["checks"]]
     for expected in ("kernel", "landlock", "seccomp", "libseccomp", "user namespaces", "cgroups", "audit",
-                     "nftables", "bwrap", "setfacl"):
+                     "monitor", "nftables", "bwrap", "setfacl"):
         assert expected in names
     for c in rep["checks"] + rep["modes"]:
         assert c["status"] in ("ok", "warn", "missing"), c
@@ -354,3 +354,13 @@ def _tmp_keeps_acls() -> bool:
 
     with tempfile.NamedTemporaryFile(dir="/tmp") as f:
         return subprocess.run(["setfacl", "-m", "u:root:r", f.name], capture_output=True).returncode == 0
+
+
+@root_only
+def test_doctor_says_which_monitor_sources_a_user_has(user: Any) -> None:
+    as_root = by_name(doctor_json()[1]["checks"], "monitor")["data"]["sources"]
+    assert all(v.startswith("on") for v in as_root.values()), as_root
+    _, rep = doctor_json(prefix=tuple(user.prefix()))
+    mine = by_name(rep["checks"], "monitor")
+    assert mine["status"] == "warn" and "sudo" in mine["fix"]
+    assert {k for k, v in mine["data"]["sources"].items() if v.startswith("on")} == {"seccomp", "canary"}

@@ -86,6 +86,32 @@ def test_a_source_that_stops_is_a_telemetry_event_and_ends_the_cell(user: User) 
 
 
 
+def test_a_monitor_loop_that_hangs_is_a_telemetry_event_and_ends_the_cell(user: User) -> None:
+    import threading
+
+    from agentcell import CellSpec
+    from agentcell.policy.resolve import build_env, resolve_identity
+    from agentcell.supervise import Supervised
+
+    ident = resolve_identity(str(user.uid), euid=0)
+    spec = CellSpec(ident, env=build_env({}, ident), cell_id="agentcell-hangtest" + os.urandom(3).hex())
+    sup = Supervised.start(spec, ["sleep", "30"], stdio=(os.open(os.devnull, os.O_RDWR),) * 3)
+    assert sup.monitor is not None
+    release = threading.Event()
+    sup.monitor._poll_resources = lambda: release.wait(30)  # type: ignore[method-assign] # a source that blocks
+    try:
+        result = sup.wait(20)
+    finally:
+        release.set()
+        sup.terminate("cleanup")
+        sup.wait(20)
+    assert result["signal"] == 9 and result["terminated_by_monitor"] is True, result
+    events = result["events"]
+    assert events[0]["target"] == "monitor" and "stopped reporting" in events[0]["reason"], events  # type: ignore[index]
+    # A hung loop also lets the kernel's queues overflow on a busy host: more telemetry, nothing else.
+    assert {e["operation"] for e in events} == {"telemetry"}, events  # type: ignore[union-attr]
+
+
 def test_a_privilege_tool_run_in_the_cell_is_an_escape_attempt(user: User) -> None:
     r = agentcell_run(["--as", str(user.uid), "--monitor", "--on-escape", "record", "--", "sh", "-c",
                        "mount --version >/dev/null 2>&1; su -c true 2>/dev/null; echo done"], timeout=60)

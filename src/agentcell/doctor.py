@@ -585,6 +585,43 @@ def read_audit_status(timeout: float = 2.0) -> dict[str, int]:
         return status
 
 
+def check_monitor(*, root: bool) -> Check:
+    """Which of the escape monitor's sources can work here for this user (probes open and close
+    kernel handles; nothing is subscribed or changed)."""
+    have: dict[str, str] = {}
+    actions = (read_text("/proc/sys/kernel/seccomp/actions_avail") or "").split()
+    have["seccomp"] = "on" if "user_notif" in actions else "off: the kernel has no seccomp user notification"
+    have["canary"] = "on (fanotify: the opener is named)" if root else "on (inotify: the open, not who made it)"
+    if root:
+        try:
+            from .cell import fanotify
+
+            os.close(fanotify.init(fanotify.FAN_CLASS_CONTENT))
+        except OSError as e:
+            have["canary"] = f"on (inotify; fanotify failed: {e.strerror})"
+        try:
+            import socket
+
+            with socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, 11) as sk:  # NETLINK_CONNECTOR
+                sk.bind((0, 1))  # CN_IDX_PROC
+            have["exec"] = "on"
+        except OSError as e:
+            have["exec"] = f"off: the proc connector: {e.strerror}"
+        have["landlock"] = "on (audit stream)"
+        have["cgroup"] = "on"
+    else:
+        have["exec"] = "off: the proc connector needs root"
+        have["landlock"] = "off: the audit stream needs root"
+        have["cgroup"] = "off: no delegated cgroup for unprivileged users"
+    off = sorted(k for k, v in have.items() if not v.startswith("on"))
+    detail = "; ".join(f"{k} {v}" for k, v in sorted(have.items()))
+    if off:
+        return Check("monitor", "warn", f"escape monitor: {detail}",
+                     "run through sudo for every source" if not root else "see the sources marked off",
+                     data={"sources": have})
+    return Check("monitor", "ok", f"escape monitor: every source available ({detail})", data={"sources": have})
+
+
 def check_audit(*, root: bool) -> Check:
     if not os.path.exists("/proc/self/loginuid"):
         return Check("audit", "warn",
@@ -754,6 +791,7 @@ def run() -> Report:
     checks.append(check_ns(ns_rootless, rootless=True, who="uid 65534" if root else user_name(euid)))
     checks += check_cgroups(root=root)
     checks.append(check_audit(root=root))
+    checks.append(check_monitor(root=root))
     nft = check_nft(root=root)
     checks.append(nft)
     checks += check_tools()

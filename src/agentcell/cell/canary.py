@@ -40,16 +40,14 @@ def planned(spec: CellSpec) -> tuple[str, ...]:
 
 def _decoy(rel: str, tag: str) -> str:
     """Plausible contents; every secret in them is random and carries the cell's tag."""
-    import secrets  # here: only a monitored cell pays for it
-
-    r = secrets.token_hex(16)
+    r = os.urandom(16).hex()  # not the secrets module: importing it would cost every monitored cell
     if rel.startswith(".ssh/"):
         body = (f"agentcell-canary-{tag}-{r}" * 8).encode().hex()
         lines = [body[i:i + 70] for i in range(0, len(body), 70)]
         return "-----BEGIN OPENSSH PRIVATE KEY-----\n" + "\n".join(lines) + "\n-----END OPENSSH PRIVATE KEY-----\n"
     if rel == ".aws/credentials":
         return (f"[default]\naws_access_key_id = AKIA{r[:16].upper()}\n"
-                f"aws_secret_access_key = {tag}{r}{secrets.token_hex(4)}\n")
+                f"aws_secret_access_key = {tag}{r}{os.urandom(4).hex()}\n")
     if rel == ".kube/config":
         return ("apiVersion: v1\nkind: Config\nclusters:\n- cluster:\n    server: https://kubernetes.invalid:6443\n"
                 "  name: prod\nusers:\n- name: admin\n  user:\n"

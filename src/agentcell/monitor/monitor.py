@@ -128,6 +128,7 @@ class Monitor:
         self._queue: queue.Queue[CellEvent | None] = queue.Queue()
         self._lock = threading.RLock()
         self._stop = threading.Event()
+        self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)  # stop() wakes the loop's select
         self._thread: threading.Thread | None = None
         self._domains: set[str] = set()
         self._resources = {"oom_kills": 0, "pids_limit_hits": 0}
@@ -205,9 +206,16 @@ class Monitor:
         return dict(self._state)
 
     def start(self) -> None:
+        """The loop, and a watchdog beside it: a loop that hangs (a source that blocks) or dies is a
+        telemetry event within about a second."""
         self.heartbeat = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="agentcell-monitor", daemon=True)
         self._thread.start()
+        threading.Thread(target=self._watchdog, name="agentcell-monitor-watchdog", daemon=True).start()
+
+    def _watchdog(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S / 4):
+            self.check()
 
     def alive(self) -> bool:
         """The loop is running and came round within the last second. When not, the caller records
@@ -234,6 +242,10 @@ class Monitor:
 
     def stop(self) -> list[CellEvent]:
         self._stop.set()
+        try:
+            os.write(self._wake_w, b"x")
+        except OSError:
+            pass
         if self._thread is not None:
             self._thread.join(5)
         try:
@@ -242,13 +254,24 @@ class Monitor:
         except (OSError, ValueError) as e:
             self._event(CellEvent("telemetry", "monitor", f"a source failed: {e}", source="telemetry",
                                   cell=self.cell_id))
-        for source in (self.audit, self.execs, self.tools, self.canaries, self.seccomp):
+        for source in (self.audit, self.execs, self.seccomp):
             if source is not None:
                 try:
                     source.close()
                 except OSError:
                     pass
+        # Closing a fanotify group waits for an SRCU grace period (10-30 ms here): off the caller's
+        # path. The cell is gone by now; a decoy's waiting open (there is none left) would be let go.
+        groups = [g for g in (self.tools, self.canaries) if g is not None]
+        if groups:
+            threading.Thread(target=_close_all, args=(groups,), name="agentcell-monitor-close", daemon=True).start()
         self.audit = self.execs = self.tools = self.canaries = self.seccomp = None
+        for fd in (self._wake_r, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self._wake_r = self._wake_w = -1
         self._queue.put(None)
         return self.events
 
@@ -260,11 +283,8 @@ class Monitor:
                 self.heartbeat = time.monotonic()
                 watched = [s for s in (self.audit, self.execs, self.tools, self.canaries, self.seccomp)
                            if s is not None]
-                if watched:
-                    if select.select(watched, [], [], 0.02)[0]:
-                        self._drain()
-                else:
-                    time.sleep(0.02)
+                if select.select([*watched, self._wake_r], [], [], 0.02)[0]:
+                    self._drain()
                 self._poll_resources()
                 self._poll_egress()
         except Exception as e:  # noqa: BLE001 - a monitor that stops seeing must say so, and act
@@ -289,10 +309,14 @@ class Monitor:
                                   allow="nothing: it is a decoy; give real credentials with --ro PATH if a tool "
                                   "needs them"))
             self.canaries.answer(c)  # recorded (and, under terminate, frozen): now the open may go on
-        tools = self.tools.read() if self.tools is not None else []  # first: its forks are read below
-        for ex in self.execs.read() if self.execs is not None else []:
-            self._exec_event(ex)
-        for ex in tools:
+        # Order: who belongs to the cell first (forks, from the connector), then the tools' execs
+        # (fanotify, in the order they happened), then the connector's own exec and uid events.
+        tools = self.tools.read() if self.tools is not None else []
+        execs = self.execs.read() if self.execs is not None else []
+        for ex in execs:
+            if ex["kind"] in ("fork", "exit"):
+                self._exec_event(ex)
+        for ex in (*tools, *(e for e in execs if e["kind"] not in ("fork", "exit"))):
             self._exec_event(ex)
         if self.audit is None:
             return
@@ -419,6 +443,14 @@ class Monitor:
         elif not killed:
             self._event(CellEvent("telemetry", "monitor", "the cell could not be killed (no cgroup.kill, no PID 1 "
                                   "known)", source="telemetry", cell=self.cell_id))
+
+
+def _close_all(sources: list[Any]) -> None:
+    for source in sources:
+        try:
+            source.close()
+        except OSError:
+            pass
 
 
 def _readable(source: Any) -> bool:
