@@ -273,6 +273,12 @@ class Nodes:
         spec = policy.to_cell_spec()
         env = tuple((k, self.rt.secrets.get(k, "") if v == SECRET_PLACEHOLDER else v) for k, v in spec.env)
         spec = spec.replace(env=env)
+        from ..cell import protect
+
+        # What is there now of what git, shells and harnesses read (hooks, .envrc, CLAUDE.md, …): cleanup
+        # moves aside what the agent creates there, as agentcell run does.
+        since_ns = time.time_ns() - 100_000_000  # file times are coarse: some slack
+        before, truncated = protect.surface(spec.rw_paths)
         made = self.rt.firewalls.pop(sid, None)
         if made is not None:  # Supervised makes the table again, atomically with the cell, and owns it
             made[0].remove()
@@ -288,7 +294,8 @@ class Nodes:
         self._audit(state, "spawn", "session.spawn", cell_id=cell.cell_id, pid1=pid1, argv0=state["argv"][0],
                     uid=policy.identity.uid)
         return {"harness_pid": pid1, "cell_id": cell.cell_id, "started_at": now,
-                "deadline": now + policy.wall_clock_limit_s}
+                "deadline": now + policy.wall_clock_limit_s,
+                "protect": {"before": before, "truncated": truncated, "since_ns": since_ns}}
 
     # ---- monitor ⟲ → terminate → cleanup → audit ---------------------------------------------------
 
@@ -394,6 +401,7 @@ class Nodes:
         except OSError as e:
             problems.append(f"firewall: {e}")
         account = state.get("account")
+        warnings = self._quarantine(state, account)
         if account is None and os.geteuid() == 0 and not (state.get("config") or {}).get("agent"):
             account = _ephemeral_left(sid)  # made, but the node did not get to record it (a crash)
         if account is not None and account.get("kind") in ("ephemeral", "agent"):
@@ -420,13 +428,48 @@ class Nodes:
         if state.get("cell_id"):
             problems += _remove_cgroup(state["cell_id"])
         self._crash("cleanup")
-        warnings = [f"{f} was {'created' if was is None else 'changed'} during the session: the next session "
-                    "reads it; review it first" for f, was in (state.get("config_marks") or {}).items()
-                    if _fingerprint(f) != was]
+        warnings += [f"{f} was {'created' if was is None else 'changed'} during the session: the next session "
+                     "reads it; review it first" for f, was in (state.get("config_marks") or {}).items()
+                     if _fingerprint(f) != was]
         update: dict[str, Any] = {"problems": problems, "warnings": warnings}
         update.update(self._audit_quietly(state, "cleanup", "session.cleanup", problems=problems,
                                           account=(account or {}).get("name")))
         return update
+
+    @staticmethod
+    def _quarantine(state: SessionState, account: dict[str, Any] | None) -> list[str]:
+        """Move aside what the agent created on the control surface (agentcell run's rule); say what it
+        changed there. Before the account is deleted: what moves must be the account's."""
+        from ..cell import protect
+
+        guard, policy = state.get("protect"), state.get("policy") or {}
+        if not guard:
+            return []
+        rw, allow = tuple(policy.get("rw_paths", ())), tuple(policy.get("allow_write", ()))
+        before = {k: tuple(v) for k, v in guard["before"].items()}
+        after, truncated = protect.surface(rw)
+        human = state.get("human")
+        try:
+            moved, stuck = protect.quarantine(
+                before, after, state.get("cell_id", ""), rw, allow_write=allow,
+                keep_out=(*policy.get("ro_paths", ()), *policy.get("masked_paths", ())),
+                owner_uid=(account or {}).get("uid") if (account or {}).get("kind") != "self" else None,
+                since_ns=guard["since_ns"], before_truncated=guard["truncated"],
+                give_to=(human[0], human[1]) if human else None)
+        except (OSError, AgentcellError) as e:
+            return [f"the protected paths could not be checked: {_line(e)}"]
+        gone = {old for old, _new in moved}
+        out = [f"the agent created {old}, which decides what git, your shell or your agent runs; it was moved to "
+               f"{new}" for old, new in moved]
+        out += [f"the agent {'created' if p in stuck or p not in before else 'changed'} {p}, which decides what git, "
+                "your shell or your agent runs: review it before you use the project"
+                for p in protect.changes(before, after)
+                if p not in gone and not any(p == a or p.startswith(a + "/") for a in allow)
+                and not any(p.startswith(g + "/") for g in gone)]
+        if truncated or guard["truncated"]:
+            out.append("the declared paths hold more than the protected-path scan covers: review repositories and "
+                       "agent config in them before you use them")
+        return out
 
     def audit(self, state: SessionState) -> dict[str, Any]:
         """The session's last record: how it ended, and what it tried beyond its policy."""
