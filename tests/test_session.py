@@ -323,7 +323,7 @@ def test_kill_9_of_the_supervisor_at_any_node_then_recover_leaves_nothing_behind
     r = session(env, ["recover", "--json"])
     [done] = r.summary  # type: ignore[misc]
     assert done["status"] in ("terminated", "completed") and done["problems"] == [], (done, r.err)
-    assert account_gone(done["os_user"]) and not os.listdir(env.state / "ephemeral")
+    assert account_gone(done["os_user"]) and not list((env.state / "ephemeral").glob("*"))
     assert named_acl_entries(env.project) == []
     assert cell_cgroups(f"agentcell-{done['session']}") == []
     assert not Path(f"/run/agentcell/cgroups/agentcell-{done['session']}").exists()
@@ -391,28 +391,44 @@ def _ancestors(pid: int) -> list[int]:
     return out
 
 
-def test_a_persistent_agent_keeps_its_own_shares_and_loses_the_sessions(env: Env, user: User) -> None:
+@pytest.fixture
+def agent(env: Env, user: User) -> Iterator[str]:
+    """A persistent agent (its human: the throwaway user) with docs/ shared read-write, deleted after."""
     name = "ac-a" + secrets.token_hex(3)
 
-    def agent(*args: str) -> subprocess.CompletedProcess[str]:
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run([AGENTCELL, "agent", *args], capture_output=True, text=True, env=_environ(env),
                               cwd="/", stdin=subprocess.DEVNULL, timeout=60)
 
-    assert agent("new", name, "--human", user.name, "--yes").returncode == 0
+    assert cli("new", name, "--human", user.name, "--yes").returncode == 0
     try:
-        assert agent("mount", "add", "--rw", str(env.project / "docs"), "--agent", name).returncode == 0
-        shared = named_acl_entries(env.project / "docs")
-        assert shared, "the persistent share made no ACL entry"
-        steps = f"write {env.project}/src/by-agent.py 'x = 3'\nwrite {env.project}/docs/by-agent.md hi\n"
-        s = scripted(env, steps, "--agent", name, "--rw", "src", "--rw", "docs")
-        assert (s.rc, s.summary["status"], s.summary["os_user"]) == (0, "completed", name), (s.out, s.err)
-        assert named_acl_entries(env.project / "src") == []  # the session's grant is gone
-        assert all(e in named_acl_entries(env.project / "docs") for e in shared)  # the agent's own share stays
-        assert (env.project / "src" / "by-agent.py").stat().st_uid == user.uid  # given to the agent's human
-        assert (env.project / "docs" / "by-agent.md").exists()
+        assert cli("mount", "add", "--rw", str(env.project / "docs"), "--agent", name).returncode == 0
+        yield name
     finally:
-        p = agent("delete", name, "--yes")
+        p = cli("delete", name, "--yes")
         assert p.returncode == 0, p.stderr
+
+
+def test_a_persistent_agent_keeps_its_own_shares_and_loses_the_sessions(env: Env, user: User, agent: str) -> None:
+    shared = named_acl_entries(env.project / "docs")
+    assert shared, "the persistent share made no ACL entry"
+    steps = f"write {env.project}/src/by-agent.py 'x = 3'\nwrite {env.project}/docs/by-agent.md hi\n"
+    s = scripted(env, steps, "--agent", agent, "--rw", "src", "--rw", "docs")
+    assert (s.rc, s.summary["status"], s.summary["os_user"]) == (0, "completed", agent), (s.out, s.err)
+    assert named_acl_entries(env.project / "src") == []  # the session's grant is gone
+    assert all(e in named_acl_entries(env.project / "docs") for e in shared)  # the agent's own share stays
+    assert (env.project / "src" / "by-agent.py").stat().st_uid == user.uid  # given to the agent's human
+    assert (env.project / "docs" / "by-agent.md").exists()
+
+
+def test_recover_after_a_kill_while_granting_spares_a_persistent_agents_own_shares(env: Env, agent: str) -> None:
+    shared = named_acl_entries(env.project / "docs")
+    s = scripted(env, "say hi\n", "--agent", agent, "--rw", "src", "--rw", "docs",
+                 extra={"AGENTCELL_TEST_FAULTS": "kill@account=1"})
+    assert s.rc == -9 and named_acl_entries(env.project / "src"), "the kill came before the grant"
+    [done] = session(env, ["recover", "--json"]).summary  # type: ignore[misc]
+    assert done["status"] == "terminated" and done["problems"] == [], done
+    assert named_acl_entries(env.project / "src") == [] and named_acl_entries(env.project / "docs") == shared
 
 
 def test_the_agent_cannot_read_dotenv_nor_change_the_config_of_the_next_session(env: Env) -> None:

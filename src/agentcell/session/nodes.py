@@ -159,7 +159,6 @@ class Nodes:
 
     def account(self, state: SessionState) -> dict[str, Any]:
         """The least-privilege account the agent runs as, and the declared paths shared with it (ACLs)."""
-        from ..accounts import acl
         from ..accounts.commands import Commands
 
         self._inject("account", InjectedFault)
@@ -179,13 +178,13 @@ class Nodes:
 
             made = ephemeral.create_ephemeral(state["session_id"], cmds)
             account = {"kind": "ephemeral", "name": made.name, "uid": made.uid, "gid": made.gid, "group": made.name}
+            grants = []
             try:
                 update["human"] = self._human(cfg["project_root"])
                 grants = self._grant(cmds, account, list(policy["rw_paths"]))
                 update["policy"] = self._compile(state, identity=str(made.uid))
             except BaseException:  # undone here, so that the retry starts clean
-                for p in policy["rw_paths"]:
-                    acl.revoke(cmds, made.uid, made.gid, p, [])
+                _revoke(cmds, account, grants)
                 ephemeral.delete(made, cmds)
                 raise
         update.update(account=account, grants=grants)
@@ -230,10 +229,14 @@ class Nodes:
     def _grant(cmds: Any, account: dict[str, Any], paths: list[str]) -> list[dict[str, Any]]:
         from ..accounts import acl
 
-        grants = []
-        for p in paths:
-            grants.append({"path": p, "prior": acl.prior_acl(p)})
-            acl.grant(cmds, account["group"], account["gid"], p, "rw")
+        grants: list[dict[str, Any]] = []
+        try:
+            for p in paths:
+                grants.append({"path": p, "prior": acl.prior_acl(p)})  # first: a grant cut short is revoked too
+                acl.grant(cmds, account["group"], account["gid"], p, "rw")
+        except BaseException:
+            _revoke(cmds, account, grants)
+            raise
         return grants
 
     def firewall(self, state: SessionState) -> dict[str, Any]:
@@ -402,18 +405,21 @@ class Nodes:
             problems.append(f"firewall: {e}")
         account = state.get("account")
         warnings = self._quarantine(state, account)
-        if account is None and os.geteuid() == 0 and not (state.get("config") or {}).get("agent"):
-            account = _ephemeral_left(sid)  # made, but the node did not get to record it (a crash)
+        agent = (state.get("config") or {}).get("agent")
+        rw = list((state.get("policy") or {}).get("rw_paths", []))
+        grants, human = state.get("grants"), state.get("human")
+        if account is None and os.geteuid() == 0 and state.get("policy"):  # the account node did not finish
+            try:
+                if agent:
+                    account, human, rw = self._persistent(agent, rw)  # never its own shares
+                else:
+                    account, human = _ephemeral_left(sid), self._human(state["config"]["project_root"])
+            except (OSError, AgentcellError) as e:
+                problems.append(f"account: {_line(e)}")
         if account is not None and account.get("kind") in ("ephemeral", "agent"):
-            grants = state.get("grants")
-            if grants is None:  # crashed while granting: revoke wherever the plan asked
-                grants = [{"path": p, "prior": []} for p in (state.get("policy") or {}).get("rw_paths", [])]
-            for g in grants:
-                try:
-                    problems += acl.revoke(cmds, account["uid"], account["gid"], g["path"], g["prior"])
-                except (OSError, AgentcellError) as e:
-                    problems.append(f"revoke {g['path']}: {_line(e)}")
-            human = state.get("human")
+            if grants is None:  # crashed while granting: revoke wherever it may have granted
+                grants = [{"path": p, "prior": []} for p in rw]
+            problems += _revoke(cmds, account, grants)
             give_to = (human[0], human[1]) if human else None
             paths = [g["path"] for g in grants]
             try:
@@ -648,6 +654,19 @@ def _remove_cgroup(cell_id: str) -> list[str]:
         os.unlink(os.path.join(cgroups.RECORDS, cell_id))
     except OSError:
         pass
+    return problems
+
+
+def _revoke(cmds: Any, account: dict[str, Any], grants: list[dict[str, Any]]) -> list[str]:
+    """Remove the session's ACL entries from each granted path; what could not be removed."""
+    from ..accounts import acl
+
+    problems: list[str] = []
+    for g in grants:
+        try:
+            problems += acl.revoke(cmds, account["uid"], account["gid"], g["path"], g["prior"])
+        except (OSError, AgentcellError) as e:
+            problems.append(f"revoke {g['path']}: {_line(e)}")
     return problems
 
 
