@@ -618,3 +618,30 @@ def test_a_proxy_session_refuses_a_name_off_its_allow_list_and_ends(env: Env) ->
     s = session(env, ["start", "--rw", "src", "--net", "proxy", "--json", "--", "python3", "-c", fetch])
     assert s.rc == 120 and s.summary["status"] == "terminated", (s.summary, s.err)
     assert (s.summary["escape_target"], s.summary["escape"]["source"]) == ("blocked.invalid:443", "proxy")
+
+
+def test_a_cell_host_that_dies_is_lost_telemetry_and_terminates_the_session(env: Env) -> None:
+    marker = env.project / "src" / "running.txt"
+    script = env.state / "steps.txt"
+    script.write_text(f"write {marker} yes\nsleep 600\n")
+    sup = subprocess.Popen([AGENTCELL, "session", "start", "--harness", "scripted", "--rw", "src", "--json", "--",
+                            str(script)], env=_environ(env), cwd=env.project, stdout=subprocess.PIPE,
+                           stderr=subprocess.DEVNULL, text=True)
+    try:
+        for _ in range(600):
+            if marker.exists() or sup.poll() is not None:
+                break
+            time.sleep(0.05)
+        children = subprocess.run(["ps", "-o", "pid=", "--ppid", str(sup.pid)], capture_output=True,
+                                  text=True).stdout.split()
+        [host] = [int(p) for p in children if b"agentcell.session.cellhost" in _cmdline(int(p))]
+        os.kill(host, 9)  # started by the session we started: the cell's host dies under it
+        out, _ = sup.communicate(timeout=60)
+    finally:
+        if sup.poll() is None:
+            sup.kill()
+            sup.wait()
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert sup.returncode == 120 and summary["status"] == "terminated", summary
+    assert summary["escape"]["operation"] == "telemetry" and "after 3 reconnects" in summary["reason"], summary
+    assert account_gone(summary["os_user"]) and summary["problems"] == [] and cell_cgroups(summary["cell_id"]) == []

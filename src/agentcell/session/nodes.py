@@ -92,8 +92,8 @@ class Nodes:
             status = "aborted" if goto == "abort" else "terminated"
             update: dict[str, Any] = {"status": status, "reason": reason}
             if node == "monitor" and isinstance(err, TelemetryLost):
-                update["escape"] = self._escape(state, "telemetry", "monitor", f"telemetry lost: {err.line()}",
-                                                source="telemetry")
+                update["reason"] = f"lost sight of the cell, after 3 reconnects: {err.problem}"
+                update["escape"] = self._escape(state, "telemetry", "monitor", update["reason"], source="telemetry")
             return Command(goto=goto, update=update)
         handler.__name__ = f"on_{node}_error"
         return handler
@@ -316,6 +316,8 @@ class Nodes:
         while True:
             escape = next((e for e in cell.events() if e["operation"] in ESCAPES), None)
             result = cell.poll()
+            if result is None and escape is None and cell.lost:
+                raise TelemetryLost("monitor", "the cell's host ended without a word")
             if escape is not None:
                 ev = self._escape(state, escape["operation"], escape["target"], escape["reason"],
                                   source=escape["source"], pid=escape.get("pid"), exe=escape.get("exe"),

@@ -107,11 +107,15 @@ class HostedCell:
         self._drain()
         return dict(self._stats)
 
+    @property
+    def lost(self) -> bool:
+        """The host ended without reporting the cell's end: the session has lost sight of it (its cell
+        dies with it: PID 1's parent-death signal)."""
+        self._drain()
+        return self._result is None and self._eof
+
     def poll(self) -> dict[str, Any] | None:
         self._drain()
-        if self._result is None and self._eof:  # the host died without a word: its cell died with it
-            self._result = {"exit_status": None, "signal": None, "error": "the cell's host ended unexpectedly",
-                            "events": []}
         if self._result is not None:
             self.close()
         return self._result
@@ -119,6 +123,11 @@ class HostedCell:
     def wait(self, timeout: float | None = None) -> dict[str, Any]:
         deadline = None if timeout is None else time.monotonic() + timeout
         while self.poll() is None:
+            if self.lost:
+                self._result = {"exit_status": None, "signal": None, "error": "the cell's host ended unexpectedly",
+                                "events": list(self._events)}
+                self.close()
+                break
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 self.terminate("timeout")
