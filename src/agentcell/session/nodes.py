@@ -267,6 +267,7 @@ class Nodes:
         return {"firewall_table": table}
 
     def spawn(self, state: SessionState) -> dict[str, Any]:
+        from ..cell import protect
         from ..policy.models import SandboxPolicy
         from . import spawn
 
@@ -276,8 +277,6 @@ class Nodes:
         spec = policy.to_cell_spec()
         env = tuple((k, self.rt.secrets.get(k, "") if v == SECRET_PLACEHOLDER else v) for k, v in spec.env)
         spec = spec.replace(env=env)
-        from ..cell import protect
-
         # What is there now of what git, shells and harnesses read (hooks, .envrc, CLAUDE.md, …): cleanup
         # moves aside what the agent creates there, as agentcell run does.
         since_ns = time.time_ns() - 100_000_000  # file times are coarse: some slack
