@@ -645,3 +645,28 @@ def test_a_cell_host_that_dies_is_lost_telemetry_and_terminates_the_session(env:
     assert sup.returncode == 120 and summary["status"] == "terminated", summary
     assert summary["escape"]["operation"] == "telemetry" and "after 3 reconnects" in summary["reason"], summary
     assert account_gone(summary["os_user"]) and summary["problems"] == [] and cell_cgroups(summary["cell_id"]) == []
+
+
+@pytest.fixture(scope="module")
+def codex() -> Iterator[str]:
+    """The real Codex CLI from the npm registry, installed under /opt (which cells see read-only) and
+    removed after."""
+    if shutil.which("npm") is None:
+        pytest.skip("npm is not installed")
+    prefix = Path("/opt") / ("agentcell-harness-" + secrets.token_hex(3))
+    try:
+        p = subprocess.run(["npm", "install", "--prefix", str(prefix), "--no-audit", "--no-fund", "--loglevel=error",
+                            "@openai/codex"], capture_output=True, text=True, timeout=600)
+        assert p.returncode == 0, p.stderr[-2000:]
+        yield str(prefix / "node_modules" / ".bin" / "codex")
+    finally:
+        shutil.rmtree(prefix, ignore_errors=True)
+
+
+def test_a_real_harness_cli_runs_in_a_session_as_its_account_with_the_cells_home(env: Env, codex: str) -> None:
+    s = session(env, ["start", "--rw", "src", "--json", "--", "sh", "-c",
+                      f'id -un; echo "HOME=$HOME"; {codex} --version; {codex} exec --help | head -1'])
+    assert s.rc == 0 and s.summary["status"] == "completed", (s.out, s.err)
+    name = s.summary["os_user"]
+    assert s.out.splitlines()[:2] == [name, f"HOME=/home/{name}"], s.out
+    assert s.out.splitlines()[2].startswith("codex-cli ") and "Run Codex non-interactively" in s.out, s.out
