@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -24,7 +25,9 @@ def test_an_escape_attempt_is_attributed_and_ends_the_cell(user: User) -> None:
     r = agentcell_run(["--as", str(user.uid), "--monitor", "--", "python3", "-c", CONNECT], timeout=60)
     assert r.rc == 137 and r.result["terminated_by_monitor"] is True, (r.out, r.err)
     assert "still running" not in r.out
-    [ev] = r.result["events"]  # type: ignore[misc]
+    events = r.result["events"]
+    assert isinstance(events, list) and len(events) == 1, events
+    ev = events[0]
     assert (ev["operation"], ev["target"], ev["source"]) == ("network", "127.0.0.1:1", "landlock"), ev
     assert ev["pid"] and ev["exe"].endswith(("python3", "python3.11")) and ev["cell"] == r.result["cell_id"]
     assert "to allow it: --net loopback" in r.err and "frozen and killed" in r.err
@@ -129,7 +132,9 @@ def test_a_canary_credential_opened_is_attributed_and_ends_the_cell(user: User) 
                        "ls -a ~/.ssh; head -c 10 ~/.ssh/id_ed25519; sleep 3; echo still running"], timeout=60)
     assert r.rc == 137 and "still running" not in r.out, (r.out, r.err)
     assert "id_ed25519" in r.out and "id_rsa" in r.out  # listing the directory is not an attempt
-    [ev] = r.result["events"]  # type: ignore[misc]
+    events = r.result["events"]
+    assert isinstance(events, list) and len(events) == 1, events
+    ev = events[0]
     assert (ev["operation"], ev["source"], ev["target"]) == ("read", "canary", f"/home/{user.name}/.ssh/id_ed25519")
     assert ev["pid"] and os.path.basename(ev["exe"]) == "head", ev
     assert r.result["monitor_sources"]["canary"] == "on"  # type: ignore[index]
@@ -138,7 +143,9 @@ def test_a_canary_credential_opened_is_attributed_and_ends_the_cell(user: User) 
 def test_a_refused_escape_call_is_reported_by_seccomp_and_ends_the_cell(user: User) -> None:
     r = agentcell_run(["--as", str(user.uid), "--monitor", "--", "python3", "-c", PTRACE], timeout=60)
     assert r.rc == 137 and "still running" not in r.out, (r.out, r.err)
-    [ev] = r.result["events"]  # type: ignore[misc]
+    events = r.result["events"]
+    assert isinstance(events, list) and len(events) == 1, events
+    ev = events[0]
     assert (ev["operation"], ev["source"], ev["target"]) == ("execute", "seccomp", "ptrace pid 1"), ev
     assert ev["exe"].startswith("/usr/bin/python3") and ev["pid"]
 
@@ -164,17 +171,29 @@ def test_a_bad_verdict_is_one_line_and_nothing_runs(user: User, flags: list[str]
     assert r.rc == 125 and len(r.err.strip().splitlines()) == 1 and "--on-escape" in r.err, r.err
 
 
-def test_no_decoys_in_a_host_home_and_no_netrc_where_http_may_run(user: User, tmp_path: Path) -> None:
+def test_no_decoys_in_a_host_home_nor_in_a_shared_directory(user: User, tmp_path: Path) -> None:
     home = tmp_path / "home"
     home.mkdir()
     os.chown(home, user.uid, user.gid)
     r = agentcell_run(["--as", str(user.uid), "--home", str(home), "--monitor", "--", "sh", "-c", "ls -A ~"])
     assert r.rc == 0 and r.out == "" and list(home.iterdir()) == [], r.out
     assert r.result["monitor_sources"]["canary"].startswith("off: the home is a host directory")  # type: ignore[index]
-    r = agentcell_run(["--as", str(user.uid), "--net", "loopback", "--monitor", "--", "sh", "-c",
-                       "ls -A ~; cat ~/.netrc 2>/dev/null; true"])
-    assert r.rc == 0 and ".ssh" in r.out.split() and ".netrc" not in r.out.split(), r.out
-    assert r.result["events"] == []
+    # A host directory shared at a decoy's place (or above it) gets no decoy and stays as it was:
+    # nothing is written into a host directory, and its files are not watched.
+    home_on_host = Path(f"/home/{user.name}")  # the account has none on disk: made here, removed below
+    assert not home_on_host.exists()
+    try:
+        config = home_on_host / ".config"
+        config.mkdir(parents=True)
+        for d in (home_on_host, config):
+            os.chown(d, user.uid, user.gid)
+        r = agentcell_run(["--as", str(user.uid), "--rw", str(config), "--monitor", "--", "sh", "-c",
+                           "ls -A ~ ~/.config; cat ~/.config/gh/hosts.yml 2>/dev/null; true"])
+        assert r.rc == 0 and ".ssh" in r.out.split() and ".netrc" not in r.out.split(), (r.out, r.err)
+        assert r.result["events"] == [] and list(config.iterdir()) == [], r.result
+        assert "~/.config/gh/hosts.yml" not in r.out
+    finally:
+        shutil.rmtree(home_on_host, ignore_errors=True)
 
 
 def test_rootless_says_what_it_cannot_see_and_uses_what_remains(user: User) -> None:
@@ -186,7 +205,9 @@ def test_rootless_says_what_it_cannot_see_and_uses_what_remains(user: User) -> N
     assert "not watched: cgroup" in r.err and "audit stream needs root" in r.err
     # No cgroup to freeze: the cell is killed through its PID 1 at the first event (the canary).
     assert r.rc == 137 and "ptrace" not in r.out, (r.out, r.err)
-    [ev] = r.result["events"]  # type: ignore[misc]
+    events = r.result["events"]
+    assert isinstance(events, list) and len(events) == 1, events
+    ev = events[0]
     assert (ev["source"], ev["pid"]) == ("canary", None)  # inotify: the open, not who made it
     r = agentcell_run(["--monitor", "--on-escape", "record", "--", "python3", "-c", PTRACE.replace("time.sleep(3)",
                        "0")], as_user=user, timeout=60)
@@ -202,13 +223,14 @@ def test_the_python_api_streams_events_as_they_come(user: User) -> None:
     ident = resolve_identity(str(user.uid), euid=0)
     spec = CellSpec(ident, env=build_env({}, ident), cell_id="agentcell-apitest" + os.urandom(3).hex())
     seen: list[str] = []
-    sup = Supervised.start(spec, ["sh", "-c", "cat ~/.netrc ~/.ssh/id_rsa >/dev/null; sleep 30"], monitor="record",
-                           callback=lambda ev: seen.append(ev.target), stdio=(os.open(os.devnull, os.O_RDWR),) * 3)
+    sup = Supervised.start(spec, ["sh", "-c", "cat ~/.kube/config ~/.ssh/id_rsa >/dev/null; sleep 30"],
+                           monitor="record", callback=lambda ev: seen.append(ev.target),
+                           stdio=(os.open(os.devnull, os.O_RDWR),) * 3)
     try:
         assert sup.monitor is not None
         stream = sup.monitor.stream(timeout=20)
         first, second = next(stream), next(stream)
-        assert {first.target, second.target} == {f"/home/{user.name}/.netrc", f"/home/{user.name}/.ssh/id_rsa"}
+        assert {first.target, second.target} == {f"/home/{user.name}/.kube/config", f"/home/{user.name}/.ssh/id_rsa"}
         assert first.pid and first.exe.endswith("/cat") and sup.poll() is None  # record: it runs on
         assert sup.stats()["cpu_s"] >= 0
         sup.terminate("the test is done")
@@ -230,3 +252,41 @@ def test_the_warm_launcher_refuses_a_watched_cell(user: User) -> None:
     spec = CellSpec(ident, env=build_env({}, ident), watch=True)
     with Cell(spec) as cell, pytest.raises(AgentcellError, match="with its monitor"):
         cell.run(["true"])
+
+
+def test_a_denial_by_a_process_that_exits_at_once_is_still_attributed(user: User) -> None:
+    # Each connect is made by a subshell that is gone before the record is read: the cell's
+    # processes are known by descent, not by looking them up in /proc.
+    work = "for p in 21 22 23 24 25; do (exec 3<>/dev/tcp/127.0.0.1/$p) 2>/dev/null; done; echo done"
+    r = agentcell_run(["--as", str(user.uid), "--monitor", "--on-escape", "record", "--", "bash", "-c", work],
+                      timeout=60)
+    assert r.rc == 0 and r.out == "done", r.err
+    got = sorted(e["target"] for e in r.result["events"])  # type: ignore[union-attr]
+    assert got == [f"127.0.0.1:{p}" for p in range(21, 26)], r.result["events"]
+
+
+def test_a_busy_host_does_not_end_a_monitored_cell(user: User) -> None:
+    # Another account forks and exits as fast as it can while the cell sleeps: the host's events are
+    # not the cell's, and the monitor keeps up (or re-reads the cell's cgroup), but never kills it.
+    flood = ("import os, time\nend = time.time() + 4\nwhile time.time() < end:\n    pid = os.fork()\n"
+             "    if pid == 0:\n        os._exit(0)\n    os.waitpid(pid, 0)\n")
+    floods = [subprocess.Popen([*user.prefix(), "python3", "-c", flood]) for _ in range(2)]
+    try:
+        r = agentcell_run(["--as", str(user.uid), "--monitor", "--", "sh", "-c", "sleep 3; echo done"], timeout=60)
+    finally:
+        for p in floods:
+            p.kill()
+            p.wait()
+    assert r.rc == 0 and r.out == "done" and r.result["terminated_by_monitor"] is False, (r.err, r.result)
+    assert all(e["operation"] == "telemetry" and not e["acts"] for e in r.result["events"]), r.result["events"]
+
+
+def test_a_watched_cell_without_a_monitor_is_refused(user: User) -> None:
+    from agentcell import CellSpec
+    from agentcell.errors import AgentcellError
+    from agentcell.policy.resolve import build_env, resolve_identity
+    from agentcell.supervise import Supervised
+
+    ident = resolve_identity(str(user.uid), euid=0)
+    with pytest.raises(AgentcellError, match="needs its monitor"):
+        Supervised.start(CellSpec(ident, env=build_env({}, ident), watch=True), ["true"], monitor=None)

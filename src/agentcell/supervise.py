@@ -55,6 +55,8 @@ class Supervised:
               tty_fds: Sequence[int] = ()) -> Supervised:
         """Launch ``argv`` in a cell for ``spec``. ``monitor``: terminate | record | ``CLASS=VERDICT,…``
         (:func:`agentcell.monitor.monitor.parse_verdicts`) | None (no monitor)."""
+        if spec.watch and monitor is None:  # its canaries and seccomp listener wait on a monitor
+            raise AgentcellError("watch", "a watched cell needs its monitor", "pass monitor='terminate' or 'record'")
         fw = log = None
         if spec.network == "host-firewall":
             from .network import firewall, nflog
@@ -178,8 +180,12 @@ class Supervised:
         if self._fw is not None:
             self._fw.remove()
         if self._log is not None:
-            blocked = [*self._blocked, *self._log.events()]
+            late = self._log.events()  # a refusal of the cell's last moments may come after the monitor's last look
+            if self.monitor is not None:
+                self.monitor.record_egress(late)
+            blocked = [*self._blocked, *late]
             self._log.close()
+        events = self.monitor.events if self.monitor is not None else []
         out = dict(result or {})
         if self.spec.network in ("proxy", "host-firewall"):
             out["egress_blocked"] = blocked

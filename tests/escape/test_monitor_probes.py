@@ -25,18 +25,18 @@ COLLECT = os.environ.get("AGENTCELL_COLLECT_MONITOR")  # a file: write what was 
 
 # probe -> the events (operation, source, target pattern), each with the offending pid and exe unless
 # it is a resource event (the cgroup's counters name no process).
-CANARIES_FOUND_BY_A_SEARCH = [("read", "canary", "~/.aws/credentials"), ("read", "canary", "~/.netrc"),
-                              ("read", "canary", "~/.ssh/id_ed25519"), ("read", "canary", "~/.ssh/id_rsa")]
+CANARIES_FOUND_BY_A_SEARCH = [("read", "canary", "~/.aws/credentials"), ("read", "canary", "~/.ssh/id_ed25519"),
+                              ("read", "canary", "~/.ssh/id_rsa")]
 SEEN: dict[str, list[tuple[str, str, str]]] = {
     "bpf_map_create": [("execute", "seccomp", "bpf")],
     "cloud_credentials_via_home": [("read", "canary", "~/.aws/credentials"), ("read", "canary",
-                                   "~/.config/gh/hosts.yml"), ("read", "canary", "~/.netrc"),
-                                   ("read", "canary", "~/.ssh/id_ed25519")],
+                                   "~/.config/gh/hosts.yml"), ("read", "canary", "~/.ssh/id_ed25519")],
     "ssh_key_by_search": CANARIES_FOUND_BY_A_SEARCH,
     "fork_bomb": [("resource", "cgroup", "pids_limit_hits")],
     "memory_bomb": [("resource", "cgroup", "oom_kills")],
     "host_loopback_tcp4": [("network", "landlock", "127.0.0.1:*")],
     "tcp4_to_test_host": [("network", "landlock", "198.1[89].*:8080")],
+    "bash_dev_tcp_to_test_host": [("network", "landlock", "198.1[89].*:8080")],
     "tcp6_to_test_host": [("network", "landlock", "fd00:ac:*:8080")],
     "mknod_char_device_in_project": [("write", "landlock", "{project}")],
     "mount_tmpfs": [("write", "seccomp", "mount")],
@@ -57,7 +57,7 @@ UNSEEN: dict[str, str] = {
     **dict.fromkeys(("proc_cmdline_of_host_processes", "proc_environ_of_host_processes", "proc_mem_of_host_process",
                      "proc_root_and_cwd_of_host_process", "process_vm_readv_of_host_process",
                      "pidfd_getfd_from_host_process"), ABSENT + " (host processes: not in the cell's PID namespace)"),
-    **dict.fromkeys(("udp4_to_test_host", "udp6_to_test_host", "dns_query_to_test_host", "bash_dev_tcp_to_test_host",
+    **dict.fromkeys(("udp4_to_test_host", "udp6_to_test_host", "dns_query_to_test_host",
                      "host_loopback_tcp6", "host_loopback_tcp4_under_net_loopback", "listening_port_reached_from_host",
                      "abstract_unix_socket_of_host", "pathname_unix_socket_of_host"),
                     ABSENT + " (no route, no interface, another network namespace's sockets; Landlock does not "

@@ -12,22 +12,26 @@ marks them, and hands the watch out over the hand-off channel (tag ``C``):
   gone, the watch is closed and the open proceeds: a dead monitor is a telemetry event anyway;
 * rootless (no CAP_SYS_ADMIN): **inotify** ``IN_OPEN`` — the open is seen, not who made it.
 
-Where the home is a host directory (``--home``: a persistent agent's own home) nothing is planted:
-decoys would stay behind in it. ``~/.netrc`` is planted only in cells without a network (``none``):
-libcurl (git) and Python's requests (pip) read it on every HTTP request, so elsewhere it would be a
-false alarm on ordinary work.
+Decoys go only where the home's own private tmpfs is: where the home is a host directory
+(``--home``: a persistent agent's own home) nothing is planted, and no decoy is planted in, above or
+below a path shared into the cell (``--rw ~/.config`` keeps ``~/.config/gh/hosts.yml`` out): a
+decoy must never land in a host directory, where it would stay, be opened by the host's own
+programs, or meet another cell. No ``~/.netrc``: libcurl (git) and Python's requests (pip) read it
+on every HTTP request, even in a cell that has no network, so it would be a false alarm on ordinary
+work.
 """
 from __future__ import annotations
 
 import ctypes
 import os
 
+from . import fanotify  # imported before the cell forks: after pivot_root no module can be found
 from .spec import CellSpec
 
 IN_OPEN, IN_NONBLOCK, IN_CLOEXEC = 0x20, 0o4000, 0o2000000
 
 # Relative to the cell's home, in the order they are marked (inotify watch descriptors follow it).
-CANARIES = (".ssh/id_ed25519", ".ssh/id_rsa", ".aws/credentials", ".kube/config", ".config/gh/hosts.yml", ".netrc")
+CANARIES = (".ssh/id_ed25519", ".ssh/id_rsa", ".aws/credentials", ".kube/config", ".config/gh/hosts.yml")
 
 
 def planned(spec: CellSpec) -> tuple[str, ...]:
@@ -35,7 +39,19 @@ def planned(spec: CellSpec) -> tuple[str, ...]:
     if not spec.watch or spec.home_dir:
         return ()
     home = spec.identity.home.rstrip("/")
-    return tuple(f"{home}/{rel}" for rel in CANARIES if rel != ".netrc" or spec.network == "none")
+    shared = (*spec.rw_paths, *spec.ro_paths, *spec.masked_paths, *(spec.system_paths or ()))
+    out = []
+    for rel in CANARIES:
+        path = f"{home}/{rel}"
+        if not any(_related(path, p) for p in shared):
+            out.append(path)
+    return tuple(out)
+
+
+def _related(a: str, b: str) -> bool:
+    """One path is the other, or lies below it."""
+    a, b = a.rstrip("/") or "/", b.rstrip("/") or "/"
+    return a == b or a.startswith(b + "/") or b.startswith(a + "/") or b == "/"
 
 
 def _decoy(rel: str, tag: str) -> str:
@@ -55,7 +71,7 @@ def _decoy(rel: str, tag: str) -> str:
                 "current-context: prod\n")
     if rel == ".config/gh/hosts.yml":
         return f"github.com:\n    oauth_token: gho_{tag}{r}\n    user: agent\n    git_protocol: https\n"
-    return f"machine git.invalid login agent password {tag}{r}\n"
+    raise ValueError(rel)
 
 
 def plant_and_watch(spec: CellSpec, ctl: object) -> None:
@@ -77,7 +93,7 @@ def plant_and_watch(spec: CellSpec, ctl: object) -> None:
             parent = os.path.dirname(parent)
         for d in reversed(todo):
             os.mkdir(d, 0o700)
-            os.chown(d, uid, gid)
+            os.chown(d, uid, gid, follow_symlinks=False)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             os.write(fd, _decoy(path[len(spec.identity.home.rstrip('/')) + 1:], tag).encode())
@@ -94,8 +110,6 @@ def plant_and_watch(spec: CellSpec, ctl: object) -> None:
 
 
 def _fanotify(paths: tuple[str, ...]) -> int | None:
-    from . import fanotify
-
     try:
         fd = fanotify.init(fanotify.FAN_CLASS_CONTENT)
     except OSError:

@@ -152,7 +152,11 @@ class Running:
         return self._result
 
     def clean_up(self) -> None:
-        """Remove the cell's cgroup (once its result is known)."""
+        """Remove the cell's cgroup (once its result is known); close watches no monitor took."""
+        for fd in (self.canary_fd, self.seccomp_fd):
+            if fd is not None:
+                os.close(fd)
+        self.canary_fd = self.seccomp_fd = None
         if self.cg is not None:
             cg, self.cg = self.cg, None
             cg.remove()

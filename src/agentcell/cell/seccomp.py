@@ -69,7 +69,7 @@ VERSION = 5  # bump when the rules change: it is part of the cache key
 
 PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 22, 2
 SYS_SECCOMP = {"x86_64": 317, "aarch64": 277}
-SECCOMP_SET_MODE_FILTER, SECCOMP_FILTER_FLAG_NEW_LISTENER = 1, 8
+SECCOMP_SET_MODE_FILTER, SECCOMP_FILTER_FLAG_NEW_LISTENER, SECCOMP_FILTER_FLAG_WAIT_KILLABLE_RECV = 1, 8, 32
 _programs: dict[bool, bytes] = {}
 
 
@@ -208,8 +208,14 @@ def load(prog: bytes, *, listen: bool = False) -> int | None:
     if nr is None:
         raise LaunchError("seccomp", f"no seccomp syscall number known for {os.uname().machine}",
                           "run without --monitor")
-    fd = libc.syscall(ctypes.c_long(nr), ctypes.c_long(SECCOMP_SET_MODE_FILTER),
-                      ctypes.c_long(SECCOMP_FILTER_FLAG_NEW_LISTENER), ctypes.c_char_p(fprog))
+    # WAIT_KILLABLE_RECV (5.19+): once the monitor has received a call, a signal cannot pull it
+    # back out unrecorded (EINTR); only a fatal one ends the wait.
+    for flags in (SECCOMP_FILTER_FLAG_NEW_LISTENER | SECCOMP_FILTER_FLAG_WAIT_KILLABLE_RECV,
+                  SECCOMP_FILTER_FLAG_NEW_LISTENER):
+        fd = libc.syscall(ctypes.c_long(nr), ctypes.c_long(SECCOMP_SET_MODE_FILTER), ctypes.c_long(flags),
+                          ctypes.c_char_p(fprog))
+        if fd >= 0 or ctypes.get_errno() != errno.EINVAL:
+            break
     if fd < 0:
         err = ctypes.get_errno()
         hint = ("an outer seccomp filter already has a listener (a monitored cell inside another)"

@@ -15,6 +15,7 @@ import shlex
 import socket
 import struct
 import time
+from collections.abc import Callable
 from typing import Any
 
 NETLINK_AUDIT = 9
@@ -30,15 +31,25 @@ def _status_request(sock: socket.socket, kind: int, payload: bytes = b"") -> byt
     return sock.recv(65536)
 
 
-def audit_enabled() -> int:
-    """The audit 'enabled' flag: 0, 1, or 2 (locked)."""
+def audit_status() -> tuple[int, ...]:
+    """struct audit_status: mask, enabled, failure, pid, rate_limit, backlog_limit, lost, backlog, ..."""
     with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC, NETLINK_AUDIT) as s:
         s.bind((0, 0))
         reply = _status_request(s, AUDIT_GET)
         _len, kind, _f, _seq, _pid = _NLMSG.unpack_from(reply)
         if kind != AUDIT_GET:
             raise OSError("the kernel did not answer AUDIT_GET")
-        return int(_STATUS.unpack_from(reply, _NLMSG.size)[1])
+        return tuple(_STATUS.unpack_from(reply, _NLMSG.size))
+
+
+def audit_enabled() -> int:
+    """The audit 'enabled' flag: 0, 1, or 2 (locked)."""
+    return int(audit_status()[1])
+
+
+def audit_lost() -> int:
+    """Records the kernel has dropped since boot (its backlog was full): host-wide."""
+    return int(audit_status()[6])
 
 
 def set_audit_enabled(value: int) -> None:
@@ -50,6 +61,16 @@ def set_audit_enabled(value: int) -> None:
             err = -struct.unpack_from("=i", reply, _NLMSG.size)[0]
             if err:
                 raise OSError(err, os.strerror(err))
+
+
+def field(text: str, key: str) -> str:
+    """One unquoted ``key=value`` of a record, found without parsing the rest ("" if absent)."""
+    at = text.find(f" {key}=") + 1 if not text.startswith(f"{key}=") else 0
+    if at == 0 and not text.startswith(f"{key}="):
+        return ""
+    start = at + len(key) + 1
+    end = text.find(" ", start)
+    return text[start:] if end < 0 else text[start:end]
 
 
 def parse_fields(text: str) -> dict[str, str]:
@@ -145,11 +166,13 @@ class AuditReader:
     def fileno(self) -> int:
         return self.sock.fileno()
 
-    def read(self) -> list[dict[str, Any]]:
-        """Everything that can be read now, without blocking; completed denials."""
+    def read(self, accept: Callable[[int, str], bool] | None = None, limit: int = 4096) -> list[dict[str, Any]]:
+        """What can be read now (at most ``limit`` messages: the caller's loop must come round),
+        without blocking; completed denials. ``accept(pid, domain)`` keeps only the denials that
+        matter: the rest are dropped before any parsing (the host's other Landlock users can be loud)."""
         out: list[dict[str, Any]] = []
         self.sock.setblocking(False)
-        while True:
+        for _ in range(limit):
             try:
                 data = self.sock.recv(1 << 16)
             except BlockingIOError:
@@ -162,25 +185,37 @@ class AuditReader:
             if len(data) < _NLMSG.size:
                 continue
             length, kind, _f, _seq, _pid = _NLMSG.unpack_from(data)
+            if kind not in (AUDIT_LANDLOCK_ACCESS, AUDIT_LANDLOCK_DOMAIN, AUDIT_SYSCALL, AUDIT_EOE):
+                continue
             text = data[_NLMSG.size:length].decode(errors="replace").rstrip("\0")
             head, _, body = text.partition("): ")
             serial = head.rpartition(":")[2]
-            done = self._record(kind, serial, body)
+            done = self._record(kind, serial, body, accept)
             if done is not None:
                 out.append(done)
+        return out
 
-    def _record(self, kind: int, serial: str, body: str) -> dict[str, Any] | None:
+    def _record(self, kind: int, serial: str, body: str,
+                accept: Callable[[int, str], bool] | None) -> dict[str, Any] | None:
         if kind == AUDIT_LANDLOCK_ACCESS:
-            self.pending[serial] = {"landlock": parse_fields(body), "ts": time.time()}
+            self.pending[serial] = {"raw": body, "ts": time.time()}
+            if len(self.pending) > 4096:  # records whose end never came: drop the oldest
+                self.pending.pop(next(iter(self.pending)))
         elif kind == AUDIT_LANDLOCK_DOMAIN:
             f = parse_fields(body)
             if f.get("status") == "allocated" and f.get("pid", "").isdigit():
                 self.domains[f.get("domain", "")] = int(f["pid"])
         elif kind == AUDIT_SYSCALL and serial in self.pending:
-            f = parse_fields(body)
-            self.pending[serial]["syscall"] = f
+            pid = field(body, "pid")
+            if accept is not None and not accept(int(pid) if pid.isdigit() else -1,
+                                                 field(self.pending[serial]["raw"], "domain")):
+                del self.pending[serial]  # another process's: never parsed
+                return None
+            self.pending[serial]["syscall"] = parse_fields(body)
         elif kind == AUDIT_EOE and serial in self.pending:
-            return self.pending.pop(serial)
+            done = self.pending.pop(serial)
+            done["landlock"] = parse_fields(done.pop("raw"))
+            return done
         return None
 
     def close(self) -> None:

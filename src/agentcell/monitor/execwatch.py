@@ -56,11 +56,12 @@ class ExecWatch:
     def fileno(self) -> int:
         return self.sock.fileno()
 
-    def read(self) -> list[dict[str, Any]]:
-        """exec and uid events now readable: {"kind": "exec"|"uid", "pid": …, ...}; never blocks."""
+    def read(self, limit: int = 8192) -> list[dict[str, Any]]:
+        """fork, exit, exec and uid events now readable (at most ``limit``: the caller's loop must come
+        round): {"kind": "fork"|"exit"|"exec"|"uid", "pid": …, ...}; never blocks."""
         out: list[dict[str, Any]] = []
         self.sock.setblocking(False)
-        while True:
+        for _ in range(limit):
             try:
                 data = self.sock.recv(4096)
             except BlockingIOError:
@@ -85,10 +86,11 @@ class ExecWatch:
                     out.append({"kind": "exit", "pid": tgid})
             elif what == PROC_EVENT_EXEC and len(data) >= body + 8:
                 pid, _tgid = struct.unpack_from("=ii", data, body)
-                out.append({"kind": "exec", "pid": pid, **_identify(pid)})
+                out.append({"kind": "exec", "pid": pid})  # identified by the monitor, for its cell's only
             elif what == PROC_EVENT_UID and len(data) >= body + 16:
                 pid, _tgid, ruid, euid = struct.unpack_from("=iiII", data, body)
-                out.append({"kind": "uid", "pid": pid, "ruid": ruid, "euid": euid, **_identify(pid)})
+                out.append({"kind": "uid", "pid": pid, "ruid": ruid, "euid": euid})
+        return out
 
     def close(self) -> None:
         try:
@@ -98,7 +100,7 @@ class ExecWatch:
         self.sock.close()
 
 
-def _identify(pid: int) -> dict[str, str]:
+def identify(pid: int) -> dict[str, str]:
     """What the process is, read at once (it may be gone: then empty strings)."""
     out = {"exe": "", "comm": "", "cgroup": ""}
     for key, path in (("exe", f"/proc/{pid}/exe"), ("comm", f"/proc/{pid}/comm"), ("cgroup", f"/proc/{pid}/cgroup")):
@@ -150,7 +152,7 @@ class ToolExecs:
         out: list[dict[str, Any]] = []
         for mask, fd, pid in fanotify.events(data):
             if mask & fanotify.FAN_Q_OVERFLOW:
-                out.append({"kind": "lost"})
+                out.append({"kind": "lost", "tools": True})
             if fd < 0:
                 continue
             try:

@@ -26,9 +26,11 @@ forks from a process with threads).
 """
 from __future__ import annotations
 
+import collections
 import os
 import queue
 import select
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -38,6 +40,7 @@ from ..cell.cgroups import CellCgroup
 
 ESCAPES = ("read", "write", "execute", "network", "telemetry")
 CLASSES = (*ESCAPES, "resource")
+MAX_EVENTS = 1000  # distinct events kept per cell (duplicates are counted, not kept)
 HEARTBEAT_S = 1.0  # a loop that has not come round for this long has stopped: a telemetry event
 
 
@@ -63,12 +66,15 @@ def parse_verdicts(text: str) -> dict[str, str]:
 
 
 class CellEvent:
-    __slots__ = ("operation", "target", "reason", "pid", "exe", "cell", "source", "ts", "allow", "count")
+    __slots__ = ("operation", "target", "reason", "pid", "exe", "cell", "source", "ts", "allow", "count", "acts")
 
     def __init__(self, operation: str, target: str, reason: str, *, source: str, cell: str, pid: int | None = None,
-                 exe: str = "", allow: str = "", ts: float | None = None) -> None:
+                 exe: str = "", allow: str = "", ts: float | None = None, acts: bool = True) -> None:
         self.operation, self.target, self.reason, self.pid, self.exe = operation, target, reason, pid, exe
         self.cell, self.source, self.allow, self.ts, self.count = cell, source, allow, ts or time.time(), 1
+        # False: recorded, never a reason to end the cell (it cannot be pinned on the cell, or it is
+        # harmless in any cell: a TCP bind where nothing can connect).
+        self.acts = acts
 
     def key(self) -> tuple[str, str, str]:
         return (self.operation, self.target, self.source)
@@ -102,8 +108,9 @@ def landlock_event(raw: dict[str, Any], cell: str) -> CellEvent:
     else:
         target, allow = ll.get("opid", blockers), ""
     pid = int(sc["pid"]) if sc.get("pid", "").isdigit() else None
+    bind = blockers.startswith("net.bind_tcp")  # listening in a cell nothing outside can reach: noted only
     return CellEvent(op, target, f"blocked by Landlock ({blockers})", source="landlock", cell=cell, pid=pid,
-                     exe=sc.get("exe", ""), allow=allow, ts=raw.get("ts"))
+                     exe=sc.get("exe", ""), allow=allow, ts=raw.get("ts"), acts=not bind)
 
 
 class Monitor:
@@ -141,7 +148,12 @@ class Monitor:
         self.tools: Any = None
         self._running: Any = None
         self._members: set[int] = set()  # the cell's processes, followed by descent from its PID 1
-        self._exited: dict[int, float] = {}  # members that exited, and when (forgotten after 5 s)
+        self._exited: collections.deque[tuple[float, int]] = collections.deque()  # members gone, forgotten after 5 s
+        self._index: dict[tuple[str, str, str], CellEvent] = {}
+        self._final = False  # the cell has ended: events are recorded, no verdict acts any more
+        self._pidfd: int | None = None
+        self._audit_lost: int | None = None
+        self._seed = 0  # the cell's PID 1
         if rootless:
             self._state["landlock"] = "off: the audit stream needs root (CAP_AUDIT_CONTROL, CAP_AUDIT_READ)"
             self._state["exec"] = "off: the proc connector needs root (CAP_NET_ADMIN in the host's namespace)"
@@ -152,6 +164,12 @@ class Monitor:
 
             self.audit = AuditReader()
             self._state["landlock"] = "on"
+            try:
+                from .audit import audit_lost
+
+                self._audit_lost = audit_lost()
+            except OSError:
+                pass
         except (OSError, PermissionError) as e:
             self._state["landlock"] = f"failed: {e}"
             self._event(CellEvent("telemetry", "landlock", f"the audit stream cannot be read ({e}): Landlock "
@@ -182,12 +200,18 @@ class Monitor:
         self.cg, self._running = running.cg, running
         if running.pid1:
             self._members.add(running.pid1)
+            self._seed = running.pid1
+            try:  # signals go through a pidfd: never to a process that took PID 1's number after it
+                self._pidfd = os.pidfd_open(running.pid1)
+            except OSError:
+                self._pidfd = None
         self._state.setdefault("cgroup", "on" if running.cg is not None else "off: the cell has no cgroup")
         planned = canary.planned(running.spec)
         if running.canary_fd is not None:
             from .canaries import CanaryWatch
 
             self.canaries = CanaryWatch(running.canary_fd, planned, running.spec.identity.home)
+            running.canary_fd = None  # ours now
             self._state["canary"] = "on" if self.canaries.kind == "fanotify" else \
                 "on (inotify: the open is seen, not which process made it)"
         else:
@@ -197,6 +221,7 @@ class Monitor:
             from .seccompwatch import SeccompWatch
 
             self.seccomp = SeccompWatch(running.seccomp_fd)
+            running.seccomp_fd = None
             self._state["seccomp"] = "on"
         else:
             self._state["seccomp"] = "off: the cell's filter gave no listener"
@@ -242,6 +267,7 @@ class Monitor:
 
     def stop(self) -> list[CellEvent]:
         self._stop.set()
+        self._final = True  # what is drained from here on happened; the cell is over: record only
         try:
             os.write(self._wake_w, b"x")
         except OSError:
@@ -266,6 +292,9 @@ class Monitor:
         if groups:
             threading.Thread(target=_close_all, args=(groups,), name="agentcell-monitor-close", daemon=True).start()
         self.audit = self.execs = self.tools = self.canaries = self.seccomp = None
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+            self._pidfd = None
         for fd in (self._wake_r, self._wake_w):
             try:
                 os.close(fd)
@@ -278,6 +307,7 @@ class Monitor:
     # ---- the loop --------------------------------------------------------------------------------
 
     def _run(self) -> None:
+        last_lost_check = time.monotonic()
         try:
             while not self._stop.is_set():
                 self.heartbeat = time.monotonic()
@@ -287,6 +317,9 @@ class Monitor:
                     self._drain()
                 self._poll_resources()
                 self._poll_egress()
+                if self.audit is not None and time.monotonic() - last_lost_check >= 1:
+                    last_lost_check = time.monotonic()
+                    self._poll_audit_lost()
         except Exception as e:  # noqa: BLE001 - a monitor that stops seeing must say so, and act
             self._event(CellEvent("telemetry", "monitor", f"the monitor stopped: {e!r}", source="telemetry",
                                   cell=self.cell_id))
@@ -312,21 +345,53 @@ class Monitor:
         # Order: who belongs to the cell first (forks, from the connector), then the tools' execs
         # (fanotify, in the order they happened), then the connector's own exec and uid events.
         tools = self.tools.read() if self.tools is not None else []
-        execs = self.execs.read() if self.execs is not None else []
-        for ex in execs:
-            if ex["kind"] in ("fork", "exit"):
-                self._exec_event(ex)
-        for ex in (*tools, *(e for e in execs if e["kind"] not in ("fork", "exit"))):
-            self._exec_event(ex)
+        self._drain_connector(tools)
         if self.audit is None:
             return
-        for raw in self.audit.read():
-            if raw.get("lost"):
-                self._event(CellEvent("telemetry", "landlock", "the kernel dropped audit records", source="telemetry",
-                                      cell=self.cell_id))
+        for raw in self.audit.read(accept=self._accept):
+            if raw.get("lost"):  # the host's other Landlock users can cause it: noted, not held against the cell
+                self._event(CellEvent("telemetry", "landlock", "the audit stream overflowed: a Landlock denial may be "
+                                      "missing from this report (the kernel still refused it)", source="telemetry",
+                                      cell=self.cell_id, acts=False))
                 continue
             if self._ours(raw):
                 self._event(landlock_event(raw, self.cell_id))
+
+    def _drain_connector(self, tools: list[dict[str, Any]] | None = None) -> None:
+        """Who belongs to the cell first (forks, from the connector), then the tools' execs (fanotify,
+        in the order they happened), then the connector's own exec and uid events."""
+        execs = self.execs.read() if self.execs is not None else []
+        for ex in execs:
+            if ex["kind"] in ("fork", "exit", "lost"):
+                self._exec_event(ex)
+        for ex in (*(tools or ()), *(e for e in execs if e["kind"] not in ("fork", "exit", "lost"))):
+            self._exec_event(ex)
+
+    def _accept(self, pid: int, domain: str) -> bool:
+        """A Landlock denial worth parsing: by one of the cell's processes (or its domain). A process
+        forked after the connector was last read is looked up after reading it again."""
+        if pid in self._members or domain in self._domains:
+            return True
+        self._drain_connector()
+        return pid in self._members
+
+    def _poll_audit_lost(self) -> None:
+        """Records the kernel dropped before anyone could read them (its backlog was full). Host-wide,
+        so noted, not held against the cell: a denial may be missing from the report, never allowed."""
+        from .audit import audit_lost
+
+        try:
+            lost = audit_lost()
+        except OSError:
+            return
+        if self._audit_lost is not None and lost > self._audit_lost:
+            self._event(CellEvent("telemetry", "landlock", "the kernel dropped audit records (its backlog was full): "
+                                  "a Landlock denial may be missing from this report (the kernel still refused it)",
+                                  source="telemetry", cell=self.cell_id, acts=False))
+        self._audit_lost = lost
+
+    def _cgroup_pids(self) -> set[int]:
+        return _pids_in(self.cg)
 
     def _seccomp_event(self, n: dict[str, Any]) -> None:
         from .seccompwatch import describe
@@ -340,25 +405,39 @@ class Monitor:
         from .execwatch import PRIVILEGE_TOOLS
 
         if ex["kind"] == "lost":
-            self._event(CellEvent("telemetry", "exec", "the kernel dropped proc connector events", source="telemetry",
-                                  cell=self.cell_id))
+            if ex.get("tools"):  # the tools' own queue: an exec may be missed
+                self._event(CellEvent("telemetry", "exec", "the kernel dropped exec events", source="telemetry",
+                                      cell=self.cell_id))
+                return
+            # The connector carries the whole host's forks: a busy host can overflow it. Who is in the
+            # cell is read again from its cgroup (a tool's exec is still named by fanotify).
+            self._members |= self._cgroup_pids()
+            self._event(CellEvent("telemetry", "exec", "the proc connector overflowed (a busy host); the cell's "
+                                  "processes were re-read from its cgroup", source="telemetry", cell=self.cell_id,
+                                  acts=False))
             return
         kind, pid = ex["kind"], int(ex.get("pid") or 0)
         if kind == "fork":
             if ex["parent"] in self._members:
                 self._members.add(pid)
-                self._exited.pop(pid, None)
+            elif pid != self._seed:  # (PID 1 itself was forked by the launcher, outside the cell)
+                self._members.discard(pid)  # a pid the cell used before, now someone else's
             return
         if kind == "exit":  # kept a while: the fanotify event of a tool that exited at once may come later
-            self._exited[pid] = time.monotonic()
-            if len(self._exited) > 256:
-                old = time.monotonic() - 5
-                for p in [p for p, t in self._exited.items() if t < old]:
-                    self._members.discard(p)
-                    del self._exited[p]
+            if pid in self._members:
+                now = time.monotonic()
+                self._exited.append((now, pid))
+                while self._exited and self._exited[0][0] < now - 5:
+                    _, old = self._exited.popleft()
+                    if not _thread_group_alive(old):  # a leader that exited before its threads still counts
+                        self._members.discard(old)
             return
         if pid not in self._members or pid in self.trusted:
             return  # another process of the host (or ours)
+        if kind in ("exec", "uid"):  # read now, for the cell's processes only (the host's are many)
+            from .execwatch import identify
+
+            ex = {**identify(pid), **ex}
         name = ex.get("tool") or os.path.basename(ex.get("exe", "")) or ex.get("comm", "")
         if kind in ("tool", "exec") and name in PRIVILEGE_TOOLS:  # a copy under the same name too (exec)
             self._event(CellEvent("execute", name, f"a privilege tool was run in the cell ({name}: mounts are "
@@ -376,24 +455,46 @@ class Monitor:
         if domain in self._domains:
             return True
         pid = raw.get("syscall", {}).get("pid", "")
-        if pid.isdigit():
-            try:
-                with open(f"/proc/{pid}/cgroup") as f:
-                    if f"/{self.cell_id}" in f.read():
-                        self._domains.add(domain)
-                        return True
-            except OSError:
-                pass
+        if pid.isdigit() and int(pid) in self._members:  # by descent: a process that is already gone counts
+            self._domains.add(domain)
+            return True
         return False
 
     def _poll_egress(self) -> None:
         for poll in self._sources:
-            for raw in poll():
-                reason = str(raw.get("reason", ""))
-                allow = reason[reason.find("add ") + 4:].removesuffix(" to allow it") if "add " in reason else ""
-                self._event(CellEvent("network", str(raw.get("target", "?")), reason,
-                                      source=str(raw.get("source", "egress")), cell=self.cell_id,
-                                      pid=None, allow=allow, ts=raw.get("ts")))
+            self.record_egress(poll())
+
+    def record_egress(self, refusals: list[dict[str, Any]]) -> None:
+        """Refusals of the egress layer as events (also those read after the monitor stopped)."""
+        for raw in refusals:
+            reason = str(raw.get("reason", ""))
+            allow = ""
+            if "add " in reason:
+                cut = reason.find("add ")
+                allow = reason[cut + 4:].removesuffix(" to allow it")
+                reason = reason[:cut].rstrip(" ;:,")
+            source = str(raw.get("source", "egress"))
+            # The proxy serves this cell alone. The host firewall matches the account's uid: its
+            # refusal is the cell's only while no process of that account runs outside the cell
+            # (an agent or session account); otherwise it is recorded, not pinned on the cell.
+            acts = source != "nftables" or self._uid_only_in_cell()
+            if not acts:
+                reason += " (by the account's uid: it also runs outside the cell, so this is not held against it)"
+            self._event(CellEvent("network", str(raw.get("target", "?")), reason, source=source,
+                                  cell=self.cell_id, pid=None, allow=allow, ts=raw.get("ts"), acts=acts))
+
+    def _uid_only_in_cell(self) -> bool:
+        if self.uid is None:
+            return False
+        inside = self._members | _pids_in(self.cg)
+        for name in os.listdir("/proc"):
+            if name.isdigit() and int(name) not in inside and int(name) not in self.trusted:
+                try:
+                    if os.stat(f"/proc/{name}").st_uid == self.uid:
+                        return False
+                except OSError:
+                    continue
+        return True
 
     def _poll_resources(self) -> None:
         if self.cg is None:
@@ -413,12 +514,20 @@ class Monitor:
 
     def _event(self, ev: CellEvent) -> None:
         with self._lock:
-            for seen in self.events:
-                if seen.key() == ev.key():
-                    seen.count += 1  # a duplicate: counted, the first one stands
+            seen = self._index.get(ev.key())
+            if seen is not None:
+                seen.count += 1  # a duplicate: counted, the first one stands
+                return
+            if len(self.events) >= MAX_EVENTS:  # a flood: the first ones stand, the rest are counted
+                ev = CellEvent("telemetry", "events", f"more than {MAX_EVENTS} distinct events: the rest are "
+                               "counted here", source="telemetry", cell=self.cell_id, acts=False)
+                seen = self._index.get(ev.key())
+                if seen is not None:
+                    seen.count += 1
                     return
+            self._index[ev.key()] = ev
             self.events.append(ev)
-            if self.verdicts.get(ev.operation) == "terminate" and not self.terminated:
+            if ev.acts and not self._final and self.verdicts.get(ev.operation) == "terminate" and not self.terminated:
                 self.terminate(ev.line())
         self._queue.put(ev)
         if self.callback is not None:
@@ -438,11 +547,36 @@ class Monitor:
             except OSError:
                 pass
             killed = self.cg.kill()
-        if self._running is not None:  # and in any case PID 1: its death ends the cell's PID namespace
-            self._running.forward(9)
+        if self._pidfd is not None:  # and in any case PID 1: its death ends the cell's PID namespace
+            try:
+                signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
+            except OSError:
+                pass  # already gone
         elif not killed:
             self._event(CellEvent("telemetry", "monitor", "the cell could not be killed (no cgroup.kill, no PID 1 "
                                   "known)", source="telemetry", cell=self.cell_id))
+
+
+def _pids_in(cg: CellCgroup | None) -> set[int]:
+    out: set[int] = set()
+    for d in (cg.dirs.values() if cg is not None else ()):
+        try:
+            with open(f"{d}/cgroup.procs") as f:
+                out |= {int(x) for x in f.read().split() if x.isdigit()}
+        except OSError:
+            pass
+    return out
+
+
+def _thread_group_alive(pid: int) -> bool:
+    """Some thread of ``pid``'s group still runs (its leader may have exited before the others)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            status = f.read()
+    except OSError:
+        return False
+    threads = next((line.split()[1] for line in status.splitlines() if line.startswith("Threads:")), "0")
+    return threads.isdigit() and int(threads) > 0 and "\nState:\tX" not in status
 
 
 def _close_all(sources: list[Any]) -> None:

@@ -68,7 +68,9 @@ class SeccompWatch:
             raise
         nid, pid, _flags, nr, _arch, _ip, *args = _NOTIF.unpack(buf)
         name = self._names.get(nr) or self._names.setdefault(nr, call_name(nr))
-        return [{"id": nid, "pid": pid, "call": name, "args": args, **_identify(pid)}]
+        from .execwatch import identify
+
+        return [{"id": nid, "pid": pid, "call": name, "args": args, **identify(pid)}]
 
     def refuse(self, notification: dict[str, Any]) -> None:
         self.answer(notification["id"], -errno.EPERM)
@@ -94,14 +96,3 @@ def describe(call: str, args: list[int]) -> tuple[str, str, str]:
         pid = args[1] if call == "ptrace" else args[0]
         return op, f"{call} pid {pid & 0xFFFFFFFF}", f"an attempt {what}; refused by seccomp"
     return op, call, f"an attempt {what}; refused by seccomp"
-
-
-def _identify(pid: int) -> dict[str, str]:
-    out = {"exe": "", "cgroup": ""}
-    try:
-        out["exe"] = os.readlink(f"/proc/{pid}/exe")
-        with open(f"/proc/{pid}/cgroup") as f:
-            out["cgroup"] = f.read()
-    except OSError:
-        pass
-    return out
