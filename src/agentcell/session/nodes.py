@@ -313,7 +313,8 @@ class Nodes:
         self._crash("monitor")
         until = min(time.monotonic() + self.rt.tick_s, time.monotonic() + max(0.0, state["deadline"] - time.time()))
         while True:
-            escape = next((e for e in cell.events() if e["operation"] in ESCAPES), None)
+            # What the monitor acts on (an event it only notes, acts false, is not held against the cell).
+            escape = next((e for e in cell.events() if e["operation"] in ESCAPES and e.get("acts", True)), None)
             result = cell.poll()
             if result is None and escape is None and cell.lost:
                 raise TelemetryLost("monitor", "the cell's host ended without a word")
