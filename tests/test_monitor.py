@@ -22,6 +22,7 @@ CONNECT = ("import socket\ntry:\n    socket.create_connection(('127.0.0.1', 1))\
 
 def test_an_escape_attempt_is_attributed_and_ends_the_cell(user: User) -> None:
     before = audit.audit_enabled()
+    backlog = audit.audit_status()[5]
     r = agentcell_run(["--as", str(user.uid), "--monitor", "--", "python3", "-c", CONNECT], timeout=60)
     assert r.rc == 137 and r.result["terminated_by_monitor"] is True, (r.out, r.err)
     assert "still running" not in r.out
@@ -32,6 +33,7 @@ def test_an_escape_attempt_is_attributed_and_ends_the_cell(user: User) -> None:
     assert ev["pid"] and ev["exe"].endswith(("python3", "python3.11")) and ev["cell"] == r.result["cell_id"]
     assert "to allow it: --net loopback" in r.err and "frozen and killed" in r.err
     assert audit.audit_enabled() == before  # the audit switch is put back as it was
+    assert audit.audit_status()[5] == backlog  # and its backlog limit
 
 
 def test_record_only_lets_the_command_go_on(user: User) -> None:

@@ -52,10 +52,22 @@ def audit_lost() -> int:
     return int(audit_status()[6])
 
 
+AUDIT_STATUS_ENABLED, AUDIT_STATUS_BACKLOG_LIMIT = 0x1, 0x10
+BACKLOG = 8192  # records the kernel may hold for its readers while monitors run (its default: 64)
+
+
 def set_audit_enabled(value: int) -> None:
+    _set(AUDIT_STATUS_ENABLED, enabled=value)
+
+
+def set_audit_backlog(limit: int) -> None:
+    _set(AUDIT_STATUS_BACKLOG_LIMIT, backlog=limit)
+
+
+def _set(mask: int, *, enabled: int = 0, backlog: int = 0) -> None:
     with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC, NETLINK_AUDIT) as s:
         s.bind((0, 0))
-        reply = _status_request(s, AUDIT_SET, _STATUS.pack(1, value, 0, 0, 0, 0, 0, 0, 0, 0, 0))
+        reply = _status_request(s, AUDIT_SET, _STATUS.pack(mask, enabled, 0, 0, 0, backlog, 0, 0, 0, 0, 0))
         _len, kind, _f, _seq, _pid = _NLMSG.unpack_from(reply)
         if kind == 2:  # NLMSG_ERROR
             err = -struct.unpack_from("=i", reply, _NLMSG.size)[0]
@@ -102,10 +114,13 @@ def _acquire() -> None:
         live = _live_readers()
         if not live:
             previous = os.path.join(USERS, ".previous")
+            st = audit_status()
             if not os.path.exists(previous):  # else a reader died before restoring: that value still stands
                 with open(previous, "w") as f:
-                    f.write(str(audit_enabled()))
+                    f.write(f"{st[1]} {st[5]}")  # enabled, backlog_limit
             set_audit_enabled(1)
+            if st[5] < BACKLOG:  # a burst elsewhere on the host must not crowd the cell's records out
+                set_audit_backlog(BACKLOG)
         open(os.path.join(USERS, str(os.getpid())), "w").close()
     finally:
         os.close(lock)
@@ -122,11 +137,16 @@ def _release() -> None:
         except FileNotFoundError:
             pass
         if not _live_readers():
+            previous, backlog = 0, 0
             try:
                 with open(os.path.join(USERS, ".previous")) as f:
-                    previous = int(f.read().strip() or 0)
+                    words = f.read().split()
+                previous = int(words[0]) if words else 0
+                backlog = int(words[1]) if len(words) > 1 else 0
             except (OSError, ValueError):
-                previous = 0
+                pass
+            if backlog and audit_status()[5] != backlog:
+                set_audit_backlog(backlog)
             if previous == 0:
                 set_audit_enabled(0)
             try:
