@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Set everything up (apt packages, .venv with agentcell editable), then show `agentcell run` confining a
 # scripted "agent" to a copy of examples/demo-project: it may edit the project and nothing else.
-# Run as root (it creates, and always deletes, a throwaway account). Exit 0 only if every attempt
-# the cell should stop was stopped and the allowed edit landed.
+# Then the same project through a whole `agentcell session` (backup, per-session account, monitor,
+# terminate at the first escape attempt, audit, diff, restore). Run as root (it creates, and always
+# deletes, throwaway accounts). Exit 0 only if every attempt the cell should stop was stopped, the
+# allowed edits landed, and the session ended at its escape attempt with everything recorded.
 set -euo pipefail
 cd "$(dirname "$(readlink -f "${BASH_SOURCE[0]}")")"
 source scripts/setup.sh
@@ -40,6 +42,9 @@ cleanup() {
     getent passwd "$DEMO_USER" >/dev/null || echo "cleanup: deleted account $DEMO_USER"
   fi
   rm -f -- "$OUT_USR" "$OUT_ETC" "$CELL_TMP_NOTE"  # only there if the cell failed; their names are unique
+  if [ -n "$WS" ] && [ -d "$WS/session-state" ]; then  # a session cut short: its account, grants, cell
+    AGENTCELL_STATE_DIR=$WS/session-state "$AGENTCELL" session recover >/dev/null 2>&1
+  fi
   if [ -n "$WS" ]; then
     rm -rf -- "$WS" && echo "cleanup: removed $WS"
   fi
@@ -267,6 +272,56 @@ check "$CELL_TMP_NOTE does not exist on the host (it lived in the cell's own /tm
 leftover=$(ps -o pid= -u "$DEMO_UID" || true)
 check "no process of $DEMO_USER is left running" test -z "$leftover"
 
+# ---- 6. the same project through a whole session ------------------------------------------------------------
+section "6. A whole session: agentcell session start --harness scripted"
+info "plan -> policy -> backup -> a per-session account -> the cell, watched -> terminate at the first escape"
+info "attempt -> delete the account -> audit. The scripted agent edits the code and its tests, runs the tests,"
+info "then reads a credential in its home (a decoy the monitor planted): the session must end there."
+export AGENTCELL_STATE_DIR=$WS/session-state  # the demo's sessions, checkpoints, backups and audit trail
+mkdir -m 700 "$AGENTCELL_STATE_DIR"
+cat > "$WS/steps.txt" <<STEPS
+edit greet.py 'Hello, ' 'Hi, '
+edit test_greet.py 'Hello, Ada!' 'Hi, Ada!'
+edit test_greet.py 'Hello, world!' 'Hi, world!'
+run python3 -B -m unittest -q
+read ~/.ssh/id_ed25519
+write greet.py 'after the escape: must never be written'
+STEPS
+sed 's/^/   | /' "$WS/steps.txt"
+info "\$ .venv/bin/agentcell session start --harness scripted --project $PROJECT --wall-clock 120 --json -- steps.txt"
+echo
+session_rc=0
+(cd "$PROJECT" && "$AGENTCELL" session start --harness scripted --project "$PROJECT" --wall-clock 120 --json \
+  -- "$WS/steps.txt" </dev/null >"$WS/session.out" 2>"$WS/session.err") || session_rc=$?
+sed '$d' "$WS/session.out"
+cat "$WS/session.err"
+SUMMARY=$(tail -n 1 "$WS/session.out")
+field() { printf '%s' "$SUMMARY" | /usr/bin/python3 -c "import json, sys; print(json.load(sys.stdin).get('$1') or '')"; }
+SID=$(field session)
+echo
+info "the summary (the last line of --json): status=$(field status) escape_target=$(field escape_target)"
+check "the session was terminated at the escape attempt (exit 120)" test "$session_rc" -eq 120
+check "the escape was the decoy credential" test "$(field escape_target | sed 's|.*/||')" = "id_ed25519"
+check "the agent's tests passed before that" grep -q "ALLOWED: ran python3 -B -m unittest -q" "$WS/session.out"
+check "nothing ran after the escape attempt" \
+  test "$(grep -c 'must never be written' "$PROJECT/greet.py" || true)" = "0"
+check "the per-session account $(field os_user) is gone" sh -c "! getent passwd '$(field os_user)' >/dev/null"
+echo
+info "\$ agentcell audit show --session $SID   (the hash-chained trail; verified next)"
+"$AGENTCELL" audit show --session "$SID" "$AGENTCELL_STATE_DIR/audit/audit.jsonl" | sed 's/^/   /' | cut -c1-160
+check "the audit trail holds the escape and verifies" sh -c \
+  "grep -q '\"event\":\"session.escape\"' '$AGENTCELL_STATE_DIR/audit/audit.jsonl' &&
+   '$AGENTCELL' audit verify '$AGENTCELL_STATE_DIR/audit/audit.jsonl' >/dev/null"
+echo
+info "\$ agentcell session diff $SID"
+"$AGENTCELL" session diff "$SID" | sed 's/^/   /'
+check "session diff shows the agent's two edits" \
+  test "$("$AGENTCELL" session diff "$SID" | grep -c '^M ')" = "2"
+info "\$ agentcell session restore $SID"
+"$AGENTCELL" session restore "$SID" 2>&1 | sed 's/^/   /'
+check "session restore put greet.py and test_greet.py back" \
+  test "$(diff -rq examples/demo-project "$PROJECT" | grep -c -e greet.py -e test_greet.py || true)" = "0"
+
 section "Summary"
 FINISHED=1
 allowed=$(grep -c '^ALLOWED ' "$WS/cell.out" || true)
@@ -277,6 +332,8 @@ if [ ${#problems[@]} -eq 0 ]; then
   echo "      secrets outside the project, /etc/shadow, /root, writes to /usr, /etc and a home directory,"
   echo "      the host's loopback service, the exported DEMO_API_KEY, the host's processes."
   echo "      It ran as $DEMO_USER (uid $DEMO_UID), never as root. Nothing outside the project changed."
+  echo "      Then a whole session: backed up, run as a per-session account, terminated at its first escape"
+  echo "      attempt, audited; its edits shown by 'session diff' and undone by 'session restore'."
   exit 0
 fi
 echo "FAIL: the cell did not behave as expected:"

@@ -1,4 +1,5 @@
-"""./demo.sh end to end: it passes, shows the denials, and leaves no account and no workspace behind."""
+"""./demo.sh end to end: it passes, shows the denials and a whole session, and leaves no account and no
+workspace behind."""
 from __future__ import annotations
 
 import glob
@@ -45,6 +46,11 @@ def test_demo_passes_and_cleans_up() -> None:
     assert f"DENIED   write {ws}/host-home/.bashrc (" in out
     assert "DENIED   see $DEMO_API_KEY (" in out
     assert "FAKE-DEMO-KEY-NOT-REAL" not in out
+    # The session part: terminated at the decoy credential, audited, diffed and restored.
+    for line in ("the session was terminated at the escape attempt (exit 120)", "nothing ran after the escape attempt",
+                 "the audit trail holds the escape and verifies", "session diff shows the agent's two edits",
+                 "session restore put greet.py and test_greet.py back"):
+        assert f"ok    {line}" in out, line
     assert "PASS:" in out
 
     with pytest.raises(KeyError):

@@ -20,6 +20,7 @@ _LAZY = {
     "AgentcellError": "agentcell.errors",
     "PolicyError": "agentcell.errors",
     "LaunchError": "agentcell.errors",
+    "build_graph": "agentcell.session.graph",  # imports LangGraph: only when asked for
 }
 
 __all__ = ["__version__", *_LAZY]

@@ -1,0 +1,306 @@
+"""``agentcell session``: run an agent through the whole session workflow, and look after sessions.
+
+    agentcell session start [--harness H] [--agent NAME] [--rw P]... [--json] [OPTIONS] [-- HARNESS ARGS]
+    agentcell session list [--json]
+    agentcell session show ID [--json]
+    agentcell session stop ID
+    agentcell session restore ID
+    agentcell session diff ID [--json]
+    agentcell session recover [--json]
+
+Configuration: flags > environment > .env > the project's agentcell.toml [session] > defaults (see
+agentcell.session.config). Sessions are kept in <state dir>/sessions (LangGraph's SQLite checkpoints).
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from typing import Any
+
+from ..errors import EXIT_SETUP, AgentcellError, report
+from .common import Parser
+
+PROG = "agentcell session"
+EXIT_TERMINATED = 120  # the session was terminated (an escape attempt, a stop, a lost account or audit log)
+EXIT_ABORTED = EXIT_SETUP  # aborted before the agent ran (no backup, no firewall, no cell)
+EPILOG = f"""exit status of start:
+  0 or the harness's own status when it ended by itself (0 when the wall clock ended it)
+  {EXIT_TERMINATED}  terminated: an escape attempt, 'session stop', a lost account, monitor or audit log
+  {EXIT_ABORTED}  aborted before the agent ran (backup, firewall or launch failed)
+  125  refused: a bad flag or configuration value; nothing was created
+"""
+
+
+def parser() -> Parser:
+    import argparse
+
+    p = Parser(prog=PROG, description="Run an agent in a planned, backed-up, watched and audited session.",
+               epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", metavar="start|list|show|stop|restore|diff|recover", parser_class=Parser)
+    sub.required = True
+    sp = sub.add_parser("start", help="start a session (harness args after --)")
+    sp.add_argument("--harness", help="claude_code, codex, opencode, cursor, aider, gemini, shell, scripted "
+                    "(AGENT_HARNESS; default shell)")
+    sp.add_argument("--agent", metavar="NAME", help="run as this persistent agent account (AGENT_OS_USER); "
+                    "default, as root: a per-session account deleted at the end")
+    sp.add_argument("--rw", action="append", metavar="PATH", dest="declared_paths",
+                    help="a declared path, shared read-write (repeatable; DECLARED_PATHS; default: the project)")
+    sp.add_argument("--project", metavar="DIR", dest="project_root", help="the project (PROJECT_ROOT; default: .)")
+    sp.add_argument("--env-file", metavar="FILE", help="the .env file (default: ./.env)")
+    sp.add_argument("--wall-clock", type=str, metavar="S", dest="wall_clock_limit_s",
+                    help="end the session (normally) after S seconds (WALL_CLOCK_LIMIT_S; default 3600)")
+    sp.add_argument("--backup-dir", metavar="DIR", help="the snapshot store for the preflight backup (BACKUP_DIR)")
+    sp.add_argument("--audit-log", metavar="FILE", dest="audit_log_path", help="the audit trail (AUDIT_LOG_PATH)")
+    sp.add_argument("--firewall", action="store_const", const="true", dest="firewall_enabled",
+                    help="the seed's host firewall: egress to port 443 only (FIREWALL_ENABLED)")
+    sp.add_argument("--net", dest="network", metavar="MODE", help="none | loopback | proxy | host-firewall "
+                    "(default: host-firewall with FIREWALL_ENABLED, else the harness's)")
+    sp.add_argument("--json", action="store_true", help="print the summary as one JSON object, last on stdout")
+    for name, help_ in (("list", "the sessions kept"), ("recover", "finish the teardown of sessions whose "
+                                                                   "supervisor died")):
+        sp = sub.add_parser(name, help=help_)
+        sp.add_argument("--json", action="store_true")
+    for name, help_ in (("show", "a session's state"), ("stop", "stop a running session (terminated)"),
+                        ("restore", "put the declared paths back as the preflight backup has them"),
+                        ("diff", "what changed in the declared paths since the preflight backup")):
+        sp = sub.add_parser(name, help=help_)
+        sp.add_argument("id", metavar="ID")
+        if name in ("show", "diff"):
+            sp.add_argument("--json", action="store_true")
+    return p
+
+
+def main(argv: list[str]) -> int:
+    args, harness_args = list(argv), []
+    if "--" in args:
+        i = args.index("--")
+        args, harness_args = args[:i], args[i + 1:]
+    ns = parser().parse_args(args)
+    if harness_args and ns.cmd != "start":
+        return report(PROG, AgentcellError("--", f"'session {ns.cmd}' takes no command", "remove what follows --"))
+    try:
+        if ns.cmd == "start":
+            return _start(ns, harness_args)
+        return int(globals()[f"_{ns.cmd}"](ns))
+    except AgentcellError as e:
+        return report(PROG, e)
+
+
+# ---- start -------------------------------------------------------------------------------------
+
+def _graph(runtime: Any = None) -> tuple[Any, Any]:
+    from langgraph.checkpoint.sqlite import SqliteSaver
+
+    from ..session import graph, state
+
+    try:
+        conn = state.connect()
+    except OSError as e:
+        raise AgentcellError("state", f"cannot open {state.sessions_dir()}: {e.strerror}",
+                             "run through sudo (sessions are root's), or set AGENTCELL_STATE_DIR") from None
+    return graph.build_graph(runtime, checkpointer=SqliteSaver(conn)), conn
+
+
+def _start(ns: Any, harness_args: list[str]) -> int:
+    from ..session import config, graph, profiles, state
+
+    flags = {k: getattr(ns, k) for k in ("harness", "agent", "declared_paths", "project_root", "wall_clock_limit_s",
+                                         "backup_dir", "audit_log_path", "firewall_enabled", "network")}
+    flags["harness_args"] = harness_args
+    cfg = config.load(flags, dotenv=ns.env_file)
+    argv = profiles.command(profiles.get(cfg.harness), cfg.harness_args)  # a missing harness: refused here
+    sid = graph.new_session_id()
+    from ..session.nodes import compile_policy, make_plan
+
+    plan, _ = make_plan(cfg.as_dict(), sid)  # bad input is refused here, before a session exists
+    compile_policy(plan, dict(os.environ), cfg.project_root)
+    faults = state.parse_faults(os.environ.get(state.FAULTS_ENV, ""))
+    rt = state.Runtime(faults=faults, secrets=dict(cfg.secrets), environ=dict(os.environ),
+                       status_line=sys.stderr.isatty() and not ns.json)
+    g, _conn = _graph(rt)
+
+    def stop(sig: int, _frame: object) -> None:
+        rt.stop_requested[sid] = f"signal {sig}"
+
+    for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(s, stop)
+    sys.stderr.write(f"{PROG}: session {sid}: {cfg.harness} in {cfg.project_root}\n")
+    final = graph.run(g, {"session_id": sid, "config": cfg.as_dict(), "argv": argv})
+    summary = _summary(dict(final))
+    _print_end(summary)
+    if ns.json:
+        sys.stdout.flush()
+        sys.stdout.write(json.dumps(summary) + "\n")
+    if summary["status"] == "aborted":
+        return EXIT_ABORTED
+    if summary["status"] == "terminated":
+        return EXIT_TERMINATED
+    code = summary.get("exit_status")
+    return 0 if summary["reason"] == "timeout" or not isinstance(code, int) else code
+
+
+def _summary(st: dict[str, Any]) -> dict[str, Any]:
+    escape = st.get("escape")
+    result = st.get("result") or {}
+    return {
+        "session": st.get("session_id"),
+        "status": st.get("status"),
+        "reason": st.get("reason", ""),
+        "escape_target": escape.get("target") if escape else None,
+        "escape": escape,
+        "harness": (st.get("config") or {}).get("harness"),
+        "declared_paths": (st.get("policy") or {}).get("rw_paths", []),
+        "os_user": (st.get("account") or {}).get("name"),
+        "backup_id": st.get("backup_id"),
+        "cell_id": st.get("cell_id"),
+        "exit_status": result.get("exit_status"),
+        "duration_s": result.get("duration_s"),
+        "events": len(st.get("events") or []),
+        "problems": st.get("problems") or [],
+        "warnings": st.get("warnings") or [],
+        "audit_error": st.get("audit_error"),
+    }
+
+
+def _print_end(s: dict[str, Any]) -> None:
+    line = f"{PROG}: session {s['session']} {s['status']}"
+    if s["reason"]:
+        line += f" ({s['reason']})"
+    sys.stderr.write(_shown(line) + "\n")
+    if s["backup_id"]:
+        sys.stderr.write(f"{PROG}: backup {s['backup_id']}: 'agentcell session diff {s['session']}' shows the "
+                         f"changes, 'agentcell session restore {s['session']}' undoes them\n")
+    for w in s["warnings"]:
+        sys.stderr.write(_shown(f"{PROG}: warning: {w}") + "\n")
+    for p in s["problems"]:
+        sys.stderr.write(_shown(f"{PROG}: warning: teardown left: {p}") + "\n")
+    if s["audit_error"]:
+        sys.stderr.write(_shown(f"{PROG}: warning: {s['audit_error']}") + "\n")
+
+
+def _shown(text: str) -> str:
+    return text if text.isprintable() else "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+# ---- list, show, stop, restore, diff, recover ---------------------------------------------------
+
+def _load(sid: str) -> tuple[Any, dict[str, Any]]:
+    from ..session import graph
+
+    g, _conn = _graph()
+    st = graph.load(g, sid)
+    if st is None:
+        raise AgentcellError("ID", f"no session {sid}", "see 'agentcell session list'")
+    return g, dict(st)
+
+
+def _list(ns: Any) -> int:
+    from ..session import graph
+
+    g, conn = _graph()
+    rows = []
+    for sid in graph.session_ids(conn):
+        st = graph.load(g, sid)
+        if st is None:
+            continue
+        rows.append({**_summary(dict(st)), "needs_recover": graph.unfinished(st)})
+    if ns.json:
+        sys.stdout.write(json.dumps(rows) + "\n")
+        return 0
+    for r in rows:
+        status = str(r["status"] or "?") + (" (supervisor gone: session recover)" if r["needs_recover"] else "")
+        sys.stdout.write(_shown(f"{r['session']}  {r['harness'] or '?':<11} {status:<10} {r['reason']}") + "\n")
+    return 0
+
+
+def _show(ns: Any) -> int:
+    _g, st = _load(ns.id)
+    st["argv"] = [a if len(a) <= 200 else f"<{len(a)} characters>" for a in st.get("argv", [])]
+    if ns.json:
+        sys.stdout.write(json.dumps(st, default=str) + "\n")
+    else:
+        for k, v in st.items():
+            sys.stdout.write(_shown(f"{k}: {json.dumps(v, default=str)}") + "\n")
+    return 0
+
+
+def _stop(ns: Any) -> int:
+    from ..session import state
+
+    _g, st = _load(ns.id)
+    if st.get("finished"):
+        raise AgentcellError("ID", f"session {ns.id} has ended ({st.get('status')})", "nothing to stop")
+    if not state.supervisor_alive(st):  # type: ignore[arg-type]
+        raise AgentcellError("ID", f"session {ns.id} has no supervisor any more",
+                             "'agentcell session recover' finishes its teardown")
+    os.kill(int(st["supervisor"]["pid"]), signal.SIGTERM)  # it terminates the cell and tears down
+    sys.stderr.write(f"{PROG}: asked the supervisor of {ns.id} (pid {st['supervisor']['pid']}) to stop it\n")
+    return 0
+
+
+def _ended(st: dict[str, Any], sid: str) -> None:
+    from ..session import state
+
+    if not st.get("finished") and state.supervisor_alive(st):  # type: ignore[arg-type]
+        raise AgentcellError("ID", f"session {sid} is still running", f"stop it first: agentcell session stop {sid}")
+    if not st.get("backup_id"):
+        raise AgentcellError("ID", f"session {sid} has no backup (it {st.get('status')} before its preflight)",
+                             "nothing was changed by an agent")
+
+
+def _store(st: dict[str, Any]) -> Any:
+    from ..snapshot.store import Store
+
+    return Store((st.get("config") or {}).get("backup_dir"))
+
+
+def _restore(ns: Any) -> int:
+    from ..audit.trail import AuditLog
+
+    _g, st = _load(ns.id)
+    _ended(st, ns.id)
+    n = _store(st).restore(st["backup_id"])
+    AuditLog((st.get("config") or {}).get("audit_log_path")).append("session.restore", session=ns.id,
+                                                                    backup_id=st["backup_id"], entries=n)
+    sys.stderr.write(f"{PROG}: restored {n} entries of {', '.join(st['policy']['rw_paths'])} from backup "
+                     f"{st['backup_id']}\n")
+    return 0
+
+
+def _diff(ns: Any) -> int:
+    _g, st = _load(ns.id)
+    _ended(st, ns.id)
+    store = _store(st)
+    changes = store.diff(st["backup_id"])
+    if ns.json:
+        sys.stdout.write(json.dumps(changes) + "\n")
+        return 0
+    for kind, mark in (("added", "A"), ("modified", "M"), ("deleted", "D")):
+        for path in changes[kind]:
+            sys.stdout.write(_shown(f"{mark} {path}") + "\n")
+    for path in changes["modified"]:
+        text = store.text_diff(st["backup_id"], path)
+        if text:
+            sys.stdout.write("".join(c if c.isprintable() or c in "\n\t" else repr(c)[1:-1] for c in text))
+    return 0
+
+
+def _recover(ns: Any) -> int:
+    from ..session import graph
+
+    g, conn = _graph()
+    done = []
+    for sid in graph.session_ids(conn):
+        st = graph.load(g, sid)
+        if st is None or not graph.unfinished(st):
+            continue
+        final = graph.recover(g, sid)
+        done.append(_summary(dict(final)))
+        _print_end(done[-1])
+    if ns.json:
+        sys.stdout.write(json.dumps(done) + "\n")
+    elif not done:
+        sys.stderr.write(f"{PROG}: nothing to recover\n")
+    return 0

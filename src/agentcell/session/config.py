@@ -1,0 +1,251 @@
+"""A session's configuration: the seed's ``.env`` variables, the project's ``agentcell.toml``, CLI flags.
+
+Precedence, highest first: CLI flags > the environment > a ``.env`` file > ``[session]`` in the project's
+``agentcell.toml`` > defaults. The names are the seed's:
+
+==================== ============================ =====================================================
+variable             ``agentcell.toml [session]``  meaning
+==================== ============================ =====================================================
+AGENT_HARNESS        harness                      a profile (:mod:`.profiles`): claude_code, shell, …
+PROJECT_ROOT         (it locates the file)        the project; default: the current directory
+DECLARED_PATHS       declared_paths               shared read-write, ``:`` or ``,`` separated, relative
+                                                  to the project; default: the project itself
+AGENT_OS_USER        agent                        a persistent agent account; empty: a per-session one
+BACKUP_DIR           backup_dir                   the snapshot store of the preflight backup
+AUDIT_LOG_PATH       audit_log_path               the hash-chained audit trail
+WALL_CLOCK_LIMIT_S   wall_clock_limit_s           the session ends normally (reason timeout) after it
+FIREWALL_ENABLED     firewall_enabled             the seed's host firewall: egress 443 only, deny else
+==================== ============================ =====================================================
+
+``network`` (none | loopback | proxy | host-firewall) is a toml key and a flag too; the API-key variables
+a harness needs (``ANTHROPIC_API_KEY``, …) are read from the environment or ``.env`` and passed into
+the cell only for that harness (its profile lists them). Every bad value is one
+:class:`~agentcell.errors.PolicyError` naming where it came from and the fix.
+"""
+from __future__ import annotations
+
+import os
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from ..errors import PolicyError
+
+ENV_NAMES = ("AGENT_HARNESS", "PROJECT_ROOT", "DECLARED_PATHS", "AGENT_OS_USER", "BACKUP_DIR", "AUDIT_LOG_PATH",
+             "WALL_CLOCK_LIMIT_S", "FIREWALL_ENABLED")
+TOML_KEYS = ("harness", "declared_paths", "agent", "backup_dir", "audit_log_path", "wall_clock_limit_s",
+             "firewall_enabled", "network")
+NETWORKS = ("none", "loopback", "proxy", "host-firewall")
+FLAGS = {"harness": "--harness", "project_root": "--project", "declared_paths": "--rw", "agent": "--agent",
+         "backup_dir": "--backup-dir", "audit_log_path": "--audit-log", "wall_clock_limit_s": "--wall-clock",
+         "firewall_enabled": "--firewall", "network": "--net"}
+DEFAULT_WALL_CLOCK_S = 3600
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
+
+
+@dataclass(frozen=True)
+class SessionConfig:
+    """Everything a session is started with, before the plan: each value already checked."""
+
+    harness: str = "shell"
+    project_root: str = ""
+    declared_paths: tuple[str, ...] = ()  # absolute; empty until resolve(): the project itself
+    agent: str | None = None  # persistent agent account; None: an ephemeral per-session account
+    backup_dir: str | None = None  # None: the snapshot store's default (<state dir>/snapshots)
+    audit_log_path: str | None = None  # None: the audit trail's default
+    wall_clock_limit_s: int = DEFAULT_WALL_CLOCK_S
+    firewall_enabled: bool = False
+    network: str | None = None  # None: host-firewall if firewall_enabled, else the profile's
+    harness_args: tuple[str, ...] = ()
+    config_files: tuple[str, ...] = ()  # the .env and agentcell.toml read (or looked for): see nodes.plan
+    secrets: dict[str, str] = field(default_factory=dict)  # API-key variables found (env or .env), by name
+    sources: dict[str, str] = field(default_factory=dict)  # field -> where its value came from
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready, without secret values (their names only)."""
+        return {"harness": self.harness, "project_root": self.project_root,
+                "declared_paths": list(self.declared_paths), "agent": self.agent, "backup_dir": self.backup_dir,
+                "audit_log_path": self.audit_log_path, "wall_clock_limit_s": self.wall_clock_limit_s,
+                "firewall_enabled": self.firewall_enabled, "network": self.network,
+                "harness_args": list(self.harness_args), "config_files": list(self.config_files),
+                "secret_names": sorted(self.secrets),
+                "sources": dict(self.sources)}
+
+
+def read_dotenv(path: str) -> dict[str, str]:
+    """``NAME=VALUE`` lines (``export`` allowed, ``#`` comments, values optionally quoted); no expansion."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except FileNotFoundError:
+        return {}
+    except (OSError, UnicodeDecodeError) as e:
+        raise PolicyError(path, f"cannot read it ({e})", "fix its permissions or encoding") from None
+    out: dict[str, str] = {}
+    for n, raw in enumerate(lines, 1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        line = line.removeprefix("export ").strip()
+        name, eq, value = line.partition("=")
+        name, value = name.strip(), value.strip()
+        if not eq or not name.replace("_", "a").isalnum() or name[0].isdigit():
+            raise PolicyError(f"{path}:{n}", f"'{raw[:60]}' is not NAME=VALUE", "fix or remove the line")
+        if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+            value = value[1:-1]
+        out[name] = value
+    return out
+
+
+def read_toml(project_root: str) -> dict[str, Any]:
+    """The ``[session]`` table of ``<project>/agentcell.toml`` ({} without the file or the table)."""
+    path = os.path.join(project_root, "agentcell.toml")
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except FileNotFoundError:
+        return {}
+    except OSError as e:
+        raise PolicyError(path, e.strerror or str(e), "make it readable, or remove it") from None
+    except ValueError as e:
+        raise PolicyError(path, f"not valid TOML: {e}".splitlines()[0], "fix the syntax") from None
+    table = data.get("session", {})
+    if not isinstance(table, dict):
+        raise PolicyError(f"{path}: session", "is not a table", "write it as [session]")
+    for key in table:
+        if key not in TOML_KEYS:
+            raise PolicyError(f"{path}: session.{key}", "unknown key", f"valid keys: {', '.join(TOML_KEYS)}")
+    return table
+
+
+def _bool(value: object, where: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in _TRUE:
+        return True
+    if text in _FALSE:
+        return False
+    raise PolicyError(where, f"'{value}' is not a boolean", "use true or false")
+
+
+def _seconds(value: object, where: str) -> int:
+    if isinstance(value, bool):
+        raise PolicyError(where, f"'{value}' is not a number of seconds", "use a whole number above 0, e.g. 600")
+    try:
+        n = int(str(value).strip()) if not isinstance(value, int) else value
+    except ValueError:
+        raise PolicyError(where, f"'{value}' is not a number of seconds",
+                          "use a whole number above 0, e.g. 600") from None
+    if n <= 0:
+        raise PolicyError(where, f"{n} is not above 0", "use a whole number of seconds above 0, e.g. 600")
+    return n
+
+
+def _paths(value: object, where: str) -> list[str]:
+    if isinstance(value, list):
+        items = value
+    elif isinstance(value, str):
+        items = [p for chunk in value.split(":") for p in chunk.split(",")]
+    else:
+        raise PolicyError(where, "is not a list of paths", "e.g. src:tests, or [\"src\", \"tests\"] in toml")
+    out = []
+    for p in items:
+        if not isinstance(p, str):
+            raise PolicyError(where, f"{p!r} is not a path", "give paths as strings")
+        if p.strip():
+            out.append(p.strip())
+    return out
+
+
+def _agent(value: object, where: str) -> str | None:
+    text = str(value).strip()
+    if not text:
+        return None
+    from ..accounts.accounts import AccountError, check_name
+
+    try:
+        return check_name(text)
+    except AccountError as e:
+        raise PolicyError(where, e.problem, e.fix) from None
+
+
+def load(flags: Mapping[str, Any], *, environ: Mapping[str, str] | None = None, cwd: str | None = None,
+         dotenv: str | None = None, secret_names: tuple[str, ...] = ()) -> SessionConfig:
+    """Merge the four sources. ``flags`` holds the CLI's values (None: not given), keyed like the
+    fields; ``dotenv`` a ``.env`` path (default: ``.env`` in ``cwd``)."""
+    environ = dict(os.environ if environ is None else environ)
+    cwd = cwd or os.getcwd()
+    dot_path = dotenv or os.path.join(cwd, ".env")
+    dot = read_dotenv(dot_path)
+    env_view = {**dot, **environ}  # the real environment wins over the file
+
+    def env_where(name: str) -> str:
+        return name if name in environ else f"{name} (in {dot_path})"
+
+    sources: dict[str, str] = {}
+    root_flag = flags.get("project_root")
+    if root_flag:
+        root, sources["project_root"] = str(root_flag), "--project"
+    elif env_view.get("PROJECT_ROOT"):
+        root, sources["project_root"] = env_view["PROJECT_ROOT"], env_where("PROJECT_ROOT")
+    else:
+        root, sources["project_root"] = cwd, "the current directory"
+    root = os.path.abspath(os.path.join(cwd, os.path.expanduser(root)))
+    if not os.path.isdir(root):
+        raise PolicyError(sources["project_root"], f"{root} is not a directory", "name the project's directory")
+    toml = read_toml(root)
+    toml_where = os.path.join(root, "agentcell.toml") + ": session."
+
+    def pick(key: str, env: str | None) -> tuple[object, str] | None:
+        flag_value = flags.get(key)
+        if flag_value not in (None, [], ()):
+            return flag_value, FLAGS[key]
+        if env is not None and env_view.get(env, "") != "":
+            return env_view[env], env_where(env)
+        if key in toml:
+            return toml[key], toml_where + key
+        return None
+
+    cfg = SessionConfig(project_root=root)
+    values: dict[str, Any] = {}
+    if (got := pick("harness", "AGENT_HARNESS")) is not None:
+        value, where = got
+        from .profiles import PROFILES
+
+        if str(value) not in PROFILES:
+            raise PolicyError(where, f"unknown harness '{value}'", "one of " + ", ".join(PROFILES))
+        values["harness"], sources["harness"] = str(value), where
+    if (got := pick("declared_paths", "DECLARED_PATHS")) is not None:
+        value, where = got
+        rel = _paths(value, where)
+        values["declared_paths"] = tuple(os.path.normpath(os.path.join(root, os.path.expanduser(p))) for p in rel)
+        sources["declared_paths"] = where
+    if (got := pick("agent", "AGENT_OS_USER")) is not None:
+        values["agent"], sources["agent"] = _agent(got[0], got[1]), got[1]
+    for key, env in (("backup_dir", "BACKUP_DIR"), ("audit_log_path", "AUDIT_LOG_PATH")):
+        if (got := pick(key, env)) is not None:
+            value, where = got
+            if not isinstance(value, str) or not value.strip():
+                raise PolicyError(where, f"{value!r} is not a path", "give an absolute path")
+            values[key], sources[key] = os.path.abspath(os.path.join(root, os.path.expanduser(value))), where
+    if (got := pick("wall_clock_limit_s", "WALL_CLOCK_LIMIT_S")) is not None:
+        values["wall_clock_limit_s"], sources["wall_clock_limit_s"] = _seconds(*got), got[1]
+    if (got := pick("firewall_enabled", "FIREWALL_ENABLED")) is not None:
+        values["firewall_enabled"], sources["firewall_enabled"] = _bool(*got), got[1]
+    if (got := pick("network", None)) is not None:
+        value, where = got
+        if value not in NETWORKS:
+            raise PolicyError(where, f"'{value}' is not a network mode", "one of " + ", ".join(NETWORKS))
+        values["network"], sources["network"] = str(value), where
+    if values.get("firewall_enabled") and values.get("network") not in (None, "host-firewall"):
+        raise PolicyError(sources["network"], f"network {values['network']} contradicts FIREWALL_ENABLED "
+                          f"(from {sources['firewall_enabled']})", "drop one of them")
+    values["harness_args"] = tuple(flags.get("harness_args") or ())
+    values["config_files"] = (os.path.abspath(dot_path), os.path.join(root, "agentcell.toml"))
+    cfg = replace(cfg, **values, sources=sources)
+    from .profiles import PROFILES
+
+    wanted = secret_names or PROFILES[cfg.harness].secret_env
+    return replace(cfg, secrets={k: env_view[k] for k in wanted if env_view.get(k)})

@@ -1,0 +1,681 @@
+"""The session's nodes: each calls one layer and writes one audit record; edges and retries are the graph's.
+
+A node returns the part of the state it changes. A node that fails raises: its ``RetryPolicy`` (in
+:mod:`.graph`) retries it, and when the retries are spent its error handler (:meth:`Nodes.on_error`)
+routes the session — to ``abort`` before anything runs, to ``terminate`` once something does. The
+teardown nodes (``terminate``, ``cleanup``, ``abort``, ``audit``) never raise: they work from the
+checkpointed state alone when the supervisor's handles are gone (``session recover``), and report what
+they could not undo.
+
+Fault injection (tests): :attr:`Runtime.faults` names a point and how many times it fails —
+``preflight``, ``account``, ``firewall``, ``spawn``, ``telemetry``, ``audit@NODE`` (that node's audit
+record is written to a path that cannot be written, so the trail's own retries run and fail for real),
+and ``kill@NODE`` (the supervisor is killed with SIGKILL after that node's work, before its checkpoint).
+"""
+from __future__ import annotations
+
+import os
+import stat
+import time
+from typing import TYPE_CHECKING, Any
+
+from langgraph.errors import NodeError
+from langgraph.types import Command
+
+from ..audit.trail import AuditLog, AuditWriteError
+from ..errors import AgentcellError
+from .state import FINAL, SECRET_PLACEHOLDER, Runtime, SessionState
+
+if TYPE_CHECKING:
+    from ..policy.models import SessionPlan
+
+UNWRITABLE_AUDIT = "/proc/agentcell-fault/audit.jsonl"  # /proc takes no new files: a real write failure
+MAX_EVENTS = 100
+
+
+class InjectedFault(AgentcellError):
+    """A failure made on purpose by the fault-injection hook."""
+
+
+class SpawnCrash(AgentcellError):
+    """The cell's process failed before its command ran (a launch step, fork): retried once."""
+
+
+class TelemetryLost(AgentcellError):
+    """The session lost sight of its cell (the handle or the monitor's stream): retried, then a violation."""
+
+
+def _line(e: BaseException) -> str:
+    return e.line() if isinstance(e, AgentcellError) else f"{type(e).__name__}: {e}"
+
+
+class Nodes:
+    def __init__(self, runtime: Runtime) -> None:
+        self.rt = runtime
+
+    # ---- helpers -----------------------------------------------------------------------------------
+
+    def _audit(self, state: SessionState, node: str, event: str, **details: Any) -> None:
+        path = (state.get("config") or {}).get("audit_log_path")
+        if self.rt.fault(f"audit@{node}"):
+            path = UNWRITABLE_AUDIT
+        AuditLog(path).append(event, session=state["session_id"], **details)
+
+    def _audit_quietly(self, state: SessionState, node: str, event: str, **details: Any) -> dict[str, Any]:
+        """For teardown nodes: a failed record is kept in the state, never raised."""
+        try:
+            self._audit(state, node, event, **details)
+            return {}
+        except AuditWriteError as e:
+            return {"audit_error": e.line()}
+
+    def _crash(self, node: str) -> None:
+        """``kill@NODE``: the supervisor dies by SIGKILL here — after the node's work, before its
+        checkpoint, the hardest place for ``session recover``."""
+        if self.rt.fault(f"kill@{node}"):
+            import signal
+
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def _inject(self, point: str, exc: type[AgentcellError]) -> None:
+        if self.rt.fault(point):
+            raise exc(point, "injected fault", f"unset {point} in the fault-injection hook")
+
+    def on_error(self, node: str, route: str) -> Any:
+        """The node's error handler: where the session goes once the node's retries are spent."""
+        def handler(state: SessionState, error: NodeError) -> Command[str]:
+            err = error.error
+            if isinstance(err, AuditWriteError):  # nothing runs unrecorded: the session stops
+                goto, reason = "terminate", f"the audit log cannot be written ({err.line()})"
+            else:
+                goto, reason = route, f"{node} failed: {_line(err)}"
+            status = "aborted" if goto == "abort" else "terminated"
+            update: dict[str, Any] = {"status": status, "reason": reason}
+            if node == "monitor" and isinstance(err, TelemetryLost):
+                update["reason"] = f"lost sight of the cell, after 3 reconnects: {err.problem}"
+                update["escape"] = self._escape(state, "telemetry", "monitor", update["reason"], source="telemetry")
+            return Command(goto=goto, update=update)
+        handler.__name__ = f"on_{node}_error"
+        return handler
+
+    @staticmethod
+    def _escape(state: SessionState, operation: str, target: str, reason: str, *, source: str,
+                pid: int | None = None, exe: str | None = None, ts: float | None = None) -> dict[str, Any]:
+        from ..policy.models import EscapeEvent
+
+        ev = EscapeEvent(session_id=state["session_id"], operation=operation,  # type: ignore[arg-type]
+                         target=target, reason=reason, pid=pid, exe=exe or None, source=source,
+                         ts=ts or time.time())
+        return ev.model_dump()
+
+    # ---- plan → policy → preflight -------------------------------------------------------------------
+
+    def plan(self, state: SessionState) -> dict[str, Any]:
+        """The request, from the configuration and the harness profile (pure)."""
+        plan, marks = make_plan(state["config"], state["session_id"])
+        self._crash("plan")
+        self._audit(state, "plan", "session.plan", harness=plan.harness, declared_paths=plan.declared_paths,
+                    network=plan.network, wall_clock_limit_s=plan.wall_clock_limit_s, identity=plan.identity,
+                    sources=state["config"].get("sources", {}))
+        return {"plan": plan.model_dump(), "status": "running", "reason": "", "cell_id": f"agentcell-{plan.session_id}",
+                "config_marks": marks}
+
+    def _compile(self, state: SessionState, identity: str | None = None) -> dict[str, Any]:
+        from ..policy.models import SessionPlan
+
+        plan = SessionPlan.model_validate(state["plan"])
+        return compile_policy(plan, self.rt.environ, state["config"]["project_root"], identity)
+
+    def policy(self, state: SessionState) -> dict[str, Any]:
+        policy = self._compile(state)
+        self._crash("policy")
+        self._audit(state, "policy", "session.policy", os_user=policy["os_user"], write_paths=policy["write_paths"],
+                    read_paths=policy["read_paths"], env_allowlist=policy["env_allowlist"],
+                    firewall_rule=policy["firewall_rule"])
+        return {"policy": policy}
+
+    def preflight(self, state: SessionState) -> dict[str, Any]:
+        """The backup: no backup, no agent."""
+        from ..snapshot.store import SnapshotError, Store
+
+        self._inject("preflight", SnapshotError)
+        store = Store(state["config"].get("backup_dir"))
+        backup = store.take(list(state["policy"]["rw_paths"]))
+        self._crash("preflight")
+        self._audit(state, "preflight", "session.preflight", backup_id=backup, store=store.path,
+                    paths=state["policy"]["rw_paths"])
+        return {"backup_id": backup}
+
+    def abort(self, state: SessionState) -> dict[str, Any]:
+        reason = state.get("reason") or "aborted"
+        if state.get("backup_id"):
+            reason += f"; the backup {state['backup_id']} is kept"
+        update: dict[str, Any] = {"status": "aborted", "reason": reason}
+        update.update(self._audit_quietly(state, "abort", "session.abort", reason=update["reason"],
+                                          backup_id=state.get("backup_id")))
+        return update
+
+    # ---- account → firewall → spawn ------------------------------------------------------------------
+
+    def account(self, state: SessionState) -> dict[str, Any]:
+        """The least-privilege account the agent runs as, and the declared paths shared with it (ACLs)."""
+        from ..accounts.commands import Commands
+
+        self._inject("account", InjectedFault)
+        cmds = Commands()
+        cfg, policy = state["config"], state["policy"]
+        update: dict[str, Any] = {}
+        if os.geteuid() != 0:
+            account = {"kind": "self", "name": policy["os_user"], "uid": os.geteuid(), "gid": os.getegid(),
+                       "group": ""}
+            grants: list[dict[str, Any]] = []
+        elif cfg.get("agent"):
+            account, human, wanted = self._persistent(cfg["agent"], policy["rw_paths"])
+            update["human"] = human
+            grants = self._grant(cmds, account, wanted)
+        else:
+            from ..accounts import ephemeral
+
+            made = ephemeral.create_ephemeral(state["session_id"], cmds)
+            account = {"kind": "ephemeral", "name": made.name, "uid": made.uid, "gid": made.gid, "group": made.name}
+            grants = []
+            try:
+                update["human"] = self._human(cfg["project_root"])
+                grants = self._grant(cmds, account, list(policy["rw_paths"]))
+                update["policy"] = self._compile(state, identity=str(made.uid))
+            except BaseException:  # undone here, so that the retry starts clean
+                _revoke(cmds, account, grants)
+                ephemeral.delete(made, cmds)
+                raise
+        update.update(account=account, grants=grants)
+        self._crash("account")
+        self._audit(state, "account", "session.account", account=account,
+                    grants=[g["path"] for g in grants])
+        return update
+
+    @staticmethod
+    def _persistent(name: str, paths: list[str]) -> tuple[dict[str, Any], list[int] | None, list[str]]:
+        import pwd
+
+        from ..accounts.registry import open_registry
+
+        with open_registry() as reg:
+            rec = reg.get(name)
+        if rec.state != "ready":
+            raise AgentcellError("AGENT_OS_USER", f"agent '{name}' is {rec.state}, not ready",
+                                 f"'agentcell agent delete {name} --yes' removes what was made")
+        account = {"kind": "agent", "name": name, "uid": rec.uid, "gid": rec.gid, "group": rec.group}
+        try:
+            pw = pwd.getpwnam(rec.human)
+            human: list[int] | None = [pw.pw_uid, pw.pw_gid]
+        except KeyError:
+            human = None
+        # A path the agent already shares read-write keeps its share: granting and revoking it here would
+        # take that share away at the end of the session.
+        wanted = [p for p in paths if not any(s.mode == "rw" and (p == s.source or p.startswith(s.source + "/"))
+                                              for s in rec.shares)]
+        return account, human, wanted
+
+    @staticmethod
+    def _human(project_root: str) -> list[int]:
+        """Who gets what the agent made: the human behind sudo, else the project's owner."""
+        uid, gid = os.environ.get("SUDO_UID", ""), os.environ.get("SUDO_GID", "")
+        if uid.isdigit() and gid.isdigit() and int(uid) != 0:
+            return [int(uid), int(gid)]
+        st = os.stat(project_root)
+        return [st.st_uid, st.st_gid]
+
+    @staticmethod
+    def _grant(cmds: Any, account: dict[str, Any], paths: list[str]) -> list[dict[str, Any]]:
+        from ..accounts import acl
+
+        grants: list[dict[str, Any]] = []
+        try:
+            for p in paths:
+                grants.append({"path": p, "prior": acl.prior_acl(p)})  # first: a grant cut short is revoked too
+                acl.grant(cmds, account["group"], account["gid"], p, "rw")
+        except BaseException:
+            _revoke(cmds, account, grants)
+            raise
+        return grants
+
+    def firewall(self, state: SessionState) -> dict[str, Any]:
+        """The egress rule before the agent exists. Namespaced modes need none on the host: the cell's
+        own network namespace (none, loopback) or its proxy (made with the cell) is the rule. For
+        host-firewall the table is made here, so that a host that cannot have it fails (retried once,
+        then aborted) before anything runs; spawn hands it over to Supervised, which remakes it with
+        the cell and owns it from then on (it has no way to adopt one made before: see the report)."""
+        self._inject("firewall", InjectedFault)
+        policy = state["policy"]
+        table = None
+        if policy["network"] == "host-firewall":
+            from ..network import firewall, nflog
+
+            rules = [r for e in policy["egress"] if e.startswith("egress:") for r in firewall.parse_egress(e[7:])]
+            log = nflog.open_group()
+            try:
+                fw = firewall.HostFirewall.create(state["cell_id"], policy["identity"]["uid"], rules,
+                                                  "loopback" in policy["egress"], log.group)
+            except BaseException:
+                log.close()
+                raise
+            self.rt.firewalls[state["session_id"]] = (fw, log)
+            table = fw.table
+        self._crash("firewall")
+        self._audit(state, "firewall", "session.firewall", network=policy["network"], rule=policy["firewall_rule"],
+                    table=table, egress=list(policy["egress"]))
+        return {"firewall_table": table}
+
+    def spawn(self, state: SessionState) -> dict[str, Any]:
+        from ..cell import protect
+        from ..policy.models import SandboxPolicy
+        from . import spawn
+
+        self._inject("spawn", SpawnCrash)
+        sid = state["session_id"]
+        policy = SandboxPolicy.model_validate(state["policy"])
+        spec = policy.to_cell_spec()
+        env = tuple((k, self.rt.secrets.get(k, "") if v == SECRET_PLACEHOLDER else v) for k, v in spec.env)
+        spec = spec.replace(env=env)
+        # What is there now of what git, shells and harnesses read (hooks, .envrc, CLAUDE.md, …): cleanup
+        # moves aside what the agent creates there, as agentcell run does.
+        since_ns = time.time_ns() - 100_000_000  # file times are coarse: some slack
+        before, truncated = protect.surface(spec.rw_paths)
+        made = self.rt.firewalls.pop(sid, None)
+        if made is not None:  # Supervised makes the table again, atomically with the cell, and owns it
+            made[0].remove()
+            made[1].close()
+        try:
+            cell = spawn.start(spec, list(state["argv"]), stdio=self.rt.stdio)
+        except (OSError, AgentcellError) as e:
+            raise SpawnCrash("", _line(e)) from None
+        pid1 = cell.pid1
+        self.rt.cells[sid] = cell
+        now = time.time()
+        self._crash("spawn")
+        self._audit(state, "spawn", "session.spawn", cell_id=cell.cell_id, pid1=pid1, argv0=state["argv"][0],
+                    uid=policy.identity.uid)
+        return {"harness_pid": pid1, "cell_id": cell.cell_id, "started_at": now,
+                "deadline": now + policy.wall_clock_limit_s,
+                "protect": {"before": before, "truncated": truncated, "since_ns": since_ns}}
+
+    # ---- monitor ⟲ → terminate → cleanup → audit ---------------------------------------------------
+
+    def monitor(self, state: SessionState) -> dict[str, Any]:
+        """One watch of up to ``tick_s``: the first escape, the cell's end, the wall clock, a stop."""
+        from ..monitor.monitor import ESCAPES
+
+        sid = state["session_id"]
+        self._inject("telemetry", TelemetryLost)
+        cell = self.rt.cells.get(sid)
+        if cell is None:
+            raise TelemetryLost("monitor", "the supervisor holds no handle on the cell")
+        self._crash("monitor")
+        until = min(time.monotonic() + self.rt.tick_s, time.monotonic() + max(0.0, state["deadline"] - time.time()))
+        while True:
+            # What the monitor acts on (an event it only notes, acts false, is not held against the cell).
+            escape = next((e for e in cell.events() if e["operation"] in ESCAPES and e.get("acts", True)), None)
+            result = cell.poll()
+            if result is None and escape is None and cell.lost:
+                raise TelemetryLost("monitor", "the cell's host ended without a word")
+            if escape is not None:
+                ev = self._escape(state, escape["operation"], escape["target"], escape["reason"],
+                                  source=escape["source"], pid=escape.get("pid"), exe=escape.get("exe"),
+                                  ts=escape.get("ts"))
+                self._audit(state, "monitor", "session.escape", allow=escape.get("allow", ""),
+                            **{k: v for k, v in ev.items() if k != "session_id"})
+                who = f" by {os.path.basename(ev['exe'] or '?')} (pid {ev['pid']})" if ev["pid"] else ""
+                return {"status": "terminated", "reason": f"escape: {ev['operation']} {ev['target']}{who}: "
+                        f"{ev['reason']}", "escape": ev}
+            if result is not None:
+                self._audit(state, "monitor", "session.exit", exit_status=result["exit_status"],
+                            signal=result["signal"])
+                return {"status": "completed", "reason": f"exit {result['exit_status']}", "result": result}
+            if sid in self.rt.stop_requested:
+                why = self.rt.stop_requested[sid]
+                self._audit(state, "monitor", "session.stop", reason=why)
+                return {"status": "terminated", "reason": f"stopped: {why}"}
+            if time.time() >= state["deadline"]:
+                self._audit(state, "monitor", "session.timeout",
+                            wall_clock_limit_s=state["policy"]["wall_clock_limit_s"])
+                return {"status": "completed", "reason": "timeout"}
+            if time.monotonic() >= until:
+                break
+            time.sleep(0.05)
+        if self.rt.status_line:
+            self._status_line(state, cell)
+        return {}
+
+    def _status_line(self, state: SessionState, cell: Any) -> None:
+        import sys
+
+        s = cell.stats()
+        mem = f"{s['memory_bytes'] / 2**20:.0f} MiB" if s.get("memory_bytes") else "-"
+        cpu = f"{s['cpu_s']:.1f} s" if s.get("cpu_s") is not None else "-"
+        sys.stderr.write(f"\r\033[Ksession {state['session_id']}: {time.time() - state['started_at']:.0f} s, "
+                         f"cpu {cpu}, memory {mem}, events {len(cell.events())}")
+        sys.stderr.flush()
+
+    def terminate(self, state: SessionState) -> dict[str, Any]:
+        """End the cell (freeze, then kill) whatever brought us here, and collect its result."""
+        sid = state["session_id"]
+        cell = self.rt.cells.pop(sid, None)
+        update: dict[str, Any] = {}
+        if state.get("status") not in FINAL:
+            update["status"] = "terminated"
+        if self.rt.status_line:
+            import sys
+
+            sys.stderr.write("\r\033[K")
+        result = state.get("result")
+        if cell is not None:
+            if cell.poll() is None:
+                cell.terminate(state.get("reason") or "terminated")
+            result = cell.wait()
+        elif state.get("cell_id"):
+            _kill_cell(state["cell_id"])
+        if result is not None:
+            update["result"] = {k: v for k, v in result.items() if k != "events"}
+            update["events"] = list(result.get("events", []))[:MAX_EVENTS]
+        self._crash("terminate")
+        update.update(self._audit_quietly(state, "terminate", "session.terminate",
+                                          status=update.get("status", state.get("status")),
+                                          reason=state.get("reason"),
+                                          exit_status=(result or {}).get("exit_status"),
+                                          events=len(update.get("events", []))))
+        return update
+
+    def cleanup(self, state: SessionState) -> dict[str, Any]:
+        """Undo everything made for the session: firewall table, ACL grants, the per-session account.
+        Works from the state alone; each problem is reported, none stops the rest."""
+        from ..accounts import acl, ephemeral
+        from ..accounts.commands import Commands
+
+        cmds = Commands()
+        sid = state["session_id"]
+        problems: list[str] = []
+        fw = self.rt.firewalls.pop(sid, None)
+        try:
+            if fw is not None:
+                fw[0].remove()
+                fw[1].close()
+            elif table := state.get("firewall_table"):
+                from ..network import firewall
+
+                firewall.HostFirewall(table, os.path.join(firewall.RECORDS, table)).remove()
+        except OSError as e:
+            problems.append(f"firewall: {e}")
+        account = state.get("account")
+        warnings = self._quarantine(state, account)
+        agent = (state.get("config") or {}).get("agent")
+        rw = list((state.get("policy") or {}).get("rw_paths", []))
+        grants, human = state.get("grants"), state.get("human")
+        if account is None and os.geteuid() == 0 and state.get("policy"):  # the account node did not finish
+            try:
+                if agent:
+                    account, human, rw = self._persistent(agent, rw)  # never its own shares
+                else:
+                    account, human = _ephemeral_left(sid), self._human(state["config"]["project_root"])
+            except (OSError, AgentcellError) as e:
+                problems.append(f"account: {_line(e)}")
+        if account is not None and account.get("kind") in ("ephemeral", "agent"):
+            if grants is None:  # crashed while granting: revoke wherever it may have granted
+                grants = [{"path": p, "prior": []} for p in rw]
+            problems += _revoke(cmds, account, grants)
+            give_to = (human[0], human[1]) if human else None
+            paths = [g["path"] for g in grants]
+            try:
+                if account["kind"] == "ephemeral":
+                    ephemeral.delete(ephemeral.Account(account["name"], account["uid"], account["gid"], sid), cmds,
+                                     paths=paths, give_to=give_to or (0, 0))
+                elif give_to is not None:
+                    for p in paths:
+                        problems += acl.reassign(cmds, account["uid"], account["gid"], give_to[0], give_to[1], p)
+            except (OSError, AgentcellError) as e:
+                problems.append(_line(e))
+        if state.get("cell_id"):
+            problems += _remove_cgroup(state["cell_id"])
+        self._crash("cleanup")
+        warnings += [f"{f} was {'created' if was is None else 'changed'} during the session: the next session "
+                     "reads it; review it first" for f, was in (state.get("config_marks") or {}).items()
+                     if _fingerprint(f) != was]
+        update: dict[str, Any] = {"problems": problems, "warnings": warnings}
+        update.update(self._audit_quietly(state, "cleanup", "session.cleanup", problems=problems,
+                                          account=(account or {}).get("name")))
+        return update
+
+    @staticmethod
+    def _quarantine(state: SessionState, account: dict[str, Any] | None) -> list[str]:
+        """Move aside what the agent created on the control surface (agentcell run's rule); say what it
+        changed there. Before the account is deleted: what moves must be the account's."""
+        from ..cell import protect
+
+        guard, policy = state.get("protect"), state.get("policy") or {}
+        if not guard:
+            return []
+        rw, allow = tuple(policy.get("rw_paths", ())), tuple(policy.get("allow_write", ()))
+        before = {k: tuple(v) for k, v in guard["before"].items()}
+        after, truncated = protect.surface(rw)
+        human = state.get("human")
+        try:
+            moved, stuck = protect.quarantine(
+                before, after, state.get("cell_id", ""), rw, allow_write=allow,
+                keep_out=(*policy.get("ro_paths", ()), *policy.get("masked_paths", ())),
+                owner_uid=(account or {}).get("uid") if (account or {}).get("kind") != "self" else None,
+                since_ns=guard["since_ns"], before_truncated=guard["truncated"],
+                give_to=(human[0], human[1]) if human else None)
+        except (OSError, AgentcellError) as e:
+            return [f"the protected paths could not be checked: {_line(e)}"]
+        gone = {old for old, _new in moved}
+        out = [f"the agent created {old}, which decides what git, your shell or your agent runs; it was moved to "
+               f"{new}" for old, new in moved]
+        out += [f"the agent {'created' if p in stuck or p not in before else 'changed'} {p}, which decides what git, "
+                "your shell or your agent runs: review it before you use the project"
+                for p in protect.changes(before, after)
+                if p not in gone and not any(p == a or p.startswith(a + "/") for a in allow)
+                and not any(p.startswith(g + "/") for g in gone)]
+        if truncated or guard["truncated"]:
+            out.append("the declared paths hold more than the protected-path scan covers: review repositories and "
+                       "agent config in them before you use them")
+        return out
+
+    def audit(self, state: SessionState) -> dict[str, Any]:
+        """The session's last record: how it ended, and what it tried beyond its policy."""
+        escape = state.get("escape")
+        self._crash("audit")
+        update: dict[str, Any] = {"finished": True, "ended_at": time.time()}
+        update.update(self._audit_quietly(state, "audit", "session.end", status=state.get("status"),
+                                          reason=state.get("reason"), escape=escape,
+                                          backup_id=state.get("backup_id"),
+                                          exit_status=(state.get("result") or {}).get("exit_status"),
+                                          problems=state.get("problems", [])))
+        return update
+
+
+# ---- plan and policy (pure: the CLI runs them too, to refuse bad input before a session exists) --------
+
+def make_plan(cfg: dict[str, Any], session_id: str) -> tuple[SessionPlan, dict[str, str | None]]:
+    from ..accounts import ephemeral
+    from ..policy.models import SessionPlan
+    from . import profiles
+
+    prof = profiles.get(cfg["harness"])
+    network = cfg.get("network") or ("host-firewall" if cfg.get("firewall_enabled") else prof.network)
+    if os.geteuid() != 0:
+        identity = "self"
+    elif cfg.get("agent"):
+        identity = f"agent:{cfg['agent']}"
+    else:  # the per-session account does not exist yet: checked against a uid of its range
+        identity = str(ephemeral.UID_FIRST)
+    declared = list(cfg.get("declared_paths") or [cfg["project_root"]])
+    ro, masked, marks = _config_files(cfg.get("config_files", []), declared)
+    plan = SessionPlan(
+        session_id=session_id, harness=cfg["harness"], declared_paths=declared, ro_paths=ro, masked_paths=masked,
+        wall_clock_limit_s=cfg["wall_clock_limit_s"], network=network,  # type: ignore[arg-type]
+        identity=identity, env=dict(prof.env), keep_env=sorted(cfg.get("secret_names") or []),
+        allow_presets=[prof.egress_preset] if network == "proxy" and prof.egress_preset else [],
+        allow_egress=["seed"] if network == "host-firewall" else [])
+    return plan, marks
+
+
+def compile_policy(plan: SessionPlan, environ: dict[str, str], project_root: str,
+                   identity: str | None = None) -> dict[str, Any]:
+    """The policy, as state: secrets are placeholders (filled in at spawn, never checkpointed)."""
+    from ..policy.compile import compile_plan
+
+    if identity is not None:
+        plan = plan.model_copy(update={"identity": identity})
+    env = {k: v for k, v in environ.items() if k in ("LANG", "TERM") or k.startswith("LC_")}
+    env.update({k: SECRET_PLACEHOLDER for k in plan.keep_env})
+    return compile_plan(plan, environ=env, host_cwd=project_root).model_dump()
+
+
+# ---- the session's own configuration inside the project -------------------------------------------
+
+def _config_files(files: list[str], declared: list[str]) -> tuple[list[str], list[str], dict[str, str | None]]:
+    """The agent must not change what configures its next session, nor read the secrets in ``.env``: an
+    ``agentcell.toml`` inside a declared path is bound read-only, a ``.env`` there is hidden. One that
+    does not exist yet cannot be bound: cleanup warns if the agent created it."""
+    roots = [os.path.realpath(d) for d in declared]
+    ro: list[str] = []
+    masked: list[str] = []
+    marks: dict[str, str | None] = {}
+    for f in files:
+        parent = os.path.realpath(os.path.dirname(f))
+        if not any(parent == r or parent.startswith(r.rstrip("/") + "/") for r in roots):
+            continue
+        marks[f] = _fingerprint(f)
+        if marks[f] is not None:
+            (masked if os.path.basename(f) == ".env" else ro).append(f)
+    return ro, masked, marks
+
+
+def _fingerprint(path: str) -> str | None:
+    import hashlib
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except OSError:
+        return "unreadable"
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return "not a regular file"
+        h = hashlib.sha256()
+        while chunk := os.read(fd, 1 << 20):
+            h.update(chunk)
+        return h.hexdigest()
+    finally:
+        os.close(fd)
+
+
+# ---- teardown from the state alone (the supervisor may be gone) ------------------------------------
+
+def cell_cgroups(cell_id: str) -> list[str]:
+    """Every group of a cell on this host, v2 or hybrid/v1 (one per controller), whether or not its
+    record (``cgroups.RECORDS``) survived."""
+    import glob
+
+    from ..cell import cgroups
+
+    return sorted({*glob.glob(f"{cgroups.ROOT}/{cgroups.PARENT}/{glob.escape(cell_id)}"),
+                   *glob.glob(f"{cgroups.ROOT}/*/{cgroups.PARENT}/{glob.escape(cell_id)}")})
+
+
+def _procs(d: str) -> list[int]:
+    try:
+        with open(os.path.join(d, "cgroup.procs")) as f:
+            return [int(p) for p in f.read().split()]
+    except (OSError, ValueError):
+        return []
+
+
+def _kill_cell(cell_id: str) -> None:
+    """Kill every process of a cell whose handle is gone, through its groups: frozen first, then
+    ``cgroup.kill`` where the kernel has it, else each member (a frozen member cannot fork or exit, so
+    its pid names it until it is killed)."""
+    dirs = cell_cgroups(cell_id)
+    for d in dirs:
+        for name, value in (("cgroup.freeze", "1"), ("freezer.state", "FROZEN")):
+            if os.path.exists(os.path.join(d, name)):
+                try:
+                    with open(os.path.join(d, name), "w") as f:
+                        f.write(value)
+                except OSError:
+                    pass
+    for _ in range(200):
+        members = {p for d in dirs for p in _procs(d)}
+        if not members:
+            break
+        for d in dirs:
+            if os.path.exists(os.path.join(d, "cgroup.kill")):
+                try:
+                    with open(os.path.join(d, "cgroup.kill"), "w") as f:
+                        f.write("1")
+                except OSError:
+                    pass
+        for pid in members:
+            try:
+                os.kill(pid, 9)
+            except ProcessLookupError:
+                pass
+        for d in dirs:  # a killed process of a frozen v1 group dies only once thawed
+            if os.path.exists(os.path.join(d, "freezer.state")):
+                try:
+                    with open(os.path.join(d, "freezer.state"), "w") as f:
+                        f.write("THAWED")
+                except OSError:
+                    pass
+        time.sleep(0.01)
+
+
+def _remove_cgroup(cell_id: str) -> list[str]:
+    from ..cell import cgroups
+
+    _kill_cell(cell_id)
+    problems = []
+    for d in cell_cgroups(cell_id):
+        for _ in range(200):
+            try:
+                os.rmdir(d)
+                break
+            except FileNotFoundError:
+                break
+            except OSError as e:
+                err = e
+                time.sleep(0.01)
+        else:
+            problems.append(f"cgroup {d}: {err.strerror}")
+            continue
+        try:
+            os.rmdir(os.path.dirname(d))  # the shared agentcell/ parent, when no other cell uses it
+        except OSError:
+            pass
+    try:
+        os.unlink(os.path.join(cgroups.RECORDS, cell_id))
+    except OSError:
+        pass
+    return problems
+
+
+def _revoke(cmds: Any, account: dict[str, Any], grants: list[dict[str, Any]]) -> list[str]:
+    """Remove the session's ACL entries from each granted path; what could not be removed."""
+    from ..accounts import acl
+
+    problems: list[str] = []
+    for g in grants:
+        try:
+            problems += acl.revoke(cmds, account["uid"], account["gid"], g["path"], g["prior"])
+        except (OSError, AgentcellError) as e:
+            problems.append(f"revoke {g['path']}: {_line(e)}")
+    return problems
+
+
+def _ephemeral_left(session_id: str) -> dict[str, Any] | None:
+    from ..accounts import ephemeral
+
+    for a in ephemeral.leftovers():
+        if a.session_id == session_id:
+            return {"kind": "ephemeral", "name": a.name, "uid": a.uid, "gid": a.gid, "group": a.name}
+    return None

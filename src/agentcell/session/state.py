@@ -1,0 +1,127 @@
+"""What a session carries from node to node (checkpointed), what only its supervisor holds (not), and
+where sessions are kept.
+
+The state is plain data (the models as their ``model_dump``): LangGraph's SQLite checkpointer stores it
+after every node, and ``agentcell session recover`` must be able to read it in another process and
+finish the teardown from it alone. Secret values never enter it (the checkpoint database would keep
+them): the policy's environment holds a placeholder for each, filled in at spawn from :class:`Runtime`.
+Live handles — the running cell, the firewall's log reader — live in :class:`Runtime`, in the
+supervisor's memory only.
+"""
+from __future__ import annotations
+
+import os
+import sqlite3
+import threading
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal, TypedDict
+
+if TYPE_CHECKING:
+    from .spawn import HostedCell
+
+Status = Literal["running", "completed", "terminated", "aborted"]
+FINAL: tuple[str, ...] = ("completed", "terminated", "aborted")
+SECRET_PLACEHOLDER = "<secret: filled in at spawn>"
+FAULTS_ENV = "AGENTCELL_TEST_FAULTS"  # the fault-injection hook (tests): "preflight=2,account=1,audit@spawn=1"
+
+
+class SessionState(TypedDict, total=False):
+    session_id: str
+    config: dict[str, Any]  # SessionConfig.as_dict()
+    argv: list[str]  # what the cell runs
+    supervisor: dict[str, int]  # pid and start time (clock ticks) of the process running the graph
+    plan: dict[str, Any]  # SessionPlan
+    policy: dict[str, Any]  # SandboxPolicy (secret values replaced by SECRET_PLACEHOLDER)
+    backup_id: str | None
+    account: dict[str, Any] | None  # kind (ephemeral | agent | self), name, uid, gid, group
+    human: list[int] | None  # uid, gid: who gets what the agent made in the declared paths
+    grants: list[dict[str, Any]]  # ACL grants made for this session: path, prior (acl.prior_acl)
+    firewall_table: str | None
+    cell_id: str
+    protect: dict[str, Any] | None  # the control surface of the declared paths before the cell (cell/protect.py)
+    harness_pid: int | None
+    started_at: float
+    deadline: float  # wall-clock time (time.time()) at which the session ends, reason timeout
+    escape: dict[str, Any] | None  # EscapeEvent: the first attempt that terminated the session
+    events: list[dict[str, Any]]
+    result: dict[str, Any] | None  # the cell's result (exit status, signal, duration, events)
+    status: Status
+    reason: str
+    config_marks: dict[str, str | None]  # .env / agentcell.toml inside a declared path: SHA-256 (None: absent)
+    problems: list[str]  # what teardown could not undo
+    warnings: list[str]  # what the human should look at (config files the agent created)
+    audit_error: str
+    ended_at: float
+    finished: bool  # the audit node ran: nothing left to recover
+
+
+@dataclass
+class Runtime:
+    """The supervisor's process-local side of running sessions."""
+
+    stdio: tuple[int, int, int] = (0, 1, 2)
+    faults: dict[str, int] = field(default_factory=dict)  # point -> failures still to inject
+    secrets: dict[str, str] = field(default_factory=dict)
+    environ: dict[str, str] = field(default_factory=dict)  # the invoking user's (LANG, TERM, SUDO_UID)
+    cells: dict[str, HostedCell] = field(default_factory=dict)
+    firewalls: dict[str, tuple[Any, Any]] = field(default_factory=dict)  # session -> (HostFirewall, log)
+    stop_requested: dict[str, str] = field(default_factory=dict)  # session -> why
+    status_line: bool = False
+    tick_s: float = 1.0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def fault(self, point: str) -> bool:
+        """Whether to inject a failure at ``point`` now (counts down)."""
+        with self.lock:
+            left = self.faults.get(point, 0)
+            if left > 0:
+                self.faults[point] = left - 1
+                return True
+        return False
+
+
+def parse_faults(text: str) -> dict[str, int]:
+    from ..errors import PolicyError
+
+    out: dict[str, int] = {}
+    for item in (t.strip() for t in text.split(",")):
+        if not item:
+            continue
+        point, _, n = item.partition("=")
+        if not n.isdigit():
+            raise PolicyError(FAULTS_ENV, f"'{item}' is not POINT=COUNT", "e.g. preflight=2,audit@spawn=1")
+        out[point] = int(n)
+    return out
+
+
+def sessions_dir() -> str:
+    from ..accounts.registry import state_dir
+
+    return os.path.join(state_dir(), "sessions")
+
+
+def connect() -> sqlite3.Connection:
+    """The checkpoint database (root's, 0600 in a 0700 directory: it names accounts and paths)."""
+    d = sessions_dir()
+    os.makedirs(d, mode=0o700, exist_ok=True)
+    path = os.path.join(d, "checkpoints.sqlite")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    os.close(fd)
+    conn = sqlite3.connect(path, check_same_thread=False, timeout=30)
+    conn.execute("PRAGMA journal_mode=WAL")
+    return conn
+
+
+def start_time(pid: int) -> int:
+    """The process's start time in clock ticks (0 if gone): with the pid, it names one process."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def supervisor_alive(state: SessionState) -> bool:
+    sup = state.get("supervisor") or {}
+    pid = int(sup.get("pid", 0))
+    return pid > 0 and start_time(pid) == int(sup.get("start", -1))

