@@ -51,7 +51,8 @@ class MaskWatch:
         self._names: dict[int, set[str]] = {}
         for p in self.masks:
             parent, name = os.path.split(p)
-            wd = libc.inotify_add_watch(self.fd, os.fsencode(parent), IN_CREATE | IN_DELETE | IN_MOVED_FROM | IN_MOVED_TO)
+            events = IN_CREATE | IN_DELETE | IN_MOVED_FROM | IN_MOVED_TO
+            wd = libc.inotify_add_watch(self.fd, os.fsencode(parent), events)
             if wd >= 0:
                 self._names.setdefault(wd, set()).add(name)
 
