@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -301,17 +302,27 @@ def test_a_mask_the_host_undoes_by_a_rename_ends_the_cell(user: User, tmp_path: 
     shared = tmp_path / "app"
     shared.mkdir()
     (shared / ".env").write_text("OLD-SECRET\n")
+    (shared / "root.key").write_text("ROOT-ONLY\n")  # like /etc/shadow: unreadable to the agent anyway
     for p in (tmp_path, shared, shared / ".env"):
         os.chmod(p, 0o755 if p.is_dir() else 0o644)
+    os.chmod(shared / "root.key", 0o600)
     work = (f"cat {shared}/.env 2>/dev/null || echo masked; echo ready; "
             f"for i in $(seq 100); do sleep 0.05; cat {shared}/.env 2>/dev/null; done; echo survived")
     p = subprocess.Popen([AGENTCELL, "run", "--json", "--no-warm", "--as", str(user.uid), "--ro", str(shared),
-                          "--mask", f"{shared}/.env", "--monitor", "--", "sh", "-c", work],
+                          "--mask", f"{shared}/.env", "--mask", f"{shared}/root.key", "--monitor", "--", "sh", "-c",
+                          work],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert p.stdout is not None
     try:
         first = p.stdout.readline() + p.stdout.readline()
         assert first == "masked\nready\n", first
+        # useradd replaces /etc/shadow like this: the mask is gone, but the new file is root's 0600
+        fd = os.open(shared / "root.key.new", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        os.write(fd, b"ROOT-ONLY-2\n")
+        os.close(fd)
+        os.rename(shared / "root.key.new", shared / "root.key")
+        time.sleep(0.5)
+        assert p.poll() is None  # noted, not held against the cell
         (shared / ".env.new").write_text("NEW-SECRET\n")
         os.chmod(shared / ".env.new", 0o644)
         os.rename(shared / ".env.new", shared / ".env")
@@ -323,7 +334,8 @@ def test_a_mask_the_host_undoes_by_a_rename_ends_the_cell(user: User, tmp_path: 
     result = json.loads(out.strip().splitlines()[-1])
     lines = out.splitlines()[:-1]
     assert p.returncode == 137 and "survived" not in lines, (out, err)
-    assert [(e["source"], e["target"]) for e in result["events"]] == [("masks", f"{shared}/.env")], result["events"]
+    assert [(e["source"], e["target"], e["acts"]) for e in result["events"]] == [
+        ("masks", f"{shared}/root.key", False), ("masks", f"{shared}/.env", True)], result["events"]
     # Between the rename and the freeze the cell may read the new file: a window of milliseconds
     # (the loop reads every 50 ms here); never more than a read or two.
     assert lines.count("NEW-SECRET") <= 2, lines

@@ -422,7 +422,8 @@ def _run_here(spec: CellSpec, command: list[str], timeout: float | None, ttys: t
             sys.stderr.write(f"{PROG}: monitor: not watched: "
                              f"{'; '.join(f'{k} ({v})' for k, v in sorted(off.items()))}\n")
         for ev in watch.events:
-            sys.stderr.write(f"{PROG}: {'escape' if ev.operation != 'resource' else 'resource'}: {ev.line()}\n")
+            kind = "resource" if ev.operation == "resource" else "escape" if ev.acts else "note"
+            sys.stderr.write(f"{PROG}: {kind}: {ev.line()}\n")
         if watch.terminated:
             sys.stderr.write(f"{PROG}: the cell was {'frozen and ' if watch.frozen_at else ''}killed at the first "
                              "escape attempt (--on-escape record to only record)\n")

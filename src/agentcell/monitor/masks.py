@@ -27,8 +27,8 @@ class MaskWatch:
     is not masked any more. The device is the one most masks are on when the watch starts (the
     command may already run by then, and a host rename may already have undone one of them)."""
 
-    def __init__(self, pid1: int, candidates: tuple[str, ...]) -> None:
-        self.pid1 = pid1
+    def __init__(self, pid1: int, candidates: tuple[str, ...], uid: int, groups: tuple[int, ...]) -> None:
+        self.pid1, self.uid, self.groups = pid1, uid, set(groups)
         devs: dict[str, int] = {}
         for p in candidates:
             try:
@@ -74,8 +74,10 @@ class MaskWatch:
                 off += _EV.size + length
                 touched = touched or name in self._names.get(wd, ())
 
-    def check(self) -> list[str]:
-        """Masks the cell's names no longer lead to."""
+    def check(self) -> list[tuple[str, bool]]:
+        """Masks the cell's names no longer lead to: (path, whether the cell's account can read what
+        the name leads to now). /etc/shadow, replaced by every useradd on the host, stays unreadable
+        to an ordinary account by its permissions; a --mask'ed .env saved by an editor usually not."""
         gone = []
         for p in self.masks:
             try:
@@ -83,13 +85,20 @@ class MaskWatch:
             except FileNotFoundError:
                 if not os.path.exists(f"/proc/{self.pid1}/root/"):
                     return []  # the cell is gone
-                gone.append(p)
+                gone.append((p, False))
                 continue
             except OSError:
                 return []
             if st.st_dev != self.dev:
-                gone.append(p)
+                gone.append((p, self._readable(st)))
         return gone
+
+    def _readable(self, st: os.stat_result) -> bool:
+        if st.st_uid == self.uid:
+            return bool(st.st_mode & 0o400)
+        if st.st_gid in self.groups:
+            return bool(st.st_mode & 0o040)
+        return bool(st.st_mode & 0o004)
 
     def close(self) -> None:
         os.close(self.fd)

@@ -230,7 +230,9 @@ class Monitor:
 
             try:
                 secrets = tuple(p for p in SECRET_FILES if os.path.exists(p) and not os.path.islink(p))
-                self.masks = MaskWatch(running.pid1, (*secrets, *running.spec.masked_paths))
+                ident = running.spec.identity
+                self.masks = MaskWatch(running.pid1, (*secrets, *running.spec.masked_paths), ident.uid,
+                                       (ident.gid, *ident.groups))
                 self._state["masks"] = "on"
             except OSError as e:
                 self._state["masks"] = f"off: {e.strerror or e}"
@@ -405,10 +407,13 @@ class Monitor:
             self._masks_until = now + 0.5
         if now < self._masks_until or now - self._masks_checked >= 0.1:
             self._masks_checked = now
-            for path in self.masks.check():
-                self._event(CellEvent("read", path, "the mask over it is gone: the file was replaced on the host "
-                                      "(a rename over a masked file detaches the mask in every cell), so the cell "
-                                      "could read the new one", source="masks", cell=self.cell_id,
+            for path, readable in self.masks.check():
+                why = ("the mask over it is gone: the file was replaced on the host (a rename over a masked file "
+                       "detaches the mask in every cell)")
+                self._event(CellEvent("read", path, why + (", and the cell's account can read the new one" if readable
+                                                           else "; the new one is still unreadable to the cell's "
+                                                           "account by its permissions"),
+                                      source="masks", cell=self.cell_id, acts=readable,
                                       allow="keep masked files from being replaced while a cell runs"))
 
     def _poll_audit_lost(self) -> None:
