@@ -486,7 +486,7 @@ def test_api_keys_reach_the_cell_of_the_harness_that_needs_them_and_never_the_ch
         assert b"sk-test-0123456789" not in f.read_bytes(), f
 
 
-def test_ten_concurrent_sessions_cannot_see_each_others_files_or_processes(env: Env, user: User) -> None:
+def test_ten_concurrent_sessions_cannot_see_each_others_files_processes_or_network(env: Env, user: User) -> None:
     projects = [Path("/tmp") / ("agentcell-test-c" + secrets.token_hex(4)) for _ in range(10)]
     sups: list[subprocess.Popen[str]] = []
     try:
@@ -498,11 +498,13 @@ def test_ten_concurrent_sessions_cannot_see_each_others_files_or_processes(env: 
         for i, p in enumerate(projects):
             others = "".join(f"read {q}/src/secret.txt\n" for q in projects if q != p)
             script = env.state / f"steps-{i}.txt"
-            script.write_text(f"write {p}/src/mine.txt {i}\n{others}run ps -eo uid=,comm=\n")
+            script.write_text(f"write {p}/src/mine.txt {i}\n{others}run ps -eo uid=,comm=\n"
+                              "run readlink /proc/self/ns/net\nrun ip -o link\n")
             sups.append(subprocess.Popen([AGENTCELL, "session", "start", "--harness", "scripted", "--project", str(p),
                                           "--json", "--", str(script)], env=_environ(env), cwd=p, text=True,
                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE))
         outs = [s.communicate(timeout=300) for s in sups]
+        netns: set[str] = set()
         for i, (out, err) in enumerate(outs):
             summary = json.loads(out.strip().splitlines()[-1])
             assert summary["status"] == "completed" and summary["exit_status"] == 0, (i, summary, err)
@@ -511,8 +513,14 @@ def test_ten_concurrent_sessions_cannot_see_each_others_files_or_processes(env: 
             assert len(denied) == 9 and all("No such file or directory" in line for line in denied), lines
             uids = {line.split()[0] for line in lines if line.split()[0].isdigit()}
             assert len(uids) == 1, lines  # only its own account's processes: a PID namespace per cell
+            # A network namespace of its own, with nothing in it but its own loopback.
+            [ns] = [line.strip() for line in lines if line.strip().startswith("net:[")]
+            netns.add(ns)
+            links = [line for line in lines if ": lo:" in line or "link/" in line]
+            assert len(links) == 1 and ": lo:" in links[0], lines
             assert (projects[i] / "src" / "mine.txt").read_text() == f"{i}\n"
             assert account_gone(summary["os_user"])
+        assert len(netns) == 10 and os.readlink("/proc/self/ns/net") not in netns, netns
     finally:
         for s in sups:
             if s.poll() is None:
@@ -670,3 +678,74 @@ def test_a_real_harness_cli_runs_in_a_session_as_its_account_with_the_cells_home
     name = s.summary["os_user"]
     assert s.out.splitlines()[:2] == [name, f"HOME=/home/{name}"], s.out
     assert s.out.splitlines()[2].startswith("codex-cli ") and "Run Codex non-interactively" in s.out, s.out
+
+
+# ---- red team (helper 19): a project's files never decide where root writes, nor what is shared ----
+
+@pytest.mark.parametrize("key,value", [("audit_log_path", "/etc/profile.d/agentcell-x.sh"),
+                                       ("backup_dir", "/etc/agentcell-x"), ("agent", "someone")])
+def test_a_project_file_cannot_choose_where_root_writes_or_which_agent_runs(env: Env, key: str, value: str) -> None:
+    (env.project / "agentcell.toml").write_text(f'[session]\nharness = "scripted"\n{key} = "{value}"\n')
+    s = scripted(env, "say hi\n")
+    assert s.rc == 125 and f"session.{key}" in s.err and "not taken from a file in the project" in s.err, s.err
+    assert len(s.err.strip().splitlines()) == 1
+    assert not Path(value).exists()
+
+
+def test_a_dotenv_someone_else_can_write_cannot_choose_host_paths_but_roots_own_can(env: Env, user: User) -> None:
+    dotenv = env.project / ".env"
+    dotenv.write_text(f"BACKUP_DIR={env.state}/elsewhere\n")
+    shutil.chown(dotenv, user.uid, user.gid)  # the project owner's (or an earlier agent's, handed back)
+    environ = {k: v for k, v in _environ(env).items() if k != "BACKUP_DIR"}
+    p = subprocess.run([AGENTCELL, "session", "start", "--harness", "shell", "--json", "--", "true"],
+                       capture_output=True, text=True, env=environ, cwd=env.project, timeout=120)
+    assert p.returncode == 125 and "BACKUP_DIR (in" in p.stderr and "not taken from a file" in p.stderr, p.stderr
+    shutil.chown(dotenv, 0, 0)
+    dotenv.chmod(0o644)
+    p = subprocess.run([AGENTCELL, "session", "start", "--harness", "shell", "--json", "--", "true"],
+                       capture_output=True, text=True, env=environ, cwd=env.project, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert (env.state / "elsewhere").is_dir()  # root's own .env decides, as the seed's does
+
+
+def test_declared_paths_from_a_project_file_stay_inside_the_project(env: Env) -> None:
+    (env.project / "agentcell.toml").write_text('[session]\nharness = "scripted"\ndeclared_paths = ["src", "../"]\n')
+    s = scripted(env, "say hi\n")
+    assert s.rc == 125 and "outside the project" in s.err and len(s.err.strip().splitlines()) == 1, s.err
+
+
+@pytest.mark.parametrize("path", ["/var/lib/dpkg", "/var/log", "/run/user"])
+def test_service_state_is_never_shared_writable(env: Env, path: str) -> None:
+    s = session(env, ["start", "--harness", "shell", "--rw", path, "--json", "--", "true"])
+    assert s.rc == 125 and "state" in s.err and len(s.err.strip().splitlines()) == 1, s.err
+
+
+def test_every_dotenv_in_the_declared_paths_is_hidden(env: Env, user: User) -> None:
+    nested = env.project / "src" / "backend"
+    nested.mkdir()
+    for name in (".env", ".env.local"):
+        (nested / name).write_text("SECRET=sk-nested\n")
+    for p in (nested, nested / ".env", nested / ".env.local"):
+        shutil.chown(p, user.uid, user.gid)
+    s = scripted(env, f"read {nested}/.env\nread {nested}/.env.local\n", "--rw", "src")
+    assert s.rc == 0 and s.out.count("DENIED: read") == 2, (s.out, s.err)
+
+
+def test_recover_acts_only_on_what_agentcell_made_for_that_session(env: Env, user: User) -> None:
+    """A checkpoint naming someone else's account, table or cgroup is refused, and nothing is done."""
+    from agentcell.accounts import ephemeral
+    from agentcell.errors import AgentcellError
+    from agentcell.session.state import check_recorded
+
+    sid = "20261130-000000-abcdef"
+    good = {"session_id": sid, "cell_id": f"agentcell-{sid}", "firewall_table": "agentcell_20261130000000abcd",
+            "account": {"kind": "ephemeral", "name": ephemeral.name_for(sid), "uid": ephemeral.UID_FIRST + 7}}
+    check_recorded(good)  # type: ignore[arg-type]
+    for forged in ({"account": {"kind": "ephemeral", "name": user.name, "uid": user.uid}},
+                   {"cell_id": "../ac-victim"}, {"firewall_table": "../../../tmp/x"},
+                   {"account": {"kind": "agent", "name": "nobody-registered", "uid": 0}}):
+        with pytest.raises(AgentcellError, match="not one agentcell makes"):
+            check_recorded({**good, **forged})  # type: ignore[arg-type]
+    with pytest.raises(AgentcellError, match="is not the per-session account"):
+        ephemeral.delete(ephemeral.Account(user.name, user.uid, user.gid, sid))
+    assert subprocess.run(["id", user.name], capture_output=True).returncode == 0  # untouched

@@ -52,9 +52,11 @@ class Supervised:
     @classmethod
     def start(cls, spec: CellSpec, argv: Sequence[str], *, monitor: str | None = "terminate",
               callback: Callable[[CellEvent], None] | None = None, stdio: Sequence[int] = (0, 1, 2),
-              tty_fds: Sequence[int] = ()) -> Supervised:
+              tty_fds: Sequence[int] = (), dedicated: bool | None = None) -> Supervised:
         """Launch ``argv`` in a cell for ``spec``. ``monitor``: terminate | record | ``CLASS=VERDICT,…``
-        (:func:`agentcell.monitor.monitor.parse_verdicts`) | None (no monitor)."""
+        (:func:`agentcell.monitor.monitor.parse_verdicts`) | None (no monitor). ``dedicated``: the
+        cell's account exists for agents alone (default: an ``agent:NAME`` identity), so what its uid
+        does on the host's network is the cell's (a session's own account is)."""
         if spec.watch and monitor is None:  # its canaries and seccomp listener wait on a monitor
             raise AgentcellError("watch", "a watched cell needs its monitor", "pass monitor='terminate' or 'record'")
         fw = log = None
@@ -79,7 +81,8 @@ class Supervised:
                 from .monitor.monitor import Monitor
 
                 watch = Monitor(spec.cell_id, None, monitor, uid=spec.identity.uid, callback=callback,
-                                rootless=spec.identity.userns, dedicated=spec.identity.mode == "agent")
+                                rootless=spec.identity.userns,
+                                dedicated=spec.identity.mode == "agent" if dedicated is None else dedicated)
                 if watch.terminated:  # a source that cannot start, under terminate: the cell never runs
                     raise AgentcellError("--monitor", f"the monitor cannot see: {watch.reason}",
                                          "see 'agentcell doctor', or --on-escape record to run without that source")

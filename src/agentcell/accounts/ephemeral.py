@@ -111,6 +111,11 @@ def delete(account: Account, cmds: Commands | None = None, *, paths: Sequence[st
     ``paths`` are the session's writable paths: what the account made there is given to ``give_to``
     (uid, gid: the session's human), or, without it, is an error to report — a file left to a deleted
     uid would belong to whichever account gets the number next (a setuid bit is cleared by chown)."""
+    # Only an account this module makes: its name follows from the session id, its uid from the
+    # range. Whatever asks (a checkpoint read back by 'session recover', say), no other is touched.
+    if account.name != name_for(account.session_id) or not UID_FIRST <= account.uid <= UID_LAST:
+        raise AccountError("account", f"{account.name!r} (uid {account.uid}) is not the per-session account of "
+                           f"session {account.session_id!r}", "nothing was deleted")
     need_root("ephemeral account")
     cmds = cmds or Commands()
     problems = []

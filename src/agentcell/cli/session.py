@@ -193,6 +193,9 @@ def _load(sid: str) -> tuple[Any, dict[str, Any]]:
     st = graph.load(g, sid)
     if st is None:
         raise AgentcellError("ID", f"no session {sid}", "see 'agentcell session list'")
+    from ..session.state import check_recorded
+
+    check_recorded(st)
     return g, dict(st)
 
 

@@ -41,7 +41,8 @@ class CanaryWatch:
             if fd >= 0:
                 try:  # the path within the home's own mount (another mount namespace's)
                     rel = os.readlink(f"/proc/self/fd/{fd}")
-                    path = next((p for p in self.paths if p.endswith(rel)), self.home + rel)
+                    path = next((p for p in self.paths if p.endswith(rel)),
+                                rel if rel.startswith(self.home + "/") else self.home + rel)
                 except OSError:
                     pass
             exe = ""

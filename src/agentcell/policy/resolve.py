@@ -28,6 +28,10 @@ PROVIDED = frozenset({"/proc", "/dev", "/sys/fs/cgroup"})
 SYSTEM = frozenset({"/usr", "/etc", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/boot", "/var",
                     "/run", "/opt", "/srv", "/sys", "/root", "/home", "/tmp", "/mnt", "/media"})
 UNSAFE_FLAG = "--allow-unsafe-path"
+# Where root's services keep what they later act on (dpkg's maintainer scripts, logs, spools, runtime
+# sockets) and where agentcell keeps its own records: never writable for a cell.
+SERVICE_STATE = ("/var/lib", "/var/log", "/var/spool", "/var/cache", "/var/backups", "/var/mail", "/run",
+                 "/var/run")
 
 
 def is_env_name(name: str) -> bool:
@@ -111,6 +115,9 @@ def _unsafe_reason(real: str, writable: bool, homes: set[str]) -> str:
     if writable and (real in SYSTEM or any(real.startswith(s + "/") for s in ("/usr", "/etc", "/boot", "/bin",
                                                                                 "/sbin", "/lib", "/lib64"))):
         return "it is a system directory and would be writable"
+    if writable and (any(real == s or real.startswith(s + "/") for s in SERVICE_STATE)
+                     or "/.local/state/agentcell/" in real + "/"):
+        return "it holds the system's or agentcell's own state (package database, logs, spools, runtime files)"
     return ""
 
 

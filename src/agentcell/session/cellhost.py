@@ -72,8 +72,10 @@ def main(argv: list[str]) -> int:
         stdio[0] = os.open(os.devnull, os.O_RDONLY)
         ttys = tuple(fd for fd in ttys if fd != 0)
     try:
+        # A session's account (its own, or a persistent agent's) runs nothing outside its cells.
         sup = Supervised.start(spec_from_dict(req["spec"]), req["argv"], monitor="terminate",
-                               callback=lambda ev: out.send({"event": ev.as_dict()}), stdio=stdio, tty_fds=ttys)
+                               callback=lambda ev: out.send({"event": ev.as_dict()}), stdio=stdio, tty_fds=ttys,
+                               dedicated=True)
     except (AgentcellError, OSError) as e:
         out.send({"error": e.line() if isinstance(e, AgentcellError) else f"{type(e).__name__}: {e}"})
         return 1

@@ -75,13 +75,36 @@ class SessionConfig:
 
 def read_dotenv(path: str) -> dict[str, str]:
     """``NAME=VALUE`` lines (``export`` allowed, ``#`` comments, values optionally quoted); no expansion."""
+    return read_dotenv_owned(path)[0]
+
+
+def read_dotenv_owned(path: str) -> tuple[dict[str, str], bool]:
+    """The file's values, and whether it is ours: owned by the user running agentcell (root, for a
+    session as root) and writable by no one else. Opened without following a link, a regular file of
+    at most 1 MiB."""
+    import stat
+
     try:
-        with open(path, encoding="utf-8") as f:
-            lines = f.read().splitlines()
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
-        return {}
-    except (OSError, UnicodeDecodeError) as e:
-        raise PolicyError(path, f"cannot read it ({e})", "fix its permissions or encoding") from None
+        return {}, False
+    except OSError as e:
+        raise PolicyError(path, f"cannot read it ({e.strerror})", "make it a plain readable file") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > 1 << 20:
+            raise PolicyError(path, "is not a regular file of at most 1 MiB", "point --env-file at a .env file")
+        with os.fdopen(os.dup(fd), encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except UnicodeDecodeError:
+        raise PolicyError(path, "is not UTF-8 text", "fix its encoding") from None
+    finally:
+        os.close(fd)
+    ours = st.st_uid == os.geteuid() and not st.st_mode & 0o022
+    return _parse_dotenv(path, lines), ours
+
+
+def _parse_dotenv(path: str, lines: list[str]) -> dict[str, str]:
     out: dict[str, str] = {}
     for n, raw in enumerate(lines, 1):
         line = raw.strip()
@@ -91,7 +114,7 @@ def read_dotenv(path: str) -> dict[str, str]:
         name, eq, value = line.partition("=")
         name, value = name.strip(), value.strip()
         if not eq or not name.replace("_", "a").isalnum() or name[0].isdigit():
-            raise PolicyError(f"{path}:{n}", f"'{raw[:60]}' is not NAME=VALUE", "fix or remove the line")
+            raise PolicyError(f"{path}:{n}", "this line is not NAME=VALUE", "fix or remove the line")
         if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
             value = value[1:-1]
         out[name] = value
@@ -171,6 +194,12 @@ def _agent(value: object, where: str) -> str | None:
         raise PolicyError(where, e.problem, e.fix) from None
 
 
+# Decided by the operator (a flag, or root's own environment), never by a file in the project that
+# its owner (or an earlier session's agent) could have written: where root writes the backup and the
+# audit trail, which persistent agent runs, and which directory is the project.
+HOST_KEYS = frozenset({"backup_dir", "audit_log_path", "agent", "project_root"})
+
+
 def load(flags: Mapping[str, Any], *, environ: Mapping[str, str] | None = None, cwd: str | None = None,
          dotenv: str | None = None, secret_names: tuple[str, ...] = ()) -> SessionConfig:
     """Merge the four sources. ``flags`` holds the CLI's values (None: not given), keyed like the
@@ -178,7 +207,7 @@ def load(flags: Mapping[str, Any], *, environ: Mapping[str, str] | None = None, 
     environ = dict(os.environ if environ is None else environ)
     cwd = cwd or os.getcwd()
     dot_path = dotenv or os.path.join(cwd, ".env")
-    dot = read_dotenv(dot_path)
+    dot, dot_ours = read_dotenv_owned(dot_path)
     env_view = {**dot, **environ}  # the real environment wins over the file
 
     def env_where(name: str) -> str:
@@ -188,8 +217,13 @@ def load(flags: Mapping[str, Any], *, environ: Mapping[str, str] | None = None, 
     root_flag = flags.get("project_root")
     if root_flag:
         root, sources["project_root"] = str(root_flag), "--project"
-    elif env_view.get("PROJECT_ROOT"):
-        root, sources["project_root"] = env_view["PROJECT_ROOT"], env_where("PROJECT_ROOT")
+    elif environ.get("PROJECT_ROOT"):
+        root, sources["project_root"] = environ["PROJECT_ROOT"], "PROJECT_ROOT"
+    elif dot.get("PROJECT_ROOT") and dot_ours:
+        root, sources["project_root"] = dot["PROJECT_ROOT"], env_where("PROJECT_ROOT")
+    elif dot.get("PROJECT_ROOT"):
+        raise PolicyError(env_where("PROJECT_ROOT"), "the project is not chosen by a file someone other than you "
+                          "can write", "give --project, set PROJECT_ROOT in the environment, or own the .env file")
     else:
         root, sources["project_root"] = cwd, "the current directory"
     root = os.path.abspath(os.path.join(cwd, os.path.expanduser(root)))
@@ -197,14 +231,23 @@ def load(flags: Mapping[str, Any], *, environ: Mapping[str, str] | None = None, 
         raise PolicyError(sources["project_root"], f"{root} is not a directory", "name the project's directory")
     toml = read_toml(root)
     toml_where = os.path.join(root, "agentcell.toml") + ": session."
+    for key in sorted(HOST_KEYS & set(toml)):  # never honoured there, so never silently ignored either
+        raise PolicyError(toml_where + key, "where root writes, and as whom the agent runs, is not taken from a "
+                          "file in the project", f"remove it; give {FLAGS[key]} instead")
 
     def pick(key: str, env: str | None) -> tuple[object, str] | None:
         flag_value = flags.get(key)
         if flag_value not in (None, [], ()):
             return flag_value, FLAGS[key]
         if env is not None and env_view.get(env, "") != "":
+            if key in HOST_KEYS and env not in environ and not dot_ours:  # a .env someone else could write
+                raise PolicyError(env_where(env), "where root writes, and as whom the agent runs, is not taken "
+                                  "from a file in the project", f"give {FLAGS[key]} or set {env} in the environment")
             return env_view[env], env_where(env)
         if key in toml:
+            if key in HOST_KEYS:
+                raise PolicyError(toml_where + key, "where root writes, and as whom the agent runs, is not taken "
+                                  "from a file in the project", f"give {FLAGS[key]} instead")
             return toml[key], toml_where + key
         return None
 
@@ -220,7 +263,16 @@ def load(flags: Mapping[str, Any], *, environ: Mapping[str, str] | None = None, 
     if (got := pick("declared_paths", "DECLARED_PATHS")) is not None:
         value, where = got
         rel = _paths(value, where)
-        values["declared_paths"] = tuple(os.path.normpath(os.path.join(root, os.path.expanduser(p))) for p in rel)
+        declared = tuple(os.path.normpath(os.path.join(root, os.path.expanduser(p))) for p in rel)
+        if (" (in " in where and not dot_ours) or where.startswith(toml_where):
+            # From a file in the project: only paths inside the project (resolved, links followed).
+            real_root = os.path.realpath(root)
+            for d in declared:
+                real = os.path.realpath(d)
+                if real != real_root and not real.startswith(real_root + "/"):
+                    raise PolicyError(where, f"{d} is outside the project", "a project's own files may declare only "
+                                      "paths inside it; give others with --rw")
+        values["declared_paths"] = declared
         sources["declared_paths"] = where
     if (got := pick("agent", "AGENT_OS_USER")) is not None:
         values["agent"], sources["agent"] = _agent(got[0], got[1]), got[1]

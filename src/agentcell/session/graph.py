@@ -130,6 +130,9 @@ def recover(graph: Graph, session_id: str) -> SessionState:
     state = load(graph, session_id)
     if state is None:
         raise AgentcellError("ID", f"no session {session_id}", "see 'agentcell session list'")
+    from .state import check_recorded
+
+    check_recorded(state)
     cfg = _config(session_id)
     update: dict[str, Any] = {"supervisor": {"pid": os.getpid(), "start": start_time(os.getpid())}}
     if state.get("status") not in FINAL:

@@ -545,9 +545,35 @@ def _config_files(files: list[str], declared: list[str]) -> tuple[list[str], lis
         if not any(parent == r or parent.startswith(r.rstrip("/") + "/") for r in roots):
             continue
         marks[f] = _fingerprint(f)
-        if marks[f] is not None:
-            (masked if os.path.basename(f) == ".env" else ro).append(f)
+        if marks[f] is not None:  # the env file the session read (whatever its name) is hidden, the toml read-only
+            (ro if os.path.basename(f) == "agentcell.toml" else masked).append(f)
+    masked += [f for f in _dotenv_files(declared) if f not in masked]
     return ro, masked, marks
+
+
+SKIP_DIRS = frozenset({".git", "node_modules", ".venv", "venv", "__pycache__", ".tox", ".mypy_cache", "target"})
+
+
+def _dotenv_files(declared: list[str], *, depth: int = 6, budget: int = 50_000) -> list[str]:
+    """Every ``.env`` and ``.env.*`` in the declared paths (a nested ``backend/.env`` too): the
+    secrets people keep there are not the agent's. Links are not followed; dependency and VCS trees
+    are skipped; the walk is bounded (what lies past it is not hidden: keep secrets shallow)."""
+    out: list[str] = []
+    todo = [(os.path.realpath(d), 0) for d in declared]
+    while todo and budget > 0:
+        d, level = todo.pop()
+        try:
+            entries = list(os.scandir(d))
+        except OSError:
+            continue
+        budget -= len(entries)
+        for e in entries:
+            if e.name == ".env" or e.name.startswith(".env."):
+                if e.is_file(follow_symlinks=False):
+                    out.append(e.path)
+            elif level < depth and e.name not in SKIP_DIRS and e.is_dir(follow_symlinks=False):
+                todo.append((e.path, level + 1))
+    return sorted(out)
 
 
 def _fingerprint(path: str) -> str | None:

@@ -125,3 +125,45 @@ def supervisor_alive(state: SessionState) -> bool:
     sup = state.get("supervisor") or {}
     pid = int(sup.get("pid", 0))
     return pid > 0 and start_time(pid) == int(sup.get("start", -1))
+
+
+def check_recorded(state: SessionState) -> None:
+    """A session read back from the checkpoint database, before anything acts on it (recover, stop,
+    restore): every name root will act on must be one agentcell made for this very session. The
+    database is root's, but it is no place to take an account name or a path from on trust."""
+    from ..accounts import ephemeral
+    from ..errors import AgentcellError
+
+    sid = str(state.get("session_id", ""))
+    if not sid or not all(c.isalnum() or c in "-_" for c in sid) or len(sid) > 64:
+        raise AgentcellError("session", f"recorded session id {sid[:70]!r} is malformed", "nothing was done")
+
+    def bad(what: str, value: object) -> AgentcellError:
+        return AgentcellError("session", f"session {sid}: recorded {what} {str(value)[:70]!r} is not one agentcell "
+                              "makes", "nothing was done; the checkpoint database may have been tampered with")
+
+    cell = state.get("cell_id")
+    if cell and (not str(cell).startswith("agentcell-") or not all(c.isalnum() or c in "-_" for c in str(cell))):
+        raise bad("cell", cell)
+    table = state.get("firewall_table")
+    if table and (not str(table).startswith("agentcell_") or not str(table).replace("_", "a").isalnum()):
+        raise bad("firewall table", table)
+    account = state.get("account")
+    if isinstance(account, dict):
+        if account.get("kind") == "ephemeral":
+            uid = account.get("uid")
+            if account.get("name") != ephemeral.name_for(sid) or not isinstance(uid, int) or \
+                    not ephemeral.UID_FIRST <= uid <= ephemeral.UID_LAST:
+                raise bad("account", account.get("name"))
+        elif account.get("kind") == "agent":
+            from ..accounts.registry import open_registry
+
+            try:
+                with open_registry() as reg:
+                    rec = reg.get(str(account.get("name")))
+            except Exception:  # noqa: BLE001 - no such agent, or no registry: either way not ours
+                raise bad("agent", account.get("name")) from None
+            if getattr(rec, "uid", None) != account.get("uid"):
+                raise bad("agent", account.get("name"))
+        else:
+            raise bad("account", account)
