@@ -101,7 +101,8 @@ def test_an_unwritable_trail_is_a_distinct_fatal_error(tmp_path: Path) -> None:
     with pytest.raises(AuditWriteError) as e:
         AuditLog(str(d / "audit.jsonl")).append("x")
     assert e.value.exit_code == 70 and "session stops" in e.value.line()
-    assert "agentcell" not in Path("/etc/passwd").read_text()[-200:]
+    # Nothing of the record reached the file the link names (accounts other tests make may change it).
+    assert not any(line.startswith("{") for line in Path("/etc/passwd").read_text().splitlines())
 
 
 def test_a_full_disk_is_a_clear_error(tmp_path: Path) -> None:

@@ -405,7 +405,7 @@ def agent(env: Env, user: User) -> Iterator[str]:
         assert cli("mount", "add", "--rw", str(env.project / "docs"), "--agent", name).returncode == 0
         yield name
     finally:
-        p = cli("delete", name, "--yes")
+        p = cli("delete", name, "--delete-home", "--yes")
         assert p.returncode == 0, p.stderr
 
 
@@ -498,11 +498,20 @@ def test_ten_concurrent_sessions_cannot_see_each_others_files_processes_or_netwo
         for i, p in enumerate(projects):
             others = "".join(f"read {q}/src/secret.txt\n" for q in projects if q != p)
             script = env.state / f"steps-{i}.txt"
+            # Each cell waits (after its look around) until all ten are up: namespace numbers are
+            # reused once freed, so they are compared while every cell still holds its own.
             script.write_text(f"write {p}/src/mine.txt {i}\n{others}run ps -eo uid=,comm=\n"
-                              "run readlink /proc/self/ns/net\nrun ip -o link\n")
+                              "run readlink /proc/self/ns/net\nrun ip -o link\n"
+                              f"write {p}/src/ready 1\nrun sh -c 'until [ -e {p}/src/go ]; do sleep 0.1; done'\n")
             sups.append(subprocess.Popen([AGENTCELL, "session", "start", "--harness", "scripted", "--project", str(p),
                                           "--json", "--", str(script)], env=_environ(env), cwd=p, text=True,
                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+        deadline = time.monotonic() + 240
+        while not all((p / "src" / "ready").exists() for p in projects):
+            assert time.monotonic() < deadline and all(s.poll() is None for s in sups), "a cell ended early"
+            time.sleep(0.1)
+        for p in projects:
+            (p / "src" / "go").touch()
         outs = [s.communicate(timeout=300) for s in sups]
         netns: set[str] = set()
         for i, (out, err) in enumerate(outs):

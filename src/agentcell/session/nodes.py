@@ -117,8 +117,10 @@ class Nodes:
         self._audit(state, "plan", "session.plan", harness=plan.harness, declared_paths=plan.declared_paths,
                     network=plan.network, wall_clock_limit_s=plan.wall_clock_limit_s, identity=plan.identity,
                     sources=state["config"].get("sources", {}))
+        # Who gets what the agent makes is decided now, by whoever starts the session: not by whoever
+        # later runs 'session recover' (their SUDO_UID is not the session's human).
         return {"plan": plan.model_dump(), "status": "running", "reason": "", "cell_id": f"agentcell-{plan.session_id}",
-                "config_marks": marks}
+                "config_marks": marks, "human": self._human(state["config"]["project_root"])}
 
     def _compile(self, state: SessionState, identity: str | None = None) -> dict[str, Any]:
         from ..policy.models import SessionPlan
@@ -180,7 +182,7 @@ class Nodes:
             account = {"kind": "ephemeral", "name": made.name, "uid": made.uid, "gid": made.gid, "group": made.name}
             grants = []
             try:
-                update["human"] = self._human(cfg["project_root"])
+                update["human"] = state.get("human") or self._human(cfg["project_root"])
                 grants = self._grant(cmds, account, list(policy["rw_paths"]))
                 update["policy"] = self._compile(state, identity=str(made.uid))
             except BaseException:  # undone here, so that the retry starts clean
@@ -312,6 +314,7 @@ class Nodes:
             raise TelemetryLost("monitor", "the supervisor holds no handle on the cell")
         self._crash("monitor")
         until = min(time.monotonic() + self.rt.tick_s, time.monotonic() + max(0.0, state["deadline"] - time.time()))
+        next_line = time.monotonic()
         while True:
             # What the monitor acts on (an event it only notes, acts false, is not held against the cell).
             escape = next((e for e in cell.events() if e["operation"] in ESCAPES and e.get("acts", True)), None)
@@ -341,9 +344,10 @@ class Nodes:
                 return {"status": "completed", "reason": "timeout"}
             if time.monotonic() >= until:
                 break
+            if self.rt.status_line and time.monotonic() >= next_line:
+                self._status_line(state, cell)
+                next_line = time.monotonic() + 1.0
             time.sleep(0.05)
-        if self.rt.status_line:
-            self._status_line(state, cell)
         return {}
 
     def _status_line(self, state: SessionState, cell: Any) -> None:
@@ -415,7 +419,8 @@ class Nodes:
                 if agent:
                     account, human, rw = self._persistent(agent, rw)  # never its own shares
                 else:
-                    account, human = _ephemeral_left(sid), self._human(state["config"]["project_root"])
+                    account = _ephemeral_left(sid)
+                    human = state.get("human") or self._human(state["config"]["project_root"])
             except (OSError, AgentcellError) as e:
                 problems.append(f"account: {_line(e)}")
         if account is not None and account.get("kind") in ("ephemeral", "agent"):
