@@ -23,6 +23,7 @@ import pytest
 
 from agentcell.session.nodes import cell_cgroups
 from conftest import AGENTCELL, User, needs_root
+from fakenet import DNS4, GOOD4, FakeInternet, leftovers
 
 
 @dataclass
@@ -635,6 +636,42 @@ def test_a_proxy_session_refuses_a_name_off_its_allow_list_and_ends(env: Env) ->
     s = session(env, ["start", "--rw", "src", "--net", "proxy", "--json", "--", "python3", "-c", fetch])
     assert s.rc == 120 and s.summary["status"] == "terminated", (s.summary, s.err)
     assert (s.summary["escape_target"], s.summary["escape"]["source"]) == ("blocked.invalid:443", "proxy")
+
+
+def test_a_session_reaches_the_domains_its_flags_allow_and_is_ended_at_any_other(
+        env: Env, tmp_path_factory: pytest.TempPathFactory) -> None:
+    fake = FakeInternet(tmp_path_factory.mktemp("inet"))  # test hosts in a namespace of the test's own
+    try:
+        fetch = ("import urllib.request\nfor host in ('good.test', 'evil.test'):\n    try:\n"
+                 "        print(urllib.request.urlopen(f'http://{host}/', timeout=10).read().decode().strip())\n"
+                 "    except OSError as e:\n        print('refused', host, e)\n")
+        s = session(env, ["start", "--rw", "src", "--allow-domain", "good.test", "--resolver", DNS4,
+                          "--allow-range", "198.18.0.0/15", "--allow-range", "fd00:ac::/32", "--json", "--", "python3", "-c", fetch])
+        assert s.out.split("\n")[0] == f"hello from {GOOD4} port 80", (s.out, s.err)  # --net proxy, implied
+        assert s.rc == 120 and s.summary["escape_target"] == "evil.test:80", (s.summary, s.err)
+        [plan] = [r for r in records(env, s.summary["session"]) if r["event"] == "session.plan"]
+        assert (plan["details"]["network"], plan["details"]["allow_domains"]) == ("proxy", ["good.test"])
+    finally:
+        fake.close()
+        assert leftovers(fake) == []
+
+
+@pytest.mark.parametrize(("args", "field"), [
+    (["--net", "none", "--allow-domain", "good.test"], "--net"),
+    (["--allow-domain", "bad domain"], "--allow-domain"),
+    (["--allow-preset", "nosuch"], "--allow-preset"),
+    (["--firewall", "--allow-domain", "good.test"], "--net"),
+])
+def test_bad_egress_flags_are_refused_before_a_session_exists(env: Env, args: list[str], field: str) -> None:
+    s = session(env, ["start", "--rw", "src", *args, "--", "true"])
+    assert s.rc == 125 and s.err.count("\n") == 1 and field in s.err, s.err
+    assert session(env, ["list", "--json"]).summary == [], "a refused start left a session behind"
+
+
+def test_a_projects_toml_cannot_widen_egress(env: Env) -> None:
+    (env.project / "agentcell.toml").write_text('[session]\nallow_domains = ["evil.test"]\n')
+    s = session(env, ["start", "--rw", "src", "--", "true"])
+    assert s.rc == 125 and "session.allow_domains" in s.err and "unknown key" in s.err, s.err
 
 
 def test_a_cell_host_that_dies_is_lost_telemetry_and_terminates_the_session(env: Env) -> None:

@@ -57,6 +57,16 @@ def parser() -> Parser:
                     help="the seed's host firewall: egress to port 443 only (FIREWALL_ENABLED)")
     sp.add_argument("--net", dest="network", metavar="MODE", help="none | loopback | proxy | host-firewall "
                     "(default: host-firewall with FIREWALL_ENABLED, else the harness's)")
+    for flag, dest, metavar, help_ in (
+            ("--allow-domain", "allow_domains", "PATTERN[:PORT]", "with the proxy: a domain the agent may reach "
+             "besides its harness's API (*.example.com for names below it; repeatable; implies --net proxy)"),
+            ("--deny-domain", "deny_domains", "PATTERN[:PORT]", "with the proxy: never this domain (wins)"),
+            ("--allow-preset", "allow_presets", "NAME", "with the proxy: a named allow-list too (pypi, npm, "
+             "crates, go, github, or a harness's)"),
+            ("--allow-range", "allow_ranges", "CIDR", "with the proxy: let names resolve into this non-public range")):
+        sp.add_argument(flag, action="append", dest=dest, metavar=metavar, help=help_)
+    sp.add_argument("--resolver", metavar="ADDR[:PORT]", help="with the proxy: the DNS server it asks "
+                    "(default: the host's)")
     sp.add_argument("--json", action="store_true", help="print the summary as one JSON object, last on stdout")
     for name, help_ in (("list", "the sessions kept"), ("recover", "finish the teardown of sessions whose "
                                                                    "supervisor died")):
@@ -107,7 +117,8 @@ def _start(ns: Any, harness_args: list[str]) -> int:
     from ..session import config, graph, profiles, state
 
     flags = {k: getattr(ns, k) for k in ("harness", "agent", "declared_paths", "project_root", "wall_clock_limit_s",
-                                         "backup_dir", "audit_log_path", "firewall_enabled", "network")}
+                                         "backup_dir", "audit_log_path", "firewall_enabled", "network",
+                                         *config.EGRESS_KEYS, "resolver")}
     flags["harness_args"] = harness_args
     cfg = config.load(flags, dotenv=ns.env_file)
     argv = profiles.command(profiles.get(cfg.harness), cfg.harness_args)  # a missing harness: refused here
@@ -115,6 +126,11 @@ def _start(ns: Any, harness_args: list[str]) -> int:
     from ..session.nodes import compile_policy, make_plan
 
     plan, _ = make_plan(cfg.as_dict(), sid)  # bad input is refused here, before a session exists
+    from ..network import compile as nc
+
+    nc.egress(plan.network, allow_domains=list(cfg.allow_domains), deny_domains=list(cfg.deny_domains),
+              allow_presets=list(cfg.allow_presets), allow_ranges=list(cfg.allow_ranges), resolver=cfg.resolver,
+              allow_egress=[], allow_loopback=False, names=nc.FLAGS)  # errors in the flags' own names
     compile_policy(plan, dict(os.environ), cfg.project_root)
     faults = state.parse_faults(os.environ.get(state.FAULTS_ENV, ""))
     rt = state.Runtime(faults=faults, secrets=dict(cfg.secrets), environ=dict(os.environ),

@@ -521,8 +521,8 @@ class Monitor:
             allow = ""
             if "add " in reason:
                 cut = reason.find("add ")
-                allow = reason[cut + 4:].removesuffix(" to allow it")
-                reason = reason[:cut].rstrip(" ;:,")
+                allow = reason[cut + 4:].rstrip(")").removesuffix(" to allow it")
+                reason = reason[:cut].rstrip(" ;:,(")
             source = str(raw.get("source", "egress"))
             # The proxy serves this cell alone. The host firewall matches the account's uid: its
             # refusal is the cell's when the account is an agent's own (nothing else runs as it);

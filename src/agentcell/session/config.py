@@ -17,7 +17,10 @@ WALL_CLOCK_LIMIT_S   wall_clock_limit_s           the session ends normally (rea
 FIREWALL_ENABLED     firewall_enabled             the seed's host firewall: egress 443 only, deny else
 ==================== ============================ =====================================================
 
-``network`` (none | loopback | proxy | host-firewall) is a toml key and a flag too; the API-key variables
+``network`` (none | loopback | proxy | host-firewall) is a toml key and a flag too. What a proxy session
+may reach beyond its harness's preset (``--allow-domain``, ``--deny-domain``, ``--allow-preset``,
+``--allow-range``, ``--resolver``) is taken from flags only: the project's files are the agent's to
+write, and must not widen the next session's egress. The API-key variables
 a harness needs (``ANTHROPIC_API_KEY``, …) are read from the environment or ``.env`` and passed into
 the cell only for that harness (its profile lists them). Every bad value is one
 :class:`~agentcell.errors.PolicyError` naming where it came from and the fix.
@@ -39,7 +42,10 @@ TOML_KEYS = ("harness", "declared_paths", "agent", "backup_dir", "audit_log_path
 NETWORKS = ("none", "loopback", "proxy", "host-firewall")
 FLAGS = {"harness": "--harness", "project_root": "--project", "declared_paths": "--rw", "agent": "--agent",
          "backup_dir": "--backup-dir", "audit_log_path": "--audit-log", "wall_clock_limit_s": "--wall-clock",
-         "firewall_enabled": "--firewall", "network": "--net"}
+         "firewall_enabled": "--firewall", "network": "--net", "allow_domains": "--allow-domain",
+         "deny_domains": "--deny-domain", "allow_presets": "--allow-preset", "allow_ranges": "--allow-range",
+         "resolver": "--resolver"}
+EGRESS_KEYS = ("allow_domains", "deny_domains", "allow_presets", "allow_ranges")  # lists; resolver: one value
 DEFAULT_WALL_CLOCK_S = 3600
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
 
@@ -56,7 +62,12 @@ class SessionConfig:
     audit_log_path: str | None = None  # None: the audit trail's default
     wall_clock_limit_s: int = DEFAULT_WALL_CLOCK_S
     firewall_enabled: bool = False
-    network: str | None = None  # None: host-firewall if firewall_enabled, else the profile's
+    network: str | None = None  # None: host-firewall if firewall_enabled, proxy with a domain rule, else the profile's
+    allow_domains: tuple[str, ...] = ()  # the proxy's rules beyond the harness's preset: flags only
+    deny_domains: tuple[str, ...] = ()
+    allow_presets: tuple[str, ...] = ()
+    allow_ranges: tuple[str, ...] = ()
+    resolver: str | None = None
     harness_args: tuple[str, ...] = ()
     config_files: tuple[str, ...] = ()  # the .env and agentcell.toml read (or looked for): see nodes.plan
     secrets: dict[str, str] = field(default_factory=dict)  # API-key variables found (env or .env), by name
@@ -68,6 +79,7 @@ class SessionConfig:
                 "declared_paths": list(self.declared_paths), "agent": self.agent, "backup_dir": self.backup_dir,
                 "audit_log_path": self.audit_log_path, "wall_clock_limit_s": self.wall_clock_limit_s,
                 "firewall_enabled": self.firewall_enabled, "network": self.network,
+                **{k: list(getattr(self, k)) for k in EGRESS_KEYS}, "resolver": self.resolver,
                 "harness_args": list(self.harness_args), "config_files": list(self.config_files),
                 "secret_names": sorted(self.secrets),
                 "sources": dict(self.sources)}
@@ -294,6 +306,11 @@ def load(flags: Mapping[str, Any], *, environ: Mapping[str, str] | None = None, 
     if values.get("firewall_enabled") and values.get("network") not in (None, "host-firewall"):
         raise PolicyError(sources["network"], f"network {values['network']} contradicts FIREWALL_ENABLED "
                           f"(from {sources['firewall_enabled']})", "drop one of them")
+    for key in EGRESS_KEYS:  # flags only (see the module's doc)
+        if flags.get(key):
+            values[key], sources[key] = tuple(str(v) for v in flags[key]), FLAGS[key]
+    if flags.get("resolver"):
+        values["resolver"], sources["resolver"] = str(flags["resolver"]), FLAGS["resolver"]
     values["harness_args"] = tuple(flags.get("harness_args") or ())
     values["config_files"] = (os.path.abspath(dot_path), os.path.join(root, "agentcell.toml"))
     cfg = replace(cfg, **values, sources=sources)

@@ -115,7 +115,8 @@ class Nodes:
         plan, marks = make_plan(state["config"], state["session_id"])
         self._crash("plan")
         self._audit(state, "plan", "session.plan", harness=plan.harness, declared_paths=plan.declared_paths,
-                    network=plan.network, wall_clock_limit_s=plan.wall_clock_limit_s, identity=plan.identity,
+                    network=plan.network, allow_presets=plan.allow_presets, allow_domains=plan.allow_domains,
+                    deny_domains=plan.deny_domains, wall_clock_limit_s=plan.wall_clock_limit_s, identity=plan.identity,
                     sources=state["config"].get("sources", {}))
         # Who gets what the agent makes is decided now, by whoever starts the session: not by whoever
         # later runs 'session recover' (their SUDO_UID is not the session's human).
@@ -505,7 +506,10 @@ def make_plan(cfg: dict[str, Any], session_id: str) -> tuple[SessionPlan, dict[s
     from . import profiles
 
     prof = profiles.get(cfg["harness"])
-    network = cfg.get("network") or ("host-firewall" if cfg.get("firewall_enabled") else prof.network)
+    domain_rules = any(cfg.get(k) for k in ("allow_domains", "deny_domains", "allow_presets", "allow_ranges",
+                                            "resolver"))
+    network = cfg.get("network") or ("host-firewall" if cfg.get("firewall_enabled") else
+                                     "proxy" if domain_rules else prof.network)
     if os.geteuid() != 0:
         identity = "self"
     elif cfg.get("agent"):
@@ -518,7 +522,10 @@ def make_plan(cfg: dict[str, Any], session_id: str) -> tuple[SessionPlan, dict[s
         session_id=session_id, harness=cfg["harness"], declared_paths=declared, ro_paths=ro, masked_paths=masked,
         wall_clock_limit_s=cfg["wall_clock_limit_s"], network=network,  # type: ignore[arg-type]
         identity=identity, env=dict(prof.env), keep_env=sorted(cfg.get("secret_names") or []),
-        allow_presets=[prof.egress_preset] if network == "proxy" and prof.egress_preset else [],
+        allow_presets=[*([prof.egress_preset] if network == "proxy" and prof.egress_preset else []),
+                       *cfg.get("allow_presets", [])],
+        allow_domains=list(cfg.get("allow_domains", [])), deny_domains=list(cfg.get("deny_domains", [])),
+        allow_ranges=list(cfg.get("allow_ranges", [])), resolver=cfg.get("resolver"),
         allow_egress=["seed"] if network == "host-firewall" else [])
     return plan, marks
 
