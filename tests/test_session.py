@@ -266,9 +266,9 @@ def test_config_precedence_is_flags_then_env_then_dotenv_then_toml(tmp_path: Pat
     from agentcell.session.config import load
 
     (tmp_path / "agentcell.toml").write_text('[session]\nharness = "aider"\nwall_clock_limit_s = 10\n'
-                                             'declared_paths = ["src"]\nfirewall_enabled = true\n')
+                                             'declared_paths = ["src"]\nfirewall_enabled = false\n')
     (tmp_path / ".env").write_text("WALL_CLOCK_LIMIT_S=20\nAGENT_HARNESS='codex'\nOPENAI_API_KEY=from-dotenv\n")
-    cfg = load({}, environ={"AGENT_HARNESS": "gemini"}, cwd=str(tmp_path))
+    cfg = load({}, environ={"AGENT_HARNESS": "gemini", "FIREWALL_ENABLED": "on"}, cwd=str(tmp_path))
     assert (cfg.harness, cfg.wall_clock_limit_s, cfg.firewall_enabled) == ("gemini", 20, True)
     assert cfg.declared_paths == (str(tmp_path / "src"),) and cfg.secrets == {}  # gemini reads no OpenAI key
     cfg = load({"harness": "codex", "wall_clock_limit_s": "5"}, environ={}, cwd=str(tmp_path))
@@ -646,7 +646,8 @@ def test_a_session_reaches_the_domains_its_flags_allow_and_is_ended_at_any_other
                  "        print(urllib.request.urlopen(f'http://{host}/', timeout=10).read().decode().strip())\n"
                  "    except OSError as e:\n        print('refused', host, e)\n")
         s = session(env, ["start", "--rw", "src", "--allow-domain", "good.test", "--resolver", DNS4,
-                          "--allow-range", "198.18.0.0/15", "--allow-range", "fd00:ac::/32", "--json", "--", "python3", "-c", fetch])
+                          "--allow-range", "198.18.0.0/15", "--allow-range", "fd00:ac::/32", "--json", "--",
+                          "python3", "-c", fetch])
         assert s.out.split("\n")[0] == f"hello from {GOOD4} port 80", (s.out, s.err)  # --net proxy, implied
         assert s.rc == 120 and s.summary["escape_target"] == "evil.test:80", (s.summary, s.err)
         [plan] = [r for r in records(env, s.summary["session"]) if r["event"] == "session.plan"]
@@ -738,20 +739,86 @@ def test_a_project_file_cannot_choose_where_root_writes_or_which_agent_runs(env:
     assert not Path(value).exists()
 
 
-def test_a_dotenv_someone_else_can_write_cannot_choose_host_paths_but_roots_own_can(env: Env, user: User) -> None:
+def test_a_dotenv_in_the_project_never_chooses_host_paths_one_only_root_can_write_elsewhere_does(
+        env: Env, user: User) -> None:
     dotenv = env.project / ".env"
     dotenv.write_text(f"BACKUP_DIR={env.state}/elsewhere\n")
-    shutil.chown(dotenv, user.uid, user.gid)  # the project owner's (or an earlier agent's, handed back)
     environ = {k: v for k, v in _environ(env).items() if k != "BACKUP_DIR"}
-    p = subprocess.run([AGENTCELL, "session", "start", "--harness", "shell", "--json", "--", "true"],
-                       capture_output=True, text=True, env=environ, cwd=env.project, timeout=120)
-    assert p.returncode == 125 and "BACKUP_DIR (in" in p.stderr and "not taken from a file" in p.stderr, p.stderr
-    shutil.chown(dotenv, 0, 0)
-    dotenv.chmod(0o644)
-    p = subprocess.run([AGENTCELL, "session", "start", "--harness", "shell", "--json", "--", "true"],
-                       capture_output=True, text=True, env=environ, cwd=env.project, timeout=120)
+
+    def start(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([AGENTCELL, "session", "start", "--harness", "shell", *args, "--json", "--", "true"],
+                              capture_output=True, text=True, env=environ, cwd=env.project, timeout=120)
+
+    # The project owner's, and root's too: an agent's file handed back, or a root-owned file in the
+    # project the agent could write through its grant and rename to .env (helper 21, findings 1-2).
+    for owner in (user.uid, 0):
+        os.chown(dotenv, owner, owner)
+        dotenv.chmod(0o600)
+        p = start()
+        assert p.returncode == 125 and "BACKUP_DIR (in" in p.stderr and "not taken from a file" in p.stderr, p.stderr
+    assert not (env.state / "elsewhere").exists()
+    # Root's own, outside the project, in directories only root can change: it decides, as the seed's does.
+    own = env.state / "host.env"
+    own.write_text(f"BACKUP_DIR={env.state}/elsewhere\n")
+    own.chmod(0o600)
+    twin = env.state / "twin"
+    os.link(own, twin)  # a second name: it may have been written through that one
+    p = start("--env-file", str(own))
+    assert p.returncode == 125 and "not taken from a file" in p.stderr, p.stderr
+    twin.unlink()
+    p = start("--env-file", str(own))
     assert p.returncode == 0, p.stderr
-    assert (env.state / "elsewhere").is_dir()  # root's own .env decides, as the seed's does
+    assert (env.state / "elsewhere").is_dir()
+
+
+def test_the_agents_files_never_become_roots(env: Env) -> None:
+    os.chown(env.project, 0, 0)  # root's project, and no one behind sudo
+    s = session(env, ["start", "--harness", "shell", "--rw", "src", "--json", "--", "true"])
+    assert s.rc == 125 and "root's" in s.err and "sudo" in s.err and len(s.err.strip().splitlines()) == 1, s.err
+    s = session(env, ["start", "--harness", "shell", "--rw", "src", "--json", "--", "true"],
+                extra={"SUDO_UID": "4242", "SUDO_GID": "4242"})
+    assert s.rc == 0, s.err
+
+
+@pytest.mark.parametrize("toml", ['network = "host-firewall"', 'firewall_enabled = true', 'network = "loopback"'])
+def test_a_project_file_cannot_widen_the_harness_network(env: Env, toml: str) -> None:
+    (env.project / "agentcell.toml").write_text(f'[session]\nharness = "shell"\n{toml}\n')
+    s = session(env, ["start", "--rw", "src", "--json", "--", "true"])
+    assert s.rc == 125 and "may not widen the network beyond the harness's none" in s.err, s.err
+    s = session(env, ["start", "--rw", "src", "--net", toml.split('"')[1] if '"' in toml else "host-firewall",
+                      "--json", "--", "true"])
+    assert s.rc == 0, s.err  # the operator's flag may
+
+
+def test_a_project_file_may_narrow_the_harness_network(env: Env) -> None:
+    from agentcell.session.config import load
+
+    (env.project / "agentcell.toml").write_text('[session]\nharness = "claude_code"\nnetwork = "none"\n')
+    assert load({}, environ={}, cwd=str(env.project)).network == "none"
+
+
+@pytest.mark.parametrize("declared", [".git/hooks", ".claude", ".husky/_"])
+def test_a_project_file_cannot_declare_what_decides_what_runs(env: Env, declared: str) -> None:
+    toml = f'[session]\nharness = "shell"\ndeclared_paths = ["src", "{declared}"]\n'
+    (env.project / "agentcell.toml").write_text(toml)
+    s = session(env, ["start", "--json", "--", "true"])
+    assert s.rc == 125 and "which decides what git, your shell or your agent runs" in s.err, s.err
+
+
+def test_a_fifo_or_link_as_agentcell_toml_is_refused_not_followed(env: Env) -> None:
+    from agentcell.errors import PolicyError
+    from agentcell.session.config import read_toml
+
+    toml = env.project / "agentcell.toml"
+    os.mkfifo(toml)  # reading it would block root's start for ever
+    with pytest.raises(PolicyError, match="not a regular file"):
+        read_toml(str(env.project))
+    toml.unlink()
+    secret = env.state / "root-only.toml"
+    secret.write_text('[session]\nharness = "shell"\n')
+    toml.symlink_to(secret)
+    with pytest.raises(PolicyError, match="cannot read it"):
+        read_toml(str(env.project))
 
 
 def test_declared_paths_from_a_project_file_stay_inside_the_project(env: Env) -> None:
@@ -769,12 +836,20 @@ def test_service_state_is_never_shared_writable(env: Env, path: str) -> None:
 def test_every_dotenv_in_the_declared_paths_is_hidden(env: Env, user: User) -> None:
     nested = env.project / "src" / "backend"
     nested.mkdir()
-    for name in (".env", ".env.local"):
-        (nested / name).write_text("SECRET=sk-nested\n")
-    for p in (nested, nested / ".env", nested / ".env.local"):
-        shutil.chown(p, user.uid, user.gid)
-    s = scripted(env, f"read {nested}/.env\nread {nested}/.env.local\n", "--rw", "src")
-    assert s.rc == 0 and s.out.count("DENIED: read") == 2, (s.out, s.err)
+    deep = nested.joinpath(*"abcdefg")
+    deep.mkdir(parents=True)
+    (nested / "config").mkdir()
+    names = [nested / n for n in (".env", ".env.local", ".envrc", "prod.env", ".env-prod", ".env_test")]
+    names += [deep / ".env", nested / "config" / "secrets.env"]
+    for f in names:
+        f.write_text("SECRET=sk-nested\n")
+    (nested / "config" / "real-secrets").write_text("SECRET=sk-linked\n")
+    (nested / "config" / ".env.link").symlink_to("real-secrets")  # the file a .env link names
+    for f in [nested, *nested.rglob("*")]:
+        os.chown(f, user.uid, user.gid, follow_symlinks=False)
+    steps = "".join(f"read {f}\n" for f in [*names, nested / "config" / "real-secrets"])
+    s = scripted(env, steps, "--rw", "src")
+    assert s.rc == 0 and s.out.count("DENIED: read") == len(names) + 1, (s.out, s.err)
 
 
 def test_recover_acts_only_on_what_agentcell_made_for_that_session(env: Env, user: User) -> None:

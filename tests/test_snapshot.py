@@ -88,6 +88,18 @@ def test_restore_never_writes_through_a_directory_swapped_for_a_symlink(user: Us
     assert sorted(p.name for p in outside.iterdir()) == ["keep"] and (outside / "keep").read_text() == "root's\n"
 
 
+def test_restore_never_makes_a_directory_through_a_project_swapped_for_a_link(tree: Path, tmp_path: Path) -> None:
+    store = Store(str(tmp_path / "store"))
+    sid = store.take([str(tree / "src")])  # a declared path below the project
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    tree.rename(tmp_path / "proj.old")
+    tree.symlink_to(outside)  # the project's owner (not root) can do this, then ask root to restore
+    with pytest.raises(SnapshotError, match="not a directory"):
+        store.restore(sid)
+    assert list(outside.iterdir()) == []
+
+
 def test_restore_to_another_directory(tree: Path, tmp_path: Path) -> None:
     store = Store(str(tmp_path / "store"))
     sid = store.take([str(tree)])

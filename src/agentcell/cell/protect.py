@@ -261,6 +261,19 @@ def lifted_inside(protected: tuple[str, ...], allow_write: tuple[str, ...]) -> t
                  and any(a.startswith(p.rstrip("/") + "/") for p in protected))
 
 
+def protected_part(path: str, root: str) -> str | None:
+    """The protected entry ``path`` is or lies inside, relative to ``root`` (a ``.git`` directory, a
+    harness or shell name, a git directory's hooks or config), or None."""
+    rel = os.path.relpath(os.path.normpath(path), os.path.normpath(root))
+    if rel == "." or rel.startswith(".."):
+        return None
+    parts = rel.split(os.sep)
+    for i, part in enumerate(parts):
+        if part in _NAMES or part == ".git":
+            return os.path.join(root, *parts[:i + 1])
+    return None
+
+
 def allow_write_problem(path: str, writable: tuple[str, ...]) -> str:
     """Why ``--allow-write path`` cannot work as asked ('' if it can): a path that does not exist yet
     inside a protected directory could only be created by lifting the whole directory."""

@@ -40,6 +40,7 @@ ENV_NAMES = ("AGENT_HARNESS", "PROJECT_ROOT", "DECLARED_PATHS", "AGENT_OS_USER",
 TOML_KEYS = ("harness", "declared_paths", "agent", "backup_dir", "audit_log_path", "wall_clock_limit_s",
              "firewall_enabled", "network")
 NETWORKS = ("none", "loopback", "proxy", "host-firewall")
+NETWORKS_BY_WIDTH = NETWORKS  # each reaches more than the one before
 FLAGS = {"harness": "--harness", "project_root": "--project", "declared_paths": "--rw", "agent": "--agent",
          "backup_dir": "--backup-dir", "audit_log_path": "--audit-log", "wall_clock_limit_s": "--wall-clock",
          "firewall_enabled": "--firewall", "network": "--net", "allow_domains": "--allow-domain",
@@ -91,9 +92,9 @@ def read_dotenv(path: str) -> dict[str, str]:
 
 
 def read_dotenv_owned(path: str) -> tuple[dict[str, str], bool]:
-    """The file's values, and whether it is ours: owned by the user running agentcell (root, for a
-    session as root) and writable by no one else. Opened without following a link, a regular file of
-    at most 1 MiB."""
+    """The file's values, and whether it may decide for root (:func:`only_yours`: the project's own
+    root and declared paths are ruled out by :func:`load`, which knows them). Opened without
+    following a link, a regular file of at most 1 MiB."""
     import stat
 
     try:
@@ -108,12 +109,57 @@ def read_dotenv_owned(path: str) -> tuple[dict[str, str], bool]:
             raise PolicyError(path, "is not a regular file of at most 1 MiB", "point --env-file at a .env file")
         with os.fdopen(os.dup(fd), encoding="utf-8") as f:
             lines = f.read().splitlines()
+        ours = only_yours(fd, st) and _dirs_only_yours(os.path.dirname(os.path.abspath(path)))
     except UnicodeDecodeError:
         raise PolicyError(path, "is not UTF-8 text", "fix its encoding") from None
     finally:
         os.close(fd)
-    ours = st.st_uid == os.geteuid() and not st.st_mode & 0o022
     return _parse_dotenv(path, lines), ours
+
+
+def only_yours(fd: int, st: os.stat_result) -> bool:
+    """Whether only the user running agentcell (or root) can have written this file: owned by them,
+    no group or other write bit, no ACL entry naming anyone with write, and one name only (a hard
+    link made elsewhere, e.g. by an agent in a project, is the same file)."""
+    import stat
+
+    from ..accounts import acl
+
+    if st.st_uid not in (0, os.geteuid()) or st.st_mode & 0o022 or (not stat.S_ISDIR(st.st_mode) and st.st_nlink != 1):
+        return False
+    entries = acl.get(fd) or []
+    mask = next((perm for tag, perm, _ in entries if tag == acl.MASK), 7)
+    return not any(tag in acl.NAMED and perm & mask & 2 for tag, perm, _ in entries)
+
+
+def _dirs_only_yours(directory: str) -> bool:
+    """Every directory on the way to ``directory`` is one only you or root can change (a sticky
+    world-writable one such as /tmp too: no one else can replace your file there)."""
+    import stat
+
+    d = os.path.realpath(directory)
+    while True:
+        try:
+            fd = os.open(d, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError:
+            return False
+        try:
+            st = os.fstat(fd)
+            sticky = bool(st.st_mode & stat.S_ISVTX)
+            if not sticky and not only_yours(fd, st):
+                return False
+            if sticky and st.st_uid not in (0, os.geteuid()):
+                return False
+        finally:
+            os.close(fd)
+        if d == "/":
+            return True
+        d = os.path.dirname(d)
+
+
+def _inside(path: str, roots: list[str]) -> bool:
+    real = os.path.realpath(path)
+    return any(real == r or real.startswith(r.rstrip("/") + "/") for r in map(os.path.realpath, roots))
 
 
 def _parse_dotenv(path: str, lines: list[str]) -> dict[str, str]:
@@ -135,16 +181,26 @@ def _parse_dotenv(path: str, lines: list[str]) -> dict[str, str]:
 
 def read_toml(project_root: str) -> dict[str, Any]:
     """The ``[session]`` table of ``<project>/agentcell.toml`` ({} without the file or the table)."""
+    import stat
+
     path = os.path.join(project_root, "agentcell.toml")
-    try:
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
+    try:  # as root, a file the project's agent may have made: no link followed, no FIFO, bounded
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         return {}
     except OSError as e:
-        raise PolicyError(path, e.strerror or str(e), "make it readable, or remove it") from None
+        raise PolicyError(path, f"cannot read it ({e.strerror})", "make it a plain readable file, or remove it") \
+            from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > 1 << 20:
+            raise PolicyError(path, "is not a regular file of at most 1 MiB", "make it a plain file, or remove it")
+        with os.fdopen(os.dup(fd), "rb") as f:
+            data = tomllib.load(f)
     except ValueError as e:
         raise PolicyError(path, f"not valid TOML: {e}".splitlines()[0], "fix the syntax") from None
+    finally:
+        os.close(fd)
     table = data.get("session", {})
     if not isinstance(table, dict):
         raise PolicyError(f"{path}: session", "is not a table", "write it as [session]")
@@ -235,12 +291,18 @@ def load(flags: Mapping[str, Any], *, environ: Mapping[str, str] | None = None, 
         root, sources["project_root"] = dot["PROJECT_ROOT"], env_where("PROJECT_ROOT")
     elif dot.get("PROJECT_ROOT"):
         raise PolicyError(env_where("PROJECT_ROOT"), "the project is not chosen by a file someone other than you "
-                          "can write", "give --project, set PROJECT_ROOT in the environment, or own the .env file")
+                          "can write", "give --project, or set PROJECT_ROOT in the environment")
     else:
         root, sources["project_root"] = cwd, "the current directory"
     root = os.path.abspath(os.path.join(cwd, os.path.expanduser(root)))
     if not os.path.isdir(root):
         raise PolicyError(sources["project_root"], f"{root} is not a directory", "name the project's directory")
+    if dot_ours and _inside(dot_path, [root]):
+        # The project's owner and its agents write there (an agent's file may even be handed to you).
+        if sources["project_root"] == env_where("PROJECT_ROOT") and "PROJECT_ROOT" not in environ:
+            raise PolicyError(env_where("PROJECT_ROOT"), "the project is not chosen by a file inside it",
+                              "give --project, or set PROJECT_ROOT in the environment")
+        dot_ours = False
     toml = read_toml(root)
     toml_where = os.path.join(root, "agentcell.toml") + ": session."
     for key in sorted(HOST_KEYS & set(toml)):  # never honoured there, so never silently ignored either
@@ -254,7 +316,8 @@ def load(flags: Mapping[str, Any], *, environ: Mapping[str, str] | None = None, 
         if env is not None and env_view.get(env, "") != "":
             if key in HOST_KEYS and env not in environ and not dot_ours:  # a .env someone else could write
                 raise PolicyError(env_where(env), "where root writes, and as whom the agent runs, is not taken "
-                                  "from a file in the project", f"give {FLAGS[key]} or set {env} in the environment")
+                                  "from a file in the project", f"give {FLAGS[key]}, set {env} in the environment, "
+                                  "or keep that .env outside the project, writable by you alone")
             return env_view[env], env_where(env)
         if key in toml:
             if key in HOST_KEYS:
@@ -278,12 +341,18 @@ def load(flags: Mapping[str, Any], *, environ: Mapping[str, str] | None = None, 
         declared = tuple(os.path.normpath(os.path.join(root, os.path.expanduser(p))) for p in rel)
         if (" (in " in where and not dot_ours) or where.startswith(toml_where):
             # From a file in the project: only paths inside the project (resolved, links followed).
+            from ..cell.protect import protected_part
+
             real_root = os.path.realpath(root)
             for d in declared:
                 real = os.path.realpath(d)
                 if real != real_root and not real.startswith(real_root + "/"):
                     raise PolicyError(where, f"{d} is outside the project", "a project's own files may declare only "
                                       "paths inside it; give others with --rw")
+                if (part := protected_part(real, real_root)) is not None:
+                    raise PolicyError(where, f"{d} is or lies in {part}, which decides what git, your shell or "
+                                      "your agent runs", "a project's own files may not open it to the agent; "
+                                      "give it with --rw if you mean it")
         values["declared_paths"] = declared
         sources["declared_paths"] = where
     if (got := pick("agent", "AGENT_OS_USER")) is not None:
@@ -306,15 +375,31 @@ def load(flags: Mapping[str, Any], *, environ: Mapping[str, str] | None = None, 
     if values.get("firewall_enabled") and values.get("network") not in (None, "host-firewall"):
         raise PolicyError(sources["network"], f"network {values['network']} contradicts FIREWALL_ENABLED "
                           f"(from {sources['firewall_enabled']})", "drop one of them")
+    # A file in the project may narrow the network its harness gets, never widen it: a cloned repository
+    # (or an earlier agent) must not open the host's network to the next session.
+    from .profiles import PROFILES
+
+    default_net = PROFILES[values.get("harness", cfg.harness)].network
+    chosen_by = "network" if "network" in values else "firewall_enabled" if values.get("firewall_enabled") else None
+    if chosen_by is not None:
+        where = sources[chosen_by]
+        asked = str(values["network"]) if chosen_by == "network" else "host-firewall"
+        if (where.startswith(toml_where) or (" (in " in where and not dot_ours)) and \
+                NETWORKS_BY_WIDTH.index(asked) > NETWORKS_BY_WIDTH.index(default_net):
+            raise PolicyError(where, f"a file in the project may not widen the network beyond the harness's "
+                              f"{default_net}", f"give {FLAGS[chosen_by]} on the command line")
     for key in EGRESS_KEYS:  # flags only (see the module's doc)
         if flags.get(key):
             values[key], sources[key] = tuple(str(v) for v in flags[key]), FLAGS[key]
     if flags.get("resolver"):
         values["resolver"], sources["resolver"] = str(flags["resolver"]), FLAGS["resolver"]
     values["harness_args"] = tuple(flags.get("harness_args") or ())
+    if dot_ours and values.get("declared_paths") and _inside(dot_path, list(values["declared_paths"])):
+        from_file = sorted(k for k, where in sources.items() if where.endswith(f"(in {dot_path})"))
+        if from_file:
+            raise PolicyError(dot_path, "lies in a declared path the agent can write, yet it sets "
+                              + ", ".join(from_file), "keep this .env outside the project and its declared paths")
     values["config_files"] = (os.path.abspath(dot_path), os.path.join(root, "agentcell.toml"))
     cfg = replace(cfg, **values, sources=sources)
-    from .profiles import PROFILES
-
     wanted = secret_names or PROFILES[cfg.harness].secret_env
     return replace(cfg, secrets={k: env_view[k] for k in wanted if env_view.get(k)})

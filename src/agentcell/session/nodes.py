@@ -23,7 +23,7 @@ from langgraph.errors import NodeError
 from langgraph.types import Command
 
 from ..audit.trail import AuditLog, AuditWriteError
-from ..errors import AgentcellError
+from ..errors import AgentcellError, PolicyError
 from .state import FINAL, SECRET_PLACEHOLDER, Runtime, SessionState
 
 if TYPE_CHECKING:
@@ -112,7 +112,7 @@ class Nodes:
 
     def plan(self, state: SessionState) -> dict[str, Any]:
         """The request, from the configuration and the harness profile (pure)."""
-        plan, marks = make_plan(state["config"], state["session_id"])
+        plan, marks, notes = make_plan(state["config"], state["session_id"])
         self._crash("plan")
         self._audit(state, "plan", "session.plan", harness=plan.harness, declared_paths=plan.declared_paths,
                     network=plan.network, allow_presets=plan.allow_presets, allow_domains=plan.allow_domains,
@@ -121,7 +121,8 @@ class Nodes:
         # Who gets what the agent makes is decided now, by whoever starts the session: not by whoever
         # later runs 'session recover' (their SUDO_UID is not the session's human).
         return {"plan": plan.model_dump(), "status": "running", "reason": "", "cell_id": f"agentcell-{plan.session_id}",
-                "config_marks": marks, "human": self._human(state["config"]["project_root"])}
+                "config_marks": marks, "warnings": notes,
+                "human": self._human(state["config"]["project_root"]) if plan.identity.isdigit() else None}
 
     def _compile(self, state: SessionState, identity: str | None = None) -> dict[str, Any]:
         from ..policy.models import SessionPlan
@@ -221,12 +222,7 @@ class Nodes:
 
     @staticmethod
     def _human(project_root: str) -> list[int]:
-        """Who gets what the agent made: the human behind sudo, else the project's owner."""
-        uid, gid = os.environ.get("SUDO_UID", ""), os.environ.get("SUDO_GID", "")
-        if uid.isdigit() and gid.isdigit() and int(uid) != 0:
-            return [int(uid), int(gid)]
-        st = os.stat(project_root)
-        return [st.st_uid, st.st_gid]
+        return session_human(project_root)
 
     @staticmethod
     def _grant(cmds: Any, account: dict[str, Any], paths: list[str]) -> list[dict[str, Any]]:
@@ -411,7 +407,7 @@ class Nodes:
         except OSError as e:
             problems.append(f"firewall: {e}")
         account = state.get("account")
-        warnings = self._quarantine(state, account)
+        warnings = [*(state.get("warnings") or []), *self._quarantine(state, account)]
         agent = (state.get("config") or {}).get("agent")
         rw = list((state.get("policy") or {}).get("rw_paths", []))
         grants, human = state.get("grants"), state.get("human")
@@ -421,9 +417,13 @@ class Nodes:
                     account, human, rw = self._persistent(agent, rw)  # never its own shares
                 else:
                     account = _ephemeral_left(sid)
-                    human = state.get("human") or self._human(state["config"]["project_root"])
             except (OSError, AgentcellError) as e:
                 problems.append(f"account: {_line(e)}")
+        if human is None and account is not None and account.get("kind") == "ephemeral":
+            try:  # recorded at plan time; a session that predates that: found again now
+                human = self._human(state["config"]["project_root"])
+            except (OSError, AgentcellError) as e:
+                problems.append(f"the agent's files are left to root: {_line(e)}")
         if account is not None and account.get("kind") in ("ephemeral", "agent"):
             if grants is None:  # crashed while granting: revoke wherever it may have granted
                 grants = [{"path": p, "prior": []} for p in rw]
@@ -445,7 +445,7 @@ class Nodes:
         warnings += [f"{f} was {'created' if was is None else 'changed'} during the session: the next session "
                      "reads it; review it first" for f, was in (state.get("config_marks") or {}).items()
                      if _fingerprint(f) != was]
-        update: dict[str, Any] = {"problems": problems, "warnings": warnings}
+        update: dict[str, Any] = {"problems": problems, "warnings": list(dict.fromkeys(warnings))}
         update.update(self._audit_quietly(state, "cleanup", "session.cleanup", problems=problems,
                                           account=(account or {}).get("name")))
         return update
@@ -500,7 +500,22 @@ class Nodes:
 
 # ---- plan and policy (pure: the CLI runs them too, to refuse bad input before a session exists) --------
 
-def make_plan(cfg: dict[str, Any], session_id: str) -> tuple[SessionPlan, dict[str, str | None]]:
+def session_human(project_root: str) -> list[int]:
+    """Who gets what a per-session account made: the human behind sudo, else the project's owner;
+    never root. A file the agent wrote must not become root's, which other tools (and agentcell's own
+    configuration) take for the administrator's word."""
+    uid, gid = os.environ.get("SUDO_UID", ""), os.environ.get("SUDO_GID", "")
+    if uid.isdigit() and gid.isdigit() and int(uid) != 0:
+        return [int(uid), int(gid)]
+    st = os.stat(project_root)
+    if st.st_uid == 0:
+        raise PolicyError("project_root", f"{project_root} is root's, and no one ran this session through sudo: "
+                          "what the agent makes would become root's",
+                          "run it with sudo as the person who works on the project, or chown the project to them")
+    return [st.st_uid, st.st_gid]
+
+
+def make_plan(cfg: dict[str, Any], session_id: str) -> tuple[SessionPlan, dict[str, str | None], list[str]]:
     from ..accounts import ephemeral
     from ..policy.models import SessionPlan
     from . import profiles
@@ -516,8 +531,9 @@ def make_plan(cfg: dict[str, Any], session_id: str) -> tuple[SessionPlan, dict[s
         identity = f"agent:{cfg['agent']}"
     else:  # the per-session account does not exist yet: checked against a uid of its range
         identity = str(ephemeral.UID_FIRST)
+        session_human(cfg["project_root"])  # refused now, before anything exists
     declared = list(cfg.get("declared_paths") or [cfg["project_root"]])
-    ro, masked, marks = _config_files(cfg.get("config_files", []), declared)
+    ro, masked, marks, notes = _config_files(cfg.get("config_files", []), declared)
     plan = SessionPlan(
         session_id=session_id, harness=cfg["harness"], declared_paths=declared, ro_paths=ro, masked_paths=masked,
         wall_clock_limit_s=cfg["wall_clock_limit_s"], network=network,  # type: ignore[arg-type]
@@ -527,7 +543,7 @@ def make_plan(cfg: dict[str, Any], session_id: str) -> tuple[SessionPlan, dict[s
         allow_domains=list(cfg.get("allow_domains", [])), deny_domains=list(cfg.get("deny_domains", [])),
         allow_ranges=list(cfg.get("allow_ranges", [])), resolver=cfg.get("resolver"),
         allow_egress=["seed"] if network == "host-firewall" else [])
-    return plan, marks
+    return plan, marks, notes
 
 
 def compile_policy(plan: SessionPlan, environ: dict[str, str], project_root: str,
@@ -544,7 +560,8 @@ def compile_policy(plan: SessionPlan, environ: dict[str, str], project_root: str
 
 # ---- the session's own configuration inside the project -------------------------------------------
 
-def _config_files(files: list[str], declared: list[str]) -> tuple[list[str], list[str], dict[str, str | None]]:
+def _config_files(files: list[str], declared: list[str]) -> tuple[list[str], list[str], dict[str, str | None],
+                                                                  list[str]]:
     """The agent must not change what configures its next session, nor read the secrets in ``.env``: an
     ``agentcell.toml`` inside a declared path is bound read-only, a ``.env`` there is hidden. One that
     does not exist yet cannot be bound: cleanup warns if the agent created it."""
@@ -559,33 +576,55 @@ def _config_files(files: list[str], declared: list[str]) -> tuple[list[str], lis
         marks[f] = _fingerprint(f)
         if marks[f] is not None:  # the env file the session read (whatever its name) is hidden, the toml read-only
             (ro if os.path.basename(f) == "agentcell.toml" else masked).append(f)
-    masked += [f for f in _dotenv_files(declared) if f not in masked]
-    return ro, masked, marks
+    found, truncated = _dotenv_files(declared)
+    masked += [f for f in found if f not in masked]
+    notes = [f"the search for .env files in {', '.join(declared)} stopped at its limits: one deeper, or past "
+             "100,000 entries, is not hidden from the agent"] if truncated else []
+    return ro, masked, marks, notes
 
 
 SKIP_DIRS = frozenset({".git", "node_modules", ".venv", "venv", "__pycache__", ".tox", ".mypy_cache", "target"})
 
 
-def _dotenv_files(declared: list[str], *, depth: int = 6, budget: int = 50_000) -> list[str]:
-    """Every ``.env`` and ``.env.*`` in the declared paths (a nested ``backend/.env`` too): the
-    secrets people keep there are not the agent's. Links are not followed; dependency and VCS trees
-    are skipped; the walk is bounded (what lies past it is not hidden: keep secrets shallow)."""
+def is_env_file(name: str) -> bool:
+    """Names people keep secrets under: .env, .env.local, .env-prod, .env_test, prod.env, .envrc."""
+    return name in (".env", ".envrc") or name.startswith((".env.", ".env-", ".env_")) or \
+        (name.endswith(".env") and len(name) > 4)
+
+
+def _dotenv_files(declared: list[str], *, depth: int = 12, budget: int = 100_000) -> tuple[list[str], bool]:
+    """Every env file (:func:`is_env_file`) in the declared paths (a nested ``backend/.env`` too), and
+    the file a ``.env`` link points at when it lies in them: the secrets people keep there are not the
+    agent's. Links are not followed; dependency and VCS trees are skipped; the walk is bounded, and
+    says whether it was cut short (what lies past it is not hidden: the session warns)."""
     out: list[str] = []
-    todo = [(os.path.realpath(d), 0) for d in declared]
-    while todo and budget > 0:
+    roots = [os.path.realpath(d) for d in declared]
+    todo = [(r, 0) for r in roots]
+    truncated = False
+    while todo:
         d, level = todo.pop()
+        if budget <= 0:
+            truncated = True
+            break
         try:
             entries = list(os.scandir(d))
         except OSError:
             continue
         budget -= len(entries)
         for e in entries:
-            if e.name == ".env" or e.name.startswith(".env."):
+            if is_env_file(e.name):
                 if e.is_file(follow_symlinks=False):
                     out.append(e.path)
-            elif level < depth and e.name not in SKIP_DIRS and e.is_dir(follow_symlinks=False):
-                todo.append((e.path, level + 1))
-    return sorted(out)
+                elif e.is_symlink():
+                    target = os.path.realpath(e.path)
+                    if os.path.isfile(target) and any(target.startswith(r.rstrip("/") + "/") for r in roots):
+                        out.append(target)
+            elif e.name not in SKIP_DIRS and e.is_dir(follow_symlinks=False):
+                if level < depth:
+                    todo.append((e.path, level + 1))
+                else:
+                    truncated = True
+    return sorted(set(out)), truncated
 
 
 def _fingerprint(path: str) -> str | None:

@@ -502,6 +502,28 @@ def _write_bytes(path: str, data: bytes) -> None:
 
 # ---- restore on directory fds ----------------------------------------------------------------------
 
+def _mkdirs_nofollow(path: str) -> None:
+    """``os.makedirs`` without following a link anywhere on the way: a project directory swapped for
+    a link to /etc would otherwise have root make directories there. What it makes is 0755 (the
+    restored root then gets its own mode and owner from the snapshot)."""
+    fd = os.open("/", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for part in [p for p in path.split("/") if p]:
+            try:
+                try:
+                    os.mkdir(part, 0o755, dir_fd=fd)  # never through a link: mkdirat does not follow one
+                except FileExistsError:
+                    pass
+                nfd = os.open(part, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            except OSError as e:  # ELOOP, ENOTDIR: a link or a file where a directory should be
+                raise SnapshotError("PATH", f"{path}: '{part}' is not a directory ({e.strerror})",
+                                    "restore to a path made of real directories (a link is never followed)") from None
+            os.close(fd)
+            fd = nfd
+    finally:
+        os.close(fd)
+
+
 class _Restorer:
     """Make ``dest_root``/``rel`` exactly the snapshot's, walking on fds (nothing followed).
 
@@ -529,9 +551,9 @@ class _Restorer:
         if soft < hard:  # one fd per directory level: as deep as the limit allows
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
         rel = os.path.normpath(rel)
-        os.makedirs(self.dest_root, exist_ok=True)
         from ..cell.paths import open_nofollow
 
+        _mkdirs_nofollow(self.dest_root)
         top = open_nofollow(self.dest_root)
         try:
             rfd = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=top)
