@@ -766,7 +766,19 @@ def test_a_dotenv_in_the_project_never_chooses_host_paths_one_only_root_can_writ
     p = start("--env-file", str(own))
     assert p.returncode == 125 and "not taken from a file" in p.stderr, p.stderr
     twin.unlink()
-    p = start("--env-file", str(own))
+    # Read implicitly (./.env where the session starts) it never decides, even outside the project:
+    # ownership is not authorship (helper 22, finding 1), and only a file you name on purpose is yours.
+    implicit = env.state / ".env"
+    own.rename(implicit)
+    p = subprocess.run([AGENTCELL, "session", "start", "--harness", "shell", "--project", str(env.project), "--json",
+                        "--", "true"], capture_output=True, text=True, env=environ, cwd=env.state, timeout=120)
+    assert p.returncode == 125 and "not taken from a file" in p.stderr and "--env-file" in p.stderr, p.stderr
+    # Named, but reached through a link: what is checked might not be what is read.
+    (env.state / "via").symlink_to(env.state)
+    p = start("--env-file", str(env.state / "via" / ".env"))
+    assert p.returncode == 125 and "not taken from a file" in p.stderr, p.stderr
+    assert not (env.state / "elsewhere").exists()
+    p = start("--env-file", str(implicit))
     assert p.returncode == 0, p.stderr
     assert (env.state / "elsewhere").is_dir()
 
@@ -797,8 +809,17 @@ def test_a_project_file_may_narrow_the_harness_network(env: Env) -> None:
     assert load({}, environ={}, cwd=str(env.project)).network == "none"
 
 
-@pytest.mark.parametrize("declared", [".git/hooks", ".claude", ".husky/_"])
+@pytest.mark.parametrize("declared", [".git/hooks", ".claude", ".husky/_", ".githooks", "remote.git/hooks"])
 def test_a_project_file_cannot_declare_what_decides_what_runs(env: Env, declared: str) -> None:
+    git = env.project / ".git"
+    (git / "hooks").mkdir(parents=True)
+    (git / "HEAD").write_text("ref: refs/heads/main\n")
+    (git / "config").write_text("[core]\n\thooksPath = .githooks\n")  # husky and the like
+    (env.project / ".githooks").mkdir()
+    bare = env.project / "remote.git"  # a bare repository: git runs its hooks on a push
+    for d in ("hooks", "objects", "refs"):
+        (bare / d).mkdir(parents=True)
+    (bare / "HEAD").write_text("ref: refs/heads/main\n")
     toml = f'[session]\nharness = "shell"\ndeclared_paths = ["src", "{declared}"]\n'
     (env.project / "agentcell.toml").write_text(toml)
     s = session(env, ["start", "--json", "--", "true"])
@@ -839,8 +860,11 @@ def test_every_dotenv_in_the_declared_paths_is_hidden(env: Env, user: User) -> N
     deep = nested.joinpath(*"abcdefg")
     deep.mkdir(parents=True)
     (nested / "config").mkdir()
-    names = [nested / n for n in (".env", ".env.local", ".envrc", "prod.env", ".env-prod", ".env_test")]
-    names += [deep / ".env", nested / "config" / "secrets.env"]
+    names = [nested / n for n in (".env", ".env.local", ".envrc", "prod.env", ".env-prod", ".env_test", ".env~",
+                                  "..env.swp", "#.env#", ".ENV", "prod.env.local", "x.env.bak", ".flaskenv",
+                                  ".dev.vars")]
+    names += [deep / ".env", nested / "config" / "secrets.env", nested / "node_modules" / ".env"]
+    (nested / "node_modules").mkdir()
     for f in names:
         f.write_text("SECRET=sk-nested\n")
     (nested / "config" / "real-secrets").write_text("SECRET=sk-linked\n")
@@ -850,6 +874,24 @@ def test_every_dotenv_in_the_declared_paths_is_hidden(env: Env, user: User) -> N
     steps = "".join(f"read {f}\n" for f in [*names, nested / "config" / "real-secrets"])
     s = scripted(env, steps, "--rw", "src")
     assert s.rc == 0 and s.out.count("DENIED: read") == len(names) + 1, (s.out, s.err)
+
+
+def test_the_env_file_search_is_bounded_by_directories_and_a_cut_short_search_refuses_the_session(
+        env: Env) -> None:
+    from agentcell.session.nodes import MAX_ENV_DIRS, _dotenv_files
+
+    flood = env.project / "src" / "flood"
+    flood.mkdir()
+    for i in range(5000):  # files do not count: a flood of them does not cut the search short
+        (flood / f"f{i}").touch()
+    (env.project / "src" / "deeper").mkdir()
+    (env.project / "src" / "deeper" / ".env").write_text("K=v\n")
+    found, truncated = _dotenv_files([str(env.project / "src")], max_dirs=10)
+    assert not truncated and found == [str(env.project / "src" / "deeper" / ".env")]
+    for i in range(MAX_ENV_DIRS):  # directories do (an earlier agent could make them): then no session
+        (flood / f"d{i}").mkdir()
+    s = session(env, ["start", "--harness", "shell", "--rw", "src", "--json", "--", "true"])
+    assert s.rc == 125 and "stopped at its limits" in s.err and "narrower" in s.err, s.err
 
 
 def test_recover_acts_only_on_what_agentcell_made_for_that_session(env: Env, user: User) -> None:

@@ -100,12 +100,16 @@ def test_restore_never_makes_a_directory_through_a_project_swapped_for_a_link(tr
     assert list(outside.iterdir()) == []
 
 
-def test_restore_to_another_directory(tree: Path, tmp_path: Path) -> None:
+def test_restore_to_another_directory(user: User, tree: Path, tmp_path: Path) -> None:
     store = Store(str(tmp_path / "store"))
     sid = store.take([str(tree)])
     elsewhere = tmp_path / "copy"
+    elsewhere.mkdir()
+    os.chown(elsewhere, user.uid, user.gid)  # a person's directory: what the restore makes there is theirs
     store.restore(sid, to=str(elsewhere))
     assert signature(elsewhere / str(tree).lstrip("/")) == signature(tree)
+    made = [elsewhere / Path(*Path(str(tree).lstrip("/")).parts[:i]) for i in range(1, len(tree.parts) - 1)]
+    assert made and {(p.stat().st_uid, p.stat().st_gid) for p in made} == {(user.uid, user.gid)}
 
 
 def test_a_second_snapshot_reads_only_what_changed(tree: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -261,6 +261,13 @@ def lifted_inside(protected: tuple[str, ...], allow_write: tuple[str, ...]) -> t
                  and any(a.startswith(p.rstrip("/") + "/") for p in protected))
 
 
+def protected_surface(root: str) -> tuple[str, ...]:
+    """Every protected entry found below ``root`` (real paths): git directories' hooks and config,
+    core.hooksPath and include.path targets, bare repositories' parts, harness and shell names at
+    any depth. What a project's own files may not declare writable."""
+    return tuple(os.path.realpath(p) for p in dict.fromkeys(_candidates(Scan((root,)))) if _kind(p) is not None)
+
+
 def protected_part(path: str, root: str) -> str | None:
     """The protected entry ``path`` is or lies inside, relative to ``root`` (a ``.git`` directory, a
     harness or shell name, a git directory's hooks or config), or None."""

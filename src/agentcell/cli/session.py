@@ -125,9 +125,7 @@ def _start(ns: Any, harness_args: list[str]) -> int:
     sid = graph.new_session_id()
     from ..session.nodes import compile_policy, make_plan
 
-    plan, _, notes = make_plan(cfg.as_dict(), sid)  # bad input is refused here, before a session exists
-    for note in notes:
-        sys.stderr.write(f"{PROG}: warning: {note}\n")
+    plan, _ = make_plan(cfg.as_dict(), sid)  # bad input is refused here, before a session exists
     from ..network import compile as nc
 
     nc.egress(plan.network, allow_domains=list(cfg.allow_domains), deny_domains=list(cfg.deny_domains),

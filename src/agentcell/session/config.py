@@ -91,30 +91,63 @@ def read_dotenv(path: str) -> dict[str, str]:
     return read_dotenv_owned(path)[0]
 
 
-def read_dotenv_owned(path: str) -> tuple[dict[str, str], bool]:
-    """The file's values, and whether it may decide for root (:func:`only_yours`: the project's own
-    root and declared paths are ruled out by :func:`load`, which knows them). Opened without
-    following a link, a regular file of at most 1 MiB."""
+def read_dotenv_owned(path: str, *, explicit: bool = False) -> tuple[dict[str, str], bool]:
+    """The file's values, and whether it may decide for root: only a file named on the command line
+    (``explicit``: the implicit ``./.env`` is the project's, whoever owns it now: an earlier agent may
+    have written a root-owned file through its grant and renamed it), reached through directories
+    only you or root can change, and :func:`only_yours` itself. The way is walked by descriptor, never
+    through a link, so what was checked is what is read. A regular file of at most 1 MiB. (The
+    project's own root and declared paths are ruled out by :func:`load`, which knows them.)"""
     import stat
 
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError:
+    fd, dirs_ok = _open_walked(path)
+    if fd is None:
         return {}, False
-    except OSError as e:
-        raise PolicyError(path, f"cannot read it ({e.strerror})", "make it a plain readable file") from None
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_size > 1 << 20:
             raise PolicyError(path, "is not a regular file of at most 1 MiB", "point --env-file at a .env file")
         with os.fdopen(os.dup(fd), encoding="utf-8") as f:
             lines = f.read().splitlines()
-        ours = only_yours(fd, st) and _dirs_only_yours(os.path.dirname(os.path.abspath(path)))
+        ours = explicit and dirs_ok and only_yours(fd, st)
     except UnicodeDecodeError:
         raise PolicyError(path, "is not UTF-8 text", "fix its encoding") from None
     finally:
         os.close(fd)
     return _parse_dotenv(path, lines), ours
+
+
+def _open_walked(path: str) -> tuple[int | None, bool]:
+    """``path`` opened for reading (None: it does not exist), and whether every directory on the way
+    was reached without a link and is one only you or root can change (:func:`_dir_only_yours`)."""
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    parts = [p for p in os.path.abspath(path).split("/") if p]
+    if not parts:
+        raise PolicyError(path, "is not a regular file of at most 1 MiB", "point --env-file at a .env file")
+    dfd = os.open("/", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    dirs_ok = True
+    try:
+        dirs_ok = _dir_only_yours(dfd)
+        for part in parts[:-1]:
+            try:
+                nfd = os.open(part, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+            except OSError:  # a link (or not a directory) on the way: read it by name, never trusted
+                dirs_ok, nfd = False, -1
+            if nfd < 0:
+                break
+            os.close(dfd)
+            dfd = nfd
+            dirs_ok = dirs_ok and _dir_only_yours(dfd)
+        try:
+            if dirs_ok:
+                return os.open(parts[-1], flags, dir_fd=dfd), True
+            return os.open(path, flags), False
+        except FileNotFoundError:
+            return None, False
+        except OSError as e:
+            raise PolicyError(path, f"cannot read it ({e.strerror})", "make it a plain readable file") from None
+    finally:
+        os.close(dfd)
 
 
 def only_yours(fd: int, st: os.stat_result) -> bool:
@@ -132,29 +165,20 @@ def only_yours(fd: int, st: os.stat_result) -> bool:
     return not any(tag in acl.NAMED and perm & mask & 2 for tag, perm, _ in entries)
 
 
-def _dirs_only_yours(directory: str) -> bool:
-    """Every directory on the way to ``directory`` is one only you or root can change (a sticky
-    world-writable one such as /tmp too: no one else can replace your file there)."""
+def _dir_only_yours(fd: int) -> bool:
+    """A directory only you or root can change (a sticky world-writable one such as /tmp too, when
+    yours or root's: no one else can replace your file there)."""
     import stat
 
-    d = os.path.realpath(directory)
-    while True:
-        try:
-            fd = os.open(d, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-        except OSError:
-            return False
-        try:
-            st = os.fstat(fd)
-            sticky = bool(st.st_mode & stat.S_ISVTX)
-            if not sticky and not only_yours(fd, st):
-                return False
-            if sticky and st.st_uid not in (0, os.geteuid()):
-                return False
-        finally:
-            os.close(fd)
-        if d == "/":
-            return True
-        d = os.path.dirname(d)
+    st = os.fstat(fd)
+    if st.st_mode & stat.S_ISVTX:
+        return st.st_uid in (0, os.geteuid())
+    return only_yours(fd, st)
+
+
+def _protected_around(path: str, surface: tuple[str, ...]) -> str | None:
+    """The protected entry (:func:`agentcell.cell.protect.protected_surface`) ``path`` is or lies in."""
+    return next((p for p in surface if path == p or path.startswith(p.rstrip("/") + "/")), None)
 
 
 def _inside(path: str, roots: list[str]) -> bool:
@@ -275,7 +299,7 @@ def load(flags: Mapping[str, Any], *, environ: Mapping[str, str] | None = None, 
     environ = dict(os.environ if environ is None else environ)
     cwd = cwd or os.getcwd()
     dot_path = dotenv or os.path.join(cwd, ".env")
-    dot, dot_ours = read_dotenv_owned(dot_path)
+    dot, dot_ours = read_dotenv_owned(dot_path, explicit=dotenv is not None)
     env_view = {**dot, **environ}  # the real environment wins over the file
 
     def env_where(name: str) -> str:
@@ -317,7 +341,7 @@ def load(flags: Mapping[str, Any], *, environ: Mapping[str, str] | None = None, 
             if key in HOST_KEYS and env not in environ and not dot_ours:  # a .env someone else could write
                 raise PolicyError(env_where(env), "where root writes, and as whom the agent runs, is not taken "
                                   "from a file in the project", f"give {FLAGS[key]}, set {env} in the environment, "
-                                  "or keep that .env outside the project, writable by you alone")
+                                  "or name a file outside the project that only you can write with --env-file")
             return env_view[env], env_where(env)
         if key in toml:
             if key in HOST_KEYS:
@@ -341,15 +365,16 @@ def load(flags: Mapping[str, Any], *, environ: Mapping[str, str] | None = None, 
         declared = tuple(os.path.normpath(os.path.join(root, os.path.expanduser(p))) for p in rel)
         if (" (in " in where and not dot_ours) or where.startswith(toml_where):
             # From a file in the project: only paths inside the project (resolved, links followed).
-            from ..cell.protect import protected_part
+            from ..cell.protect import protected_part, protected_surface
 
             real_root = os.path.realpath(root)
+            surface = protected_surface(real_root)
             for d in declared:
                 real = os.path.realpath(d)
                 if real != real_root and not real.startswith(real_root + "/"):
                     raise PolicyError(where, f"{d} is outside the project", "a project's own files may declare only "
                                       "paths inside it; give others with --rw")
-                if (part := protected_part(real, real_root)) is not None:
+                if (part := protected_part(real, real_root) or _protected_around(real, surface)) is not None:
                     raise PolicyError(where, f"{d} is or lies in {part}, which decides what git, your shell or "
                                       "your agent runs", "a project's own files may not open it to the agent; "
                                       "give it with --rw if you mean it")

@@ -112,7 +112,7 @@ class Nodes:
 
     def plan(self, state: SessionState) -> dict[str, Any]:
         """The request, from the configuration and the harness profile (pure)."""
-        plan, marks, notes = make_plan(state["config"], state["session_id"])
+        plan, marks = make_plan(state["config"], state["session_id"])
         self._crash("plan")
         self._audit(state, "plan", "session.plan", harness=plan.harness, declared_paths=plan.declared_paths,
                     network=plan.network, allow_presets=plan.allow_presets, allow_domains=plan.allow_domains,
@@ -121,7 +121,7 @@ class Nodes:
         # Who gets what the agent makes is decided now, by whoever starts the session: not by whoever
         # later runs 'session recover' (their SUDO_UID is not the session's human).
         return {"plan": plan.model_dump(), "status": "running", "reason": "", "cell_id": f"agentcell-{plan.session_id}",
-                "config_marks": marks, "warnings": notes,
+                "config_marks": marks,
                 "human": self._human(state["config"]["project_root"]) if plan.identity.isdigit() else None}
 
     def _compile(self, state: SessionState, identity: str | None = None) -> dict[str, Any]:
@@ -407,7 +407,7 @@ class Nodes:
         except OSError as e:
             problems.append(f"firewall: {e}")
         account = state.get("account")
-        warnings = [*(state.get("warnings") or []), *self._quarantine(state, account)]
+        warnings = self._quarantine(state, account)
         agent = (state.get("config") or {}).get("agent")
         rw = list((state.get("policy") or {}).get("rw_paths", []))
         grants, human = state.get("grants"), state.get("human")
@@ -515,7 +515,7 @@ def session_human(project_root: str) -> list[int]:
     return [st.st_uid, st.st_gid]
 
 
-def make_plan(cfg: dict[str, Any], session_id: str) -> tuple[SessionPlan, dict[str, str | None], list[str]]:
+def make_plan(cfg: dict[str, Any], session_id: str) -> tuple[SessionPlan, dict[str, str | None]]:
     from ..accounts import ephemeral
     from ..policy.models import SessionPlan
     from . import profiles
@@ -533,7 +533,7 @@ def make_plan(cfg: dict[str, Any], session_id: str) -> tuple[SessionPlan, dict[s
         identity = str(ephemeral.UID_FIRST)
         session_human(cfg["project_root"])  # refused now, before anything exists
     declared = list(cfg.get("declared_paths") or [cfg["project_root"]])
-    ro, masked, marks, notes = _config_files(cfg.get("config_files", []), declared)
+    ro, masked, marks = _config_files(cfg.get("config_files", []), declared)
     plan = SessionPlan(
         session_id=session_id, harness=cfg["harness"], declared_paths=declared, ro_paths=ro, masked_paths=masked,
         wall_clock_limit_s=cfg["wall_clock_limit_s"], network=network,  # type: ignore[arg-type]
@@ -543,7 +543,7 @@ def make_plan(cfg: dict[str, Any], session_id: str) -> tuple[SessionPlan, dict[s
         allow_domains=list(cfg.get("allow_domains", [])), deny_domains=list(cfg.get("deny_domains", [])),
         allow_ranges=list(cfg.get("allow_ranges", [])), resolver=cfg.get("resolver"),
         allow_egress=["seed"] if network == "host-firewall" else [])
-    return plan, marks, notes
+    return plan, marks
 
 
 def compile_policy(plan: SessionPlan, environ: dict[str, str], project_root: str,
@@ -560,8 +560,7 @@ def compile_policy(plan: SessionPlan, environ: dict[str, str], project_root: str
 
 # ---- the session's own configuration inside the project -------------------------------------------
 
-def _config_files(files: list[str], declared: list[str]) -> tuple[list[str], list[str], dict[str, str | None],
-                                                                  list[str]]:
+def _config_files(files: list[str], declared: list[str]) -> tuple[list[str], list[str], dict[str, str | None]]:
     """The agent must not change what configures its next session, nor read the secrets in ``.env``: an
     ``agentcell.toml`` inside a declared path is bound read-only, a ``.env`` there is hidden. One that
     does not exist yet cannot be bound: cleanup warns if the agent created it."""
@@ -578,39 +577,57 @@ def _config_files(files: list[str], declared: list[str]) -> tuple[list[str], lis
             (ro if os.path.basename(f) == "agentcell.toml" else masked).append(f)
     found, truncated = _dotenv_files(declared)
     masked += [f for f in found if f not in masked]
-    notes = [f"the search for .env files in {', '.join(declared)} stopped at its limits: one deeper, or past "
-             "100,000 entries, is not hidden from the agent"] if truncated else []
-    return ro, masked, marks, notes
+    if truncated:
+        raise PolicyError("declared_paths", f"the search for .env files in {', '.join(declared)} stopped at its "
+                          f"limits ({MAX_ENV_DIRS:,} directories, {MAX_ENV_DEPTH} levels): one past them would not "
+                          "be hidden from the agent", "declare narrower paths with --rw")
+    return ro, masked, marks
 
 
 SKIP_DIRS = frozenset({".git", "node_modules", ".venv", "venv", "__pycache__", ".tox", ".mypy_cache", "target"})
 
 
+ENV_NAMES = frozenset({".env", ".envrc", ".flaskenv", ".dev.vars", ".secrets"})
+
+
 def is_env_file(name: str) -> bool:
-    """Names people keep secrets under: .env, .env.local, .env-prod, .env_test, prod.env, .envrc."""
-    return name in (".env", ".envrc") or name.startswith((".env.", ".env-", ".env_")) or \
-        (name.endswith(".env") and len(name) > 4)
+    """Names people keep secrets under, in any case, and the copies editors keep of them: .env,
+    .env.local, .env-prod, .env_test, prod.env, prod.env.local, x.env.bak, .envrc, .flaskenv,
+    .dev.vars; .env~, #.env#, .env.swp (vim's is ..env.swp)."""
+    n = name.lower().strip("#").rstrip("~")
+    if n.startswith(".") and n.endswith((".swp", ".swo", ".swx")):
+        n = n[1:-4]
+    return n in ENV_NAMES or n.startswith((".env.", ".env-", ".env_")) or ".env." in n or \
+        (n.endswith(".env") and len(n) > 4)
 
 
-def _dotenv_files(declared: list[str], *, depth: int = 12, budget: int = 100_000) -> tuple[list[str], bool]:
+MAX_ENV_DIRS = 50_000
+MAX_ENV_DEPTH = 32
+
+
+def _dotenv_files(declared: list[str], *, max_dirs: int = MAX_ENV_DIRS,
+                  max_depth: int = MAX_ENV_DEPTH) -> tuple[list[str], bool]:
     """Every env file (:func:`is_env_file`) in the declared paths (a nested ``backend/.env`` too), and
-    the file a ``.env`` link points at when it lies in them: the secrets people keep there are not the
-    agent's. Links are not followed; dependency and VCS trees are skipped; the walk is bounded, and
-    says whether it was cut short (what lies past it is not hidden: the session warns)."""
+    the file an env-named link points at when it lies in them: the secrets people keep there are not
+    the agent's. Links are not followed. Dependency and VCS trees are looked into at their top only.
+    The walk is bounded by directories (not files: a flood of files in one directory does not cut
+    it short) and says whether it was cut short (the session is then refused: what lies past it would
+    not be hidden)."""
     out: list[str] = []
     roots = [os.path.realpath(d) for d in declared]
     todo = [(r, 0) for r in roots]
+    seen = 0
     truncated = False
     while todo:
         d, level = todo.pop()
-        if budget <= 0:
+        seen += 1
+        if seen > max_dirs:
             truncated = True
             break
         try:
             entries = list(os.scandir(d))
         except OSError:
             continue
-        budget -= len(entries)
         for e in entries:
             if is_env_file(e.name):
                 if e.is_file(follow_symlinks=False):
@@ -619,8 +636,10 @@ def _dotenv_files(declared: list[str], *, depth: int = 12, budget: int = 100_000
                     target = os.path.realpath(e.path)
                     if os.path.isfile(target) and any(target.startswith(r.rstrip("/") + "/") for r in roots):
                         out.append(target)
-            elif e.name not in SKIP_DIRS and e.is_dir(follow_symlinks=False):
-                if level < depth:
+            elif level >= 0 and e.is_dir(follow_symlinks=False):
+                if e.name in SKIP_DIRS:
+                    todo.append((e.path, -1))  # its top only (-1: no deeper)
+                elif level < max_depth:
                     todo.append((e.path, level + 1))
                 else:
                     truncated = True

@@ -504,17 +504,22 @@ def _write_bytes(path: str, data: bytes) -> None:
 
 def _mkdirs_nofollow(path: str) -> None:
     """``os.makedirs`` without following a link anywhere on the way: a project directory swapped for
-    a link to /etc would otherwise have root make directories there. What it makes is 0755 (the
-    restored root then gets its own mode and owner from the snapshot)."""
+    a link to /etc would otherwise have root make directories there. What it makes is 0755 and
+    belongs to whoever owns the directory it is made in (a restore into a person's home leaves no
+    root-owned directory there); the restored root then gets its own mode and owner from the snapshot."""
     fd = os.open("/", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         for part in [p for p in path.split("/") if p]:
             try:
+                made = True
                 try:
                     os.mkdir(part, 0o755, dir_fd=fd)  # never through a link: mkdirat does not follow one
                 except FileExistsError:
-                    pass
+                    made = False
                 nfd = os.open(part, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+                if made:
+                    up = os.fstat(fd)
+                    os.chown(f"/proc/self/fd/{nfd}", up.st_uid, up.st_gid)  # the directory opened, not a name
             except OSError as e:  # ELOOP, ENOTDIR: a link or a file where a directory should be
                 raise SnapshotError("PATH", f"{path}: '{part}' is not a directory ({e.strerror})",
                                     "restore to a path made of real directories (a link is never followed)") from None
