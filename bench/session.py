@@ -1,0 +1,143 @@
+"""Session benchmark: what the whole workflow costs over doing its steps by hand, side by side.
+
+    sudo .venv/bin/python bench/session.py [--runs N] [--files N] [--json]
+
+Three ways of running ``true`` as a fresh least-privilege account on a project of ``--files`` small
+files (owned by a throwaway human ac-bh<hex>), alternated run by run in one sitting:
+  * session: ``agentcell session start --harness shell -- true`` — plan, policy, preflight backup,
+    a per-session account with ACL grants, the cell with its escape monitor, teardown, the
+    hash-chained audit trail, a LangGraph checkpoint per step;
+  * by hand: the same steps as shell commands, without monitor, audit or checkpoints: ``useradd``,
+    ``setfacl -R``, ``agentcell snapshot take``, ``agentcell run --as UID --rw P -- true``,
+    ``setfacl -R -x``, ``chown`` back, ``userdel``;
+  * run: ``agentcell run --as UID --rw P -- true`` for an account that already exists (the floor).
+Reported: medians in ms, the session's ratio to each peer, and where a session's time goes (from
+the audit trail's timestamps). Needs root; everything it makes is named ac-b*/agentcell-bench-*
+and removed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+AGENTCELL = str(Path(sys.executable).parent / "agentcell")
+
+
+def sh(*argv: str) -> None:
+    p = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True)
+    if p.returncode != 0:
+        raise SystemExit(f"bench/session.py: {' '.join(argv)} exited {p.returncode}: {p.stderr.strip()[-300:]}")
+
+
+def timed(fn: object) -> float:
+    t = time.perf_counter()
+    fn()  # type: ignore[operator]
+    return (time.perf_counter() - t) * 1000
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--runs", type=int, default=10)
+    ap.add_argument("--files", type=int, default=2000)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    if os.geteuid() != 0:
+        raise SystemExit("bench/session.py: needs root (it makes accounts)")
+    tag = secrets.token_hex(3)
+    human, floor_user = f"ac-bh{tag}", f"ac-bf{tag}"
+    work = Path(tempfile.mkdtemp(prefix="agentcell-bench-"))
+    made_users: list[str] = []
+    try:
+        for u in (human, floor_user):
+            made_users.append(u)
+            sh("useradd", "-M", "-s", "/usr/sbin/nologin", u)
+        uid, gid = int(subprocess.check_output(["id", "-u", human])), int(subprocess.check_output(["id", "-g", human]))
+        proj = work / "proj"
+        for i in range(args.files):
+            d = proj / "src" / f"m{i // 100}"
+            d.mkdir(parents=True, exist_ok=True)
+            (d / f"f{i}.py").write_text(f"x = {i}\n" * 50)
+        for p in [proj, *proj.rglob("*")]:
+            os.chown(p, uid, gid)
+        work.chmod(0o755)
+        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8", "SUDO_UID": str(uid),
+               "SUDO_GID": str(gid), "AGENTCELL_STATE_DIR": str(work / "state"),
+               "AUDIT_LOG_PATH": str(work / "state" / "audit.jsonl"), "BACKUP_DIR": str(work / "state" / "backups")}
+        (work / "state").mkdir(mode=0o700)
+
+        def session() -> None:
+            p = subprocess.run([AGENTCELL, "session", "start", "--harness", "shell", "--project", str(proj),
+                                "--json", "--", "true"], env=env, cwd=proj, stdin=subprocess.DEVNULL,
+                               capture_output=True, text=True)
+            summary = json.loads(p.stdout.strip().splitlines()[-1]) if p.stdout.strip() else {}
+            if p.returncode != 0 or summary.get("status") != "completed":
+                raise SystemExit(f"bench/session.py: session failed ({p.returncode}): {p.stderr.strip()[-300:]}")
+
+        def by_hand() -> None:
+            name = f"ac-bx{secrets.token_hex(3)}"
+            made_users.append(name)
+            sh("useradd", "-M", "-s", "/usr/sbin/nologin", name)
+            sh("setfacl", "-R", "-m", f"u:{name}:rwX,d:u:{name}:rwX", str(proj))
+            sh(AGENTCELL, "snapshot", "take", "--store", str(work / "hand-store"), str(proj))
+            agent_uid = subprocess.check_output(["id", "-u", name], text=True).strip()
+            sh(AGENTCELL, "run", "--as", agent_uid, "--rw", str(proj), "--", "true")
+            sh("setfacl", "-R", "-x", f"u:{name},d:u:{name}", str(proj))
+            sh("find", str(proj), "-uid", agent_uid, "-exec", "chown", f"{uid}:{gid}", "{}", "+")
+            sh("userdel", name)
+            made_users.remove(name)
+
+        floor_uid = subprocess.check_output(["id", "-u", floor_user], text=True).strip()
+
+        def run() -> None:
+            sh(AGENTCELL, "run", "--as", floor_uid, "--rw", str(proj), "--", "true")
+
+        for fn in (session, by_hand, run):  # warm the page cache and the store once each
+            fn()
+        times: dict[str, list[float]] = {"session": [], "by_hand": [], "run": []}
+        for _ in range(args.runs):
+            for name, fn in (("session", session), ("by_hand", by_hand), ("run", run)):
+                times[name].append(timed(fn))
+        phases: dict[str, list[float]] = {}
+        records = [json.loads(line) for line in (work / "state" / "audit.jsonl").read_text().splitlines()]
+        by_session: dict[str, list[dict[str, object]]] = {}
+        for r in records:
+            by_session.setdefault(str(r["session"]), []).append(r)
+        for recs in list(by_session.values())[1:]:  # not the warm-up
+            for a, b in zip(recs, recs[1:], strict=False):
+                key = f"{a['event']} -> {b['event']}"
+                phases.setdefault(key, []).append((float(b["ts"]) - float(a["ts"])) * 1000)  # type: ignore[arg-type]
+        med = {k: statistics.median(v) for k, v in times.items()}
+        out = {"runs": args.runs, "files": args.files, "median_ms": {k: round(v, 1) for k, v in med.items()},
+               "session_over_by_hand": round(med["session"] / med["by_hand"], 2),
+               "session_over_run": round(med["session"] / med["run"], 2),
+               "session_phases_median_ms": {k: round(statistics.median(v), 1) for k, v in phases.items()}}
+        if args.json:
+            print(json.dumps(out))
+        else:
+            print(f"{args.runs} runs, a project of {args.files} files; medians:")
+            for k, v in med.items():
+                print(f"  {k:8} {v:8.1f} ms")
+            print(f"  session / by hand = {out['session_over_by_hand']}x, session / run = {out['session_over_run']}x")
+            print("  where a session's time goes (between audit records):")
+            for k, v in out["session_phases_median_ms"].items():
+                print(f"    {k:45} {v:8.1f} ms")
+        return 0
+    finally:
+        for u in made_users:
+            subprocess.run(["userdel", u], capture_output=True)
+        subprocess.run([AGENTCELL, "session", "recover"], env={"PATH": os.environ.get("PATH", ""),
+                       "AGENTCELL_STATE_DIR": str(work / "state")}, capture_output=True)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
