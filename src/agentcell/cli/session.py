@@ -48,7 +48,9 @@ def parser() -> Parser:
     sp.add_argument("--rw", action="append", metavar="PATH", dest="declared_paths",
                     help="a declared path, shared read-write (repeatable; DECLARED_PATHS; default: the project)")
     sp.add_argument("--project", metavar="DIR", dest="project_root", help="the project (PROJECT_ROOT; default: .)")
-    sp.add_argument("--env-file", metavar="FILE", help="the .env file (default: ./.env)")
+    sp.add_argument("--env-file", metavar="FILE", help="the .env file (default: ./.env). Only a file named "
+                    "here, outside the project and writable by you alone, may set PROJECT_ROOT, BACKUP_DIR, "
+                    "AUDIT_LOG_PATH or AGENT_OS_USER")
     sp.add_argument("--wall-clock", type=str, metavar="S", dest="wall_clock_limit_s",
                     help="end the session (normally) after S seconds (WALL_CLOCK_LIMIT_S; default 3600)")
     sp.add_argument("--backup-dir", metavar="DIR", help="the snapshot store for the preflight backup (BACKUP_DIR)")
