@@ -11,6 +11,7 @@ import json
 import os
 import pwd
 import secrets
+import shlex
 import shutil
 import subprocess
 import time
@@ -802,6 +803,18 @@ def test_a_project_file_cannot_widen_the_harness_network(env: Env, toml: str) ->
     assert s.rc == 0, s.err  # the operator's flag may
 
 
+def test_a_harness_a_project_file_picks_may_not_bring_the_network(env: Env) -> None:
+    from agentcell.errors import PolicyError
+    from agentcell.session.config import load
+
+    (env.project / "agentcell.toml").write_text('[session]\nharness = "claude_code"\n')
+    with pytest.raises(PolicyError, match="a harness chosen by a file in the project may not reach the network"):
+        load({}, environ={}, cwd=str(env.project))
+    assert load({"harness": "claude_code"}, environ={}, cwd=str(env.project)).harness == "claude_code"
+    assert load({}, environ={"AGENT_HARNESS": "claude_code"}, cwd=str(env.project)).harness == "claude_code"
+    assert load({"network": "proxy"}, environ={}, cwd=str(env.project)).network == "proxy"  # the operator's word
+
+
 def test_a_project_file_may_narrow_the_harness_network(env: Env) -> None:
     from agentcell.session.config import load
 
@@ -824,6 +837,71 @@ def test_a_project_file_cannot_declare_what_decides_what_runs(env: Env, declared
     (env.project / "agentcell.toml").write_text(toml)
     s = session(env, ["start", "--json", "--", "true"])
     assert s.rc == 125 and "which decides what git, your shell or your agent runs" in s.err, s.err
+
+
+def _repo(at: Path, hooks_path: str | None = None, worktree: str | None = None) -> Path:
+    """A git directory written by hand (git is not needed): HEAD, hooks/, a config."""
+    (at / "hooks").mkdir(parents=True)
+    (at / "objects").mkdir()
+    (at / "HEAD").write_text("ref: refs/heads/main\n")
+    core = "".join(f"\t{k} = {v}\n" for k, v in (("hooksPath", hooks_path), ("worktree", worktree)) if v)
+    (at / "config").write_text(f"[core]\n{core}")
+    return at
+
+
+def test_hooks_a_repository_above_a_declared_path_points_into_it_stay_read_only(env: Env, user: User) -> None:
+    _repo(env.project / ".git", hooks_path=".github/hooks")  # husky-style, in the work tree
+    hooks = env.project / ".github" / "hooks"
+    hooks.mkdir(parents=True)
+    for d in (env.project / ".github", hooks):
+        shutil.chown(d, user.uid, user.gid)
+    (env.project / "agentcell.toml").write_text('[session]\nharness = "scripted"\ndeclared_paths = [".github"]\n')
+    steps = f"write {hooks}/pre-commit pwned\nwrite {env.project}/.github/workflow.yml ok\n"
+    for args in ((), ("--rw", ".github")):  # from the project's file, or given by the operator
+        s = scripted(env, steps, *args)
+        assert s.rc == 0 and s.out.count("DENIED: write") == 1 and "pre-commit" in s.out.split("\n")[0], s.out
+        assert not (hooks / "pre-commit").exists()
+
+
+def test_a_submodules_own_hooks_path_stays_read_only(env: Env, user: User) -> None:
+    git = _repo(env.project / ".git")
+    sub = env.project / "sub"
+    (sub / ".githooks").mkdir(parents=True)
+    _repo(git / "modules" / "sub", hooks_path=".githooks", worktree="../../../sub")
+    (sub / ".git").write_text("gitdir: ../.git/modules/sub\n")
+    for d in (sub, sub / ".githooks"):
+        shutil.chown(d, user.uid, user.gid)
+    s = scripted(env, f"write {sub}/.githooks/pre-commit pwned\n", "--rw", ".")
+    assert s.rc == 0 and "DENIED: write" in s.out, s.out
+    assert not (sub / ".githooks" / "pre-commit").exists()
+
+
+def test_project_file_paths_are_refused_when_the_protected_scan_is_cut_short(env: Env) -> None:
+    for i in range(5002):  # past the scan's 5,000 directories: a bare repository could hide behind them
+        (env.project / "docs" / f"d{i}").mkdir()
+    (env.project / "agentcell.toml").write_text('[session]\nharness = "scripted"\ndeclared_paths = ["src"]\n')
+    s = scripted(env, "say hi\n")
+    assert s.rc == 125 and "too large to check" in s.err, s.err
+
+
+def test_an_env_file_where_an_earlier_agent_worked_never_decides(env: Env, user: User) -> None:
+    earlier = Path("/tmp") / ("agentcell-test-earlier-" + secrets.token_hex(4))
+    (earlier / "conf").mkdir(parents=True)  # root's, and an earlier session's project
+    try:
+        s = session(env, ["start", "--harness", "shell", "--project", str(earlier), "--json", "--", "true"],
+                    extra={"SUDO_UID": str(user.uid), "SUDO_GID": str(user.gid)})
+        assert s.rc == 0, s.err
+        ops = earlier / "conf" / "ops.env"  # root-only now, as a file the agent rewrote looks once revoked
+        ops.write_text(f"BACKUP_DIR={env.state}/agent-chose\n")
+        os.chown(ops, 0, 0)
+        ops.chmod(0o600)
+        environ = {k: v for k, v in _environ(env).items() if k != "BACKUP_DIR"}
+        p = subprocess.run([AGENTCELL, "session", "start", "--harness", "shell", "--env-file", str(ops), "--json",
+                            "--", "true"], capture_output=True, text=True, env=environ, cwd=env.project, timeout=120)
+        assert p.returncode == 125 and f"lies in {earlier}, where the agent of session" in p.stderr, p.stderr
+        assert not (env.state / "agent-chose").exists()
+    finally:
+        shutil.rmtree(earlier, ignore_errors=True)
 
 
 def test_a_fifo_or_link_as_agentcell_toml_is_refused_not_followed(env: Env) -> None:
@@ -862,16 +940,18 @@ def test_every_dotenv_in_the_declared_paths_is_hidden(env: Env, user: User) -> N
     (nested / "config").mkdir()
     names = [nested / n for n in (".env", ".env.local", ".envrc", "prod.env", ".env-prod", ".env_test", ".env~",
                                   "..env.swp", "#.env#", ".ENV", "prod.env.local", "x.env.bak", ".flaskenv",
-                                  ".dev.vars")]
-    names += [deep / ".env", nested / "config" / "secrets.env", nested / "node_modules" / ".env"]
-    (nested / "node_modules").mkdir()
+                                  ".dev.vars", ".env 2", ".env(1)", ".env.swp", "secrets.toml")]
+    names += [deep / ".env", nested / "config" / "secrets.env", nested / "node_modules" / "pkg" / ".env",
+              nested / ".env.d" / "prod", nested / ".envs" / ".production" / ".django"]
+    for d in ("node_modules/pkg", ".env.d", ".envs/.production"):
+        (nested / d).mkdir(parents=True)
     for f in names:
         f.write_text("SECRET=sk-nested\n")
     (nested / "config" / "real-secrets").write_text("SECRET=sk-linked\n")
     (nested / "config" / ".env.link").symlink_to("real-secrets")  # the file a .env link names
     for f in [nested, *nested.rglob("*")]:
         os.chown(f, user.uid, user.gid, follow_symlinks=False)
-    steps = "".join(f"read {f}\n" for f in [*names, nested / "config" / "real-secrets"])
+    steps = "".join(f"read {shlex.quote(str(f))}\n" for f in [*names, nested / "config" / "real-secrets"])
     s = scripted(env, steps, "--rw", "src")
     assert s.rc == 0 and s.out.count("DENIED: read") == len(names) + 1, (s.out, s.err)
 
@@ -886,12 +966,21 @@ def test_the_env_file_search_is_bounded_by_directories_and_a_cut_short_search_re
         (flood / f"f{i}").touch()
     (env.project / "src" / "deeper").mkdir()
     (env.project / "src" / "deeper" / ".env").write_text("K=v\n")
-    found, truncated = _dotenv_files([str(env.project / "src")], max_dirs=10)
-    assert not truncated and found == [str(env.project / "src" / "deeper" / ".env")]
+    found, stopped = _dotenv_files([str(env.project / "src")], max_dirs=10)
+    assert stopped is None and found == [str(env.project / "src" / "deeper" / ".env")]
     for i in range(MAX_ENV_DIRS):  # directories do (an earlier agent could make them): then no session
         (flood / f"d{i}").mkdir()
     s = session(env, ["start", "--harness", "shell", "--rw", "src", "--json", "--", "true"])
-    assert s.rc == 125 and "stopped at its limits" in s.err and "narrower" in s.err, s.err
+    assert s.rc == 125 and "stopped after 50,000 directories, at " in s.err and "narrower" in s.err, s.err
+
+
+def test_depth_alone_never_cuts_the_env_search_short(tmp_path: Path) -> None:
+    from agentcell.session.nodes import _dotenv_files
+
+    deep = tmp_path.joinpath(*["a"] * 60)  # an agent's mkdir -p: no longer a way to refuse every later session
+    deep.mkdir(parents=True)
+    (deep / ".env").write_text("K=v\n")
+    assert _dotenv_files([str(tmp_path)]) == ([str(deep / ".env")], None)
 
 
 def test_recover_acts_only_on_what_agentcell_made_for_that_session(env: Env, user: User) -> None:

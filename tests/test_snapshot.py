@@ -100,6 +100,32 @@ def test_restore_never_makes_a_directory_through_a_project_swapped_for_a_link(tr
     assert list(outside.iterdir()) == []
 
 
+def test_a_directory_swapped_in_while_restore_makes_it_is_not_given_away(
+        user: User, tree: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = Store(str(tmp_path / "store"))
+    sid = store.take([str(tree)])
+    home = tmp_path / "home"
+    home.mkdir()
+    os.chown(home, user.uid, user.gid)
+    decoy = home / "decoy"  # root's, with root's file in it
+    decoy.mkdir()
+    (decoy / "keep").write_text("root's\n")
+    real_mkdir = os.mkdir
+
+    def racing_mkdir(path: str, mode: int = 0o777, *, dir_fd: int | None = None) -> None:
+        real_mkdir(path, mode, dir_fd=dir_fd)
+        if dir_fd is not None and os.path.realpath(f"/proc/self/fd/{dir_fd}") == str(home):
+            # What the owner of home could do between mkdir and open (renameat2 RENAME_EXCHANGE):
+            os.rename(home / path, home / "made")
+            os.rename(decoy, home / path)
+    monkeypatch.setattr(os, "mkdir", racing_mkdir)
+    with pytest.raises(SnapshotError, match="changed while it was made"):
+        store.restore(sid, to=str(home))
+    monkeypatch.undo()
+    swapped = home / str(tmp_path).lstrip("/").split("/")[0]
+    assert swapped.stat().st_uid == 0 and (swapped / "keep").read_text() == "root's\n"
+
+
 def test_restore_to_another_directory(user: User, tree: Path, tmp_path: Path) -> None:
     store = Store(str(tmp_path / "store"))
     sid = store.take([str(tree)])

@@ -78,8 +78,18 @@ class Scan:
         self.repos: list[str] = []
         self.bare: list[str] = []  # directories git would take for a bare repository
         self.named: list[str] = []  # harness or shell entries found at any depth (nested CLAUDE.md, …)
+        # The repository each root lies in, when it is above the root: its config may point inside
+        # the root (core.hooksPath = .github/hooks with .github declared), which a scan starting at
+        # the root would never read.
+        self.enclosing: list[str] = []
         for root in self.roots:
             self._walk(root)
+            up = os.path.dirname(root)
+            while up != os.path.dirname(up):
+                if os.path.lexists(os.path.join(up, ".git")):
+                    self.enclosing.append(up)
+                    break
+                up = os.path.dirname(up)
 
     def _walk(self, root: str) -> None:
         level, seen = [root], 0
@@ -132,13 +142,24 @@ def _real_dir(path: str) -> bool:
 
 
 def _git_dirs(repo: str) -> list[str]:
-    """The repository's own git directory and every submodule's under .git/modules, at any depth
-    (MAX_MODULE_DEPTH levels, MAX_DIRS directories), never through a symlink: ``.git/modules`` made
-    a link to / would otherwise have the supervisor walk the host."""
+    return [gd for gd, _ in _git_dirs_worktrees(repo)]
+
+
+def _git_dirs_worktrees(repo: str) -> list[tuple[str, str]]:
+    """The repository's own git directory (a ``.git`` directory, or the one a ``.git`` file names)
+    and every submodule's under its ``modules``, at any depth (MAX_MODULE_DEPTH levels, MAX_DIRS
+    directories), each with the work tree its relative ``core.hooksPath`` is taken from (a
+    submodule's: its ``core.worktree``). Never through a symlink: ``.git/modules`` made a link to /
+    would otherwise have the supervisor walk the host."""
     git = os.path.join(repo, ".git")
-    if not _real_dir(git):
+    if _kind(git) == stat.S_IFREG:
+        named = _gitfile_target(git)
+        git = named if named and _real_dir(named) else ""
+    elif not _real_dir(git):
+        git = ""
+    if not git:
         return []
-    found, seen = [git], 0
+    found, seen = [(git, repo)], 0
     level = [m for m in (os.path.join(git, "modules"),) if _real_dir(m)]
     for _ in range(MAX_MODULE_DEPTH):
         nxt: list[str] = []
@@ -152,13 +173,25 @@ def _git_dirs(repo: str) -> list[str]:
                 if seen > MAX_DIRS:
                     return found
                 if os.path.lexists(os.path.join(e.path, "HEAD")):
-                    found.append(e.path)
+                    wt = _config_value(e.path, "core", "worktree")
+                    found.append((e.path, os.path.normpath(os.path.join(e.path, wt)) if wt else
+                                  os.path.join(repo, os.path.relpath(e.path, os.path.join(git, "modules")))))
                     if _real_dir(os.path.join(e.path, "modules")):
                         nxt.append(os.path.join(e.path, "modules"))
                 else:
                     nxt.append(e.path)  # a submodule named a/b: its git dir is modules/a/b
         level = nxt
     return found
+
+
+def _gitfile_target(gitfile: str) -> str | None:
+    """Where a ``.git`` file ("gitdir: <path>") says the repository is (relative to its directory)."""
+    text = _read_small(os.path.dirname(gitfile), os.path.basename(gitfile), 4096)
+    line = text.splitlines()[0] if text else ""
+    if not line.startswith("gitdir:") or "\0" in line:
+        return None
+    target = line[len("gitdir:"):].strip()
+    return os.path.normpath(os.path.join(os.path.dirname(gitfile), target))
 
 
 def _kind(path: str) -> int | None:
@@ -184,38 +217,49 @@ def pinned_paths(scan: Scan) -> tuple[str, ...]:
     return tuple(p for p in dict.fromkeys(out) if _kind(p) == stat.S_IFDIR)
 
 
-def _config_targets(git_dir: str, repo: str) -> list[str]:
-    """Paths a git config points at for code: core.hooksPath (husky, lefthook: often in the work tree)
-    and include.path files. A small reader, not git: agentcell never runs git on a repository an agent
-    could have prepared."""
-    out: list[str] = []
+def _config_entries(git_dir: str) -> list[tuple[str, str, str]]:
+    """(section, key, value) of a git dir's config, by a small reader, not git: agentcell never runs
+    git on a repository an agent could have prepared."""
+    out: list[tuple[str, str, str]] = []
     section = ""
-    for raw in _read_config(git_dir).splitlines():
+    for raw in _read_small(git_dir, "config", MAX_CONFIG).splitlines():
         line = raw.strip()
         if line.startswith("["):
             section = line.strip("[]").split()[0].lower() if line.strip("[]").split() else ""
             continue
         key, eq, value = line.partition("=")
         key, value = key.strip().lower(), value.split("#")[0].split(";")[0].strip().strip('"')
-        if not eq or not value or "\0" in value:
-            continue
+        if eq and value and "\0" not in value:
+            out.append((section, key, value))
+    return out
+
+
+def _config_value(git_dir: str, section: str, key: str) -> str | None:
+    return next((v for s, k, v in reversed(_config_entries(git_dir)) if s == section and k == key), None)
+
+
+def _config_targets(git_dir: str, worktree: str) -> list[str]:
+    """Paths a git config points at for code: core.hooksPath (husky, lefthook: often in the work tree;
+    relative to the work tree, a submodule's own) and include.path files (relative to the config)."""
+    out: list[str] = []
+    for section, key, value in _config_entries(git_dir):
         if section == "core" and key == "hookspath":
-            out.append(value if os.path.isabs(value) else os.path.join(repo, value))
+            out.append(value if os.path.isabs(value) else os.path.join(worktree, value))
         elif section in ("include", "includeif") and key == "path":
             out.append(value if os.path.isabs(value) else os.path.join(git_dir, value))
     return [os.path.normpath(os.path.expanduser(p)) for p in out]
 
 
-def _read_config(git_dir: str) -> str:
-    """A git dir's config, read as the supervisor (root, maybe) must read what an agent may have
-    written: no symlink followed anywhere on the way, a regular file only (not a FIFO to block on,
-    not /dev/zero), at most MAX_CONFIG bytes."""
+def _read_small(directory: str, name: str, limit: int) -> str:
+    """A file an agent may have written, read as the supervisor (root, maybe) must: no symlink
+    followed anywhere on the way, a regular file only (not a FIFO to block on, not /dev/zero), at
+    most ``limit`` bytes."""
     try:
-        dfd = paths.open_nofollow(git_dir)
+        dfd = paths.open_nofollow(directory)
     except LaunchError:
         return ""
     try:
-        fd = os.open("config", os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dfd)
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dfd)
     except OSError:
         return ""
     finally:
@@ -223,7 +267,7 @@ def _read_config(git_dir: str) -> str:
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             return ""
-        return os.read(fd, MAX_CONFIG).decode(errors="replace")
+        return os.read(fd, limit).decode(errors="replace")
     finally:
         os.close(fd)
 
@@ -238,11 +282,17 @@ def _candidates(scan: Scan) -> list[str]:
         git = os.path.join(repo, ".git")
         if _kind(git) == stat.S_IFREG:
             out.append(git)  # a gitfile: "gitdir: <where the repository really is>"
-        for gd in _git_dirs(repo):
+        for gd, worktree in _git_dirs_worktrees(repo):
             out += [os.path.join(gd, p) for p in GIT_PARTS]
-            out += [t for t in _config_targets(gd, repo)
+            out += [t for t in _config_targets(gd, worktree)
                     if any(t.startswith(r.rstrip("/") + "/") for r in scan.roots)]
-    return out
+    for repo in scan.enclosing:  # above a root: only what its config points at inside one
+        for gd, worktree in _git_dirs_worktrees(repo):
+            out += [t for t in _config_targets(gd, worktree)
+                    if any(t.startswith(r.rstrip("/") + "/") for r in scan.roots)]
+    # A .git file may name a git directory anywhere: what lies outside the roots is not the cell's
+    # to see, and must not be bound into it.
+    return [p for p in out if any(p == r or p.startswith(r.rstrip("/") + "/") for r in scan.roots)]
 
 
 def protected_paths(scan: Scan, allow_write: tuple[str, ...] = ()) -> tuple[str, ...]:
@@ -261,11 +311,14 @@ def lifted_inside(protected: tuple[str, ...], allow_write: tuple[str, ...]) -> t
                  and any(a.startswith(p.rstrip("/") + "/") for p in protected))
 
 
-def protected_surface(root: str) -> tuple[str, ...]:
+def protected_surface(root: str) -> tuple[tuple[str, ...], bool]:
     """Every protected entry found below ``root`` (real paths): git directories' hooks and config,
-    core.hooksPath and include.path targets, bare repositories' parts, harness and shell names at
-    any depth. What a project's own files may not declare writable."""
-    return tuple(os.path.realpath(p) for p in dict.fromkeys(_candidates(Scan((root,)))) if _kind(p) is not None)
+    core.hooksPath and include.path targets (of a repository enclosing ``root`` too), bare
+    repositories' parts, harness and shell names at any depth. What a project's own files may not
+    declare writable. And whether the scan was cut short (then some may be missing)."""
+    scan = Scan((root,))
+    return tuple(os.path.realpath(p) for p in dict.fromkeys(_candidates(scan)) if _kind(p) is not None), \
+        scan.truncated
 
 
 def protected_part(path: str, root: str) -> str | None:
@@ -307,6 +360,8 @@ def surface(writable: tuple[str, ...]) -> tuple[dict[str, tuple[int, int, int, i
     for repo in scan.repos:
         paths.append(os.path.join(repo, ".git"))
         for gd in _git_dirs(repo):
+            if not any(gd.startswith(r.rstrip("/") + "/") for r in scan.roots):
+                continue
             paths += [os.path.join(gd, p) for p in GIT_REDIRECTS]
             try:
                 wt = os.path.join(gd, "worktrees")

@@ -128,6 +128,9 @@ def _start(ns: Any, harness_args: list[str]) -> int:
     from ..session.nodes import compile_policy, make_plan
 
     plan, _ = make_plan(cfg.as_dict(), sid)  # bad input is refused here, before a session exists
+    if ns.env_file and any(w.endswith(f"(in {ns.env_file})") for k, w in cfg.sources.items()
+                           if k in config.HOST_KEYS or k == "declared_paths"):
+        _check_env_file_untouched(ns.env_file)
     from ..network import compile as nc
 
     nc.egress(plan.network, allow_domains=list(cfg.allow_domains), deny_domains=list(cfg.deny_domains),
@@ -215,6 +218,30 @@ def _load(sid: str) -> tuple[Any, dict[str, Any]]:
 
     check_recorded(st)
     return g, dict(st)
+
+
+def _check_env_file_untouched(path: str) -> None:
+    """An --env-file that decides where root writes must not lie where an earlier session's agent
+    could write (its project, its declared paths): a root-owned file the agent rewrote through its
+    grant and renamed there looks like root's own once the grant is gone. Checked against the
+    sessions this state dir records."""
+    from ..session import graph
+
+    real = os.path.realpath(path)
+    g, conn = _graph()
+    try:
+        for sid in graph.session_ids(conn):
+            st = graph.load(g, sid) or {}
+            cfg = st.get("config") or {}
+            places = [cfg.get("project_root") or "", *(cfg.get("declared_paths") or []),
+                      *((st.get("policy") or {}).get("rw_paths") or [])]
+            for place in (os.path.realpath(p) for p in places if p):
+                if real == place or real.startswith(place.rstrip("/") + "/"):
+                    raise AgentcellError("--env-file", f"{path} lies in {place}, where the agent of session {sid} "
+                                         "could write", "keep the file where no agent has worked, or give the "
+                                         "values as flags")
+    finally:
+        conn.close()
 
 
 def _list(ns: Any) -> int:

@@ -368,7 +368,11 @@ def load(flags: Mapping[str, Any], *, environ: Mapping[str, str] | None = None, 
             from ..cell.protect import protected_part, protected_surface
 
             real_root = os.path.realpath(root)
-            surface = protected_surface(real_root)
+            surface, cut_short = protected_surface(real_root)
+            if cut_short:  # what decides what runs may lie past the scan's limits
+                raise PolicyError(where, "the project is too large to check what its files declare (the scan "
+                                  "for hooks and harness config stopped at its limits)",
+                                  "give the paths with --rw instead")
             for d in declared:
                 real = os.path.realpath(d)
                 if real != real_root and not real.startswith(real_root + "/"):
@@ -401,18 +405,33 @@ def load(flags: Mapping[str, Any], *, environ: Mapping[str, str] | None = None, 
         raise PolicyError(sources["network"], f"network {values['network']} contradicts FIREWALL_ENABLED "
                           f"(from {sources['firewall_enabled']})", "drop one of them")
     # A file in the project may narrow the network its harness gets, never widen it: a cloned repository
-    # (or an earlier agent) must not open the host's network to the next session.
+    # (or an earlier agent) must not open the host's network to the next session. A harness it picks
+    # counts as its choice of network too (with the network come that harness's API keys).
     from .profiles import PROFILES
 
-    default_net = PROFILES[values.get("harness", cfg.harness)].network
-    chosen_by = "network" if "network" in values else "firewall_enabled" if values.get("firewall_enabled") else None
-    if chosen_by is not None:
-        where = sources[chosen_by]
-        asked = str(values["network"]) if chosen_by == "network" else "host-firewall"
-        if (where.startswith(toml_where) or (" (in " in where and not dot_ours)) and \
-                NETWORKS_BY_WIDTH.index(asked) > NETWORKS_BY_WIDTH.index(default_net):
-            raise PolicyError(where, f"a file in the project may not widen the network beyond the harness's "
-                              f"{default_net}", f"give {FLAGS[chosen_by]} on the command line")
+    def by_file(where: str) -> bool:
+        return where.startswith(toml_where) or (" (in " in where and not dot_ours)
+
+    harness = str(values.get("harness", cfg.harness))
+    harness_by_file = by_file(sources.get("harness", ""))
+    allowed = PROFILES[cfg.harness if harness_by_file else harness].network  # cfg.harness: the default
+    domain_rules = any(flags.get(k) for k in (*EGRESS_KEYS, "resolver"))
+    if "network" in values:
+        key, asked = "network", str(values["network"])
+    elif values.get("firewall_enabled"):
+        key, asked = "firewall_enabled", "host-firewall"
+    elif domain_rules:
+        key, asked = "", "proxy"  # the flags' own choice
+    else:
+        key, asked = "harness", PROFILES[harness].network
+    where = sources.get(key, "")
+    if key and by_file(where) and NETWORKS_BY_WIDTH.index(asked) > NETWORKS_BY_WIDTH.index(allowed):
+        if key == "harness":
+            raise PolicyError(where, f"a harness chosen by a file in the project may not reach the network "
+                              f"({harness} would get {asked})", f"give --harness {harness} (or AGENT_HARNESS in "
+                              "the environment), or --net none")
+        raise PolicyError(where, f"a file in the project may not widen the network beyond the harness's {allowed}",
+                          f"give {FLAGS[key]} on the command line")
     for key in EGRESS_KEYS:  # flags only (see the module's doc)
         if flags.get(key):
             values[key], sources[key] = tuple(str(v) for v in flags[key]), FLAGS[key]

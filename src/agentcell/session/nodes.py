@@ -575,75 +575,71 @@ def _config_files(files: list[str], declared: list[str]) -> tuple[list[str], lis
         marks[f] = _fingerprint(f)
         if marks[f] is not None:  # the env file the session read (whatever its name) is hidden, the toml read-only
             (ro if os.path.basename(f) == "agentcell.toml" else masked).append(f)
-    found, truncated = _dotenv_files(declared)
+    found, stopped = _dotenv_files(declared)
     masked += [f for f in found if f not in masked]
-    if truncated:
-        raise PolicyError("declared_paths", f"the search for .env files in {', '.join(declared)} stopped at its "
-                          f"limits ({MAX_ENV_DIRS:,} directories, {MAX_ENV_DEPTH} levels): one past them would not "
-                          "be hidden from the agent", "declare narrower paths with --rw")
+    if stopped is not None:
+        raise PolicyError("declared_paths", f"the search for .env files in {', '.join(declared)} stopped after "
+                          f"{MAX_ENV_DIRS:,} directories, at {stopped}: one past it would not be hidden from the agent",
+                          "declare narrower paths with --rw, or remove what fills them")
     return ro, masked, marks
 
 
 SKIP_DIRS = frozenset({".git", "node_modules", ".venv", "venv", "__pycache__", ".tox", ".mypy_cache", "target"})
 
 
-ENV_NAMES = frozenset({".env", ".envrc", ".flaskenv", ".dev.vars", ".secrets"})
+ENV_NAMES = frozenset({".envrc", ".envs", ".flaskenv", ".dev.vars", ".secrets", "secrets.toml", ".secrets.toml"})
 
 
 def is_env_file(name: str) -> bool:
-    """Names people keep secrets under, in any case, and the copies editors keep of them: .env,
-    .env.local, .env-prod, .env_test, prod.env, prod.env.local, x.env.bak, .envrc, .flaskenv,
-    .dev.vars; .env~, #.env#, .env.swp (vim's is ..env.swp)."""
-    n = name.lower().strip("#").rstrip("~")
-    if n.startswith(".") and n.endswith((".swp", ".swo", ".swx")):
-        n = n[1:-4]
-    return n in ENV_NAMES or n.startswith((".env.", ".env-", ".env_")) or ".env." in n or \
-        (n.endswith(".env") and len(n) > 4)
+    """Names people keep secrets under, in any case, and the copies editors and file managers make of
+    them: .env, .env.local, .env-prod, .env_test, ".env 2", .env(1), prod.env, prod.env.local,
+    x.env.bak, .envrc, .envs (cookiecutter's directory), .flaskenv, .dev.vars, secrets.toml;
+    .env~, #.env#, vim's ..env.swp. Not .environment or env.py."""
+    raw = name.lower()
+    for n in {raw, raw.strip("#").rstrip("~"), raw[1:-4] if raw.startswith(".") and
+              raw.endswith((".swp", ".swo", ".swx")) else raw}:
+        if n in ENV_NAMES or (n.startswith(".env") and (len(n) == 4 or not n[4].isalnum())) or \
+                ".env." in n or (n.endswith(".env") and len(n) > 4):
+            return True
+    return False
 
 
 MAX_ENV_DIRS = 50_000
-MAX_ENV_DEPTH = 32
 
 
-def _dotenv_files(declared: list[str], *, max_dirs: int = MAX_ENV_DIRS,
-                  max_depth: int = MAX_ENV_DEPTH) -> tuple[list[str], bool]:
-    """Every env file (:func:`is_env_file`) in the declared paths (a nested ``backend/.env`` too), and
-    the file an env-named link points at when it lies in them: the secrets people keep there are not
-    the agent's. Links are not followed. Dependency and VCS trees are looked into at their top only.
-    The walk is bounded by directories (not files: a flood of files in one directory does not cut
-    it short) and says whether it was cut short (the session is then refused: what lies past it would
-    not be hidden)."""
+def _dotenv_files(declared: list[str], *, max_dirs: int = MAX_ENV_DIRS) -> tuple[list[str], str | None]:
+    """Every env file or directory (:func:`is_env_file`) in the declared paths, at any depth, and the
+    file an env-named link points at when it lies in them: the secrets people keep there are not the
+    agent's. Links are not followed. Dependency and VCS trees are looked into two levels deep. The
+    walk is bounded by directories (not files, not depth: an explicit stack), and says where it
+    stopped when cut short (the session is then refused: what lies past it would not be hidden)."""
     out: list[str] = []
     roots = [os.path.realpath(d) for d in declared]
-    todo = [(r, 0) for r in roots]
+    todo = [(r, 0) for r in roots]  # (directory, levels left below a dependency tree's top; 0: no bound)
     seen = 0
-    truncated = False
     while todo:
-        d, level = todo.pop()
+        d, left = todo.pop()
         seen += 1
         if seen > max_dirs:
-            truncated = True
-            break
+            return sorted(set(out)), d
         try:
             entries = list(os.scandir(d))
-        except OSError:
+        except OSError:  # gone, unreadable, or a name past PATH_MAX (only an agent makes those)
             continue
         for e in entries:
             if is_env_file(e.name):
-                if e.is_file(follow_symlinks=False):
-                    out.append(e.path)
+                if e.is_file(follow_symlinks=False) or e.is_dir(follow_symlinks=False):
+                    out.append(e.path)  # a directory (.envs/, .env.d/) is hidden whole
                 elif e.is_symlink():
                     target = os.path.realpath(e.path)
-                    if os.path.isfile(target) and any(target.startswith(r.rstrip("/") + "/") for r in roots):
+                    if os.path.exists(target) and any(target.startswith(r.rstrip("/") + "/") for r in roots):
                         out.append(target)
-            elif level >= 0 and e.is_dir(follow_symlinks=False):
-                if e.name in SKIP_DIRS:
-                    todo.append((e.path, -1))  # its top only (-1: no deeper)
-                elif level < max_depth:
-                    todo.append((e.path, level + 1))
+            elif e.is_dir(follow_symlinks=False) and left != 1 and e.name != ".git":
+                if left == 0 and e.name in SKIP_DIRS:
+                    todo.append((e.path, 2))  # its top and one level below: node_modules/pkg/.env
                 else:
-                    truncated = True
-    return sorted(set(out)), truncated
+                    todo.append((e.path, left - 1 if left else 0))
+    return sorted(set(out)), None
 
 
 def _fingerprint(path: str) -> str | None:

@@ -518,7 +518,13 @@ def _mkdirs_nofollow(path: str) -> None:
                     made = False
                 nfd = os.open(part, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
                 if made:
-                    up = os.fstat(fd)
+                    # The one made here: ours and empty (the parent's owner could have swapped the name
+                    # for another directory in between; one of root's with files in it must not become theirs).
+                    st, up = os.fstat(nfd), os.fstat(fd)
+                    if st.st_uid != os.geteuid() or os.listdir(f"/proc/self/fd/{nfd}"):
+                        os.close(nfd)
+                        raise SnapshotError("PATH", f"{path}: '{part}' changed while it was made",
+                                            "restore again; if it happens again, someone is racing the restore")
                     os.chown(f"/proc/self/fd/{nfd}", up.st_uid, up.st_gid)  # the directory opened, not a name
             except OSError as e:  # ELOOP, ENOTDIR: a link or a file where a directory should be
                 raise SnapshotError("PATH", f"{path}: '{part}' is not a directory ({e.strerror})",
