@@ -803,23 +803,28 @@ def test_a_project_file_cannot_widen_the_harness_network(env: Env, toml: str) ->
     assert s.rc == 0, s.err  # the operator's flag may
 
 
-def test_a_harness_a_project_file_picks_may_not_bring_the_network(env: Env) -> None:
+def test_a_harness_a_project_file_picks_may_not_bring_the_network_nor_keys(env: Env) -> None:
     from agentcell.errors import PolicyError
     from agentcell.session.config import load
 
-    (env.project / "agentcell.toml").write_text('[session]\nharness = "claude_code"\n')
-    with pytest.raises(PolicyError, match="a harness chosen by a file in the project may not reach the network"):
-        load({}, environ={}, cwd=str(env.project))
-    assert load({"harness": "claude_code"}, environ={}, cwd=str(env.project)).harness == "claude_code"
+    (env.project / "agentcell.toml").write_text('[session]\nharness = "claude_code"\nnetwork = "none"\n')
+    (env.project / ".env").write_text("ANTHROPIC_API_KEY=sk-yours\n")  # the seed's place for keys
+    for flags in ({}, {"network": "none"}, {"allow_domains": ["pypi.org"]}, {"network": "proxy"}):
+        with pytest.raises(PolicyError, match="a harness chosen by a file in the project may not bring the network "
+                                              "or your API keys"):
+            load(flags, environ={}, cwd=str(env.project))
+    cfg = load({"harness": "claude_code"}, environ={}, cwd=str(env.project))
+    assert (cfg.harness, cfg.network, sorted(cfg.secrets)) == ("claude_code", "none", ["ANTHROPIC_API_KEY"])
     assert load({}, environ={"AGENT_HARNESS": "claude_code"}, cwd=str(env.project)).harness == "claude_code"
-    assert load({"network": "proxy"}, environ={}, cwd=str(env.project)).network == "proxy"  # the operator's word
+    (env.project / "agentcell.toml").write_text('[session]\nharness = "scripted"\n')  # no network, no keys
+    assert load({}, environ={}, cwd=str(env.project)).harness == "scripted"
 
 
 def test_a_project_file_may_narrow_the_harness_network(env: Env) -> None:
     from agentcell.session.config import load
 
-    (env.project / "agentcell.toml").write_text('[session]\nharness = "claude_code"\nnetwork = "none"\n')
-    assert load({}, environ={}, cwd=str(env.project)).network == "none"
+    (env.project / "agentcell.toml").write_text('[session]\nnetwork = "none"\n')
+    assert load({"harness": "claude_code"}, environ={}, cwd=str(env.project)).network == "none"
 
 
 @pytest.mark.parametrize("declared", [".git/hooks", ".claude", ".husky/_", ".githooks", "remote.git/hooks"])
@@ -874,6 +879,73 @@ def test_a_submodules_own_hooks_path_stays_read_only(env: Env, user: User) -> No
     s = scripted(env, f"write {sub}/.githooks/pre-commit pwned\n", "--rw", ".")
     assert s.rc == 0 and "DENIED: write" in s.out, s.out
     assert not (sub / ".githooks" / "pre-commit").exists()
+
+
+def _linked_worktree(project: Path, outside: Path) -> str:
+    """The project is a linked worktree (git worktree add) of a repository outside it."""
+    main = _repo(outside / ".git", hooks_path=".github/hooks")
+    wt = main / "worktrees" / "proj"
+    wt.mkdir(parents=True)
+    (wt / "HEAD").write_text("ref: refs/heads/wt\n")
+    (wt / "commondir").write_text("../..\n")
+    (wt / "gitdir").write_text(f"{project}/.git\n")
+    (project / ".git").write_text(f"gitdir: {wt}\n")
+    return ".github/hooks/pre-commit"
+
+
+def _included_hooks_path(project: Path, outside: Path) -> str:
+    _repo(project / ".git")
+    (project / ".git" / "config").write_text("[include]\n\tpath = ../.gitconfig\n")
+    (project / ".gitconfig").write_text("[core]\n\thooksPath = .githooks\n")  # committed with the project
+    return ".githooks/pre-commit"
+
+
+def _worktree_config(project: Path, outside: Path) -> str:
+    _repo(project / ".git")
+    (project / ".git" / "config.worktree").write_text("[core]\n")  # sparse-checkout's
+    return ".git/config.worktree"
+
+
+def _hooks_path_through_a_link(project: Path, outside: Path) -> str:
+    (outside / "link").symlink_to(project)
+    _repo(project / ".git", hooks_path=f"{outside}/link/.githooks")
+    return ".githooks/pre-commit"
+
+
+def _superproject_points_into_a_submodule(project: Path, outside: Path) -> str:
+    _repo(project / ".git", hooks_path="shared/ci/hooks")
+    _repo(project / ".git" / "modules" / "shared", worktree="../../../shared")
+    (project / "shared").mkdir()
+    (project / "shared" / ".git").write_text("gitdir: ../.git/modules/shared\n")
+    return "shared/ci/hooks/pre-commit"
+
+
+@pytest.mark.parametrize("layout", [_linked_worktree, _included_hooks_path, _worktree_config,
+                                    _hooks_path_through_a_link, _superproject_points_into_a_submodule])
+def test_what_git_runs_stays_read_only_however_the_config_reaches_it(
+        env: Env, user: User, layout: Any, tmp_path: Path) -> None:
+    target = env.project / layout(env.project, tmp_path)  # red team, round 5 (helper 24)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if not target.exists():
+        parts = target.relative_to(env.project).parts
+        for i in range(1, len(parts)):
+            shutil.chown(env.project.joinpath(*parts[:i]), user.uid, user.gid)
+    declared = ["--rw", "shared/ci"] if "shared" in str(target) else ["--rw", "."]
+    s = scripted(env, f"append {target} pwned\n", *declared)
+    assert s.rc == 0 and "DENIED: append" in s.out, (s.out, s.err)
+    assert "pwned" not in (target.read_text() if target.exists() else "")
+
+
+def test_a_virtualenv_named_dotenv_is_neither_configuration_nor_hidden(env: Env) -> None:
+    venv = env.project / "src" / ".env"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "pyvenv.cfg").write_text("home = /usr/bin\n")
+    (venv / ".env").write_text("SECRET=inside\n")  # an env file inside it still is one
+    s = scripted(env, f"read {venv}/pyvenv.cfg\nread {venv}/.env\n", "--rw", "src")
+    assert s.rc == 0 and s.out.count("ALLOWED: read") == 1 and s.out.count("DENIED: read") == 1, (s.out, s.err)
+    (env.project / ".env").mkdir()  # python -m venv .env at the top: not a .env file to read
+    s = scripted(env, "say hi\n", "--rw", "src")
+    assert s.rc == 0, s.err
 
 
 def test_project_file_paths_are_refused_when_the_protected_scan_is_cut_short(env: Env) -> None:

@@ -85,10 +85,9 @@ class Scan:
         for root in self.roots:
             self._walk(root)
             up = os.path.dirname(root)
-            while up != os.path.dirname(up):
-                if os.path.lexists(os.path.join(up, ".git")):
+            while up != os.path.dirname(up):  # every one: a submodule's superproject may point into it too
+                if os.path.lexists(os.path.join(up, ".git")) and up not in self.enclosing:
                     self.enclosing.append(up)
-                    break
                 up = os.path.dirname(up)
 
     def _walk(self, root: str) -> None:
@@ -194,6 +193,13 @@ def _gitfile_target(gitfile: str) -> str | None:
     return os.path.normpath(os.path.join(os.path.dirname(gitfile), target))
 
 
+def _listdir(d: str) -> list[str]:
+    try:
+        return os.listdir(d)[:MAX_DIRS] if _real_dir(d) else []
+    except OSError:
+        return []
+
+
 def _kind(path: str) -> int | None:
     try:
         return stat.S_IFMT(os.lstat(path).st_mode)
@@ -217,12 +223,13 @@ def pinned_paths(scan: Scan) -> tuple[str, ...]:
     return tuple(p for p in dict.fromkeys(out) if _kind(p) == stat.S_IFDIR)
 
 
-def _config_entries(git_dir: str) -> list[tuple[str, str, str]]:
-    """(section, key, value) of a git dir's config, by a small reader, not git: agentcell never runs
-    git on a repository an agent could have prepared."""
+MAX_INCLUDES = 20  # config files read per git directory, includes followed
+
+
+def _parse_config(text: str) -> list[tuple[str, str, str]]:
     out: list[tuple[str, str, str]] = []
     section = ""
-    for raw in _read_small(git_dir, "config", MAX_CONFIG).splitlines():
+    for raw in text.splitlines():
         line = raw.strip()
         if line.startswith("["):
             section = line.strip("[]").split()[0].lower() if line.strip("[]").split() else ""
@@ -234,20 +241,54 @@ def _config_entries(git_dir: str) -> list[tuple[str, str, str]]:
     return out
 
 
+def _config_entries(git_dir: str) -> list[tuple[str, str, str]]:
+    """(section, key, value) of a git dir's own config and config.worktree (a small reader, not git:
+    agentcell never runs git on a repository an agent could have prepared)."""
+    return [e for name in ("config", "config.worktree") for e in _parse_config(_read_small(git_dir, name, MAX_CONFIG))]
+
+
 def _config_value(git_dir: str, section: str, key: str) -> str | None:
     return next((v for s, k, v in reversed(_config_entries(git_dir)) if s == section and k == key), None)
 
 
 def _config_targets(git_dir: str, worktree: str) -> list[str]:
-    """Paths a git config points at for code: core.hooksPath (husky, lefthook: often in the work tree;
-    relative to the work tree, a submodule's own) and include.path files (relative to the config)."""
+    """Paths the config git reads for this git dir points at for code: core.hooksPath (husky,
+    lefthook: often in the work tree; relative to the work tree, a submodule's or a linked
+    worktree's own; ``~`` is the human's home) and include.path / includeIf files, whose own
+    contents are read too (up to MAX_INCLUDES files). A linked worktree's git dir has little config of
+    its own: the shared one is found through its ``commondir``."""
+    files: list[tuple[str, str]] = [(git_dir, "config"), (git_dir, "config.worktree")]
+    common = _read_small(git_dir, "commondir", 4096).strip()
+    if common and "\0" not in common:
+        common_dir = os.path.normpath(os.path.join(git_dir, common))
+        files += [(common_dir, "config"), (common_dir, "config.worktree")]
     out: list[str] = []
-    for section, key, value in _config_entries(git_dir):
-        if section == "core" and key == "hookspath":
-            out.append(value if os.path.isabs(value) else os.path.join(worktree, value))
-        elif section in ("include", "includeif") and key == "path":
-            out.append(value if os.path.isabs(value) else os.path.join(git_dir, value))
-    return [os.path.normpath(os.path.expanduser(p)) for p in out]
+    done = 0
+    while files and done < MAX_INCLUDES:
+        directory, name = files.pop(0)
+        done += 1
+        for section, key, value in _parse_config(_read_small(directory, name, MAX_CONFIG)):
+            if section == "core" and key == "hookspath":
+                out.append(os.path.join(worktree, _expand_home(value)))  # an absolute one stays as it is
+            elif section in ("include", "includeif") and key == "path":
+                target = os.path.normpath(os.path.join(directory, _expand_home(value)))
+                out.append(target)
+                files.append((os.path.dirname(target), os.path.basename(target)))
+    return [os.path.normpath(p) for p in out]
+
+
+def _expand_home(value: str) -> str:
+    """``~`` as git expands it: the home of the person who will run git (behind sudo: theirs)."""
+    if not value.startswith("~/") and value != "~":
+        return value
+    import pwd
+
+    uid = os.environ.get("SUDO_UID", "")
+    try:
+        home = pwd.getpwuid(int(uid)).pw_dir if uid.isdigit() else os.path.expanduser("~")
+    except KeyError:
+        home = os.path.expanduser("~")
+    return home + value[1:]
 
 
 def _read_small(directory: str, name: str, limit: int) -> str:
@@ -283,12 +324,14 @@ def _candidates(scan: Scan) -> list[str]:
         if _kind(git) == stat.S_IFREG:
             out.append(git)  # a gitfile: "gitdir: <where the repository really is>"
         for gd, worktree in _git_dirs_worktrees(repo):
-            out += [os.path.join(gd, p) for p in GIT_PARTS]
-            out += [t for t in _config_targets(gd, worktree)
+            out += [os.path.join(gd, p) for p in (*GIT_PARTS, *GIT_REDIRECTS)]
+            out += [os.path.join(gd, "worktrees", w, f) for w in _listdir(os.path.join(gd, "worktrees"))
+                    for f in ("commondir", "gitdir", "config.worktree")]
+            out += [t for t in map(os.path.realpath, _config_targets(gd, worktree))
                     if any(t.startswith(r.rstrip("/") + "/") for r in scan.roots)]
     for repo in scan.enclosing:  # above a root: only what its config points at inside one
         for gd, worktree in _git_dirs_worktrees(repo):
-            out += [t for t in _config_targets(gd, worktree)
+            out += [t for t in map(os.path.realpath, _config_targets(gd, worktree))
                     if any(t.startswith(r.rstrip("/") + "/") for r in scan.roots)]
     # A .git file may name a git directory anywhere: what lies outside the roots is not the cell's
     # to see, and must not be bound into it.

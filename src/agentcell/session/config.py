@@ -105,6 +105,8 @@ def read_dotenv_owned(path: str, *, explicit: bool = False) -> tuple[dict[str, s
         return {}, False
     try:
         st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode) and not explicit:
+            return {}, False  # a virtualenv named .env: no configuration here
         if not stat.S_ISREG(st.st_mode) or st.st_size > 1 << 20:
             raise PolicyError(path, "is not a regular file of at most 1 MiB", "point --env-file at a .env file")
         with os.fdopen(os.dup(fd), encoding="utf-8") as f:
@@ -405,8 +407,8 @@ def load(flags: Mapping[str, Any], *, environ: Mapping[str, str] | None = None, 
         raise PolicyError(sources["network"], f"network {values['network']} contradicts FIREWALL_ENABLED "
                           f"(from {sources['firewall_enabled']})", "drop one of them")
     # A file in the project may narrow the network its harness gets, never widen it: a cloned repository
-    # (or an earlier agent) must not open the host's network to the next session. A harness it picks
-    # counts as its choice of network too (with the network come that harness's API keys).
+    # (or an earlier agent) must not open the host's network to the next session. Nor may it pick a
+    # harness that brings a network or API keys of its own.
     from .profiles import PROFILES
 
     def by_file(where: str) -> bool:
@@ -414,22 +416,20 @@ def load(flags: Mapping[str, Any], *, environ: Mapping[str, str] | None = None, 
 
     harness = str(values.get("harness", cfg.harness))
     harness_by_file = by_file(sources.get("harness", ""))
-    allowed = PROFILES[cfg.harness if harness_by_file else harness].network  # cfg.harness: the default
-    domain_rules = any(flags.get(k) for k in (*EGRESS_KEYS, "resolver"))
+    if harness_by_file and (PROFILES[harness].network != "none" or PROFILES[harness].secret_env):
+        # With a harness come its egress preset and your API keys: that choice is yours to make.
+        raise PolicyError(sources["harness"], f"a harness chosen by a file in the project may not bring the network "
+                          f"or your API keys ({harness})", f"give --harness {harness}, or set AGENT_HARNESS in the "
+                          "environment")
+    allowed = PROFILES[harness].network
     if "network" in values:
         key, asked = "network", str(values["network"])
     elif values.get("firewall_enabled"):
         key, asked = "firewall_enabled", "host-firewall"
-    elif domain_rules:
-        key, asked = "", "proxy"  # the flags' own choice
     else:
-        key, asked = "harness", PROFILES[harness].network
+        key, asked = "", allowed
     where = sources.get(key, "")
     if key and by_file(where) and NETWORKS_BY_WIDTH.index(asked) > NETWORKS_BY_WIDTH.index(allowed):
-        if key == "harness":
-            raise PolicyError(where, f"a harness chosen by a file in the project may not reach the network "
-                              f"({harness} would get {asked})", f"give --harness {harness} (or AGENT_HARNESS in "
-                              "the environment), or --net none")
         raise PolicyError(where, f"a file in the project may not widen the network beyond the harness's {allowed}",
                           f"give {FLAGS[key]} on the command line")
     for key in EGRESS_KEYS:  # flags only (see the module's doc)

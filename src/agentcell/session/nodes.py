@@ -628,8 +628,13 @@ def _dotenv_files(declared: list[str], *, max_dirs: int = MAX_ENV_DIRS) -> tuple
             continue
         for e in entries:
             if is_env_file(e.name):
-                if e.is_file(follow_symlinks=False) or e.is_dir(follow_symlinks=False):
-                    out.append(e.path)  # a directory (.envs/, .env.d/) is hidden whole
+                if e.is_file(follow_symlinks=False):
+                    out.append(e.path)
+                elif e.is_dir(follow_symlinks=False):
+                    if os.path.lexists(os.path.join(e.path, "pyvenv.cfg")):  # python -m venv .env
+                        todo.append((e.path, 2))  # a virtualenv: searched like one
+                    else:
+                        out.append(e.path)  # .envs/, .env.d/: hidden whole
                 elif e.is_symlink():
                     target = os.path.realpath(e.path)
                     if os.path.exists(target) and any(target.startswith(r.rstrip("/") + "/") for r in roots):
