@@ -936,6 +936,18 @@ def test_what_git_runs_stays_read_only_however_the_config_reaches_it(
     assert "pwned" not in (target.read_text() if target.exists() else "")
 
 
+def test_a_hooks_path_directory_the_agent_creates_is_moved_aside(env: Env, user: User) -> None:
+    _repo(env.project / ".git", hooks_path="tools/git-hooks")  # configured, not there yet
+    (env.project / "tools").mkdir()
+    shutil.chown(env.project / "tools", user.uid, user.gid)
+    s = scripted(env, f"run mkdir {env.project}/tools/git-hooks\nwrite {env.project}/tools/git-hooks/pre-commit "
+                      "pwned\n", "--rw", ".")
+    assert s.rc == 0 and "DENIED" not in s.out, (s.out, s.err)
+    assert not (env.project / "tools" / "git-hooks").exists()  # where git would run it: gone
+    [moved] = [w for w in s.summary["warnings"] if "tools/git-hooks" in w]
+    assert "quarantine" in moved, s.summary["warnings"]
+
+
 def test_a_virtualenv_named_dotenv_is_neither_configuration_nor_hidden(env: Env) -> None:
     venv = env.project / "src" / ".env"
     (venv / "bin").mkdir(parents=True)
@@ -971,9 +983,16 @@ def test_an_env_file_where_an_earlier_agent_worked_never_decides(env: Env, user:
         p = subprocess.run([AGENTCELL, "session", "start", "--harness", "shell", "--env-file", str(ops), "--json",
                             "--", "true"], capture_output=True, text=True, env=environ, cwd=env.project, timeout=120)
         assert p.returncode == 125 and f"lies in {earlier}, where the agent of session" in p.stderr, p.stderr
+        renamed = earlier.with_name(earlier.name + "-renamed")  # the same directory: known by its inode
+        earlier.rename(renamed)
+        p = subprocess.run([AGENTCELL, "session", "start", "--harness", "shell", "--env-file",
+                            str(renamed / "conf" / "ops.env"), "--json", "--", "true"],
+                           capture_output=True, text=True, env=environ, cwd=env.project, timeout=120)
+        assert p.returncode == 125 and f"lies in {renamed}, where the agent of session" in p.stderr, p.stderr
         assert not (env.state / "agent-chose").exists()
     finally:
         shutil.rmtree(earlier, ignore_errors=True)
+        shutil.rmtree(earlier.with_name(earlier.name + "-renamed"), ignore_errors=True)
 
 
 def test_a_fifo_or_link_as_agentcell_toml_is_refused_not_followed(env: Env) -> None:

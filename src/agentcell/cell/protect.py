@@ -251,7 +251,7 @@ def _config_value(git_dir: str, section: str, key: str) -> str | None:
     return next((v for s, k, v in reversed(_config_entries(git_dir)) if s == section and k == key), None)
 
 
-def _config_targets(git_dir: str, worktree: str) -> list[str]:
+def _config_targets(git_dir: str, worktree: str, *, includes: bool = True) -> list[str]:
     """Paths the config git reads for this git dir points at for code: core.hooksPath (husky,
     lefthook: often in the work tree; relative to the work tree, a submodule's or a linked
     worktree's own; ``~`` is the human's home) and include.path / includeIf files, whose own
@@ -270,7 +270,7 @@ def _config_targets(git_dir: str, worktree: str) -> list[str]:
         for section, key, value in _parse_config(_read_small(directory, name, MAX_CONFIG)):
             if section == "core" and key == "hookspath":
                 out.append(os.path.join(worktree, _expand_home(value)))  # an absolute one stays as it is
-            elif section in ("include", "includeif") and key == "path":
+            elif includes and section in ("include", "includeif") and key == "path":
                 target = os.path.normpath(os.path.join(directory, _expand_home(value)))
                 out.append(target)
                 files.append((os.path.dirname(target), os.path.basename(target)))
@@ -454,7 +454,9 @@ def quarantine(before: dict[str, tuple[int, int, int, int]], after: dict[str, tu
     # whoever owns it (a directory of the user's the agent renamed into .claude, say); only a cut
     # short scan needs the owner to tell the cell's work from entries it never saw.
     owner_uid = owner_uid if before_truncated else None
-    created = sorted(p for p in after if (p not in before or before_truncated) and os.path.basename(p) in _STRUCTURE
+    hooks = _hooks_paths_held(before, after, writable)
+    created = sorted(p for p in after if (p not in before or before_truncated)
+                     and (os.path.basename(p) in _STRUCTURE or p in hooks)
                      and not any(p == a or p.startswith(a + "/") for a in lifted)
                      and not any(p == k or p.startswith(k + "/") for k in fences))
     moved: list[tuple[str, str]] = []
@@ -486,6 +488,22 @@ def quarantine(before: dict[str, tuple[int, int, int, int]], after: dict[str, tu
         for fd, _name in boxes.values():
             os.close(fd)
     return moved, failed
+
+
+def _hooks_paths_held(before: dict[str, tuple[int, int, int, int]], after: dict[str, tuple[int, int, int, int]],
+                      writable: tuple[str, ...]) -> set[str]:
+    """The ``core.hooksPath`` directories named by configs the run could not change (the same before and
+    after it: bound read-only, or above the writable paths): one the run created there is the
+    agent's hooks, and moves like structure. Never what a config the agent wrote (or an include file)
+    names: that could be the user's own directory."""
+    scan = Scan(writable)
+    out: set[str] = set()
+    for repo in (*scan.repos, *scan.enclosing):
+        for gd, worktree in _git_dirs_worktrees(repo):
+            config = os.path.join(gd, "config")
+            if repo in scan.enclosing or (config in before and before.get(config) == after.get(config)):
+                out.update(os.path.realpath(t) for t in _config_targets(gd, worktree, includes=False))
+    return out
 
 
 def _ancestors(path: str) -> list[str]:

@@ -228,6 +228,17 @@ def _check_env_file_untouched(path: str) -> None:
     from ..session import graph
 
     real = os.path.realpath(path)
+    ancestors: dict[tuple[int, int], str] = {}  # by identity too: a former project renamed since
+    d = os.path.dirname(real)
+    while True:
+        try:
+            dst = os.stat(d)
+            ancestors[(dst.st_dev, dst.st_ino)] = d
+        except OSError:
+            pass
+        if d == os.path.dirname(d):
+            break
+        d = os.path.dirname(d)
     g, conn = _graph()
     try:
         for sid in graph.session_ids(conn):
@@ -235,11 +246,14 @@ def _check_env_file_untouched(path: str) -> None:
             cfg = st.get("config") or {}
             places = [cfg.get("project_root") or "", *(cfg.get("declared_paths") or []),
                       *((st.get("policy") or {}).get("rw_paths") or [])]
-            for place in (os.path.realpath(p) for p in places if p):
-                if real == place or real.startswith(place.rstrip("/") + "/"):
-                    raise AgentcellError("--env-file", f"{path} lies in {place}, where the agent of session {sid} "
-                                         "could write", "keep the file where no agent has worked, or give the "
-                                         "values as flags")
+            hit = next((place for place in (os.path.realpath(p) for p in places if p)
+                        if real == place or real.startswith(place.rstrip("/") + "/")), None)
+            hit = hit or next((ancestors[(i[0], i[1])] for i in st.get("root_ids") or []
+                               if len(i) == 2 and (i[0], i[1]) in ancestors), None)
+            if hit is not None:
+                raise AgentcellError("--env-file", f"{path} lies in {hit}, where the agent of session {sid} "
+                                     "could write", "keep the file where no agent has worked, or give the "
+                                     "values as flags")
     finally:
         conn.close()
 

@@ -121,7 +121,7 @@ class Nodes:
         # Who gets what the agent makes is decided now, by whoever starts the session: not by whoever
         # later runs 'session recover' (their SUDO_UID is not the session's human).
         return {"plan": plan.model_dump(), "status": "running", "reason": "", "cell_id": f"agentcell-{plan.session_id}",
-                "config_marks": marks,
+                "config_marks": marks, "root_ids": _ids([state["config"]["project_root"], *plan.declared_paths]),
                 "human": self._human(state["config"]["project_root"]) if plan.identity.isdigit() else None}
 
     def _compile(self, state: SessionState, identity: str | None = None) -> dict[str, Any]:
@@ -499,6 +499,18 @@ class Nodes:
 
 
 # ---- plan and policy (pure: the CLI runs them too, to refuse bad input before a session exists) --------
+
+def _ids(paths: list[str]) -> list[list[int]]:
+    """Device and inode of each path that exists: a directory renamed since is still recognised."""
+    out = []
+    for p in paths:
+        try:
+            st = os.stat(p)
+        except OSError:
+            continue
+        out.append([st.st_dev, st.st_ino])
+    return out
+
 
 def session_human(project_root: str) -> list[int]:
     """Who gets what a per-session account made: the human behind sudo, else the project's owner;

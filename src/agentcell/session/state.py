@@ -48,6 +48,7 @@ class SessionState(TypedDict, total=False):
     status: Status
     reason: str
     config_marks: dict[str, str | None]  # .env / agentcell.toml inside a declared path: SHA-256 (None: absent)
+    root_ids: list[list[int]]  # device and inode of the project and each declared path: what an agent could write
     problems: list[str]  # what teardown could not undo
     warnings: list[str]  # what the human should look at (config files the agent created)
     audit_error: str
