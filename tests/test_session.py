@@ -936,16 +936,29 @@ def test_what_git_runs_stays_read_only_however_the_config_reaches_it(
     assert "pwned" not in (target.read_text() if target.exists() else "")
 
 
-def test_a_hooks_path_directory_the_agent_creates_is_moved_aside(env: Env, user: User) -> None:
+@pytest.mark.parametrize("make", ["mkdir {t}", "ln -s {outside} {t}"])
+def test_a_hooks_path_directory_the_agent_creates_is_reported(env: Env, user: User, make: str,
+                                                               tmp_path: Path) -> None:
     _repo(env.project / ".git", hooks_path="tools/git-hooks")  # configured, not there yet
     (env.project / "tools").mkdir()
     shutil.chown(env.project / "tools", user.uid, user.gid)
-    s = scripted(env, f"run mkdir {env.project}/tools/git-hooks\nwrite {env.project}/tools/git-hooks/pre-commit "
-                      "pwned\n", "--rw", ".")
+    target = env.project / "tools" / "git-hooks"
+    s = scripted(env, "run " + make.format(t=target, outside=tmp_path) + "\n", "--rw", ".")
     assert s.rc == 0 and "DENIED" not in s.out, (s.out, s.err)
-    assert not (env.project / "tools" / "git-hooks").exists()  # where git would run it: gone
-    [moved] = [w for w in s.summary["warnings"] if "tools/git-hooks" in w]
-    assert "quarantine" in moved, s.summary["warnings"]
+    # Not moved (a config the agent could have written might name your own directory): reported.
+    assert [w for w in s.summary["warnings"] if f"the agent created {target}" in w and "review it" in w], s.summary
+
+
+def test_the_config_reader_never_reads_pseudo_files_nor_fails_the_teardown(tmp_path: Path) -> None:
+    from agentcell.cell import protect
+
+    repo = _repo(tmp_path / "sub" / ".git")
+    (repo / "config").write_text("[include]\n" + "\tpath = /proc/self/status\n" * 6 + "\tpath = ../big\n" * 19)
+    (tmp_path / "sub" / "big").write_text("[core]\n" + "# filler\n" * 100_000)
+    assert protect._read_small("/proc/self", "status", 4096) == ""  # size 0: /proc/kmsg would be consumed
+    assert protect._config_targets(str(repo), str(tmp_path / "sub")).count(str(tmp_path / "sub" / "big")) == 19
+    after, _ = protect.surface((str(tmp_path),))
+    assert str(repo / "config") in after
 
 
 def test_a_virtualenv_named_dotenv_is_neither_configuration_nor_hidden(env: Env) -> None:

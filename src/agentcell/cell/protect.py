@@ -193,6 +193,12 @@ def _gitfile_target(gitfile: str) -> str | None:
     return os.path.normpath(os.path.join(os.path.dirname(gitfile), target))
 
 
+def _with_real(targets: list[str]) -> list[str]:
+    """Each path as written and as it resolves: a link made in its place is seen (and reported), and
+    what it reaches inside the writable paths is bound."""
+    return [q for t in targets for q in dict.fromkeys((t, os.path.realpath(t)))]
+
+
 def _listdir(d: str) -> list[str]:
     try:
         return os.listdir(d)[:MAX_DIRS] if _real_dir(d) else []
@@ -251,7 +257,7 @@ def _config_value(git_dir: str, section: str, key: str) -> str | None:
     return next((v for s, k, v in reversed(_config_entries(git_dir)) if s == section and k == key), None)
 
 
-def _config_targets(git_dir: str, worktree: str, *, includes: bool = True) -> list[str]:
+def _config_targets(git_dir: str, worktree: str) -> list[str]:
     """Paths the config git reads for this git dir points at for code: core.hooksPath (husky,
     lefthook: often in the work tree; relative to the work tree, a submodule's or a linked
     worktree's own; ``~`` is the human's home) and include.path / includeIf files, whose own
@@ -263,14 +269,19 @@ def _config_targets(git_dir: str, worktree: str, *, includes: bool = True) -> li
         common_dir = os.path.normpath(os.path.join(git_dir, common))
         files += [(common_dir, "config"), (common_dir, "config.worktree")]
     out: list[str] = []
-    done = 0
-    while files and done < MAX_INCLUDES:
+    read: set[str] = set()
+    budget = 2 * MAX_CONFIG  # bytes for all the files of one git dir: includes multiply nothing
+    while files and len(read) < MAX_INCLUDES and budget > 0:
         directory, name = files.pop(0)
-        done += 1
-        for section, key, value in _parse_config(_read_small(directory, name, MAX_CONFIG)):
+        if os.path.join(directory, name) in read:
+            continue
+        read.add(os.path.join(directory, name))
+        text = _read_small(directory, name, min(MAX_CONFIG, budget))
+        budget -= len(text)
+        for section, key, value in _parse_config(text):
             if section == "core" and key == "hookspath":
                 out.append(os.path.join(worktree, _expand_home(value)))  # an absolute one stays as it is
-            elif includes and section in ("include", "includeif") and key == "path":
+            elif section in ("include", "includeif") and key == "path":
                 target = os.path.normpath(os.path.join(directory, _expand_home(value)))
                 out.append(target)
                 files.append((os.path.dirname(target), os.path.basename(target)))
@@ -306,9 +317,13 @@ def _read_small(directory: str, name: str, limit: int) -> str:
     finally:
         os.close(dfd)
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+        st = os.fstat(fd)
+        # A regular file with a size: /proc and /sys files say 0 (and /proc/kmsg is consumed by reading).
+        if not stat.S_ISREG(st.st_mode) or st.st_size == 0:
             return ""
-        return os.read(fd, limit).decode(errors="replace")
+        return os.read(fd, min(limit, st.st_size)).decode(errors="replace")
+    except OSError:
+        return ""
     finally:
         os.close(fd)
 
@@ -327,11 +342,11 @@ def _candidates(scan: Scan) -> list[str]:
             out += [os.path.join(gd, p) for p in (*GIT_PARTS, *GIT_REDIRECTS)]
             out += [os.path.join(gd, "worktrees", w, f) for w in _listdir(os.path.join(gd, "worktrees"))
                     for f in ("commondir", "gitdir", "config.worktree")]
-            out += [t for t in map(os.path.realpath, _config_targets(gd, worktree))
+            out += [t for t in _with_real(_config_targets(gd, worktree))
                     if any(t.startswith(r.rstrip("/") + "/") for r in scan.roots)]
     for repo in scan.enclosing:  # above a root: only what its config points at inside one
         for gd, worktree in _git_dirs_worktrees(repo):
-            out += [t for t in map(os.path.realpath, _config_targets(gd, worktree))
+            out += [t for t in _with_real(_config_targets(gd, worktree))
                     if any(t.startswith(r.rstrip("/") + "/") for r in scan.roots)]
     # A .git file may name a git directory anywhere: what lies outside the roots is not the cell's
     # to see, and must not be bound into it.
@@ -454,9 +469,7 @@ def quarantine(before: dict[str, tuple[int, int, int, int]], after: dict[str, tu
     # whoever owns it (a directory of the user's the agent renamed into .claude, say); only a cut
     # short scan needs the owner to tell the cell's work from entries it never saw.
     owner_uid = owner_uid if before_truncated else None
-    hooks = _hooks_paths_held(before, after, writable)
-    created = sorted(p for p in after if (p not in before or before_truncated)
-                     and (os.path.basename(p) in _STRUCTURE or p in hooks)
+    created = sorted(p for p in after if (p not in before or before_truncated) and os.path.basename(p) in _STRUCTURE
                      and not any(p == a or p.startswith(a + "/") for a in lifted)
                      and not any(p == k or p.startswith(k + "/") for k in fences))
     moved: list[tuple[str, str]] = []
@@ -488,22 +501,6 @@ def quarantine(before: dict[str, tuple[int, int, int, int]], after: dict[str, tu
         for fd, _name in boxes.values():
             os.close(fd)
     return moved, failed
-
-
-def _hooks_paths_held(before: dict[str, tuple[int, int, int, int]], after: dict[str, tuple[int, int, int, int]],
-                      writable: tuple[str, ...]) -> set[str]:
-    """The ``core.hooksPath`` directories named by configs the run could not change (the same before and
-    after it: bound read-only, or above the writable paths): one the run created there is the
-    agent's hooks, and moves like structure. Never what a config the agent wrote (or an include file)
-    names: that could be the user's own directory."""
-    scan = Scan(writable)
-    out: set[str] = set()
-    for repo in (*scan.repos, *scan.enclosing):
-        for gd, worktree in _git_dirs_worktrees(repo):
-            config = os.path.join(gd, "config")
-            if repo in scan.enclosing or (config in before and before.get(config) == after.get(config)):
-                out.update(os.path.realpath(t) for t in _config_targets(gd, worktree, includes=False))
-    return out
 
 
 def _ancestors(path: str) -> list[str]:

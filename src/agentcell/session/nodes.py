@@ -461,17 +461,18 @@ class Nodes:
             return []
         rw, allow = tuple(policy.get("rw_paths", ())), tuple(policy.get("allow_write", ()))
         before = {k: tuple(v) for k, v in guard["before"].items()}
-        after, truncated = protect.surface(rw)
         human = state.get("human")
-        try:
+        try:  # whatever the agent left for the scan to read, teardown goes on
+            after, truncated = protect.surface(rw)
             moved, stuck = protect.quarantine(
                 before, after, state.get("cell_id", ""), rw, allow_write=allow,
                 keep_out=(*policy.get("ro_paths", ()), *policy.get("masked_paths", ())),
                 owner_uid=(account or {}).get("uid") if (account or {}).get("kind") != "self" else None,
                 since_ns=guard["since_ns"], before_truncated=guard["truncated"],
                 give_to=(human[0], human[1]) if human else None)
-        except (OSError, AgentcellError) as e:
-            return [f"the protected paths could not be checked: {_line(e)}"]
+        except Exception as e:  # noqa: BLE001 - a teardown that stops here leaves the account behind
+            return [f"the protected paths could not be checked ({type(e).__name__}: {_line(e)}): review "
+                    "repositories and agent config in the declared paths before you use them"]
         gone = {old for old, _new in moved}
         out = [f"the agent created {old}, which decides what git, your shell or your agent runs; it was moved to "
                f"{new}" for old, new in moved]
