@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from conftest import AGENTCELL, User, agentcell_run, deny_syscall, needs_root
+from terminal import TIOCSTI_ATTACK, OnTerminal, read_until
 
 pytestmark = needs_root
 
@@ -229,61 +230,12 @@ def test_stdin_from_a_file_works(user: User) -> None:
     assert r.rc == 0 and r.out == "piped input"
 
 
-def _read_until(fd: int, needle: bytes, limit_s: float = 20) -> bytes:
-    import select
-    import time
-
-    out = b""
-    end = time.monotonic() + limit_s
-    while needle not in out and time.monotonic() < end:
-        ready, _, _ = select.select([fd], [], [], 0.5)
-        if ready:
-            try:
-                chunk = os.read(fd, 4096)
-            except OSError:
-                break
-            if not chunk:
-                break
-            out += chunk
-    return out
-
-
-class OnTerminal:
-    """argv run on a new terminal (pty.fork): the test is the person at the keyboard. The process is
-    killed and reaped on leaving, whatever happened."""
-
-    def __init__(self, argv: list[str]) -> None:
-        import pty
-
-        self.pid, self.fd = pty.fork()
-        if self.pid == 0:
-            os.execv(argv[0], argv)
-        self.status = -1
-
-    def wait(self, nohang: bool = False) -> bool:
-        done, status = os.waitpid(self.pid, os.WNOHANG if nohang else 0)
-        if done:
-            self.pid, self.status = 0, status
-        return bool(done)
-
-    def __enter__(self) -> OnTerminal:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        import signal
-
-        if self.pid:
-            os.kill(self.pid, signal.SIGKILL)
-            os.waitpid(self.pid, 0)
-        os.close(self.fd)
-
-
 def test_interactive_shell_has_job_control_on_its_own_terminal(user: User) -> None:
     argv = [AGENTCELL, "run", "--no-warm", "--as", str(user.uid), "--", "bash", "--norc", "--noprofile", "-i"]
     with OnTerminal(argv) as term:
-        out = _read_until(term.fd, b"$ ")  # type like a person: after the prompt
+        out = read_until(term.fd, b"$ ")  # type like a person: after the prompt
         os.write(term.fd, b"echo FLAGS=$-; tty; sleep 0.1 & jobs; exit 3\n")
-        out += _read_until(term.fd, b"\x00never")
+        out += read_until(term.fd, b"\x00never")
         term.wait()
         status = term.status
     text = out.decode(errors="replace")
@@ -294,18 +246,6 @@ def test_interactive_shell_has_job_control_on_its_own_terminal(user: User) -> No
     assert os.waitstatus_to_exitcode(status) == 3
 
 
-TIOCSTI_ATTACK = """
-import fcntl, os, termios
-fd = os.open("/dev/tty", os.O_RDWR) if os.path.exists("/dev/tty") else 0
-for c in b"echo INJECTED\\n":
-    try:
-        fcntl.ioctl(fd, termios.TIOCSTI, bytes([c]))
-    except OSError as e:
-        print("STI-REFUSED", e.errno)
-        break
-"""
-
-
 @pytest.mark.parametrize("stdin", ["</dev/null", ""], ids=["non-interactive", "interactive"])
 def test_a_cell_cannot_type_into_the_callers_terminal(user: User, stdin: str) -> None:
     # A root shell runs agentcell, then reads a line from its terminal: whatever the cell pushed into
@@ -313,8 +253,8 @@ def test_a_cell_cannot_type_into_the_callers_terminal(user: User, stdin: str) ->
     script = (f"{AGENTCELL} run --no-warm --as {user.uid} -- python3 -c '{TIOCSTI_ATTACK}' {stdin}; "
               "IFS= read -r -t 2 line; echo \"SHELL-READ:[$line]\"")
     with OnTerminal(["/bin/bash", "--norc", "-c", script]) as term:
-        out = _read_until(term.fd, b"SHELL-READ:")
-        out += _read_until(term.fd, b"]")
+        out = read_until(term.fd, b"SHELL-READ:")
+        out += read_until(term.fd, b"]")
         term.wait()
     assert "SHELL-READ:[]" in out.decode(errors="replace"), out
 
@@ -547,11 +487,11 @@ def test_a_cell_that_reads_no_input_cannot_stall_the_relay_or_its_timeout(user: 
                 pass
             except OSError:
                 break
-            _read_until(term.fd, b"\x00never", limit_s=0.01)
+            read_until(term.fd, b"\x00never", limit_s=0.01)
             if term.wait(nohang=True):
                 break
         if term.pid:
-            _read_until(term.fd, b"\x00never", limit_s=20)
+            read_until(term.fd, b"\x00never", limit_s=20)
             term.wait()
         status = term.status
     assert sent > 4096

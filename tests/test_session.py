@@ -25,6 +25,7 @@ import pytest
 from agentcell.session.nodes import cell_cgroups
 from conftest import AGENTCELL, User, needs_root
 from fakenet import DNS4, GOOD4, FakeInternet, leftovers
+from terminal import TIOCSTI_ATTACK, OnTerminal, read_until
 
 
 @dataclass
@@ -67,6 +68,22 @@ def scripted(env: Env, steps: str, *args: str, extra: dict[str, str] | None = No
     script = env.state / f"steps-{secrets.token_hex(3)}.txt"
     script.write_text(steps)
     return session(env, ["start", "--harness", "scripted", "--json", *args, "--", str(script)], extra=extra)
+
+
+def running(env: Env, *, stdout: int = subprocess.PIPE) -> subprocess.Popen[str]:
+    """A scripted session whose agent writes src/running.txt and sleeps: returned once the cell is up
+    (the marker is there) or the session has ended. The caller kills it if it is still running."""
+    marker = env.project / "src" / "running.txt"
+    script = env.state / "steps.txt"
+    script.write_text(f"write {marker} yes\nsleep 600\n")
+    sup = subprocess.Popen([AGENTCELL, "session", "start", "--harness", "scripted", "--rw", "src", "--json", "--",
+                            str(script)], env=_environ(env), cwd=env.project, stdout=stdout,
+                           stderr=subprocess.DEVNULL, text=True)
+    for _ in range(600):
+        if marker.exists() or sup.poll() is not None:
+            break
+        time.sleep(0.05)
+    return sup
 
 
 def records(env: Env, sid: str) -> list[dict[str, Any]]:
@@ -233,18 +250,9 @@ def test_each_retry_rule(env: Env, faults: str, status: str, rc: int, started: b
 
 
 def test_recover_finishes_the_teardown_after_the_supervisor_is_killed(env: Env) -> None:
-    marker = env.project / "src" / "running.txt"
-    script = env.state / "steps.txt"
-    script.write_text(f"write {marker} yes\nsleep 600\n")
-    sup = subprocess.Popen([AGENTCELL, "session", "start", "--harness", "scripted", "--rw", "src", "--json", "--",
-                            str(script)], env=_environ(env), cwd=env.project, stdout=subprocess.DEVNULL,
-                           stderr=subprocess.DEVNULL)
+    sup = running(env, stdout=subprocess.DEVNULL)
     try:
-        for _ in range(600):  # the cell is up once the agent has written its marker
-            if marker.exists() or sup.poll() is not None:
-                break
-            time.sleep(0.05)
-        assert marker.exists(), "the session did not start"
+        assert (env.project / "src" / "running.txt").exists(), "the session did not start"
         listed = session(env, ["list", "--json"]).summary
         [row] = listed  # type: ignore[misc]
         assert row["status"] == "running" and not row["needs_recover"]
@@ -336,17 +344,8 @@ def test_kill_9_of_the_supervisor_at_any_node_then_recover_leaves_nothing_behind
 
 
 def test_session_stop_terminates_a_running_session(env: Env) -> None:
-    marker = env.project / "src" / "running.txt"
-    script = env.state / "steps.txt"
-    script.write_text(f"write {marker} yes\nsleep 600\n")
-    sup = subprocess.Popen([AGENTCELL, "session", "start", "--harness", "scripted", "--rw", "src", "--json", "--",
-                            str(script)], env=_environ(env), cwd=env.project, stdout=subprocess.PIPE,
-                           stderr=subprocess.DEVNULL, text=True)
+    sup = running(env)
     try:
-        for _ in range(600):
-            if marker.exists() or sup.poll() is not None:
-                break
-            time.sleep(0.05)
         [row] = session(env, ["list", "--json"]).summary  # type: ignore[misc]
         # The cell was forked by its host process, not by the graph's (LangGraph keeps worker threads there).
         uid = pwd.getpwnam(row["os_user"]).pw_uid
@@ -552,51 +551,12 @@ def test_the_seed_firewall_refuses_and_reports_egress_outside_443_and_goes_away(
     assert firewall["details"]["table"] not in tables
 
 
-STI_ATTACK = """
-import fcntl, os, termios
-print("TTY", os.ttyname(1))
-fd = os.open("/dev/tty", os.O_RDWR) if os.path.exists("/dev/tty") else 0
-for c in b"echo INJECTED\\n":
-    try:
-        fcntl.ioctl(fd, termios.TIOCSTI, bytes([c]))
-    except OSError as e:
-        print("STI-REFUSED", e.errno)
-        break
-"""
-
-
-def _read_all(fd: int, until: bytes, limit_s: float = 60) -> bytes:
-    import select
-
-    out, end = b"", time.monotonic() + limit_s
-    while until not in out and time.monotonic() < end:
-        if select.select([fd], [], [], 0.5)[0]:
-            try:
-                chunk = os.read(fd, 65536)
-            except OSError:  # EIO: the terminal's last process has exited
-                break
-            if not chunk:
-                break
-            out += chunk
-    return out
-
-
 def test_the_harness_gets_a_terminal_of_its_own_and_cannot_type_into_ours(env: Env) -> None:
-    import pty
-
-    script = (f"{AGENTCELL} session start --rw src -- python3 -c '{STI_ATTACK}'; "
+    script = (f"{AGENTCELL} session start --rw src -- python3 -c '{TIOCSTI_ATTACK}'; "
               "IFS= read -r -t 2 line; echo \"SHELL-READ:[$line]\"")
-    pid, fd = pty.fork()
-    if pid == 0:
-        os.chdir(env.project)
-        os.execve("/bin/bash", ["/bin/bash", "--norc", "-c", script], _environ(env))
-    try:
-        out = _read_all(fd, b"SHELL-READ:")
-        out += _read_all(fd, b"]", 10)
-    finally:
-        os.kill(pid, 9)
-        os.waitpid(pid, 0)
-        os.close(fd)
+    with OnTerminal(["/bin/bash", "--norc", "-c", script], env=_environ(env), cwd=str(env.project)) as term:
+        out = read_until(term.fd, b"SHELL-READ:", 60)
+        out += read_until(term.fd, b"]", 10)
     text = out.decode(errors="replace")
     assert "TTY /dev/pts/0" in text and "SHELL-READ:[]" in text, text  # the cell's own pty, relayed
     assert "terminated (escape: write ioctl TIOCSTI" in text, text  # and the attempt ends the session
@@ -677,17 +637,8 @@ def test_a_projects_toml_cannot_widen_egress(env: Env) -> None:
 
 
 def test_a_cell_host_that_dies_is_lost_telemetry_and_terminates_the_session(env: Env) -> None:
-    marker = env.project / "src" / "running.txt"
-    script = env.state / "steps.txt"
-    script.write_text(f"write {marker} yes\nsleep 600\n")
-    sup = subprocess.Popen([AGENTCELL, "session", "start", "--harness", "scripted", "--rw", "src", "--json", "--",
-                            str(script)], env=_environ(env), cwd=env.project, stdout=subprocess.PIPE,
-                           stderr=subprocess.DEVNULL, text=True)
+    sup = running(env)
     try:
-        for _ in range(600):
-            if marker.exists() or sup.poll() is not None:
-                break
-            time.sleep(0.05)
         children = subprocess.run(["ps", "-o", "pid=", "--ppid", str(sup.pid)], capture_output=True,
                                   text=True).stdout.split()
         [host] = [int(p) for p in children if b"agentcell.session.cellhost" in _cmdline(int(p))]
