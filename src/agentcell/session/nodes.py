@@ -707,37 +707,32 @@ def _kill_cell(cell_id: str) -> None:
     its pid names it until it is killed)."""
     dirs = cell_cgroups(cell_id)
     for d in dirs:
-        for name, value in (("cgroup.freeze", "1"), ("freezer.state", "FROZEN")):
-            if os.path.exists(os.path.join(d, name)):
-                try:
-                    with open(os.path.join(d, name), "w") as f:
-                        f.write(value)
-                except OSError:
-                    pass
+        _poke(d, "cgroup.freeze", "1")
+        _poke(d, "freezer.state", "FROZEN")
     for _ in range(200):
         members = {p for d in dirs for p in _procs(d)}
         if not members:
             break
         for d in dirs:
-            if os.path.exists(os.path.join(d, "cgroup.kill")):
-                try:
-                    with open(os.path.join(d, "cgroup.kill"), "w") as f:
-                        f.write("1")
-                except OSError:
-                    pass
+            _poke(d, "cgroup.kill", "1")
         for pid in members:
             try:
                 os.kill(pid, 9)
             except ProcessLookupError:
                 pass
         for d in dirs:  # a killed process of a frozen v1 group dies only once thawed
-            if os.path.exists(os.path.join(d, "freezer.state")):
-                try:
-                    with open(os.path.join(d, "freezer.state"), "w") as f:
-                        f.write("THAWED")
-                except OSError:
-                    pass
+            _poke(d, "freezer.state", "THAWED")
         time.sleep(0.01)
+
+
+def _poke(group: str, name: str, value: str) -> None:
+    """Write one of a group's control files, where the kernel (or the group's hierarchy) has it."""
+    from ..cell import cgroups
+
+    try:
+        cgroups._write(os.path.join(group, name), value)
+    except OSError:  # not in this hierarchy, or the group is gone already
+        pass
 
 
 def _remove_cgroup(cell_id: str) -> list[str]:
