@@ -48,6 +48,7 @@ FLAGS = {"harness": "--harness", "project_root": "--project", "declared_paths": 
          "resolver": "--resolver"}
 EGRESS_KEYS = ("allow_domains", "deny_domains", "allow_presets", "allow_ranges")  # lists; resolver: one value
 DEFAULT_WALL_CLOCK_S = 3600
+MAX_FILE = 1 << 20  # a .env or agentcell.toml
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
 
 
@@ -107,16 +108,25 @@ def read_dotenv_owned(path: str, *, explicit: bool = False) -> tuple[dict[str, s
         st = os.fstat(fd)
         if stat.S_ISDIR(st.st_mode) and not explicit:
             return {}, False  # a virtualenv named .env: no configuration here
-        if not stat.S_ISREG(st.st_mode) or st.st_size > 1 << 20:
-            raise PolicyError(path, "is not a regular file of at most 1 MiB", "point --env-file at a .env file")
-        with os.fdopen(os.dup(fd), encoding="utf-8") as f:
-            lines = f.read().splitlines()
+        lines = _read_regular(fd, path, "point --env-file at a .env file").decode("utf-8").splitlines()
         ours = explicit and dirs_ok and only_yours(fd, st)
     except UnicodeDecodeError:
         raise PolicyError(path, "is not UTF-8 text", "fix its encoding") from None
     finally:
         os.close(fd)
     return _parse_dotenv(path, lines), ours
+
+
+def _read_regular(fd: int, path: str, fix: str) -> bytes:
+    """What ``fd`` holds, read whole, as root must read a file a project's agent may have made: a
+    regular file (not a FIFO to block on, not /dev/zero) of at most 1 MiB."""
+    import stat
+
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_FILE:
+        raise PolicyError(path, "is not a regular file of at most 1 MiB", fix)
+    with os.fdopen(os.dup(fd), "rb") as f:
+        return f.read(MAX_FILE + 1)
 
 
 def _open_walked(path: str) -> tuple[int | None, bool]:
@@ -207,8 +217,6 @@ def _parse_dotenv(path: str, lines: list[str]) -> dict[str, str]:
 
 def read_toml(project_root: str) -> dict[str, Any]:
     """The ``[session]`` table of ``<project>/agentcell.toml`` ({} without the file or the table)."""
-    import stat
-
     path = os.path.join(project_root, "agentcell.toml")
     try:  # as root, a file the project's agent may have made: no link followed, no FIFO, bounded
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
@@ -218,11 +226,7 @@ def read_toml(project_root: str) -> dict[str, Any]:
         raise PolicyError(path, f"cannot read it ({e.strerror})", "make it a plain readable file, or remove it") \
             from None
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_size > 1 << 20:
-            raise PolicyError(path, "is not a regular file of at most 1 MiB", "make it a plain file, or remove it")
-        with os.fdopen(os.dup(fd), "rb") as f:
-            data = tomllib.load(f)
+        data = tomllib.loads(_read_regular(fd, path, "make it a plain file, or remove it").decode("utf-8"))
     except ValueError as e:
         raise PolicyError(path, f"not valid TOML: {e}".splitlines()[0], "fix the syntax") from None
     finally:
