@@ -2,7 +2,7 @@
 on the host within a millisecond; the monitor keeps those of the cell's processes that matter.
 
 * an exec of a tool whose only use in a cell is to get more privilege or to leave: sudo, su, pkexec,
-  passwd, newgrp, sg, ssh, mount, umount, chsh, chfn, gpasswd (the cell's mounts are nosuid, so
+  passwd, newgrp, sg, mount, umount, chsh, chfn, gpasswd, doas (the cell's mounts are nosuid, so
   they cannot work: trying is the signal);
 * any uid change of a cell's process (nothing in a cell can change its uid by design).
 
@@ -31,8 +31,10 @@ CN_IDX_PROC, CN_VAL_PROC = 1, 1
 PROC_CN_MCAST_LISTEN, PROC_CN_MCAST_IGNORE = 1, 2
 PROC_EVENT_FORK, PROC_EVENT_EXEC, PROC_EVENT_UID, PROC_EVENT_EXIT = 0x1, 0x2, 0x4, 0x80000000
 TOOL_DIRS = ("/usr/bin", "/usr/sbin", "/bin", "/sbin", "/usr/local/bin", "/usr/local/sbin")
-PRIVILEGE_TOOLS = frozenset({"sudo", "su", "pkexec", "passwd", "newgrp", "sg", "ssh", "mount", "umount", "chsh",
-                             "chfn", "gpasswd", "doas"})
+# Not ssh: git runs it for every push over ssh, and it gains nothing in a cell (no setuid bit on a
+# nosuid mount, no way out but the proxy, no key but one the user gives).
+PRIVILEGE_TOOLS = frozenset({"sudo", "su", "pkexec", "passwd", "newgrp", "sg", "mount", "umount", "chsh", "chfn",
+                             "gpasswd", "doas"})
 _NLMSG = struct.Struct("=IHHII")
 _CNMSG = struct.Struct("=IIIIHH")
 _EVENT = struct.Struct("=IIQ")

@@ -93,12 +93,14 @@ class Proxy:
         if not ok:
             raise self._refuse(host, port, how, why)
         literal = _literal(host)
+        # An allowed name that does not resolve (a typo, a resolver down for a moment) is refused
+        # like any failed lookup, and only noted: it was on the list, nothing was tried beyond it.
         try:
             addrs = [literal] if literal is not None else await self.resolve(host.rstrip("."), port)
         except (OSError, UnicodeError) as e:
-            raise self._refuse(host, port, how, f"cannot resolve: {e}", 502) from None
+            raise self._refuse(host, port, how, f"cannot resolve: {e}", 502, note=True) from None
         if not addrs:
-            raise self._refuse(host, port, how, "the name does not resolve", 502)
+            raise self._refuse(host, port, how, "the name does not resolve", 502, note=True)
         allowed = []
         for addr in addrs:
             good, bad = self.policy.address_verdict(addr)
@@ -120,10 +122,10 @@ class Proxy:
             return r, w
         raise Refused(f"{host}:{port} unreachable ({last})", 502)
 
-    def _refuse(self, host: str, port: int, how: str, why: str, code: int = 403) -> Refused:
+    def _refuse(self, host: str, port: int, how: str, why: str, code: int = 403, *, note: bool = False) -> Refused:
         shown = _printable(host)
         self.events({"ts": time.time(), "operation": "network", "source": "proxy", "target": f"{shown}:{port}",
-                     "protocol": how, "reason": _printable(why.replace(host, shown))})
+                     "protocol": how, "reason": _printable(why.replace(host, shown)), "note": note})
         return Refused(why if why.isprintable() and len(why) < 512 else "refused", code)
 
     # ---- the protocols -----------------------------------------------------------------------------
