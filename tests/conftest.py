@@ -20,6 +20,8 @@ import pytest
 VENV_BIN = Path(sys.executable).parent
 AGENTCELL = str(VENV_BIN / "agentcell")
 
+pytest_plugins = ("sessionkit",)  # the session tests' fixtures: env, agent
+
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root: creates accounts and runs as other uids")
 
 

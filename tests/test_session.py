@@ -1,9 +1,8 @@
 """The session workflow (issue 8, foundation): the seed's three scenarios, each retry rule by fault
 injection, recovery after the supervisor is killed, configuration precedence and refusals.
 
-Sessions run through the real CLI as root with real per-session accounts, real cells and real snapshots.
-Each test gets its own state dir (AGENTCELL_STATE_DIR: checkpoints, account records, snapshots, audit log);
-its finalizer recovers whatever a failed test left (account, ACL grants, cell) before removing it.
+Sessions run through the real CLI as root with real per-session accounts, real cells and real snapshots
+(the fixtures and helpers: tests/sessionkit.py).
 """
 from __future__ import annotations
 
@@ -16,7 +15,6 @@ import shutil
 import subprocess
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,113 +23,8 @@ import pytest
 from agentcell.session.nodes import cell_cgroups
 from conftest import AGENTCELL, User, needs_root
 from fakenet import DNS4, GOOD4, FakeInternet, leftovers
+from sessionkit import Env, account_gone, acl_names, records, running, scripted, session, session_environ
 from terminal import TIOCSTI_ATTACK, OnTerminal, read_until
-
-
-@dataclass
-class Env:
-    state: Path
-    project: Path
-
-    @property
-    def audit(self) -> Path:
-        return self.state / "audit.jsonl"
-
-
-@dataclass
-class Session:
-    rc: int
-    out: str
-    err: str
-    summary: dict[str, Any]
-
-
-def _environ(env: Env, extra: dict[str, str] | None = None) -> dict[str, str]:
-    base = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8", "AGENTCELL_STATE_DIR": str(env.state),
-            "AUDIT_LOG_PATH": str(env.audit), "BACKUP_DIR": str(env.state / "backups")}
-    return {**base, **(extra or {})}
-
-
-def session(env: Env, args: list[str], *, extra: dict[str, str] | None = None, timeout: float = 120) -> Session:
-    p = subprocess.run([AGENTCELL, "session", *args], capture_output=True, text=True, env=_environ(env, extra),
-                       timeout=timeout, cwd=env.project, stdin=subprocess.DEVNULL)
-    lines = p.stdout.rstrip("\n").split("\n")
-    summary: dict[str, Any] = {}
-    if lines and lines[-1].startswith(("{", "[")):
-        summary = json.loads(lines[-1])
-        lines = lines[:-1]
-    assert "Traceback" not in p.stderr, p.stderr
-    return Session(p.returncode, "\n".join(lines), p.stderr, summary)
-
-
-def scripted(env: Env, steps: str, *args: str, extra: dict[str, str] | None = None) -> Session:
-    script = env.state / f"steps-{secrets.token_hex(3)}.txt"
-    script.write_text(steps)
-    return session(env, ["start", "--harness", "scripted", "--json", *args, "--", str(script)], extra=extra)
-
-
-def running(env: Env, *, stdout: int = subprocess.PIPE) -> subprocess.Popen[str]:
-    """A scripted session whose agent writes src/running.txt and sleeps: returned once the cell is up
-    (the marker is there) or the session has ended. The caller kills it if it is still running."""
-    marker = env.project / "src" / "running.txt"
-    script = env.state / "steps.txt"
-    script.write_text(f"write {marker} yes\nsleep 600\n")
-    sup = subprocess.Popen([AGENTCELL, "session", "start", "--harness", "scripted", "--rw", "src", "--json", "--",
-                            str(script)], env=_environ(env), cwd=env.project, stdout=stdout,
-                           stderr=subprocess.DEVNULL, text=True)
-    for _ in range(600):
-        if marker.exists() or sup.poll() is not None:
-            break
-        time.sleep(0.05)
-    return sup
-
-
-def records(env: Env, sid: str) -> list[dict[str, Any]]:
-    if not env.audit.exists():
-        return []
-    out = [json.loads(line) for line in env.audit.read_text().splitlines()]
-    return [r for r in out if r["session"] == sid]
-
-
-def account_gone(name: str | None) -> bool:
-    if name is None:
-        return True
-    try:
-        pwd.getpwnam(name)
-        return False
-    except KeyError:
-        return True
-
-
-def acl_names(path: Path) -> str:
-    return subprocess.run(["getfacl", "-Rcp", str(path)], capture_output=True, text=True).stdout
-
-
-@pytest.fixture
-def env(user: User, project: Path) -> Iterator[Env]:
-    """A project the throwaway user owns (src/ is declared, docs/ is not) and a private state dir."""
-    state = Path("/tmp") / ("agentcell-test-state-" + secrets.token_hex(4))
-    state.mkdir(mode=0o700)
-    (project / "src").mkdir()
-    (project / "src" / "app.py").write_text("x = 1\n")
-    (project / "docs").mkdir()
-    (project / "docs" / "notes.md").write_text("notes\n")
-    for p in (project / "src", project / "src" / "app.py", project / "docs", project / "docs" / "notes.md"):
-        shutil.chown(p, user.uid, user.gid)
-    e = Env(state, project)
-    try:
-        yield e
-    finally:
-        # Whatever a failed test left: its sessions' teardown (cell, ACL grants, account), then the files.
-        subprocess.run([AGENTCELL, "session", "recover"], env=_environ(e), capture_output=True, timeout=120)
-        left = sorted(os.listdir(state / "ephemeral")) if (state / "ephemeral").is_dir() else []
-        for name in left:
-            subprocess.run(["userdel", name], capture_output=True)
-            subprocess.run(["groupdel", name], capture_output=True)
-        subprocess.run(["chattr", "-R", "-i", str(state)], capture_output=True)
-        shutil.rmtree(state, ignore_errors=True)
-        assert not left, f"session accounts left behind: {left}"
-
 
 pytestmark = needs_root
 
@@ -291,7 +184,7 @@ def test_config_precedence_is_flags_then_env_then_dotenv_then_toml(tmp_path: Pat
     ({"FIREWALL_ENABLED": "maybe"}, [], "FIREWALL_ENABLED: 'maybe' is not a boolean (use true or false)"),
     ({}, ["--harness", "nope"], "--harness: unknown harness 'nope' (one of claude_code,"),
     ({}, ["--wall-clock", "0"], "--wall-clock: 0 is not above 0"),
-    ({}, ["--harness", "codex"], "harness codex: codex (Codex CLI) is not installed where the cell can run it"),
+    ({}, ["--harness", "codex"], "harness codex: codex (Codex CLI) is not installed (not on PATH)"),
     ({}, ["--agent", "Not A Name"], "--agent: 'Not A Name' is not a valid agent name"),
     ({}, ["--agent", "ac-nobody"], "identity: no account named 'ac-nobody'"),
     ({}, ["--rw", "/tmp/agentcell-no-such-dir"], "declared_paths: /tmp/agentcell-no-such-dir does not exist"),
@@ -392,24 +285,6 @@ def _ancestors(pid: int) -> list[int]:
     return out
 
 
-@pytest.fixture
-def agent(env: Env, user: User) -> Iterator[str]:
-    """A persistent agent (its human: the throwaway user) with docs/ shared read-write, deleted after."""
-    name = "ac-a" + secrets.token_hex(3)
-
-    def cli(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([AGENTCELL, "agent", *args], capture_output=True, text=True, env=_environ(env),
-                              cwd="/", stdin=subprocess.DEVNULL, timeout=60)
-
-    assert cli("new", name, "--human", user.name, "--yes").returncode == 0
-    try:
-        assert cli("mount", "add", "--rw", str(env.project / "docs"), "--agent", name).returncode == 0
-        yield name
-    finally:
-        p = cli("delete", name, "--delete-home", "--yes")
-        assert p.returncode == 0, p.stderr
-
-
 def test_a_persistent_agent_keeps_its_own_shares_and_loses_the_sessions(env: Env, user: User, agent: str) -> None:
     shared = named_acl_entries(env.project / "docs")
     assert shared, "the persistent share made no ACL entry"
@@ -505,7 +380,7 @@ def test_ten_concurrent_sessions_cannot_see_each_others_files_processes_or_netwo
                               "run readlink /proc/self/ns/net\nrun ip -o link\n"
                               f"write {p}/src/ready 1\nrun sh -c 'until [ -e {p}/src/go ]; do sleep 0.1; done'\n")
             sups.append(subprocess.Popen([AGENTCELL, "session", "start", "--harness", "scripted", "--project", str(p),
-                                          "--json", "--", str(script)], env=_environ(env), cwd=p, text=True,
+                                          "--json", "--", str(script)], env=session_environ(env), cwd=p, text=True,
                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE))
         deadline = time.monotonic() + 240
         while not all((p / "src" / "ready").exists() for p in projects):
@@ -554,7 +429,7 @@ def test_the_seed_firewall_refuses_and_reports_egress_outside_443_and_goes_away(
 def test_the_harness_gets_a_terminal_of_its_own_and_cannot_type_into_ours(env: Env) -> None:
     script = (f"{AGENTCELL} session start --rw src -- python3 -c '{TIOCSTI_ATTACK}'; "
               "IFS= read -r -t 2 line; echo \"SHELL-READ:[$line]\"")
-    with OnTerminal(["/bin/bash", "--norc", "-c", script], env=_environ(env), cwd=str(env.project)) as term:
+    with OnTerminal(["/bin/bash", "--norc", "-c", script], env=session_environ(env), cwd=str(env.project)) as term:
         out = read_until(term.fd, b"SHELL-READ:", 60)
         out += read_until(term.fd, b"]", 10)
     text = out.decode(errors="replace")
@@ -695,7 +570,7 @@ def test_a_dotenv_in_the_project_never_chooses_host_paths_one_only_root_can_writ
         env: Env, user: User) -> None:
     dotenv = env.project / ".env"
     dotenv.write_text(f"BACKUP_DIR={env.state}/elsewhere\n")
-    environ = {k: v for k, v in _environ(env).items() if k != "BACKUP_DIR"}
+    environ = {k: v for k, v in session_environ(env).items() if k != "BACKUP_DIR"}
 
     def start(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run([AGENTCELL, "session", "start", "--harness", "shell", *args, "--json", "--", "true"],
@@ -943,7 +818,7 @@ def test_an_env_file_where_an_earlier_agent_worked_never_decides(env: Env, user:
         ops.write_text(f"BACKUP_DIR={env.state}/agent-chose\n")
         os.chown(ops, 0, 0)
         ops.chmod(0o600)
-        environ = {k: v for k, v in _environ(env).items() if k != "BACKUP_DIR"}
+        environ = {k: v for k, v in session_environ(env).items() if k != "BACKUP_DIR"}
         p = subprocess.run([AGENTCELL, "session", "start", "--harness", "shell", "--env-file", str(ops), "--json",
                             "--", "true"], capture_output=True, text=True, env=environ, cwd=env.project, timeout=120)
         assert p.returncode == 125 and f"lies in {earlier}, where the agent of session" in p.stderr, p.stderr

@@ -23,7 +23,6 @@ V1_CONTROLLERS = ("memory", "cpu", "cpuacct", "pids", "freezer")
 STALE_S = 30  # a record this old whose groups hold no process was left by a supervisor that died
 CPU_PERIOD_US = 100_000
 DEFAULT_PIDS = 4096
-OPS1 = {"memory": 2 << 30, "cpu": 50, "pids": 64}
 
 
 def default_memory() -> int:

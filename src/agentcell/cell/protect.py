@@ -52,9 +52,11 @@ GIT_PARTS = ("hooks", "config")
 # Files through which git looks for config or hooks elsewhere: compared before and after a run.
 GIT_REDIRECTS = ("commondir", "config.worktree", "info/attributes")
 AT_REPO_ROOT = (
-    ".gitmodules", ".claude", ".codex", ".cursor", ".vscode", ".idea", ".mcp.json", "opencode.json", ".envrc",
+    ".gitmodules", ".claude", ".codex", ".cursor", ".vscode", ".idea", ".mcp.json", "opencode.json", "opencode.jsonc",
+    ".opencode", ".envrc",
     ".bashrc", ".bash_profile", ".bash_login", ".profile", ".zshrc", ".zprofile", ".zshenv", ".zlogin",
-    "AGENTS.md", "CLAUDE.md", "GEMINI.md", ".gemini", ".aider.conf.yml", ".npmrc", ".yarnrc.yml", ".cargo",
+    "AGENTS.md", "CLAUDE.md", "GEMINI.md", ".gemini", ".aider.conf.yml", ".aider.model.settings.yml",
+    ".aider.model.metadata.json", ".copilot", "copilot-instructions.md", ".npmrc", ".yarnrc.yml", ".cargo",
     ".devcontainer", ".cursorrules", ".windsurfrules", ".clinerules", "mise.toml", ".nvim.lua",
     ".pre-commit-config.yaml", "lefthook.yml", ".lefthook.yml", "lefthook.yaml", ".husky",
 )

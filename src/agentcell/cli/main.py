@@ -12,6 +12,7 @@ COMMANDS = {
     "agent": ("agentcell.cli.agent", "agent accounts: a UNIX user per agent, folders shared through ACLs"),
     "audit": ("agentcell.cli.audit", "verify and read the hash-chained audit trail"),
     "doctor": ("agentcell.cli.doctor", "report what this machine supports"),
+    "check": ("agentcell.cli.check", "prove a harness works in a session here (a scripted model, a fake internet)"),
     "session": ("agentcell.cli.session", "run an agent in a planned, backed-up, watched and audited session"),
     "snapshot": ("agentcell.cli.snapshot", "take, verify, restore and diff snapshots of a project"),
     "warm": ("agentcell.cli.warm", "start/stop the warm launcher that makes agentcell run fast"),

@@ -282,29 +282,10 @@ def _egress(ns: Args | Namespace) -> tuple[str, ...]:
                      allow_egress=ns.allow_egress, allow_loopback=ns.allow_loopback, names=nc.FLAGS)
 
 
-_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-
-
 def _limits(ns: Args | Namespace) -> tuple[int | None, int | None, int | None]:
-    if ns.limits not in (None, "ops1"):
-        raise AgentcellError("--limits", f"unknown profile '{ns.limits}'", "the one profile is ops1")
-    memory, cpu, pids = (2 << 30, 50, 64) if ns.limits == "ops1" else (None, None, None)
-    if ns.memory is not None:
-        text = ns.memory.strip().upper().removesuffix("B").removesuffix("I")
-        unit = _UNITS.get(text[-1:], 1)
-        number = text[:-1] if text[-1:] in _UNITS else text
-        if not number.isdigit() or int(number) * unit < (1 << 20):
-            raise AgentcellError("--memory", f"'{ns.memory}' is not a size of at least 1M", "e.g. --memory 2G")
-        memory = int(number) * unit
-    if ns.cpu is not None:
-        if not ns.cpu.rstrip("%").isdigit() or not 1 <= int(ns.cpu.rstrip("%")) <= 100 * (os.cpu_count() or 1):
-            raise AgentcellError("--cpu", f"'{ns.cpu}' is not a percentage of one core", "e.g. --cpu 50")
-        cpu = int(ns.cpu.rstrip("%"))
-    if ns.pids is not None:
-        if not ns.pids.isdigit() or int(ns.pids) < 1:
-            raise AgentcellError("--pids", f"'{ns.pids}' is not a positive number of tasks", "e.g. --pids 256")
-        pids = int(ns.pids)
-    return memory, cpu, pids
+    from .. import limits
+
+    return limits.parse(ns.memory, ns.cpu, ns.pids, ns.limits)
 
 
 def explain(spec: CellSpec, command: list[str]) -> dict[str, object]:

@@ -69,6 +69,23 @@ def parser() -> Parser:
         sp.add_argument(flag, action="append", dest=dest, metavar=metavar, help=help_)
     sp.add_argument("--resolver", metavar="ADDR[:PORT]", help="with the proxy: the DNS server it asks "
                     "(default: the host's)")
+    sp.add_argument("--api-base", metavar="URL", help="the harness's model API: a gateway or a local model server "
+                    "(AGENT_API_BASE; its host joins the allow-list)")
+    sp.add_argument("--model", metavar="NAME", help="the model the harness asks for (AGENT_MODEL)")
+    sp.add_argument("--env", action="append", metavar="NAME=VALUE", help="set a variable in the cell (repeatable; "
+                    "visible in the process list: pass secrets with --keep-env)")
+    sp.add_argument("--keep-env", action="append", metavar="NAME", help="pass NAME from the environment (or the "
+                    ".env) into the cell (repeatable)")
+    sp.add_argument("--risk", metavar="LEVEL", help="low | medium | high: the default ceilings (AGENT_RISK; "
+                    "default medium)")
+    for flag, metavar, help_ in (("--memory", "SIZE", "memory ceiling, e.g. 4G (default: by --risk)"),
+                                 ("--cpu", "PERCENT", "CPU ceiling in percent of one CPU (default: by --risk)"),
+                                 ("--pids", "N", "most tasks at once (default: by --risk)"),
+                                 ("--limits", "PROFILE", "ops1: OPS-1's 2G, 50%% of one CPU, 64 tasks")):
+        sp.add_argument(flag, metavar=metavar, help=help_)
+    sp.add_argument("--home-from", metavar="DIR", help="start the cell's fresh home as a copy of DIR (a home you "
+                    "prepared once: logins, settings)")
+    sp.add_argument("--explain", action="store_true", help="print the plan and the policy; start nothing")
     sp.add_argument("--json", action="store_true", help="print the summary as one JSON object, last on stdout")
     for name, help_ in (("list", "the sessions kept"), ("recover", "finish the teardown of sessions whose "
                                                                    "supervisor died")):
@@ -116,18 +133,22 @@ def _graph(runtime: Any = None) -> tuple[Any, Any]:
 
 
 def _start(ns: Any, harness_args: list[str]) -> int:
-    from ..session import config, graph, profiles, state
+    from ..harness import profiles, seed
+    from ..session import config, graph, state
 
     flags = {k: getattr(ns, k) for k in ("harness", "agent", "declared_paths", "project_root", "wall_clock_limit_s",
                                          "backup_dir", "audit_log_path", "firewall_enabled", "network",
-                                         *config.EGRESS_KEYS, "resolver")}
+                                         *config.EGRESS_KEYS, "resolver", "api_base", "model", "env", "keep_env",
+                                         "risk", "memory", "cpu", "pids", "limits", "home_from")}
     flags["harness_args"] = harness_args
     cfg = config.load(flags, dotenv=ns.env_file)
-    argv = profiles.command(profiles.get(cfg.harness), cfg.harness_args)  # a missing harness: refused here
     sid = graph.new_session_id()
+    launch = profiles.launch(profiles.get(cfg.harness), cfg.harness_args, cwd=cfg.project_root,
+                             seed_dir=seed.path(sid), api_base=cfg.api_base, model=cfg.model,
+                             secrets=tuple(cfg.secrets), home_from=cfg.home_from is not None)  # a missing harness
     from ..session.nodes import compile_policy, make_plan
 
-    plan, _ = make_plan(cfg.as_dict(), sid)  # bad input is refused here, before a session exists
+    plan, _ = make_plan(cfg.as_dict(), sid, launch.as_dict())  # bad input is refused here, before a session exists
     if ns.env_file and any(w.endswith(f"(in {ns.env_file})") for k, w in cfg.sources.items()
                            if k in config.HOST_KEYS or k == "declared_paths"):
         _check_env_file_untouched(ns.env_file)
@@ -136,10 +157,16 @@ def _start(ns: Any, harness_args: list[str]) -> int:
     nc.egress(plan.network, allow_domains=list(cfg.allow_domains), deny_domains=list(cfg.deny_domains),
               allow_presets=list(cfg.allow_presets), allow_ranges=list(cfg.allow_ranges), resolver=cfg.resolver,
               allow_egress=[], allow_loopback=False, names=nc.FLAGS)  # errors in the flags' own names
-    compile_policy(plan, dict(os.environ), cfg.project_root)
+    policy = compile_policy(plan, dict(os.environ), cfg.project_root)
+    if ns.explain:
+        sys.stdout.write(_explain(cfg, plan, policy, launch))
+        return 0
+    for note in cfg.notes:
+        sys.stderr.write(_shown(f"{PROG}: note: {note}") + "\n")
     faults = state.parse_faults(os.environ.get(state.FAULTS_ENV, ""))
+    # A harness that may own the terminal (its TUI, a shell) gets it alone: no status line over it.
     rt = state.Runtime(faults=faults, secrets=dict(cfg.secrets), environ=dict(os.environ),
-                       status_line=sys.stderr.isatty() and not ns.json)
+                       status_line=sys.stderr.isatty() and not ns.json and not launch.interactive)
     g, _conn = _graph(rt)
 
     def stop(sig: int, _frame: object) -> None:
@@ -148,7 +175,8 @@ def _start(ns: Any, harness_args: list[str]) -> int:
     for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(s, stop)
     sys.stderr.write(f"{PROG}: session {sid}: {cfg.harness} in {cfg.project_root}\n")
-    final = graph.run(g, {"session_id": sid, "config": cfg.as_dict(), "argv": argv})
+    final = graph.run(g, {"session_id": sid, "config": cfg.as_dict(), "argv": launch.argv,
+                          "launch": launch.as_dict()})
     summary = _summary(dict(final))
     _print_end(summary)
     if ns.json:
@@ -160,6 +188,28 @@ def _start(ns: Any, harness_args: list[str]) -> int:
         return EXIT_TERMINATED
     code = summary.get("exit_status")
     return 0 if summary["reason"] == "timeout" or not isinstance(code, int) else code
+
+
+def _explain(cfg: Any, plan: Any, policy: dict[str, Any], launch: Any) -> str:
+    """What a session would be: the harness's launch, what the cell gets, where each value came from."""
+    from .. import limits
+    from ..policy.compile import explain
+    from ..policy.models import SandboxPolicy
+
+    lim = plan.limits
+    rows = [("harness", f"{cfg.harness} ({'interactive' if launch.interactive else 'one prompt'})"),
+            ("command", " ".join(a if len(a) <= 200 else f"<{len(a)} characters>" for a in launch.argv)),
+            ("risk", f"{plan.risk} ({cfg.sources.get('risk', 'default')})"),
+            ("ceilings", f"{limits.describe(lim.memory_bytes, lim.cpu_percent, lim.pids)} "
+                         f"({cfg.sources.get('limits')})"),
+            ("api base", cfg.api_base or "the harness's own"),
+            ("allow-list", " ".join([*plan.allow_presets, *plan.allow_domains]) or "-"),
+            ("secrets", " ".join(sorted(cfg.secrets)) or "-"),
+            ("settings", " ".join(("~/" if f.home else "seed/") + f.path for f in launch.files) or "-"),
+            ("home from", cfg.home_from or "-")]
+    width = max(len(k) for k, _ in rows)
+    head = "".join(f"{k:>{width}}: {v}\n" for k, v in rows)
+    return head + explain(SandboxPolicy.model_validate(policy)) + "".join(f"note: {n}\n" for n in cfg.notes)
 
 
 def _summary(st: dict[str, Any]) -> dict[str, Any]:

@@ -1,71 +1,187 @@
-"""Harness profiles, as data: how to launch each agent CLI in a cell and what it needs there.
+"""Harness profiles, as data: how to launch each agent CLI in a cell, and what it needs there.
 
-Facts from FIELD_NOTES.md ("Harness facts"): each harness writes config and state under HOME (the cell's
-home is a private tmpfs the account owns, so these are writable; a profile names the dirs it creates
-there), some need a writable ``/tmp`` (the cell has one), and each has settings that stop calls to hosts
-other than its model API (set here as environment variables). The API-key variables are passed into
-the cell only for the harness that reads them. ``egress_preset`` is the domain allow-list
-(:mod:`agentcell.network.presets`) used when the session's network is ``proxy``.
+Each profile was worked out by running the real CLI (pinned in ``tests/harnesses.py``) offline against
+the scripted model endpoint (:mod:`.mockmodel`) on a fake internet, as a session runs it:
 
-``shell`` runs the command given after ``--``; ``scripted`` runs the bundled fake agent
-(:mod:`.scripted`) with system Python: the script's text is handed over on the command line, so nothing
-of agentcell needs to be visible inside the cell.
+* **two launch lines**: ``interactive`` (its TUI: nothing after ``--``, or harness flags that start
+  with ``-``) and ``prompt`` (the words after ``--`` are one prompt: a non-interactive turn);
+* **env**: every switch that stops calls to hosts other than its model API (telemetry, update checks,
+  plugin installs, model lists), set in the cell;
+* **files**: settings it needs from the start, written for each session (:class:`SeedFile`): into the
+  cell's home where the harness insists on reading them there (copied in where absent, so a persistent
+  agent home keeps what the harness changed), else kept read-only beside the cell and named by a
+  variable, so the agent cannot change its own settings;
+* **--api-base URL**: what the harness really reads for its API's address (``api_base_env``,
+  ``api_base_args``, files with ``{api_base}``), and the key variable it then needs; the URL's host is
+  added to the allow-list;
+* **protected**: the project files it reads as instructions or configuration (bound read-only in the
+  cell, and quarantined when the agent creates them: :mod:`agentcell.cell.protect`);
+* ``secret_env``: the API-key variables passed in from the host (environment or ``.env``) for this
+  harness only; ``egress_preset``: its allow-list under ``--net proxy``.
+
+Templates (``{api_base}``, ``{api_base_v1}``: the URL with the API's ``/v1``, ``{model}``, ``{cwd}``:
+the project, ``{prompt}``) are filled in by :func:`launch`.
+
+``shell`` runs the command given after ``--``; ``scripted`` runs the bundled fake agent (:mod:`.scripted`)
+with the system's Python: the script's text is handed over on the command line, so nothing of
+agentcell needs to be visible inside the cell.
 """
 from __future__ import annotations
 
+import json
 import os
+import shlex
 import shutil
+import stat
 from dataclasses import dataclass, field
 
 from ..cell.spec import DEFAULT_PATH, SYSTEM_RO_PATHS
 from ..errors import PolicyError
 
 SCRIPT_MAX_BYTES = 64 * 1024
+NO_KEY = "agentcell-no-key"  # the key variable's value with --api-base and no key: local servers want none
+
+
+@dataclass(frozen=True)
+class SeedFile:
+    path: str  # relative to the home (home=True), else a file name in the session's seed directory
+    content: str  # a template (see the module's doc)
+    home: bool = True  # False: read-only in the seed directory, and ``env`` names it in the cell
+    env: str | None = None
+    needs_api_base: bool = False  # written only with --api-base
 
 
 @dataclass(frozen=True)
 class Profile:
     name: str
     title: str
-    binary: str | None  # looked up on the cell's PATH before anything is created; None: from the args
-    argv: tuple[str, ...]  # the launch command before the harness args
+    binary: str | None  # looked up before anything is created (see :func:`locate`); None: from the args
+    interactive: tuple[str, ...] = ()  # the TUI's launch line (after the binary)
+    prompt: tuple[str, ...] = ()  # one non-interactive turn (after the binary); "{prompt}" is the words
     install: str = ""  # the fix when the binary is missing
     home_dirs: tuple[str, ...] = ()  # made in the cell's home before the harness starts
     env: dict[str, str] = field(default_factory=dict)  # set in the cell
     secret_env: tuple[str, ...] = ()  # passed through from the host (env or .env) when set
     egress_preset: str | None = None
     network: str = "proxy"  # the default when FIREWALL_ENABLED is off and no network is given
+    api: str | None = None  # the model API it speaks: anthropic | responses | chat | gemini
+    api_base_env: tuple[str, ...] = ()  # set to the URL with --api-base ("NAME" or "NAME={template}")
+    api_base_args: tuple[str, ...] = ()  # added before the rest with --api-base (templates)
+    api_key_env: str | None = None  # must hold a key with --api-base (NO_KEY when none is given)
+    model_env: str | None = None  # set to --model
+    model_args: tuple[str, ...] = ()  # added with --model (templates)
+    needs_model: bool = False  # with --api-base a model must be named (its provider config lists one)
+    files: tuple[SeedFile, ...] = ()
+    protected: tuple[str, ...] = ()  # project entries it reads as configuration (documentation)
+    fenced: bool = False  # it declares no tools: the scripted endpoint plays shell steps as fenced blocks
+    stdin_null: bool = False  # a prompt-mode turn reads stdin to its end: given /dev/null
+    tested: bool = True  # False: not in any registry these machines reach (cursor): from its documentation
 
+
+CLAUDE_JSON = json.dumps({
+    "hasCompletedOnboarding": True, "theme": "dark", "autoUpdates": False, "bypassPermissionsModeAccepted": True,
+    "hasAcknowledgedCostThreshold": True, "lastReleaseNotesSeen": "99.0.0",
+    "projects": {"{cwd}": {"hasTrustDialogAccepted": True, "hasCompletedProjectOnboarding": True}},
+}, indent=2)
+
+# Commits the agent makes name it (the human's identity is not in the cell); without one, git refuses to
+# commit and aider writes one into .git/config, which is read-only in a cell (it then stops).
+GITCONFIG = SeedFile(".gitconfig", "[user]\n\tname = agentcell agent\n\temail = agent@agentcell.invalid\n")
+AIDER_SWITCHES = ("--no-check-update", "--no-analytics", "--no-show-release-notes", "--no-show-model-warnings",
+                  "--no-gitignore", "--no-detect-urls")
+# A model aider does not know: its size (no price-table download) and an edit format in which a fenced
+# shell block is a command, not a file.
+AIDER_METADATA = json.dumps({"openai/{model}": {"max_input_tokens": 128000, "max_output_tokens": 8192,
+                                               "input_cost_per_token": 0, "output_cost_per_token": 0,
+                                               "litellm_provider": "openai", "mode": "chat"}}, indent=2)
+AIDER_SETTINGS = "- name: openai/{model}\n  edit_format: diff\n"
+
+GEMINI_SETTINGS = json.dumps({
+    "security": {"auth": {"selectedType": "gemini-api-key"}, "folderTrust": {"enabled": False}},
+    "privacy": {"usageStatisticsEnabled": False}, "telemetry": {"enabled": False},
+    "general": {"enableAutoUpdate": False, "enableAutoUpdateNotification": False}, "ide": {"enabled": False},
+    "ui": {"showCompatibilityWarnings": False},
+}, indent=2)
 
 PROFILES: dict[str, Profile] = {p.name: p for p in (
-    Profile("claude_code", "Claude Code", "claude", ("claude", "--dangerously-skip-permissions"),
+    Profile("claude_code", "Claude Code", "claude",
+            interactive=("--dangerously-skip-permissions",),
+            prompt=("--dangerously-skip-permissions", "-p", "{prompt}"),
             install="npm install -g @anthropic-ai/claude-code",
             home_dirs=(".claude", ".config", ".cache"),
-            env={"CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_AUTOUPDATER": "1"},
+            env={"CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_AUTOUPDATER": "1",
+                 "DISABLE_TELEMETRY": "1", "DISABLE_ERROR_REPORTING": "1"},
             secret_env=("ANTHROPIC_API_KEY", "ANTHROPIC_AUTH_TOKEN", "ANTHROPIC_BASE_URL"),
-            egress_preset="claude_code"),
+            egress_preset="claude_code", api="anthropic", api_base_env=("ANTHROPIC_BASE_URL",),
+            api_key_env="ANTHROPIC_API_KEY", model_env="ANTHROPIC_MODEL",
+            files=(SeedFile(".claude.json", CLAUDE_JSON), GITCONFIG),
+            protected=(".claude", ".mcp.json", "CLAUDE.md")),
     Profile("codex", "Codex CLI", "codex",
-            ("codex", "exec", "--dangerously-bypass-approvals-and-sandbox", "--disable", "plugins",
-             "-c", "analytics.enabled=false"),
+            interactive=("--dangerously-bypass-approvals-and-sandbox", "--disable", "plugins",
+                         "-c", "analytics.enabled=false"),
+            prompt=("exec", "--dangerously-bypass-approvals-and-sandbox", "--skip-git-repo-check", "--ephemeral",
+                    "--disable", "plugins", "-c", "analytics.enabled=false", "{prompt}"),
             install="npm install -g @openai/codex", home_dirs=(".codex", ".cache"),
-            secret_env=("OPENAI_API_KEY", "OPENAI_BASE_URL"), egress_preset="codex"),
-    Profile("opencode", "OpenCode", "opencode", ("opencode", "run"), install="npm install -g opencode-ai",
+            secret_env=("OPENAI_API_KEY", "CODEX_API_KEY"), egress_preset="codex", api="responses",
+            # Codex reads no base-URL variable: a provider of its own, with no WebSocket transport.
+            api_base_args=("-c", "model_provider=agentcell", "-c",
+                           'model_providers.agentcell={name="agentcell",base_url="{api_base_v1}",'
+                           'env_key="OPENAI_API_KEY",wire_api="responses",supports_websockets=false}'),
+            # Its default model through a provider of another name is sent with no tools at all: a model is named.
+            api_key_env="OPENAI_API_KEY", model_args=("-m", "{model}"), needs_model=True, stdin_null=True,
+            files=(GITCONFIG,), protected=(".codex", "AGENTS.md")),
+    Profile("opencode", "OpenCode", "opencode", interactive=(), prompt=("run", "{prompt}"),
+            install="npm install -g opencode-ai",
             home_dirs=(".local/share/opencode", ".config/opencode", ".cache/opencode"),
             env={"OPENCODE_DISABLE_MODELS_FETCH": "1"},
-            secret_env=("OPENAI_API_KEY", "ANTHROPIC_API_KEY", "OPENROUTER_API_KEY"), egress_preset="opencode"),
-    Profile("cursor", "Cursor CLI", "cursor-agent", ("cursor-agent", "--print", "--force"),
+            secret_env=("OPENAI_API_KEY", "ANTHROPIC_API_KEY", "OPENROUTER_API_KEY"), egress_preset="opencode",
+            api="chat", protected=(".opencode", "opencode.json", "opencode.jsonc", "AGENTS.md")),
+    Profile("cursor", "Cursor CLI", "cursor-agent", interactive=("--force",), prompt=("--print", "--force",
+                                                                                        "{prompt}"),
             install="curl https://cursor.com/install -fsS | bash (as a system-wide install)",
-            home_dirs=(".cursor", ".config/cursor"), secret_env=("CURSOR_API_KEY",), egress_preset="cursor"),
-    Profile("aider", "aider", "aider", ("aider", "--yes-always", "--no-check-update", "--no-show-release-notes"),
+            home_dirs=(".cursor", ".config/cursor"), secret_env=("CURSOR_API_KEY",), egress_preset="cursor",
+            protected=(".cursor", ".cursorrules", "AGENTS.md"), tested=False),
+    # --message is one model turn; its shell blocks run once answered: an empty stdin answers every
+    # question with its default, Yes (--yes-always answers No to shell commands). So every question that
+    # would reach a host (URLs, updates, analytics) is switched off. The base URL is a flag: aider loads
+    # .env files over its environment.
+    Profile("aider", "aider", "aider", interactive=AIDER_SWITCHES,
+            prompt=(*AIDER_SWITCHES, "--no-fancy-input", "--message", "{prompt}"),
             install="pip install aider-chat (system-wide)", home_dirs=(".aider", ".cache"),
-            secret_env=("OPENAI_API_KEY", "OPENAI_API_BASE", "ANTHROPIC_API_KEY"), egress_preset="aider"),
-    Profile("gemini", "Gemini CLI", "gemini", ("gemini", "--yolo"), install="npm install -g @google/gemini-cli",
-            home_dirs=(".gemini",), secret_env=("GEMINI_API_KEY", "GOOGLE_API_KEY", "GOOGLE_GEMINI_BASE_URL"),
-            egress_preset="gemini"),
-    Profile("shell", "a command", None, (), network="none"),
-    Profile("scripted", "the bundled scripted agent", "python3", ("python3", "-I", "-S", "-c"), network="none",
+            env={"LITELLM_LOCAL_MODEL_COST_MAP": "True"},
+            secret_env=("OPENAI_API_KEY", "ANTHROPIC_API_KEY"), egress_preset="aider",
+            api="chat", api_base_args=("--openai-api-base", "{api_base_v1}"), api_key_env="OPENAI_API_KEY",
+            model_args=("--model", "openai/{model}"), needs_model=True, fenced=True, stdin_null=True,
+            files=(GITCONFIG, SeedFile(".aider.model.metadata.json", AIDER_METADATA, needs_api_base=True),
+                   SeedFile(".aider.model.settings.yml", AIDER_SETTINGS, needs_api_base=True)),
+            protected=(".aider.conf.yml", ".aider.model.settings.yml", ".aider.model.metadata.json")),
+    # API-key auth chosen in its settings (a base URL alone selects a "gateway" auth that -p refuses), usage
+    # statistics off (play.googleapis.com), folder trust off (else --yolo is dropped and -p exits 55), and no
+    # relaunch of itself with half the host's memory as its heap.
+    Profile("gemini", "Gemini CLI", "gemini", interactive=("--yolo",), prompt=("--yolo", "-p", "{prompt}"),
+            install="npm install -g @google/gemini-cli", home_dirs=(".gemini",),
+            env={"GEMINI_CLI_NO_RELAUNCH": "true"},
+            secret_env=("GEMINI_API_KEY", "GOOGLE_API_KEY", "GOOGLE_GEMINI_BASE_URL"), egress_preset="gemini",
+            api="gemini", api_base_env=("GOOGLE_GEMINI_BASE_URL",), api_key_env="GEMINI_API_KEY",
+            model_args=("-m", "{model}"), files=(SeedFile(".gemini/settings.json", GEMINI_SETTINGS), GITCONFIG),
+            protected=(".gemini", "GEMINI.md")),
+    # Its own provider mode (COPILOT_PROVIDER_*, offline: no GitHub at all) with --api-base; without, its GitHub
+    # login. The update check and client telemetry go to api.github.com unless switched off.
+    Profile("copilot", "GitHub Copilot CLI", "copilot",
+            interactive=("--allow-all", "--no-auto-update", "--disable-client-telemetry"),
+            prompt=("-p", "{prompt}", "--allow-all", "--no-auto-update", "--disable-client-telemetry"),
+            install="npm install -g @github/copilot", home_dirs=(".copilot", ".cache"),
+            secret_env=("COPILOT_GITHUB_TOKEN", "GH_TOKEN", "GITHUB_TOKEN", "COPILOT_PROVIDER_API_KEY"),
+            egress_preset="copilot", api="chat",
+            api_base_env=("COPILOT_PROVIDER_BASE_URL={api_base_v1}", "COPILOT_OFFLINE=true"),
+            model_env="COPILOT_MODEL", needs_model=True, files=(GITCONFIG,),
+            protected=(".github/copilot-instructions.md", ".github/instructions", ".copilot", "AGENTS.md")),
+    Profile("shell", "a command", None, network="none"),
+    Profile("scripted", "the bundled scripted agent", "python3", prompt=("-I", "-S", "-c"), network="none",
             install="apt-get install python3"),
 )}
+
+HARNESSES = tuple(n for n in PROFILES if n not in ("shell", "scripted"))
 
 
 def get(name: str) -> Profile:
@@ -75,38 +191,205 @@ def get(name: str) -> Profile:
         raise PolicyError("harness", f"unknown harness '{name}'", "one of " + ", ".join(PROFILES)) from None
 
 
-def cell_which(binary: str) -> str | None:
-    """Where ``binary`` is on the cell's PATH, if the cell can see it (system directories only)."""
-    found = shutil.which(binary, path=DEFAULT_PATH)
-    if found is None:
+# ---- where the harness is, as the cell sees it ----------------------------------------------------
+
+def visible(path: str) -> bool:
+    """Whether the cell can see ``path`` (resolved): only the system directories are bound into it."""
+    real = os.path.realpath(path)
+    return any(real == d or real.startswith(d + "/") for d in SYSTEM_RO_PATHS)
+
+
+def _runnable_by_others(path: str) -> bool:
+    """Executable (and its directories searchable) for an account that is neither its owner nor root's
+    group: the cell's account is an agent's."""
+    real = os.path.realpath(path)
+    try:
+        if not os.stat(real).st_mode & stat.S_IXOTH:
+            return False
+        d = os.path.dirname(real)
+        while d != "/":
+            if not os.stat(d).st_mode & stat.S_IXOTH:
+                return False
+            d = os.path.dirname(d)
+    except OSError:
+        return False
+    return True
+
+
+def _interpreter(path: str) -> list[str] | None:
+    """A script's ``#!`` line, split (None: not a script)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(256)
+    except OSError:
         return None
-    real = os.path.realpath(found)
-    visible = any(real == d or real.startswith(d + "/") for d in SYSTEM_RO_PATHS)
-    return found if visible else None
+    if not head.startswith(b"#!"):
+        return None
+    return head[2:].split(b"\n", 1)[0].decode("utf-8", "replace").split()
 
 
-def command(profile: Profile, harness_args: tuple[str, ...] | list[str]) -> list[str]:
-    """The argv the cell runs. Raises PolicyError (before anything is created) when the harness is
-    missing or its arguments do not fit."""
+def locate(binary: str, *, field_name: str, install: str, title: str = "", search_path: str | None = None
+           ) -> tuple[str, str]:
+    """Where ``binary`` is (found on the invoking user's PATH, then the cell's), checked the way the
+    cell will run it: the file, its links resolved, its ``#!`` interpreter (through ``env``) all in
+    what the cell sees, executable by another account. Returns (the path to run, the cell's PATH).
+    Raises a one-line PolicyError naming the fix before anything is created."""
+    where = ":".join(p for p in ((search_path or os.environ.get("PATH", "")).split(":") + DEFAULT_PATH.split(":"))
+                     if p and os.path.isabs(p))
+    found = shutil.which(binary, path=where)
+    if found is None:
+        named = f"{binary} ({title})" if title else binary
+        raise PolicyError(field_name, f"{named} is not installed (not on PATH)", f"install it: {install}")
+    path_dirs = [os.path.dirname(found), *DEFAULT_PATH.split(":")]
+    chain = [found]
+    interp = _interpreter(os.path.realpath(found))
+    if interp:
+        prog = interp[0]
+        if os.path.basename(prog) == "env" and len(interp) > 1:
+            name = next((a for a in interp[1:] if not a.startswith("-") and "=" not in a), "")
+            prog = shutil.which(name, path=":".join(dict.fromkeys(path_dirs))) or name
+            if not os.path.isabs(prog):
+                raise PolicyError(field_name, f"{found} runs '{name}', which is on no PATH the cell has "
+                                  f"({':'.join(dict.fromkeys(path_dirs))})", f"install {name} system-wide")
+            path_dirs.append(os.path.dirname(prog))
+        chain.append(prog)
+    for p in chain:
+        if not visible(p):
+            raise PolicyError(field_name, f"{p} is {os.path.realpath(p)}, which the cell cannot see (it sees only "
+                              f"{', '.join(SYSTEM_RO_PATHS)})",
+                              f"install it where the cell can run it: {install}, or under /opt or /usr/local")
+        if not _runnable_by_others(p):
+            raise PolicyError(field_name, f"{os.path.realpath(p)} is not executable by the agent's account (it or "
+                              "a directory above it has no execute bit for others)", "chmod o+rx it")
+    return found, ":".join(dict.fromkeys(path_dirs))
+
+
+# ---- the launch ------------------------------------------------------------------------------------
+
+class Launch:
+    """What a session runs for a harness: the argv (wrapped so the account makes its home dirs and
+    copies its settings in first), the environment the profile sets, the files of the seed directory."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], files: list[SeedFile], path: str | None,
+                 interactive: bool, api_host: str | None) -> None:
+        self.argv, self.env, self.files, self.path = argv, env, files, path
+        self.interactive, self.api_host = interactive, api_host
+
+    def as_dict(self) -> dict[str, object]:
+        """Without the argv (the session keeps that on its own)."""
+        return {"env": self.env, "path": self.path, "interactive": self.interactive, "api_host": self.api_host,
+                "files": [{"path": f.path, "content": f.content, "home": f.home, "env": f.env} for f in self.files]}
+
+
+def api_base_parts(url: str) -> tuple[str, str]:
+    """``--api-base`` checked: (the URL without a trailing slash or API version, host:port)."""
+    from urllib.parse import urlsplit
+
+    try:
+        u = urlsplit(url.strip())
+        port = u.port
+    except ValueError as e:
+        raise PolicyError("--api-base", f"'{url}' is not a URL ({e})",
+                          "e.g. --api-base https://gateway.example:8443") from None
+    if u.scheme not in ("http", "https") or not u.hostname:
+        raise PolicyError("--api-base", f"'{url}' is not an http:// or https:// URL with a host",
+                          "e.g. --api-base https://gateway.example:8443")
+    if u.username or u.password or u.query or u.fragment:
+        raise PolicyError("--api-base", "the URL carries credentials, a query or a fragment",
+                          "give the bare URL; pass the key in its variable (e.g. ANTHROPIC_API_KEY)")
+    base = f"{u.scheme}://{u.netloc}{u.path}".rstrip("/")
+    for suffix in ("/v1beta", "/v1"):
+        base = base.removesuffix(suffix)
+    host = u.hostname if ":" not in u.hostname else f"[{u.hostname}]"
+    return base, f"{host}:{port or (443 if u.scheme == 'https' else 80)}"
+
+
+def _fill(template: str, values: dict[str, str], *, as_json: bool = False) -> str:
+    """``{name}`` replaced by its value (JSON-escaped in a JSON file); other braces stay as they are."""
+    for k, v in values.items():
+        template = template.replace("{" + k + "}", json.dumps(v)[1:-1] if as_json else v)
+    return template
+
+
+def launch(profile: Profile, harness_args: tuple[str, ...] | list[str], *, cwd: str, seed_dir: str,
+           api_base: str | None = None, model: str | None = None, secrets: tuple[str, ...] = (),
+           home_from: bool = False, search_path: str | None = None) -> Launch:
+    """The launch of ``profile`` with the words after ``--``. Raises PolicyError (before anything is
+    created) when the harness is missing or its arguments do not fit. ``seed_dir``: where the
+    session's seed directory is (in the cell too); ``home_from``: it holds a home to start from."""
     args = list(harness_args)
     if profile.name == "shell":
         if not args:
             raise PolicyError("harness shell", "no command given", "put it after --, e.g. session start -- make test")
-        if "/" not in args[0] and cell_which(args[0]) is None:
+        if "/" not in args[0] and shutil.which(args[0], path=DEFAULT_PATH) is None:
             raise PolicyError("harness shell", f"{args[0]} is not on the cell's PATH ({DEFAULT_PATH})",
                               "install it system-wide, or give its path inside a declared directory")
-        return args
+        return Launch(_wrapped(profile, args, [], seed_dir, home_from=home_from), {}, [], None, True, None)
     assert profile.binary is not None
-    if cell_which(profile.binary) is None:
-        raise PolicyError(f"harness {profile.name}", f"{profile.binary} ({profile.title}) is not installed where the "
-                          f"cell can run it (the cell's PATH: {DEFAULT_PATH})", f"install it: {profile.install}")
     if profile.name == "scripted":
-        return [*profile.argv, scripted_source(), *script_args(args)]
-    argv = [*profile.argv, *args]
-    if profile.home_dirs:  # made by the account itself, in its own home, just before the harness starts
-        dirs = " ".join(f'"$HOME/{d}"' for d in profile.home_dirs)
-        argv = ["/bin/sh", "-c", f'mkdir -p {dirs} && exec "$@"', profile.name, *argv]
-    return argv
+        found, _ = locate(profile.binary, field_name="harness scripted", install=profile.install,
+                          search_path=DEFAULT_PATH)
+        argv = [found, *profile.prompt, scripted_source(), *script_args(args)]
+        return Launch(_wrapped(profile, argv, [], seed_dir, home_from=home_from), {}, [], None, False, None)
+    found, cell_path = locate(profile.binary, field_name=f"harness {profile.name}", install=profile.install,
+                              title=profile.title, search_path=search_path)
+    values = {"cwd": cwd, "model": model or ""}
+    env = dict(profile.env)
+    extra: list[str] = []
+    api_host = None
+    if api_base is not None:
+        if profile.api is None:
+            raise PolicyError("--api-base", f"{profile.title} has no model API agentcell knows how to point",
+                              "leave --api-base out")
+        base, api_host = api_base_parts(api_base)
+        values.update(api_base=base, api_base_v1=base + ("/v1" if profile.api in ("responses", "chat") else ""))
+        for item in profile.api_base_env:
+            name, eq, template = item.partition("=")
+            env[name] = _fill(template, values) if eq else base
+        extra += [_fill(a, values) for a in profile.api_base_args]
+        if profile.needs_model and not model:
+            raise PolicyError("--model", f"{profile.title} needs a model name with --api-base",
+                              "name the model your endpoint serves, e.g. --model gpt-4.1")
+        if profile.api_key_env and profile.api_key_env not in secrets:
+            env[profile.api_key_env] = NO_KEY
+    if values["model"]:
+        if profile.model_env:
+            env[profile.model_env] = values["model"]
+        extra += [_fill(a, values) for a in profile.model_args]
+    files = [SeedFile(f.path, _fill(f.content, values, as_json=f.path.endswith(".json")), f.home, f.env)
+             for f in profile.files if api_base is not None or not f.needs_api_base]
+    for f in files:
+        if not f.home and f.env:
+            env[f.env] = os.path.join(seed_dir, f.path)
+    interactive = not args or args[0].startswith("-")
+    if interactive:
+        argv = [found, *extra, *profile.interactive, *args]
+    else:
+        words = " ".join(args)
+        argv = [found, *extra, *(words if a == "{prompt}" else a for a in profile.prompt)]
+    wrapped = _wrapped(profile, argv, files, seed_dir, home_from=home_from,
+                       stdin_null=profile.stdin_null and not interactive)
+    return Launch(wrapped, env, files, cell_path if cell_path != DEFAULT_PATH else None, interactive, api_host)
+
+
+def _wrapped(profile: Profile, argv: list[str], files: list[SeedFile], seed_dir: str, *, home_from: bool,
+             stdin_null: bool = False) -> list[str]:
+    """The account itself, in its own home, just before the harness starts: copies in the home it
+    starts from (``--home-from``), makes the profile's directories and copies in the settings files
+    it does not have yet (a persistent home keeps what the harness changed)."""
+    lines = []
+    if home_from:
+        lines.append(f'cp -Rp {shlex.quote(os.path.join(seed_dir, "from"))}/. "$HOME"/')
+    if profile.home_dirs:
+        lines.append("mkdir -p " + " ".join(f'"$HOME"/{shlex.quote(d)}' for d in profile.home_dirs))
+    for f in files:
+        if f.home:
+            src, dst = shlex.quote(os.path.join(seed_dir, "home", f.path)), f'"$HOME"/{shlex.quote(f.path)}'
+            lines.append(f'{{ [ -e {dst} ] || {{ mkdir -p "$(dirname {dst})" && cp {src} {dst}; }}; }}')
+    if not lines and not stdin_null:
+        return argv
+    lines.append('exec "$@"' + (" </dev/null" if stdin_null else ""))
+    return ["/bin/sh", "-c", " && ".join(lines), profile.name, *argv]
 
 
 def scripted_source() -> str:
@@ -131,8 +414,6 @@ def script_args(args: list[str]) -> list[str]:
                           "give a readable script file (not a symlink)") from None
     try:
         st = os.fstat(fd)
-        import stat
-
         if not stat.S_ISREG(st.st_mode) or st.st_size > SCRIPT_MAX_BYTES:
             raise PolicyError("harness scripted", f"{path} is not a regular file of at most {SCRIPT_MAX_BYTES} bytes",
                               "give a small script file")

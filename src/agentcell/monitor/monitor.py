@@ -66,15 +66,19 @@ def parse_verdicts(text: str) -> dict[str, str]:
 
 
 class CellEvent:
-    __slots__ = ("operation", "target", "reason", "pid", "exe", "cell", "source", "ts", "allow", "count", "acts")
+    __slots__ = ("operation", "target", "reason", "pid", "exe", "cell", "source", "ts", "allow", "count", "acts",
+                 "ancestry")
 
     def __init__(self, operation: str, target: str, reason: str, *, source: str, cell: str, pid: int | None = None,
-                 exe: str = "", allow: str = "", ts: float | None = None, acts: bool = True) -> None:
+                 exe: str = "", allow: str = "", ts: float | None = None, acts: bool = True,
+                 ancestry: list[list[Any]] | None = None) -> None:
         self.operation, self.target, self.reason, self.pid, self.exe = operation, target, reason, pid, exe
         self.cell, self.source, self.allow, self.ts, self.count = cell, source, allow, ts or time.time(), 1
         # False: recorded, never a reason to end the cell (it cannot be pinned on the cell, or it is
         # harmless in any cell: a TCP bind where nothing can connect).
         self.acts = acts
+        # [pid, exe, command line] of each parent, nearest first, up to the cell's PID 1 (not included)
+        self.ancestry = ancestry
 
     def key(self) -> tuple[str, str, str, bool]:
         # acts is part of it: a refusal first noted as not the cell's must not mask a later one that is
@@ -110,8 +114,27 @@ def landlock_event(raw: dict[str, Any], cell: str) -> CellEvent:
         target, allow = ll.get("opid", blockers), ""
     pid = int(sc["pid"]) if sc.get("pid", "").isdigit() else None
     bind = blockers.startswith("net.bind_tcp")  # listening in a cell nothing outside can reach: noted only
-    return CellEvent(op, target, f"blocked by Landlock ({blockers})", source="landlock", cell=cell, pid=pid,
-                     exe=sc.get("exe", ""), allow=allow, ts=raw.get("ts"), acts=not bind)
+    tuning = op == "write" and _tunes_itself(str(ll.get("path", "")))
+    reason = f"blocked by Landlock ({blockers})"
+    if tuning:
+        reason += "; a process of the cell tuning itself (its OOM score, its name): refused, not held against it"
+    return CellEvent(op, target, reason, source="landlock", cell=cell, pid=pid, exe=sc.get("exe", ""),
+                     allow=allow, ts=raw.get("ts"), acts=not (bind or tuning))
+
+
+# Files of a process's own /proc entry that runtimes write about themselves (node and its kin set their
+# OOM score at start). The cell's /proc shows only its own processes, so the writer is the cell's.
+_SELF_TUNING = frozenset({"oom_score_adj", "oom_adj", "comm", "timerslack_ns", "autogroup"})
+
+
+def _tunes_itself(path: str) -> bool:
+    parts = path.split("/")
+    if len(parts) < 4 or parts[:2] != ["", "proc"] or parts[-1] not in _SELF_TUNING:
+        return False
+    who = parts[2:-1]
+    if len(who) == 3 and who[1] == "task" and who[2].isdigit():  # /proc/PID/task/TID/comm
+        who = who[:1]
+    return len(who) == 1 and (who[0].isdigit() or who[0] in ("self", "thread-self"))
 
 
 class Monitor:
@@ -359,6 +382,7 @@ class Monitor:
             self._event(CellEvent("read", c["path"], "a canary credential was opened (a decoy agentcell planted "
                                   "in the cell's home: nothing legitimate reads it)", source="canary",
                                   cell=self.cell_id, pid=pid, exe=c.get("exe", ""),
+                                  ancestry=ancestry(pid, self._seed) if pid else None,  # the opener waits: all there
                                   allow="nothing: it is a decoy; give real credentials with --ro PATH if a tool "
                                   "needs them"))
             self.canaries.answer(c)  # recorded (and, under terminate, frozen): now the open may go on
@@ -527,9 +551,11 @@ class Monitor:
             # The proxy serves this cell alone. The host firewall matches the account's uid: its
             # refusal is the cell's when the account is an agent's own (nothing else runs as it);
             # for a person's uid it is recorded, not pinned on the cell.
-            acts = source != "nftables" or self.dedicated
-            if not acts:
+            acts = (source != "nftables" or self.dedicated) and not raw.get("note")
+            if source == "nftables" and not self.dedicated:
                 reason += " (matched by a person's uid, which runs outside the cell too: not held against it)"
+            elif raw.get("note"):
+                reason += " (an allowed name: refused, not held against the cell)"
             self._event(CellEvent("network", str(raw.get("target", "?")), reason, source=source,
                                   cell=self.cell_id, pid=None, allow=allow, ts=raw.get("ts"), acts=acts))
 
@@ -550,6 +576,8 @@ class Monitor:
     # ---- verdicts --------------------------------------------------------------------------------
 
     def _event(self, ev: CellEvent) -> None:
+        if ev.ancestry is None and ev.pid:  # as far as the processes are still there
+            ev.ancestry = ancestry(ev.pid, self._seed)
         with self._lock:
             seen = self._index.get(ev.key())
             if seen is not None:
@@ -594,6 +622,32 @@ class Monitor:
         elif not killed:
             self._event(CellEvent("telemetry", "monitor", "the cell could not be killed (no cgroup.kill, no PID 1 "
                                   "known)", source="telemetry", cell=self.cell_id))
+
+
+def ancestry(pid: int, pid1: int | None, limit: int = 32) -> list[list[Any]]:
+    """The parents of ``pid`` ([pid, exe, the start of its command line]), nearest first, up to the
+    cell's PID 1 (agentcell's reaper, not listed) or the first one gone."""
+    out: list[list[Any]] = []
+    for _ in range(limit):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            break
+        if ppid <= 1 or ppid == pid1:
+            break
+        try:
+            exe = os.readlink(f"/proc/{ppid}/exe")
+        except OSError:
+            exe = ""
+        try:
+            with open(f"/proc/{ppid}/cmdline", "rb") as f:
+                cmd = " ".join(a.decode("utf-8", "replace") for a in f.read(4096).split(b"\0")[:4] if a)[:300]
+        except OSError:
+            cmd = ""
+        out.append([ppid, exe, cmd])
+        pid = ppid
+    return out
 
 
 def _pids_in(cg: CellCgroup | None) -> set[int]:

@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from ..cell.spec import SCRATCH_PATH, SYSTEM_RO_PATHS
+from ..cell.spec import SCRATCH_PATH, SYSTEM_RO_PATHS, Identity
 from ..errors import PolicyError
 from . import resolve as rs
 from .models import IdentityModel, Limits, SandboxPolicy, SessionPlan
@@ -104,6 +104,8 @@ def compile_plan(plan: SessionPlan, *, environ: Mapping[str, str], euid: int | N
     masked += tuple(p for p in excluded if p not in masked)
     scratch = paths("scratch", [plan.scratch], writable=True, allow_unsafe=unsafe) if plan.scratch else ()
     home = paths("home", [plan.home], writable=True, allow_unsafe=unsafe) if plan.home else ()
+    if plan.home_persistent:
+        home = (_own_home(ident),)
     rs.check_disjoint({"declared_paths": rw, "ro_paths": ro, "masked_paths": masked, "scratch": scratch,
                        "home": home})
 
@@ -138,6 +140,24 @@ def compile_plan(plan: SessionPlan, *, environ: Mapping[str, str], euid: int | N
         allow_write=_allowed_writes(plan.allow_write, rw, host_cwd),
         egress=_egress(plan),
     )
+
+
+def _own_home(ident: Identity) -> str:
+    """A persistent agent's own home: the account's, and only the account's to write."""
+    import stat
+
+    if ident.mode != "agent":
+        raise PolicyError("home_persistent", "only an agent account (identity agent:NAME) has a home of its own "
+                          "to keep", "leave it out")
+    try:
+        st = os.lstat(ident.home)
+    except OSError:
+        raise PolicyError("home_persistent", f"{ident.home} (the home of {ident.user}) is missing",
+                          f"see 'agentcell agent info {ident.user}'") from None
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != ident.uid:
+        raise PolicyError("home_persistent", f"{ident.home} is not a directory of {ident.user}'s",
+                          f"see 'agentcell agent info {ident.user}'")
+    return ident.home
 
 
 def _egress(plan: SessionPlan) -> tuple[str, ...]:

@@ -61,6 +61,8 @@ class SessionPlan(BaseModel):
     masked_paths: list[str] = Field(default_factory=list)
     scratch: str | None = None  # host dir behind /scratch; None = a private tmpfs
     home: str | None = None  # host dir behind $HOME; None = a private tmpfs
+    # identity agent:NAME: its own home (/home/NAME, kept between sessions) behind $HOME
+    home_persistent: StrictBool = False
     network: Network = "none"
     limits: Limits = Field(default_factory=Limits)
     identity: str = Field(default="self", pattern=IDENTITY_PATTERN)
@@ -173,3 +175,4 @@ class EscapeEvent(BaseModel):
     exe: str | None = None
     source: str  # the monitor source that saw it: landlock, exec, canary, proxy, nftables, cgroup, …
     ts: float = Field(default_factory=time.time)
+    ancestry: list[tuple[int, str, str]] = Field(default_factory=list)  # [pid, exe, command line] of its parents

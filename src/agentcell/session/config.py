@@ -17,7 +17,14 @@ WALL_CLOCK_LIMIT_S   wall_clock_limit_s           the session ends normally (rea
 FIREWALL_ENABLED     firewall_enabled             the seed's host firewall: egress 443 only, deny else
 ==================== ============================ =====================================================
 
-``network`` (none | loopback | proxy | host-firewall) is a toml key and a flag too. What a proxy session
+``network`` (none | loopback | proxy | host-firewall) is a toml key and a flag too, and so is ``risk``
+(low | medium | high: the default resource ceilings, :mod:`agentcell.limits`), which a file in the
+project may raise but not lower. ``env`` (a table in ``[session]``, ``--env K=V``) sets variables in
+the cell; from a file in the project it may not set what configures the harness (its keys, base URLs,
+proxies, what its profile sets). ``--keep-env NAME`` passes a variable of the environment (or the
+``.env``) through. ``--api-base URL`` (or ``AGENT_API_BASE``) points the harness at a gateway or a
+local model server, and ``--model`` (``AGENT_MODEL``) names the model: never from a file in the
+project, which must not choose where your API key goes. What a proxy session
 may reach beyond its harness's preset (``--allow-domain``, ``--deny-domain``, ``--allow-preset``,
 ``--allow-range``, ``--resolver``) is taken from flags only: the project's files are the agent's to
 write, and must not widen the next session's egress. The API-key variables
@@ -36,16 +43,18 @@ from typing import Any
 from ..errors import PolicyError
 
 ENV_NAMES = ("AGENT_HARNESS", "PROJECT_ROOT", "DECLARED_PATHS", "AGENT_OS_USER", "BACKUP_DIR", "AUDIT_LOG_PATH",
-             "WALL_CLOCK_LIMIT_S", "FIREWALL_ENABLED")
+             "WALL_CLOCK_LIMIT_S", "FIREWALL_ENABLED", "AGENT_API_BASE", "AGENT_MODEL", "AGENT_RISK")
 TOML_KEYS = ("harness", "declared_paths", "agent", "backup_dir", "audit_log_path", "wall_clock_limit_s",
-             "firewall_enabled", "network")
+             "firewall_enabled", "network", "risk", "env", "api_base", "model")
 NETWORKS = ("none", "loopback", "proxy", "host-firewall")
 NETWORKS_BY_WIDTH = NETWORKS  # each reaches more than the one before
 FLAGS = {"harness": "--harness", "project_root": "--project", "declared_paths": "--rw", "agent": "--agent",
          "backup_dir": "--backup-dir", "audit_log_path": "--audit-log", "wall_clock_limit_s": "--wall-clock",
          "firewall_enabled": "--firewall", "network": "--net", "allow_domains": "--allow-domain",
          "deny_domains": "--deny-domain", "allow_presets": "--allow-preset", "allow_ranges": "--allow-range",
-         "resolver": "--resolver"}
+         "resolver": "--resolver", "api_base": "--api-base", "model": "--model", "risk": "--risk", "env": "--env",
+         "keep_env": "--keep-env", "home_from": "--home-from", "memory": "--memory", "cpu": "--cpu",
+         "pids": "--pids", "limits": "--limits"}
 EGRESS_KEYS = ("allow_domains", "deny_domains", "allow_presets", "allow_ranges")  # lists; resolver: one value
 DEFAULT_WALL_CLOCK_S = 3600
 MAX_FILE = 1 << 20  # a .env or agentcell.toml
@@ -70,9 +79,17 @@ class SessionConfig:
     allow_presets: tuple[str, ...] = ()
     allow_ranges: tuple[str, ...] = ()
     resolver: str | None = None
+    api_base: str | None = None  # the harness's model API (a gateway, a local server): flags and environment only
+    model: str | None = None
+    risk: str = "medium"  # the default ceilings (agentcell.limits); a project file may raise it
+    limits: tuple[int | None, int | None, int | None] = (None, None, None)  # memory, cpu, pids: resolved
+    env: tuple[tuple[str, str], ...] = ()  # set in the cell (--env, [session] env)
+    keep_env: tuple[str, ...] = ()  # passed through (--keep-env): values in ``secrets``, never checkpointed
+    home_from: str | None = None  # an ephemeral home starts as a copy of this directory (--home-from)
     harness_args: tuple[str, ...] = ()
     config_files: tuple[str, ...] = ()  # the .env and agentcell.toml read (or looked for): see nodes.plan
     secrets: dict[str, str] = field(default_factory=dict)  # API-key variables found (env or .env), by name
+    notes: tuple[str, ...] = ()  # what the user should know (a .env line not passed on)
     sources: dict[str, str] = field(default_factory=dict)  # field -> where its value came from
 
     def as_dict(self) -> dict[str, Any]:
@@ -82,6 +99,8 @@ class SessionConfig:
                 "audit_log_path": self.audit_log_path, "wall_clock_limit_s": self.wall_clock_limit_s,
                 "firewall_enabled": self.firewall_enabled, "network": self.network,
                 **{k: list(getattr(self, k)) for k in EGRESS_KEYS}, "resolver": self.resolver,
+                "api_base": self.api_base, "model": self.model, "risk": self.risk, "limits": list(self.limits),
+                "env": [list(kv) for kv in self.env], "keep_env": list(self.keep_env), "home_from": self.home_from,
                 "harness_args": list(self.harness_args), "config_files": list(self.config_files),
                 "secret_names": sorted(self.secrets),
                 "sources": dict(self.sources)}
@@ -294,8 +313,12 @@ def _agent(value: object, where: str) -> str | None:
 
 # Decided by the operator (a flag, or root's own environment), never by a file in the project that
 # its owner (or an earlier session's agent) could have written: where root writes the backup and the
-# audit trail, which persistent agent runs, and which directory is the project.
-HOST_KEYS = frozenset({"backup_dir", "audit_log_path", "agent", "project_root"})
+# audit trail, which persistent agent runs, which directory is the project, and where the harness
+# sends your API key (and whatever the agent gives it).
+_WHERE_ROOT = "where root writes, and as whom the agent runs, is not taken from a file in the project"
+_WHERE_KEY = "where the harness sends your API key is not taken from a file in the project"
+HOST_KEYS: dict[str, str] = {"backup_dir": _WHERE_ROOT, "audit_log_path": _WHERE_ROOT, "agent": _WHERE_ROOT,
+                             "project_root": _WHERE_ROOT, "api_base": _WHERE_KEY}
 
 
 def load(flags: Mapping[str, Any], *, environ: Mapping[str, str] | None = None, cwd: str | None = None,
@@ -335,9 +358,8 @@ def load(flags: Mapping[str, Any], *, environ: Mapping[str, str] | None = None, 
         dot_ours = False
     toml = read_toml(root)
     toml_where = os.path.join(root, "agentcell.toml") + ": session."
-    for key in sorted(HOST_KEYS & set(toml)):  # never honoured there, so never silently ignored either
-        raise PolicyError(toml_where + key, "where root writes, and as whom the agent runs, is not taken from a "
-                          "file in the project", f"remove it; give {FLAGS[key]} instead")
+    for key in sorted(HOST_KEYS.keys() & set(toml)):  # never honoured there, so never silently ignored either
+        raise PolicyError(toml_where + key, HOST_KEYS[key], f"remove it; give {FLAGS[key]} instead")
 
     def pick(key: str, env: str | None) -> tuple[object, str] | None:
         flag_value = flags.get(key)
@@ -345,14 +367,12 @@ def load(flags: Mapping[str, Any], *, environ: Mapping[str, str] | None = None, 
             return flag_value, FLAGS[key]
         if env is not None and env_view.get(env, "") != "":
             if key in HOST_KEYS and env not in environ and not dot_ours:  # a .env someone else could write
-                raise PolicyError(env_where(env), "where root writes, and as whom the agent runs, is not taken "
-                                  "from a file in the project", f"give {FLAGS[key]}, set {env} in the environment, "
+                raise PolicyError(env_where(env), HOST_KEYS[key], f"give {FLAGS[key]}, set {env} in the environment, "
                                   "or name a file outside the project that only you can write with --env-file")
             return env_view[env], env_where(env)
         if key in toml:
             if key in HOST_KEYS:
-                raise PolicyError(toml_where + key, "where root writes, and as whom the agent runs, is not taken "
-                                  "from a file in the project", f"give {FLAGS[key]} instead")
+                raise PolicyError(toml_where + key, HOST_KEYS[key], f"give {FLAGS[key]} instead")
             return toml[key], toml_where + key
         return None
 
@@ -360,7 +380,7 @@ def load(flags: Mapping[str, Any], *, environ: Mapping[str, str] | None = None, 
     values: dict[str, Any] = {}
     if (got := pick("harness", "AGENT_HARNESS")) is not None:
         value, where = got
-        from .profiles import PROFILES
+        from ..harness.profiles import PROFILES
 
         if str(value) not in PROFILES:
             raise PolicyError(where, f"unknown harness '{value}'", "one of " + ", ".join(PROFILES))
@@ -413,7 +433,7 @@ def load(flags: Mapping[str, Any], *, environ: Mapping[str, str] | None = None, 
     # A file in the project may narrow the network its harness gets, never widen it: a cloned repository
     # (or an earlier agent) must not open the host's network to the next session. Nor may it pick a
     # harness that brings a network or API keys of its own.
-    from .profiles import PROFILES
+    from ..harness.profiles import PROFILES
 
     def by_file(where: str) -> bool:
         return where.startswith(toml_where) or (" (in " in where and not dot_ours)
@@ -441,6 +461,7 @@ def load(flags: Mapping[str, Any], *, environ: Mapping[str, str] | None = None, 
             values[key], sources[key] = tuple(str(v) for v in flags[key]), FLAGS[key]
     if flags.get("resolver"):
         values["resolver"], sources["resolver"] = str(flags["resolver"]), FLAGS["resolver"]
+    _harness_knobs(values, sources, flags, pick, by_file, toml, toml_where, PROFILES[harness], root)
     values["harness_args"] = tuple(flags.get("harness_args") or ())
     if dot_ours and values.get("declared_paths") and _inside(dot_path, list(values["declared_paths"])):
         from_file = sorted(k for k, where in sources.items() if where.endswith(f"(in {dot_path})"))
@@ -449,5 +470,98 @@ def load(flags: Mapping[str, Any], *, environ: Mapping[str, str] | None = None, 
                               + ", ".join(from_file), "keep this .env outside the project and its declared paths")
     values["config_files"] = (os.path.abspath(dot_path), os.path.join(root, "agentcell.toml"))
     cfg = replace(cfg, **values, sources=sources)
-    wanted = secret_names or PROFILES[cfg.harness].secret_env
-    return replace(cfg, secrets={k: env_view[k] for k in wanted if env_view.get(k)})
+    wanted = (*(secret_names or PROFILES[cfg.harness].secret_env), *cfg.keep_env)
+    notes = [f"--keep-env {k}: not set in the environment nor in {dot_path}: not passed" for k in cfg.keep_env
+             if not env_view.get(k)]
+    left = sorted(k for k in dot if k not in ENV_NAMES and k not in wanted)
+    if left:  # never passed on a file's word alone: say so, and how
+        notes.append(f"{dot_path}: {', '.join(left)} {'is' if len(left) == 1 else 'are'} not passed to the agent "
+                     f"(only {cfg.harness}'s API keys are); --keep-env NAME passes one")
+    return replace(cfg, secrets={k: env_view[k] for k in wanted if env_view.get(k)}, notes=tuple(notes))
+
+
+def _configures_harness(name: str, profile: Any) -> bool:
+    """What a file in the project may not set in the cell: how the harness is configured (its keys,
+    base URLs, model, proxies, the switches its profile sets) and the cell's own variables."""
+    upper = name.upper()
+    own = {*profile.secret_env, *profile.env, *(e.partition("=")[0] for e in profile.api_base_env),
+           *(v for v in (profile.api_key_env, profile.model_env) if v), *(f.env for f in profile.files if f.env)}
+    return (name in own or upper in ("PATH", "HOME", "USER", "SHELL", "TMPDIR") or upper.endswith("_PROXY")
+            or "BASE_URL" in upper or "API_BASE" in upper or upper.endswith(("_API_KEY", "_AUTH_TOKEN")))
+
+
+def _harness_knobs(values: dict[str, Any], sources: dict[str, str], flags: Mapping[str, Any], pick: Any,
+                   by_file: Any, toml: dict[str, Any], toml_where: str, profile: Any, root: str) -> None:
+    """--api-base, --model, --risk and the ceilings, --env and [session] env, --keep-env, --home-from."""
+    from .. import limits
+    from ..errors import AgentcellError
+    from ..harness.profiles import api_base_parts
+    from ..policy.resolve import is_env_name
+
+    if (got := pick("api_base", "AGENT_API_BASE")) is not None:
+        value, where = got
+        try:
+            api_base_parts(str(value))
+        except PolicyError as e:
+            raise PolicyError(where, e.problem, e.fix) from None
+        values["api_base"], sources["api_base"] = str(value).strip(), where
+    if (got := pick("model", "AGENT_MODEL")) is not None:
+        value, where = got
+        text = str(value).strip()
+        if not text or text.startswith("-") or not text.isprintable() or len(text) > 200:
+            raise PolicyError(where, f"{text[:80]!r} is not a model name", "e.g. --model claude-sonnet-4-5")
+        values["model"], sources["model"] = text, where
+    if (got := pick("risk", "AGENT_RISK")) is not None:
+        value, where = got
+        if value not in limits.RISKS:
+            raise PolicyError(where, f"'{value}' is not a risk level", "one of " + ", ".join(limits.RISKS))
+        if by_file(where) and limits.RISKS.index(str(value)) < limits.RISKS.index("medium"):
+            raise PolicyError(where, "a file in the project may raise the risk level, never lower it",
+                              f"give --risk {value} on the command line")
+        values["risk"], sources["risk"] = str(value), where
+    risk = values.get("risk", "medium")
+    try:
+        values["limits"] = limits.parse(flags.get("memory"), flags.get("cpu"), flags.get("pids"), flags.get("limits"),
+                                        limits.for_risk(risk))
+    except AgentcellError as e:
+        raise PolicyError(e.field, e.problem, e.fix) from None
+    given = [FLAGS[k] for k in ("limits", "memory", "cpu", "pids") if flags.get(k)]
+    sources["limits"] = ", ".join(given) + f" over risk {risk}" if given else f"risk {risk}"
+    env: dict[str, str] = {}
+    if "env" in toml:
+        table = toml["env"]
+        if not isinstance(table, dict) or not all(isinstance(v, str) for v in table.values()):
+            raise PolicyError(toml_where + "env", "is not a table of strings", 'write it as env = { DEBUG = "1" }')
+        for name, value in table.items():
+            if not is_env_name(name):
+                raise PolicyError(f"{toml_where}env.{name}", "is not a variable name", "e.g. DEBUG")
+            if _configures_harness(name, profile):
+                raise PolicyError(f"{toml_where}env.{name}", f"a file in the project may not set what configures "
+                                  f"{profile.title} or the cell (keys, base URLs, proxies, its own switches)",
+                                  f"give --env {name}=... on the command line")
+            env[name] = value
+        sources["env"] = toml_where + "env"
+    for kv in flags.get("env") or []:
+        name, eq, value = str(kv).partition("=")
+        if not eq or not is_env_name(name):
+            raise PolicyError("--env", f"'{kv}' is not NAME=VALUE", "e.g. --env DEBUG=1")
+        env[name] = value
+        sources["env"] = "--env" if "env" not in sources or sources["env"] == "--env" else sources["env"] + ", --env"
+    values["env"] = tuple(env.items())
+    keep = []
+    for name in flags.get("keep_env") or []:
+        if not is_env_name(str(name)):
+            raise PolicyError("--keep-env", f"'{name}' is not a variable name", "e.g. --keep-env EDITOR")
+        keep.append(str(name))
+    values["keep_env"] = tuple(dict.fromkeys(keep))
+    if flags.get("home_from"):
+        home_from = os.path.abspath(str(flags["home_from"]))
+        if not os.path.isdir(home_from):
+            raise PolicyError("--home-from", f"{home_from} is not a directory", "name the home you prepared")
+        if _inside(home_from, [root, *values.get("declared_paths", ())]):
+            raise PolicyError("--home-from", f"{home_from} lies where the agent works (an agent may have written it)",
+                              "prepare the home outside the project")
+        if values.get("agent"):
+            raise PolicyError("--home-from", "a persistent agent keeps its own home",
+                              "leave out --agent or --home-from")
+        values["home_from"], sources["home_from"] = home_from, "--home-from"

@@ -100,19 +100,20 @@ class Nodes:
 
     @staticmethod
     def _escape(state: SessionState, operation: str, target: str, reason: str, *, source: str,
-                pid: int | None = None, exe: str | None = None, ts: float | None = None) -> dict[str, Any]:
+                pid: int | None = None, exe: str | None = None, ts: float | None = None,
+                ancestry: list[Any] | None = None) -> dict[str, Any]:
         from ..policy.models import EscapeEvent
 
         ev = EscapeEvent(session_id=state["session_id"], operation=operation,  # type: ignore[arg-type]
                          target=target, reason=reason, pid=pid, exe=exe or None, source=source,
-                         ts=ts or time.time())
+                         ts=ts or time.time(), ancestry=[tuple(a) for a in ancestry or []])
         return ev.model_dump()
 
     # ---- plan → policy → preflight -------------------------------------------------------------------
 
     def plan(self, state: SessionState) -> dict[str, Any]:
         """The request, from the configuration and the harness profile (pure)."""
-        plan, marks = make_plan(state["config"], state["session_id"])
+        plan, marks = make_plan(state["config"], state["session_id"], state.get("launch"))
         self._crash("plan")
         self._audit(state, "plan", "session.plan", harness=plan.harness, declared_paths=plan.declared_paths,
                     network=plan.network, allow_presets=plan.allow_presets, allow_domains=plan.allow_domains,
@@ -135,7 +136,8 @@ class Nodes:
         self._crash("policy")
         self._audit(state, "policy", "session.policy", os_user=policy["os_user"], write_paths=policy["write_paths"],
                     read_paths=policy["read_paths"], env_allowlist=policy["env_allowlist"],
-                    firewall_rule=policy["firewall_rule"])
+                    firewall_rule=policy["firewall_rule"], risk=state["plan"].get("risk"), limits=policy["limits"],
+                    limits_from=state["config"].get("sources", {}).get("limits"), home=policy["home_dir"] or "tmpfs")
         return {"policy": policy}
 
     def preflight(self, state: SessionState) -> dict[str, Any]:
@@ -280,6 +282,9 @@ class Nodes:
         # moves aside what the agent creates there, as agentcell run does.
         since_ns = time.time_ns() - 100_000_000  # file times are coarse: some slack
         before, truncated = protect.surface(spec.rw_paths)
+        seed_dir, seed_notes = self._seed(state, policy.identity.uid, policy.identity.gid)
+        if seed_dir is not None:
+            spec = spec.replace(ro_paths=(*spec.ro_paths, seed_dir))
         made = self.rt.firewalls.pop(sid, None)
         if made is not None:  # Supervised makes the table again, atomically with the cell, and owns it
             made[0].remove()
@@ -293,10 +298,31 @@ class Nodes:
         now = time.time()
         self._crash("spawn")
         self._audit(state, "spawn", "session.spawn", cell_id=cell.cell_id, pid1=pid1, argv0=state["argv"][0],
-                    uid=policy.identity.uid)
+                    uid=policy.identity.uid, seed=seed_dir, home_from=state["config"].get("home_from"))
         return {"harness_pid": pid1, "cell_id": cell.cell_id, "started_at": now,
-                "deadline": now + policy.wall_clock_limit_s,
+                "deadline": now + policy.wall_clock_limit_s, "seed_notes": seed_notes,
                 "protect": {"before": before, "truncated": truncated, "since_ns": since_ns}}
+
+    @staticmethod
+    def _seed(state: SessionState, uid: int, gid: int) -> tuple[str | None, list[str]]:
+        """The seed directory (:mod:`agentcell.harness.seed`): the harness's settings files and the
+        home it starts from, the account's, bound read-only into the cell. A retried spawn starts it
+        again."""
+        from ..harness import seed
+
+        launch = state.get("launch") or {}
+        files = [(f["path"], f["content"], f["home"]) for f in launch.get("files", [])]
+        home_from = state["config"].get("home_from")
+        if not files and not home_from:
+            return None, []
+        seed.remove(state["session_id"])
+        try:
+            notes = seed.create(state["session_id"], files, home_from, (uid, gid))
+        except (OSError, AgentcellError) as e:
+            seed.remove(state["session_id"])
+            raise SpawnCrash("seed", _line(e) if isinstance(e, AgentcellError) else f"{e.strerror}: "
+                             f"{e.filename}") from None
+        return seed.path(state["session_id"]), [f"--home-from: not copied: {n}" for n in notes]
 
     # ---- monitor ⟲ → terminate → cleanup → audit ---------------------------------------------------
 
@@ -321,7 +347,7 @@ class Nodes:
             if escape is not None:
                 ev = self._escape(state, escape["operation"], escape["target"], escape["reason"],
                                   source=escape["source"], pid=escape.get("pid"), exe=escape.get("exe"),
-                                  ts=escape.get("ts"))
+                                  ts=escape.get("ts"), ancestry=escape.get("ancestry"))
                 self._audit(state, "monitor", "session.escape", allow=escape.get("allow", ""),
                             **{k: v for k, v in ev.items() if k != "session_id"})
                 who = f" by {os.path.basename(ev['exe'] or '?')} (pid {ev['pid']})" if ev["pid"] else ""
@@ -441,6 +467,10 @@ class Nodes:
                 problems.append(_line(e))
         if state.get("cell_id"):
             problems += _remove_cgroup(state["cell_id"])
+        from ..harness import seed
+
+        problems += seed.remove(sid)
+        warnings += state.get("seed_notes") or []
         self._crash("cleanup")
         warnings += [f"{f} was {'created' if was is None else 'changed'} during the session: the next session "
                      "reads it; review it first" for f, was in (state.get("config_marks") or {}).items()
@@ -528,16 +558,25 @@ def session_human(project_root: str) -> list[int]:
     return [st.st_uid, st.st_gid]
 
 
-def make_plan(cfg: dict[str, Any], session_id: str) -> tuple[SessionPlan, dict[str, str | None]]:
+def make_plan(cfg: dict[str, Any], session_id: str, launch: dict[str, Any] | None = None
+              ) -> tuple[SessionPlan, dict[str, str | None]]:
+    """The plan of a session from its configuration and its harness's launch (the profile's env,
+    the cell's PATH, the model API's host: :func:`agentcell.harness.profiles.launch`; without one,
+    the profile's env alone)."""
     from ..accounts import ephemeral
-    from ..policy.models import SessionPlan
-    from . import profiles
+    from ..harness import profiles
+    from ..policy.models import Limits, SessionPlan
 
     prof = profiles.get(cfg["harness"])
+    launch = launch or {}
     domain_rules = any(cfg.get(k) for k in ("allow_domains", "deny_domains", "allow_presets", "allow_ranges",
                                             "resolver"))
     network = cfg.get("network") or ("host-firewall" if cfg.get("firewall_enabled") else
                                      "proxy" if domain_rules else prof.network)
+    api_host = launch.get("api_host")
+    if api_host and network in ("none", "loopback"):
+        raise PolicyError(cfg.get("sources", {}).get("network", "network"), f"--api-base needs a way out, and the "
+                          f"network is {network}", "leave --net out (the harness's proxy) or give --net proxy")
     if os.geteuid() != 0:
         identity = "self"
     elif cfg.get("agent"):
@@ -547,13 +586,21 @@ def make_plan(cfg: dict[str, Any], session_id: str) -> tuple[SessionPlan, dict[s
         session_human(cfg["project_root"])  # refused now, before anything exists
     declared = list(cfg.get("declared_paths") or [cfg["project_root"]])
     ro, masked, marks = _config_files(cfg.get("config_files", []), declared)
+    env = dict(launch.get("env") or prof.env)
+    if launch.get("path"):
+        env["PATH"] = launch["path"]
+    env.update(dict(cfg.get("env") or []))  # the user's --env wins over the profile
+    memory, cpu, pids = (cfg.get("limits") or [None, None, None])
     plan = SessionPlan(
         session_id=session_id, harness=cfg["harness"], declared_paths=declared, ro_paths=ro, masked_paths=masked,
         wall_clock_limit_s=cfg["wall_clock_limit_s"], network=network,  # type: ignore[arg-type]
-        identity=identity, env=dict(prof.env), keep_env=sorted(cfg.get("secret_names") or []),
+        identity=identity, env=env, keep_env=sorted(cfg.get("secret_names") or []),
+        risk=cfg.get("risk") or "medium", limits=Limits(memory_bytes=memory, cpu_percent=cpu, pids=pids),
+        home_persistent=bool(cfg.get("agent")) and os.geteuid() == 0,
         allow_presets=[*([prof.egress_preset] if network == "proxy" and prof.egress_preset else []),
                        *cfg.get("allow_presets", [])],
-        allow_domains=list(cfg.get("allow_domains", [])), deny_domains=list(cfg.get("deny_domains", [])),
+        allow_domains=[*cfg.get("allow_domains", []), *([api_host] if api_host and network == "proxy" else [])],
+        deny_domains=list(cfg.get("deny_domains", [])),
         allow_ranges=list(cfg.get("allow_ranges", [])), resolver=cfg.get("resolver"),
         allow_egress=["seed"] if network == "host-firewall" else [])
     return plan, marks

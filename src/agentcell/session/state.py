@@ -29,6 +29,8 @@ class SessionState(TypedDict, total=False):
     session_id: str
     config: dict[str, Any]  # SessionConfig.as_dict()
     argv: list[str]  # what the cell runs
+    launch: dict[str, Any]  # the harness's launch (harness.profiles.Launch as data): env, path, files, api_host
+    seed_notes: list[str]  # what --home-from left out
     supervisor: dict[str, int]  # pid and start time (clock ticks) of the process running the graph
     plan: dict[str, Any]  # SessionPlan
     policy: dict[str, Any]  # SandboxPolicy (secret values replaced by SECRET_PLACEHOLDER)
