@@ -3,10 +3,14 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 source scripts/setup.sh
-# The session tests install a real harness CLI (Codex) from the npm registry: npm is needed for them.
-if ! command -v npm >/dev/null; then
-  echo "+ apt-get install npm"
-  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq npm >/dev/null
+# The harness tests install the real CLIs from npm and PyPI (tests/harnesses.py, cached under
+# /opt/agentcell-test/harnesses); OpenCode fetches ripgrep from github.com unless it is installed.
+need=()
+command -v npm >/dev/null || need+=(npm)
+command -v rg >/dev/null || need+=(ripgrep)
+if [ ${#need[@]} -gt 0 ]; then
+  echo "+ apt-get install ${need[*]}"
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
 fi
 # Static checks first: style habits are part of the build (ruff; mypy --strict on src/).
 .venv/bin/ruff check src tests bench

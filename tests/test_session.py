@@ -530,19 +530,14 @@ def test_a_cell_host_that_dies_is_lost_telemetry_and_terminates_the_session(env:
 
 
 @pytest.fixture(scope="module")
-def codex() -> Iterator[str]:
-    """The real Codex CLI from the npm registry, installed under /opt (which cells see read-only) and
-    removed after."""
-    if shutil.which("npm") is None:
-        pytest.skip("npm is not installed")
-    prefix = Path("/opt") / ("agentcell-harness-" + secrets.token_hex(3))
+def codex() -> str:
+    """The real Codex CLI from the npm registry, under /opt (which cells see read-only; tests/harnesses.py)."""
+    from harnesses import Unavailable, bin_dir
+
     try:
-        p = subprocess.run(["npm", "install", "--prefix", str(prefix), "--no-audit", "--no-fund", "--loglevel=error",
-                            "@openai/codex"], capture_output=True, text=True, timeout=600)
-        assert p.returncode == 0, p.stderr[-2000:]
-        yield str(prefix / "node_modules" / ".bin" / "codex")
-    finally:
-        shutil.rmtree(prefix, ignore_errors=True)
+        return str(bin_dir("codex") / "codex")
+    except Unavailable as e:
+        pytest.skip(str(e))
 
 
 def test_a_real_harness_cli_runs_in_a_session_as_its_account_with_the_cells_home(env: Env, codex: str) -> None:

@@ -703,6 +703,34 @@ def check_tools() -> list[Check]:
     return out
 
 
+def check_harnesses() -> list[Check]:
+    """Each harness profile: whether its CLI is installed where a cell can run it (resolved as a session
+    resolves it), and what it still needs. Nothing is run."""
+    from .errors import PolicyError
+    from .harness import profiles
+
+    out = []
+    for name in profiles.HARNESSES:
+        prof = profiles.PROFILES[name]
+        label = f"harness {name}"
+        untested = "" if prof.tested else "; untested: not in any registry agentcell's tests reach, its profile " \
+                                          "follows its documentation"
+        try:
+            found, cell_path = profiles.locate(prof.binary or name, field_name=label, install=prof.install,
+                                               title=prof.title)
+        except PolicyError as e:
+            out.append(Check(label, "warn", e.problem + untested, e.fix or prof.install,
+                             {"path": None, "tested": prof.tested}))
+            continue
+        missing = [n for n in prof.needs if shutil.which(n, path=cell_path) is None]
+        detail = f"{prof.title}: {found}" + (f"; downloads {', '.join(missing)} when missing" if missing else "") + \
+            untested
+        fix = f"install {', '.join(missing)} system-wide" if missing else \
+            "" if prof.tested else f"try it: sudo agentcell check --harness {name}"
+        out.append(Check(label, "warn" if fix else "ok", detail, fix, {"path": found, "tested": prof.tested}))
+    return out
+
+
 def check_acl_fs(path: str) -> Check:
     """Whether the file system holding ``path`` keeps POSIX ACLs (agent homes and shares need them)."""
     try:
@@ -795,6 +823,7 @@ def run() -> Report:
     nft = check_nft(root=root)
     checks.append(nft)
     checks += check_tools()
+    checks += check_harnesses()
     modes = evaluate_modes(root=root, userns_ok=userns.status == "ok", userns_fix=userns.fix,
                            ns_root=ns_root, ns_rootless=ns_rootless, nft_ok=nft.data.get("listed") is True)
     return Report(uid=euid, user=user_name(euid), root=root, checks=checks, modes=modes,

@@ -143,10 +143,16 @@ def _start(ns: Any, harness_args: list[str]) -> int:
     flags["harness_args"] = harness_args
     cfg = config.load(flags, dotenv=ns.env_file)
     sid = graph.new_session_id()
+    from ..session.nodes import compile_policy, make_plan, session_network
+
     launch = profiles.launch(profiles.get(cfg.harness), cfg.harness_args, cwd=cfg.project_root,
                              seed_dir=seed.path(sid), api_base=cfg.api_base, model=cfg.model,
-                             secrets=tuple(cfg.secrets), home_from=cfg.home_from is not None)  # a missing harness
-    from ..session.nodes import compile_policy, make_plan
+                             secrets=tuple(cfg.secrets), home_from=cfg.home_from is not None,
+                             network=session_network(cfg.as_dict()))  # a missing harness: refused here
+    if launch.renames:  # the names the cell knows them by
+        from dataclasses import replace
+
+        cfg = replace(cfg, secrets={launch.renames.get(k, k): v for k, v in cfg.secrets.items()})
 
     plan, _ = make_plan(cfg.as_dict(), sid, launch.as_dict())  # bad input is refused here, before a session exists
     if ns.env_file and any(w.endswith(f"(in {ns.env_file})") for k, w in cfg.sources.items()
@@ -161,7 +167,7 @@ def _start(ns: Any, harness_args: list[str]) -> int:
     if ns.explain:
         sys.stdout.write(_explain(cfg, plan, policy, launch))
         return 0
-    for note in cfg.notes:
+    for note in (*cfg.notes, *launch.notes):
         sys.stderr.write(_shown(f"{PROG}: note: {note}") + "\n")
     faults = state.parse_faults(os.environ.get(state.FAULTS_ENV, ""))
     # A harness that may own the terminal (its TUI, a shell) gets it alone: no status line over it.
@@ -209,7 +215,8 @@ def _explain(cfg: Any, plan: Any, policy: dict[str, Any], launch: Any) -> str:
             ("home from", cfg.home_from or "-")]
     width = max(len(k) for k, _ in rows)
     head = "".join(f"{k:>{width}}: {v}\n" for k, v in rows)
-    return head + explain(SandboxPolicy.model_validate(policy)) + "".join(f"note: {n}\n" for n in cfg.notes)
+    return head + explain(SandboxPolicy.model_validate(policy)) + "".join(f"note: {n}\n" for n in
+                                                                       (*cfg.notes, *launch.notes))
 
 
 def _summary(st: dict[str, Any]) -> dict[str, Any]:

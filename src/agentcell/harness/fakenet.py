@@ -115,6 +115,10 @@ class FakeInternet:
                     raise OSError(f"{host}:{port} does not answer in {self.ns}") from None
                 time.sleep(0.05)
 
+    def clear_dns_log(self) -> None:
+        with open(self.dns_log, "w"):
+            pass
+
     def dns_queries(self) -> list[tuple[str, str]]:
         with open(self.dns_log) as f:
             return [tuple(json.loads(line)) for line in f if line.strip()]

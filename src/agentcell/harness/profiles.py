@@ -62,6 +62,8 @@ class Profile:
     home_dirs: tuple[str, ...] = ()  # made in the cell's home before the harness starts
     env: dict[str, str] = field(default_factory=dict)  # set in the cell
     secret_env: tuple[str, ...] = ()  # passed through from the host (env or .env) when set
+    secret_as: dict[str, str] = field(default_factory=dict)  # a secret's name in the cell, where it differs
+    key_args: tuple[str, ...] = ()  # added when the API key (api_key_env) is in the cell
     egress_preset: str | None = None
     network: str = "proxy"  # the default when FIREWALL_ENABLED is off and no network is given
     api: str | None = None  # the model API it speaks: anthropic | responses | chat | gemini
@@ -76,13 +78,19 @@ class Profile:
     fenced: bool = False  # it declares no tools: the scripted endpoint plays shell steps as fenced blocks
     stdin_null: bool = False  # a prompt-mode turn reads stdin to its end: given /dev/null
     tested: bool = True  # False: not in any registry these machines reach (cursor): from its documentation
+    # programs it downloads from the internet when they are missing (OpenCode: ripgrep, from github.com)
+    needs: tuple[str, ...] = ()
 
 
-CLAUDE_JSON = json.dumps({
-    "hasCompletedOnboarding": True, "theme": "dark", "autoUpdates": False, "bypassPermissionsModeAccepted": True,
-    "hasAcknowledgedCostThreshold": True, "lastReleaseNotesSeen": "99.0.0",
-    "projects": {"{cwd}": {"hasTrustDialogAccepted": True, "hasCompletedProjectOnboarding": True}},
-}, indent=2)
+# First-run onboarding (which ignores the base URL and calls platform.claude.com) and the folder-trust
+# dialog done; the bypass-permissions warning skipped. An API key in ANTHROPIC_API_KEY makes the TUI ask
+# whether to use it (default: no): the key reaches the cell under another name, handed over by an
+# apiKeyHelper instead, so no part of it is written anywhere.
+# (Trust is looked up from the working directory up: "/" covers wherever the cell starts.)
+CLAUDE_JSON = json.dumps({"hasCompletedOnboarding": True, "theme": "dark", "autoUpdates": False,
+                          "projects": {"/": {"hasTrustDialogAccepted": True}}}, indent=2)
+CLAUDE_SETTINGS = json.dumps({"skipDangerousModePermissionPrompt": True}, indent=2)
+CLAUDE_KEY = "AGENTCELL_ANTHROPIC_API_KEY"
 
 # Commits the agent makes name it (the human's identity is not in the cell); without one, git refuses to
 # commit and aider writes one into .git/config, which is read-only in a cell (it then stops).
@@ -95,6 +103,30 @@ AIDER_METADATA = json.dumps({"openai/{model}": {"max_input_tokens": 128000, "max
                                                "input_cost_per_token": 0, "output_cost_per_token": 0,
                                                "litellm_provider": "openai", "mode": "chat"}}, indent=2)
 AIDER_SETTINGS = "- name: openai/{model}\n  edit_format: diff\n"
+
+# ssh in a proxied cell: out through the proxy (it has no proxy client of its own), and with no key but
+# one you give (-i, or IdentityFile in your own config): its default identities are where the decoys lie.
+SSH_CONFIG = """# agentcell: ssh reaches only what the session's allow-list names (host:22), through its proxy
+Host *
+    ProxyCommand /usr/bin/python3 -I -S {seed}/ssh-connect.py %h %p
+    IdentityFile none
+    IdentitiesOnly yes
+"""
+
+# OpenCode: a provider of its own for --api-base, in the config variable that outranks every file but the
+# managed one (a project's opencode.json outranks OPENCODE_CONFIG); bash and the rest allowed without
+# asking (in `run` a question is a refusal). It npm-installs its plugin package into a config dir that
+# has no node_modules and lock file naming it: a pre-filled one stops that.
+OPENCODE_CONFIG = json.dumps({
+    "$schema": "https://opencode.ai/config.json",
+    "provider": {"agentcell": {"npm": "@ai-sdk/openai-compatible", "name": "agentcell",
+                               "options": {"baseURL": "{api_base_v1}", "apiKey": "{env:OPENAI_API_KEY}"},
+                               "models": {"{model}": {"name": "{model}", "tool_call": True,
+                                                      "limit": {"context": 128000, "output": 8192}}}}},
+    "enabled_providers": ["agentcell"], "model": "agentcell/{model}", "small_model": "agentcell/{model}",
+    "autoupdate": False, "share": "disabled"}, separators=(",", ":"))
+OPENCODE_LOCK = json.dumps({"lockfileVersion": 3, "packages": {"": {"dependencies": {"@opencode-ai/plugin": "*"}}}})
+OPENCODE_PERMISSION = json.dumps({"*": "allow", "external_directory": "allow", "doom_loop": "allow"})
 
 GEMINI_SETTINGS = json.dumps({
     "security": {"auth": {"selectedType": "gemini-api-key"}, "folderTrust": {"enabled": False}},
@@ -110,11 +142,16 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
             install="npm install -g @anthropic-ai/claude-code",
             home_dirs=(".claude", ".config", ".cache"),
             env={"CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_AUTOUPDATER": "1",
-                 "DISABLE_TELEMETRY": "1", "DISABLE_ERROR_REPORTING": "1"},
+                 "DISABLE_TELEMETRY": "1", "DISABLE_ERROR_REPORTING": "1",
+                 # its plugin marketplace: downloads.claude.ai, and a git clone from github.com over ssh
+                 "CLAUDE_CODE_DISABLE_OFFICIAL_MARKETPLACE_AUTOINSTALL": "1"},
             secret_env=("ANTHROPIC_API_KEY", "ANTHROPIC_AUTH_TOKEN", "ANTHROPIC_BASE_URL"),
+            secret_as={"ANTHROPIC_API_KEY": CLAUDE_KEY},
+            key_args=("--settings", json.dumps({"apiKeyHelper": f"printenv {CLAUDE_KEY}"})),
             egress_preset="claude_code", api="anthropic", api_base_env=("ANTHROPIC_BASE_URL",),
             api_key_env="ANTHROPIC_API_KEY", model_env="ANTHROPIC_MODEL",
-            files=(SeedFile(".claude.json", CLAUDE_JSON), GITCONFIG),
+            files=(SeedFile(".claude.json", CLAUDE_JSON), SeedFile(".claude/settings.json", CLAUDE_SETTINGS),
+                   GITCONFIG),
             protected=(".claude", ".mcp.json", "CLAUDE.md")),
     Profile("codex", "Codex CLI", "codex",
             interactive=("--dangerously-bypass-approvals-and-sandbox", "--disable", "plugins",
@@ -132,10 +169,15 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
             files=(GITCONFIG,), protected=(".codex", "AGENTS.md")),
     Profile("opencode", "OpenCode", "opencode", interactive=(), prompt=("run", "{prompt}"),
             install="npm install -g opencode-ai",
-            home_dirs=(".local/share/opencode", ".config/opencode", ".cache/opencode"),
-            env={"OPENCODE_DISABLE_MODELS_FETCH": "1"},
+            home_dirs=(".local/share/opencode", ".config/opencode/node_modules", ".cache/opencode"),
+            env={"OPENCODE_DISABLE_MODELS_FETCH": "1", "OPENCODE_DISABLE_AUTOUPDATE": "1",
+                 "OPENCODE_DISABLE_SHARE": "1", "OPENCODE_DISABLE_LSP_DOWNLOAD": "1",
+                 "OPENCODE_PERMISSION": OPENCODE_PERMISSION},
             secret_env=("OPENAI_API_KEY", "ANTHROPIC_API_KEY", "OPENROUTER_API_KEY"), egress_preset="opencode",
-            api="chat", protected=(".opencode", "opencode.json", "opencode.jsonc", "AGENTS.md")),
+            api="chat", api_base_env=("OPENCODE_CONFIG_CONTENT=" + OPENCODE_CONFIG,), api_key_env="OPENAI_API_KEY",
+            model_args=("-m", "agentcell/{model}"), needs_model=True, stdin_null=True, needs=("rg",),
+            files=(SeedFile(".config/opencode/package-lock.json", OPENCODE_LOCK), GITCONFIG),
+            protected=(".opencode", "opencode.json", "opencode.jsonc", "AGENTS.md")),
     Profile("cursor", "Cursor CLI", "cursor-agent", interactive=("--force",), prompt=("--print", "--force",
                                                                                         "{prompt}"),
             install="curl https://cursor.com/install -fsS | bash (as a system-wide install)",
@@ -271,9 +313,12 @@ class Launch:
     copies its settings in first), the environment the profile sets, the files of the seed directory."""
 
     def __init__(self, argv: list[str], env: dict[str, str], files: list[SeedFile], path: str | None,
-                 interactive: bool, api_host: str | None) -> None:
+                 interactive: bool, api_host: str | None, renames: dict[str, str] | None = None,
+                 notes: list[str] | None = None) -> None:
         self.argv, self.env, self.files, self.path = argv, env, files, path
         self.interactive, self.api_host = interactive, api_host
+        self.renames = renames or {}  # secret name on the host -> its name in the cell
+        self.notes = notes or []  # what the user should know before it starts
 
     def as_dict(self) -> dict[str, object]:
         """Without the argv (the session keeps that on its own)."""
@@ -311,26 +356,41 @@ def _fill(template: str, values: dict[str, str], *, as_json: bool = False) -> st
     return template
 
 
+def _network_files(network: str | None, seed_dir: str) -> list[SeedFile]:
+    if network != "proxy":
+        return []
+    from . import sshproxy
+
+    with open(sshproxy.__file__, encoding="utf-8") as f:
+        connector = f.read()
+    return [SeedFile(".ssh/config", SSH_CONFIG.replace("{seed}", seed_dir)),
+            SeedFile("ssh-connect.py", connector, home=False)]
+
+
 def launch(profile: Profile, harness_args: tuple[str, ...] | list[str], *, cwd: str, seed_dir: str,
            api_base: str | None = None, model: str | None = None, secrets: tuple[str, ...] = (),
-           home_from: bool = False, search_path: str | None = None) -> Launch:
+           home_from: bool = False, network: str | None = None, search_path: str | None = None) -> Launch:
     """The launch of ``profile`` with the words after ``--``. Raises PolicyError (before anything is
     created) when the harness is missing or its arguments do not fit. ``seed_dir``: where the
-    session's seed directory is (in the cell too); ``home_from``: it holds a home to start from."""
+    session's seed directory is (in the cell too); ``home_from``: it holds a home to start from;
+    ``network``: the session's (a proxied cell gets ssh's way through the proxy)."""
     args = list(harness_args)
+    net_files = _network_files(network, seed_dir)
     if profile.name == "shell":
         if not args:
             raise PolicyError("harness shell", "no command given", "put it after --, e.g. session start -- make test")
         if "/" not in args[0] and shutil.which(args[0], path=DEFAULT_PATH) is None:
             raise PolicyError("harness shell", f"{args[0]} is not on the cell's PATH ({DEFAULT_PATH})",
                               "install it system-wide, or give its path inside a declared directory")
-        return Launch(_wrapped(profile, args, [], seed_dir, home_from=home_from), {}, [], None, True, None)
+        return Launch(_wrapped(profile, args, net_files, seed_dir, home_from=home_from), {}, net_files, None, True,
+                      None)
     assert profile.binary is not None
     if profile.name == "scripted":
         found, _ = locate(profile.binary, field_name="harness scripted", install=profile.install,
                           search_path=DEFAULT_PATH)
         argv = [found, *profile.prompt, scripted_source(), *script_args(args)]
-        return Launch(_wrapped(profile, argv, [], seed_dir, home_from=home_from), {}, [], None, False, None)
+        return Launch(_wrapped(profile, argv, net_files, seed_dir, home_from=home_from), {}, net_files, None, False,
+                      None)
     found, cell_path = locate(profile.binary, field_name=f"harness {profile.name}", install=profile.install,
                               title=profile.title, search_path=search_path)
     values = {"cwd": cwd, "model": model or ""}
@@ -345,19 +405,21 @@ def launch(profile: Profile, harness_args: tuple[str, ...] | list[str], *, cwd: 
         values.update(api_base=base, api_base_v1=base + ("/v1" if profile.api in ("responses", "chat") else ""))
         for item in profile.api_base_env:
             name, eq, template = item.partition("=")
-            env[name] = _fill(template, values) if eq else base
+            env[name] = _fill(template, values, as_json=template.startswith("{")) if eq else base
         extra += [_fill(a, values) for a in profile.api_base_args]
         if profile.needs_model and not model:
             raise PolicyError("--model", f"{profile.title} needs a model name with --api-base",
                               "name the model your endpoint serves, e.g. --model gpt-4.1")
         if profile.api_key_env and profile.api_key_env not in secrets:
-            env[profile.api_key_env] = NO_KEY
+            env[profile.secret_as.get(profile.api_key_env, profile.api_key_env)] = NO_KEY
+    if profile.api_key_env and (profile.api_key_env in secrets or api_base is not None):
+        extra += list(profile.key_args)
     if values["model"]:
         if profile.model_env:
             env[profile.model_env] = values["model"]
         extra += [_fill(a, values) for a in profile.model_args]
     files = [SeedFile(f.path, _fill(f.content, values, as_json=f.path.endswith(".json")), f.home, f.env)
-             for f in profile.files if api_base is not None or not f.needs_api_base]
+             for f in profile.files if api_base is not None or not f.needs_api_base] + net_files
     for f in files:
         if not f.home and f.env:
             env[f.env] = os.path.join(seed_dir, f.path)
@@ -369,7 +431,11 @@ def launch(profile: Profile, harness_args: tuple[str, ...] | list[str], *, cwd: 
         argv = [found, *extra, *(words if a == "{prompt}" else a for a in profile.prompt)]
     wrapped = _wrapped(profile, argv, files, seed_dir, home_from=home_from,
                        stdin_null=profile.stdin_null and not interactive)
-    return Launch(wrapped, env, files, cell_path if cell_path != DEFAULT_PATH else None, interactive, api_host)
+    notes = [f"{profile.title} downloads {need} from the internet when it is missing (the session ends there "
+             f"if its host is not allowed): install {need} system-wide" for need in profile.needs
+             if shutil.which(need, path=cell_path) is None]
+    return Launch(wrapped, env, files, cell_path if cell_path != DEFAULT_PATH else None, interactive, api_host,
+                  {k: v for k, v in profile.secret_as.items() if k in secrets}, notes)
 
 
 def _wrapped(profile: Profile, argv: list[str], files: list[SeedFile], seed_dir: str, *, home_from: bool,

@@ -558,6 +558,17 @@ def session_human(project_root: str) -> list[int]:
     return [st.st_uid, st.st_gid]
 
 
+def session_network(cfg: dict[str, Any]) -> str:
+    """The network a configuration gets: --net, else host-firewall with FIREWALL_ENABLED, else the proxy
+    when it names domains (or a model API), else the harness's own."""
+    from ..harness import profiles
+
+    domain_rules = any(cfg.get(k) for k in ("allow_domains", "deny_domains", "allow_presets", "allow_ranges",
+                                            "resolver"))
+    return str(cfg.get("network") or ("host-firewall" if cfg.get("firewall_enabled") else
+                                      "proxy" if domain_rules else profiles.get(cfg["harness"]).network))
+
+
 def make_plan(cfg: dict[str, Any], session_id: str, launch: dict[str, Any] | None = None
               ) -> tuple[SessionPlan, dict[str, str | None]]:
     """The plan of a session from its configuration and its harness's launch (the profile's env,
@@ -569,10 +580,7 @@ def make_plan(cfg: dict[str, Any], session_id: str, launch: dict[str, Any] | Non
 
     prof = profiles.get(cfg["harness"])
     launch = launch or {}
-    domain_rules = any(cfg.get(k) for k in ("allow_domains", "deny_domains", "allow_presets", "allow_ranges",
-                                            "resolver"))
-    network = cfg.get("network") or ("host-firewall" if cfg.get("firewall_enabled") else
-                                     "proxy" if domain_rules else prof.network)
+    network = session_network(cfg)
     api_host = launch.get("api_host")
     if api_host and network in ("none", "loopback"):
         raise PolicyError(cfg.get("sources", {}).get("network", "network"), f"--api-base needs a way out, and the "

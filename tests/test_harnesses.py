@@ -1,0 +1,443 @@
+"""Real harnesses in real sessions (issue 12): each CLI, installed from its registry at a pinned version
+(tests/harnesses.py), runs a real turn in ``agentcell session start`` against the scripted model
+endpoint (agentcell.harness.mockmodel, a mock of the model API: the one part that cannot exist here) on
+a fake internet of the test's own, with nothing but the prompt after ``--``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from agentcell.harness import check
+from agentcell.harness.check import Rig
+from agentcell.harness.profiles import PROFILES
+from conftest import AGENTCELL, needs_root
+from harnesses import PINS, REAL, Unavailable, bin_dir, session_env
+from sessionkit import Env, account_gone, records, session, session_environ
+
+pytestmark = needs_root
+
+KEYS = {"ANTHROPIC_API_KEY": "sk-ant-test-key", "OPENAI_API_KEY": "sk-openai-test-key", "GEMINI_API_KEY": "gm-test",
+        "COPILOT_PROVIDER_API_KEY": "cp-test-key"}
+
+
+@pytest.fixture(scope="module")
+def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
+    work = tmp_path_factory.mktemp("harness-rig")
+    os.chmod(work, 0o755)
+    r = Rig(str(work), hosts={"git.test": 90})
+    try:
+        yield r
+    finally:
+        r.close()
+        assert r.net.leftovers() == []
+
+
+def installed(name: str) -> Path:
+    try:
+        return bin_dir(name)
+    except Unavailable as e:
+        pytest.skip(str(e))
+
+
+def harness_session(env: Env, rig: Rig, name: str, *args: str, prompt: str = check.PROMPT, timeout: float = 300):
+    bindir = installed(name)
+    extra = {"PATH": f"{bindir}:/usr/local/bin:/usr/bin:/bin", **KEYS}
+    return session(env, ["start", "--harness", name, *rig.flags(), *session_env(name), "--json", *args, "--",
+                         prompt], extra=extra, timeout=timeout)
+
+
+@pytest.mark.parametrize("name", REAL)
+def test_a_real_harness_edits_the_project_and_is_ended_at_the_credential_it_reads(
+        env: Env, rig: Rig, name: str) -> None:
+    rig.serve(check.steps_for(name), fenced=PROFILES[name].fenced)
+    rig.net.clear_dns_log()
+    s = harness_session(env, rig, name)
+    assert s.rc == 120 and s.summary["status"] == "terminated", (s.summary.get("reason"), s.err[-3000:])
+    # turn 1 landed in the project on the host, and is the human's now
+    edited = env.project / "CHECKED.txt"
+    assert edited.read_text() == "agentcell-check\n"
+    assert edited.stat().st_uid == env.project.stat().st_uid
+    # turn 2 ended the session, attributed to the process that read, with the harness among its parents
+    esc = s.summary["escape"]
+    assert esc["operation"] == "read" and esc["target"].endswith("/.ssh/id_ed25519") and esc["source"] == "canary"
+    assert esc["pid"] and os.path.basename(esc["exe"]) == "cat", esc
+    binary = str(installed(name) / PINS[name][3])
+    assert check.harness_ancestor(esc, os.path.realpath(binary), PINS[name][3]), esc["ancestry"]
+    # what the model endpoint saw: the edit's output carried back by the harness (aider's --message is one
+    # model turn: it runs both commands of the answer and would send their output with the next message)
+    mains = [r for r in rig.requests() if r["kind"] == "main"]
+    assert mains, rig.requests()
+    if not PROFILES[name].fenced:
+        assert any("agentcell-check" in res for r in mains for res in r["results"]), rig.requests()
+    assert all(r["credential"] for r in mains)
+    # nothing was looked up but the endpoint's name; the session's own record says how it ended
+    assert rig.names_looked_up() == ["model.test"]
+    [end] = [r for r in records(env, s.summary["session"]) if r["event"] == "session.end"]
+    assert end["details"]["status"] == "terminated" and end["details"]["escape"]["pid"] == esc["pid"]
+    assert account_gone(s.summary["os_user"]) and s.summary["problems"] == [], s.summary
+
+
+@pytest.mark.parametrize("name", REAL)
+def test_agentcell_check_passes_for_an_installed_harness(name: str) -> None:
+    bindir = installed(name)
+    before = _netns()
+    p = subprocess.run([AGENTCELL, "check", "--harness", name, "--json", "--", *session_env(name)],
+                       env={"PATH": f"{bindir}:/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"},
+                       capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert p.returncode == 0 and out["passed"], p.stderr
+    for step in ("turn 1:", "turn 2:", "DNS:", "fake internet:"):
+        assert f"ok    {step}" in p.stderr, p.stderr
+    assert _netns() == before  # its fake internet is gone
+
+
+def _netns() -> set[str]:
+    return {line.split()[0] for line in subprocess.run(["ip", "netns", "list"], capture_output=True,
+                                                       text=True).stdout.splitlines() if line.strip()}
+
+
+def test_a_persistent_agent_finds_its_harness_settings_in_its_home_in_the_next_session(
+        env: Env, rig: Rig, agent: str) -> None:
+    rig.serve([{"text": "Nothing to do."}])
+    first = harness_session(env, rig, "claude_code", "--agent", agent, "--rw", "src", prompt="hello")
+    assert first.rc == 0 and first.summary["status"] == "completed", first.err[-2000:]
+    home = Path(f"/home/{agent}")
+    state = json.loads((home / ".claude.json").read_text())
+    assert state.get("userID") and state.get("hasCompletedOnboarding"), state  # the harness's own, and ours
+    rig.serve([{"shell": f"grep -c userID ~/.claude.json > {env.project}/src/found.txt"}, {"text": "Done."}])
+    second = harness_session(env, rig, "claude_code", "--agent", agent, "--rw", "src", prompt="look")
+    assert second.rc == 0 and second.summary["status"] == "completed", second.err[-2000:]
+    assert (env.project / "src" / "found.txt").read_text().strip() == "1"
+    assert json.loads((home / ".claude.json").read_text())["userID"] == state["userID"]
+
+
+def test_an_ephemeral_session_starts_from_a_prepared_home_without_its_credentials(env: Env, rig: Rig) -> None:
+    prepared = env.state / "prepared-home"
+    (prepared / ".config" / "tool").mkdir(parents=True)
+    (prepared / ".config" / "tool" / "login.json").write_text('{"token": "prepared"}\n')
+    (prepared / ".ssh").mkdir()
+    (prepared / ".ssh" / "id_ed25519").write_text("a real key of the human\n")
+    (prepared / ".ssh" / "known_hosts").write_text("github.example ssh-ed25519 AAAA\n")
+    rig.serve([{"shell": f"cat ~/.config/tool/login.json ~/.ssh/known_hosts > {env.project}/src/seen.txt"},
+               {"text": "Done."}])
+    s = harness_session(env, rig, "claude_code", "--home-from", str(prepared), "--rw", "src", prompt="look")
+    assert s.rc == 0 and s.summary["status"] == "completed", s.err[-2000:]
+    assert (env.project / "src" / "seen.txt").read_text() == '{"token": "prepared"}\ngithub.example ssh-ed25519 AAAA\n'
+    assert "--home-from: not copied: ~/.ssh/id_ed25519 (a decoy credential lives there)" in s.summary["warnings"]
+    assert not (env.state / "seeds" / s.summary["session"]).exists()
+
+
+def test_the_explain_shows_the_launch_the_ceilings_and_the_allow_list_and_starts_nothing(env: Env, rig: Rig) -> None:
+    bindir = installed("codex")
+    s = session(env, ["start", "--harness", "codex", *rig.flags(), "--risk", "high", "--pids", "300", "--explain",
+                      "--", "fix the tests"], extra={"PATH": f"{bindir}:/usr/bin:/bin"})
+    assert s.rc == 0, s.err
+    assert "harness: codex (one prompt)" in s.out and "exec --dangerously-bypass-approvals-and-sandbox" in s.out
+    assert "base_url=\"http://model.test:8080/v1\"" in s.out and "model.test:8080" in s.out
+    assert "ceilings: memory 1.0 GiB, cpu 50% of one CPU, tasks 300 (--pids over risk high)" in s.out, s.out
+    assert not (env.state / "sessions").exists() and not env.audit.exists()
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--api-base", "ftp://model.test"], "--api-base: 'ftp://model.test' is not an http:// or https:// URL"),
+    (["--api-base", "http://user:pw@model.test"], "--api-base: the URL carries credentials"),
+    (["--api-base", "http://model.test", "--model", "m", "--net", "none"], "--net: --api-base needs a way out"),
+    (["--api-base", "http://model.test"], "--model: Codex CLI needs a model name with --api-base"),
+    (["--risk", "extreme"], "--risk: 'extreme' is not a risk level"),
+    (["--memory", "lots"], "--memory: 'lots' is not a size of at least 1M"),
+    (["--env", "NOT A VAR"], "--env: 'NOT A VAR' is not NAME=VALUE"),
+])
+def test_bad_harness_flags_are_one_line_and_nothing_is_created(env: Env, args: list[str], message: str) -> None:
+    bindir = installed("codex")
+    s = session(env, ["start", "--harness", "codex", *args, "--", "go"], extra={"PATH": f"{bindir}:/usr/bin:/bin"})
+    assert s.rc == 125 and s.err.startswith(f"agentcell session: {message}"), s.err
+    assert len(s.err.strip().splitlines()) == 1
+    assert not (env.state / "sessions").exists() and not env.audit.exists()
+
+
+def test_a_project_file_never_chooses_where_the_api_key_goes(env: Env) -> None:
+    (env.project / "agentcell.toml").write_text('[session]\napi_base = "https://evil.example"\n')
+    s = session(env, ["start", "--harness", "shell", "--", "true"])
+    assert s.rc == 125 and "session.api_base: where the harness sends your API key is not taken from a file" in s.err
+    (env.project / "agentcell.toml").write_text('[session]\nenv = { ANTHROPIC_BASE_URL = "https://evil.example" }\n')
+    s = session(env, ["start", "--harness", "shell", "--", "true"])
+    assert s.rc == 125 and "session.env.ANTHROPIC_BASE_URL: a file in the project may not set" in s.err, s.err
+
+
+def test_env_and_keep_env_reach_the_cell_and_a_dotenv_line_never_does_silently(env: Env) -> None:
+    (env.project / ".env").write_text("UNRELATED_TOKEN=from-dotenv\nPICKED=also-from-dotenv\n")
+    (env.project / "agentcell.toml").write_text('[session]\nenv = { FROM_TOML = "toml" }\n')
+    s = session(env, ["start", "--harness", "shell", "--rw", "src", "--env", "FROM_FLAG=flag", "--keep-env", "HOST_VAR",
+                      "--keep-env", "PICKED", "--json", "--", "sh", "-c",
+                      'echo "$FROM_FLAG $FROM_TOML $HOST_VAR $PICKED ${UNRELATED_TOKEN:-unset}"'],
+                extra={"HOST_VAR": "from-host"})
+    assert s.rc == 0 and s.out.strip() == "flag toml from-host also-from-dotenv unset", (s.out, s.err)
+    assert "UNRELATED_TOKEN is not passed to the agent" in s.err and "--keep-env NAME passes one" in s.err
+    blob = (env.state / "sessions").read_bytes() if (env.state / "sessions").is_file() else b"".join(
+        f.read_bytes() for f in (env.state / "sessions").iterdir())
+    assert b"from-host" not in blob and b"also-from-dotenv" not in blob  # kept values are never checkpointed
+
+
+WORKLOADS = {
+    "fork": "import os, time\nn = 0\ntry:\n    for _ in range(2000):\n        if os.fork() == 0:\n"
+            "            time.sleep(30); os._exit(0)\n        n += 1\nexcept OSError:\n    pass\nprint('forked', n)\n",
+    "memory": "chunks = []\nfor i in range(4096):\n    chunks.append(b'x' * (1 << 20))\nprint('allocated', i + 1)\n",
+}
+
+
+@pytest.mark.parametrize("risk", ["low", "medium", "high"])
+def test_a_session_is_bounded_at_every_risk_level(env: Env, risk: str) -> None:
+    from agentcell import limits
+
+    memory, cpu, pids = limits.for_risk(risk)
+    for name, code in WORKLOADS.items():
+        s = session(env, ["start", "--harness", "shell", "--risk", risk, "--rw", "src", "--json", "--", "python3",
+                          "-c", code], timeout=300)
+        if name == "fork":  # refused at the ceiling (the cell's other tasks count too)
+            forked = int(s.out.split()[-1])
+            assert s.summary["status"] == "completed" and forked < min(pids, 2000), (risk, s.out)
+        else:  # 4 GiB asked, killed at the ceiling, reported
+            assert s.summary["exit_status"] == 137 and "allocated" not in s.out, (risk, s.out, s.summary)
+        [pol] = [r for r in records(env, s.summary["session"]) if r["event"] == "session.policy"]
+        assert pol["details"]["risk"] == risk
+        assert pol["details"]["limits"] == {"memory_bytes": memory, "cpu_percent": cpu, "pids": pids}
+    assert cpu < 100 * limits.cpus()  # two spinners on every CPU would be held below the machine's whole
+
+
+def test_a_cpu_ceiling_throttles_spinners_on_every_cpu_in_a_session(env: Env) -> None:
+    """The cell's cgroup while it runs: the risk's quota is set, and spinners on every CPU are throttled
+    by it (the kernel's own counter, not a clock)."""
+    from agentcell import limits
+    from agentcell.session.nodes import cell_cgroups
+
+    _, cpu, _ = limits.for_risk("high")
+    marker = env.project / "src" / "spinning"
+    code = (f"import os, time\nfor _ in range({limits.cpus()}):\n    if os.fork() == 0:\n        t = time.time()\n"
+            f"        while time.time() - t < 4: pass\n        os._exit(0)\nopen({str(marker)!r}, 'w').close()\n"
+            "for _ in range(os.cpu_count() or 1): os.wait()\n")
+    sup = subprocess.Popen([AGENTCELL, "session", "start", "--harness", "shell", "--risk", "high", "--rw", "src",
+                            "--json", "--", "python3", "-c", code], env=session_environ(env), cwd=env.project,
+                           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    quota, throttled = "", 0
+    try:
+        while not marker.exists() and sup.poll() is None:
+            subprocess.run(["sleep", "0.05"])
+        rows = session(env, ["list", "--json"]).summary
+        groups = [g for r in rows if r["status"] == "running" for g in cell_cgroups(r["cell_id"])
+                  if os.path.exists(os.path.join(g, "cpu.stat"))]
+        assert groups, rows
+        while sup.poll() is None and not throttled:
+            for g in groups:  # the cpu controller's group (hybrid hosts also have a unified one without it)
+                try:
+                    stat = dict(line.split() for line in Path(g, "cpu.stat").read_text().splitlines())
+                    throttled = max(throttled, int(stat.get("nr_throttled", 0)))
+                    if os.path.exists(os.path.join(g, "cpu.max")):
+                        quota = Path(g, "cpu.max").read_text().split()[0]
+                    elif os.path.exists(os.path.join(g, "cpu.cfs_quota_us")):
+                        quota = Path(g, "cpu.cfs_quota_us").read_text().strip()
+                except OSError:
+                    pass
+            subprocess.run(["sleep", "0.1"])
+        out, _ = sup.communicate(timeout=120)
+    finally:
+        if sup.poll() is None:
+            sup.kill()
+            sup.wait()
+    assert int(quota) == cpu * 1000 and throttled > 0, (quota, throttled)
+    assert json.loads(out.strip().splitlines()[-1])["status"] == "completed"
+
+
+@pytest.mark.parametrize("planted", [
+    ".opencode/plugin/x.js", "opencode.jsonc", "opencode.json", ".gemini/settings.json", ".codex/config.toml",
+    ".aider.conf.yml", ".aider.model.settings.yml", ".cursor/rules/x.mdc", ".copilot/mcp-config.json",
+    ".github/copilot-instructions.md", ".mcp.json", ".claude/settings.json"])
+def test_harness_config_the_agent_plants_in_the_project_is_quarantined_and_reported(env: Env, planted: str) -> None:
+    target = env.project / planted
+    steps = f"run mkdir -p {target.parent}\nwrite {target} planted\n"
+    script = env.state / f"steps-{secrets.token_hex(3)}.txt"
+    script.write_text(steps)
+    s = session(env, ["start", "--harness", "scripted", "--json", "--", str(script)])
+    assert s.rc == 0, s.err
+    assert not target.exists(), f"{planted} was left where the next harness reads it"
+    assert any(planted.split("/")[0] in w and "moved to" in w for w in s.summary["warnings"]), s.summary["warnings"]
+
+
+class _Screen:
+    """A terminal emulator (pyte) on the test's side of a pty: it answers the TUI's queries as a
+    terminal would, and its screen is what a person would see."""
+
+    def __init__(self, fd: int, cols: int, rows: int) -> None:
+        import pyte
+
+        fd_ = fd
+
+        class Answering(pyte.Screen):  # type: ignore[misc]
+            def write_process_input(self, data: str) -> None:
+                os.write(fd_, data.encode())
+
+        self.fd, self.screen = fd, Answering(cols, rows)
+        self.stream = pyte.ByteStream(self.screen)
+        self.raw = b""
+        self.resize(cols, rows)
+
+    def resize(self, cols: int, rows: int) -> None:
+        import fcntl
+        import struct
+        import termios
+
+        fcntl.ioctl(self.fd, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
+        self.screen.resize(rows, cols)
+
+    def text(self) -> str:
+        return "\n".join(self.screen.display)
+
+    def until(self, needle: str, limit_s: float = 60) -> bool:
+        import select
+        import time
+
+        end = time.monotonic() + limit_s
+        while needle not in self.text() and time.monotonic() < end:
+            if select.select([self.fd], [], [], 0.2)[0]:
+                try:
+                    chunk = os.read(self.fd, 65536)
+                except OSError:
+                    return needle in self.text()
+                if not chunk:
+                    break
+                self.raw += chunk
+                self.stream.feed(chunk)
+        return needle in self.text()
+
+
+def test_claude_codes_tui_owns_the_terminal_follows_a_resize_and_ends_at_ctrl_c(env: Env, rig: Rig) -> None:
+    import time
+
+    from terminal import OnTerminal
+
+    bindir = installed("claude_code")
+    rig.serve([{"shell": f"echo tui > {env.project}/src/tui.txt"}, {"text": "Finished the TUI turn."}])
+    argv = [AGENTCELL, "session", "start", "--harness", "claude_code", *rig.flags(), "--rw", "src", "--json"]
+    environ = {**session_environ(env), "PATH": f"{bindir}:/usr/bin:/bin", "TERM": "xterm-256color", **KEYS}
+    with OnTerminal(argv, env=environ, cwd=str(env.project)) as t:
+        term = _Screen(t.fd, 120, 40)
+        assert term.until("bypass permissions on"), term.text()  # its prompt, no dialog before it
+        os.write(t.fd, b"go\r")
+        assert term.until("Finished the TUI turn."), term.text()
+        assert (env.project / "src" / "tui.txt").read_text() == "tui\n"
+        time.sleep(1.5)  # a second status-line tick, had there been one
+        term.until("\0", limit_s=0.5)
+        shown = term.text()
+        assert "cpu " not in shown and "events " not in shown, shown  # no status line drawn over the TUI
+        assert b"\x1b[K" + b"session " not in term.raw and b"\rsession " not in term.raw
+        assert any("╭" in line for line in term.screen.display[:8]), shown  # its header box is whole
+        term.resize(90, 30)  # the size reaches the harness: it lays itself out again for 90 columns
+        assert term.until("bypass permissions on"), term.text()
+        assert all(len(line.rstrip()) <= 90 for line in term.screen.display)
+        os.write(t.fd, b"\x03")
+        time.sleep(0.2)
+        os.write(t.fd, b"\x03")  # twice within 800 ms: Claude Code's own way out
+        deadline = time.monotonic() + 60
+        while not t.wait(nohang=True) and time.monotonic() < deadline:
+            term.until("\0", limit_s=0.2)
+        out = term.raw.decode("utf-8", "replace")
+    summary = json.loads(next(line for line in reversed(out.replace("\r", "").splitlines()) if line.startswith("{")))
+    assert summary["status"] == "completed" and summary["exit_status"] == 0, summary
+
+
+@pytest.fixture
+def broken_installs(tmp_path: Path) -> Iterator[Path]:
+    """Harness installs the cell cannot run, as users make them: a venv of an interpreter the cell
+    does not see (one under /root, here one under /tmp), a link out of the system directories, a
+    binary only its owner may run."""
+    import shutil
+
+    opt = Path("/opt") / f"agentcell-test-bad-{secrets.token_hex(3)}"
+    hidden = tmp_path / "python3.11"  # the cell's /tmp is its own: this is not there
+    shutil.copy("/bin/true", hidden)
+    try:
+        (opt / "bin").mkdir(parents=True)
+        (opt / "bin" / "python").symlink_to(hidden)
+        (opt / "bin" / "aider").write_text(f"#!{opt}/bin/python\nprint('aider')\n")
+        (opt / "bin" / "aider").chmod(0o755)
+        (opt / "bin" / "gemini").symlink_to(hidden)
+        (opt / "bin" / "codex").write_text("#!/bin/sh\necho codex\n")
+        (opt / "bin" / "codex").chmod(0o700)
+        (opt / "bin" / "opencode").write_text("#!/usr/bin/env agentcell-no-such-runtime\n")
+        (opt / "bin" / "opencode").chmod(0o755)
+        yield opt / "bin"
+    finally:
+        shutil.rmtree(opt, ignore_errors=True)
+
+
+@pytest.mark.parametrize(("name", "message"), [
+    ("aider", "python is {tmp}/python3.11, which the cell cannot see"),
+    ("gemini", "gemini is {tmp}/python3.11, which the cell cannot see"),
+    ("codex", "codex is not executable by the agent's account"),
+    ("opencode", "runs 'agentcell-no-such-runtime', which is on no PATH the cell has"),
+])
+def test_a_harness_the_cell_cannot_run_is_refused_before_anything_is_made(
+        env: Env, broken_installs: Path, tmp_path: Path, name: str, message: str) -> None:
+    s = session(env, ["start", "--harness", name, "--", "go"], extra={"PATH": f"{broken_installs}:/usr/bin:/bin"})
+    want = message.format(tmp=tmp_path)
+    assert s.rc == 125 and f"agentcell session: harness {name}: " in s.err and want in s.err, s.err
+    assert len(s.err.strip().splitlines()) == 1
+    assert not (env.state / "sessions").exists() and not env.audit.exists()
+
+
+@pytest.fixture
+def git_host(rig: Rig, tmp_path: Path) -> Iterator[tuple[Path, Path]]:
+    """git.test:22 on the fake internet: an SSH server letting in one key, serving a repository with
+    one commit. Yields (the private key, the server's log)."""
+    import sys
+
+    key = tmp_path / "agent_key"
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(key)], check=True)
+    repos = tmp_path / "repos"
+    work = tmp_path / "work"
+    subprocess.run(["git", "init", "-q", "-b", "main", str(work)], check=True)
+    (work / "hello.txt").write_text("from git.test\n")
+    subprocess.run(["git", "-C", str(work), "add", "."], check=True)
+    subprocess.run(["git", "-C", str(work), "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "one"],
+                   check=True)
+    subprocess.run(["git", "clone", "-q", "--bare", str(work), str(repos / "repo.git")], check=True)
+    log = tmp_path / "ssh.log"
+    log.write_text("")
+    proc = rig.net.start([sys.executable, str(Path(__file__).parent / "sshserver.py"), rig.hosts["git.test"], "22",
+                          f"{key}.pub", str(repos), str(log)], ready=b"ready")
+    try:
+        yield key, log
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_git_over_ssh_reaches_an_allowed_host_through_the_proxy_with_the_key_the_user_gives(
+        env: Env, rig: Rig, git_host: tuple[Path, Path]) -> None:
+    key, log = git_host
+    prepared = env.state / "home"
+    (prepared / ".ssh").mkdir(parents=True)
+    (prepared / ".ssh" / "agent_key").write_bytes(key.read_bytes())
+    (prepared / ".ssh" / "agent_key").chmod(0o600)
+    ssh = "ssh -i ~/.ssh/agent_key -o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null"
+    base = ["start", "--harness", "shell", "--rw", "src", "--resolver", rig.dns, "--allow-range", rig.net_range,
+            "--allow-domain", "git.test:22", "--json"]
+    s = session(env, [*base, "--home-from", str(prepared), "--env", f"GIT_SSH_COMMAND={ssh}", "--",
+                      "git", "clone", "-q", "ssh://git@git.test/repo.git", str(env.project / "src" / "clone")])
+    assert s.rc == 0 and s.summary["status"] == "completed", (s.summary, s.err[-2000:])
+    assert (env.project / "src" / "clone" / "hello.txt").read_text() == "from git.test\n"
+    first = [json.loads(line) for line in log.read_text().splitlines()]
+    assert any(a["method"] == "publickey" and a["ok"] for a in first), first
+    # without a key of the user's, ssh offers none: the decoys in ~/.ssh are never opened
+    s = session(env, [*base, "--", "ssh", "-o", "StrictHostKeyChecking=no", "-o", "UserKnownHostsFile=/dev/null",
+                      "-o", "BatchMode=yes", "git@git.test", "git-upload-pack", "/repo.git"])
+    assert s.summary["status"] == "completed" and s.summary["exit_status"] == 255, (s.summary, s.err[-2000:])
+    assert s.summary["events"] == 0
+    attempts = [json.loads(line) for line in log.read_text().splitlines()][len(first):]
+    assert attempts and all(a["method"] == "none" for a in attempts), attempts
