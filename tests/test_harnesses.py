@@ -77,6 +77,10 @@ def test_a_real_harness_edits_the_project_and_is_ended_at_the_credential_it_read
     if not PROFILES[name].fenced:
         assert any("agentcell-check" in res for r in mains for res in r["results"]), rig.requests()
     assert all(r["credential"] for r in mains)
+    # the harness's own work (its home, its settings, its tuning of itself) raised nothing that acts
+    shown = session(env, ["show", s.summary["session"], "--json"]).summary
+    acting = [e for e in shown["events"] if e.get("acts", True)]
+    assert [e["target"] for e in acting] == [esc["target"]], acting
     # nothing was looked up but the endpoint's name; the session's own record says how it ended
     assert rig.names_looked_up() == ["model.test"]
     [end] = [r for r in records(env, s.summary["session"]) if r["event"] == "session.end"]
@@ -441,3 +445,18 @@ def test_git_over_ssh_reaches_an_allowed_host_through_the_proxy_with_the_key_the
     assert s.summary["events"] == 0
     attempts = [json.loads(line) for line in log.read_text().splitlines()][len(first):]
     assert attempts and all(a["method"] == "none" for a in attempts), attempts
+
+
+def test_an_allowed_name_that_does_not_resolve_is_refused_and_noted_never_an_escape(env: Env, rig: Rig) -> None:
+    fetch = ("import urllib.request, urllib.error\ntry:\n    urllib.request.urlopen('http://nx.test/', timeout=10)\n"
+             "except urllib.error.HTTPError as e:\n    print('refused', e.code)\n")
+    base = ["start", "--harness", "shell", "--rw", "src", "--resolver", rig.dns, "--allow-range", rig.net_range,
+            "--json"]
+    s = session(env, [*base, "--allow-domain", "nx.test:80", "--", "python3", "-c", fetch])
+    assert s.rc == 0 and s.summary["status"] == "completed" and s.out.strip() == "refused 502", (s.out, s.err)
+    shown = session(env, ["show", s.summary["session"], "--json"]).summary
+    [ev] = shown["events"]
+    assert ev["target"] == "nx.test:80" and ev["acts"] is False and "does not resolve" in ev["reason"], ev
+    # the same name off the allow-list is an escape
+    s = session(env, [*base, "--allow-domain", "model.test:8080", "--", "python3", "-c", fetch])
+    assert s.rc == 120 and s.summary["escape_target"] == "nx.test:80", s.summary

@@ -10,8 +10,8 @@ from ..errors import PolicyError
 
 PRESETS: dict[str, tuple[str, ...]] = {
     # harnesses
-    "claude_code": ("api.anthropic.com:443", "statsig.anthropic.com:443", "console.anthropic.com:443",
-                    "claude.ai:443"),
+    "claude_code": ("api.anthropic.com:443", "console.anthropic.com:443", "claude.ai:443",
+                    "platform.claude.com:443"),  # the API; a subscription's login
     "codex": ("api.openai.com:443", "auth.openai.com:443", "chatgpt.com:443"),
     "opencode": ("opencode.ai:443", "models.dev:443", "api.anthropic.com:443", "api.openai.com:443",
                  "openrouter.ai:443"),
