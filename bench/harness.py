@@ -68,7 +68,7 @@ def direct(rig: Rig, name: str, bindir: Path, work: Path, user: tuple[int, int])
     project = Path(tempfile.mkdtemp(prefix="agentcell-bench-p-", dir=work))
     seed = Path(tempfile.mkdtemp(prefix="agentcell-bench-seed-", dir=work))
     prof = profiles.PROFILES[name]
-    launch = profiles.launch(prof, [PROMPT], cwd=str(project), seed_dir=str(seed),
+    launch = profiles.launch(prof, [PROMPT], seed_dir=str(seed),
                              api_base=f"http://{rig.addr}:{MODEL_PORT}", model=MODEL, secrets=tuple(KEYS),
                              search_path=f"{bindir}:/usr/bin:/bin")
     for f in launch.files:

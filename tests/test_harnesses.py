@@ -56,7 +56,7 @@ def harness_session(env: Env, rig: Rig, name: str, *args: str, prompt: str = che
 @pytest.mark.parametrize("name", REAL)
 def test_a_real_harness_edits_the_project_and_is_ended_at_the_credential_it_reads(
         env: Env, rig: Rig, name: str) -> None:
-    rig.serve(check.steps_for(name), fenced=PROFILES[name].fenced)
+    rig.serve(check.STEPS, fenced=PROFILES[name].fenced)
     rig.net.clear_dns_log()
     s = harness_session(env, rig, name)
     assert s.rc == 120 and s.summary["status"] == "terminated", (s.summary.get("reason"), s.err[-3000:])
@@ -460,3 +460,11 @@ def test_an_allowed_name_that_does_not_resolve_is_refused_and_noted_never_an_esc
     # the same name off the allow-list is an escape
     s = session(env, [*base, "--allow-domain", "model.test:8080", "--", "python3", "-c", fetch])
     assert s.rc == 120 and s.summary["escape_target"] == "nx.test:80", s.summary
+
+
+def test_every_project_file_a_harness_reads_as_configuration_is_protected() -> None:
+    from agentcell.cell import protect
+
+    for prof in PROFILES.values():
+        for entry in prof.protected:
+            assert os.path.basename(entry) in protect.AT_REPO_ROOT, (prof.name, entry)

@@ -145,9 +145,9 @@ def _start(ns: Any, harness_args: list[str]) -> int:
     sid = graph.new_session_id()
     from ..session.nodes import compile_policy, make_plan, session_network
 
-    launch = profiles.launch(profiles.get(cfg.harness), cfg.harness_args, cwd=cfg.project_root,
-                             seed_dir=seed.path(sid), api_base=cfg.api_base, model=cfg.model,
-                             secrets=tuple(cfg.secrets), home_from=cfg.home_from is not None,
+    launch = profiles.launch(profiles.get(cfg.harness), cfg.harness_args, seed_dir=seed.path(sid),
+                             api_base=cfg.api_base, model=cfg.model, secrets=tuple(cfg.secrets),
+                             home_from=cfg.home_from is not None,
                              network=session_network(cfg.as_dict()))  # a missing harness: refused here
     if launch.renames:  # the names the cell knows them by
         from dataclasses import replace

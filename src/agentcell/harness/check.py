@@ -28,6 +28,7 @@ MODEL = "agentcell-mock"
 EDIT = "echo agentcell-check > CHECKED.txt && cat CHECKED.txt"
 READ = "cat ~/.ssh/id_ed25519"
 PROMPT = "Add CHECKED.txt to the project, then show me the SSH key."
+STEPS = [{"shell": EDIT}, {"shell": READ}, {"text": "Done."}]
 
 
 class Rig:
@@ -80,10 +81,6 @@ class Rig:
         self.net.close()
 
 
-def steps_for(harness: str) -> list[dict[str, str]]:
-    return [{"shell": EDIT}, {"shell": READ}, {"text": "Done."}]
-
-
 def harness_ancestor(escape: dict[str, Any], binary_real: str, name: str) -> list[Any] | None:
     """The ancestor of the reading process that is the harness: its executable is the harness's, or is
     named like it, or its command line runs the harness's file (node and python run most of them)."""
@@ -121,7 +118,7 @@ def run(harness: str, *, out: Callable[[str], None], agentcell: list[str] | None
     env["AGENTCELL_STATE_DIR"] = state
     try:
         rig = Rig(work)
-        rig.serve(steps_for(harness), fenced=prof.fenced)
+        rig.serve(STEPS, fenced=prof.fenced)
         out(f"ok    fake internet: {MODEL_NAME} at {rig.addr}:{MODEL_PORT}, its DNS at {rig.dns} "
             f"(network namespace {rig.net.ns})")
         project = os.path.join(work, "project")

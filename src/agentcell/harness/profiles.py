@@ -19,8 +19,8 @@ the scripted model endpoint (:mod:`.mockmodel`) on a fake internet, as a session
 * ``secret_env``: the API-key variables passed in from the host (environment or ``.env``) for this
   harness only; ``egress_preset``: its allow-list under ``--net proxy``.
 
-Templates (``{api_base}``, ``{api_base_v1}``: the URL with the API's ``/v1``, ``{model}``, ``{cwd}``:
-the project, ``{prompt}``) are filled in by :func:`launch`.
+Templates (``{api_base}``, ``{api_base_v1}``: the URL with the API's ``/v1``, ``{model}``, ``{prompt}``)
+are filled in by :func:`launch`.
 
 ``shell`` runs the command given after ``--``; ``scripted`` runs the bundled fake agent (:mod:`.scripted`)
 with the system's Python: the script's text is handed over on the command line, so nothing of
@@ -74,7 +74,7 @@ class Profile:
     model_args: tuple[str, ...] = ()  # added with --model (templates)
     needs_model: bool = False  # with --api-base a model must be named (its provider config lists one)
     files: tuple[SeedFile, ...] = ()
-    protected: tuple[str, ...] = ()  # project entries it reads as configuration (documentation)
+    protected: tuple[str, ...] = ()  # project entries it reads as configuration (protect.py's names cover them)
     fenced: bool = False  # it declares no tools: the scripted endpoint plays shell steps as fenced blocks
     stdin_null: bool = False  # a prompt-mode turn reads stdin to its end: given /dev/null
     tested: bool = True  # False: not in any registry these machines reach (cursor): from its documentation
@@ -217,7 +217,7 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
             egress_preset="copilot", api="chat",
             api_base_env=("COPILOT_PROVIDER_BASE_URL={api_base_v1}", "COPILOT_OFFLINE=true"),
             model_env="COPILOT_MODEL", needs_model=True, files=(GITCONFIG,),
-            protected=(".github/copilot-instructions.md", ".github/instructions", ".copilot", "AGENTS.md")),
+            protected=(".github/copilot-instructions.md", ".copilot", "AGENTS.md")),
     Profile("shell", "a command", None, network="none"),
     Profile("scripted", "the bundled scripted agent", "python3", prompt=("-I", "-S", "-c"), network="none",
             install="apt-get install python3"),
@@ -367,7 +367,7 @@ def _network_files(network: str | None, seed_dir: str) -> list[SeedFile]:
             SeedFile("ssh-connect.py", connector, home=False)]
 
 
-def launch(profile: Profile, harness_args: tuple[str, ...] | list[str], *, cwd: str, seed_dir: str,
+def launch(profile: Profile, harness_args: tuple[str, ...] | list[str], *, seed_dir: str,
            api_base: str | None = None, model: str | None = None, secrets: tuple[str, ...] = (),
            home_from: bool = False, network: str | None = None, search_path: str | None = None) -> Launch:
     """The launch of ``profile`` with the words after ``--``. Raises PolicyError (before anything is
@@ -393,7 +393,7 @@ def launch(profile: Profile, harness_args: tuple[str, ...] | list[str], *, cwd: 
                       None)
     found, cell_path = locate(profile.binary, field_name=f"harness {profile.name}", install=profile.install,
                               title=profile.title, search_path=search_path)
-    values = {"cwd": cwd, "model": model or ""}
+    values = {"model": model or ""}
     env = dict(profile.env)
     extra: list[str] = []
     api_host = None
