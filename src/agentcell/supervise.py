@@ -195,6 +195,7 @@ class Supervised:
         if self.monitor is not None:
             out["events"] = [ev.as_dict() for ev in events]
             out["terminated_by_monitor"] = self.monitor.terminated
+            out["monitor_reason"] = self.monitor.reason if self.monitor.terminated else None
             out["monitor_sources"] = self.monitor.sources()
         self._result = out
         return out

@@ -168,9 +168,11 @@ def new(name: str, *, human: str | None, cmds: Commands) -> AgentRecord:
         reg.last_uid = ident
         _save(reg, cmds, f"record agent {name} (creating, uid {ident})")
         cmds.run(["groupadd", "--gid", str(ident), group], step="groupadd")
+        # Expired from its first day: no login of any kind (sshd with a key planted in the home, cron, su)
+        # honours it; agentcell's own switch to the account does not ask.
         cmds.run(["useradd", "--uid", str(ident), "--gid", group, "--no-user-group", "--home-dir", home,
-                  "--no-create-home", "--shell", NOLOGIN, "--comment", f"agentcell agent {name}", name],
-                 step="useradd")
+                  "--no-create-home", "--shell", NOLOGIN, "--expiredate", "1", "--comment", f"agentcell agent {name}",
+                  name], step="useradd")
         cmds.run(["install", "-d", "-m", "2770", "-o", name, "-g", group, home], step="home")
         cmds.run(["setfacl", "-m", f"d:g:{group}:rwx", home], step="home ACL")
         cmds.run(["gpasswd", "--add", human, group], step="human")
@@ -285,7 +287,10 @@ def health(rec: AgentRecord) -> list[tuple[str, bool, str]]:
     check("user", pw is not None and pw.pw_uid == rec.uid and pw.pw_gid == rec.gid,
           "missing" if pw is None else f"uid {pw.pw_uid} gid {pw.pw_gid} (recorded {rec.uid}/{rec.gid})")
     if pw is not None:
-        check("no login", pw.pw_shell == NOLOGIN, f"shell {pw.pw_shell}")
+        expire = account_expiry(rec.name)
+        check("no login", pw.pw_shell == NOLOGIN and expire is not None and 0 < expire <= _today(),
+              f"shell {pw.pw_shell}, account {'expired' if expire and expire <= _today() else 'not expired'} "
+              f"(want {NOLOGIN} and expired: usermod --expiredate 1 {rec.name})")
     gr = _group(rec.group)
     check("group", gr is not None and gr.gr_gid == rec.gid, "missing" if gr is None else f"gid {gr.gr_gid}")
     check("human in group", gr is not None and rec.human in gr.gr_mem, f"{rec.human} in {rec.group}")
@@ -317,6 +322,79 @@ def cells_running(rec: AgentRecord) -> int:
 
 
 # ---- delete -------------------------------------------------------------------------------------
+
+# Files in a home through which the host's own services act as its account, outside any cell: sshd's
+# keys, the mail system's forwards, Kerberos and rsh trust, PAM's environment.
+HOST_LOGINS = (".ssh/authorized_keys", ".ssh/authorized_keys2", ".forward", ".k5login", ".k5users", ".rhosts",
+               ".shosts", ".pam_environment")
+
+
+def defuse_home(home: str, uid: int, gid: int) -> list[str]:
+    """After a session in an agent's own home: what it planted for the host's services is renamed out
+    of their way (``NAME.agentcell-disabled``), and the home's mode put back (2770: its human reads it
+    through the group). Works on descriptors: the names are the agent's. Returns what it did."""
+    out: list[str] = []
+    try:
+        fd = os.open(home, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        return [f"{home}: cannot be checked ({e.strerror})"]
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != uid:
+            return [f"{home} is not the agent's (uid {st.st_uid}): left alone"]
+        if stat.S_IMODE(st.st_mode) != 0o2770:
+            os.fchown(fd, uid, gid)
+            os.fchmod(fd, 0o2770)
+            out.append(f"the agent changed the mode of its home {home} to {oct(stat.S_IMODE(st.st_mode))}: put "
+                       "back to 02770")
+        for rel in HOST_LOGINS:
+            parent, name = os.path.split(rel)
+            try:
+                dfd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd) \
+                    if parent else os.dup(fd)
+            except OSError:
+                continue
+            try:
+                os.stat(name, dir_fd=dfd, follow_symlinks=False)
+            except OSError:
+                os.close(dfd)
+                continue
+            try:
+                target = f"{name}.agentcell-disabled"
+                while True:
+                    try:
+                        os.stat(target, dir_fd=dfd, follow_symlinks=False)
+                        target += "-"
+                    except FileNotFoundError:
+                        break
+                os.rename(name, target, src_dir_fd=dfd, dst_dir_fd=dfd)
+                out.append(f"the agent made {home}/{rel}, through which the host's services would act as its "
+                           f"account outside any cell: renamed to {target}")
+            except OSError as e:
+                out.append(f"{home}/{rel}: could not be renamed ({e.strerror}): remove it")
+            finally:
+                os.close(dfd)
+    finally:
+        os.close(fd)
+    return out
+
+
+def account_expiry(name: str) -> int | None:
+    """The account's expiry day (days since 1970) from /etc/shadow; None: none set, or unreadable."""
+    try:
+        with open("/etc/shadow") as f:
+            for line in f:
+                fields = line.rstrip("\n").split(":")
+                if fields[0] == name and len(fields) > 7:
+                    return int(fields[7]) if fields[7].isdigit() else None
+    except OSError:
+        pass
+    return None
+
+
+def _today() -> int:
+    return int(time.time() // 86400)
+
 
 def delete(name: str, *, delete_home: bool, cmds: Commands) -> list[str]:
     """Remove agent NAME from whatever state it is in. Returns what could not be removed (empty: all

@@ -96,7 +96,7 @@ def create_ephemeral(session_id: str, cmds: Commands | None = None) -> Account:
     try:
         cmds.run(["groupadd", "--gid", str(uid), name], step="groupadd")
         cmds.run(["useradd", "--uid", str(uid), "--gid", str(uid), "--no-user-group", "--no-create-home",
-                  "--no-log-init", "--home-dir", account.home, "--shell", NOLOGIN,
+                  "--no-log-init", "--home-dir", account.home, "--shell", NOLOGIN, "--expiredate", "1",
                   "--comment", "agentcell session account", name], step="useradd")
     except AgentcellError:
         delete(account, cmds)

@@ -9,6 +9,7 @@ Exit status: 0 if the edit landed and the credential read was caught and ended t
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 
 from ..errors import AgentcellError, report
@@ -37,6 +38,8 @@ def main(argv: list[str]) -> int:
         passed, details = check.run(ns.harness, out=say, extra=extra)
     except AgentcellError as e:
         return report(PROG, e)
+    except (OSError, subprocess.SubprocessError) as e:  # the machine could not make the check's parts
+        return report(PROG, AgentcellError("check", f"could not set it up: {e}", "see 'agentcell doctor'"))
     sys.stderr.write(f"{PROG}: {ns.harness} {'passed' if passed else 'FAILED'}\n")
     if ns.json:
         sys.stdout.write(json.dumps({"passed": passed, **details}) + "\n")

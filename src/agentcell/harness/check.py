@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import AgentcellError
-from .fakenet import FakeInternet
+from .fakenet import NOBODY, FakeInternet
 
 MODEL_NAME, MODEL_PORT = "model.test", 8080
 MODEL = "agentcell-mock"
@@ -53,6 +53,10 @@ class Rig:
         self.log = os.path.join(self.workdir, f"requests-{tag}.jsonl")
         with open(script, "w") as f:
             json.dump(steps, f)
+        os.chmod(script, 0o644)
+        with open(self.log, "w"):
+            pass
+        os.chown(self.log, NOBODY, NOBODY)  # the endpoint runs as nobody
         self.model = self.net.start([sys.executable, "-m", "agentcell.harness.mockmodel", "--listen",
                                      f"{self.addr}:{MODEL_PORT}", "--script", script, "--log", self.log,
                                      *(["--fenced"] if fenced else [])], ready=b"listening")
@@ -81,12 +85,18 @@ class Rig:
         self.net.close()
 
 
+INTERPRETERS = ("node", "bun", "python", "deno")
+
+
 def harness_ancestor(escape: dict[str, Any], binary_real: str, name: str) -> list[Any] | None:
-    """The ancestor of the reading process that is the harness: its executable is the harness's, or is
-    named like it, or its command line runs the harness's file (node and python run most of them)."""
+    """The ancestor of the reading process that is the harness: its executable is the harness's (or
+    named like it), or it is an interpreter whose command line runs the harness's file (node and python
+    run most of them; a command line is the process's own word, so this is attribution, not proof)."""
     for pid, exe, cmd in escape.get("ancestry") or []:
-        if os.path.realpath(str(exe)) == binary_real or os.path.basename(str(exe)).startswith(name) or \
-                any(word.startswith("/") and os.path.realpath(word) == binary_real for word in str(cmd).split()):
+        base = os.path.basename(str(exe))
+        if os.path.realpath(str(exe)) == binary_real or base.startswith(name) or (
+                base.startswith(INTERPRETERS) and any(word.startswith("/") and os.path.realpath(word) == binary_real
+                                                      for word in str(cmd).split())):
             return [pid, exe, cmd]
     return None
 

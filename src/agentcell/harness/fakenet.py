@@ -18,12 +18,14 @@ import ipaddress
 import json
 import os
 import secrets
+import shutil
 import subprocess
 import sys
 import time
 from collections.abc import Sequence
 
 RECORDS_DIR = "/run/agentcell/fakenet"
+NOBODY = 65534
 
 
 def _ip(*args: str, check: bool = True) -> None:
@@ -80,6 +82,13 @@ class FakeInternet:
             _ip(*inside, *(["-6"] if six else []), "addr", "add", f"{a}/{128 if six else 32}", "dev", self.ns_if,
                 *(["nodad"] if six else []))
         _ip(*inside, "link", "set", self.ns_if, "up")
+        # Its servers run as nobody: ports below 1024 (DNS) are theirs to bind in this namespace alone.
+        sysctl = shutil.which("sysctl", path="/usr/sbin:/sbin:/usr/bin:/bin") or "sysctl"
+        p = subprocess.run(["ip", "netns", "exec", self.ns, sysctl, "-qw", "net.ipv4.ip_unprivileged_port_start=0"],
+                           capture_output=True, text=True)
+        if p.returncode != 0:
+            raise OSError(f"sysctl in {self.ns}: {p.stderr.strip()}")
+        os.chown(self.dns_log, NOBODY, NOBODY)
         _ip(*inside, "route", "add", "default", "via", self.link4[0].split("/")[0])
         _ip("route", "add", self.route4, "via", self.link4[1].split("/")[0], "dev", self.host_if)
         if self.route6 and self.link6:
@@ -88,12 +97,14 @@ class FakeInternet:
         self.start([sys.executable, "-m", "agentcell.harness.fakenet", "dns", self.dns, json.dumps(self.records),
                     self.dns_log], ready=b"ready")
 
-    def start(self, argv: list[str], *, ready: bytes | None = None, timeout: float = 10) -> subprocess.Popen[bytes]:
-        """Run ``argv`` inside the namespace (ended by :meth:`close`); with ``ready``, wait for a first
-        line of output that starts with it."""
-        proc = subprocess.Popen(["ip", "netns", "exec", self.ns, *argv], stdout=subprocess.PIPE,
+    def start(self, argv: list[str], *, ready: bytes | None = None, timeout: float = 10,
+              as_nobody: bool = True) -> subprocess.Popen[bytes]:
+        """Run ``argv`` inside the namespace (ended by :meth:`close`), as nobody unless told (it parses
+        what a cell sends); with ``ready``, wait for a first line of output that starts with it."""
+        who = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "--"] if as_nobody else []
+        proc = subprocess.Popen(["ip", "netns", "exec", self.ns, *who, *argv], stdout=subprocess.PIPE,
                                 stdin=subprocess.DEVNULL)
-        self.procs.append(proc)  # ip netns exec execs in place: this pid is the program's
+        self.procs.append(proc)  # ip netns exec and setpriv exec in place: this pid is the program's
         if ready is not None:
             import select
 

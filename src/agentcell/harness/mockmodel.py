@@ -625,13 +625,13 @@ class Handler(BaseHTTPRequestHandler):
         out = b""
         while True:
             size = int(self.rfile.readline().strip().split(b";")[0] or b"0", 16)
+            if size > MAX_BODY - len(out):
+                return b""
             if size == 0:
                 self.rfile.readline()
                 return out
             out += self.rfile.read(size)
             self.rfile.readline()
-            if len(out) > MAX_BODY:
-                return b""
 
 
 class Server(ThreadingHTTPServer):

@@ -63,7 +63,10 @@ class Profile:
     env: dict[str, str] = field(default_factory=dict)  # set in the cell
     secret_env: tuple[str, ...] = ()  # passed through from the host (env or .env) when set
     secret_as: dict[str, str] = field(default_factory=dict)  # a secret's name in the cell, where it differs
-    key_args: tuple[str, ...] = ()  # added when the API key (api_key_env) is in the cell
+    # A flag that takes settings (JSON) outranking the project's own: the profile's env and the base URL go
+    # there too, so a repository's settings file cannot switch them back; and the key helper, if any.
+    settings_flag: str | None = None
+    key_helper: str | None = None  # how the harness gets its key (in those settings), when the key is there
     egress_preset: str | None = None
     network: str = "proxy"  # the default when FIREWALL_ENABLED is off and no network is given
     api: str | None = None  # the model API it speaks: anthropic | responses | chat | gemini
@@ -108,7 +111,7 @@ AIDER_SETTINGS = "- name: openai/{model}\n  edit_format: diff\n"
 # one you give (-i, or IdentityFile in your own config): its default identities are where the decoys lie.
 SSH_CONFIG = """# agentcell: ssh reaches only what the session's allow-list names (host:22), through its proxy
 Host *
-    ProxyCommand /usr/bin/python3 -I -S {seed}/ssh-connect.py %h %p
+    ProxyCommand /usr/bin/python3 -I -S "$AGENTCELL_SEED/ssh-connect.py" %h %p
     IdentityFile none
     IdentitiesOnly yes
 """
@@ -145,9 +148,9 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
                  "DISABLE_TELEMETRY": "1", "DISABLE_ERROR_REPORTING": "1",
                  # its plugin marketplace: downloads.claude.ai, and a git clone from github.com over ssh
                  "CLAUDE_CODE_DISABLE_OFFICIAL_MARKETPLACE_AUTOINSTALL": "1"},
-            secret_env=("ANTHROPIC_API_KEY", "ANTHROPIC_AUTH_TOKEN", "ANTHROPIC_BASE_URL"),
-            secret_as={"ANTHROPIC_API_KEY": CLAUDE_KEY},
-            key_args=("--settings", json.dumps({"apiKeyHelper": f"printenv {CLAUDE_KEY}"})),
+            secret_env=("ANTHROPIC_API_KEY", "ANTHROPIC_AUTH_TOKEN"),
+            secret_as={"ANTHROPIC_API_KEY": CLAUDE_KEY}, settings_flag="--settings",
+            key_helper=f"printenv {CLAUDE_KEY}",
             egress_preset="claude_code", api="anthropic", api_base_env=("ANTHROPIC_BASE_URL",),
             api_key_env="ANTHROPIC_API_KEY", model_env="ANTHROPIC_MODEL",
             files=(SeedFile(".claude.json", CLAUDE_JSON), SeedFile(".claude/settings.json", CLAUDE_SETTINGS),
@@ -203,7 +206,7 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
     Profile("gemini", "Gemini CLI", "gemini", interactive=("--yolo",), prompt=("--yolo", "-p", "{prompt}"),
             install="npm install -g @google/gemini-cli", home_dirs=(".gemini",),
             env={"GEMINI_CLI_NO_RELAUNCH": "true"},
-            secret_env=("GEMINI_API_KEY", "GOOGLE_API_KEY", "GOOGLE_GEMINI_BASE_URL"), egress_preset="gemini",
+            secret_env=("GEMINI_API_KEY", "GOOGLE_API_KEY"), egress_preset="gemini",
             api="gemini", api_base_env=("GOOGLE_GEMINI_BASE_URL",), api_key_env="GEMINI_API_KEY",
             model_args=("-m", "{model}"), files=(SeedFile(".gemini/settings.json", GEMINI_SETTINGS), GITCONFIG),
             protected=(".gemini", "GEMINI.md")),
@@ -213,7 +216,8 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
             interactive=("--allow-all", "--no-auto-update", "--disable-client-telemetry"),
             prompt=("-p", "{prompt}", "--allow-all", "--no-auto-update", "--disable-client-telemetry"),
             install="npm install -g @github/copilot", home_dirs=(".copilot", ".cache"),
-            secret_env=("COPILOT_GITHUB_TOKEN", "GH_TOKEN", "GITHUB_TOKEN", "COPILOT_PROVIDER_API_KEY"),
+            # its own token variable only: GH_TOKEN and GITHUB_TOKEN are usually a person's or a CI's, for all of GitHub
+            secret_env=("COPILOT_GITHUB_TOKEN", "COPILOT_PROVIDER_API_KEY"),
             egress_preset="copilot", api="chat",
             api_base_env=("COPILOT_PROVIDER_BASE_URL={api_base_v1}", "COPILOT_OFFLINE=true"),
             model_env="COPILOT_MODEL", needs_model=True, files=(GITCONFIG,),
@@ -342,6 +346,13 @@ def api_base_parts(url: str) -> tuple[str, str]:
     if u.username or u.password or u.query or u.fragment:
         raise PolicyError("--api-base", "the URL carries credentials, a query or a fragment",
                           "give the bare URL; pass the key in its variable (e.g. ANTHROPIC_API_KEY)")
+    # It becomes an allow-list entry, a variable, a TOML string (Codex) and JSON (OpenCode): one host by
+    # its name or address, no wildcard, nothing that quotes or escapes.
+    name = u.hostname
+    if port == 0 or "*" in url or not all(c.isascii() and (c.isalnum() or c in ":/._-~%") for c in url.strip()) \
+            or not (name.replace("-", "").replace(".", "").isalnum() or ":" in name):
+        raise PolicyError("--api-base", f"'{url[:120]}' is not one host's URL (no wildcard, no quotes or braces, "
+                          "a port above 0)", "e.g. --api-base https://gateway.example:8443")
     base = f"{u.scheme}://{u.netloc}{u.path}".rstrip("/")
     for suffix in ("/v1beta", "/v1"):
         base = base.removesuffix(suffix)
@@ -363,8 +374,8 @@ def _network_files(network: str | None, seed_dir: str) -> list[SeedFile]:
 
     with open(sshproxy.__file__, encoding="utf-8") as f:
         connector = f.read()
-    return [SeedFile(".ssh/config", SSH_CONFIG.replace("{seed}", seed_dir)),
-            SeedFile("ssh-connect.py", connector, home=False)]
+    # The config names the seed by a variable: a persistent home keeps the file, the seed moves each session.
+    return [SeedFile(".ssh/config", SSH_CONFIG), SeedFile("ssh-connect.py", connector, home=False)]
 
 
 def launch(profile: Profile, harness_args: tuple[str, ...] | list[str], *, seed_dir: str,
@@ -376,25 +387,26 @@ def launch(profile: Profile, harness_args: tuple[str, ...] | list[str], *, seed_
     ``network``: the session's (a proxied cell gets ssh's way through the proxy)."""
     args = list(harness_args)
     net_files = _network_files(network, seed_dir)
+    net_env = {"AGENTCELL_SEED": seed_dir} if net_files else {}
     if profile.name == "shell":
         if not args:
             raise PolicyError("harness shell", "no command given", "put it after --, e.g. session start -- make test")
         if "/" not in args[0] and shutil.which(args[0], path=DEFAULT_PATH) is None:
             raise PolicyError("harness shell", f"{args[0]} is not on the cell's PATH ({DEFAULT_PATH})",
                               "install it system-wide, or give its path inside a declared directory")
-        return Launch(_wrapped(profile, args, net_files, seed_dir, home_from=home_from), {}, net_files, None, True,
+        return Launch(_wrapped(profile, args, net_files, seed_dir, home_from=home_from), net_env, net_files, None, True,
                       None)
     assert profile.binary is not None
     if profile.name == "scripted":
         found, _ = locate(profile.binary, field_name="harness scripted", install=profile.install,
                           search_path=DEFAULT_PATH)
         argv = [found, *profile.prompt, scripted_source(), *script_args(args)]
-        return Launch(_wrapped(profile, argv, net_files, seed_dir, home_from=home_from), {}, net_files, None, False,
-                      None)
+        return Launch(_wrapped(profile, argv, net_files, seed_dir, home_from=home_from), net_env, net_files, None,
+                      False, None)
     found, cell_path = locate(profile.binary, field_name=f"harness {profile.name}", install=profile.install,
                               title=profile.title, search_path=search_path)
     values = {"model": model or ""}
-    env = dict(profile.env)
+    env = {**profile.env, **net_env}
     extra: list[str] = []
     api_host = None
     if api_base is not None:
@@ -406,18 +418,22 @@ def launch(profile: Profile, harness_args: tuple[str, ...] | list[str], *, seed_
         for item in profile.api_base_env:
             name, eq, template = item.partition("=")
             env[name] = _fill(template, values, as_json=template.startswith("{")) if eq else base
-        extra += [_fill(a, values) for a in profile.api_base_args]
+        extra += [_fill(a, values, as_json=True) for a in profile.api_base_args]  # Codex's TOML takes JSON escapes
         if profile.needs_model and not model:
             raise PolicyError("--model", f"{profile.title} needs a model name with --api-base",
                               "name the model your endpoint serves, e.g. --model gpt-4.1")
         if profile.api_key_env and profile.api_key_env not in secrets:
             env[profile.secret_as.get(profile.api_key_env, profile.api_key_env)] = NO_KEY
-    if profile.api_key_env and (profile.api_key_env in secrets or api_base is not None):
-        extra += list(profile.key_args)
     if values["model"]:
         if profile.model_env:
             env[profile.model_env] = values["model"]
         extra += [_fill(a, values) for a in profile.model_args]
+    if profile.settings_flag:
+        key = profile.secret_as.get(profile.api_key_env or "", profile.api_key_env)
+        settings: dict[str, object] = {"env": {k: v for k, v in env.items() if k != key}}
+        if profile.key_helper and (profile.api_key_env in secrets or api_base is not None):
+            settings["apiKeyHelper"] = profile.key_helper
+        extra += [profile.settings_flag, json.dumps(settings, separators=(",", ":"))]
     files = [SeedFile(f.path, _fill(f.content, values, as_json=f.path.endswith(".json")), f.home, f.env)
              for f in profile.files if api_base is not None or not f.needs_api_base] + net_files
     for f in files:

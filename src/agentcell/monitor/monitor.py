@@ -40,7 +40,9 @@ from ..cell.cgroups import CellCgroup
 
 ESCAPES = ("read", "write", "execute", "network", "telemetry")
 CLASSES = (*ESCAPES, "resource")
-MAX_EVENTS = 1000  # distinct events kept per cell (duplicates are counted, not kept)
+MAX_EVENTS = 1000  # distinct events kept per cell, of each kind (acting, notes); duplicates are counted
+FLOOD = 100  # the cell's own Landlock denials in FLOOD_S that make it the suspect of an audit overflow
+FLOOD_S = 2.0
 HEARTBEAT_S = 1.0  # a loop that has not come round for this long has stopped: a telemetry event
 
 
@@ -116,7 +118,8 @@ def landlock_event(raw: dict[str, Any], cell: str) -> CellEvent:
     bind = blockers.startswith("net.bind_tcp")  # listening in a cell nothing outside can reach: noted only
     tuning = op == "write" and _tunes_itself(str(ll.get("path", "")))
     reason = f"blocked by Landlock ({blockers})"
-    if tuning:
+    if tuning:  # one note per file, whichever process: they are alike
+        target = "/proc/<pid>/" + target.rsplit("/", 1)[-1]
         reason += "; a process of the cell tuning itself (its OOM score, its name): refused, not held against it"
     return CellEvent(op, target, reason, source="landlock", cell=cell, pid=pid, exe=sc.get("exe", ""),
                      allow=allow, ts=raw.get("ts"), acts=not (bind or tuning))
@@ -153,9 +156,10 @@ class Monitor:
         # The account exists for agents alone (agent:NAME, a session's own): whatever its uid does
         # on the host's network is the cell's. A person's uid (--as UID, sudo's caller) is not.
         self.dedicated = dedicated
-        self._denied_at = 0.0  # when this cell last made Landlock refuse something
+        self._denials: collections.deque[float] = collections.deque(maxlen=FLOOD)  # when this cell was refused
         self.trusted: set[int] = set()  # agentcell's own processes in the cell's cgroup (its proxy)
         self.events: list[CellEvent] = []
+        self._kept = {True: 0, False: 0}  # events kept, by whether they act
         self.frozen_at: float | None = None
         self.terminated = False
         self.reason = ""
@@ -379,10 +383,11 @@ class Monitor:
             if pid in self.trusted:
                 self.canaries.answer(c)
                 continue
+            self._drain_connector()  # the opener's parents may have forked since the connector was read
             self._event(CellEvent("read", c["path"], "a canary credential was opened (a decoy agentcell planted "
                                   "in the cell's home: nothing legitimate reads it)", source="canary",
                                   cell=self.cell_id, pid=pid, exe=c.get("exe", ""),
-                                  ancestry=ancestry(pid, self._seed) if pid else None,  # the opener waits: all there
+                                  ancestry=ancestry(pid, self._seed, self._members) if pid else None,  # it waits
                                   allow="nothing: it is a decoy; give real credentials with --ro PATH if a tool "
                                   "needs them"))
             self.canaries.answer(c)  # recorded (and, under terminate, frozen): now the open may go on
@@ -413,11 +418,11 @@ class Monitor:
         """A Landlock denial worth parsing: by one of the cell's processes (or its domain). A process
         forked after the connector was last read is looked up after reading it again."""
         if pid in self._members or domain in self._domains:
-            self._denied_at = time.monotonic()
+            self._denials.append(time.monotonic())
             return True
         self._drain_connector()
         if pid in self._members:
-            self._denied_at = time.monotonic()
+            self._denials.append(time.monotonic())
             return True
         return False
 
@@ -458,7 +463,9 @@ class Monitor:
         have flooded the stream to hide one attempt among them: that ends it like any attempt. If it
         was quiet, the host's other Landlock users did it: noted, not held against the cell (a denial
         may be missing from the report; the kernel still refused it)."""
-        busy = time.monotonic() - self._denied_at < 2.0
+        # A flood of its own, not the odd refusal (a runtime setting its OOM score): another cell's flood,
+        # or another user's, must not end this one.
+        busy = len(self._denials) >= FLOOD and time.monotonic() - self._denials[0] < FLOOD_S
         self._event(CellEvent("telemetry", "landlock", f"{what}: a Landlock denial may be missing from this report"
                               + (" while the cell itself was being refused" if busy else
                                  " (the kernel still refused it)"),
@@ -577,7 +584,7 @@ class Monitor:
 
     def _event(self, ev: CellEvent) -> None:
         if ev.ancestry is None and ev.pid:  # as far as the processes are still there
-            ev.ancestry = ancestry(ev.pid, self._seed)
+            ev.ancestry = ancestry(ev.pid, self._seed, self._members)
         with self._lock:
             seen = self._index.get(ev.key())
             if seen is not None:
@@ -586,8 +593,10 @@ class Monitor:
             # The verdict first: a cap on what is kept must never decide what is acted on.
             if ev.acts and not self._final and self.verdicts.get(ev.operation) == "terminate" and not self.terminated:
                 self.terminate(ev.line())
-            if len(self.events) >= MAX_EVENTS:
-                overflow = CellEvent("telemetry", "events", f"more than {MAX_EVENTS} distinct events: the rest are "
+            # Notes and acting events are capped apart: a flood of notes never pushes an attempt out.
+            if self._kept[ev.acts] >= MAX_EVENTS:
+                kind = "events" if ev.acts else "notes"
+                overflow = CellEvent("telemetry", kind, f"more than {MAX_EVENTS} distinct {kind}: the rest are "
                                      "counted here", source="telemetry", cell=self.cell_id, acts=False)
                 kept = self._index.get(overflow.key())
                 if kept is not None:
@@ -596,6 +605,7 @@ class Monitor:
                 ev = overflow
             self._index[ev.key()] = ev
             self.events.append(ev)
+            self._kept[ev.acts] += 1
         self._queue.put(ev)
         if self.callback is not None:
             self.callback(ev)
@@ -624,9 +634,11 @@ class Monitor:
                                   "known)", source="telemetry", cell=self.cell_id))
 
 
-def ancestry(pid: int, pid1: int | None, limit: int = 32) -> list[list[Any]]:
-    """The parents of ``pid`` ([pid, exe, the start of its command line]), nearest first, up to the
-    cell's PID 1 (agentcell's reaper, not listed) or the first one gone."""
+def ancestry(pid: int, pid1: int | None, members: set[int] | None = None, limit: int = 32) -> list[list[Any]]:
+    """The parents of ``pid`` ([pid, exe, the start of its command line: the process's own word]),
+    nearest first, up to the cell's PID 1 (agentcell's reaper, not listed), the first one gone, or the
+    first that is not among ``members`` (the cell's processes by descent: a number the host reused is
+    never named)."""
     out: list[list[Any]] = []
     for _ in range(limit):
         try:
@@ -634,7 +646,7 @@ def ancestry(pid: int, pid1: int | None, limit: int = 32) -> list[list[Any]]:
                 ppid = int(f.read().rsplit(")", 1)[1].split()[1])
         except (OSError, ValueError, IndexError):
             break
-        if ppid <= 1 or ppid == pid1:
+        if ppid <= 1 or ppid == pid1 or (members and ppid not in members):
             break
         try:
             exe = os.readlink(f"/proc/{ppid}/exe")

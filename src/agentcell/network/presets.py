@@ -18,7 +18,7 @@ PRESETS: dict[str, tuple[str, ...]] = {
     "cursor": ("*.cursor.sh:443", "cursor.com:443", "*.cursor.com:443"),
     "aider": ("api.openai.com:443", "api.anthropic.com:443", "openrouter.ai:443"),
     "gemini": ("generativelanguage.googleapis.com:443", "cloudcode-pa.googleapis.com:443",
-               "oauth2.googleapis.com:443", "accounts.google.com:443", "www.googleapis.com:443"),
+               "oauth2.googleapis.com:443", "accounts.google.com:443"),
     "copilot": ("github.com:443", "api.github.com:443", "api.githubcopilot.com:443", "*.githubcopilot.com:443",
                 "api.mcp.github.com:443"),
     # toolchains

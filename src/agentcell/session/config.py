@@ -318,7 +318,7 @@ def _agent(value: object, where: str) -> str | None:
 _WHERE_ROOT = "where root writes, and as whom the agent runs, is not taken from a file in the project"
 _WHERE_KEY = "where the harness sends your API key is not taken from a file in the project"
 HOST_KEYS: dict[str, str] = {"backup_dir": _WHERE_ROOT, "audit_log_path": _WHERE_ROOT, "agent": _WHERE_ROOT,
-                             "project_root": _WHERE_ROOT, "api_base": _WHERE_KEY}
+                             "project_root": _WHERE_ROOT, "api_base": _WHERE_KEY, "model": _WHERE_KEY}
 
 
 def load(flags: Mapping[str, Any], *, environ: Mapping[str, str] | None = None, cwd: str | None = None,
@@ -480,14 +480,24 @@ def load(flags: Mapping[str, Any], *, environ: Mapping[str, str] | None = None, 
     return replace(cfg, secrets={k: env_view[k] for k in wanted if env_view.get(k)}, notes=tuple(notes))
 
 
+# What configures a harness or the programs it runs, by the prefixes their variables share: a file in
+# the project sets none of them (where keys go, config directories, endpoints, TLS trust, preloads).
+HARNESS_PREFIXES = ("CLAUDE", "ANTHROPIC", "CODEX", "OPENAI", "OPENCODE", "GEMINI", "GOOGLE", "COPILOT", "GH_",
+                    "GITHUB", "AIDER", "LITELLM", "CURSOR", "OTEL", "NODE", "NPM_", "LD_", "GIT_", "SSL_", "SSH_",
+                    "PYTHON", "AGENTCELL", "XDG_", "AWS_", "AZURE_", "VERTEX", "OPENROUTER")
+CELL_NAMES = ("PATH", "HOME", "USER", "SHELL", "TMPDIR", "ENV", "BASH_ENV", "CDPATH", "IFS", "PS4", "TERM")
+
+
 def _configures_harness(name: str, profile: Any) -> bool:
     """What a file in the project may not set in the cell: how the harness is configured (its keys,
-    base URLs, model, proxies, the switches its profile sets) and the cell's own variables."""
+    base URLs, model, proxies, config directories, the switches its profile sets), how the programs it
+    runs are (node, python, git, ssh, TLS, the loader), and the cell's own variables."""
     upper = name.upper()
     own = {*profile.secret_env, *profile.env, *(e.partition("=")[0] for e in profile.api_base_env),
            *(v for v in (profile.api_key_env, profile.model_env) if v), *(f.env for f in profile.files if f.env)}
-    return (name in own or upper in ("PATH", "HOME", "USER", "SHELL", "TMPDIR") or upper.endswith("_PROXY")
-            or "BASE_URL" in upper or "API_BASE" in upper or upper.endswith(("_API_KEY", "_AUTH_TOKEN")))
+    return upper != "NODE_ENV" and (
+        name in own or upper in CELL_NAMES or upper.startswith(HARNESS_PREFIXES) or upper.endswith("_PROXY")
+        or "BASE_URL" in upper or "API_BASE" in upper or "ENDPOINT" in upper or upper.endswith("_API_KEY"))
 
 
 def _harness_knobs(values: dict[str, Any], sources: dict[str, str], flags: Mapping[str, Any], pick: Any,
@@ -508,8 +518,11 @@ def _harness_knobs(values: dict[str, Any], sources: dict[str, str], flags: Mappi
     if (got := pick("model", "AGENT_MODEL")) is not None:
         value, where = got
         text = str(value).strip()
-        if not text or text.startswith("-") or not text.isprintable() or len(text) > 200:
-            raise PolicyError(where, f"{text[:80]!r} is not a model name", "e.g. --model claude-sonnet-4-5")
+        # It lands in harness configs (OpenCode's JSON expands {env:…}; Codex's -c is TOML): plain names only.
+        if not text or text.startswith("-") or len(text) > 200 or \
+                not all(c.isascii() and (c.isalnum() or c in "._:/@+-") for c in text):
+            raise PolicyError(where, f"{text[:80]!r} is not a model name (letters, digits and ._:/@+- only)",
+                              "e.g. --model claude-sonnet-4-5")
         values["model"], sources["model"] = text, where
     if (got := pick("risk", "AGENT_RISK")) is not None:
         value, where = got

@@ -342,6 +342,12 @@ class Nodes:
             # What the monitor acts on (an event it only notes, acts false, is not held against the cell).
             escape = next((e for e in cell.events() if e["operation"] in ESCAPES and e.get("acts", True)), None)
             result = cell.poll()
+            if result is not None and escape is None and result.get("terminated_by_monitor"):
+                # Ended by its monitor whatever the report kept: never a normal exit.
+                escape = next((e for e in result.get("events", []) if e["operation"] in ESCAPES
+                               and e.get("acts", True)), None) or {
+                    "operation": "telemetry", "target": "monitor", "source": "telemetry",
+                    "reason": result.get("monitor_reason") or "the monitor ended the cell"}
             if result is None and escape is None and cell.lost:
                 raise TelemetryLost("monitor", "the cell's host ended without a word")
             if escape is not None:
@@ -460,9 +466,16 @@ class Nodes:
                 if account["kind"] == "ephemeral":
                     ephemeral.delete(ephemeral.Account(account["name"], account["uid"], account["gid"], sid), cmds,
                                      paths=paths, give_to=give_to or (0, 0))
-                elif give_to is not None:
-                    for p in paths:
-                        problems += acl.reassign(cmds, account["uid"], account["gid"], give_to[0], give_to[1], p)
+                else:
+                    from ..accounts.accounts import defuse_home
+
+                    home = (state.get("policy") or {}).get("home_dir")
+                    if home:
+                        warnings += defuse_home(home, account["uid"], account["gid"])
+                    if give_to is not None:
+                        for p in paths:
+                            problems += acl.reassign(cmds, account["uid"], account["gid"], give_to[0], give_to[1],
+                                                     p)
             except (OSError, AgentcellError) as e:
                 problems.append(_line(e))
         if state.get("cell_id"):
@@ -558,6 +571,16 @@ def session_human(project_root: str) -> list[int]:
     return [st.st_uid, st.st_gid]
 
 
+def _address(host_port: str) -> Any:
+    import ipaddress
+
+    host = host_port.rsplit(":", 1)[0].strip("[]")
+    try:
+        return ipaddress.ip_address(host)
+    except ValueError:
+        return None
+
+
 def session_network(cfg: dict[str, Any]) -> str:
     """The network a configuration gets: --net, else host-firewall with FIREWALL_ENABLED, else the proxy
     when it names domains (or a model API), else the harness's own."""
@@ -585,6 +608,22 @@ def make_plan(cfg: dict[str, Any], session_id: str, launch: dict[str, Any] | Non
     if api_host and network in ("none", "loopback"):
         raise PolicyError(cfg.get("sources", {}).get("network", "network"), f"--api-base needs a way out, and the "
                           f"network is {network}", "leave --net out (the harness's proxy) or give --net proxy")
+    if api_host and _address(api_host) is not None:  # the proxy reaches an address only through a range
+        import ipaddress
+
+        addr = _address(api_host)
+
+        def covers(r: str) -> bool:
+            try:
+                return addr in ipaddress.ip_network(r, strict=False)
+            except ValueError:  # refused with its own message when the egress rules are checked
+                return False
+
+        if not any(covers(r) for r in cfg.get("allow_ranges") or []):
+            raise PolicyError("--api-base", f"{api_host} is an address: the proxy reaches one only in a range you "
+                              "allow", f"add --allow-range {addr}/{32 if addr.version == 4 else 128} (every port of "
+                              "it), or give the server's name")
+        api_host = None
     if os.geteuid() != 0:
         identity = "self"
     elif cfg.get("agent"):
