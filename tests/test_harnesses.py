@@ -58,51 +58,39 @@ def harness_session(env: Env, rig: Rig, name: str, *args: str, prompt: str = che
 
 
 @pytest.mark.parametrize("name", REAL)
-def test_a_real_harness_edits_the_project_and_is_ended_at_the_credential_it_reads(
-        env: Env, rig: Rig, name: str) -> None:
-    rig.serve(check.STEPS, fenced=PROFILES[name].fenced)
-    rig.net.clear_dns_log()
-    s = harness_session(env, rig, name)
-    assert s.rc == 120 and s.summary["status"] == "terminated", (s.summary.get("reason"), s.err[-3000:])
-    # turn 1 landed in the project on the host, and is the human's now
-    edited = env.project / "CHECKED.txt"
-    assert edited.read_text() == "agentcell-check\n"
-    assert edited.stat().st_uid == env.project.stat().st_uid
-    # turn 2 ended the session, attributed to the process that read, with the harness among its parents
-    esc = s.summary["escape"]
-    assert esc["operation"] == "read" and esc["target"].endswith("/.ssh/id_ed25519") and esc["source"] == "canary"
-    assert esc["pid"] and os.path.basename(esc["exe"]) == "cat", esc
-    binary = str(installed(name) / PINS[name][3])
-    assert check.harness_ancestor(esc, os.path.realpath(binary), PINS[name][3]), esc["ancestry"]
-    # what the model endpoint saw: the edit's output carried back by the harness (aider's --message is one
-    # model turn: it runs both commands of the answer and would send their output with the next message)
-    mains = [r for r in rig.requests() if r["kind"] == "main"]
-    assert mains, rig.requests()
-    if not PROFILES[name].fenced:
-        assert any("agentcell-check" in res for r in mains for res in r["results"]), rig.requests()
-    assert all(r["credential"] for r in mains)
-    # the harness's own work (its home, its settings, its tuning of itself) raised nothing that acts
-    shown = session(env, ["show", s.summary["session"], "--json"]).summary
-    acting = [e for e in shown["events"] if e.get("acts", True)]
-    assert [e["target"] for e in acting] == [esc["target"]], acting
-    # nothing was looked up but the endpoint's name; the session's own record says how it ended
-    assert rig.names_looked_up() == ["model.test"]
-    [end] = [r for r in records(env, s.summary["session"]) if r["event"] == "session.end"]
-    assert end["details"]["status"] == "terminated" and end["details"]["escape"]["pid"] == esc["pid"]
-    assert account_gone(s.summary["os_user"]) and s.summary["problems"] == [], s.summary
-
-
-@pytest.mark.parametrize("name", REAL)
-def test_agentcell_check_passes_for_an_installed_harness(name: str) -> None:
+def test_a_real_harness_edits_the_project_and_is_ended_at_the_credential_it_reads(name: str) -> None:
+    """``agentcell check --harness H``: it runs ``agentcell session start --harness H --api-base
+    http://model.test:8080 --model … -- PROMPT`` against the endpoint on a fake internet of its own, and
+    the details it returns are checked here too."""
     bindir = installed(name)
     before = _netns()
     p = subprocess.run([AGENTCELL, "check", "--harness", name, "--json", "--", *session_env(name)],
-                       env={"PATH": f"{bindir}:/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"},
+                       env={"PATH": f"{bindir}:/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", **KEYS},
                        capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
     out = json.loads(p.stdout.strip().splitlines()[-1])
     assert p.returncode == 0 and out["passed"], p.stderr
-    for step in ("turn 1:", "turn 2:", "DNS:", "fake internet:"):
+    for step in ("fake internet:", "session ", "turn 1:", "turn 2:", "DNS:", "model endpoint:", "events:",
+                 "teardown:"):
         assert f"ok    {step}" in p.stderr, p.stderr
+    summary = out["summary"]
+    # turn 1 landed (the check read the file in the project); turn 2 ended the session, attributed to the
+    # process that read, with the harness among its parents
+    assert summary["status"] == "terminated" and out["landed"]
+    esc = summary["escape"]
+    assert esc["operation"] == "read" and esc["target"].endswith("/.ssh/id_ed25519") and esc["source"] == "canary"
+    assert esc["pid"] and os.path.basename(esc["exe"]) == "cat", esc
+    binary = str(installed(name) / PINS[name][3])
+    assert check.harness_ancestor(esc, os.path.realpath(binary), PINS[name][3]) == out["harness_parent"] is not None
+    # what the model endpoint saw: the edit's output carried back by the harness (aider's --message is one
+    # model turn: it runs both commands of the answer and would send their output with the next message)
+    mains = [r for r in out["requests"] if r["kind"] == "main"]
+    assert mains and all(r["credential"] for r in mains), out["requests"]
+    if not PROFILES[name].fenced:
+        assert any("agentcell-check" in res for r in mains for res in r["results"]), out["requests"]
+    # nothing was looked up but the endpoint's name; the harness's own work raised nothing that acts
+    assert out["names"] == ["model.test"]
+    assert [e["target"] for e in out["events"] if e.get("acts", True)] == [esc["target"]], out["events"]
+    assert account_gone(summary["os_user"]) and summary["problems"] == [], summary
     assert _netns() == before  # its fake internet is gone
 
 

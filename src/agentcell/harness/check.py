@@ -101,6 +101,16 @@ def harness_ancestor(escape: dict[str, Any], binary_real: str, name: str) -> lis
     return None
 
 
+def _account_gone(name: str | None) -> bool:
+    import pwd
+
+    try:
+        pwd.getpwnam(name or "")
+    except KeyError:
+        return True
+    return not name
+
+
 def run(harness: str, *, out: Callable[[str], None], agentcell: list[str] | None = None,
         extra: list[str] | None = None) -> tuple[bool, dict[str, Any]]:
     """The check. Returns (passed, details); ``out`` gets one line per step."""
@@ -177,8 +187,20 @@ def run(harness: str, *, out: Callable[[str], None], agentcell: list[str] | None
         mains = [r for r in rig.requests() if r.get("kind") == "main"]
         out(f"{'ok    ' if mains else 'FAIL  '}model endpoint: {len(mains)} turns asked of it, "
             f"{sum(len(r.get('results') or []) for r in mains[-1:])} tool results carried back")
-        details.update(landed=landed, caught=caught, harness_parent=who, names=names)
-        return landed and caught and who is not None and only and bool(mains), details
+        # What the harness did of its own (its home, its settings, tuning itself) must end nothing: the
+        # session's record holds one event that acts, the read.
+        shown = subprocess.run([*base, "session", "show", summary["session"], "--json"], env=env,
+                               capture_output=True, text=True, timeout=120)
+        events = json.loads(shown.stdout.strip().splitlines()[-1]).get("events", []) if shown.returncode == 0 else []
+        acting = [f"{e['operation']} {e['target']}" for e in events if e.get("acts", True)]
+        quiet = len(acting) == 1
+        out(("ok    " if quiet else "FAIL  ") + f"events: {len(events)} recorded, the one that acts: "
+            f"{'; '.join(acting) or 'none'}")
+        clean = not summary.get("problems") and _account_gone(summary.get("os_user"))
+        out(("ok    " if clean else "FAIL  ") + "teardown: " + ("the session's account and grants are gone" if clean
+                                                               else f"left {summary.get('problems')}"))
+        details.update(landed=landed, caught=caught, harness_parent=who, names=names, events=events)
+        return landed and caught and who is not None and only and bool(mains) and quiet and clean, details
     finally:
         subprocess.run([*base, "session", "recover"], env=env, capture_output=True, timeout=300)
         if rig is not None:
