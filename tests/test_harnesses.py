@@ -496,30 +496,45 @@ def test_every_project_file_a_harness_reads_as_configuration_is_protected() -> N
 
 def test_a_persistent_agent_cannot_leave_a_way_in_for_the_hosts_services(env: Env, agent: str) -> None:
     home = Path(f"/home/{agent}")
+    plant = ('mkdir -p ~/.ssh && echo "ssh-ed25519 AAAA attacker" > ~/.ssh/authorized_keys && '
+             'echo "|/bin/sh -c id" > ~/.forward && echo x > ~/.forward.agentcell-disabled && '
+             'echo "|id" > "$HOME/.forward+x" && echo ":0" > ~/.procmailrc && setfacl -m u:nobody:x ~ && chmod 700 ~')
     s = session(env, ["start", "--harness", "shell", "--agent", agent, "--rw", "src", "--json", "--", "sh", "-c",
-                      'mkdir -p ~/.ssh && echo "ssh-ed25519 AAAA attacker" > ~/.ssh/authorized_keys && '
-                      'echo "|/bin/sh -c id" > ~/.forward && chmod 700 ~'])
+                      plant])
     assert s.rc == 0 and s.summary["status"] == "completed", s.err
-    assert not (home / ".ssh" / "authorized_keys").exists() and not (home / ".forward").exists()
-    assert (home / ".ssh" / "authorized_keys.agentcell-disabled").exists()
+    left = sorted(p.name for p in [*home.iterdir(), *(home / ".ssh").iterdir()])
+    for name in ("authorized_keys", ".forward", ".forward+x", ".procmailrc"):
+        assert name not in left, left
+    assert "authorized_keys.agentcell-disabled" in left and ".forward.agentcell-disabled" in left
+    assert any(n.startswith(".forward.agentcell-disabled-") for n in left), left  # the name it made in advance
     assert oct(home.stat().st_mode & 0o7777) == "0o2770"
+    acl = subprocess.run(["getfacl", "-cp", str(home)], capture_output=True, text=True).stdout
+    assert "user:nobody" not in acl, acl
     assert any("authorized_keys" in w for w in s.summary["warnings"]), s.summary["warnings"]
     shadow = next(line.split(":") for line in Path("/etc/shadow").read_text().splitlines()
                   if line.startswith(agent + ":"))
     assert shadow[7] == "1", shadow  # expired: no login of any kind, whatever is in its home
+    # agentcell agent run (no session): the same after it; an .ssh that is a link is renamed itself
+    p = subprocess.run([AGENTCELL, "agent", "run", "--agent", agent, "--", "sh", "-c",
+                        "rm -rf ~/.ssh && mkdir -p ~/.config/k && echo key > ~/.config/k/authorized_keys && "
+                        "ln -s .config/k ~/.ssh"], capture_output=True, text=True, timeout=120,
+                       env=session_environ(env), stdin=subprocess.DEVNULL)
+    assert p.returncode == 0, p.stderr
+    assert not (home / ".ssh").exists() and (home / ".ssh.agentcell-disabled").is_symlink(), p.stderr
+    assert "renamed to .ssh.agentcell-disabled" in p.stderr
 
 
-def test_a_flood_of_notes_never_hides_the_attempt_that_ended_the_cell(env: Env, rig: Rig) -> None:
-    """Over a thousand distinct notes (allowed names that do not resolve), then a decoy read: the
-    session is still terminated, at the read."""
-    code = ("import os, urllib.request\nfor i in range(1100):\n    try:\n"
-            "        urllib.request.urlopen(f'http://n{i}.nx.test/', timeout=5)\n    except OSError:\n        pass\n"
-            "open(os.path.expanduser('~/.ssh/id_ed25519')).read()\n")
+def test_made_up_names_under_an_allowed_wildcard_are_looked_up_only_so_often(env: Env, rig: Rig) -> None:
+    """Names that do not resolve are notes, up to 32 distinct ones; the next one is not looked up at all
+    (a DNS channel to the zone's servers) and ends the session."""
+    code = ("import urllib.request\nfor i in range(40):\n    try:\n"
+            "        urllib.request.urlopen(f'http://x{i}.nx.test/', timeout=5)\n    except OSError:\n        pass\n")
+    rig.net.clear_dns_log()
     s = session(env, ["start", "--harness", "shell", "--rw", "src", "--resolver", rig.dns, "--allow-range",
-                      rig.net_range, "--allow-domain", "*.nx.test:80", "--json", "--", "python3", "-c", code],
-                timeout=600)
-    assert s.rc == 120 and s.summary["status"] == "terminated", s.summary
-    assert s.summary["escape"]["target"].endswith("/.ssh/id_ed25519"), s.summary["escape"]
+                      rig.net_range, "--allow-domain", "*.nx.test:80", "--json", "--", "python3", "-c", code])
+    assert s.rc == 120 and s.summary["escape_target"] == "x32.nx.test:80", s.summary
+    assert "did not resolve: no lookup of another" in s.summary["reason"]
+    assert len({n for n in rig.names_looked_up() if n.endswith(".nx.test")}) == 32
 
 
 def test_one_cells_flood_of_refusals_never_ends_another_that_only_tunes_itself(env: Env) -> None:

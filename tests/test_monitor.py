@@ -339,3 +339,22 @@ def test_a_mask_the_host_undoes_by_a_rename_ends_the_cell(user: User, tmp_path: 
     # Between the rename and the freeze the cell may read the new file: a window of milliseconds
     # (the loop reads every 50 ms here); never more than a read or two.
     assert lines.count("NEW-SECRET") <= 2, lines
+
+
+def test_a_flood_of_notes_never_pushes_out_an_event_that_acts() -> None:
+    """The kept events are capped, notes and acting events apart: over a thousand distinct notes, then
+    one refusal that acts, which is kept (the verdict never depended on the cap; the report does)."""
+    from agentcell.monitor.monitor import MAX_EVENTS, Monitor
+
+    m = Monitor("agentcell-test-cap", None, "record", rootless=True)  # no sources: fed by hand, as the proxy does
+    try:
+        m.record_egress([{"target": f"n{i}.example:80", "reason": "the name does not resolve", "source": "proxy",
+                          "note": True} for i in range(MAX_EVENTS + 100)])
+        m.record_egress([{"target": "evil.example:443", "reason": "not on the allow-list", "source": "proxy"}])
+        acting = [e for e in m.events if e.acts]
+        assert [e.target for e in acting] == ["evil.example:443"]
+        overflow = [e for e in m.events if e.target == "notes"]
+        assert len(overflow) == 1 and overflow[0].count == 100
+        assert sum(1 for e in m.events if not e.acts) == MAX_EVENTS + 1
+    finally:
+        m.stop()

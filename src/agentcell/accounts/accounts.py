@@ -323,16 +323,22 @@ def cells_running(rec: AgentRecord) -> int:
 
 # ---- delete -------------------------------------------------------------------------------------
 
-# Files in a home through which the host's own services act as its account, outside any cell: sshd's
-# keys, the mail system's forwards, Kerberos and rsh trust, PAM's environment.
-HOST_LOGINS = (".ssh/authorized_keys", ".ssh/authorized_keys2", ".forward", ".k5login", ".k5users", ".rhosts",
-               ".shosts", ".pam_environment")
+# Entries of a home through which the host's own services act as its account, outside any cell: sshd's
+# keys and rc, the mail system's forwards and filters (delivery ignores an account's expiry), Kerberos
+# and rsh trust, PAM's environment. At the top of the home, by name or prefix; in ~/.ssh, by prefix.
+HOST_LOGINS = (".forward", ".qmail", ".procmailrc", ".mailfilter", ".k5login", ".k5users", ".rhosts", ".shosts",
+               ".pam_environment")
+SSH_LOGINS = ("authorized_keys", "rc", "environment")
 
 
 def defuse_home(home: str, uid: int, gid: int) -> list[str]:
-    """After a session in an agent's own home: what it planted for the host's services is renamed out
-    of their way (``NAME.agentcell-disabled``), and the home's mode put back (2770: its human reads it
-    through the group). Works on descriptors: the names are the agent's. Returns what it did."""
+    """After a run in an agent's own home: what it planted for the host's services is renamed out of
+    their way (``NAME.agentcell-disabled``; a ``~/.ssh`` that is not a directory, the link itself),
+    the home's mode put back (2770: its human reads it through the group) and any named ACL entry but
+    its group's removed (an entry for another account would hand the home to it). Works on descriptors:
+    the names are the agent's. Returns what it did."""
+    from . import acl
+
     out: list[str] = []
     try:
         fd = os.open(home, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -347,36 +353,51 @@ def defuse_home(home: str, uid: int, gid: int) -> list[str]:
             os.fchmod(fd, 0o2770)
             out.append(f"the agent changed the mode of its home {home} to {oct(stat.S_IMODE(st.st_mode))}: put "
                        "back to 02770")
-        for rel in HOST_LOGINS:
-            parent, name = os.path.split(rel)
-            try:
-                dfd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd) \
-                    if parent else os.dup(fd)
-            except OSError:
-                continue
-            try:
-                os.stat(name, dir_fd=dfd, follow_symlinks=False)
-            except OSError:
-                os.close(dfd)
-                continue
-            try:
-                target = f"{name}.agentcell-disabled"
-                while True:
-                    try:
-                        os.stat(target, dir_fd=dfd, follow_symlinks=False)
-                        target += "-"
-                    except FileNotFoundError:
-                        break
-                os.rename(name, target, src_dir_fd=dfd, dst_dir_fd=dfd)
-                out.append(f"the agent made {home}/{rel}, through which the host's services would act as its "
-                           f"account outside any cell: renamed to {target}")
-            except OSError as e:
-                out.append(f"{home}/{rel}: could not be renamed ({e.strerror}): remove it")
-            finally:
-                os.close(dfd)
+        entries = acl.get(fd) or []
+        kept = [e for e in entries if e[0] not in acl.NAMED or (e[0] == acl.GROUP and e[2] == gid)]
+        if kept != entries:
+            acl.put(fd, acl.ACCESS, kept)
+            out.append(f"the agent gave other accounts access to its home {home} (ACL): removed")
+        out += _disable(fd, home, "", lambda n: n.startswith(HOST_LOGINS))
+        try:
+            ssh = os.stat(".ssh", dir_fd=fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return out
+        if not stat.S_ISDIR(ssh.st_mode):
+            out += _disable(fd, home, "", lambda n: n == ".ssh")
+            return out
+        try:
+            sfd = os.open(".ssh", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+        except OSError as e:
+            return [*out, f"{home}/.ssh: cannot be checked ({e.strerror}): look at it"]
+        try:
+            out += _disable(sfd, home, ".ssh/", lambda n: n.startswith(SSH_LOGINS))
+        finally:
+            os.close(sfd)
     finally:
         os.close(fd)
     return out
+
+
+def _disable(dfd: int, home: str, where: str, planted: Callable[[str], bool]) -> list[str]:
+    out = []
+    for name in sorted(n for n in os.listdir(dfd) if planted(n) and DISABLED not in n):
+        target = name + DISABLED
+        try:
+            os.stat(target, dir_fd=dfd, follow_symlinks=False)
+            target += "-" + os.urandom(6).hex()  # one the agent could not have made in advance
+        except FileNotFoundError:
+            pass
+        try:
+            os.rename(name, target, src_dir_fd=dfd, dst_dir_fd=dfd)
+            out.append(f"the agent made {home}/{where}{name}, through which the host's services would act as its "
+                       f"account outside any cell: renamed to {target}")
+        except OSError as e:
+            out.append(f"{home}/{where}{name}: could not be renamed ({e.strerror}): remove it")
+    return out
+
+
+DISABLED = ".agentcell-disabled"
 
 
 def account_expiry(name: str) -> int | None:

@@ -302,5 +302,11 @@ def _run(ns: Namespace | RunArgs) -> int:
         sys.stderr.write(f"+ agentcell run {shlex.join(argv)}\n")
     args = run.parse(argv)
     args.agent_home = rec.home
-    return run.execute(args)
+    try:
+        return run.execute(args)
+    finally:  # what it planted in its home for the host's own services, whatever the run's end
+        from ..accounts.accounts import defuse_home
+
+        for line in defuse_home(rec.home, rec.uid, rec.gid):
+            sys.stderr.write(f"{PROG}: warning: {line}\n")
 

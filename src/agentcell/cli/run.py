@@ -405,9 +405,10 @@ def _run_here(spec: CellSpec, command: list[str], timeout: float | None, ttys: t
         for ev in watch.events:
             kind = "resource" if ev.operation == "resource" else "escape" if ev.acts else "note"
             sys.stderr.write(f"{PROG}: {kind}: {ev.line()}\n")
-        if watch.terminated:
+        if watch.terminated:  # named here too: a flood of recorded events may have pushed it out of the list
+            shown = watch.reason if watch.reason.isprintable() else repr(watch.reason)
             sys.stderr.write(f"{PROG}: the cell was {'frozen and ' if watch.frozen_at else ''}killed at the first "
-                             "escape attempt (--on-escape record to only record)\n")
+                             f"escape attempt: {shown} (--on-escape record to only record)\n")
     return result
 
 

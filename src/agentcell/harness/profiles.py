@@ -330,6 +330,16 @@ class Launch:
                 "files": [{"path": f.path, "content": f.content, "home": f.home, "env": f.env} for f in self.files]}
 
 
+def _is_address(name: str) -> bool:
+    import ipaddress
+
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
+
+
 def api_base_parts(url: str) -> tuple[str, str]:
     """``--api-base`` checked: (the URL without a trailing slash or API version, host:port)."""
     from urllib.parse import urlsplit
@@ -349,10 +359,11 @@ def api_base_parts(url: str) -> tuple[str, str]:
     # It becomes an allow-list entry, a variable, a TOML string (Codex) and JSON (OpenCode): one host by
     # its name or address, no wildcard, nothing that quotes or escapes.
     name = u.hostname
-    if port == 0 or "*" in url or not all(c.isascii() and (c.isalnum() or c in ":/._-~%") for c in url.strip()) \
-            or not (name.replace("-", "").replace(".", "").isalnum() or ":" in name):
-        raise PolicyError("--api-base", f"'{url[:120]}' is not one host's URL (no wildcard, no quotes or braces, "
-                          "a port above 0)", "e.g. --api-base https://gateway.example:8443")
+    if port == 0 or "*" in url or not all(c.isascii() and (c.isalnum() or c in ":/._-~%[]") for c in url.strip()) \
+            or not (_is_address(name) or (name.replace("-", "").replace(".", "").isalnum()
+                                          and not name.replace(".", "").isdigit() and not name.startswith("0x"))):
+        raise PolicyError("--api-base", f"'{url[:120]}' is not one host's URL (a name or an address; no wildcard, "
+                          "no quotes or braces, a port above 0)", "e.g. --api-base https://gateway.example:8443")
     base = f"{u.scheme}://{u.netloc}{u.path}".rstrip("/")
     for suffix in ("/v1beta", "/v1"):
         base = base.removesuffix(suffix)
@@ -428,14 +439,16 @@ def launch(profile: Profile, harness_args: tuple[str, ...] | list[str], *, seed_
         if profile.model_env:
             env[profile.model_env] = values["model"]
         extra += [_fill(a, values) for a in profile.model_args]
-    if profile.settings_flag:
+    settings_file: list[SeedFile] = []
+    if profile.settings_flag:  # a file of the seed: read-only, and not on a command line any local user reads
         key = profile.secret_as.get(profile.api_key_env or "", profile.api_key_env)
         settings: dict[str, object] = {"env": {k: v for k, v in env.items() if k != key}}
         if profile.key_helper and (profile.api_key_env in secrets or api_base is not None):
             settings["apiKeyHelper"] = profile.key_helper
-        extra += [profile.settings_flag, json.dumps(settings, separators=(",", ":"))]
+        settings_file = [SeedFile(f"{profile.name}-settings.json", json.dumps(settings, indent=2), home=False)]
+        extra += [profile.settings_flag, os.path.join(seed_dir, settings_file[0].path)]
     files = [SeedFile(f.path, _fill(f.content, values, as_json=f.path.endswith(".json")), f.home, f.env)
-             for f in profile.files if api_base is not None or not f.needs_api_base] + net_files
+             for f in profile.files if api_base is not None or not f.needs_api_base] + net_files + settings_file
     for f in files:
         if not f.home and f.env:
             env[f.env] = os.path.join(seed_dir, f.path)

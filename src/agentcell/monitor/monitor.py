@@ -41,7 +41,9 @@ from ..cell.cgroups import CellCgroup
 ESCAPES = ("read", "write", "execute", "network", "telemetry")
 CLASSES = (*ESCAPES, "resource")
 MAX_EVENTS = 1000  # distinct events kept per cell, of each kind (acting, notes); duplicates are counted
-FLOOD = 100  # the cell's own Landlock denials in FLOOD_S that make it the suspect of an audit overflow
+# An audit overflow is held against the cell that made it: at least FLOOD of its own Landlock denials, and
+# at least half of all the host's, in the last FLOOD_S seconds (a busy cell among a flood is not the flood).
+FLOOD = 50
 FLOOD_S = 2.0
 HEARTBEAT_S = 1.0  # a loop that has not come round for this long has stopped: a telemetry event
 
@@ -156,7 +158,8 @@ class Monitor:
         # The account exists for agents alone (agent:NAME, a session's own): whatever its uid does
         # on the host's network is the cell's. A person's uid (--as UID, sudo's caller) is not.
         self.dedicated = dedicated
-        self._denials: collections.deque[float] = collections.deque(maxlen=FLOOD)  # when this cell was refused
+        # Landlock denials the host reported lately: (when, whether this cell's); as many as the audit backlog
+        self._denials: collections.deque[tuple[float, bool]] = collections.deque(maxlen=8192)
         self.trusted: set[int] = set()  # agentcell's own processes in the cell's cgroup (its proxy)
         self.events: list[CellEvent] = []
         self._kept = {True: 0, False: 0}  # events kept, by whether they act
@@ -417,14 +420,12 @@ class Monitor:
     def _accept(self, pid: int, domain: str) -> bool:
         """A Landlock denial worth parsing: by one of the cell's processes (or its domain). A process
         forked after the connector was last read is looked up after reading it again."""
-        if pid in self._members or domain in self._domains:
-            self._denials.append(time.monotonic())
-            return True
-        self._drain_connector()
-        if pid in self._members:
-            self._denials.append(time.monotonic())
-            return True
-        return False
+        ours = pid in self._members or domain in self._domains
+        if not ours:
+            self._drain_connector()
+            ours = pid in self._members
+        self._denials.append((time.monotonic(), ours))
+        return ours
 
     def _poll_masks(self) -> None:
         """The host's events on the masked names (the kernel reports the rename a moment before it
@@ -465,7 +466,10 @@ class Monitor:
         may be missing from the report; the kernel still refused it)."""
         # A flood of its own, not the odd refusal (a runtime setting its OOM score): another cell's flood,
         # or another user's, must not end this one.
-        busy = len(self._denials) >= FLOOD and time.monotonic() - self._denials[0] < FLOOD_S
+        since = time.monotonic() - FLOOD_S
+        recent = [ours for t, ours in self._denials if t >= since]
+        mine = sum(recent)
+        busy = mine >= FLOOD and 2 * mine >= len(recent)
         self._event(CellEvent("telemetry", "landlock", f"{what}: a Landlock denial may be missing from this report"
                               + (" while the cell itself was being refused" if busy else
                                  " (the kernel still refused it)"),

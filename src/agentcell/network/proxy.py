@@ -33,6 +33,9 @@ from .rules import Address, Policy
 CONNECT_TIMEOUT_S = 10.0
 HEADER_TIMEOUT_S = 30.0  # to send a request's head (slowloris)
 MAX_CONNECTIONS = 512  # open at once, per cell
+# Distinct allowed names that did not resolve, per cell, before a new one is refused without a lookup and
+# held against the cell: made-up names under an allowed wildcard would carry data to that zone's DNS.
+MAX_UNRESOLVED = 32
 MAX_EVENTS = 10_000
 MAX_EVENT_BYTES = 1 << 20  # all events together: an agent's names are long and many
 MAX_TARGET = 255  # characters of a destination kept in an event
@@ -84,6 +87,7 @@ class Proxy:
         self.policy, self.events = policy, events
         self.resolve = resolve or (dns_resolver(policy.resolver) if policy.resolver else system_resolve)
         self.open_connections = 0
+        self.unresolved: set[str] = set()
 
     # ---- the decision ----------------------------------------------------------------------------
 
@@ -93,13 +97,19 @@ class Proxy:
         if not ok:
             raise self._refuse(host, port, how, why)
         literal = _literal(host)
+        name = host.rstrip(".").lower()
+        if literal is None and len(self.unresolved) >= MAX_UNRESOLVED and name not in self.unresolved:
+            raise self._refuse(host, port, how, f"more than {MAX_UNRESOLVED} allowed names did not resolve: no "
+                               "lookup of another (made-up names carry data to a zone's DNS servers)")
         # An allowed name that does not resolve (a typo, a resolver down for a moment) is refused
         # like any failed lookup, and only noted: it was on the list, nothing was tried beyond it.
         try:
-            addrs = [literal] if literal is not None else await self.resolve(host.rstrip("."), port)
+            addrs = [literal] if literal is not None else await self.resolve(name, port)
         except (OSError, UnicodeError) as e:
+            self.unresolved.add(name)
             raise self._refuse(host, port, how, f"cannot resolve: {e}", 502, note=True) from None
         if not addrs:
+            self.unresolved.add(name)
             raise self._refuse(host, port, how, "the name does not resolve", 502, note=True)
         allowed = []
         for addr in addrs:

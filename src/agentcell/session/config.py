@@ -484,8 +484,10 @@ def load(flags: Mapping[str, Any], *, environ: Mapping[str, str] | None = None, 
 # the project sets none of them (where keys go, config directories, endpoints, TLS trust, preloads).
 HARNESS_PREFIXES = ("CLAUDE", "ANTHROPIC", "CODEX", "OPENAI", "OPENCODE", "GEMINI", "GOOGLE", "COPILOT", "GH_",
                     "GITHUB", "AIDER", "LITELLM", "CURSOR", "OTEL", "NODE", "NPM_", "LD_", "GIT_", "SSL_", "SSH_",
-                    "PYTHON", "AGENTCELL", "XDG_", "AWS_", "AZURE_", "VERTEX", "OPENROUTER")
-CELL_NAMES = ("PATH", "HOME", "USER", "SHELL", "TMPDIR", "ENV", "BASH_ENV", "CDPATH", "IFS", "PS4", "TERM")
+                    "PYTHON", "AGENTCELL", "XDG_", "AWS_", "AZURE_", "VERTEX", "OPENROUTER", "OPENSSL", "GLIBC_",
+                    "JAVA_", "_JAVA", "CURL_", "REQUESTS_", "PERL5", "RUBY", "BASH_FUNC")
+CELL_NAMES = ("PATH", "HOME", "USER", "SHELL", "TMPDIR", "ENV", "BASH_ENV", "CDPATH", "IFS", "PS4", "TERM",
+              "HOSTALIASES", "SHELLOPTS", "BASHOPTS", "LOCALDOMAIN", "RES_OPTIONS")
 
 
 def _configures_harness(name: str, profile: Any) -> bool:
