@@ -175,6 +175,7 @@ def test_a_project_file_never_chooses_where_the_api_key_goes_nor_how_the_harness
     s = session(env, ["start", "--harness", "shell", "--", "true"])
     assert s.rc == 125 and len(s.err.strip().splitlines()) == 1, s.err
     assert ("where the harness sends your API key is not taken from a file" in s.err or
+            "the model your key pays for is not taken from a file" in s.err or
             "a file in the project may not set what configures" in s.err), s.err
 
 

@@ -317,8 +317,10 @@ def _agent(value: object, where: str) -> str | None:
 # sends your API key (and whatever the agent gives it).
 _WHERE_ROOT = "where root writes, and as whom the agent runs, is not taken from a file in the project"
 _WHERE_KEY = "where the harness sends your API key is not taken from a file in the project"
+_WHICH_MODEL = ("the model your key pays for is not taken from a file in the project (its name lands in the "
+                "harness's own configuration)")
 HOST_KEYS: dict[str, str] = {"backup_dir": _WHERE_ROOT, "audit_log_path": _WHERE_ROOT, "agent": _WHERE_ROOT,
-                             "project_root": _WHERE_ROOT, "api_base": _WHERE_KEY, "model": _WHERE_KEY}
+                             "project_root": _WHERE_ROOT, "api_base": _WHERE_KEY, "model": _WHICH_MODEL}
 
 
 def load(flags: Mapping[str, Any], *, environ: Mapping[str, str] | None = None, cwd: str | None = None,
