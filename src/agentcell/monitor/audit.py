@@ -18,6 +18,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ..netlink import set_rcvbuf
+
 NETLINK_AUDIT = 9
 AUDIT_GET, AUDIT_SET = 1000, 1001
 AUDIT_SYSCALL, AUDIT_EOE, AUDIT_LANDLOCK_ACCESS, AUDIT_LANDLOCK_DOMAIN = 1300, 1320, 1423, 1424
@@ -175,7 +177,7 @@ class AuditReader:
         _acquire()
         try:
             self.sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC, NETLINK_AUDIT)
-            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+            set_rcvbuf(self.sock, 16 << 20)
             self.sock.bind((0, 1 << (AUDIT_NLGRP_READLOG - 1)))
         except BaseException:
             _release()

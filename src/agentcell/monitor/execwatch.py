@@ -26,6 +26,8 @@ import socket
 import struct
 from typing import Any
 
+from ..netlink import set_rcvbuf
+
 NETLINK_CONNECTOR = 11
 CN_IDX_PROC, CN_VAL_PROC = 1, 1
 PROC_CN_MCAST_LISTEN, PROC_CN_MCAST_IGNORE = 1, 2
@@ -44,7 +46,7 @@ class ExecWatch:
     def __init__(self) -> None:
         self.sock = socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC, NETLINK_CONNECTOR)
         try:
-            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+            set_rcvbuf(self.sock, 16 << 20)
             self.sock.bind((0, CN_IDX_PROC))
             self._control(PROC_CN_MCAST_LISTEN)
         except BaseException:

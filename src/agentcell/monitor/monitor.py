@@ -45,7 +45,12 @@ MAX_EVENTS = 1000  # distinct events kept per cell, of each kind (acting, notes)
 # at least half of all the host's, in the last FLOOD_S seconds (a busy cell among a flood is not the flood).
 FLOOD = 50
 FLOOD_S = 2.0
-HEARTBEAT_S = 1.0  # a loop that has not come round for this long has stopped: a telemetry event
+# A loop that has not come round for this long *while the watchdog itself kept time* has stopped: a
+# telemetry event. A starved host delays both threads alike (the watchdog's own ticks come late, the
+# loop waits on the run queue): that time is not counted against the loop.
+HEARTBEAT_S = 1.0
+TICK_S = HEARTBEAT_S / 4
+LATE_S = 2 * TICK_S  # a watchdog tick that took longer than this: the process was not getting the CPU
 
 
 def parse_verdicts(text: str) -> dict[str, str]:
@@ -167,6 +172,7 @@ class Monitor:
         self.terminated = False
         self.reason = ""
         self.heartbeat = time.monotonic()
+        self.stalled = 0.0  # the loop's time without progress while the host gave it time (the watchdog's)
         self._queue: queue.Queue[CellEvent | None] = queue.Queue()
         self._lock = threading.RLock()
         self._stop = threading.Event()
@@ -288,19 +294,40 @@ class Monitor:
         threading.Thread(target=self._watchdog, name="agentcell-monitor-watchdog", daemon=True).start()
 
     def _watchdog(self) -> None:
-        while not self._stop.wait(HEARTBEAT_S / 4):
+        """Tells a stuck loop from a starved host. Each tick that came on time (the process is getting
+        the CPU) while the loop made no progress and was not itself waiting for a CPU (its thread is
+        not runnable: blocked in a call, a lock, a source) counts as stalled time; a late tick, or the
+        loop's thread on the run queue, counts as the host's. Progress resets it."""
+        last, beat = time.monotonic(), self.heartbeat
+        while not self._stop.wait(TICK_S):
+            now = time.monotonic()
+            tick, last = now - last, now
+            if self.heartbeat != beat:
+                beat, self.stalled = self.heartbeat, 0.0
+            elif tick <= LATE_S and not self._loop_runnable():
+                self.stalled += tick
             self.check()
 
+    def _loop_runnable(self) -> bool:
+        """Whether the loop's thread is waiting for a CPU (state R), not blocked."""
+        tid = getattr(self._thread, "native_id", None)
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] == "R"
+        except (OSError, IndexError):
+            return False
+
     def alive(self) -> bool:
-        """The loop is running and came round within the last second. When not, the caller records
-        a telemetry event (:meth:`check`)."""
-        return (self._thread is not None and self._thread.is_alive()
-                and time.monotonic() - self.heartbeat < HEARTBEAT_S)
+        """The loop is running and has not stalled for HEARTBEAT_S of the watchdog's own time. When not,
+        the caller records a telemetry event (:meth:`check`)."""
+        return self._thread is not None and self._thread.is_alive() and self.stalled < HEARTBEAT_S
 
     def check(self) -> None:
         """For the supervisor's own loop: a monitor that has stopped seeing is itself an escape event."""
         if self._thread is not None and not self._stop.is_set() and not self.alive():
-            self._event(CellEvent("telemetry", "monitor", "the monitor's loop stopped reporting",
+            self._event(CellEvent("telemetry", "monitor", f"the monitor's loop stopped reporting (no progress for "
+                                  f"{self.stalled:.1f} s while the host was giving it time)"
+                                  if self._thread.is_alive() else "the monitor's loop ended",
                                   source="telemetry", cell=self.cell_id))
 
     def stream(self, timeout: float | None = None) -> Iterator[CellEvent]:

@@ -18,6 +18,8 @@ import struct
 import time
 from typing import Any
 
+from ..netlink import set_rcvbuf
+
 NETLINK_NETFILTER = 12
 NFNL_SUBSYS_ULOG = 4
 NFULNL_MSG_PACKET, NFULNL_MSG_CONFIG = 0, 1
@@ -82,7 +84,7 @@ def open_group() -> Reader:
     sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC, NETLINK_NETFILTER)
     try:
         sock.bind((0, 0))
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
+        set_rcvbuf(sock, 1 << 20)
         for seq, group in enumerate(GROUPS, 1):
             try:
                 _config(sock, group, _attr(NFULA_CFG_CMD, struct.pack("=Bxxx", NFULNL_CFG_CMD_BIND)), seq)
