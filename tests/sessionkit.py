@@ -65,14 +65,14 @@ def scripted(env: Env, steps: str, *args: str, extra: dict[str, str] | None = No
     return session(env, ["start", "--harness", "scripted", "--json", *args, "--", str(script)], extra=extra)
 
 
-def running(env: Env, *, stdout: int = subprocess.PIPE) -> subprocess.Popen[str]:
+def running(env: Env, *, stdout: int = subprocess.PIPE, extra: dict[str, str] | None = None) -> subprocess.Popen[str]:
     """A scripted session whose agent writes src/running.txt and sleeps: returned once the cell is up
     (the marker is there) or the session has ended. The caller kills it if it is still running."""
     marker = env.project / "src" / "running.txt"
     script = env.state / "steps.txt"
     script.write_text(f"write {marker} yes\nsleep 600\n")
     sup = subprocess.Popen([AGENTCELL, "session", "start", "--harness", "scripted", "--rw", "src", "--json", "--",
-                            str(script)], env=session_environ(env), cwd=env.project, stdout=stdout,
+                            str(script)], env=session_environ(env, extra), cwd=env.project, stdout=stdout,
                            stderr=subprocess.DEVNULL, text=True)
     for _ in range(600):
         if marker.exists() or sup.poll() is not None:

@@ -349,7 +349,7 @@ def test_api_keys_reach_the_cell_of_the_harness_that_needs_them_and_never_the_ch
     try:
         rt = state.Runtime(stdio=(0, fd, 2), secrets=dict(cfg.secrets), environ={"LANG": "C.UTF-8"})
         conn = state.connect()
-        g = graph.build_graph(rt, checkpointer=SqliteSaver(conn))
+        g = graph.build_graph(rt, checkpointer=SqliteSaver(conn, serde=state.Serde()))
         final = graph.run(g, {"session_id": graph.new_session_id(), "config": cfg.as_dict(),
                               "argv": ["sh", "-c", 'echo "openai=$OPENAI_API_KEY anthropic=$ANTHROPIC_API_KEY"']})
         conn.close()

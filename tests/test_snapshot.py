@@ -144,9 +144,9 @@ def test_a_second_snapshot_reads_only_what_changed(tree: Path, tmp_path: Path, m
     reads: list[str] = []
     real = Store._put
 
-    def counting(self: Store, opath: int, st: os.stat_result, shown: str) -> tuple[str, int]:
+    def counting(self: Store, opath: int, st: os.stat_result, shown: str, staging: str) -> tuple[str, int]:
         reads.append(os.path.relpath(shown, tree))
-        return real(self, opath, st, shown)
+        return real(self, opath, st, shown, staging)
     monkeypatch.setattr(Store, "_put", counting)
     objects = sorted((tmp_path / "store" / "objects").rglob("*"))
     store.take([str(tree)])
@@ -244,13 +244,13 @@ def test_a_file_swapped_during_the_take_keeps_its_own_owner_and_content(tree: Pa
     real = Store._put
     swapped = []
 
-    def swap_then_read(self: Store, opath: int, st: os.stat_result, shown: str) -> tuple[str, int]:
+    def swap_then_read(self: Store, opath: int, st: os.stat_result, shown: str, staging: str) -> tuple[str, int]:
         if shown.endswith("notes.txt") and not swapped:
             os.rename(tree / "notes.txt", tree / "x")
             os.rename(secret, tree / "notes.txt")
             os.rename(tree / "x", secret)
             swapped.append(1)
-        return real(self, opath, st, shown)
+        return real(self, opath, st, shown, staging)
     monkeypatch.setattr(Store, "_put", swap_then_read)
     # What it opened was renamed meanwhile (its ctime moved): the take refuses rather than guess.
     with pytest.raises(SnapshotError, match="changed while it was snapshotted"):

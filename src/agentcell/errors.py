@@ -22,6 +22,9 @@ EXIT_CODES_HELP = f"""exit status:
 """
 
 
+MAX_LINE = 1200  # an error's line, at most (its start and its fix are kept)
+
+
 class AgentcellError(Exception):
     """An error a user can fix. ``str()`` is the one-line message printed to them."""
 
@@ -55,5 +58,7 @@ def report(prog: str, err: AgentcellError) -> int:
     line = err.line()
     if not line.isprintable():  # paths in messages may be an agent's: no terminal escapes through them
         line = "".join(c if c.isprintable() else repr(c)[1:-1] for c in line)
+    if len(line) > MAX_LINE:  # a value given in full (100,000 characters) is not repeated in full
+        line = f"{line[:MAX_LINE * 2 // 3]}… ({len(line):,} characters) …{line[-MAX_LINE // 4:]}"
     sys.stderr.write(f"{prog}: {line}\n")
     return err.exit_code

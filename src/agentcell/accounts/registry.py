@@ -47,7 +47,16 @@ MODES = ("rw", "ro")
 
 
 def state_dir() -> str:
-    return os.environ.get("AGENTCELL_STATE_DIR") or DEFAULT_STATE_DIR
+    """AGENTCELL_STATE_DIR, else /var/lib/agentcell for root and the XDG state dir for anyone else (a
+    rootless user's sessions, snapshots and trail are theirs, and /var/lib is not theirs to write)."""
+    given = os.environ.get("AGENTCELL_STATE_DIR")
+    if given:
+        return given
+    if os.geteuid() == 0:
+        return DEFAULT_STATE_DIR
+    xdg = os.environ.get("XDG_STATE_HOME")
+    base = xdg if xdg and os.path.isabs(xdg) else os.path.join(os.path.expanduser("~"), ".local", "state")
+    return os.path.join(base, "agentcell")
 
 
 class RegistryError(AgentcellError):
@@ -220,6 +229,8 @@ def _read(path: str) -> dict[str, object]:
 
 def _private_dir(d: str) -> None:
     """The state dir must be root's own: what it records decides whom agentcell deletes."""
+    if os.geteuid() != 0:
+        raise RegistryError("agents", "agent accounts are root's to make, list and delete", "run it through sudo")
     try:
         os.makedirs(d, mode=0o700, exist_ok=True)
     except PermissionError:

@@ -192,81 +192,100 @@ def _fsync_dir(d: str) -> None:
 
 
 class Verdict:
-    """What :func:`verify` found: ``problems`` (line number, what), empty when the trail is whole."""
+    """What :func:`verify` found: ``problems`` (line number, what), empty when the chain is whole, and the
+    sessions whose trail has no ``session.end`` (running, or ended without it: a supervisor killed,
+    a log that filled)."""
 
-    def __init__(self, path: str, records: int, problems: list[tuple[int, str]]) -> None:
+    def __init__(self, path: str, records: int, problems: list[tuple[int, str]],
+                 unfinished: list[str] | None = None) -> None:
         self.path, self.records, self.problems = path, records, problems
+        self.unfinished = unfinished or []
 
     @property
     def ok(self) -> bool:
         return not self.problems
 
 
+def _open_trail(path: str) -> int | None:
+    """The trail, as a file named by a user must be read (a regular file, no link, no FIFO); None if it
+    does not exist."""
+    from ..hostfs import open_regular
+
+    if not os.path.lexists(path):
+        return None
+    return open_regular(path, path, "give the audit trail's file (a regular file)")
+
+
 def verify(path: str | None = None) -> Verdict:
     path = path or default_path()
     problems: list[tuple[int, str]] = []
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except FileNotFoundError:
+    fd = _open_trail(path)
+    if fd is None:
         return Verdict(path, 0, [(0, f"{path} does not exist")])
-    lines = data.split(b"\n")
-    if lines and lines[-1] == b"":
-        lines.pop()
-    elif lines:
-        problems.append((len(lines), "the last record is cut off in the middle (truncated)"))
-        lines.pop()
-    prev, seq = GENESIS, 0
-    for n, line in enumerate(lines, 1):
-        try:
-            rec = json.loads(line)
-            canonical = json.dumps(rec, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
-            if not isinstance(rec, dict):
-                raise ValueError("not an object")
-        except ValueError:
-            problems.append((n, "not a JSON record (edited or inserted)"))
-            prev, seq = _digest(line), seq + 1
-            continue
-        if canonical != line:
-            problems.append((n, "not written by agentcell as it is now (edited)"))
-        if rec.get("prev") != prev:
-            problems.append((n, f"does not follow record {n - 1}: that one was edited, or a record was inserted, "
-                                "removed or moved here"))
-        if rec.get("seq") != seq + 1:
-            problems.append((n, f"sequence {rec.get('seq')} where {seq + 1} was expected (records removed, "
-                                "inserted or reordered)"))
-        prev = _digest(line)
-        seq = rec["seq"] if isinstance(rec.get("seq"), int) else seq + 1
+    started: dict[str, int] = {}
+    ended: set[str] = set()
+    prev, seq, n, line = GENESIS, 0, 0, b""
+    with os.fdopen(fd, "rb") as f:
+        for n, raw in enumerate(f, 1):  # streamed: a trail of any length, in bounded memory
+            if not raw.endswith(b"\n"):
+                problems.append((n, "the last record is cut off in the middle (truncated)"))
+                n -= 1
+                break
+            line = raw[:-1]
+            try:
+                rec = json.loads(line)
+                if not isinstance(rec, dict):
+                    raise ValueError("not an object")
+                canonical = json.dumps(rec, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+            except ValueError:
+                problems.append((n, "not a JSON record (edited or inserted)"))
+                prev, seq = _digest(line), seq + 1
+                continue
+            if canonical != line:
+                problems.append((n, "not written by agentcell as it is now (edited)"))
+            if rec.get("prev") != prev:
+                problems.append((n, f"does not follow record {n - 1}: that one was edited, or a record was inserted, "
+                                    "removed or moved here"))
+            if rec.get("seq") != seq + 1:
+                problems.append((n, f"sequence {rec.get('seq')} where {seq + 1} was expected (records removed, "
+                                    "inserted or reordered)"))
+            prev = _digest(line)
+            seq = rec["seq"] if isinstance(rec.get("seq"), int) else seq + 1
+            sid, event = str(rec.get("session") or ""), str(rec.get("event") or "")
+            if sid and event.startswith("session."):
+                started.setdefault(sid, n)
+                if event == "session.end":
+                    ended.add(sid)
+    lines = n
     try:
-        with open(path + ".head") as f:
-            head_seq, head_digest = f.read().split()
-        if int(head_seq) > len(lines):
-            problems.append((len(lines), f"the log ends at record {len(lines)} but {head_seq} were written "
-                                         "(truncated)"))
-        elif int(head_seq) == len(lines) and head_digest != prev:
-            problems.append((len(lines), "the last record is not the one written last (replaced)"))
-        elif int(head_seq) < len(lines):
+        with open(path + ".head") as hf:
+            head_seq, head_digest = hf.read(256).split()
+        if int(head_seq) > lines:
+            problems.append((lines, f"the log ends at record {lines} but {head_seq} were written (truncated)"))
+        elif int(head_seq) == lines and head_digest != prev:
+            problems.append((lines, "the last record is not the one written last (replaced)"))
+        elif int(head_seq) < lines:
             problems.append((int(head_seq) + 1, "records after the last one written (appended by hand)"))
     except FileNotFoundError:
         if lines:
             problems.append((0, f"{path}.head is missing: truncation cannot be ruled out"))
-    except ValueError:
+    except (OSError, ValueError):
         problems.append((0, f"{path}.head is damaged"))
-    return Verdict(path, len(lines), problems)
+    return Verdict(path, lines, problems, [sid for sid in started if sid not in ended])
 
 
 def records(path: str | None = None, session: str | None = None) -> list[dict[str, Any]]:
     """The records that parse (verify first to know the trail is whole), optionally one session's."""
-    out = []
-    try:
-        with open(path or default_path(), "rb") as f:
-            for line in f:
-                try:
-                    rec = json.loads(line)
-                except ValueError:
-                    continue
-                if session is None or rec.get("session") == session:
-                    out.append(rec)
-    except FileNotFoundError:
-        pass
+    out: list[dict[str, Any]] = []
+    fd = _open_trail(path or default_path())
+    if fd is None:
+        return out
+    with os.fdopen(fd, "rb") as f:
+        for line in f:
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(rec, dict) and (session is None or rec.get("session") == session):
+                out.append(rec)
     return out

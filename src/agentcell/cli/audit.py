@@ -19,9 +19,12 @@ def parser() -> Parser:
     p = Parser(prog=PROG, description="Check and read agentcell's hash-chained audit trail.")
     sub = p.add_subparsers(dest="cmd", metavar="verify|show|tail", parser_class=Parser)
     sub.required = True
-    sp = sub.add_parser("verify", help="check the chain: edits, insertions, removals, reordering, truncation")
+    sp = sub.add_parser("verify", help="check the chain: edits, insertions, removals, reordering, truncation; "
+                        "and that every session's trail ends")
     sp.add_argument("file", nargs="?", metavar="FILE")
     sp.add_argument("--json", action="store_true")
+    sp.add_argument("--running", action="store_true", help="accept sessions with no session.end record yet "
+                    "(running ones)")
     sp = sub.add_parser("show", help="the records as a table")
     sp.add_argument("file", nargs="?", metavar="FILE")
     sp.add_argument("--session", metavar="ID")
@@ -54,15 +57,24 @@ def main(argv: list[str]) -> int:
         path = ns.file or audit.default_path()
         if ns.cmd == "verify":
             v = audit.verify(path)
+            complete = ns.running or not v.unfinished
             if ns.json:
-                print(json.dumps({"path": v.path, "records": v.records, "ok": v.ok,
-                                  "problems": [{"line": n, "problem": p} for n, p in v.problems]}))
-            elif v.ok:
-                print(f"{v.path}: {v.records} records, chain intact")
+                print(json.dumps({"path": v.path, "records": v.records, "ok": v.ok and complete, "chain_ok": v.ok,
+                                  "problems": [{"line": n, "problem": p} for n, p in v.problems],
+                                  "unfinished_sessions": v.unfinished}))
             else:
                 for n, problem in v.problems:
                     print(f"{v.path}:{n}: {problem}")
-            return 0 if v.ok else 1
+                for sid in [] if ns.running else v.unfinished:
+                    print(f"{v.path}: session {_shown(sid)} has no session.end record: it is running, or it ended "
+                          "unrecorded (a supervisor killed: 'agentcell session recover'; a full log); --running "
+                          "accepts running sessions")
+                if v.ok and complete:
+                    print(f"{v.path}: {v.records} records, chain intact" +
+                          (f", {len(v.unfinished)} session(s) not ended yet" if v.unfinished else ""))
+                elif v.ok:
+                    print(f"{v.path}: {v.records} records, chain intact, trail incomplete")
+            return 0 if v.ok and complete else 1
         if ns.cmd == "show":
             recs = audit.records(path, ns.session)
             if ns.json:

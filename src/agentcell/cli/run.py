@@ -222,6 +222,7 @@ def build_spec(ns: Args | Namespace) -> CellSpec:
     rw = rs.resolve_paths(ns.rw, field="--rw", writable=True, allow_unsafe=unsafe, homes=homes)
     ro = rs.resolve_paths(ns.ro + ns.vault_ro, field="--ro", writable=False, allow_unsafe=unsafe, homes=homes)
     masked = rs.resolve_paths(ns.mask, field="--mask", writable=False, allow_unsafe=True, homes=homes)
+    rs.check_masks(masked)
     rs.check_disjoint({"--rw": rw, "--ro": ro, "--mask": masked})
     scratch = home = None
     if ns.scratch:
@@ -506,6 +507,10 @@ def execute(ns: Args | Namespace) -> int:
         sys.stderr.write(f"{PROG}: {result['error']}\n")
     elif result["timed_out"]:
         sys.stderr.write(f"{PROG}: timed out after {ns.timeout:g} s; the cell was killed\n")
+    if result.get("terminated_by_monitor") and result["exit_status"] != 128 + signal.SIGKILL:
+        # Killed at an escape attempt, even where the command ended first (a rootless monitor learns of a
+        # decoy's open after it): the status says so, whatever the command's own was.
+        result["command_exit_status"], result["exit_status"], result["signal"] = result["exit_status"], 137, 9
     if ns.json:
         import json
 

@@ -129,7 +129,7 @@ def _graph(runtime: Any = None) -> tuple[Any, Any]:
     except OSError as e:
         raise AgentcellError("state", f"cannot open {state.sessions_dir()}: {e.strerror}",
                              "run through sudo (sessions are root's), or set AGENTCELL_STATE_DIR") from None
-    return graph.build_graph(runtime, checkpointer=SqliteSaver(conn)), conn
+    return graph.build_graph(runtime, checkpointer=SqliteSaver(conn, serde=state.Serde())), conn
 
 
 def _start(ns: Any, harness_args: list[str]) -> int:

@@ -501,18 +501,8 @@ def script_args(args: list[str]) -> list[str]:
     if len(args) != 1:
         raise PolicyError("harness scripted", "expects one script file after --",
                           "e.g. session start --harness scripted -- steps.txt")
-    path = args[0]
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-    except OSError as e:
-        raise PolicyError("harness scripted", f"cannot open the script {path}: {e.strerror}",
-                          "give a readable script file (not a symlink)") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_size > SCRIPT_MAX_BYTES:
-            raise PolicyError("harness scripted", f"{path} is not a regular file of at most {SCRIPT_MAX_BYTES} bytes",
-                              "give a small script file")
-        text = os.read(fd, SCRIPT_MAX_BYTES + 1).decode("utf-8", errors="replace")
-    finally:
-        os.close(fd)
+    from ..hostfs import read_regular
+
+    text = read_regular(args[0], "harness scripted", "give a small script file (not a link)",
+                        SCRIPT_MAX_BYTES).decode("utf-8", errors="replace")
     return ["--text", text]

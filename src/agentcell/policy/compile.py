@@ -93,6 +93,7 @@ def compile_plan(plan: SessionPlan, *, environ: Mapping[str, str], euid: int | N
     ro = paths("ro_paths", plan.ro_paths, writable=False, allow_unsafe=unsafe)
     # Hiding a path never opens the host, so masks need no override (as with `agentcell run --mask`).
     masked = paths("masked_paths", plan.masked_paths, writable=False, allow_unsafe=True)
+    rs.check_masks(masked, "masked_paths")
     excluded = paths("excluded_paths", plan.excluded_paths, writable=False, allow_unsafe=True)
     for p in excluded:
         if p in rw:
@@ -183,12 +184,14 @@ def load_plan(path: str | os.PathLike[str]) -> SessionPlan:
     Every failure is one :class:`PolicyError` line: for an invalid key or value, its field is the
     dotted location of the first error and its problem is pydantic's message.
     """
+    from ..errors import AgentcellError
+    from ..hostfs import read_regular
+
     where = os.fspath(path)
     try:
-        with open(where, "rb") as f:
-            data = tomllib.load(f)
-    except OSError as e:
-        raise PolicyError(where, e.strerror or str(e), "give the path of a readable TOML file") from None
+        data = tomllib.loads(read_regular(where, where, "give the path of a readable TOML file").decode("utf-8"))
+    except AgentcellError as e:
+        raise PolicyError(e.field, e.problem, e.fix) from None
     except ValueError as e:  # TOMLDecodeError, or bytes that are not UTF-8
         raise PolicyError(where, f"not valid TOML: {e}".splitlines()[0], "fix the syntax") from None
     try:

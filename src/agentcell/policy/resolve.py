@@ -140,6 +140,20 @@ def resolve_paths(paths: Iterable[str], **kw: object) -> tuple[str, ...]:
     return tuple(out)
 
 
+# The cell's own, made fresh in it: a mask over them (or over / itself) would leave nothing to run.
+CELL_OWN = ("/proc", "/dev")
+
+
+def check_masks(paths: Iterable[str], field: str = "--mask") -> None:
+    """A mask hides a path inside the cell: never /, nor the cell's own /proc and /dev or what holds them."""
+    for p in paths:
+        if p == "/" or any(p == own or own.startswith(p.rstrip("/") + "/") or p.startswith(own + "/")
+                           for own in CELL_OWN):
+            what = "the whole file system" if p == "/" else "the cell's own (made fresh in it)"
+            raise PolicyError(field, f"{p} is {what}: a mask over it would leave nothing to run",
+                              "mask a path of the host inside it")
+
+
 def check_disjoint(groups: Mapping[str, tuple[str, ...]]) -> None:
     """A path may be declared once: rw and ro (or masked) at the same place is ambiguous."""
     seen: dict[str, str] = {}

@@ -122,6 +122,10 @@ def read_dotenv_owned(path: str, *, explicit: bool = False) -> tuple[dict[str, s
 
     fd, dirs_ok = _open_walked(path)
     if fd is None:
+        if explicit:  # named on purpose: a typo must not start a session with the defaults
+            from ..hostfs import shown
+
+            raise PolicyError("--env-file", f"{shown(path)} does not exist", "name an existing .env file")
         return {}, False
     try:
         st = os.fstat(fd)
@@ -137,15 +141,11 @@ def read_dotenv_owned(path: str, *, explicit: bool = False) -> tuple[dict[str, s
 
 
 def _read_regular(fd: int, path: str, fix: str) -> bytes:
-    """What ``fd`` holds, read whole, as root must read a file a project's agent may have made: a
-    regular file (not a FIFO to block on, not /dev/zero) of at most 1 MiB."""
-    import stat
+    """What ``fd`` holds, read whole, as root must read a file a project's agent may have made
+    (:func:`agentcell.hostfs.read_fd`: a regular file, not a FIFO to block on, not /dev/zero, 1 MiB)."""
+    from ..hostfs import read_fd
 
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_FILE:
-        raise PolicyError(path, "is not a regular file of at most 1 MiB", fix)
-    with os.fdopen(os.dup(fd), "rb") as f:
-        return f.read(MAX_FILE + 1)
+    return read_fd(fd, path, path, fix, MAX_FILE)
 
 
 def _open_walked(path: str) -> tuple[int | None, bool]:
@@ -470,6 +470,13 @@ def load(flags: Mapping[str, Any], *, environ: Mapping[str, str] | None = None, 
         if from_file:
             raise PolicyError(dot_path, "lies in a declared path the agent can write, yet it sets "
                               + ", ".join(from_file), "keep this .env outside the project and its declared paths")
+    for key in ("audit_log_path", "backup_dir"):  # root's own records, never where the agent writes
+        place = values.get(key)
+        if place and _inside(place if key == "backup_dir" else os.path.dirname(place),
+                             [root, *values.get("declared_paths", ())]):
+            raise PolicyError(sources[key], f"{place} lies in the project or a declared path, which the agent can "
+                              f"write: root's {'trail' if key == 'audit_log_path' else 'backups'} would be its",
+                              f"give {FLAGS[key]} outside the project")
     values["config_files"] = (os.path.abspath(dot_path), os.path.join(root, "agentcell.toml"))
     cfg = replace(cfg, **values, sources=sources)
     wanted = (*(secret_names or PROFILES[cfg.harness].secret_env), *cfg.keep_env)

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from ..policy.models import SessionPlan
 
 UNWRITABLE_AUDIT = "/proc/agentcell-fault/audit.jsonl"  # /proc takes no new files: a real write failure
+AUDIT_MIN_FREE = 1 << 20  # bytes left where the trail is, below which a running session stops
 MAX_EVENTS = 100
 
 
@@ -373,11 +374,32 @@ class Nodes:
                 return {"status": "completed", "reason": "timeout"}
             if time.monotonic() >= until:
                 break
-            if self.rt.status_line and time.monotonic() >= next_line:
-                self._status_line(state, cell)
+            if time.monotonic() >= next_line:  # once a second
+                self._audit_room(state)
+                if self.rt.status_line:
+                    self._status_line(state, cell)
                 next_line = time.monotonic() + 1.0
             time.sleep(0.05)
+        # A record per tick: what the cell has used so far, and the proof the trail still takes records
+        # (one that cannot ends the session now, not at its end).
+        stats = cell.stats()
+        self._audit(state, "monitor", "session.tick", cpu_s=stats.get("cpu_s"), memory_bytes=stats.get("memory_bytes"),
+                    events=len(cell.events()))
         return {}
+
+    def _audit_room(self, state: SessionState) -> None:
+        """The trail's file system still has room: a session stops before its records are lost."""
+        path = AuditLog((state.get("config") or {}).get("audit_log_path")).path
+        try:
+            st = os.statvfs(os.path.dirname(path))
+        except OSError as e:
+            raise AuditWriteError("audit", f"cannot reach {path}: {e.strerror}", "the session stops: fix the log") \
+                from None
+        free, inodes = st.f_bavail * st.f_frsize, st.f_favail
+        if free < AUDIT_MIN_FREE or inodes < 16:
+            raise AuditWriteError("audit", f"the file system of {path} is full ({free:,} bytes, {inodes:,} inodes "
+                                  "left)", "the session stops before its records are lost: make room, then "
+                                  "'agentcell audit verify'")
 
     def _status_line(self, state: SessionState, cell: Any) -> None:
         import sys

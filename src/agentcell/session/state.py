@@ -99,6 +99,50 @@ def parse_faults(text: str) -> dict[str, int]:
     return out
 
 
+_TAG = "\0agentcell-bytes:"  # no text agentcell records starts with a NUL
+
+
+def _to_text(obj: Any) -> Any:
+    """Strings that are not UTF-8 (a file name's bytes, decoded with surrogateescape) made storable,
+    reversibly: the checkpoint's encoder refuses them, and a path must come back exactly as it was."""
+    if isinstance(obj, str):
+        try:
+            obj.encode("utf-8")
+            return obj
+        except UnicodeEncodeError:
+            return _TAG + obj.encode("utf-8", "surrogateescape").hex()
+    if isinstance(obj, dict):
+        return {_to_text(k): _to_text(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_text(v) for v in obj)
+    return obj
+
+
+def _from_text(obj: Any) -> Any:
+    if isinstance(obj, str):
+        return bytes.fromhex(obj[len(_TAG):]).decode("utf-8", "surrogateescape") if obj.startswith(_TAG) else obj
+    if isinstance(obj, dict):
+        return {_from_text(k): _from_text(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_from_text(v) for v in obj)
+    return obj
+
+
+class Serde:
+    """LangGraph's serializer, with the strings that are not UTF-8 carried through (:func:`_to_text`)."""
+
+    def __init__(self) -> None:
+        from langgraph.checkpoint.serde.jsonplus import JsonPlusSerializer
+
+        self.inner = JsonPlusSerializer()
+
+    def dumps_typed(self, obj: Any) -> tuple[str, bytes]:
+        return self.inner.dumps_typed(_to_text(obj))
+
+    def loads_typed(self, data: tuple[str, bytes]) -> Any:
+        return _from_text(self.inner.loads_typed(data))
+
+
 def sessions_dir() -> str:
     from ..accounts.registry import state_dir
 

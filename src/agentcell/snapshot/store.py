@@ -26,6 +26,7 @@ import errno
 import hashlib
 import json
 import os
+import shutil
 import stat
 import time
 from collections.abc import Callable, Iterator
@@ -139,9 +140,25 @@ class Store:
     # ---- take ------------------------------------------------------------------------------------
 
     def take(self, paths: list[str], progress: Progress | None = None) -> str:
+        """A snapshot of ``paths``; its id. New content is kept in a staging directory of its own until
+        the snapshot is whole, then moved into the store: one that fails (no room, a file that changes,
+        no inodes) leaves nothing behind. New content may fill at most 90 % of the free space, all of
+        it together."""
         roots = tuple(_resolve_root(p) for p in paths)
         self._ready(roots)
         sid = time.strftime("%Y%m%dT%H%M%S") + "-" + os.urandom(3).hex()
+        staging = os.path.join(self.path, "objects", f".take-{sid}")
+        try:
+            os.mkdir(staging, 0o700)
+            self._staged: dict[str, str] = {}
+            return self._take(sid, roots, staging, progress)
+        except OSError as e:  # no space, no inodes, a store that went away
+            raise SnapshotError("--store", f"cannot store the snapshot in {self.path}: {e.strerror}",
+                                "make room there (space and inodes), or give another --store") from None
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+
+    def _take(self, sid: str, roots: tuple[str, ...], staging: str, progress: Progress | None) -> str:
         manifest: dict[str, Any] = {"id": sid, "created": time.time(), "roots": {}, "format": 1}
         total = 0
         budget = _free_bytes(self.path) * 9 // 10  # new content may fill at most 90 % of the free space
@@ -172,8 +189,9 @@ class Store:
                     else:
                         if st.st_size > budget:
                             raise SnapshotError("PATH", f"{os.path.join(root, n.rel)} ({st.st_size} bytes) does not "
-                                                f"fit in the store's free space", "free space, or another --store")
-                        digest, stored = self._put(n.fd, st, os.path.join(root, n.rel))
+                                                "fit in what is left of 90 % of the store's free space",
+                                                "free space, or another --store")
+                        digest, stored = self._put(n.fd, st, os.path.join(root, n.rel), staging)
                         budget -= stored
                     e.update(size=st.st_size, sha=digest, stat=key)
                     new_cache[e["p"]] = [*key, digest]
@@ -190,6 +208,12 @@ class Store:
             manifest["roots"][root] = {"entries": entries}
             _write_json(cache_path, new_cache)
         manifest["bytes"] = total
+        for digest, tmp in self._staged.items():  # whole: its new content joins the store
+            dest = self._object(digest)
+            if os.path.exists(dest):
+                continue  # another snapshot stored the same content meanwhile
+            os.makedirs(os.path.dirname(dest), mode=0o700, exist_ok=True)
+            os.rename(tmp, dest)
         _syncfs(self.path)  # every object on disk before the manifest that names them (one sync, not 20,000)
         raw = json.dumps(manifest, separators=(",", ":")).encode()
         path = self._manifest_path(sid)
@@ -197,16 +221,16 @@ class Store:
         _write_bytes(path, raw)  # last: a snapshot exists once its manifest does
         return sid
 
-    def _put(self, opath: int, st: os.stat_result, shown: str) -> tuple[str, int]:
-        """Read the very file the walk opened (never a name again): hash it and, if the store lacks that
-        content, keep a copy; (hash, bytes stored). A file that changes while read is refused: its
-        owner and mode would not go with its content."""
+    def _put(self, opath: int, st: os.stat_result, shown: str, staging: str) -> tuple[str, int]:
+        """Read the very file the walk opened (never a name again): hash it and, if the store (or this
+        snapshot's staging) lacks that content, keep a copy in the staging; (hash, bytes stored). A
+        file that changes while read is refused: its owner and mode would not go with its content."""
         fd = os.open(f"/proc/self/fd/{opath}", os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
         try:
             if _key(os.fstat(fd)) != _key(st):
                 raise SnapshotError("PATH", f"{shown} changed while it was snapshotted",
                                     "no agent process may run during a snapshot; try again when none does")
-            tmp = os.path.join(self.path, "objects", f".tmp-{os.getpid()}-{os.urandom(4).hex()}")
+            tmp = os.path.join(staging, f".tmp-{os.urandom(6).hex()}")
             h = hashlib.sha256()
             out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
             try:
@@ -225,12 +249,12 @@ class Store:
         finally:
             os.close(fd)
         digest = h.hexdigest()
-        dest = self._object(digest)
-        if os.path.exists(dest):
+        if os.path.exists(self._object(digest)) or digest in self._staged:
             os.unlink(tmp)
             return digest, 0
-        os.makedirs(os.path.dirname(dest), mode=0o700, exist_ok=True)
-        os.rename(tmp, dest)
+        staged = os.path.join(staging, digest)
+        os.rename(tmp, staged)
+        self._staged[digest] = staged
         return digest, st.st_size
 
     # ---- verify ----------------------------------------------------------------------------------
@@ -345,7 +369,7 @@ class Store:
         objects = os.path.join(self.path, "objects")
         for sub in os.listdir(objects):
             d = os.path.join(objects, sub)
-            if not os.path.isdir(d):
+            if sub.startswith(".") or not os.path.isdir(d):  # a snapshot being taken stages its content there
                 continue
             for name in os.listdir(d):
                 if name not in needed:

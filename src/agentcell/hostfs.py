@@ -1,0 +1,72 @@
+"""Reading a file by a path a user or an agent names, as agentcell (often root) must: never through a
+link at its end, never a FIFO to block on (opened non-blocking), a directory, a device or /dev/zero
+(regular files only), never more than a bound. Every refusal is one :class:`AgentcellError` line naming
+the field and the fix; a path that is not text (bytes that are not UTF-8) is refused the same way.
+
+The lifecycle issue's trusted-filesystem module is to absorb this (and the directory walks).
+"""
+from __future__ import annotations
+
+import os
+import stat
+
+from .errors import AgentcellError
+
+MAX_FILE = 1 << 20  # a configuration file, a script
+
+
+def shown(path: str, limit: int = 200) -> str:
+    """A path (or any value) as an error line may show it: printable, and at most ``limit`` characters."""
+    text = path if path.isprintable() else "".join(c if c.isprintable() else repr(c)[1:-1] for c in path)
+    return text if len(text) <= limit else f"{text[:limit]}… ({len(text):,} characters)"
+
+
+def check_text(path: str, field: str) -> str:
+    """``path``, refused when it is not text (a name with bytes that are not UTF-8 cannot be recorded)."""
+    try:
+        path.encode("utf-8")
+    except UnicodeEncodeError:
+        raise AgentcellError(field, f"{shown(path)} is not UTF-8 text", "rename it, or give another path") from None
+    if "\0" in path:
+        raise AgentcellError(field, "the path holds a NUL byte", "give another path")
+    return path
+
+
+def open_regular(path: str, field: str, fix: str) -> int:
+    """``path`` opened for reading: a regular file, not through a link. The caller closes the fd."""
+    check_text(path, field)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise AgentcellError(field, f"{shown(path)} does not exist", fix) from None
+    except OSError as e:
+        what = "is a link (give the file itself)" if e.errno == 40 else f"cannot be read ({e.strerror})"
+        raise AgentcellError(field, f"{shown(path)} {what}", fix) from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        kind = "a directory" if stat.S_ISDIR(st.st_mode) else "a FIFO" if stat.S_ISFIFO(st.st_mode) else \
+            "a device" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode) else "not a regular file"
+        raise AgentcellError(field, f"{shown(path)} is {kind}", fix)
+    os.set_blocking(fd, True)
+    return fd
+
+
+def read_fd(fd: int, path: str, field: str, fix: str, limit: int = MAX_FILE) -> bytes:
+    """What ``fd`` holds, whole: a regular file of at most ``limit`` bytes."""
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_size > limit:
+        raise AgentcellError(field, f"{shown(path)} is not a regular file of at most {limit:,} bytes", fix)
+    with os.fdopen(os.dup(fd), "rb") as f:
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise AgentcellError(field, f"{shown(path)} grew past {limit:,} bytes while it was read", fix)
+    return data
+
+
+def read_regular(path: str, field: str, fix: str, limit: int = MAX_FILE) -> bytes:
+    fd = open_regular(path, field, fix)
+    try:
+        return read_fd(fd, path, field, fix, limit)
+    finally:
+        os.close(fd)

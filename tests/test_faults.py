@@ -1,0 +1,210 @@
+"""Faults and bad input (issue 13): what an operator does to agentcell by mistake, or a full disk does to
+it, ends in one line and a clean state, never a hang or a traceback. Each test is one item of the issue.
+"""
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from conftest import AGENTCELL, needs_root
+from sessionkit import Env, running, session, session_environ
+
+pytestmark = needs_root
+
+
+def cli(*args: str, env: dict[str, str] | None = None, timeout: float = 30, cwd: str | None = None,
+        as_user: list[str] | None = None) -> subprocess.CompletedProcess[str]:
+    base = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", **(env or {})}
+    p = subprocess.run([*(as_user or []), AGENTCELL, *args], capture_output=True, text=True, env=base,
+                       timeout=timeout, cwd=cwd or "/", stdin=subprocess.DEVNULL)
+    assert "Traceback" not in p.stderr, p.stderr
+    return p
+
+
+@pytest.fixture
+def small_fs() -> Iterator[Path]:
+    """A 2 MiB tmpfs of 64 inodes of the test's own (named agentcell: the stop hook lists leftovers)."""
+    d = Path("/tmp") / f"agentcell-test-fs-{secrets.token_hex(3)}"
+    d.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m,nr_inodes=64,mode=0700", "agentcell-test", str(d)],
+                   check=True)
+    try:
+        yield d
+    finally:
+        subprocess.run(["umount", str(d)], check=True)
+        d.rmdir()
+
+
+# ---- 2: the audit trail's readers ------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["fifo", "zero", "dir", "link to a dir"])
+def test_audit_commands_read_only_a_regular_file_and_never_hang(tmp_path: Path, kind: str) -> None:
+    target = {"zero": Path("/dev/zero")}.get(kind, tmp_path / "trail")
+    if kind == "fifo":
+        os.mkfifo(target)
+    elif kind == "dir":
+        target.mkdir()
+    elif kind == "link to a dir":
+        (tmp_path / "d").mkdir()
+        target.symlink_to(tmp_path / "d")
+    for cmd in (["verify"], ["show"], ["tail"]):
+        p = cli("audit", *cmd, str(target), timeout=20)
+        assert p.returncode != 0 and len(p.stderr.strip().splitlines()) == 1, (cmd, p.stderr)
+        assert "is a" in p.stderr or "not a regular file" in p.stderr, p.stderr
+
+
+def test_a_trail_whose_session_did_not_end_is_incomplete_unless_running_ones_are_accepted(tmp_path: Path) -> None:
+    from agentcell.audit.trail import AuditLog
+
+    log = AuditLog(str(tmp_path / "audit" / "audit.jsonl"))
+    log.append("session.plan", session="s-done")
+    log.append("session.end", session="s-done")
+    log.append("session.plan", session="s-cut")
+    log.append("session.spawn", session="s-cut")
+    p = cli("audit", "verify", log.path)
+    assert p.returncode == 1 and "session s-cut has no session.end record" in p.stdout, p.stdout
+    assert "s-done" not in p.stdout
+    p = cli("audit", "verify", log.path, "--running")
+    assert p.returncode == 0 and "4 records, chain intact, 1 session(s) not ended yet" in p.stdout, p.stdout
+
+
+# ---- 3: a path that is not UTF-8 ---------------------------------------------------------------------
+
+def test_a_project_whose_name_is_not_utf8_runs_a_whole_session(env: Env) -> None:
+    odd = env.state.parent / os.fsdecode(b"agentcell-test-p\xff" + secrets.token_hex(2).encode())
+    shutil.copytree(env.project, odd, symlinks=True)
+    os.chown(odd, env.project.stat().st_uid, env.project.stat().st_gid)
+    try:
+        p = subprocess.run([AGENTCELL, "session", "start", "--harness", "shell", "--json", "--", "sh", "-c",
+                            "echo changed > src/app.py"], capture_output=True, env=session_environ(env), cwd=odd,
+                           stdin=subprocess.DEVNULL, timeout=120)
+        err = p.stderr.decode("utf-8", "replace")
+        assert "Traceback" not in err and p.returncode == 0, err
+        summary = json.loads(p.stdout.decode().strip().splitlines()[-1])
+        assert summary["status"] == "completed" and (odd / "src" / "app.py").read_text() == "changed\n"
+        assert session(env, ["restore", summary["session"]]).rc == 0
+        assert (odd / "src" / "app.py").read_text() == "x = 1\n"
+    finally:
+        subprocess.run([AGENTCELL, "session", "recover"], env=session_environ(env), capture_output=True)
+        shutil.rmtree(odd, ignore_errors=True)
+
+
+# ---- 4, 5: root's records never in the project; a named --env-file exists --------------------------
+
+@pytest.mark.parametrize("flag", ["--audit-log", "--backup-dir"])
+def test_roots_records_are_never_put_where_the_agent_writes(env: Env, flag: str) -> None:
+    inside = env.project / "records" / ("audit.jsonl" if flag == "--audit-log" else "backups")
+    s = session(env, ["start", "--harness", "shell", flag, str(inside), "--", "true"])
+    assert s.rc == 125 and len(s.err.strip().splitlines()) == 1 and "lies in the project" in s.err, s.err
+    assert not (env.project / "records").exists() and not (env.state / "sessions").exists()
+
+
+def test_an_env_file_that_does_not_exist_is_refused_not_ignored(env: Env) -> None:
+    s = session(env, ["start", "--harness", "shell", "--env-file", str(env.state / "nope.env"), "--", "true"])
+    assert s.rc == 125 and s.err.strip() == (f"agentcell session: --env-file: {env.state}/nope.env does not exist "
+                                             "(name an existing .env file)"), s.err
+
+
+# ---- 6: a trail that fills mid-session --------------------------------------------------------------
+
+def test_a_session_whose_trail_fills_ends_at_once_and_its_trail_says_it_is_incomplete(
+        env: Env, small_fs: Path) -> None:
+    audit = small_fs / "audit.jsonl"
+    sup = running(env, extra={"AUDIT_LOG_PATH": str(audit)})
+    try:
+        assert sup.poll() is None, "the session ended before its cell ran"
+        fill = small_fs / "fill"
+        subprocess.run(["dd", "if=/dev/zero", f"of={fill}", "bs=64k"], capture_output=True)  # until it is full
+        out, _ = sup.communicate(timeout=60)  # the agent sleeps 600 s: only the full trail ends it
+    finally:
+        if sup.poll() is None:
+            sup.kill()
+            sup.wait()
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["status"] == "terminated" and "audit log cannot be written" in summary["reason"], summary
+    assert "is full" in summary["reason"]
+    fill.unlink()
+    p = cli("audit", "verify", str(audit))
+    assert p.returncode == 1 and f"session {summary['session']} has no session.end record" in p.stdout, p.stdout
+
+
+# ---- 7: a backup that fails leaves nothing ----------------------------------------------------------
+
+@pytest.mark.parametrize("case", ["no room", "no inodes"])
+def test_a_backup_that_fails_leaves_nothing_in_the_store(tmp_path: Path, small_fs: Path, case: str) -> None:
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    if case == "no room":  # each file fits, not both: the 90 % rule is the whole backup's
+        for name in ("a.bin", "b.bin"):
+            (tree / name).write_bytes(os.urandom(1000 << 10))
+    else:
+        for i in range(100):
+            (tree / f"f{i}.txt").write_text(f"{i}\n")
+    store = small_fs / "store"
+    p = cli("snapshot", "take", str(tree), "--store", str(store))
+    assert p.returncode != 0 and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert ("does not fit" in p.stderr) if case == "no room" else ("No space left" in p.stderr), p.stderr
+    assert not any(f.is_file() for f in (store / "objects").rglob("*")), list((store / "objects").rglob("*"))
+    assert not list((store / "snapshots").glob("*.json"))
+
+
+# ---- 8, 9, 10: agentcell run, rootless, and long values ---------------------------------------------
+
+@pytest.mark.parametrize("mask", ["/", "/.", "//", "/etc/..", "/proc", "/dev/shm"])
+def test_a_mask_over_the_whole_system_or_the_cells_own_is_refused_in_one_line(mask: str) -> None:
+    p = cli("run", "--as", "65534", "--mask", mask, "--", "true")
+    assert p.returncode == 125 and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert "a mask over it would leave nothing to run" in p.stderr, p.stderr
+
+
+def test_a_rootless_run_ended_at_an_escape_never_exits_zero(nobodys: Path) -> None:
+    p = cli("run", "--no-warm", "--monitor", "--json", "--", "sh", "-c", "cat ~/.ssh/id_ed25519 >/dev/null; echo fast",
+            env={"HOME": str(nobodys)}, cwd=str(nobodys),
+            as_user=["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--"])
+    result = json.loads(p.stdout.strip().splitlines()[-1])
+    assert result["terminated_by_monitor"] is True and p.returncode == 137 and result["exit_status"] == 137, result
+
+
+@pytest.fixture
+def nobodys() -> Iterator[Path]:
+    """A directory nobody (65534) owns, not below pytest's own (0700) directories."""
+    import tempfile
+
+    d = Path(tempfile.mkdtemp(prefix="agentcell-test-nobody-"))
+    os.chmod(d, 0o755)
+    os.chown(d, 65534, 65534)
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def test_a_user_who_is_not_root_is_told_what_fits_them(nobodys: Path) -> None:
+    nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--"]
+    home, project = nobodys / "home", nobodys / "project"
+    for d in (home, project):
+        d.mkdir()
+        os.chown(d, 65534, 65534)
+    p = cli("agent", "list", env={"HOME": str(home)}, as_user=nobody)
+    assert p.returncode == 125 and "agent accounts are root's" in p.stderr and "sudo" in p.stderr, p.stderr
+    (project / "a.txt").write_text("a\n")
+    os.chown(project / "a.txt", 65534, 65534)
+    p = cli("snapshot", "take", str(project), env={"HOME": str(home)}, as_user=nobody)
+    assert p.returncode == 0, p.stderr
+    assert list((home / ".local/state/agentcell/snapshots/snapshots").glob("*.json"))  # the XDG state dir
+
+
+def test_an_error_does_not_repeat_a_huge_value_in_full() -> None:
+    huge = "x" * 100_000
+    for args in (["run", "--as", "65534", "--rw", huge, "--", "true"], ["session", "start", "--harness", huge],
+                 ["run", "--as", "65534", "--limits", huge, "--", "true"]):
+        p = cli(*args)
+        assert p.returncode == 125 and len(p.stderr) < 2000 and len(p.stderr.strip().splitlines()) == 1, args
+        assert " characters) …" in p.stderr, p.stderr  # it says how long it was
