@@ -208,3 +208,15 @@ def test_an_error_does_not_repeat_a_huge_value_in_full() -> None:
         p = cli(*args)
         assert p.returncode == 125 and len(p.stderr) < 2000 and len(p.stderr.strip().splitlines()) == 1, args
         assert " characters) …" in p.stderr, p.stderr  # it says how long it was
+
+
+# ---- what the fuzzer found (tests/test_fuzz.py): each a case of its own ------------------------------
+
+@pytest.mark.parametrize("sid", [os.fsdecode(b"\x80"), "x" * 100_000, "../../etc", "a b"])
+@pytest.mark.parametrize("cmd", ["show", "stop", "restore", "diff"])
+def test_a_session_id_that_is_not_one_is_refused_in_one_line(tmp_path: Path, cmd: str, sid: str) -> None:
+    p = subprocess.run([AGENTCELL, "session", cmd, sid], capture_output=True, timeout=60,
+                       env={"PATH": "/usr/bin:/bin", "AGENTCELL_STATE_DIR": str(tmp_path)})
+    err = p.stderr.decode("utf-8", "replace")
+    assert p.returncode == 125 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert "is not a session id" in err and len(err) < 400, err

@@ -265,6 +265,10 @@ def _shown(text: str) -> str:
 # ---- list, show, stop, restore, diff, recover ---------------------------------------------------
 
 def _load(sid: str) -> tuple[Any, dict[str, Any]]:
+    from ..hostfs import shown
+
+    if not sid or len(sid) > 64 or not all(c.isascii() and (c.isalnum() or c in "-_") for c in sid):
+        raise AgentcellError("ID", f"'{shown(sid, 80)}' is not a session id", "see 'agentcell session list'")
     from ..session import graph
 
     g, _conn = _graph()
