@@ -1,5 +1,5 @@
 """The fuzzer's runs (tests/fuzzing.py). In ./test.sh a bounded budget; AGENTCELL_FUZZ=N runs N cases per
-property (the large run: AGENTCELL_FUZZ=2500 gives over 10,000 cases). A case fails on a traceback, a hang
+property (the large run: AGENTCELL_FUZZ=3400 gives over 10,000 cases). A case fails on a traceback, a hang
 or a refusal longer than three lines; the module fails if anything outside its playground changed.
 """
 from __future__ import annotations
@@ -18,8 +18,8 @@ from fuzzing import Playground, argv, dotenv_files, host_state, policy_files, to
 
 pytestmark = needs_root
 
-CASES = int(os.environ.get("AGENTCELL_FUZZ", "40"))
-FUZZ = settings(max_examples=CASES, deadline=None, database=None, derandomize=CASES <= 40,
+CASES = int(os.environ.get("AGENTCELL_FUZZ", "30"))
+FUZZ = settings(max_examples=CASES, deadline=None, database=None, derandomize=CASES <= 30,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                        HealthCheck.filter_too_much])
 COUNTS: dict[str, int] = {}

@@ -13,7 +13,7 @@ pytestmark = needs_root
 
 BUSY = """
 import os, time
-end = time.time() + 4
+end = time.time() + 3
 kids = []
 for _ in range(4):
     pid = os.fork()
