@@ -106,6 +106,13 @@ def test_roots_records_are_never_put_where_the_agent_writes(env: Env, flag: str)
     assert not (env.project / "records").exists() and not (env.state / "sessions").exists()
 
 
+def test_the_state_dir_is_never_where_the_agent_writes(env: Env) -> None:
+    s = session(env, ["start", "--harness", "shell", "--", "true"],
+                extra={"AGENTCELL_STATE_DIR": str(env.project / "state")})
+    assert s.rc == 125 and "AGENTCELL_STATE_DIR" in s.err and "lies in the project" in s.err, s.err
+    assert not (env.project / "state").exists()
+
+
 def test_an_env_file_that_does_not_exist_is_refused_not_ignored(env: Env) -> None:
     s = session(env, ["start", "--harness", "shell", "--env-file", str(env.state / "nope.env"), "--", "true"])
     assert s.rc == 125 and s.err.strip() == (f"agentcell session: --env-file: {env.state}/nope.env does not exist "

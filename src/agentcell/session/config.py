@@ -470,6 +470,11 @@ def load(flags: Mapping[str, Any], *, environ: Mapping[str, str] | None = None, 
         if from_file:
             raise PolicyError(dot_path, "lies in a declared path the agent can write, yet it sets "
                               + ", ".join(from_file), "keep this .env outside the project and its declared paths")
+    from ..accounts.registry import state_dir
+
+    if _inside(state_dir(), [root, *values.get("declared_paths", ())]):
+        raise PolicyError("AGENTCELL_STATE_DIR", f"{state_dir()} lies in the project or a declared path, which the "
+                          "agent can write: the sessions' records would be its", "keep the state dir outside it")
     for key in ("audit_log_path", "backup_dir"):  # root's own records, never where the agent writes
         place = values.get(key)
         if place and _inside(place if key == "backup_dir" else os.path.dirname(place),
