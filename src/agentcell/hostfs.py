@@ -21,6 +21,11 @@ def shown(path: str, limit: int = 200) -> str:
     return text if len(text) <= limit else f"{text[:limit]}… ({len(text):,} characters)"
 
 
+def _it(path: str, field: str) -> str:
+    """How a refusal names the file: by its path, or as "it" when the field is that path already."""
+    return "it" if field == path else shown(path)
+
+
 def check_text(path: str, field: str) -> str:
     """``path``, refused when it is not text (a name with bytes that are not UTF-8 cannot be recorded)."""
     try:
@@ -38,16 +43,16 @@ def open_regular(path: str, field: str, fix: str) -> int:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
-        raise AgentcellError(field, f"{shown(path)} does not exist", fix) from None
+        raise AgentcellError(field, f"{_it(path, field)} does not exist", fix) from None
     except OSError as e:
         what = "is a link (give the file itself)" if e.errno == 40 else f"cannot be read ({e.strerror})"
-        raise AgentcellError(field, f"{shown(path)} {what}", fix) from None
+        raise AgentcellError(field, f"{_it(path, field)} {what}", fix) from None
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
         os.close(fd)
         kind = "a directory" if stat.S_ISDIR(st.st_mode) else "a FIFO" if stat.S_ISFIFO(st.st_mode) else \
             "a device" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode) else "not a regular file"
-        raise AgentcellError(field, f"{shown(path)} is {kind}", fix)
+        raise AgentcellError(field, f"{_it(path, field)} is {kind}", fix)
     os.set_blocking(fd, True)
     return fd
 
@@ -56,11 +61,11 @@ def read_fd(fd: int, path: str, field: str, fix: str, limit: int = MAX_FILE) -> 
     """What ``fd`` holds, whole: a regular file of at most ``limit`` bytes."""
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode) or st.st_size > limit:
-        raise AgentcellError(field, f"{shown(path)} is not a regular file of at most {limit:,} bytes", fix)
+        raise AgentcellError(field, f"{_it(path, field)} is not a regular file of at most {limit:,} bytes", fix)
     with os.fdopen(os.dup(fd), "rb") as f:
         data = f.read(limit + 1)
     if len(data) > limit:
-        raise AgentcellError(field, f"{shown(path)} grew past {limit:,} bytes while it was read", fix)
+        raise AgentcellError(field, f"{_it(path, field)} grew past {limit:,} bytes while it was read", fix)
     return data
 
 

@@ -40,7 +40,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ..errors import PolicyError
+from ..errors import AgentcellError, PolicyError
 
 ENV_NAMES = ("AGENT_HARNESS", "PROJECT_ROOT", "DECLARED_PATHS", "AGENT_OS_USER", "BACKUP_DIR", "AUDIT_LOG_PATH",
              "WALL_CLOCK_LIMIT_S", "FIREWALL_ENABLED", "AGENT_API_BASE", "AGENT_MODEL", "AGENT_RISK")
@@ -145,7 +145,10 @@ def _read_regular(fd: int, path: str, fix: str) -> bytes:
     (:func:`agentcell.hostfs.read_fd`: a regular file, not a FIFO to block on, not /dev/zero, 1 MiB)."""
     from ..hostfs import read_fd
 
-    return read_fd(fd, path, path, fix, MAX_FILE)
+    try:
+        return read_fd(fd, path, path, fix, MAX_FILE)
+    except AgentcellError as e:  # a project's file refused is the request refused: a PolicyError
+        raise PolicyError(e.field, e.problem, e.fix) from None
 
 
 def _open_walked(path: str) -> tuple[int | None, bool]:
