@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -92,8 +93,13 @@ def test_a_source_that_stops_is_a_telemetry_event_and_ends_the_cell(user: User) 
 
 
 
-def test_a_monitor_loop_that_hangs_is_a_telemetry_event_and_ends_the_cell(user: User) -> None:
-    import threading
+def _spin(release: threading.Event) -> None:
+    while not release.is_set():
+        sum(range(1000))  # on the CPU, and going nowhere: the thread is runnable all the while
+
+
+@pytest.mark.parametrize("how", ["blocks", "spins"])
+def test_a_monitor_loop_that_hangs_is_a_telemetry_event_and_ends_the_cell(user: User, how: str) -> None:
 
     from agentcell import CellSpec
     from agentcell.policy.resolve import build_env, resolve_identity
@@ -104,7 +110,8 @@ def test_a_monitor_loop_that_hangs_is_a_telemetry_event_and_ends_the_cell(user: 
     sup = Supervised.start(spec, ["sleep", "30"], stdio=(os.open(os.devnull, os.O_RDWR),) * 3)
     assert sup.monitor is not None
     release = threading.Event()
-    sup.monitor._poll_resources = lambda: release.wait(30)  # type: ignore[method-assign] # a source that blocks
+    sup.monitor._poll_resources = ((lambda: release.wait(30)) if how == "blocks"  # type: ignore[method-assign]
+                                   else (lambda: _spin(release)))  # a source that blocks, or a loop that spins
     try:
         result = sup.wait(20)
     finally:

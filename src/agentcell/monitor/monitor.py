@@ -294,19 +294,30 @@ class Monitor:
         threading.Thread(target=self._watchdog, name="agentcell-monitor-watchdog", daemon=True).start()
 
     def _watchdog(self) -> None:
-        """Tells a stuck loop from a starved host. Each tick that came on time (the process is getting
-        the CPU) while the loop made no progress and was not itself waiting for a CPU (its thread is
-        not runnable: blocked in a call, a lock, a source) counts as stalled time; a late tick, or the
-        loop's thread on the run queue, counts as the host's. Progress resets it."""
+        """Tells a stuck loop from a starved host. Without progress (a pass of the loop, or an event
+        read), the loop's stalled time is what the host gave it and it did not use: each tick that
+        came on time (the process is getting the CPU) while the loop's thread was not itself waiting
+        for a CPU (not runnable: blocked in a call, a lock, a source), plus the CPU time the loop's
+        thread spent since its last progress (it ran, and went nowhere: a spin). A late tick, or the
+        loop's thread on the run queue without being given the CPU, is the host's. Progress resets it."""
         last, beat = time.monotonic(), self.heartbeat
+        blocked, spun_from = 0.0, self._loop_cpu()
         while not self._stop.wait(TICK_S):
-            now = time.monotonic()
+            now, cpu = time.monotonic(), self._loop_cpu()
             tick, last = now - last, now
             if self.heartbeat != beat:
-                beat, self.stalled = self.heartbeat, 0.0
+                beat, blocked, spun_from = self.heartbeat, 0.0, cpu
             elif tick <= LATE_S and not self._loop_runnable():
-                self.stalled += tick
+                blocked += tick
+            self.stalled = blocked + max(0.0, cpu - spun_from)
             self.check()
+
+    def _loop_cpu(self) -> float:
+        """The CPU time the loop's thread has used (0 once it is gone: then :meth:`alive` says so)."""
+        try:
+            return time.clock_gettime(time.pthread_getcpuclockid(self._thread.ident))  # type: ignore[union-attr,arg-type]
+        except (OSError, AttributeError, TypeError):
+            return 0.0
 
     def _loop_runnable(self) -> bool:
         """Whether the loop's thread is waiting for a CPU (state R), not blocked."""
@@ -428,6 +439,7 @@ class Monitor:
         if self.audit is None:
             return
         for raw in self.audit.read(accept=self._accept):
+            self.heartbeat = time.monotonic()
             if raw.get("lost"):
                 self._audit_overflow("the audit stream overflowed")
                 continue
@@ -440,8 +452,10 @@ class Monitor:
         execs = self.execs.read() if self.execs is not None else []
         for ex in execs:
             if ex["kind"] in ("fork", "exit", "lost"):
+                self.heartbeat = time.monotonic()  # progress: a flood read is not a spin (the watchdog's)
                 self._exec_event(ex)
         for ex in (*(tools or ()), *(e for e in execs if e["kind"] not in ("fork", "exit", "lost"))):
+            self.heartbeat = time.monotonic()
             self._exec_event(ex)
 
     def _accept(self, pid: int, domain: str) -> bool:
