@@ -38,6 +38,49 @@ def test_an_escape_attempt_is_attributed_and_ends_the_cell(user: User) -> None:
     assert audit.audit_status()[5] == backlog  # and its backlog limit
 
 
+# A cell renaming itself in a loop (PR_SET_NAME: one proc connector event a call, a microsecond each)
+# while a child it forks tries a refused connect and exits at once: the flood once overflowed the
+# connector, the child's fork was lost, and its denial was dropped as another process's.
+FLOOD = ("import ctypes, os, socket, time\nlibc = ctypes.CDLL(None)\nkids = []\nfor _ in range(2):\n"
+         "    pid = os.fork()\n    if pid == 0:\n        end = time.time() + 4\n        while time.time() < end:\n"
+         "            for i in range(20000):\n                libc.prctl(15, b'a' if i & 1 else b'b', 0, 0, 0)\n"
+         "        os._exit(0)\n    kids.append(pid)\ntime.sleep(1.5)\nif os.fork() == 0:\n    try:\n"
+         "        socket.create_connection(('127.0.0.1', 1))\n    except OSError as e:\n"
+         "        os._exit(e.errno)\n    os._exit(0)\nos.wait()\nfor k in kids:\n    os.waitpid(k, 0)\n"
+         "print('still running')")
+
+
+def test_a_flood_of_renames_hides_no_denial(user: User) -> None:
+    r = agentcell_run(["--as", str(user.uid), "--monitor", "--", "python3", "-c", FLOOD], timeout=60)
+    assert r.rc == 137 and "still running" not in r.out, (r.out, r.err)
+    got = [(e["operation"], e["target"], e["source"]) for e in r.result["events"]]  # type: ignore[union-attr]
+    assert ("network", "127.0.0.1:1", "landlock") in got, r.result["events"]
+    assert not any("overflowed" in e["reason"] for e in r.result["events"]), r.result["events"]  # type: ignore
+
+
+def test_a_denial_is_the_cells_by_its_landlock_domain_with_no_fork_seen(user: User) -> None:
+    from agentcell import CellSpec
+    from agentcell.policy.resolve import build_env, resolve_identity
+    from agentcell.supervise import Supervised
+
+    ident = resolve_identity(str(user.uid), euid=0)
+    spec = CellSpec(ident, env=build_env({}, ident), cell_id="agentcell-domtest" + os.urandom(3).hex())
+    # The child is forked once the connector is blind: who it is comes from the kernel's record of
+    # the Landlock domain that denied it (made by the cell's PID 1), not from following forks.
+    sup = Supervised.start(spec, ["sh", "-c", "sleep 1; python3 -c \"$0\"; echo still running", CONNECT],
+                           stdio=(os.open(os.devnull, os.O_RDWR),) * 3)
+    assert sup.monitor is not None and sup.monitor.execs is not None
+    sup.monitor.execs.read = lambda limit=8192: []  # type: ignore[method-assign]
+    try:
+        result = sup.wait(30)
+    finally:
+        sup.terminate("cleanup")
+        sup.wait(20)
+    assert result["terminated_by_monitor"] is True, result
+    got = [(e["operation"], e["target"], e["source"]) for e in result["events"]]  # type: ignore[union-attr]
+    assert got == [("network", "127.0.0.1:1", "landlock")], result["events"]
+
+
 def test_record_only_lets_the_command_go_on(user: User) -> None:
     r = agentcell_run(["--as", str(user.uid), "--monitor", "--on-escape", "record", "--", "python3", "-c",
                        CONNECT], timeout=60)

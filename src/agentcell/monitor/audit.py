@@ -183,7 +183,10 @@ class AuditReader:
             _release()
             raise
         self.pending: dict[str, dict[str, Any]] = {}
-        self.domains: dict[str, int] = {}  # Landlock domain -> the pid that made it
+        # Landlock domain -> (pid, uid) of the process that made it, from the kernel's record of it
+        # (written with the domain's first denial, before that denial's SYSCALL record): who denied is
+        # known without following forks. Bounded: the host's other Landlock users can make many.
+        self.domains: dict[str, tuple[int, int]] = {}
 
     def fileno(self) -> int:
         return self.sock.fileno()
@@ -226,7 +229,10 @@ class AuditReader:
         elif kind == AUDIT_LANDLOCK_DOMAIN:
             f = parse_fields(body)
             if f.get("status") == "allocated" and f.get("pid", "").isdigit():
-                self.domains[f.get("domain", "")] = int(f["pid"])
+                uid = f.get("uid", "")
+                self.domains[f.get("domain", "")] = (int(f["pid"]), int(uid) if uid.isdigit() else -1)
+                if len(self.domains) > 4096:
+                    self.domains.pop(next(iter(self.domains)))
         elif kind == AUDIT_SYSCALL and serial in self.pending:
             pid = field(body, "pid")
             if accept is not None and not accept(int(pid) if pid.isdigit() else -1,

@@ -42,6 +42,15 @@ _CNMSG = struct.Struct("=IIIIHH")
 _EVENT = struct.Struct("=IIQ")
 
 
+def filters_events() -> bool:
+    """Whether this kernel's proc connector filters events per listener (Linux 6.6: struct proc_input)."""
+    try:
+        major, minor = (int(x) for x in os.uname().release.split(".")[:2])
+    except ValueError:
+        return False
+    return (major, minor) >= (6, 6)
+
+
 class ExecWatch:
     def __init__(self) -> None:
         self.sock = socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC, NETLINK_CONNECTOR)
@@ -54,7 +63,14 @@ class ExecWatch:
             raise
 
     def _control(self, op: int) -> None:
-        body = _CNMSG.pack(CN_IDX_PROC, CN_VAL_PROC, 0, 0, 4, 0) + struct.pack("=I", op)
+        """Listen (or stop). From Linux 6.6 a listener names the events it wants: only forks, execs,
+        uid changes and exits, so a cell renaming itself in a loop (PR_SET_NAME, a COMM event each, a
+        microsecond apiece) or calling setsid cannot fill this socket's buffer with events nobody
+        reads. Older kernels take the bare operation (and send everything)."""
+        data = struct.pack("=I", op)
+        if op == PROC_CN_MCAST_LISTEN and filters_events():
+            data += struct.pack("=I", PROC_EVENT_FORK | PROC_EVENT_EXEC | PROC_EVENT_UID | PROC_EVENT_EXIT)
+        body = _CNMSG.pack(CN_IDX_PROC, CN_VAL_PROC, 0, 0, len(data), 0) + data
         self.sock.send(_NLMSG.pack(_NLMSG.size + len(body), 3, 0, 0, os.getpid()) + body)  # NLMSG_DONE
 
     def fileno(self) -> int:

@@ -461,7 +461,7 @@ class Monitor:
     def _accept(self, pid: int, domain: str) -> bool:
         """A Landlock denial worth parsing: by one of the cell's processes (or its domain). A process
         forked after the connector was last read is looked up after reading it again."""
-        ours = pid in self._members or domain in self._domains
+        ours = pid in self._members or domain in self._domains or self._our_domain(domain)
         if not ours:
             self._drain_connector()
             ours = pid in self._members
@@ -574,11 +574,25 @@ class Monitor:
                                   "changed its uid", source="exec", cell=self.cell_id, pid=ex["pid"],
                                   exe=ex.get("exe", "")))
 
+    def _our_domain(self, domain: str) -> bool:
+        """Whether the kernel's record of ``domain`` says the cell made it: its PID 1 (the cell's own
+        domain, enforced just before the first exec), one of its processes (a layer an agent adds),
+        or, for a cell's own account, that account. No fork needs to have been seen: a flood of the
+        proc connector cannot hide a denial."""
+        maker = self.audit.domains.get(domain) if self.audit is not None else None
+        if maker is None:
+            return False
+        pid, uid = maker
+        if pid == self._seed or pid in self._members or (self.dedicated and uid == self.uid):
+            self._domains.add(domain)
+            return True
+        return False
+
     def _ours(self, raw: dict[str, Any]) -> bool:
-        """Is the denying process one of this cell's? Its cgroup says so while it lives; its Landlock
-        domain says so once a first denial of it was attributed."""
+        """Is the denying process one of this cell's? Its Landlock domain says so (the kernel's record
+        of who made it, or a first denial of it attributed); its descent from PID 1 says so too."""
         domain = raw.get("landlock", {}).get("domain", "")
-        if domain in self._domains:
+        if domain in self._domains or self._our_domain(domain):
             return True
         pid = raw.get("syscall", {}).get("pid", "")
         if pid.isdigit() and int(pid) in self._members:  # by descent: a process that is already gone counts
