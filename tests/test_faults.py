@@ -138,8 +138,17 @@ def test_a_session_whose_trail_fills_ends_at_once_and_its_trail_says_it_is_incom
     assert summary["status"] == "terminated" and "audit log cannot be written" in summary["reason"], summary
     assert "is full" in summary["reason"]
     fill.unlink()
+    # What was written is whole: either the teardown's records fit in what was left (the anchor needs
+    # no new inode or block) and the trail ends with session.end, or it says it is incomplete.
     p = cli("audit", "verify", str(audit))
-    assert p.returncode == 1 and f"session {summary['session']} has no session.end record" in p.stdout, p.stdout
+    from agentcell.audit.trail import records
+
+    events = [r["event"] for r in records(str(audit), summary["session"])]
+    if p.returncode == 0:
+        assert "chain intact" in p.stdout and events[-1] == "session.end", (p.stdout, events)
+        assert "session.tick" not in events[events.index("session.spawn"):-3], events  # ended at once, no tick
+    else:
+        assert p.returncode == 1 and f"session {summary['session']} has no session.end record" in p.stdout, p.stdout
 
 
 # ---- 7: a backup that fails leaves nothing ----------------------------------------------------------
@@ -227,3 +236,74 @@ def test_a_session_id_that_is_not_one_is_refused_in_one_line(tmp_path: Path, cmd
     err = p.stderr.decode("utf-8", "replace")
     assert p.returncode == 125 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
     assert "is not a session id" in err and len(err) < 400, err
+
+
+# ---- the red team's round on this issue (helper 10) ---------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["fifo", "link"])
+def test_an_audit_anchor_that_is_a_fifo_or_a_link_is_damaged_and_never_waited_on(tmp_path: Path, kind: str) -> None:
+    from agentcell.audit.trail import AuditLog, AuditWriteError
+
+    log = AuditLog(str(tmp_path / "audit" / "audit.jsonl"))
+    log.append("session.plan", session="s-1")
+    good = Path(log.head).read_text()
+    os.unlink(log.head)
+    if kind == "fifo":
+        os.mkfifo(log.head)
+    else:  # a link to a file that says what the anchor said: followed, the trail would look whole
+        (tmp_path / "elsewhere").write_text(good)
+        os.symlink(tmp_path / "elsewhere", log.head)
+    p = cli("audit", "verify", log.path, timeout=20)
+    assert p.returncode == 1 and "audit.jsonl.head is damaged" in p.stdout, p.stdout
+    with pytest.raises(AuditWriteError, match="does not end where its anchor says"):
+        log.append("session.end", session="s-1")  # root's append neither blocks nor reads through it
+
+
+def test_nesting_thousands_deep_is_refused_in_one_line(env: Env, tmp_path: Path) -> None:
+    from agentcell.errors import PolicyError
+    from agentcell.policy.compile import load_plan
+    from agentcell.session.config import read_toml
+
+    deep = "x = " + "[" * 5000 + "1" + "]" * 5000 + "\n"
+    (env.project / "agentcell.toml").write_text("[session]\n" + deep)
+    with pytest.raises(PolicyError, match="nested too deep"):
+        read_toml(str(env.project))
+    (tmp_path / "plan.toml").write_text(deep)
+    with pytest.raises(PolicyError, match="nested too deep"):
+        load_plan(tmp_path / "plan.toml")
+    from agentcell.audit.trail import AuditLog
+
+    log = AuditLog(str(tmp_path / "audit" / "audit.jsonl"))
+    log.append("session.plan", session="s-1")
+    with open(log.path, "ab") as f:
+        f.write(b"[" * 100_000 + b"\n")
+    for cmd in ("verify", "show"):
+        p = cli("audit", cmd, log.path)  # (cli: never a traceback)
+        assert p.returncode != 0 or cmd == "show", (cmd, p.stdout, p.stderr)
+    assert "not a JSON record" in cli("audit", "verify", log.path).stdout
+
+
+def test_an_append_needs_no_new_inode(small_fs: Path) -> None:
+    from agentcell.audit.trail import AuditLog, verify
+
+    log = AuditLog(str(small_fs / "audit" / "audit.jsonl"))
+    log.append("session.plan", session="s-1")
+    n = 0
+    with pytest.raises(OSError):
+        while True:  # what a cell does to the file system its trail shares: no inode left
+            (small_fs / f"f{n}").touch()
+            n += 1
+    log.append("session.escape", session="s-1")  # its own escape attempt is still recorded
+    log.append("session.end", session="s-1")
+    v = verify(log.path)
+    assert v.ok and v.records == 3 and not v.unfinished, v.problems
+
+
+def test_an_escape_whose_record_cannot_be_written_is_still_the_sessions_verdict(env: Env) -> None:
+    from sessionkit import scripted
+
+    s = scripted(env, "read ~/.ssh/id_rsa\nsleep 30\n", "--rw", "src", "--wall-clock", "60",
+                 extra={"AGENTCELL_TEST_FAULTS": "audit@monitor=1"})
+    assert s.rc == 120 and s.summary["status"] == "terminated", (s.summary, s.err)
+    assert s.summary["escape"]["operation"] == "read" and s.summary["escape"]["source"] == "canary", s.summary
+    assert "not in the audit log" in s.summary["reason"], s.summary

@@ -24,6 +24,9 @@ if TYPE_CHECKING:
     from .monitor.monitor import CellEvent, Monitor
 
 
+MAX_BLOCKED = 1000  # distinct refused targets a run's result lists
+
+
 class Supervised:
     """A running cell under supervision. Use :meth:`start`; then :meth:`wait` (or :meth:`poll`), which
     returns the same result dict as ``agentcell run --json``."""
@@ -32,7 +35,7 @@ class Supervised:
                  firewall: Any, log: Any) -> None:
         self.spec, self.running, self.monitor = spec, running, monitor
         self._proxy, self._fw, self._log = proxy, firewall, log
-        self._blocked: list[dict[str, Any]] = []
+        self._blocked: dict[tuple[str, str, str], dict[str, Any]] = {}  # refusals, one per target, counted
         self._result: dict[str, Any] | None = None
 
     @property
@@ -121,8 +124,24 @@ class Supervised:
 
     def _firewall_events(self) -> list[dict[str, Any]]:
         new: list[dict[str, Any]] = self._log.events()
-        self._blocked.extend(new)
+        self._keep_blocked(new)
         return new
+
+    def _keep_blocked(self, new: list[dict[str, Any]]) -> None:
+        """The run's refused packets, one entry per (target, protocol, uid) with a count, at most
+        MAX_BLOCKED of them: a cell sending refused packets as fast as it can (when refusals do not
+        end it: a person's uid, --on-escape record) costs the supervisor no memory per packet."""
+        for e in new:
+            key = (str(e.get("target")), str(e.get("protocol", "")), str(e.get("uid", "")))
+            seen = self._blocked.get(key)
+            if seen is not None:
+                seen["count"] = seen.get("count", 1) + 1
+            elif len(self._blocked) < MAX_BLOCKED:
+                self._blocked[key] = {**e, "count": 1}
+            else:
+                more = self._blocked.setdefault(("...", "", ""), {**e, "target": "...", "count": 0,
+                                                                  "reason": "more refused targets, not listed"})
+                more["count"] += 1
 
     def events(self) -> list[CellEvent]:
         return list(self.monitor.events) if self.monitor is not None else []
@@ -186,7 +205,8 @@ class Supervised:
             late = self._log.events()  # a refusal of the cell's last moments may come after the monitor's last look
             if self.monitor is not None:
                 self.monitor.record_egress(late)
-            blocked = [*self._blocked, *late]
+            self._keep_blocked(late)
+            blocked = list(self._blocked.values())
             self._log.close()
         events = self.monitor.events if self.monitor is not None else []
         out = dict(result or {})

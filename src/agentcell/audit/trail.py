@@ -5,7 +5,8 @@
 ``prev`` is the SHA-256 of the previous record's line (its exact bytes, without the newline); the
 first record's is 64 zeros. Editing, inserting, removing or reordering a record breaks the chain at
 that place. Cutting records off the end would not, so every append also rewrites a small anchor
-beside the log (``<log>.head``: the last seq and the hash of the last line, replaced atomically),
+beside the log (``<log>.head``: the last seq and the hash of the last line, replaced atomically
+through a spare made in advance, ``<log>.head.spare``),
 and a log shorter than its anchor is reported as truncated; a last line cut in the middle is too.
 
 Appends take an exclusive lock on the log (``flock``) for read-last, write, fsync and anchor: any
@@ -112,7 +113,7 @@ class AuditLog:
             if prev_line:
                 try:
                     seq, prev = int(json.loads(prev_line)["seq"]) + 1, _digest(prev_line)
-                except (ValueError, KeyError, TypeError):
+                except (ValueError, KeyError, TypeError, RecursionError):
                     raise _Broken("its last record is damaged") from None
             # The log must end where its anchor says: appending to a cut or replaced trail would give
             # it a new, valid-looking end and bury the damage.
@@ -153,34 +154,82 @@ def _lock(fd: int) -> None:
             time.sleep(0.01)
 
 
+def _head_text(path: str) -> str:
+    """The anchor's text, read as a file anyone may have replaced must be: no link followed, no FIFO
+    waited on, a regular file only, 256 bytes at most (ValueError otherwise; FileNotFoundError)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError("not a regular file")
+        return os.read(fd, 256).decode("ascii")
+    finally:
+        os.close(fd)
+
+
 def _read_head(path: str) -> tuple[int, str] | None:
     try:
-        with open(path) as f:
-            seq, digest = f.read().split()
+        seq, digest = _head_text(path).split()
         return int(seq), digest
     except FileNotFoundError:
         return None
-    except ValueError:
+    except (OSError, ValueError):  # a link, a FIFO, not text: damaged
         return (-1, "")
 
 
+HEAD_SIZE = 128  # the anchor's fixed size ("seq digest", padded): rewriting it never needs a new block
+
+
 def _write_head(path: str, seq: int, digest: str) -> None:
-    tmp = f"{path}.tmp-{os.urandom(6).hex()}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    """Replace the anchor atomically, through a spare made after the last write (its inode and its
+    block already allocated): an agent that uses up the file system's inodes (root has no reserve of
+    them) cannot make the record of its own escape attempt fail at the anchor."""
+    spare, made = path + ".spare", False
     try:
-        data = f"{seq} {digest}\n".encode()
-        if os.write(fd, data) != len(data):
+        fd = os.open(spare, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        fd, made = os.open(spare, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600), True
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_nlink != 1:
+            raise OSError(f"{spare} is not a file of ours")
+        data = f"{seq} {digest}\n".encode().ljust(HEAD_SIZE)
+        if os.pwrite(fd, data, 0) != len(data):
             raise OSError(28, "short write of the anchor (no space left on device?)")
+        os.ftruncate(fd, len(data))
         os.fsync(fd)
-        os.rename(tmp, path)
+        os.rename(spare, path)
     except OSError:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
+        if made:
+            try:
+                os.unlink(spare)
+            except OSError:
+                pass
         raise
     finally:
         os.close(fd)
+    _make_spare(spare)
+
+
+def _make_spare(spare: str) -> None:
+    """The next anchor's file, made now while there is room (best effort: without it the next write
+    makes its own, as the first one did)."""
+    try:
+        fd = os.open(spare, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError:
+        return
+    try:
+        os.write(fd, b" " * HEAD_SIZE)
+        os.fsync(fd)
+    except OSError:
+        os.close(fd)
+        fd = -1
+        try:
+            os.unlink(spare)
+        except OSError:
+            pass
+    finally:
+        if fd >= 0:
+            os.close(fd)
 
 
 def _fsync_dir(d: str) -> None:
@@ -237,7 +286,7 @@ def verify(path: str | None = None) -> Verdict:
                 if not isinstance(rec, dict):
                     raise ValueError("not an object")
                 canonical = json.dumps(rec, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
-            except ValueError:
+            except (ValueError, RecursionError):  # RecursionError: a line of nested brackets
                 problems.append((n, "not a JSON record (edited or inserted)"))
                 prev, seq = _digest(line), seq + 1
                 continue
@@ -258,8 +307,7 @@ def verify(path: str | None = None) -> Verdict:
                     ended.add(sid)
     lines = n
     try:
-        with open(path + ".head") as hf:
-            head_seq, head_digest = hf.read(256).split()
+        head_seq, head_digest = _head_text(path + ".head").split()
         if int(head_seq) > lines:
             problems.append((lines, f"the log ends at record {lines} but {head_seq} were written (truncated)"))
         elif int(head_seq) == lines and head_digest != prev:
@@ -284,7 +332,7 @@ def records(path: str | None = None, session: str | None = None) -> list[dict[st
         for line in f:
             try:
                 rec = json.loads(line)
-            except ValueError:
+            except (ValueError, RecursionError):
                 continue
             if isinstance(rec, dict) and (session is None or rec.get("session") == session):
                 out.append(rec)

@@ -87,8 +87,10 @@ class MaskWatch:
                     return []  # the cell is gone
                 gone.append((p, False))
                 continue
-            except OSError:
-                return []
+            except OSError:  # this name cannot be looked up now (a parent made a file): the others still are
+                if not os.path.exists(f"/proc/{self.pid1}/root/"):
+                    return []  # the cell is gone
+                continue
             if st.st_dev != self.dev:
                 gone.append((p, self._readable(st)))
         return gone

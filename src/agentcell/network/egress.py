@@ -69,7 +69,7 @@ def summary(events: list[dict[str, Any]]) -> str:
         return ""
     counts: dict[str, int] = {}
     for e in events:
-        counts[str(e.get("target"))] = counts.get(str(e.get("target")), 0) + 1
+        counts[str(e.get("target"))] = counts.get(str(e.get("target")), 0) + int(e.get("count", 1))
     shown = ", ".join(f"{t}" + (f" ({n}x)" if n > 1 else "") for t, n in list(counts.items())[:8])
     more = f" and {len(counts) - 8} more" if len(counts) > 8 else ""
     first = str(events[0].get("reason", ""))

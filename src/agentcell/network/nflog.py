@@ -59,10 +59,12 @@ class Reader:
     def __init__(self, sock: socket.socket, group: int) -> None:
         self.sock, self.group = sock, group
 
-    def events(self) -> list[dict[str, Any]]:
+    def events(self, limit: int = 4096) -> list[dict[str, Any]]:
+        """The refused packets logged since the last call (at most ``limit`` reads: the caller's loop
+        must come round, a flood cannot keep it here)."""
         out: list[dict[str, Any]] = []
         self.sock.setblocking(False)
-        while True:
+        for _ in range(limit):
             try:
                 data = self.sock.recv(1 << 20)
             except BlockingIOError:
@@ -74,6 +76,7 @@ class Reader:
                     continue
                 return out
             out += list(_parse(data))
+        return out
 
     def close(self) -> None:
         self.sock.close()

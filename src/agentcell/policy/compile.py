@@ -194,6 +194,8 @@ def load_plan(path: str | os.PathLike[str]) -> SessionPlan:
         raise PolicyError(e.field, e.problem, e.fix) from None
     except ValueError as e:  # TOMLDecodeError, or bytes that are not UTF-8
         raise PolicyError(where, f"not valid TOML: {e}".splitlines()[0], "fix the syntax") from None
+    except RecursionError:  # arrays or tables nested thousands deep: the parser's stack
+        raise PolicyError(where, "not valid TOML: nested too deep", "fix the syntax") from None
     try:
         plan = SessionPlan.model_validate(data)
     except ValidationError as e:

@@ -251,6 +251,8 @@ def read_toml(project_root: str) -> dict[str, Any]:
         data = tomllib.loads(_read_regular(fd, path, "make it a plain file, or remove it").decode("utf-8"))
     except ValueError as e:
         raise PolicyError(path, f"not valid TOML: {e}".splitlines()[0], "fix the syntax") from None
+    except RecursionError:  # arrays or tables nested thousands deep: the parser's stack
+        raise PolicyError(path, "not valid TOML: nested too deep", "fix the syntax") from None
     finally:
         os.close(fd)
     table = data.get("session", {})

@@ -355,11 +355,16 @@ class Nodes:
                 ev = self._escape(state, escape["operation"], escape["target"], escape["reason"],
                                   source=escape["source"], pid=escape.get("pid"), exe=escape.get("exe"),
                                   ts=escape.get("ts"), ancestry=escape.get("ancestry"))
-                self._audit(state, "monitor", "session.escape", allow=escape.get("allow", ""),
-                            **{k: v for k, v in ev.items() if k != "session_id"})
+                try:
+                    self._audit(state, "monitor", "session.escape", allow=escape.get("allow", ""),
+                                **{k: v for k, v in ev.items() if k != "session_id"})
+                    unrecorded: dict[str, Any] = {}
+                except AuditWriteError as e:  # the escape is still the session's verdict, and says so
+                    unrecorded = {"audit_error": e.line()}
                 who = f" by {os.path.basename(ev['exe'] or '?')} (pid {ev['pid']})" if ev["pid"] else ""
                 return {"status": "terminated", "reason": f"escape: {ev['operation']} {ev['target']}{who}: "
-                        f"{ev['reason']}", "escape": ev}
+                        f"{ev['reason']}" + (" (not in the audit log: it cannot be written)" if unrecorded else ""),
+                        "escape": ev, **unrecorded}
             if result is not None:
                 self._audit(state, "monitor", "session.exit", exit_status=result["exit_status"],
                             signal=result["signal"])
