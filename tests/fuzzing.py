@@ -182,7 +182,8 @@ def policy_files(pg: Playground) -> st.SearchStrategy[str]:
 
 def host_state() -> dict[str, object]:
     """What a case must never change outside its playground: accounts, groups, network namespaces,
-    nftables tables, cgroups, mounts, agentcell's own state, the top of /tmp and /home."""
+    nftables tables, cgroups, mounts, agentcell's own state, the top of /, /tmp, /home, /var/lib, /opt
+    and /root (a store or a trail put among the system's directories: '--store //' once made /objects)."""
     def out(*cmd: str) -> str:
         return subprocess.run(cmd, capture_output=True, text=True).stdout
 
@@ -197,7 +198,8 @@ def host_state() -> dict[str, object]:
             "cgroups": sorted(str(p) for p in Path("/sys/fs/cgroup").glob("**/agentcell*")),
             "mounts": [line for line in Path("/proc/self/mountinfo").read_text().splitlines() if "agentcell" in line],
             "var": listing("/var/lib/agentcell"), "run": listing("/run/agentcell"), "tmp": listing("/tmp"),
-            "home": listing("/home")}
+            "home": listing("/home"), "root": listing("/"), "var/lib": listing("/var/lib"), "opt": listing("/opt"),
+            "~root": listing("/root")}
 
 
 def token() -> str:

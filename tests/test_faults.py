@@ -307,3 +307,22 @@ def test_an_escape_whose_record_cannot_be_written_is_still_the_sessions_verdict(
     assert s.rc == 120 and s.summary["status"] == "terminated", (s.summary, s.err)
     assert s.summary["escape"]["operation"] == "read" and s.summary["escape"]["source"] == "canary", s.summary
     assert "not in the audit log" in s.summary["reason"], s.summary
+
+
+# ---- found by the fuzzer ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("store", ["//", "/etc", "a directory of other things"])
+def test_a_store_among_other_things_is_refused_and_nothing_is_made_there(tmp_path: Path, store: str) -> None:
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    (tree / "a.txt").write_text("a\n")
+    if store.startswith("a directory"):
+        store = str(tmp_path / "mine")
+        os.mkdir(store, 0o700)
+        (Path(store) / "notes.txt").write_text("mine\n")
+    before = sorted(os.listdir(store))
+    p = cli("snapshot", "take", str(tree), "--store", store)
+    assert p.returncode != 0 and "so it is not a snapshot store" in p.stderr, p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1 and sorted(os.listdir(store)) == before
+    p = cli("snapshot", "take", str(tree), "--store", str(tmp_path / "new"))  # a new one, then the same again
+    assert p.returncode == 0 and cli("snapshot", "take", str(tree), "--store", str(tmp_path / "new")).returncode == 0

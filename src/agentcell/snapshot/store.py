@@ -56,9 +56,13 @@ def _unhex(h: str) -> str:
     return os.fsdecode(bytes.fromhex(h))
 
 
+STORE_DIRS = ("objects", "snapshots", "cache")  # what a store holds, and all it holds
+
+
 class Store:
     def __init__(self, path: str | None = None) -> None:
-        self.path = os.path.abspath(path or default_store())
+        # normpath: '//' stays '//' under abspath (POSIX), and its dirname is itself
+        self.path = "/" + os.path.abspath(path or default_store()).lstrip("/")
 
     # ---- the store itself ------------------------------------------------------------------------
 
@@ -74,17 +78,32 @@ class Store:
             try:
                 pst = os.lstat(d)
             except FileNotFoundError:
+                if d == os.path.dirname(d):
+                    break
                 d = os.path.dirname(d)
                 continue
             shared = pst.st_mode & 0o022 and not pst.st_mode & stat.S_ISVTX
             if stat.S_ISLNK(pst.st_mode) or pst.st_uid not in (0, os.geteuid()) or shared:
                 raise SnapshotError("--store", f"{d}, above the store, can be changed by others (an agent could "
                                     "swap the store)", "put the store where only you and root can write")
-            if d == "/":
+            if d == os.path.dirname(d):  # the top
                 break
             d = os.path.dirname(d)
+        # A store is a directory of its own: new, empty, or a store already. Never '/' or /etc, say,
+        # where its directories would be made among the system's ('--store //' did).
         try:
-            for sub in ("", "objects", "snapshots", "cache"):
+            others = sorted(set(os.listdir(self.path)) - {*STORE_DIRS, "lost+found"})
+        except FileNotFoundError:
+            others = []
+        except OSError as e:
+            raise SnapshotError("--store", f"cannot read {self.path}: {e.strerror}",
+                                "give a new or empty directory, or an existing store") from None
+        if others:
+            raise SnapshotError("--store", f"{self.path} holds other things ({', '.join(others[:3])}"
+                                f"{', …' if len(others) > 3 else ''}), so it is not a snapshot store",
+                                "give a new or empty directory, or an existing store")
+        try:
+            for sub in ("", *STORE_DIRS):
                 os.makedirs(os.path.join(self.path, sub), mode=0o700, exist_ok=True)
         except OSError as e:
             raise SnapshotError("--store", f"cannot create {self.path}: {e.strerror}",
