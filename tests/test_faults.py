@@ -326,3 +326,26 @@ def test_a_store_among_other_things_is_refused_and_nothing_is_made_there(tmp_pat
     assert len(p.stderr.strip().splitlines()) == 1 and sorted(os.listdir(store)) == before
     p = cli("snapshot", "take", str(tree), "--store", str(tmp_path / "new"))  # a new one, then the same again
     assert p.returncode == 0 and cli("snapshot", "take", str(tree), "--store", str(tmp_path / "new")).returncode == 0
+
+
+@pytest.mark.parametrize("kind", ["fifo", "link", "hard link"])
+def test_a_spare_anchor_that_is_not_a_plain_file_of_ours_is_not_used_nor_waited_on(tmp_path: Path, kind: str) -> None:
+    from agentcell.audit.trail import AuditLog, verify
+
+    log = AuditLog(str(tmp_path / "audit" / "audit.jsonl"))
+    log.append("session.plan", session="s-1")
+    spare = Path(log.head + ".spare")
+    spare.unlink()
+    other = tmp_path / "other"
+    other.write_text("x" * 128)
+    if kind == "fifo":
+        os.mkfifo(spare)
+    elif kind == "link":
+        spare.symlink_to(other)
+    else:
+        os.link(other, spare)
+    log.append("session.end", session="s-1")  # neither blocks on the FIFO nor writes through the links
+    assert other.read_text() == "x" * 128
+    v = verify(log.path)
+    assert v.ok and v.records == 2, v.problems
+    assert spare.is_file() and not spare.is_symlink() and spare.stat().st_nlink == 1  # a new spare, of ours

@@ -58,28 +58,73 @@ def test_a_flood_of_renames_hides_no_denial(user: User) -> None:
     assert not any("overflowed" in e["reason"] for e in r.result["events"]), r.result["events"]  # type: ignore
 
 
-def test_a_denial_is_the_cells_by_its_landlock_domain_with_no_fork_seen(user: User) -> None:
+def _blind_cell(uid: int, argv: list[str], monkeypatch: pytest.MonkeyPatch) -> dict[str, object]:
+    """A monitored cell as ``uid`` whose proc connector is blind from the start: who its processes
+    are can only come from the kernel's record of the Landlock domain that denied them."""
     from agentcell import CellSpec
     from agentcell.policy.resolve import build_env, resolve_identity
     from agentcell.supervise import Supervised
 
-    ident = resolve_identity(str(user.uid), euid=0)
+    ident = resolve_identity(str(uid), euid=0)
     spec = CellSpec(ident, env=build_env({}, ident), cell_id="agentcell-domtest" + os.urandom(3).hex())
-    # The child is forked once the connector is blind: who it is comes from the kernel's record of
-    # the Landlock domain that denied it (made by the cell's PID 1), not from following forks.
-    sup = Supervised.start(spec, ["sh", "-c", "sleep 1; python3 -c \"$0\"; echo still running", CONNECT],
-                           stdio=(os.open(os.devnull, os.O_RDWR),) * 3)
+    sup = Supervised.start(spec, argv, stdio=(os.open(os.devnull, os.O_RDWR),) * 3, dedicated=True)
     assert sup.monitor is not None and sup.monitor.execs is not None
     sup.monitor.execs.read = lambda limit=8192: []  # type: ignore[method-assign]
     try:
-        result = sup.wait(30)
+        return sup.wait(30)
     finally:
         sup.terminate("cleanup")
         sup.wait(20)
+
+
+def test_a_denial_is_the_cells_by_its_landlock_domain_with_no_fork_seen(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    from agentcell.accounts import ephemeral
+
+    monkeypatch.setenv("AGENTCELL_STATE_DIR", str(tmp_path / "state"))
+    acct = ephemeral.create_ephemeral("dom-" + os.urandom(4).hex())  # a session's own account
+    try:
+        # The child is forked once the connector is blind.
+        result = _blind_cell(acct.uid, ["sh", "-c", "sleep 1; python3 -c \"$0\"; echo still running", CONNECT],
+                             monkeypatch)
+    finally:
+        ephemeral.delete(acct)
     assert result["terminated_by_monitor"] is True, result
     got = [(e["operation"], e["target"], e["source"]) for e in result["events"]  # type: ignore[union-attr]
            if e.get("acts", True)]  # (a note, say useradd replacing /etc/shadow on the host meanwhile, is not)
     assert got == [("network", "127.0.0.1:1", "landlock")], result["events"]
+
+
+OUTSIDER = ("import ctypes, os, socket, struct, sys, time\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+            "attr = struct.pack('QQ', 0, 2)  # handles net.connect_tcp, allows none\n"
+            "fd = libc.syscall(444, attr, len(attr), 0)\nassert fd >= 0, ctypes.get_errno()\n"
+            "libc.prctl(38, 1, 0, 0, 0)\nassert libc.syscall(446, fd, 0) == 0, ctypes.get_errno()\n"
+            "time.sleep(float(sys.argv[1]))\ntry:\n    socket.create_connection(('127.0.0.1', 1))\n"
+            "except OSError as e:\n    print('refused', e.errno, flush=True)\n")
+
+
+def test_a_denial_outside_the_cell_is_never_the_cells(user: User, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A process of the same uid outside any cell makes a Landlock domain of its own and is denied
+    # while the cell runs: a person's uid is not the cell's, and neither is a pid the kernel recorded
+    # long ago (its number may be a cell's process by now).
+    outside = subprocess.Popen([*user.prefix(), "/usr/bin/python3", "-c", OUTSIDER, "1.5"], stdout=subprocess.PIPE,
+                               text=True)
+    try:
+        result = _blind_cell(user.uid, ["sleep", "3"], monkeypatch)
+    finally:
+        out, _ = outside.communicate(timeout=30)
+    assert out.strip() == "refused 13", out
+    assert result["terminated_by_monitor"] is False, result
+    assert not [e for e in result["events"] if e.get("acts", True)], result["events"]  # type: ignore[union-attr]
+
+
+def test_landlock_is_not_there_for_what_runs_in_a_cell(user: User) -> None:
+    # A layer of the agent's own would hide its denials (the kernel logs the youngest denying layer,
+    # with that layer's logging flags): in a cell, Landlock is "not there".
+    probe = ("import ctypes; libc = ctypes.CDLL(None, use_errno=True)\n"
+             "print(libc.syscall(444, None, 0, 1), ctypes.get_errno())")  # LANDLOCK_CREATE_RULESET_VERSION
+    r = agentcell_run(["--as", str(user.uid), "--", "python3", "-c", probe])
+    assert r.rc == 0 and r.out.strip() == "-1 38", (r.out, r.err)  # ENOSYS
 
 
 def test_record_only_lets_the_command_go_on(user: User) -> None:
@@ -428,8 +473,8 @@ def test_a_mask_whose_name_cannot_be_looked_up_does_not_blind_the_others(tmp_pat
         watch.close()
 
 
-UDP_FLOOD = ("import socket\ns = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\nsent = 0\nfor i in range(20000):\n"
-             "    try:\n        s.sendto(b'x', ('127.0.0.1', 9))\n        sent += 1\n    except OSError:\n        pass\n"
+UDP_FLOOD = ("import socket\ns = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\nfor i in range(20000):\n"
+             "    try:\n        s.sendto(b'x', ('127.0.0.1', 9))\n    except OSError:\n        pass\n"
              "print('done')")
 
 

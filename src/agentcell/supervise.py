@@ -12,6 +12,7 @@ so the order below is written once:
 """
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +37,7 @@ class Supervised:
         self.spec, self.running, self.monitor = spec, running, monitor
         self._proxy, self._fw, self._log = proxy, firewall, log
         self._blocked: dict[tuple[str, str, str], dict[str, Any]] = {}  # refusals, one per target, counted
+        self._blocked_lock = threading.Lock()  # the monitor's loop adds while the end reads (a slow stop)
         self._result: dict[str, Any] | None = None
 
     @property
@@ -131,6 +133,10 @@ class Supervised:
         """The run's refused packets, one entry per (target, protocol, uid) with a count, at most
         MAX_BLOCKED of them: a cell sending refused packets as fast as it can (when refusals do not
         end it: a person's uid, --on-escape record) costs the supervisor no memory per packet."""
+        with self._blocked_lock:
+            self._keep_locked(new)
+
+    def _keep_locked(self, new: list[dict[str, Any]]) -> None:
         for e in new:
             key = (str(e.get("target")), str(e.get("protocol", "")), str(e.get("uid", "")))
             seen = self._blocked.get(key)
@@ -206,7 +212,8 @@ class Supervised:
             if self.monitor is not None:
                 self.monitor.record_egress(late)
             self._keep_blocked(late)
-            blocked = list(self._blocked.values())
+            with self._blocked_lock:
+                blocked = list(self._blocked.values())
             self._log.close()
         events = self.monitor.events if self.monitor is not None else []
         out = dict(result or {})

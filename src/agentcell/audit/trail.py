@@ -182,26 +182,32 @@ HEAD_SIZE = 128  # the anchor's fixed size ("seq digest", padded): rewriting it 
 def _write_head(path: str, seq: int, digest: str) -> None:
     """Replace the anchor atomically, through a spare made after the last write (its inode and its
     block already allocated): an agent that uses up the file system's inodes (root has no reserve of
-    them) cannot make the record of its own escape attempt fail at the anchor."""
-    spare, made = path + ".spare", False
+    them) cannot make the record of its own escape attempt fail at the anchor. A spare that is not a
+    plain file of ours (a FIFO, a link, a hard link) is not used: a new file is, as the first time."""
+    spare, target = path + ".spare", None
     try:
-        fd = os.open(spare, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except FileNotFoundError:
-        fd, made = os.open(spare, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600), True
-    try:
+        fd = os.open(spare, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_nlink != 1:
-            raise OSError(f"{spare} is not a file of ours")
+        if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and st.st_nlink == 1:
+            target = spare
+        else:
+            os.close(fd)
+    except OSError:
+        pass
+    if target is None:
+        target = f"{path}.tmp-{os.urandom(6).hex()}"
+        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
         data = f"{seq} {digest}\n".encode().ljust(HEAD_SIZE)
         if os.pwrite(fd, data, 0) != len(data):
             raise OSError(28, "short write of the anchor (no space left on device?)")
         os.ftruncate(fd, len(data))
         os.fsync(fd)
-        os.rename(spare, path)
+        os.rename(target, path)
     except OSError:
-        if made:
+        if target != spare:
             try:
-                os.unlink(spare)
+                os.unlink(target)
             except OSError:
                 pass
         raise
@@ -211,25 +217,24 @@ def _write_head(path: str, seq: int, digest: str) -> None:
 
 
 def _make_spare(spare: str) -> None:
-    """The next anchor's file, made now while there is room (best effort: without it the next write
-    makes its own, as the first one did)."""
+    """The next anchor's file, made now while there is room, put in place by a rename (whatever is at
+    the name goes). Best effort: without it the next write makes its own, as the first one did."""
+    tmp = f"{spare}.tmp-{os.urandom(6).hex()}"
     try:
-        fd = os.open(spare, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     except OSError:
         return
     try:
         os.write(fd, b" " * HEAD_SIZE)
         os.fsync(fd)
+        os.rename(tmp, spare)
     except OSError:
-        os.close(fd)
-        fd = -1
         try:
-            os.unlink(spare)
+            os.unlink(tmp)
         except OSError:
             pass
     finally:
-        if fd >= 0:
-            os.close(fd)
+        os.close(fd)
 
 
 def _fsync_dir(d: str) -> None:

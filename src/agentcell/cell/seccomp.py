@@ -65,7 +65,12 @@ EPERM_NUMBERS_X86_64 = (457, 458, 459, 460, 461, 467)
 # firewall sees them): a covert channel out of a host-firewall cell. (level, optname) pairs.
 MULTICAST_JOINS = ((0, 35), (0, 39), (0, 42), (0, 46), (41, 20), (41, 42), (41, 46))
 CACHE_DIR = "/var/lib/agentcell/seccomp"
-VERSION = 5  # bump when the rules change: it is part of the cache key
+# A Landlock layer of the agent's own would hide its denials from the monitor (the kernel logs only
+# the youngest denying layer, with that layer's logging flags, off after an exec by default): a cell
+# is confined already, so Landlock is "not there" (ENOSYS) for what runs in it. x86_64 numbers too.
+LANDLOCK_CALLS = ("landlock_create_ruleset", "landlock_add_rule", "landlock_restrict_self")
+LANDLOCK_NUMBERS_X86_64 = (444, 445, 446)
+VERSION = 6  # bump when the rules change: it is part of the cache key
 
 PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 22, 2
 SYS_SECCOMP = {"x86_64": 317, "aarch64": 277}
@@ -80,6 +85,8 @@ def describe() -> list[str]:
             "EAFNOSUPPORT: sockets of any family but unix, IPv4, IPv6 and netlink (AF_VSOCK above all)",
             "EPERM: setsockopt joining a multicast group (IGMP/MLD reports leave unowned)",
             "ENOSYS: clone3 (flags not inspectable; libc falls back to clone)",
+            "ENOSYS: landlock_create_ruleset, landlock_add_rule, landlock_restrict_self (a layer of the agent's "
+            "own would hide its denials from the monitor)",
             "KILL: any syscall from a foreign architecture (i386, x32)"]
 
 
@@ -100,6 +107,12 @@ def _compile(notify: bool) -> bytes:
     for flag in NAMESPACE_FLAGS:
         f.add_rule(escape, "clone", sc.Arg(0, sc.MASKED_EQ, flag, flag))
     f.add_rule(sc.ERRNO(errno.ENOSYS), "clone3")
+    for i, name in enumerate(LANDLOCK_CALLS):
+        try:
+            f.add_rule(sc.ERRNO(errno.ENOSYS), name)
+        except (RuntimeError, ValueError, OSError):  # a libseccomp without its name
+            if os.uname().machine == "x86_64":
+                f.add_rule(sc.ERRNO(errno.ENOSYS), LANDLOCK_NUMBERS_X86_64[i])
     for request in (TIOCSTI, TIOCLINUX):
         f.add_rule(escape, "ioctl", sc.Arg(1, sc.MASKED_EQ, 0xFFFFFFFF, request))
     for flag in WEAKENING_PERSONALITIES:

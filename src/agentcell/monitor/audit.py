@@ -187,6 +187,7 @@ class AuditReader:
         # (written with the domain's first denial, before that denial's SYSCALL record): who denied is
         # known without following forks. Bounded: the host's other Landlock users can make many.
         self.domains: dict[str, tuple[int, int]] = {}
+        self.on_read: Callable[[], None] | None = None  # called for each message read (the watchdog's progress)
 
     def fileno(self) -> int:
         return self.sock.fileno()
@@ -198,6 +199,8 @@ class AuditReader:
         out: list[dict[str, Any]] = []
         self.sock.setblocking(False)
         for _ in range(limit):
+            if self.on_read is not None:
+                self.on_read()
             try:
                 data = self.sock.recv(1 << 16)
             except BlockingIOError:
@@ -227,10 +230,11 @@ class AuditReader:
             if len(self.pending) > 4096:  # records whose end never came: drop the oldest
                 self.pending.pop(next(iter(self.pending)))
         elif kind == AUDIT_LANDLOCK_DOMAIN:
-            f = parse_fields(body)
-            if f.get("status") == "allocated" and f.get("pid", "").isdigit():
-                uid = f.get("uid", "")
-                self.domains[f.get("domain", "")] = (int(f["pid"]), int(uid) if uid.isdigit() else -1)
+            # Read by field, not parsed whole: any process on the host can have such records written, with
+            # a long exe (the fields it needs come before the untrusted exe and comm, which the kernel quotes).
+            pid, uid = field(body, "pid"), field(body, "uid")
+            if field(body, "status") == "allocated" and pid.isdigit():
+                self.domains[field(body, "domain")] = (int(pid), int(uid) if uid.isdigit() else -1)
                 if len(self.domains) > 4096:
                     self.domains.pop(next(iter(self.domains)))
         elif kind == AUDIT_SYSCALL and serial in self.pending:

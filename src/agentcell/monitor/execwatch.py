@@ -24,6 +24,7 @@ import errno
 import os
 import socket
 import struct
+from collections.abc import Callable
 from typing import Any
 
 from ..netlink import set_rcvbuf
@@ -58,6 +59,7 @@ class ExecWatch:
             set_rcvbuf(self.sock, 16 << 20)
             self.sock.bind((0, CN_IDX_PROC))
             self._control(PROC_CN_MCAST_LISTEN)
+            self.on_read: Callable[[], None] | None = None  # called for each message read (the watchdog's)
         except BaseException:
             self.sock.close()
             raise
@@ -82,6 +84,8 @@ class ExecWatch:
         out: list[dict[str, Any]] = []
         self.sock.setblocking(False)
         for _ in range(limit):
+            if self.on_read is not None:
+                self.on_read()
             try:
                 data = self.sock.recv(4096)
             except BlockingIOError:

@@ -48,6 +48,7 @@ FLOOD_S = 2.0
 # A loop that has not come round for this long *while the watchdog itself kept time* has stopped: a
 # telemetry event. A starved host delays both threads alike (the watchdog's own ticks come late, the
 # loop waits on the run queue): that time is not counted against the loop.
+SESSION_ACCOUNT_PREFIX = "ac-s"  # accounts.ephemeral.PREFIX (not imported: agentcell run stays lean)
 HEARTBEAT_S = 1.0
 TICK_S = HEARTBEAT_S / 4
 LATE_S = 2 * TICK_S  # a watchdog tick that took longer than this: the process was not getting the CPU
@@ -147,6 +148,16 @@ def _tunes_itself(path: str) -> bool:
     return len(who) == 1 and (who[0].isdigit() or who[0] in ("self", "thread-self"))
 
 
+
+def _session_account(uid: int | None) -> bool:
+    """Whether ``uid`` is a session's own account (``ac-s…``: made for one session, running nothing else)."""
+    import pwd
+
+    try:
+        return uid is not None and pwd.getpwuid(uid).pw_name.startswith(SESSION_ACCOUNT_PREFIX)
+    except KeyError:
+        return False
+
 class Monitor:
     """Watch one running cell. ``on_escape``: terminate | record | ``CLASS=VERDICT,…`` (:func:`parse_verdicts`).
 
@@ -163,6 +174,7 @@ class Monitor:
         # The account exists for agents alone (agent:NAME, a session's own): whatever its uid does
         # on the host's network is the cell's. A person's uid (--as UID, sudo's caller) is not.
         self.dedicated = dedicated
+        self.exclusive = dedicated and _session_account(uid)  # only this cell runs as it
         # Landlock denials the host reported lately: (when, whether this cell's); as many as the audit backlog
         self._denials: collections.deque[tuple[float, bool]] = collections.deque(maxlen=8192)
         self.trusted: set[int] = set()  # agentcell's own processes in the cell's cgroup (its proxy)
@@ -206,6 +218,7 @@ class Monitor:
             from .audit import AuditReader
 
             self.audit = AuditReader()
+            self.audit.on_read = self._progress
             self._state["landlock"] = "on"
             try:
                 from .audit import audit_lost
@@ -221,6 +234,7 @@ class Monitor:
             from .execwatch import ExecWatch, ToolExecs
 
             self.execs = ExecWatch()
+            self.execs.on_read = self._progress
             self._state["exec"] = "on"
             try:
                 self.tools = ToolExecs()
@@ -312,11 +326,19 @@ class Monitor:
             self.stalled = blocked + max(0.0, cpu - spun_from)
             self.check()
 
+    def _progress(self) -> None:
+        """The loop moved: a pass, or a message read from a source (whoever's it was: reading the
+        host's messages to drop them is work, not a spin)."""
+        self.heartbeat = time.monotonic()
+
     def _loop_cpu(self) -> float:
-        """The CPU time the loop's thread has used (0 once it is gone: then :meth:`alive` says so)."""
+        """The CPU time the loop's thread has used, from the kernel by its thread id (0 once it is
+        gone: then :meth:`alive` says so; never through a pthread handle that may be freed)."""
+        tid = getattr(self._thread, "native_id", None)
         try:
-            return time.clock_gettime(time.pthread_getcpuclockid(self._thread.ident))  # type: ignore[union-attr,arg-type]
-        except (OSError, AttributeError, TypeError):
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                return int(f.read().split()[0]) / 1e9
+        except (OSError, IndexError, ValueError):
             return 0.0
 
     def _loop_runnable(self) -> bool:
@@ -439,7 +461,6 @@ class Monitor:
         if self.audit is None:
             return
         for raw in self.audit.read(accept=self._accept):
-            self.heartbeat = time.monotonic()
             if raw.get("lost"):
                 self._audit_overflow("the audit stream overflowed")
                 continue
@@ -575,18 +596,18 @@ class Monitor:
                                   exe=ex.get("exe", "")))
 
     def _our_domain(self, domain: str) -> bool:
-        """Whether the kernel's record of ``domain`` says the cell made it: its PID 1 (the cell's own
-        domain, enforced just before the first exec), one of its processes (a layer an agent adds),
-        or, for a cell's own account, that account. No fork needs to have been seen: a flood of the
-        proc connector cannot hide a denial."""
-        maker = self.audit.domains.get(domain) if self.audit is not None else None
-        if maker is None:
+        """Whether the kernel's record of ``domain`` says the cell made it: for a session's own account
+        (it runs nothing but this cell), made by that account. No fork needs to have been seen, so a
+        flood of the proc connector cannot hide a denial. Not by the maker's pid: the record is
+        written at the domain's first denial, long after, and the number may be another process's by
+        then (an outsider could have a cell's new process take it). Not for a persistent agent's
+        account, which may run two cells at once, nor for a person's uid."""
+        maker = self.audit.domains.get(domain) if self.audit is not None and self.exclusive else None
+        if maker is None or maker[1] != self.uid:
             return False
-        pid, uid = maker
-        if pid == self._seed or pid in self._members or (self.dedicated and uid == self.uid):
+        if len(self._domains) < 4096:
             self._domains.add(domain)
-            return True
-        return False
+        return True
 
     def _ours(self, raw: dict[str, Any]) -> bool:
         """Is the denying process one of this cell's? Its Landlock domain says so (the kernel's record

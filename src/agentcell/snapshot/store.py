@@ -92,6 +92,9 @@ class Store:
         # A store is a directory of its own: new, empty, or a store already. Never '/' or /etc, say,
         # where its directories would be made among the system's ('--store //' did).
         try:
+            if not stat.S_ISDIR(os.lstat(self.path).st_mode):  # a link too: nothing is made through it
+                raise SnapshotError("--store", f"{self.path} is not a directory (a link is not followed)",
+                                    "give a new or empty directory, or an existing store")
             others = sorted(set(os.listdir(self.path)) - {*STORE_DIRS, "lost+found"})
         except FileNotFoundError:
             others = []
