@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from conftest import AGENTCELL, needs_root
-from sessionkit import Env, running, session, session_environ
+from sessionkit import Env, running, scripted, session, session_environ
 
 pytestmark = needs_root
 
@@ -300,8 +300,6 @@ def test_an_append_needs_no_new_inode(small_fs: Path) -> None:
 
 
 def test_an_escape_whose_record_cannot_be_written_is_still_the_sessions_verdict(env: Env) -> None:
-    from sessionkit import scripted
-
     s = scripted(env, "read ~/.ssh/id_rsa\nsleep 30\n", "--rw", "src", "--wall-clock", "60",
                  extra={"AGENTCELL_TEST_FAULTS": "audit@monitor=1"})
     assert s.rc == 120 and s.summary["status"] == "terminated", (s.summary, s.err)

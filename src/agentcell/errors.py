@@ -25,6 +25,14 @@ EXIT_CODES_HELP = f"""exit status:
 MAX_LINE = 1200  # an error's line, at most (its start and its fix are kept)
 
 
+def printable(text: str, keep: str = "") -> str:
+    """``text`` as a terminal may be shown it: names and values come from the agent, so control
+    characters (any not in ``keep``) are escaped, never sent to the terminal."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() or c in keep else repr(c)[1:-1] for c in text)
+
+
 class AgentcellError(Exception):
     """An error a user can fix. ``str()`` is the one-line message printed to them."""
 
@@ -56,8 +64,7 @@ def report(prog: str, err: AgentcellError) -> int:
     import sys
 
     line = err.line()
-    if not line.isprintable():  # paths in messages may be an agent's: no terminal escapes through them
-        line = "".join(c if c.isprintable() else repr(c)[1:-1] for c in line)
+    line = printable(line)  # paths in messages may be an agent's: no terminal escapes through them
     if len(line) > MAX_LINE:  # a value given in full (100,000 characters) is not repeated in full
         line = f"{line[:MAX_LINE * 2 // 3]}… ({len(line):,} characters) …{line[-MAX_LINE // 4:]}"
     sys.stderr.write(f"{prog}: {line}\n")

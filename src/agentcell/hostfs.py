@@ -10,14 +10,14 @@ from __future__ import annotations
 import os
 import stat
 
-from .errors import AgentcellError
+from .errors import AgentcellError, printable
 
 MAX_FILE = 1 << 20  # a configuration file, a script
 
 
 def shown(path: str, limit: int = 200) -> str:
     """A path (or any value) as an error line may show it: printable, and at most ``limit`` characters."""
-    text = path if path.isprintable() else "".join(c if c.isprintable() else repr(c)[1:-1] for c in path)
+    text = printable(path)
     return text if len(text) <= limit else f"{text[:limit]}… ({len(text):,} characters)"
 
 

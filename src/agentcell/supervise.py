@@ -134,20 +134,17 @@ class Supervised:
         MAX_BLOCKED of them: a cell sending refused packets as fast as it can (when refusals do not
         end it: a person's uid, --on-escape record) costs the supervisor no memory per packet."""
         with self._blocked_lock:
-            self._keep_locked(new)
-
-    def _keep_locked(self, new: list[dict[str, Any]]) -> None:
-        for e in new:
-            key = (str(e.get("target")), str(e.get("protocol", "")), str(e.get("uid", "")))
-            seen = self._blocked.get(key)
-            if seen is not None:
-                seen["count"] = seen.get("count", 1) + 1
-            elif len(self._blocked) < MAX_BLOCKED:
-                self._blocked[key] = {**e, "count": 1}
-            else:
-                more = self._blocked.setdefault(("...", "", ""), {**e, "target": "...", "count": 0,
-                                                                  "reason": "more refused targets, not listed"})
-                more["count"] += 1
+            for e in new:
+                key = (str(e.get("target")), str(e.get("protocol", "")), str(e.get("uid", "")))
+                seen = self._blocked.get(key)
+                if seen is not None:
+                    seen["count"] = seen.get("count", 1) + 1
+                elif len(self._blocked) < MAX_BLOCKED:
+                    self._blocked[key] = {**e, "count": 1}
+                else:
+                    more = self._blocked.setdefault(("...", "", ""), {**e, "target": "...", "count": 0,
+                                                                      "reason": "more refused targets, not listed"})
+                    more["count"] += 1
 
     def events(self) -> list[CellEvent]:
         return list(self.monitor.events) if self.monitor is not None else []

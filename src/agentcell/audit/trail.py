@@ -156,7 +156,8 @@ def _lock(fd: int) -> None:
 
 def _head_text(path: str) -> str:
     """The anchor's text, read as a file anyone may have replaced must be: no link followed, no FIFO
-    waited on, a regular file only, 256 bytes at most (ValueError otherwise; FileNotFoundError)."""
+    waited on, a regular file only, 256 bytes at most (ValueError otherwise; FileNotFoundError).
+    Not :mod:`agentcell.hostfs`: root's own appends take a trail path that is not UTF-8 too."""
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):

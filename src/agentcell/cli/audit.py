@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import time
 
-from ..errors import AgentcellError, report
+from ..errors import AgentcellError, printable, report
 from .common import Parser
 
 PROG = "agentcell audit"
@@ -37,7 +37,7 @@ def parser() -> Parser:
 
 
 def _shown(text: str) -> str:
-    return text if text.isprintable() else "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+    return printable(text)
 
 
 def _row(rec: dict[str, object]) -> str:

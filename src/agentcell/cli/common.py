@@ -5,13 +5,12 @@ import argparse
 import sys
 from typing import NoReturn
 
-from ..errors import EXIT_USAGE, MAX_LINE
+from ..errors import EXIT_USAGE, MAX_LINE, printable
 
 
 class Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
-        if not message.isprintable():
-            message = "".join(c if c.isprintable() else repr(c)[1:-1] for c in message)
+        message = printable(message)
         if len(message) > MAX_LINE:  # argparse repeats the value it refused
             message = f"{message[:MAX_LINE * 2 // 3]}… ({len(message):,} characters)"
         sys.stderr.write(f"{self.prog}: {message} (see '{self.prog} --help')\n")

@@ -19,7 +19,7 @@ import signal
 import sys
 from typing import Any
 
-from ..errors import EXIT_SETUP, AgentcellError, report
+from ..errors import EXIT_SETUP, AgentcellError, printable, report
 from .common import Parser
 
 PROG = "agentcell session"
@@ -259,7 +259,7 @@ def _print_end(s: dict[str, Any]) -> None:
 
 
 def _shown(text: str) -> str:
-    return text if text.isprintable() else "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+    return printable(text)
 
 
 # ---- list, show, stop, restore, diff, recover ---------------------------------------------------
@@ -406,7 +406,7 @@ def _diff(ns: Any) -> int:
     for path in changes["modified"]:
         text = store.text_diff(st["backup_id"], path)
         if text:
-            sys.stdout.write("".join(c if c.isprintable() or c in "\n\t" else repr(c)[1:-1] for c in text))
+            sys.stdout.write(printable(text, keep="\n\t"))
     return 0
 
 

@@ -15,7 +15,7 @@ import json
 import sys
 import time
 
-from ..errors import AgentcellError, report
+from ..errors import AgentcellError, printable, report
 from .common import Parser
 
 PROG = "agentcell snapshot"
@@ -76,8 +76,7 @@ class Bar:
 
 def _shown(text: str) -> str:
     """Names and text come from the agent: control characters are escaped, never sent to the terminal."""
-    return text if text.isprintable() else "".join(c if c.isprintable() or c == "\t" else repr(c)[1:-1]
-                                                   for c in text)
+    return printable(text, keep="\t")
 
 
 def main(argv: list[str]) -> int:

@@ -330,19 +330,11 @@ class Launch:
                 "files": [{"path": f.path, "content": f.content, "home": f.home, "env": f.env} for f in self.files]}
 
 
-def _is_address(name: str) -> bool:
-    import ipaddress
-
-    try:
-        ipaddress.ip_address(name)
-    except ValueError:
-        return False
-    return True
-
-
 def api_base_parts(url: str) -> tuple[str, str]:
     """``--api-base`` checked: (the URL without a trailing slash or API version, host:port)."""
     from urllib.parse import urlsplit
+
+    from ..network.rules import _is_ip
 
     try:
         u = urlsplit(url.strip())
@@ -360,7 +352,7 @@ def api_base_parts(url: str) -> tuple[str, str]:
     # its name or address, no wildcard, nothing that quotes or escapes.
     name = u.hostname
     if port == 0 or "*" in url or not all(c.isascii() and (c.isalnum() or c in ":/._-~%[]") for c in url.strip()) \
-            or not (_is_address(name) or (name.replace("-", "").replace(".", "").isalnum()
+            or not (_is_ip(name) or (name.replace("-", "").replace(".", "").isalnum()
                                           and not name.replace(".", "").isdigit() and not name.startswith("0x"))):
         raise PolicyError("--api-base", f"'{url[:120]}' is not one host's URL (a name or an address; no wildcard, "
                           "no quotes or braces, a port above 0)", "e.g. --api-base https://gateway.example:8443")

@@ -37,6 +37,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from ..cell.cgroups import CellCgroup
+from ..errors import printable
 
 ESCAPES = ("read", "write", "execute", "network", "telemetry")
 CLASSES = (*ESCAPES, "resource")
@@ -45,10 +46,10 @@ MAX_EVENTS = 1000  # distinct events kept per cell, of each kind (acting, notes)
 # at least half of all the host's, in the last FLOOD_S seconds (a busy cell among a flood is not the flood).
 FLOOD = 50
 FLOOD_S = 2.0
+SESSION_ACCOUNT_PREFIX = "ac-s"  # accounts.ephemeral.PREFIX (not imported: agentcell run stays lean)
 # A loop that has not come round for this long *while the watchdog itself kept time* has stopped: a
 # telemetry event. A starved host delays both threads alike (the watchdog's own ticks come late, the
 # loop waits on the run queue): that time is not counted against the loop.
-SESSION_ACCOUNT_PREFIX = "ac-s"  # accounts.ephemeral.PREFIX (not imported: agentcell run stays lean)
 HEARTBEAT_S = 1.0
 TICK_S = HEARTBEAT_S / 4
 LATE_S = 2 * TICK_S  # a watchdog tick that took longer than this: the process was not getting the CPU
@@ -102,7 +103,7 @@ class CellEvent:
         more = f" ({self.count}x)" if self.count > 1 else ""
         hint = f"; to allow it: {self.allow}" if self.allow else ""
         text = f"{self.operation} {self.target} by {who}{more}: {self.reason}{hint}"
-        return text if text.isprintable() else "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+        return printable(text)
 
 
 _BLOCKERS = {"fs.execute": "execute", "fs.read_file": "read", "fs.read_dir": "read", "net.bind_tcp": "network",
@@ -148,7 +149,6 @@ def _tunes_itself(path: str) -> bool:
     return len(who) == 1 and (who[0].isdigit() or who[0] in ("self", "thread-self"))
 
 
-
 def _session_account(uid: int | None) -> bool:
     """Whether ``uid`` is a session's own account (``ac-s…``: made for one session, running nothing else)."""
     import pwd
@@ -157,6 +157,7 @@ def _session_account(uid: int | None) -> bool:
         return uid is not None and pwd.getpwuid(uid).pw_name.startswith(SESSION_ACCOUNT_PREFIX)
     except KeyError:
         return False
+
 
 class Monitor:
     """Watch one running cell. ``on_escape``: terminate | record | ``CLASS=VERDICT,…`` (:func:`parse_verdicts`).
@@ -419,7 +420,7 @@ class Monitor:
         last_lost_check = time.monotonic()
         try:
             while not self._stop.is_set():
-                self.heartbeat = time.monotonic()
+                self._progress()
                 watched = [s for s in (self.audit, self.execs, self.tools, self.canaries, self.seccomp, self.masks)
                            if s is not None]
                 if select.select([*watched, self._wake_r], [], [], 0.02)[0]:
@@ -473,10 +474,10 @@ class Monitor:
         execs = self.execs.read() if self.execs is not None else []
         for ex in execs:
             if ex["kind"] in ("fork", "exit", "lost"):
-                self.heartbeat = time.monotonic()  # progress: a flood read is not a spin (the watchdog's)
+                self._progress()  # a flood read is not a spin
                 self._exec_event(ex)
         for ex in (*(tools or ()), *(e for e in execs if e["kind"] not in ("fork", "exit", "lost"))):
-            self.heartbeat = time.monotonic()
+            self._progress()
             self._exec_event(ex)
 
     def _accept(self, pid: int, domain: str) -> bool:

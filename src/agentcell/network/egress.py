@@ -15,6 +15,7 @@ import tempfile
 from typing import Any
 
 from ..cell.spec import PROXY_PORT, proxy_environment
+from ..errors import printable
 
 __all__ = ["PROXY_PORT", "ProxyProcess", "proxy_environment", "summary"]
 MAX_READ = 2 << 20  # the proxy writes at most 1 MiB of events
@@ -75,4 +76,4 @@ def summary(events: list[dict[str, Any]]) -> str:
     first = str(events[0].get("reason", ""))
     hint = first[first.find("add "):] if "add " in first else first
     line = f"blocked: {shown}{more} — {hint}"[:2000]
-    return line if line.isprintable() else "".join(c if c.isprintable() else repr(c)[1:-1] for c in line)
+    return printable(line)
