@@ -231,3 +231,24 @@ def test_launcher_directories_are_masked_whatever_the_callers_environment(user: 
         shutil.rmtree(rt, ignore_errors=True)
         if made_parent:
             rt.parent.rmdir()
+
+
+def test_root_run_leaves_its_runtime_dir_private_so_warm_start_works(user: User) -> None:
+    """/run/agentcell as an older release left it (0755, made as the parent of the first record): a root
+    'agentcell run' tightens it, and 'agentcell warm start' then runs (it refused before)."""
+    run_dir = Path("/run/agentcell")
+    run_dir.mkdir(exist_ok=True)
+    os.chmod(run_dir, 0o755)
+    assert agentcell_run(["--as", str(user.uid), "--", "true"]).rc == 0
+    assert run_dir.stat().st_mode & 0o777 == 0o700
+    try:
+        p = subprocess.run([AGENTCELL, "warm", "start"], capture_output=True, text=True, timeout=60)
+        assert p.returncode == 0, p.stderr
+        r = agentcell_run(["--as", str(user.uid), "--", "true"], warm=True)
+        assert r.rc == 0 and r.result["via"] == "warm launcher"
+    finally:
+        pid = subprocess.run([AGENTCELL, "warm", "status"], capture_output=True, text=True).stdout
+        subprocess.run([AGENTCELL, "warm", "stop"], capture_output=True)
+        for word in pid.replace(",", " ").split():
+            if word.isdigit() and _is_launcher(int(word)):
+                os.kill(int(word), signal.SIGKILL)

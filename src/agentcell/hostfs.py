@@ -75,3 +75,47 @@ def read_regular(path: str, field: str, fix: str, limit: int = MAX_FILE) -> byte
         return read_fd(fd, path, field, fix, limit)
     finally:
         os.close(fd)
+
+
+# ---- state directories ------------------------------------------------------------------------------
+
+RUN = "/run/agentcell"  # root's runtime state: records of what exists now (cgroups, tables, readers)
+
+
+def private_dir(path: str, field: str = "state") -> str:
+    """``path``, a directory only we may enter: made with mode 0700 (and its parents as needed), or
+    found already as a real directory of ours, whose mode is tightened to 0700 if wider (a release
+    before this one made ``/run/agentcell`` 0755 as the parent of its first record). Anything else (a
+    link, another owner's directory, a file) is refused: state kept there could be read or replaced."""
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    except OSError as e:
+        raise AgentcellError(field, f"cannot create {shown(path)}: {e.strerror}",
+                             "fix its parent's ownership, or set XDG_RUNTIME_DIR / XDG_STATE_HOME") from None
+    what = ""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        what = "a link" if e.errno == 40 else "not a directory" if e.errno == 20 else f"unusable ({e.strerror})"
+    else:
+        try:
+            st = os.fstat(fd)
+            if st.st_uid != os.geteuid():
+                what = f"owned by uid {st.st_uid}"
+            elif st.st_mode & 0o077:
+                os.fchmod(fd, 0o700)  # by descriptor: the name may have been swapped since
+        finally:
+            os.close(fd)
+    if what:
+        raise AgentcellError(field, f"{shown(path)} is {what}, not a directory of ours",
+                             f"remove it (agentcell makes it again), e.g. rm -r {shown(path)}")
+    return path
+
+
+def run_dir(name: str = "") -> str:
+    """``/run/agentcell[/NAME]`` for root's records, both 0700."""
+    private_dir(RUN)
+    return private_dir(os.path.join(RUN, name)) if name else RUN

@@ -14,11 +14,12 @@ from __future__ import annotations
 import os
 import time
 
+from .. import hostfs
 from ..errors import LaunchError
 
 ROOT = "/sys/fs/cgroup"
 PARENT = "agentcell"
-RECORDS = "/run/agentcell/cgroups"  # one file per live cell cgroup (root's state; see ARCHITECTURE)
+RECORDS = f"{hostfs.RUN}/cgroups"  # one file per live cell cgroup (root's state; see ARCHITECTURE)
 V1_CONTROLLERS = ("memory", "cpu", "cpuacct", "pids", "freezer")
 STALE_S = 30  # a record this old whose groups hold no process was left by a supervisor that died
 CPU_PERIOD_US = 100_000
@@ -125,7 +126,7 @@ class CellCgroup:
         sweep()
         try:
             # Recorded before it exists, so a crash's leftovers can always be found and removed.
-            os.makedirs(RECORDS, mode=0o700, exist_ok=True)
+            hostfs.run_dir("cgroups")
             planned = [f"{ROOT}/{PARENT}/{cell_id}"] if kind == "v2" else [
                 f"{ROOT}/{c}/{PARENT}/{cell_id}" for c in (*V1_CONTROLLERS, "unified")]
             _write_new(cg.record, "\n".join(planned) + "\n")

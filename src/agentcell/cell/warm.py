@@ -143,15 +143,9 @@ def start(idle_s: float) -> tuple[int, bool]:
     running = status()
     if running is not None:
         return int(running["pid"]), False
-    d = socket_dir()
-    try:
-        os.makedirs(d, mode=0o700, exist_ok=True)
-    except OSError as e:
-        raise AgentcellError("", f"cannot create {d}: {e.strerror}",
-                             "set XDG_RUNTIME_DIR (or XDG_STATE_HOME) to a directory you own") from None
-    if not _private_dir(d):
-        raise AgentcellError("", f"{d} must be a directory owned by you with mode 0700",
-                             f"fix it: chmod 700 {d}, or remove it")
+    from .. import hostfs
+
+    d = hostfs.private_dir(socket_dir(), "warm")
     path = os.path.join(d, SOCKET_NAME)
     try:
         os.unlink(path)  # a stale socket of a launcher that is gone

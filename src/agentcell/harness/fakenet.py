@@ -24,7 +24,9 @@ import sys
 import time
 from collections.abc import Sequence
 
-RECORDS_DIR = "/run/agentcell/fakenet"
+from .. import hostfs
+
+RECORDS_DIR = f"{hostfs.RUN}/fakenet"
 NOBODY = 65534
 
 
@@ -63,7 +65,7 @@ class FakeInternet:
         return list(dict.fromkeys(out))
 
     def _build(self) -> None:
-        os.makedirs(RECORDS_DIR, mode=0o755, exist_ok=True)
+        hostfs.run_dir("fakenet")
         with open(self.record, "w") as f:  # before anything is made: a crash leaves a name to clean up
             json.dump({"ns": self.ns, "veth": self.host_if, "pid": os.getpid()}, f)
         _ip("netns", "add", self.ns)

@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from .. import hostfs
 from ..netlink import set_rcvbuf
 
 NETLINK_AUDIT = 9
@@ -101,7 +102,7 @@ def parse_fields(text: str) -> dict[str, str]:
     return out
 
 
-USERS = "/run/agentcell/audit-users"  # one file per reader (its pid); the state before the first
+USERS = f"{hostfs.RUN}/audit-users"  # one file per reader (its pid); the state before the first
 
 
 def _acquire() -> None:
@@ -109,7 +110,7 @@ def _acquire() -> None:
     last (a reader that died is swept: its pid is gone)."""
     import fcntl
 
-    os.makedirs(USERS, mode=0o700, exist_ok=True)
+    hostfs.run_dir("audit-users")
     lock = os.open(os.path.join(USERS, ".lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(lock, fcntl.LOCK_EX)

@@ -17,9 +17,10 @@ import ipaddress
 import os
 import subprocess
 
+from .. import hostfs
 from ..errors import LaunchError, PolicyError
 
-RECORDS = "/run/agentcell/nft"
+RECORDS = f"{hostfs.RUN}/nft"
 PRESETS = {"seed": ("tcp:*:443",)}  # the seed's "egress: allow 443 only; deny all else"
 
 
@@ -126,7 +127,7 @@ class HostFirewall:
             raise LaunchError("firewall", "host-firewall rules need root", "run through sudo with --as")
         sweep()
         table = table_name(cell_id)
-        os.makedirs(RECORDS, mode=0o700, exist_ok=True)
+        hostfs.run_dir("nft")
         record = os.path.join(RECORDS, table)
         fd = os.open(record, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
         try:
