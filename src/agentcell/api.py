@@ -3,6 +3,9 @@
 Safe in long-lived, multi-threaded programs: this module never forks. The first launch starts a
 single-threaded warm launcher (:mod:`agentcell.cell.zygote`) with ``subprocess`` (fork+exec), and
 every later launch is one request to it. One reader thread dispatches its replies.
+
+``Cell.open(policy)`` gives a :class:`LiveCell` instead: one cell that stays up, watched and behind
+its proxy, running many commands (:mod:`agentcell.host.server` hosts it, out of this process).
 """
 from __future__ import annotations
 
@@ -14,13 +17,16 @@ import socket
 import subprocess
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from .cell import wire, zygote
 from .cell.spec import CellSpec, spec_to_dict
 from .errors import EXIT_TIMEOUT, AgentcellError, LaunchError
+
+LINGER_S = 0.25  # output read after a live command's end, for what it left running
+POLL_S = 0.05  # how often a live command's reader looks whether it has ended
 
 
 class _CompilesToSpec(Protocol):
@@ -106,7 +112,15 @@ class CellProcess:
 
 
 class Cell:
-    """A policy and a warm launcher. ``Cell(spec).run(["make", "test"])`` runs in a fresh cell each call."""
+    """A policy and a warm launcher. ``Cell(spec).run(["make", "test"])`` runs in a fresh cell each call;
+    ``with Cell.open(spec) as cell: cell.exec([...])`` runs many commands in one live cell."""
+
+    @staticmethod
+    def open(policy: CellSpec | _CompilesToSpec, *, monitor: str | None = "terminate") -> LiveCell:
+        """One live cell for ``policy``: its namespaces, mounts, Landlock domain, monitor (``monitor``:
+        terminate, record, ``CLASS=VERDICT,...`` or None) and proxy are made once and shared by every
+        :meth:`LiveCell.exec`. An escape under ``terminate`` ends the cell for every caller."""
+        return LiveCell.open(policy if isinstance(policy, CellSpec) else policy.to_cell_spec(), monitor=monitor)
 
     def __init__(self, policy: CellSpec | _CompilesToSpec, *, prewarm: bool = True) -> None:
         self.spec = policy if isinstance(policy, CellSpec) else policy.to_cell_spec()
@@ -240,6 +254,251 @@ class Cell:
         )
 
 
+class CellEnded(AgentcellError):
+    """The live cell has ended (an escape, a stop, its host gone); ``reason`` says which."""
+
+    exit_code = 137
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+        super().__init__("cell", reason, "open a new cell")
+
+
+class LiveProcess:
+    """A command running in a live cell (from :meth:`LiveCell.spawn`)."""
+
+    def __init__(self, cell: LiveCell, cid: int, args: list[str], pending: _Pending) -> None:
+        self._cell, self.id, self.args, self._pending = cell, cid, args, pending
+        self._result: dict[str, Any] | None = None
+
+    def send_signal(self, sig: int) -> None:
+        if self._result is None:
+            self._cell._send({"op": "signal", "id": self.id, "sig": int(sig)})
+
+    def kill(self) -> None:
+        self.send_signal(_signal.SIGKILL)
+
+    def poll(self) -> int | None:
+        if self._result is None:
+            try:
+                self._take(self._pending.events.get_nowait())
+            except queue.Empty:
+                return None
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Wait for the command; on ``timeout`` it (its process group) is killed and 124 returned."""
+        if self._result is None:
+            try:
+                self._take(self._pending.events.get(timeout=timeout))
+            except queue.Empty:
+                self.kill()
+                self._take(self._pending.events.get())
+                self._result = dict(self._result or {}, exit_status=EXIT_TIMEOUT, timed_out=True)
+        return self.returncode
+
+    def _take(self, ev: dict[str, Any]) -> None:
+        if ev.get("event") == "lost":
+            ev = {"event": "exit", "exit_status": 137, "signal": 9, "timed_out": False, "duration_s": 0.0,
+                  "ended": self._cell.ended or "the cell's host died"}
+        self._result = ev
+        self._cell._forget(self.id)
+
+    @property
+    def returncode(self) -> int:
+        assert self._result is not None
+        return int(self._result["exit_status"])
+
+    @property
+    def result(self) -> dict[str, Any]:
+        assert self._result is not None
+        return dict(self._result)
+
+
+class LiveCell:
+    """One cell that stays up and runs many commands (:meth:`Cell.open`). Thread-safe: commands may
+    run at once from several threads. ``events`` lists what the monitor saw; ``ended`` says why the
+    cell ended (None while it runs); :meth:`close` ends it and returns its result."""
+
+    def __init__(self, sock: socket.socket, proc: subprocess.Popen[bytes] | None, cell_id: str, pid1: int) -> None:
+        self._sock, self._proc, self.cell_id, self.pid1 = sock, proc, cell_id, pid1
+        self._lock = threading.Lock()
+        self._pending: dict[int, _Pending] = {}
+        self._next = 0
+        self.events: list[dict[str, Any]] = []
+        self.ended: str | None = None
+        self.result: dict[str, Any] | None = None
+        self._done = threading.Event()
+        threading.Thread(target=self._reader, name="agentcell-live-reader", daemon=True).start()
+
+    @classmethod
+    def open(cls, spec: CellSpec, *, monitor: str | None = "terminate") -> LiveCell:
+        from .host import server
+
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        with theirs:
+            proc = subprocess.Popen(server.command("--conn", str(theirs.fileno())), pass_fds=[theirs.fileno()],
+                                    stdin=subprocess.DEVNULL, close_fds=True, cwd="/", start_new_session=True,
+                                    env=zygote.launcher_env())
+        try:
+            return cls._handshake(ours, proc, spec, monitor)
+        except BaseException:
+            ours.close()
+            proc.wait()
+            raise
+
+    @classmethod
+    def connect(cls, sock: socket.socket) -> LiveCell:
+        """A client of a named cell's host (``agentcell cell``), already open."""
+        wire.send(sock, {"op": "status"})
+        msg, _ = wire.recv(sock)
+        if msg is None or msg.get("event") != "status":
+            raise CellEnded("the cell's host did not answer")
+        if msg.get("ended"):
+            raise CellEnded(str(msg["ended"]))
+        return cls(sock, None, str(msg["cell_id"]), int(msg["pid1"]))
+
+    @classmethod
+    def _handshake(cls, sock: socket.socket, proc: subprocess.Popen[bytes] | None, spec: CellSpec,
+                   monitor: str | None) -> LiveCell:
+        wire.send(sock, {"op": "open", "spec": spec_to_dict(spec), "monitor": monitor})
+        msg, _ = wire.recv(sock)
+        if msg is None:
+            raise LaunchError("cell", "the cell's host ended before the cell started")
+        if msg.get("event") == "error":
+            err = AgentcellError(str(msg["field"]), str(msg["message"]).removeprefix(f"{msg['field']}: "))
+            err.exit_code = int(msg["code"])
+            raise err
+        return cls(sock, proc, str(msg["cell_id"]), int(msg["pid1"]))
+
+    def _reader(self) -> None:
+        while True:
+            try:
+                msg, fds = wire.recv(self._sock)
+            except (OSError, wire.WireError):
+                msg, fds = None, []
+            for fd in fds:
+                os.close(fd)
+            if msg is None or msg.get("event") == "ended":
+                if msg is not None:
+                    self.result = msg.get("result")
+                self.ended = str(msg["reason"]) if msg is not None else self.ended or "the cell's host died"
+                with self._lock:
+                    waiting = list(self._pending.values())
+                for p in waiting:
+                    p.events.put({"event": "lost"})
+                self._done.set()
+                if msg is None:
+                    return
+                continue
+            if msg.get("event") in ("escape", "note"):
+                self.events.append(msg["data"])
+                continue
+            one = self._pending.get(int(msg.get("id") or 0))
+            if one is not None and msg.get("event") != "started":
+                one.events.put(msg)
+
+    def _send(self, msg: dict[str, object], fds: list[int] | None = None) -> None:
+        try:
+            wire.send(self._sock, msg, fds)
+        except OSError:
+            raise CellEnded(self.ended or "the cell's host has gone") from None
+
+    def _forget(self, cid: int) -> None:
+        with self._lock:
+            self._pending.pop(cid, None)
+
+    def spawn(self, argv: Sequence[str], *, stdin: int | None = None, stdout: int | None = None,
+              stderr: int | None = None, env: dict[str, str] | None = None, cwd: str | None = None,
+              timeout: float | None = None) -> LiveProcess:
+        """Start ``argv`` in the cell (stdio as in :meth:`Cell.spawn`; ``env`` added to the policy's;
+        ``timeout``: the cell's host kills it then, status 124). Raises :class:`CellEnded` once the
+        cell has ended."""
+        if self.ended is not None:
+            raise CellEnded(self.ended)
+        args = [os.fspath(a) for a in argv]
+        if not args:
+            raise AgentcellError("argv", "no command given", "pass e.g. ['make', 'test']")
+        fds = [0 if stdin is None else stdin, 1 if stdout is None else stdout, 2 if stderr is None else stderr]
+        fds, ours = _without_terminals(fds)
+        with self._lock:
+            self._next += 1
+            cid = self._next
+            pending = self._pending[cid] = _Pending()
+        try:
+            self._send({"op": "exec", "id": cid, "argv": args, "env": dict(env or {}), "cwd": cwd,
+                        "timeout": timeout}, fds)
+        except BaseException:
+            self._forget(cid)
+            raise
+        finally:
+            for fd in ours:
+                os.close(fd)
+        return LiveProcess(self, cid, args, pending)
+
+    def exec(self, argv: Sequence[str], *, input: bytes | str | None = None, timeout: float | None = None,
+             env: dict[str, str] | None = None, cwd: str | None = None, capture_output: bool = True,
+             text: bool = False) -> CellCompleted:
+        """Run ``argv`` in the cell and wait, like ``subprocess.run``. A command the cell's end cut
+        short (an escape by any command) returns 137 with ``error`` naming the reason."""
+        in_r, in_w = os.pipe2(os.O_CLOEXEC) if input is not None else (os.open(os.devnull, os.O_RDONLY), -1)
+        out_r, out_w = os.pipe2(os.O_CLOEXEC) if capture_output else (-1, 1)
+        err_r, err_w = os.pipe2(os.O_CLOEXEC) if capture_output else (-1, 2)
+        try:
+            proc = self.spawn(argv, stdin=in_r, stdout=out_w, stderr=err_w, env=env, cwd=cwd, timeout=timeout)
+        except BaseException:
+            for fd in (in_w, out_r, err_r):
+                if fd >= 0:
+                    os.close(fd)
+            raise
+        finally:
+            os.close(in_r)
+            if capture_output:
+                os.close(out_w)
+                os.close(err_w)
+        data = input.encode() if isinstance(input, str) else input
+        # The host enforces the timeout. Once the command has ended its output is read for a moment
+        # more, not until EOF: what it left running in the cell (a dev server) may hold the pipes.
+        out, err = _communicate(in_w, out_r, err_r, data, None, done=lambda: proc.poll() is not None)
+        proc.wait()
+        res = proc.result
+
+        def conv(b: bytes) -> bytes | str:
+            return b.decode(errors="replace") if text else b
+
+        ended = res.get("ended")
+        return CellCompleted(
+            args=proc.args, returncode=proc.returncode,
+            stdout=conv(out) if capture_output else None, stderr=conv(err) if capture_output else None,
+            signal=int(res.get("signal") or 0), duration_s=float(res.get("duration_s") or 0.0), cell_id=self.cell_id,
+            timed_out=bool(res.get("timed_out")), error=f"the cell ended: {ended}" if ended else None,
+        )
+
+    def close(self, timeout: float | None = 30.0) -> dict[str, Any] | None:
+        """End the cell (commands still running are killed) and return its result: exit, events,
+        egress refusals, as ``agentcell run --json`` gives them."""
+        if self.ended is None:
+            try:
+                wire.send(self._sock, {"op": "stop"})
+            except OSError:
+                pass
+        self._done.wait(timeout)
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._sock.close()
+        if self._proc is not None:
+            self._proc.wait()
+        return self.result
+
+    def __enter__(self) -> LiveCell:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 def _without_terminals(fds: list[int]) -> tuple[list[int], list[int]]:
     """Replace terminal fds (see :meth:`Cell.spawn`); returns the fds to send and those to close after."""
     out, ours = list(fds), []
@@ -268,8 +527,8 @@ def _copy_until_eof(src: int, dst: int) -> None:
         os.close(src)
 
 
-def _communicate(in_w: int, out_r: int, err_r: int, data: bytes | None,
-                 deadline: float | None) -> tuple[bytes, bytes]:
+def _communicate(in_w: int, out_r: int, err_r: int, data: bytes | None, deadline: float | None,
+                 done: Callable[[], bool] | None = None) -> tuple[bytes, bytes]:
     chunks: dict[int, list[bytes]] = {out_r: [], err_r: []}
     sel = selectors.DefaultSelector()
     for fd in (out_r, err_r):
@@ -284,9 +543,13 @@ def _communicate(in_w: int, out_r: int, err_r: int, data: bytes | None,
             os.close(in_w)
     try:
         while sel.get_map():
+            if done is not None and done():
+                done, deadline = None, min(deadline or float("inf"), time.monotonic() + LINGER_S)
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 break
+            if done is not None:
+                left = POLL_S if left is None else min(left, POLL_S)
             for key, _ in sel.select(left):
                 fd = int(key.fd)
                 if fd == in_w:

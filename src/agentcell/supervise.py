@@ -57,11 +57,12 @@ class Supervised:
     @classmethod
     def start(cls, spec: CellSpec, argv: Sequence[str], *, monitor: str | None = "terminate",
               callback: Callable[[CellEvent], None] | None = None, stdio: Sequence[int] = (0, 1, 2),
-              tty_fds: Sequence[int] = (), dedicated: bool | None = None) -> Supervised:
-        """Launch ``argv`` in a cell for ``spec``. ``monitor``: terminate | record | ``CLASS=VERDICT,…``
-        (:func:`agentcell.monitor.monitor.parse_verdicts`) | None (no monitor). ``dedicated``: the
-        cell's account exists for agents alone (default: an ``agent:NAME`` identity), so what its uid
-        does on the host's network is the cell's (a session's own account is)."""
+              tty_fds: Sequence[int] = (), dedicated: bool | None = None, live: bool = False) -> Supervised:
+        """Launch ``argv`` in a cell for ``spec`` (``live``: no argv; the cell serves commands through
+        ``running.live`` until that is closed, see :mod:`agentcell.cell.execd`). ``monitor``: terminate |
+        record | ``CLASS=VERDICT,…`` (:func:`agentcell.monitor.monitor.parse_verdicts`) | None (no monitor).
+        ``dedicated``: the cell's account exists for agents alone (default: an ``agent:NAME`` identity),
+        so what its uid does on the host's network is the cell's (a session's own account is)."""
         if spec.watch and monitor is None:  # its canaries and seccomp listener wait on a monitor
             raise AgentcellError("watch", "a watched cell needs its monitor", "pass monitor='terminate' or 'record'")
         fw = log = None
@@ -93,7 +94,7 @@ class Supervised:
                                          "see 'agentcell doctor', or --on-escape record to run without that source")
                 if not spec.watch:
                     spec = spec.replace(watch=True)  # canaries and seccomp reports: only a monitor serves them
-            running = launch.start(spec, list(argv), stdio=stdio, tty_fds=tty_fds)
+            running = launch.start(spec, list(argv), stdio=stdio, tty_fds=tty_fds, live=live)
         except BaseException:
             if watch is not None:
                 watch.stop()

@@ -17,12 +17,15 @@ _HEADER = struct.Struct("!IB")  # payload length, bitmask of the fds (0-2) to pu
 MAX_FDS = 64
 
 
+_LIVE = 0x80  # in the header's bitmask: no command, serve many (cell/execd.py)
+
+
 class Command:
     """argv; ``fds``: the number the command sees -> the received fd; ``tty_fds``: numbers that get
-    the cell's own pty instead (an interactive run)."""
+    the cell's own pty instead (an interactive run); ``live``: no argv, the cell serves commands."""
 
-    def __init__(self, argv: list[str], fds: dict[int, int], tty_fds: tuple[int, ...]) -> None:
-        self.argv, self.fds, self.tty_fds = argv, fds, tty_fds
+    def __init__(self, argv: list[str], fds: dict[int, int], tty_fds: tuple[int, ...], live: bool = False) -> None:
+        self.argv, self.fds, self.tty_fds, self.live = argv, fds, tty_fds, live
 
 
 def channel() -> tuple[_socket.socket, _socket.socket]:
@@ -30,36 +33,39 @@ def channel() -> tuple[_socket.socket, _socket.socket]:
     return a, b
 
 
-def send(sock: _socket.socket, argv: list[str], fds: dict[int, int], tty_fds: tuple[int, ...] = ()) -> None:
+def send(sock: _socket.socket, argv: list[str], fds: dict[int, int], tty_fds: tuple[int, ...] = (),
+         live: bool = False) -> None:
     """Send the command; ``fds`` maps the fd number the command will see to the sender's fd."""
     if len(fds) > MAX_FDS:
         raise LaunchError("command", f"too many fds to pass ({len(fds)} > {MAX_FDS})")
     targets = list(fds)
     payload = b"\0".join([",".join(map(str, targets)).encode(), *(os.fsencode(a) for a in argv)])
-    data = _HEADER.pack(len(payload), sum(1 << fd for fd in tty_fds if 0 <= fd < 3)) + payload
-    anc = [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, pack_fds([fds[t] for t in targets]))]
+    data = _HEADER.pack(len(payload), sum(1 << fd for fd in tty_fds if 0 <= fd < 3) | (_LIVE if live else 0)) + payload
+    anc = [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, pack_fds([fds[t] for t in targets]))] if fds else []
     sent = sock.sendmsg([data], anc)
     if sent < len(data):
         sock.sendall(data[sent:])
 
 
 def recv(sock: _socket.socket) -> Command | None:
-    """Receive the command; None if the preparing side went away without one (discarded)."""
-    data, anc, _flags, _addr = sock.recvmsg(65536, _socket.CMSG_SPACE(MAX_FDS * 4))
+    """Receive the command; None if the preparing side went away without one (discarded). Reads
+    exactly its bytes: a live cell's requests follow on the same channel."""
+    data, anc, _flags, _addr = sock.recvmsg(_HEADER.size, _socket.CMSG_SPACE(MAX_FDS * 4))
     if not data:
         return None
     received = unpack_fds(anc)
     while len(data) < _HEADER.size:
-        data += _recv_more(sock)
+        data += _recv_more(sock, _HEADER.size - len(data))
     length, ttys = _HEADER.unpack_from(data)
     while len(data) < _HEADER.size + length:
-        data += _recv_more(sock)
+        data += _recv_more(sock, _HEADER.size + length - len(data))
     head, *args = data[_HEADER.size:_HEADER.size + length].split(b"\0")
     targets = [int(t) for t in head.decode().split(",") if t]
     if len(targets) != len(received):
         raise LaunchError("command", "fds were lost on the way into the cell")
     tty_fds = tuple(fd for fd in range(3) if ttys & (1 << fd))
-    return Command([os.fsdecode(a) for a in args], dict(zip(targets, received, strict=True)), tty_fds)
+    argv = [os.fsdecode(a) for a in args if a or not ttys & _LIVE]
+    return Command(argv, dict(zip(targets, received, strict=True)), tty_fds, bool(ttys & _LIVE))
 
 
 def send_fd(sock: _socket.socket, fd: int, tag: bytes = b"P") -> None:
@@ -79,8 +85,8 @@ def recv_fd(sock: _socket.socket, tag: bytes = b"P") -> int | None:
     return fds[0]
 
 
-def _recv_more(sock: _socket.socket) -> bytes:
-    chunk = sock.recv(1 << 20)
+def _recv_more(sock: _socket.socket, most: int) -> bytes:
+    chunk = sock.recv(min(most, 1 << 20))
     if not chunk:
         raise LaunchError("command", "the command was cut short on its way into the cell")
     return chunk

@@ -17,7 +17,7 @@ import stat
 import time
 
 from ..errors import EXIT_CANNOT_EXEC, EXIT_NOT_FOUND, EXIT_SETUP, EXIT_TIMEOUT, LaunchError, PolicyError
-from . import canary, cgroups, handoff, identity, landlock, mounts, namespaces, pid1, seccomp, terminal
+from . import canary, cgroups, execd, handoff, identity, landlock, mounts, namespaces, pid1, seccomp, terminal
 from . import syscalls as sc
 from .spec import TYPE_CHECKING, CellSpec, new_cell_id
 
@@ -66,6 +66,7 @@ class Running:
         self.egress_fd: int | None = None  # network "proxy": the listener for the caller to serve
         self.canary_fd: int | None = None  # spec.watch: the watch on the canary credentials (monitor)
         self.seccomp_fd: int | None = None  # spec.watch: the seccomp listener (monitor)
+        self.live: execd.Channel | None = None  # a live cell: its exec server's channel
         self._buf = b""
         self._msgs: list[list[str]] = []
         self._eof = False
@@ -153,6 +154,8 @@ class Running:
 
     def clean_up(self) -> None:
         """Remove the cell's cgroup (once its result is known); close watches no monitor took."""
+        if self.live is not None:
+            self.live.close()
         for fd in (self.canary_fd, self.seccomp_fd):
             if fd is not None:
                 os.close(fd)
@@ -213,26 +216,30 @@ class Prepared:
         self.canary_fd: int | None = None  # spec.watch: the canaries' watch, made by PID 1
 
     def go(self, argv: Sequence[str], *, stdio: Sequence[int] = (0, 1, 2), pass_fds: Sequence[int] = (),
-           tty_fds: Sequence[int] = ()) -> Running:
+           tty_fds: Sequence[int] = (), live: bool = False) -> Running:
         """Hand over the command. ``tty_fds`` (of 0-2) get the cell's own new pty instead of ours; its
-        master comes back as ``Running.pty_master`` for the caller to relay."""
-        if not argv:
+        master comes back as ``Running.pty_master`` for the caller to relay. ``live``: no command; the
+        cell serves many through ``Running.live`` (:mod:`.execd`) until that channel is closed."""
+        if not argv and not live:
             raise LaunchError("command", "no command given", "put it after --")
-        fds = {i: fd for i, fd in enumerate(stdio) if i not in tty_fds}
+        fds = {} if live else {i: fd for i, fd in enumerate(stdio) if i not in tty_fds}
         fds.update({fd: fd for fd in pass_fds})
         started = time.monotonic()
         master = listener = None
         try:
-            handoff.send(self._ctl, list(argv), fds, tuple(tty_fds))  # type: ignore[arg-type]
-            if tty_fds:
+            handoff.send(self._ctl, list(argv), fds, tuple(tty_fds), live)  # type: ignore[arg-type]
+            if tty_fds and not live:
                 master = handoff.recv_fd(self._ctl)  # type: ignore[arg-type]
             if self.spec.watch:  # the command process loads its filter, then hands out the listener
                 listener = handoff.recv_fd(self._ctl, b"S")  # type: ignore[arg-type]
         except (BrokenPipeError, ConnectionResetError):
             pass  # the cell failed while being prepared; its status pipe says where (see wait())
         finally:
-            self._ctl.close()  # type: ignore[attr-defined]
+            if not live:
+                self._ctl.close()  # type: ignore[attr-defined]
         running = Running(self.spec, self.c1, self._r, started, self.cell_id, self.cg)
+        if live:
+            running.live = execd.Channel(self._ctl)  # type: ignore[arg-type]
         running.pty_master = master
         running.egress_fd, self.egress_fd = self.egress_fd, None
         running.canary_fd, self.canary_fd = self.canary_fd, None
@@ -293,11 +300,11 @@ def cell_limits(spec: CellSpec) -> cgroups.Limits:
 
 
 def start(spec: CellSpec, argv: Sequence[str], *, stdio: Sequence[int] = (0, 1, 2), pass_fds: Sequence[int] = (),
-          tty_fds: Sequence[int] = ()) -> Running:
-    """Launch ``argv`` in a new cell and return at once."""
-    if not argv:
+          tty_fds: Sequence[int] = (), live: bool = False) -> Running:
+    """Launch ``argv`` in a new cell and return at once (``live``: no argv; see :meth:`Prepared.go`)."""
+    if not argv and not live:
         raise LaunchError("command", "no command given", "put it after --")
-    return prepare(spec).go(argv, stdio=stdio, pass_fds=pass_fds, tty_fds=tty_fds)
+    return prepare(spec).go(argv, stdio=stdio, pass_fds=pass_fds, tty_fds=tty_fds, live=live)
 
 
 def launch(spec: CellSpec, argv: Sequence[str], *, timeout: float | None = None, **kw: object) -> CellResult:
@@ -413,6 +420,15 @@ def _command(spec: CellSpec, ctl: object, w: int) -> NoReturn:
     _step("identity", identity.drop, spec.identity)
     cwd = spec.cwd or spec.identity.home
     _step(f"cwd {cwd}", os.chdir, cwd)
+    if cmd.live:  # 8, 9 and 10 as below, once; then each command is forked from this process
+        if rules is not None:
+            rules.enforce()
+        listener = seccomp.load(filter_program, listen=spec.watch)
+        if listener is not None:
+            handoff.send_fd(ctl, listener, b"S")  # type: ignore[arg-type]
+            os.close(listener)
+        sc.close_fds_except({0, 1, 2, w, ctl.fileno()})  # type: ignore[attr-defined]
+        execd.serve(ctl)  # type: ignore[arg-type]
     # 10. fds onto the numbers the command expects (two passes: a target may hold a source), close
     #     every other fd, scrubbed environment, exec.
     moved = {target: os.dup(fd) for target, fd in cmd.fds.items()}
@@ -438,7 +454,7 @@ def _command(spec: CellSpec, ctl: object, w: int) -> NoReturn:
         os.set_inheritable(fd, True)
     argv = cmd.argv
     try:
-        _execvpe(argv, env)
+        execd.execvpe(argv, env)
     except FileNotFoundError:
         err = LaunchError("exec", f"{argv[0]}: command not found in the cell",
                           f"PATH={env.get('PATH', '')}; add its directory with --ro")
@@ -449,22 +465,6 @@ def _command(spec: CellSpec, ctl: object, w: int) -> NoReturn:
         err.exit_code = EXIT_CANNOT_EXEC
         raise err from None
     raise AssertionError("unreachable")
-
-
-def _execvpe(argv: list[str], env: dict[str, str]) -> None:
-    """execvpe without os.get_exec_path, which imports warnings (~2.5 ms in every cell here). Like
-    execvp: search PATH, remember a permission error and keep looking, report it if nothing runs."""
-    name = argv[0]
-    dirs = [""] if "/" in name else env.get("PATH", "").split(":")
-    denied: OSError | None = None
-    for d in dirs:
-        try:
-            os.execve(os.path.join(d or ".", name) if d or "/" not in name else name, argv, env)
-        except (FileNotFoundError, NotADirectoryError):
-            continue
-        except PermissionError as e:
-            denied = e
-    raise denied or FileNotFoundError(name)
 
 
 def _stdio_no_directories() -> None:

@@ -16,6 +16,7 @@ COMMANDS = {
     "session": ("agentcell.cli.session", "run an agent in a planned, backed-up, watched and audited session"),
     "snapshot": ("agentcell.cli.snapshot", "take, verify, restore and diff snapshots of a project"),
     "warm": ("agentcell.cli.warm", "start/stop the warm launcher that makes agentcell run fast"),
+    "cell": ("agentcell.cli.cell", "a live cell: start it once, exec many commands in it, stop it"),
 }
 
 USAGE = "usage: agentcell COMMAND [ARGS...]\n\ncommands:\n" + "".join(

@@ -1,0 +1,250 @@
+"""A live cell's exec server: many commands in one cell, each forked from one process that is already
+confined, so every command shares the cell's namespaces, mounts, Landlock domain (signals and abstract
+sockets reach each other, as within one command's tree) and seccomp filter (one listener for the
+monitor).
+
+Child side, :func:`serve`: the cell's command process, once identity, Landlock and seccomp are in
+place, does not exec; it serves requests on the hand-off channel and forks a command for each. It runs
+as the agent's account and is non-dumpable, so the agent can neither read its memory or fds nor trace
+it (seccomp refuses ptrace); it can only kill it, which ends its own cell. It holds the launcher's
+memory image: a warm launcher's other cells' policies, never their secrets (a session's secrets are
+the cell's own environment).
+
+Supervisor side, :class:`Channel`: requests go out framed (length, fd count, ``marshal`` payload, the
+fds as SCM_RIGHTS with it); reports come back as fixed-size records the supervisor parses by struct,
+never by an unmarshal of what the cell wrote::
+
+    supervisor -> {"op": "exec", "id": N, "argv": [...], "env": {...}, "cwd": DIR, "fds": [0, 1, 2]} + fds
+    supervisor -> {"op": "signal", "id": N, "sig": S}
+    cell       -> b"S" id pid 0        a command started (pid in the cell's PID namespace)
+    cell       -> b"X" id code sig     it ended (code 128+N for a signal; 127 not found, 126 not runnable)
+"""
+from __future__ import annotations
+
+import _socket
+import marshal
+import os
+import select
+import struct
+
+from . import syscalls as sc
+from .spec import TYPE_CHECKING
+from .wire import pack_fds, unpack_fds
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+    from typing import Any, NoReturn
+
+_REQUEST = struct.Struct("!II")  # payload length, number of fds sent with it
+_REPORT = struct.Struct("!cIii")  # kind, request id, two numbers
+MAX_FDS = 8
+MAX_REQUEST = 4 << 20  # argv and environment of one command
+
+
+# ---- supervisor side --------------------------------------------------------------------------------
+
+
+class Channel:
+    """The supervisor's end of a live cell's hand-off channel."""
+
+    def __init__(self, sock: _socket.socket) -> None:
+        self.sock = sock
+        self._buf = b""
+        self.closed = False
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def exec(self, rid: int, argv: Sequence[str], env: dict[str, str], cwd: str, fds: dict[int, int]) -> None:
+        """Start ``argv``; ``fds`` maps the number the command sees to our fd. Raises OSError when the
+        cell is gone."""
+        self._send({"op": "exec", "id": rid, "argv": [os.fsencode(a) for a in argv],
+                    "env": {os.fsencode(k): os.fsencode(v) for k, v in env.items()}, "cwd": os.fsencode(cwd),
+                    "fds": list(fds)}, list(fds.values()))
+
+    def signal(self, rid: int, sig: int) -> None:
+        try:
+            self._send({"op": "signal", "id": rid, "sig": sig}, [])
+        except OSError:
+            pass  # the cell is gone: so is the command
+
+    def _send(self, msg: dict[str, Any], fds: list[int]) -> None:
+        if len(fds) > MAX_FDS:
+            raise ValueError(f"at most {MAX_FDS} fds per command")
+        payload = marshal.dumps(msg)
+        if len(payload) > MAX_REQUEST:
+            raise ValueError(f"argv and environment of {len(payload):,} bytes (at most {MAX_REQUEST:,})")
+        data = _REQUEST.pack(len(payload), len(fds)) + payload
+        anc = [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, pack_fds(fds))] if fds else []
+        sent = self.sock.sendmsg([data], anc)
+        if sent < len(data):
+            self.sock.sendall(data[sent:])
+
+    def reports(self) -> list[tuple[str, int, int, int]] | None:
+        """What the cell has reported since the last call, without blocking; None once it is gone."""
+        if self.closed:
+            return None
+        try:
+            chunk = self.sock.recv(1 << 16, _socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return []
+        except OSError:
+            chunk = b""
+        if not chunk:
+            self.closed = True
+            return None
+        self._buf += chunk
+        out = []
+        while len(self._buf) >= _REPORT.size:
+            kind, rid, a, b = _REPORT.unpack_from(self._buf)
+            self._buf = self._buf[_REPORT.size:]
+            if kind in (b"S", b"X"):
+                out.append((kind.decode(), rid, a, b))
+        return out
+
+    def close(self) -> None:
+        """No more commands: the server exits, and PID 1 ends the cell with everything still in it."""
+        if not self.closed:
+            self.closed = True
+        try:
+            self.sock.shutdown(_socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+
+
+# ---- child side: the cell's command process, confined, as the agent --------------------------------
+
+
+def serve(ctl: _socket.socket) -> NoReturn:
+    sc.prctl(sc.PR_SET_DUMPABLE, 0)  # setresuid may have made us dumpable again (fs.suid_dumpable)
+    ctl.setblocking(True)
+    running: dict[int, tuple[int, int]] = {}  # pidfd -> (request id, pid)
+    by_id: dict[int, int] = {}  # request id -> pid
+    buf, fds_in = b"", []
+    while True:
+        readers: list[Any] = [ctl, *running]
+        ready, _, _ = select.select(readers, [], [])
+        for r in ready:
+            if r is ctl:
+                try:
+                    chunk, anc, _flags, _addr = ctl.recvmsg(1 << 16, _socket.CMSG_SPACE(MAX_FDS * 4))
+                except InterruptedError:
+                    continue
+                if not chunk:
+                    os._exit(0)  # the supervisor is done with the cell (or gone): PID 1 ends it
+                buf += chunk
+                fds_in += unpack_fds(anc)
+                while len(buf) >= _REQUEST.size:
+                    length, nfds = _REQUEST.unpack_from(buf)
+                    if len(buf) < _REQUEST.size + length or len(fds_in) < nfds:
+                        break
+                    msg = marshal.loads(buf[_REQUEST.size:_REQUEST.size + length])
+                    buf = buf[_REQUEST.size + length:]
+                    fds, fds_in = fds_in[:nfds], fds_in[nfds:]
+                    _handle(ctl, msg, fds, running, by_id)
+            else:
+                rid, pid = running.pop(r)
+                os.close(r)
+                by_id.pop(rid, None)
+                code, sig = 255, 0
+                try:
+                    _, wstatus = os.waitpid(pid, 0)
+                    if os.WIFSIGNALED(wstatus):
+                        code, sig = 128 + os.WTERMSIG(wstatus), os.WTERMSIG(wstatus)
+                    else:
+                        code = os.waitstatus_to_exitcode(wstatus)
+                except ChildProcessError:
+                    pass
+                _tell(ctl, b"X", rid, code, sig)
+
+
+def _tell(ctl: _socket.socket, kind: bytes, rid: int, a: int, b: int) -> None:
+    try:
+        ctl.sendall(_REPORT.pack(kind, rid, a, b))
+    except OSError:
+        os._exit(0)
+
+
+def _handle(ctl: _socket.socket, msg: dict[str, Any], fds: list[int], running: dict[int, tuple[int, int]],
+            by_id: dict[int, int]) -> None:
+    rid = int(msg["id"])
+    if msg["op"] == "signal":
+        pid = by_id.get(rid)
+        if pid is not None:
+            try:
+                os.killpg(pid, int(msg["sig"]))  # its own session and process group (setsid below)
+            except OSError:
+                try:
+                    os.kill(pid, int(msg["sig"]))
+                except OSError:
+                    pass
+        return
+    for fd in fds:
+        os.set_inheritable(fd, False)  # only as the command's 0-2 (dup2 below) do they cross its exec
+    try:
+        pid = _spawn(msg, fds)
+    except OSError as e:
+        code = 127 if isinstance(e, FileNotFoundError) else 126
+        if len(fds) > 2:
+            what = "command not found in the cell" if code == 127 else e.strerror
+            try:
+                os.write(fds[2], f"agentcell: {os.fsdecode(msg['argv'][0])}: {what}\n".encode(errors="replace"))
+            except OSError:
+                pass
+        _tell(ctl, b"X", rid, code, 0)
+        return
+    finally:
+        for fd in fds:
+            os.close(fd)
+    try:
+        pidfd = os.pidfd_open(pid)
+    except OSError:  # it cannot have been reaped yet: only we wait for it
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        _tell(ctl, b"X", rid, 125, 0)
+        return
+    running[pidfd] = (rid, pid)
+    by_id[rid] = pid
+    _tell(ctl, b"S", rid, pid, 0)
+
+
+def _spawn(msg: dict[str, Any], fds: list[int]) -> int:
+    """One command, in a session of its own, its fds on their numbers and nothing else (every fd of
+    ours is close-on-exec), by posix_spawn: vfork and exec, no copy of our memory (a fork of this
+    process costs more than the command here). Its working directory is ours at that moment (we are
+    single-threaded); PATH is searched in the command's environment."""
+    os.chdir(msg["cwd"])
+    env = msg["env"]
+    actions = [(os.POSIX_SPAWN_DUP2, fd, int(target)) for fd, target in zip(fds, msg["fds"], strict=True)]
+    name = msg["argv"][0]
+    dirs = [b""] if b"/" in name else env.get(b"PATH", b"").split(b":")
+    denied: OSError | None = None
+    for d in dirs:
+        path = os.path.join(d or b".", name) if d or b"/" not in name else name
+        try:
+            return os.posix_spawn(path, msg["argv"], env, file_actions=actions, setsid=True)
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        except PermissionError as e:
+            denied = e
+    raise denied or FileNotFoundError(2, "not found", os.fsdecode(name))
+
+
+def execvpe(argv: list[str], env: dict[str, str]) -> None:
+    """execvpe without os.get_exec_path, which imports warnings (~2.5 ms in every cell here). Like
+    execvp: search PATH, remember a permission error and keep looking, report it if nothing runs."""
+    name = argv[0]
+    dirs = [""] if "/" in name else env.get("PATH", "").split(":")
+    denied: OSError | None = None
+    for d in dirs:
+        path = os.path.join(d or ".", name) if d or "/" not in name else name
+        try:
+            os.execve(path, argv, env)
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        except PermissionError as e:
+            denied = e
+    if denied is not None:
+        raise denied
+    raise FileNotFoundError(2, "not found", name)

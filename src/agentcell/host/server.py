@@ -1,0 +1,349 @@
+"""The live cell's host: a fresh process that runs one supervised live cell (``Supervised.start(live=
+True)``: its monitor, proxy and host-firewall table as for any cell) and serves its clients' commands.
+
+A process of its own because its callers are threaded (a Python program, an MCP server's event loop,
+LangChain): the launcher must never fork from a threaded process, and this one forks the cell while
+its only thread runs (the monitor's thread starts after). Started by fork+exec, like the warm
+launcher (:func:`agentcell.cell.zygote.launcher_command`).
+
+Two ways in: ``--conn FD``, one private client (:meth:`agentcell.Cell.open`): its EOF stops the cell;
+``--listen FD --path SOCKET --name NAME --idle S`` (``agentcell cell start``): clients of our own uid,
+never from inside a cell, come and go; the cell stays until ``stop`` or ``--idle`` seconds without a
+command. The protocol is the warm launcher's (:mod:`agentcell.cell.wire`: one marshal dict per
+SOCK_SEQPACKET datagram, stdio as SCM_RIGHTS)::
+
+  client -> {"op": "open", "spec": {...}, "monitor": VERDICT | None}        (first, once)
+  client -> {"op": "exec", "id": N, "argv": [...], "env": {...}, "cwd": DIR | None, "timeout": S | None}
+            + fds [stdin, stdout, stderr]
+  client -> {"op": "signal", "id": N, "sig": S} | {"op": "status"} | {"op": "stop"}
+  host   -> {"event": "opened", "cell_id", "pid1"} | {"event": "error", "field", "message", "code"}
+  host   -> {"id": N, "event": "started", "pid"} | {"id": N, "event": "exit", "exit_status", "signal",
+             "timed_out", "duration_s", "ended": REASON | None}
+  host   -> {"event": "escape" | "note", "data": {...}}   (to every client, as the monitor sees it)
+  host   -> {"event": "ended", "reason": REASON, "result": {...}}   (to every client, last)
+
+An escape (under ``terminate``) ends the cell: every command still running gets its ``exit`` with
+the reason in ``ended``, and every client the ``ended`` message.
+"""
+from __future__ import annotations
+
+import _socket
+import os
+import select
+import sys
+import threading
+import time
+from typing import Any
+
+from ..cell import wire
+from ..cell.spec import spec_from_dict
+from ..errors import AgentcellError
+
+KILL = 9
+LINGER_S = 300.0  # an ended named cell answers "ended: REASON" this long
+
+
+class _Exec:
+    def __init__(self, conn: _socket.socket, cid: int, deadline: float | None) -> None:
+        self.conn, self.cid, self.deadline = conn, cid, deadline
+        self.started = time.monotonic()
+        self.timed_out = False
+
+
+class Host:
+    def __init__(self, *, conn: _socket.socket | None = None, listener: _socket.socket | None = None,
+                 name: str = "", idle_s: float = 0.0) -> None:
+        self.listener, self.name, self.idle_s = listener, name, idle_s
+        self.conns: list[_socket.socket] = [conn] if conn is not None else []
+        self.private = conn is not None  # its one client's EOF stops the cell
+        self.sup: Any = None
+        self.execs: dict[int, _Exec] = {}
+        self.next_id = 0
+        self.stopping = False
+        self.ended: str | None = None
+        self.stop_reason = ""
+        self.result: dict[str, Any] | None = None
+        self.send_lock = threading.Lock()  # the monitor's thread reports events too
+        self.started = self.last_work = time.monotonic()
+
+    # ---- replies ------------------------------------------------------------------------------------
+
+    def _send(self, conn: _socket.socket, msg: dict[str, Any]) -> None:
+        with self.send_lock:
+            try:
+                wire.send(conn, msg)
+            except OSError:
+                pass  # that client has gone; its EOF is handled by the loop
+
+    def _broadcast(self, msg: dict[str, Any]) -> None:
+        for conn in list(self.conns):
+            self._send(conn, msg)
+
+    def _on_event(self, ev: Any) -> None:
+        self._broadcast({"event": "escape" if ev.acts else "note", "data": ev.as_dict()})
+
+    # ---- the cell -----------------------------------------------------------------------------------
+
+    def open(self, conn: _socket.socket, msg: dict[str, Any]) -> bool:
+        from ..supervise import Supervised
+
+        try:
+            spec = spec_from_dict(msg["spec"])
+            null = os.open(os.devnull, os.O_RDWR)
+            try:
+                self.sup = Supervised.start(spec, [], monitor=msg.get("monitor"), callback=self._on_event,
+                                            stdio=(null, null, null), live=True)
+            finally:
+                os.close(null)
+        except AgentcellError as e:
+            self._send(conn, {"event": "error", "field": e.field, "message": e.line(), "code": e.exit_code})
+            return False
+        except (KeyError, TypeError, ValueError) as e:
+            self._send(conn, {"event": "error", "field": "request", "message": f"request: malformed: {e}",
+                              "code": 125})
+            return False
+        self._send(conn, {"event": "opened", "cell_id": self.sup.cell_id, "pid1": self.sup.pid1})
+        return True
+
+    def serve(self) -> None:
+        live = self.sup.running.live
+        try:
+            while self.ended is None:
+                readers: list[Any] = [*self.conns, self.sup.running, *([] if live.closed else [live])]
+                if self.listener is not None:
+                    readers.append(self.listener)
+                ready, _, _ = select.select(readers, [], [], self._wait())
+                self._deadlines()
+                for r in ready:
+                    if r is live:
+                        self._reports()
+                    elif r is self.sup.running:
+                        self.sup.running.poll_messages(0)
+                    elif r is self.listener:
+                        self._accept()
+                    else:
+                        self._request(r)
+                if self.sup.running.reported() or self.sup.running.finished_reading():
+                    self._end()
+                elif self.private and not self.conns:
+                    self._stop("its client has gone")
+                elif (self.idle_s and not self.execs and not self.stopping
+                      and time.monotonic() - self.last_work > self.idle_s):
+                    self._stop(f"idle for {self.idle_s:g} s")
+        finally:
+            if self.ended is None:
+                self.sup.terminate("the cell's host failed")
+                self._end()
+
+    def _wait(self) -> float | None:
+        waits = [e.deadline - time.monotonic() for e in self.execs.values() if e.deadline and not e.timed_out]
+        if self.idle_s and not self.execs:
+            waits.append(self.last_work + self.idle_s - time.monotonic() + 0.01)
+        if self.stopping:
+            waits.append(0.05)
+        return max(0.0, min(waits)) if waits else None
+
+    def _deadlines(self) -> None:
+        now = time.monotonic()
+        for rid, e in self.execs.items():
+            if e.deadline is not None and not e.timed_out and now >= e.deadline:
+                e.timed_out = True
+                self.sup.running.live.signal(rid, KILL)
+
+    def _reports(self) -> None:
+        reports = self.sup.running.live.reports()
+        for kind, rid, a, b in reports or []:
+            e = self.execs.get(rid)
+            if e is None:
+                continue
+            if kind == "S":
+                self._send(e.conn, {"id": e.cid, "event": "started", "pid": a})
+            else:
+                del self.execs[rid]
+                self.last_work = time.monotonic()
+                code, sig = (124, KILL) if e.timed_out else (a, b)
+                self._send(e.conn, {"id": e.cid, "event": "exit", "exit_status": code, "signal": sig,
+                                    "timed_out": e.timed_out, "duration_s": round(time.monotonic() - e.started, 6),
+                                    "ended": None})
+
+    def _stop(self, why: str) -> None:
+        """No more commands: the exec server ends and PID 1 takes the cell down."""
+        if not self.stopping:
+            self.stopping = True
+            self.stop_reason = why
+            self.sup.running.live.close()
+
+    def _end(self) -> None:
+        self._reports()  # what the exec server said before the end
+        result = self.sup.finish(self.sup.running.wait(None, clean_up=False).as_dict())
+        if result.get("terminated_by_monitor"):
+            reason = f"terminated at an escape attempt: {result.get('monitor_reason')}"
+        elif self.stopping:
+            reason = f"stopped ({self.stop_reason})"
+        else:
+            reason = f"the cell ended ({result.get('error') or 'its exec server exited'})"
+        self.ended, self.result = reason, result
+        for e in self.execs.values():
+            self._send(e.conn, {"id": e.cid, "event": "exit", "exit_status": 137, "signal": KILL,
+                                "timed_out": e.timed_out, "duration_s": round(time.monotonic() - e.started, 6),
+                                "ended": reason})
+        self.execs.clear()
+        self._broadcast({"event": "ended", "reason": reason, "result": result})
+
+    # ---- clients ------------------------------------------------------------------------------------
+
+    def linger(self, seconds: float) -> None:
+        """A named cell that has ended keeps answering for a while, so that the next ``exec`` (or
+        ``list``) learns why (an escape) instead of finding no cell; ``stop`` ends this at once."""
+        until = time.monotonic() + seconds
+        while self.listener is not None and not self.stopping and time.monotonic() < until:
+            readers: list[Any] = [self.listener, *self.conns]
+            for r in select.select(readers, [], [], max(0.0, until - time.monotonic()))[0]:
+                if r is self.listener:
+                    self._accept()
+                    continue
+                try:
+                    msg, fds = wire.recv(r)
+                except (OSError, wire.WireError, ValueError, EOFError, TypeError):
+                    msg, fds = None, []
+                for fd in fds:
+                    os.close(fd)
+                if msg is None:
+                    self.conns.remove(r)
+                    r.close()
+                elif msg.get("op") == "status":
+                    self._send(r, self._status())
+                else:
+                    self.stopping = msg.get("op") == "stop"
+                    self._send(r, {"event": "ended", "reason": self.ended, "result": self.result})
+
+    def _status(self) -> dict[str, Any]:
+        return {"event": "status", "name": self.name, "pid": os.getpid(), "cell_id": self.sup.cell_id,
+                "pid1": self.sup.pid1, "execs": len(self.execs), "events": len(self.sup.events()),
+                "uptime_s": time.monotonic() - self.started, "ended": self.ended}
+
+    def _accept(self) -> None:
+        assert self.listener is not None
+        fd, _addr = self.listener._accept()  # type: ignore[attr-defined]
+        conn = _socket.socket(fileno=fd)
+        pid, uid, _gid = wire.peer_cred(conn)
+        if uid != os.getuid() or not wire.shares_our_namespaces(pid):  # as the warm launcher (zygote)
+            conn.close()
+            return
+        self.conns.append(conn)
+
+    def _drop(self, conn: _socket.socket) -> None:
+        for rid, e in list(self.execs.items()):
+            if e.conn is conn:  # a client that went away takes its commands with it
+                self.sup.running.live.signal(rid, KILL)
+        self.conns.remove(conn)
+        conn.close()
+
+    def _request(self, conn: _socket.socket) -> None:
+        try:
+            msg, fds = wire.recv(conn)
+        except (OSError, wire.WireError, ValueError, EOFError, TypeError):
+            msg, fds = None, []
+        try:
+            if msg is None:
+                self._drop(conn)
+            else:
+                self._handle(conn, msg, fds)
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def _handle(self, conn: _socket.socket, msg: dict[str, Any], fds: list[int]) -> None:
+        op = msg.get("op")
+        if op == "status":
+            self._send(conn, self._status())
+        elif op == "stop":
+            self._stop("asked to stop")
+        elif op == "signal":
+            rid = next((r for r, e in self.execs.items() if e.conn is conn and e.cid == msg.get("id")), None)
+            if rid is not None:
+                self.sup.running.live.signal(rid, int(msg["sig"]))
+        elif op == "exec":
+            self._exec(conn, msg, fds)
+        else:
+            self._send(conn, {"id": msg.get("id"), "event": "error", "field": "op", "code": 125,
+                              "message": f"op: unknown {op!r}"})
+
+    def _exec(self, conn: _socket.socket, msg: dict[str, Any], fds: list[int]) -> None:
+        cid = msg.get("id")
+        try:
+            argv = [str(a) for a in msg["argv"]]
+            if not argv:
+                raise ValueError("no command")
+            if self.stopping:
+                raise ValueError("the cell is stopping")
+            spec = self.sup.spec
+            env = spec.environ()
+            env.update({str(k): str(v) for k, v in (msg.get("env") or {}).items()})
+            cwd = str(msg.get("cwd") or spec.cwd or spec.identity.home)
+            timeout = msg.get("timeout")
+            if len(fds) != 3:
+                raise ValueError("stdin, stdout and stderr must come with the request")
+        except (KeyError, TypeError, ValueError) as e:
+            self._send(conn, {"id": cid, "event": "error", "field": "exec", "code": 125, "message": f"exec: {e}"})
+            return
+        self.next_id += 1
+        rid = self.next_id
+        self.last_work = time.monotonic()
+        deadline = None if timeout is None else time.monotonic() + float(timeout)
+        self.execs[rid] = _Exec(conn, int(cid or 0), deadline)
+        try:
+            self.sup.running.live.exec(rid, argv, env, cwd, dict(enumerate(fds)))
+        except (OSError, ValueError) as e:
+            del self.execs[rid]
+            self._send(conn, {"id": cid, "event": "error", "field": "exec", "code": 125,
+                              "message": f"exec: {e if isinstance(e, ValueError) else 'the cell is gone'}"})
+
+
+def command(*args: str) -> list[str]:
+    """argv that starts this host in a fresh interpreter that imports nothing from its caller's working
+    directory or PYTHONPATH (see :func:`agentcell.cell.zygote.launcher_command`)."""
+    pkg_parent = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); from agentcell.host.server import main; "
+            "sys.exit(main(sys.argv[2:]))")
+    return [sys.executable, "-I", "-c", code, pkg_parent, *args]
+
+
+def main(argv: list[str]) -> int:
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's ^C is the client's to act on
+    opts = dict(zip(argv[::2], argv[1::2], strict=False))
+    if "--conn" in opts:
+        conn = _socket.socket(fileno=int(opts["--conn"]))
+        host = Host(conn=conn)
+    else:
+        listener = _socket.socket(fileno=int(opts["--listen"]))
+        ino = os.stat(opts["--path"]).st_ino
+        host = Host(listener=listener, name=opts.get("--name", ""), idle_s=float(opts.get("--idle", "0")))
+        fd, _addr = listener._accept()  # type: ignore[attr-defined]  # the starter, who opens the cell
+        conn = _socket.socket(fileno=fd)
+        if wire.peer_uid(conn) != os.getuid():
+            return 1
+        host.conns.append(conn)
+    try:
+        msg, fds = wire.recv(conn)
+    except (OSError, wire.WireError, ValueError, EOFError, TypeError):
+        return 1
+    for fd in fds:
+        os.close(fd)
+    if msg is None or msg.get("op") != "open" or not host.open(conn, msg):
+        return 1
+    try:
+        host.serve()
+        if not host.stopping:
+            host.linger(LINGER_S)
+    finally:
+        path = opts.get("--path")
+        if path:
+            try:
+                if os.stat(path).st_ino == ino:  # still ours
+                    os.unlink(path)
+            except OSError:
+                pass
+    return 0

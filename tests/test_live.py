@@ -1,0 +1,201 @@
+"""Live cells: one cell (namespaces, mounts, Landlock domain, monitor, proxy) that stays up and runs many
+commands, from Python (``Cell.open``) and from the shell (``agentcell cell``)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from agentcell import Cell, CellSpec
+from agentcell.api import CellEnded, LiveCell
+from agentcell.policy.resolve import build_env, resolve_identity
+from conftest import AGENTCELL, User, needs_root
+
+pytestmark = needs_root
+
+
+def _spec(user: User, **kw: object) -> CellSpec:
+    ident = resolve_identity(str(user.uid), euid=0)
+    return CellSpec(identity=ident, env=build_env({"OPENAI_API_KEY": "sk-live-x"}, ident), cwd=ident.home, **kw)
+
+
+@pytest.fixture
+def live(user: User) -> Iterator[LiveCell]:
+    with Cell.open(_spec(user)) as cell:
+        yield cell
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return Path(f"/proc/{pid}/stat").read_text().split(")")[1].split()[0] == "Z"
+
+
+def test_many_commands_share_one_cell(live: LiveCell, user: User) -> None:
+    """The same mount namespace (a file one command writes, the next reads), PID namespace and Landlock
+    domain (a command signals what an earlier one left running: sibling domains could not)."""
+    assert live.exec(["sh", "-c", "echo kept > /tmp/x; (setsid sleep 300 & echo $! > /tmp/pid)"]).returncode == 0
+    r = live.exec(["sh", "-c", "cat /tmp/x; kill $(cat /tmp/pid) && echo killed; id -u"], text=True)
+    assert r.stdout == f"kept\nkilled\n{user.uid}\n", r.stderr
+    assert r.cell_id == live.cell_id
+
+
+def test_each_command_has_its_own_stdio_status_environment_and_directory(live: LiveCell) -> None:
+    r = live.exec(["sh", "-c", "cat; echo oops >&2; echo $EXTRA; pwd; exit 3"], input="fed\n", env={"EXTRA": "one"},
+                  cwd="/tmp", text=True)
+    assert (r.returncode, r.stdout, r.stderr) == (3, "fed\none\n/tmp\n", "oops\n")
+    r = live.exec(["sh", "-c", "echo ${EXTRA:-unset}; env"], text=True)
+    assert str(r.stdout).startswith("unset\n")  # the policy's environment, scrubbed as in any cell
+    assert "OPENAI_API_KEY" not in str(r.stdout)
+
+
+def test_a_command_gets_only_its_stdio(live: LiveCell) -> None:
+    r = live.exec(["sh", "-c", "ls /proc/self/fd"], text=True)
+    assert str(r.stdout).split() == ["0", "1", "2", "3"]  # 3: ls's own listing of the directory
+
+
+def test_the_exec_server_is_opaque_to_the_agent(live: LiveCell) -> None:
+    """It runs as the agent's account but is non-dumpable: its memory (the launcher's image), fds and
+    environment are not the agent's to read; under hidepid it is not even listed."""
+    r = live.exec(["sh", "-c", "cat /proc/2/environ; ls /proc/2/fd; cat /proc/2/maps; ls /proc; echo done"],
+                  text=True)
+    listed = str(r.stdout).split()
+    assert listed[-1] == "done" and "2" not in listed and "1" not in listed
+    assert all(f"/proc/2/{f}" in str(r.stderr) for f in ("environ", "fd", "maps")), r.stderr
+
+
+def test_timeout_kills_one_command_and_the_cell_goes_on(live: LiveCell) -> None:
+    r = live.exec(["sleep", "30"], timeout=0.3)
+    assert r.timed_out and r.returncode == 124
+    assert live.exec(["true"]).returncode == 0
+
+
+def test_not_found_is_127_with_a_line(live: LiveCell) -> None:
+    r = live.exec(["no-such-command"], text=True)
+    assert r.returncode == 127 and "command not found in the cell" in str(r.stderr)
+
+
+def test_eight_commands_at_once(live: LiveCell) -> None:
+    out: dict[int, str] = {}
+
+    def one(i: int) -> None:
+        out[i] = str(live.exec(["sh", "-c", f"sleep 0.5; echo {i}"], text=True).stdout)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+    start = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert out == {i: f"{i}\n" for i in range(8)}
+    assert time.monotonic() - start < 8 * 0.5  # they ran side by side, not one after another
+
+
+def test_an_escape_by_one_command_ends_the_cell_for_every_caller(user: User) -> None:
+    with Cell.open(_spec(user)) as cell:
+        waiting = cell.spawn(["sleep", "60"], stdout=os.open(os.devnull, os.O_WRONLY))
+        r = cell.exec(["sh", "-c", "cat ~/.ssh/id_rsa; sleep 5; echo survived"], text=True)
+        assert r.returncode == 137 and "survived" not in str(r.stdout)
+        assert r.error and "canary credential" in r.error
+        assert waiting.wait(timeout=20) == 137 and "escape" in str(waiting.result["ended"])
+        assert cell.ended and "escape attempt" in cell.ended
+        assert any(e["acts"] and "id_rsa" in e["target"] for e in cell.events)
+        with pytest.raises(CellEnded, match="canary credential"):
+            cell.exec(["true"])
+    assert cell.result is not None and cell.result["terminated_by_monitor"]
+    assert _gone(cell.pid1)
+
+
+def test_close_takes_everything_down(user: User) -> None:
+    cell = Cell.open(_spec(user))
+    cell.exec(["sh", "-c", "setsid sleep 300 &"])
+    pid1, host = cell.pid1, cell._proc
+    assert host is not None
+    result = cell.close()
+    assert result is not None and result["exit_status"] == 0 and not result["terminated_by_monitor"]
+    assert host.poll() is not None and _gone(pid1)
+    assert not Path(f"/run/agentcell/cgroups/{cell.cell_id}").exists()
+
+
+def test_a_dead_host_takes_its_cell_with_it(user: User) -> None:
+    cell = Cell.open(_spec(user))
+    waiting = cell.spawn(["sleep", "60"], stdout=os.open(os.devnull, os.O_WRONLY))
+    assert cell._proc is not None
+    os.kill(cell._proc.pid, signal.SIGKILL)
+    assert waiting.wait(timeout=20) == 137
+    cell.close()
+    for _ in range(200):
+        if _gone(cell.pid1):
+            break
+        time.sleep(0.05)
+    assert _gone(cell.pid1)
+
+
+# ---- the shell: agentcell cell --------------------------------------------------------------------------
+
+
+def _cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([AGENTCELL, "cell", *args], capture_output=True, text=True, timeout=timeout,
+                          stdin=subprocess.DEVNULL)
+
+
+@pytest.fixture
+def named(user: User) -> Iterator[str]:
+    name = f"t{os.getpid()}"
+    p = _cli("start", "--name", name, "--json", "--as", str(user.uid), "--monitor")
+    assert p.returncode == 0, p.stderr
+    host = json.loads(p.stdout)["host_pid"]
+    try:
+        yield name
+    finally:
+        _cli("stop", "--name", name)
+        for _ in range(100):
+            if _gone(host):
+                break
+            time.sleep(0.05)
+        else:
+            os.kill(host, signal.SIGKILL)
+
+
+def test_cli_start_exec_list_stop(named: str, user: User) -> None:
+    p = _cli("exec", "--name", named, "--env", "X=1", "--", "sh", "-c", "echo $X; id -u; exit 5")
+    assert (p.returncode, p.stdout) == (5, f"1\n{user.uid}\n")
+    listed = json.loads(_cli("list", "--json").stdout)
+    assert [c["name"] for c in listed if c["name"] == named] == [named]
+    p = _cli("exec", "--name", named, "--timeout", "0.3", "--", "sleep", "30")
+    assert p.returncode == 124 and "timed out" in p.stderr
+    p = _cli("stop", "--name", named, "--json")
+    assert p.returncode == 0 and json.loads(p.stdout)["exit_status"] == 0
+
+
+def test_cli_escape_is_told_to_the_next_exec(named: str) -> None:
+    p = _cli("exec", "--name", named, "--", "sh", "-c", "cat ~/.ssh/id_rsa; sleep 5; echo survived")
+    assert p.returncode == 137 and "survived" not in p.stdout and "canary credential" in p.stderr
+    p = _cli("exec", "--name", named, "--", "true")
+    assert p.returncode == 137 and "has ended" in p.stderr and "canary credential" in p.stderr
+    assert "ended: terminated at an escape attempt" in _cli("list").stdout
+
+
+@pytest.mark.parametrize("args, field", [
+    (["start", "--name", "Bad!"], "--name"),
+    (["start", "--idle", "0"], "--idle"),
+    (["start", "--timeout", "3"], "--timeout"),
+    (["start", "--", "ls"], "command"),
+    (["exec", "--name", "nobody-runs-this", "--", "true"], "--name"),
+    (["exec", "--"], "command"),
+    (["exec", "--env", "novalue", "--", "true"], "--env"),
+    (["frobnicate"], "unknown action"),
+])
+def test_cli_bad_input_is_one_line(args: list[str], field: str) -> None:
+    p = _cli(*args)
+    assert p.returncode == 125 and field in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert "Traceback" not in p.stderr
