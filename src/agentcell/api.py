@@ -337,8 +337,10 @@ class LiveCell:
 
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         with theirs:
+            # Not our stdout: it may be a protocol's channel (agentcell mcp).
             proc = subprocess.Popen(server.command("--conn", str(theirs.fileno())), pass_fds=[theirs.fileno()],
-                                    stdin=subprocess.DEVNULL, close_fds=True, cwd="/", start_new_session=True,
+                                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, close_fds=True, cwd="/",
+                                    start_new_session=True,
                                     env=zygote.launcher_env())
         try:
             return cls._handshake(ours, proc, spec, monitor)

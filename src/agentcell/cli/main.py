@@ -17,6 +17,7 @@ COMMANDS = {
     "snapshot": ("agentcell.cli.snapshot", "take, verify, restore and diff snapshots of a project"),
     "warm": ("agentcell.cli.warm", "start/stop the warm launcher that makes agentcell run fast"),
     "cell": ("agentcell.cli.cell", "a live cell: start it once, exec many commands in it, stop it"),
+    "mcp": ("agentcell.cli.mcp", "an MCP server (stdio) whose tools run in one live cell"),
 }
 
 USAGE = "usage: agentcell COMMAND [ARGS...]\n\ncommands:\n" + "".join(
