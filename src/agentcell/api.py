@@ -363,7 +363,9 @@ class LiveCell:
     @classmethod
     def _handshake(cls, sock: socket.socket, proc: subprocess.Popen[bytes] | None, spec: CellSpec,
                    monitor: str | None) -> LiveCell:
-        wire.send(sock, {"op": "open", "spec": spec_to_dict(spec), "monitor": monitor})
+        from .guard import human
+
+        wire.send(sock, {"op": "open", "spec": spec_to_dict(spec), "monitor": monitor, "give_to": human()})
         msg, _ = wire.recv(sock)
         if msg is None:
             raise LaunchError("cell", "the cell's host ended before the cell started")

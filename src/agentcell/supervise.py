@@ -1,14 +1,17 @@
-"""One cell and everything that lives beside it in the supervisor: the host firewall's table and the
-reader of what it rejects, the egress proxy, and the escape monitor.
+"""One cell and everything that lives beside it in the supervisor: the protected-path baseline, the
+host firewall's table and the reader of what it rejects, the egress proxy, and the escape monitor.
 
-``agentcell run`` (cold path) and the session workflow both start cells through :class:`Supervised`,
-so the order below is written once:
+``agentcell run`` (cold path), live cells (:mod:`agentcell.host.server`) and the session workflow start
+cells through :class:`Supervised`, so the order below is written once:
 
+0. the control surface (hooks, git and harness config in the writable paths) is scanned: what the
+   agent creates there is moved aside at the end (:class:`Guard`);
 1. host-firewall: the nftables table and its log reader exist before the agent's first packet;
 2. the monitor's sources are open before the command can run (nothing it does is missed);
 3. the cell is launched; the proxy serves its one way out from inside its cgroup;
 4. the monitor thread starts (a thread only now: the launcher never forks from a threaded process);
-5. at the end, in reverse: monitor, proxy, the cell's cgroup, the table, the log.
+5. at the end, in reverse: monitor, proxy, the cell's cgroup, the table, the log; then the control
+   surface is compared with step 0's scan.
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from .cell import launch
 from .cell.spec import CellSpec
 from .errors import AgentcellError
+from .guard import Guard
 
 if TYPE_CHECKING:
     from .cell.cgroups import CellCgroup
@@ -33,8 +37,8 @@ class Supervised:
     returns the same result dict as ``agentcell run --json``."""
 
     def __init__(self, spec: CellSpec, running: launch.Running, monitor: Monitor | None, proxy: Any,
-                 firewall: Any, log: Any) -> None:
-        self.spec, self.running, self.monitor = spec, running, monitor
+                 firewall: Any, log: Any, guard: Guard | None = None) -> None:
+        self.spec, self.running, self.monitor, self.guard = spec, running, monitor, guard
         self._proxy, self._fw, self._log = proxy, firewall, log
         self._blocked: dict[tuple[str, str, str], dict[str, Any]] = {}  # refusals, one per target, counted
         self._blocked_lock = threading.Lock()  # the monitor's loop adds while the end reads (a slow stop)
@@ -57,14 +61,19 @@ class Supervised:
     @classmethod
     def start(cls, spec: CellSpec, argv: Sequence[str], *, monitor: str | None = "terminate",
               callback: Callable[[CellEvent], None] | None = None, stdio: Sequence[int] = (0, 1, 2),
-              tty_fds: Sequence[int] = (), dedicated: bool | None = None, live: bool = False) -> Supervised:
+              tty_fds: Sequence[int] = (), dedicated: bool | None = None, live: bool = False,
+              guard: Guard | None | bool = True, give_to: tuple[int, int] | None = None) -> Supervised:
         """Launch ``argv`` in a cell for ``spec`` (``live``: no argv; the cell serves commands through
         ``running.live`` until that is closed, see :mod:`agentcell.cell.execd`). ``monitor``: terminate |
         record | ``CLASS=VERDICT,…`` (:func:`agentcell.monitor.monitor.parse_verdicts`) | None (no monitor).
         ``dedicated``: the cell's account exists for agents alone (default: an ``agent:NAME`` identity),
-        so what its uid does on the host's network is the cell's (a session's own account is)."""
+        so what its uid does on the host's network is the cell's (a session's own account is).
+        ``guard``: the protected-path step (:class:`Guard`, made here when True, with ``give_to`` as the
+        owner of what is moved aside; False: the caller checks the control surface itself)."""
         if spec.watch and monitor is None:  # its canaries and seccomp listener wait on a monitor
             raise AgentcellError("watch", "a watched cell needs its monitor", "pass monitor='terminate' or 'record'")
+        if guard is True:
+            guard = Guard(spec, give_to)
         fw = log = None
         if spec.network == "host-firewall":
             from .network import firewall, nflog
@@ -113,7 +122,7 @@ class Supervised:
                     running.cg.adopt(proxy.proc.pid)
                 except OSError:
                     pass  # it exited at once: the cell will find no one on its one way out
-        sup = cls(spec, running, watch, proxy, fw, log)
+        sup = cls(spec, running, watch, proxy, fw, log, guard or None)
         if watch is not None:
             _ = sup.pid1  # known before the monitor follows the cell's processes by descent from it
             watch.attach(running)
@@ -222,6 +231,8 @@ class Supervised:
             out["terminated_by_monitor"] = self.monitor.terminated
             out["monitor_reason"] = self.monitor.reason if self.monitor.terminated else None
             out["monitor_sources"] = self.monitor.sources()
+        if self.guard is not None:
+            self.guard.check(out, self.cell_id)
         self._result = out
         return out
 

@@ -149,7 +149,7 @@ def _execute(argv: list[str], a: Attempt, env: dict[str, str]) -> Outcome:
     out, err = bufs["out"].decode(errors="replace"), bufs["err"].decode(errors="replace")
     result: dict[str, object] = {}
     lines = out.rstrip("\n").split("\n")
-    if argv[0] == AGENTCELL and lines and lines[-1].startswith("{"):
+    if argv[:2] == [AGENTCELL, "run"] and lines and lines[-1].startswith("{"):
         result = json.loads(lines[-1])
         out = "\n".join(lines[:-1])
     return Outcome(p.returncode, out, err, result, ru, held)
@@ -163,6 +163,37 @@ def run_contained(a: Attempt, user: User, project: Path) -> Outcome:
         r = agentcell_run(args, env=env, pass_fds=a.pass_fds, timeout=a.timeout)
         return Outcome(r.rc, r.out, r.err, r.result)
     return _execute([AGENTCELL, "run", "--json", "--no-warm", *args], a, env)
+
+
+def run_live(a: Attempt, user: User, project: Path) -> Outcome:
+    """The probe as one command of a live cell (``agentcell cell start``, ``exec``, ``stop``): the cell's
+    result (limits, CPU, events) is the whole cell's, from ``stop``; a ``--timeout`` is the command's."""
+    who = a.as_user or user
+    flags, timeout = list(a.flags), []
+    if "--timeout" in flags:
+        i = flags.index("--timeout")
+        timeout, flags = flags[i:i + 2], flags[:i] + flags[i + 2:]
+    name = "e" + secrets.token_hex(6)
+    env = dict(PROBE_USER_ENV, **a.env)
+    started = subprocess.run([AGENTCELL, "cell", "start", "--name", name, "--json", "--as", str(who.uid), "--rw",
+                              str(project), *flags], capture_output=True, text=True, env=env, timeout=60,
+                             stdin=subprocess.DEVNULL)
+    assert started.returncode == 0, started.stderr
+    host_pid = int(json.loads(started.stdout)["host_pid"])
+    try:
+        o = _execute([AGENTCELL, "cell", "exec", "--name", name, *timeout, "--", *a.argv], a, env)
+    finally:
+        stopped = subprocess.run([AGENTCELL, "cell", "stop", "--name", name, "--json"], capture_output=True,
+                                 text=True, timeout=60)
+        for _ in range(200):
+            if not Path(f"/proc/{host_pid}").exists() or b"agentcell.host.server" not in _cmdline(str(host_pid)):
+                break
+            time.sleep(0.05)
+        else:
+            os.kill(host_pid, signal.SIGKILL)
+    o.result = json.loads(stopped.stdout) if stopped.returncode == 0 else {}
+    o.rusage = None
+    return o
 
 
 def run_plain(a: Attempt, user: User) -> Outcome:
@@ -1415,12 +1446,14 @@ def test_there_are_enough_probes() -> None:
     assert len(PROBES) >= 40
 
 
+@pytest.mark.parametrize("host", ["run", "live"])
 @pytest.mark.parametrize("name", sorted(PROBES))
-def test_probe_is_contained(name: str, world: World, request: pytest.FixtureRequest) -> None:
+def test_probe_is_contained(name: str, host: str, world: World, request: pytest.FixtureRequest) -> None:
+    """Through ``agentcell run`` (a cell per command) and as a command of a live cell (``agentcell cell``)."""
     attempt = PROBES[name](world)
     if name in XFAIL:
         request.node.add_marker(pytest.mark.xfail(strict=True, reason=XFAIL[name]))
-    o = run_contained(attempt, world.user, world.project)
+    o = (run_contained if host == "run" else run_live)(attempt, world.user, world.project)
     if attempt.hold is not None and not attempt.may_stop_early:
         assert o.held is not None, f"{name} never reached the point where the host looks\nerr: {o.err[-2000:]}"
     evidence = attempt.judge(o)

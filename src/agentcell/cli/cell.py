@@ -96,7 +96,7 @@ def start(argv: list[str]) -> int:
     if not idle > 0:
         raise AgentcellError("--idle", f"{printable(str(idle_arg))} is not a positive number of seconds",
                              "e.g. --idle 600")
-    ns = run.parse(argv)
+    ns = run.parse(argv, f"{PROG} start")
     if ns.command:
         raise AgentcellError("command", "a live cell is started without one", f"run it: {PROG} exec -- CMD")
     if ns.timeout is not None:
@@ -237,6 +237,10 @@ def stop(argv: list[str]) -> int:
     for ev in result.get("events") or []:
         print(f"  {'escape' if ev.get('acts') else 'note'}: {printable(str(ev.get('operation')))} "
               f"{printable(str(ev.get('target')))}: {printable(str(ev.get('reason')))}")
+    from .run import protected_lines
+
+    for line in protected_lines(result):
+        sys.stderr.write(f"{PROG}: warning: {line}\n")
     return 0
 
 

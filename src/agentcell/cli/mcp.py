@@ -24,7 +24,7 @@ def main(argv: list[str]) -> int:
         except ImportError as e:
             raise AgentcellError("mcp", f"the MCP SDK is not installed ({e.name})",
                                  "pip install 'agentcell[mcp]'") from None
-        ns = run.parse(argv)
+        ns = run.parse(argv, PROG)
         if ns.command:
             raise AgentcellError("command", "the MCP server takes none: its client sends the commands",
                                  "drop what follows --")

@@ -3,11 +3,10 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 
 from ..cell import terminal
 from ..cell.spec import TYPE_CHECKING, CellSpec, new_cell_id
-from ..errors import EXIT_CODES_HELP, AgentcellError, report
+from ..errors import EXIT_CODES_HELP, AgentcellError, printable, report
 from ..policy import resolve as rs
 
 if TYPE_CHECKING:
@@ -16,6 +15,7 @@ if TYPE_CHECKING:
     from typing import Any
 
     from ..cell.launch import Running
+    from ..guard import Guard
     from .common import Parser
 else:  # see cell/launch.py
     import _signal as signal
@@ -162,13 +162,13 @@ def fast_parse(argv: list[str]) -> Args | None:
     return ns
 
 
-def parser() -> Parser:
+def parser(prog: str = PROG) -> Parser:
     import argparse
 
     from .common import Parser
 
     p = Parser(
-        prog=PROG,
+        prog=prog,
         usage="%(prog)s [OPTIONS] -- CMD [ARGS...]",
         description="Run CMD in a least-privilege cell: its own mount, PID, IPC, UTS and network "
         "namespaces, a read-only system, only the declared paths writable, a scrubbed environment, "
@@ -195,11 +195,12 @@ def parser() -> Parser:
     return p
 
 
-def parse(argv: list[str]) -> Args | Namespace:
+def parse(argv: list[str], prog: str = PROG) -> Args | Namespace:
+    """``agentcell run``'s options (``prog``: the command they are given to, for its errors)."""
     fast = fast_parse(argv)
     if fast is not None:
         return fast
-    ns = parser().parse_args(argv)
+    ns = parser(prog).parse_args(argv)
     if ns.command[:1] == ["--"]:
         ns.command = ns.command[1:]
     return ns
@@ -366,22 +367,28 @@ def _print_explain(info: dict[str, object]) -> None:
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 
 
-def _human() -> tuple[int, int] | None:
-    """Who gets the quarantine box: the human behind sudo (so they can review it without root)."""
-    uid, gid = os.environ.get("SUDO_UID", ""), os.environ.get("SUDO_GID", "")
-    if os.geteuid() == 0 and uid.isdigit() and gid.isdigit() and int(uid) != 0:
-        return int(uid), int(gid)
-    return None
+def protected_lines(result: dict[str, Any]) -> list[str]:
+    """What a result's protected-path step found, as warnings (the CLI's and a live cell's stop)."""
+    out = [f"the command created {printable(old)}, which decides what git, your shell or your agent runs; it was "
+           f"moved to {printable(new)} (do not run git or your agent inside it; to let a command create it, use "
+           f"--allow-write {printable(old)})" for old, new in (result.get("quarantined") or {}).items()]
+    gone = set(result.get("quarantined") or {})
+    created = set(result.get("protected_created") or ())
+    out += [f"the command {'created' if p in created else 'changed'} {printable(p)}, which decides what git, your "
+            "shell or your agent runs (hooks, git or harness config); review it before you use the project"
+            for p in result.get("protected_changes") or () if p not in gone and not any(
+                p.startswith(g + "/") for g in gone)]
+    if result.get("scan_truncated"):
+        from ..cell import protect
 
-
-def _shown(path: str) -> str:
-    """A path as it may be printed: names come from the agent, and control characters could rewrite
-    the terminal (or set its clipboard)."""
-    return path if path.isprintable() else repr(path)[1:-1]
+        out.append(f"the writable paths hold more than the protected-path scan covers ({protect.MAX_DEPTH} levels, "
+                   f"{protect.MAX_DIRS} directories): repositories and agent config past that were neither protected "
+                   "nor checked; review them before you use them")
+    return out
 
 
 def _run_here(spec: CellSpec, command: list[str], timeout: float | None, ttys: tuple[int, ...],
-              interactive: bool, monitor: str | None = None) -> dict[str, Any]:
+              interactive: bool, guard: Guard, monitor: str | None = None) -> dict[str, Any]:
     """The cold path: build the cell in this process. Where our 0, 1, 2 are terminals the cell gets a
     pty of its own, relayed; stdin only when the run is interactive (else /dev/null)."""
     from ..supervise import Supervised
@@ -390,7 +397,7 @@ def _run_here(spec: CellSpec, command: list[str], timeout: float | None, ttys: t
     if 0 in ttys and not interactive:
         stdio[0] = os.open(os.devnull, os.O_RDONLY)
         ttys = tuple(fd for fd in ttys if fd != 0)
-    sup = Supervised.start(spec, command, monitor=monitor, stdio=stdio, tty_fds=ttys)
+    sup = Supervised.start(spec, command, monitor=monitor, stdio=stdio, tty_fds=ttys, guard=guard)
     try:
         cell = _wait_here(sup.running, timeout, interactive)
     except BaseException:
@@ -450,10 +457,9 @@ def execute(ns: Args | Namespace) -> int:
         if not command:
             raise AgentcellError("command", "no command given", "put it after --, e.g. agentcell run -- true")
         ttys, interactive = terminal.tty_fds(), terminal.is_ours()
-        from ..cell import protect
+        from ..guard import Guard, human
 
-        started_ns = time.time_ns() - 100_000_000  # file times are coarse (a tick or so): some slack
-        surface_before, truncated_before = protect.surface(spec.rw_paths)
+        guard = Guard(spec, human())  # the protected-path step, on either path
         result = None
         local = spec.network in ("proxy", "host-firewall") or ns.monitor  # its proxy, table or monitor is here
         if not ttys and not ns.no_warm and not local:  # a terminal, a proxy or a firewall: served here
@@ -462,47 +468,20 @@ def execute(ns: Args | Namespace) -> int:
             result = warm.run(spec, command, ns.timeout)
             if result is not None:
                 result["via"] = "warm launcher"
+                guard.check(result, str(result.get("cell_id") or spec.cell_id))
         if result is None:
-            result = _run_here(spec, command, ns.timeout, ttys, interactive,
+            result = _run_here(spec, command, ns.timeout, ttys, interactive, guard,
                                monitor=ns.on_escape or "terminate" if ns.monitor else None)
     except AgentcellError as e:
         return report(PROG, e)
-    # What could not be bound read-only (it did not exist, or lives in .git where git must write) is
-    # compared instead: what the command created is moved aside, what it changed or removed is reported.
     for sig in FORWARDED:  # the cell has ended: a signal now ends us, as it would any command
         signal.signal(sig, signal.SIG_DFL)
-    surface_after, truncated = protect.surface(spec.rw_paths)
-    truncated = truncated or truncated_before
-    moved, stuck = protect.quarantine(
-        surface_before, surface_after, str(result.get("cell_id") or spec.cell_id), spec.rw_paths,
-        allow_write=spec.allow_write, keep_out=(*spec.ro_paths, *spec.masked_paths),
-        owner_uid=None if spec.identity.userns else spec.identity.uid, since_ns=started_ns,
-        before_truncated=truncated_before, give_to=_human())
-    changed = [p for p in protect.changes(surface_before, surface_after)
-               if not any(p == a or p.startswith(a + "/") for a in spec.allow_write)]
-    result["protected_changes"] = changed
-    result["quarantined"] = {old: new for old, new in moved}
-    result["scan_truncated"] = truncated
-    gone = set(result["quarantined"])
-    for old, new in moved:
-        sys.stderr.write(f"{PROG}: warning: the command created {_shown(old)}, which decides what git, your shell "
-                         f"or your agent runs; it was moved to {_shown(new)} (do not run git or your agent "
-                         f"inside it; to let a command create it, use --allow-write {_shown(old)})\n")
-    for path in changed:
-        if path in gone or any(a in gone for a in protect._ancestors(path)):
-            continue
-        what = "created" if path in stuck or path not in surface_before else "changed"
-        sys.stderr.write(f"{PROG}: warning: the command {what} {_shown(path)}, which decides what git, your "
-                         "shell or your agent runs (hooks, git or harness config); review it before you use the "
-                         "project\n")
+    for line in protected_lines(result):
+        sys.stderr.write(f"{PROG}: warning: {line}\n")
     if result.get("egress_blocked"):
         from ..network import egress
 
         sys.stderr.write(f"{PROG}: {egress.summary(result['egress_blocked'])}\n")
-    if truncated:
-        sys.stderr.write(f"{PROG}: warning: the writable paths hold more than the protected-path scan covers "
-                         f"({protect.MAX_DEPTH} levels, {protect.MAX_DIRS} directories): repositories and agent "
-                         "config past that were neither protected nor checked; review them before you use them\n")
     if result["error"]:
         sys.stderr.write(f"{PROG}: {result['error']}\n")
     elif result["timed_out"]:

@@ -91,8 +91,10 @@ class Host:
             spec = spec_from_dict(msg["spec"])
             null = os.open(os.devnull, os.O_RDWR)
             try:
+                give_to = msg.get("give_to")  # who gets what is moved aside: the client's human
                 self.sup = Supervised.start(spec, [], monitor=msg.get("monitor"), callback=self._on_event,
-                                            stdio=(null, null, null), live=True)
+                                            stdio=(null, null, null), live=True,
+                                            give_to=(int(give_to[0]), int(give_to[1])) if give_to else None)
             finally:
                 os.close(null)
         except AgentcellError as e:

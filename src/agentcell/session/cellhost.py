@@ -75,7 +75,7 @@ def main(argv: list[str]) -> int:
         # A session's account (its own, or a persistent agent's) runs nothing outside its cells.
         sup = Supervised.start(spec_from_dict(req["spec"]), req["argv"], monitor="terminate",
                                callback=lambda ev: out.send({"event": ev.as_dict()}), stdio=stdio, tty_fds=ttys,
-                               dedicated=True)
+                               dedicated=True, guard=False)  # the session's cleanup checks its paths
     except (AgentcellError, OSError) as e:
         out.send({"error": e.line() if isinstance(e, AgentcellError) else f"{type(e).__name__}: {e}"})
         return 1
