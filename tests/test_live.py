@@ -140,6 +140,50 @@ def test_a_dead_host_takes_its_cell_with_it(user: User) -> None:
     assert _gone(cell.pid1)
 
 
+def test_a_command_that_stops_the_exec_server_ends_its_own_cell(user: User) -> None:
+    """The server runs as the agent's account, so a command can SIGSTOP it; then no request can end a
+    command, so the host ends the whole cell (red team, helper 12: timeouts and stop hung for good)."""
+    with Cell.open(_spec(user)) as cell:
+        stopper = cell.spawn(["sh", "-c", "kill -STOP 2; sleep 1000"], stdout=os.open(os.devnull, os.O_WRONLY),
+                             timeout=2)
+        assert stopper.wait(timeout=30) == 137
+        assert cell.ended and "no longer served commands" in cell.ended and "escape" not in cell.ended
+    assert _gone(cell.pid1)
+
+
+@pytest.mark.parametrize("bad", [
+    {"argv": ["tr\0ue"]}, {"env": {"A=B": "c"}}, {"env": {"A": "c\0d"}}, {"cwd": "relative"},
+    {"timeout": float("inf")}, {"timeout": float("nan")}, {"timeout": -1},
+])
+def test_a_bad_request_is_refused_and_the_cell_serves_on(live: LiveCell, bad: dict[str, object]) -> None:
+    from agentcell.errors import AgentcellError
+
+    kw = {"argv": ["true"], **bad}
+    argv = kw.pop("argv")
+    with pytest.raises(AgentcellError, match="exec: "):
+        live.exec(argv, **kw)  # type: ignore[arg-type]
+    assert live.exec(["true"]).returncode == 0 and live.ended is None
+
+
+def test_malformed_wire_requests_from_a_client_do_not_end_the_cell(user: User) -> None:
+    """A same-uid client sending nonsense gets errors; the cell and other callers go on."""
+    from agentcell.cell import wire
+
+    with Cell.open(_spec(user)) as cell:
+        null = os.open(os.devnull, os.O_RDWR)
+        for msg in ({"op": "exec", "id": "abc", "argv": ["true"]}, {"op": "exec", "id": 7, "env": [1, 2]},
+                    {"op": "exec", "id": 8, "argv": ["true"], "timeout": "x"}, {"op": "signal", "id": 1, "sig": "x"},
+                    {"op": "signal", "id": 1, "sig": 10**12}, {"op": "nonsense"}, {"id": 3}):
+            wire.send(cell._sock, msg, [null, null, null])
+        time.sleep(0.5)
+        assert cell.ended is None and cell.exec(["true"]).returncode == 0
+
+
+def test_a_working_directory_that_cannot_be_entered_is_said_so(live: LiveCell) -> None:
+    r = live.exec(["pwd"], cwd="/nonexistent", text=True)
+    assert r.returncode == 126 and "agentcell: /nonexistent:" in str(r.stderr)
+
+
 # ---- the shell: agentcell cell --------------------------------------------------------------------------
 
 
@@ -177,6 +221,24 @@ def test_cli_start_exec_list_stop(named: str, user: User) -> None:
     assert p.returncode == 0 and json.loads(p.stdout)["exit_status"] == 0
 
 
+def test_cli_many_clients_at_once_do_not_end_the_cell(named: str) -> None:
+    import socket
+
+    from agentcell.cli.cell import cells_dir
+
+    conns = []
+    try:
+        for _ in range(200):  # past the host's limit (and past select's 1024 fds it would need for more)
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            s.connect(os.path.join(cells_dir(), f"{named}.sock"))
+            conns.append(s)
+    finally:
+        for s in conns:
+            s.close()
+    p = _cli("exec", "--name", named, "--", "true")
+    assert p.returncode == 0, p.stderr
+
+
 def test_cli_escape_is_told_to_the_next_exec(named: str) -> None:
     p = _cli("exec", "--name", named, "--", "sh", "-c", "cat ~/.ssh/id_rsa; sleep 5; echo survived")
     assert p.returncode == 137 and "survived" not in p.stdout and "canary credential" in p.stderr
@@ -193,6 +255,7 @@ def test_cli_escape_is_told_to_the_next_exec(named: str) -> None:
     (["exec", "--name", "nobody-runs-this", "--", "true"], "--name"),
     (["exec", "--"], "command"),
     (["exec", "--env", "novalue", "--", "true"], "--env"),
+    (["exec", "--timeout", "inf", "--", "true"], "--timeout"),
     (["frobnicate"], "unknown action"),
 ])
 def test_cli_bad_input_is_one_line(args: list[str], field: str) -> None:

@@ -298,6 +298,11 @@ class LiveProcess:
         return self.returncode
 
     def _take(self, ev: dict[str, Any]) -> None:
+        if ev.get("event") == "error":  # the host refused the request (it never ran)
+            self._cell._forget(self.id)
+            err = AgentcellError(str(ev["field"]), str(ev["message"]).removeprefix(f"{ev['field']}: "))
+            err.exit_code = int(ev.get("code") or 125)
+            raise err
         if ev.get("event") == "lost":
             ev = {"event": "exit", "exit_status": 137, "signal": 9, "timed_out": False, "duration_s": 0.0,
                   "ended": self._cell.ended or "the cell's host died"}
@@ -379,7 +384,7 @@ class LiveCell:
         while True:
             try:
                 msg, fds = wire.recv(self._sock)
-            except (OSError, wire.WireError):
+            except (OSError, wire.WireError, ValueError, EOFError, TypeError):
                 msg, fds = None, []
             for fd in fds:
                 os.close(fd)
@@ -398,7 +403,8 @@ class LiveCell:
             if msg.get("event") in ("escape", "note"):
                 self.events.append(msg["data"])
                 continue
-            one = self._pending.get(int(msg.get("id") or 0))
+            cid = msg.get("id")
+            one = self._pending.get(cid) if isinstance(cid, int) else None
             if one is not None and msg.get("event") != "started":
                 one.events.put(msg)
 
@@ -493,7 +499,11 @@ class LiveCell:
             pass
         self._sock.close()
         if self._proc is not None:
-            self._proc.wait()
+            try:
+                self._proc.wait(timeout)
+            except subprocess.TimeoutExpired:  # our own child: its cell dies with it
+                self._proc.kill()
+                self._proc.wait()
         return self.result
 
     def __enter__(self) -> LiveCell:

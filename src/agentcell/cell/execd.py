@@ -174,22 +174,27 @@ def _handle(ctl: _socket.socket, msg: dict[str, Any], fds: list[int], running: d
         if pid is not None:
             try:
                 os.killpg(pid, int(msg["sig"]))  # its own session and process group (setsid below)
-            except OSError:
+            except (OSError, ValueError, OverflowError):
                 try:
                     os.kill(pid, int(msg["sig"]))
-                except OSError:
+                except (OSError, ValueError, OverflowError):
                     pass
         return
     for fd in fds:
         os.set_inheritable(fd, False)  # only as the command's 0-2 (dup2 below) do they cross its exec
     try:
+        try:
+            os.chdir(msg["cwd"])
+        except OSError as e:
+            raise _NoCwd(e.strerror or "cannot enter it") from None
         pid = _spawn(msg, fds)
-    except OSError as e:
+    except (OSError, ValueError, TypeError, OverflowError) as e:  # the server serves on, whatever one request was
         code = 127 if isinstance(e, FileNotFoundError) else 126
+        what = "command not found in the cell" if code == 127 else getattr(e, "strerror", None) or str(e)
+        name = os.fsdecode(msg["cwd"]) if isinstance(e, _NoCwd) else os.fsdecode(msg["argv"][0])
         if len(fds) > 2:
-            what = "command not found in the cell" if code == 127 else e.strerror
             try:
-                os.write(fds[2], f"agentcell: {os.fsdecode(msg['argv'][0])}: {what}\n".encode(errors="replace"))
+                os.write(fds[2], f"agentcell: {name}: {what}\n".encode(errors="replace"))
             except OSError:
                 pass
         _tell(ctl, b"X", rid, code, 0)
@@ -209,12 +214,15 @@ def _handle(ctl: _socket.socket, msg: dict[str, Any], fds: list[int], running: d
     _tell(ctl, b"S", rid, pid, 0)
 
 
+class _NoCwd(OSError):
+    """The command's working directory cannot be entered."""
+
+
 def _spawn(msg: dict[str, Any], fds: list[int]) -> int:
     """One command, in a session of its own, its fds on their numbers and nothing else (every fd of
     ours is close-on-exec), by posix_spawn: vfork and exec, no copy of our memory (a fork of this
     process costs more than the command here). Its working directory is ours at that moment (we are
-    single-threaded); PATH is searched in the command's environment."""
-    os.chdir(msg["cwd"])
+    single-threaded: the caller has entered it); PATH is searched in the command's environment."""
     env = msg["env"]
     actions = [(os.POSIX_SPAWN_DUP2, fd, int(target)) for fd, target in zip(fds, msg["fds"], strict=True)]
     name = msg["argv"][0]

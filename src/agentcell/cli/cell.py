@@ -93,7 +93,7 @@ def start(argv: list[str]) -> int:
         idle = float(str(idle_arg))
     except ValueError:
         idle = -1.0
-    if not idle > 0:
+    if not 0 < idle < float("inf"):
         raise AgentcellError("--idle", f"{printable(str(idle_arg))} is not a positive number of seconds",
                              "e.g. --idle 600")
     ns = run.parse(argv, f"{PROG} start")
@@ -175,7 +175,7 @@ def exec_(argv: list[str]) -> int:
             timeout = float(timeout_arg)
         except ValueError:
             timeout = -1.0
-        if not timeout > 0:
+        if not 0 < timeout < float("inf"):
             raise AgentcellError("--timeout", f"{printable(timeout_arg)} is not a positive number of seconds",
                                  "e.g. --timeout 30")
     try:

@@ -28,6 +28,7 @@ the reason in ``ended``, and every client the ``ended`` message.
 from __future__ import annotations
 
 import _socket
+import math
 import os
 import select
 import sys
@@ -40,6 +41,10 @@ from ..cell.spec import spec_from_dict
 from ..errors import AgentcellError
 
 KILL = 9
+GRACE_S = 3.0  # a command asked to die (timeout), or the cell asked to stop, has this long; then the cell is killed
+LOOK_S = 0.25  # how often the exec server's state is looked at while it has work
+MAX_CLIENTS = 64
+MAX_SIG = 64
 LINGER_S = 300.0  # an ended named cell answers "ended: REASON" this long
 
 
@@ -48,6 +53,7 @@ class _Exec:
         self.conn, self.cid, self.deadline = conn, cid, deadline
         self.started = time.monotonic()
         self.timed_out = False
+        self.killed_at: float | None = None  # when its kill was asked for (timeout, its client gone)
 
 
 class Host:
@@ -62,6 +68,9 @@ class Host:
         self.stopping = False
         self.ended: str | None = None
         self.stop_reason = ""
+        self.stop_at = 0.0
+        self.failed = ""  # the host's own failure, never reported as an escape
+        self.last_look = 0.0
         self.result: dict[str, Any] | None = None
         self.send_lock = threading.Lock()  # the monitor's thread reports events too
         self.started = self.last_work = time.monotonic()
@@ -114,9 +123,7 @@ class Host:
                 readers: list[Any] = [*self.conns, self.sup.running, *([] if live.closed else [live])]
                 if self.listener is not None:
                     readers.append(self.listener)
-                ready, _, _ = select.select(readers, [], [], self._wait())
-                self._deadlines()
-                for r in ready:
+                for r in _ready(readers, self._wait()):
                     if r is live:
                         self._reports()
                     elif r is self.sup.running:
@@ -125,6 +132,7 @@ class Host:
                         self._accept()
                     else:
                         self._request(r)
+                self._deadlines()
                 if self.sup.running.reported() or self.sup.running.finished_reading():
                     self._end()
                 elif self.private and not self.conns:
@@ -132,25 +140,52 @@ class Host:
                 elif (self.idle_s and not self.execs and not self.stopping
                       and time.monotonic() - self.last_work > self.idle_s):
                     self._stop(f"idle for {self.idle_s:g} s")
+        except Exception as e:  # noqa: BLE001 - a bug here must still end the cell, and say it was ours
+            self.failed = f"{type(e).__name__}: {e}"
         finally:
             if self.ended is None:
-                self.sup.terminate("the cell's host failed")
+                self.failed = self.failed or "it was interrupted"
+                self.sup.running.kill()
                 self._end()
 
     def _wait(self) -> float | None:
-        waits = [e.deadline - time.monotonic() for e in self.execs.values() if e.deadline and not e.timed_out]
+        now = time.monotonic()
+        waits = [e.deadline - now for e in self.execs.values() if e.deadline and not e.timed_out]
+        waits += [e.killed_at + GRACE_S - now for e in self.execs.values() if e.killed_at is not None]
+        if self.execs:
+            waits.append(LOOK_S)
         if self.idle_s and not self.execs:
-            waits.append(self.last_work + self.idle_s - time.monotonic() + 0.01)
+            waits.append(self.last_work + self.idle_s - now + 0.01)
         if self.stopping:
-            waits.append(0.05)
+            waits.append(min(LOOK_S, self.stop_at + GRACE_S - now))
         return max(0.0, min(waits)) if waits else None
 
     def _deadlines(self) -> None:
+        """Timeouts, and a cell whose exec server no longer serves: a command in the cell runs as the
+        same account and can stop (SIGSTOP) or kill it. Then nothing in the cell can be ended by
+        request, so the cell ends, whole, from here: an agent that stops its server ends its own cell."""
         now = time.monotonic()
         for rid, e in self.execs.items():
             if e.deadline is not None and not e.timed_out and now >= e.deadline:
                 e.timed_out = True
-                self.sup.running.live.signal(rid, KILL)
+                self._kill_exec(rid, e)
+        stuck = ""
+        if any(e.killed_at is not None and now >= e.killed_at + GRACE_S for e in self.execs.values()):
+            stuck = f"a command asked to end did not within {GRACE_S:g} s"
+        elif self.stopping and now >= self.stop_at + GRACE_S:
+            stuck = f"it did not stop within {GRACE_S:g} s of being asked"
+        elif (self.execs or self.stopping) and now - self.last_look >= LOOK_S:
+            self.last_look = now
+            if _stopped(self.sup.running.pid1):
+                stuck = "its exec server was stopped by a signal from inside the cell"
+        if stuck:
+            self.failed = self.failed or f"the cell no longer served commands ({stuck}); it was killed"
+            self.sup.running.kill()
+
+    def _kill_exec(self, rid: int, e: _Exec) -> None:
+        if e.killed_at is None:
+            e.killed_at = time.monotonic()
+        self.sup.running.live.signal(rid, KILL)
 
     def _reports(self) -> None:
         reports = self.sup.running.live.reports()
@@ -171,14 +206,15 @@ class Host:
     def _stop(self, why: str) -> None:
         """No more commands: the exec server ends and PID 1 takes the cell down."""
         if not self.stopping:
-            self.stopping = True
-            self.stop_reason = why
+            self.stopping, self.stop_reason, self.stop_at = True, why, time.monotonic()
             self.sup.running.live.close()
 
     def _end(self) -> None:
         self._reports()  # what the exec server said before the end
         result = self.sup.finish(self.sup.running.wait(None, clean_up=False).as_dict())
-        if result.get("terminated_by_monitor"):
+        if self.failed:
+            reason = f"the cell's host ended it: {self.failed}"
+        elif result.get("terminated_by_monitor"):
             reason = f"terminated at an escape attempt: {result.get('monitor_reason')}"
         elif self.stopping:
             reason = f"stopped ({self.stop_reason})"
@@ -200,7 +236,7 @@ class Host:
         until = time.monotonic() + seconds
         while self.listener is not None and not self.stopping and time.monotonic() < until:
             readers: list[Any] = [self.listener, *self.conns]
-            for r in select.select(readers, [], [], max(0.0, until - time.monotonic()))[0]:
+            for r in _ready(readers, max(0.0, until - time.monotonic())):
                 if r is self.listener:
                     self._accept()
                     continue
@@ -229,7 +265,8 @@ class Host:
         fd, _addr = self.listener._accept()  # type: ignore[attr-defined]
         conn = _socket.socket(fileno=fd)
         pid, uid, _gid = wire.peer_cred(conn)
-        if uid != os.getuid() or not wire.shares_our_namespaces(pid):  # as the warm launcher (zygote)
+        # as the warm launcher (zygote); and a bounded number of them (each is an fd of ours)
+        if uid != os.getuid() or not wire.shares_our_namespaces(pid) or len(self.conns) >= MAX_CLIENTS:
             conn.close()
             return
         self.conns.append(conn)
@@ -237,7 +274,7 @@ class Host:
     def _drop(self, conn: _socket.socket) -> None:
         for rid, e in list(self.execs.items()):
             if e.conn is conn:  # a client that went away takes its commands with it
-                self.sup.running.live.signal(rid, KILL)
+                self._kill_exec(rid, e)
         self.conns.remove(conn)
         conn.close()
 
@@ -250,7 +287,11 @@ class Host:
             if msg is None:
                 self._drop(conn)
             else:
-                self._handle(conn, msg, fds)
+                try:
+                    self._handle(conn, msg, fds)
+                except (KeyError, TypeError, ValueError, OverflowError) as e:  # a client's bad request, not ours
+                    self._send(conn, {"id": msg.get("id"), "event": "error", "field": "request", "code": 125,
+                                      "message": f"request: malformed: {type(e).__name__}: {e}"})
         finally:
             for fd in fds:
                 os.close(fd)
@@ -262,9 +303,12 @@ class Host:
         elif op == "stop":
             self._stop("asked to stop")
         elif op == "signal":
+            sig = msg["sig"]
+            if not isinstance(sig, int) or not 0 < sig <= MAX_SIG:
+                raise ValueError(f"sig must be a signal number (1-{MAX_SIG})")
             rid = next((r for r, e in self.execs.items() if e.conn is conn and e.cid == msg.get("id")), None)
             if rid is not None:
-                self.sup.running.live.signal(rid, int(msg["sig"]))
+                self.sup.running.live.signal(rid, sig)
         elif op == "exec":
             self._exec(conn, msg, fds)
         else:
@@ -274,21 +318,31 @@ class Host:
     def _exec(self, conn: _socket.socket, msg: dict[str, Any], fds: list[int]) -> None:
         cid = msg.get("id")
         try:
-            argv = [str(a) for a in msg["argv"]]
-            if not argv:
-                raise ValueError("no command")
+            if not isinstance(cid, int) or isinstance(cid, bool):
+                raise ValueError("id must be a number")
+            argv, extra, cwd, timeout = msg["argv"], msg.get("env") or {}, msg.get("cwd"), msg.get("timeout")
+            if not isinstance(argv, list) or not argv or not all(isinstance(a, str) and "\0" not in a for a in argv):
+                raise ValueError("argv must be a list of strings without NUL")
+            if not isinstance(extra, dict) or not all(
+                    isinstance(k, str) and isinstance(v, str) and k and "=" not in k and "\0" not in k + v
+                    for k, v in extra.items()):
+                raise ValueError("env must map NAME (no '=', no NUL) to a string")
+            if cwd is not None and (not isinstance(cwd, str) or not cwd.startswith("/") or "\0" in cwd):
+                raise ValueError("cwd must be an absolute path")
+            if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int | float)
+                                        or not math.isfinite(timeout) or timeout <= 0):
+                raise ValueError("timeout must be a positive, finite number of seconds")
             if self.stopping:
                 raise ValueError("the cell is stopping")
-            spec = self.sup.spec
-            env = spec.environ()
-            env.update({str(k): str(v) for k, v in (msg.get("env") or {}).items()})
-            cwd = str(msg.get("cwd") or spec.cwd or spec.identity.home)
-            timeout = msg.get("timeout")
             if len(fds) != 3:
                 raise ValueError("stdin, stdout and stderr must come with the request")
         except (KeyError, TypeError, ValueError) as e:
             self._send(conn, {"id": cid, "event": "error", "field": "exec", "code": 125, "message": f"exec: {e}"})
             return
+        spec = self.sup.spec
+        env = spec.environ()
+        env.update(extra)
+        cwd = cwd or spec.cwd or spec.identity.home
         self.next_id += 1
         rid = self.next_id
         self.last_work = time.monotonic()
@@ -300,6 +354,35 @@ class Host:
             del self.execs[rid]
             self._send(conn, {"id": cid, "event": "error", "field": "exec", "code": 125,
                               "message": f"exec: {e if isinstance(e, ValueError) else 'the cell is gone'}"})
+
+
+def _ready(objs: list[Any], timeout: float | None) -> list[Any]:
+    """Those of ``objs`` (fds, or objects with fileno()) that are readable within ``timeout``: poll,
+    not select, which cannot take an fd above 1023."""
+    poller = select.poll()
+    by_fd = {}
+    for o in objs:
+        fd = o if isinstance(o, int) else o.fileno()
+        by_fd[fd] = o
+        poller.register(fd, select.POLLIN)
+    events = poller.poll(None if timeout is None else timeout * 1000)
+    return [by_fd[fd] for fd, _ in events if fd in by_fd]
+
+
+def _stopped(pid1: int) -> bool:
+    """Is the exec server stopped, by a signal or a tracer? It is PID 1's child that is pid 2 in the
+    cell (PID 1's first fork); orphans of the cell are PID 1's children too."""
+    try:
+        with open(f"/proc/{pid1}/task/{pid1}/children") as f:
+            children = f.read().split()
+        for child in children:
+            with open(f"/proc/{child}/status") as f:
+                status = dict(line.split(":", 1) for line in f.read().splitlines() if ":" in line)
+            if status.get("NSpid", "").split()[-1:] == ["2"]:
+                return status.get("State", "").split()[:1] in (["T"], ["t"])
+    except (OSError, ValueError):
+        pass
+    return False
 
 
 def command(*args: str) -> list[str]:
