@@ -1,9 +1,11 @@
 """The launcher: the ordered steps that turn a :class:`CellSpec` into a confined process tree.
 
-Read top to bottom, :func:`prepare` (supervisor side), :func:`_cell` and :func:`_command` (child side)
-are the security argument, numbered as in ARCHITECTURE.md; each step names itself so a failure says
-where it happened. A cell is built before it knows its command (:class:`Prepared`); ``go`` hands
-argv and stdio over, at once (``agentcell run``) or later (the warm launcher).
+Read top to bottom, :func:`prepare` (supervisor side, steps 1-4), :func:`_cell` (C1 and PID 1, steps
+5-12) and :func:`_command` (the command's process, steps 13-23) are the security argument, numbered
+as in docs/ARCHITECTURE.md ("The launcher's order of operations", which says why each step is where
+it is); each step names itself so a failure says where it happened. A cell is built before it knows
+its command (:class:`Prepared`); ``go`` hands argv and stdio over, at once (``agentcell run``) or later
+(the warm launcher), or makes it a live cell that serves many (step 23, :mod:`.execd`).
 
 Process tree::
 
@@ -262,12 +264,14 @@ class Prepared:
 def prepare(spec: CellSpec) -> Prepared:
     """Build a cell for ``spec`` up to the point where it needs its command. Supervisor-side steps."""
     cell_id = spec.cell_id or new_cell_id()
-    # 1. Resolve every path once without following symlinks and record its identity (dev, ino); the
-    #    child re-opens each in its mount namespace the same way and refuses one that changed.
+    # 1. Plan the mounts: resolve every path once without following symlinks and record its identity
+    #    (dev, ino); the child re-opens each in its mount namespace the same way and refuses one that
+    #    changed.
     plan = mounts.plan(spec)
-    seccomp.program(spec.watch)  # compiled (or read from root's cache) here, once, not in every cell
-    # 2. The cell's own cgroup (limits; freeze and kill as a whole). Root only: unprivileged users
-    #    have no delegated cgroup on hybrid hosts (doctor says so). 3. Network links: the egress layer.
+    # 2. The seccomp filter, compiled (or read from root's cache) here, once, not in every cell.
+    seccomp.program(spec.watch)
+    # 3. The cell's own cgroup (limits; freeze and kill as a whole). Root only: unprivileged users
+    #    have no delegated cgroup on hybrid hosts (doctor says so).
     if os.geteuid() == 0:
         cg = cgroups.CellCgroup.create(cell_id, cell_limits(spec))
     elif spec.memory_max or spec.cpu_percent or spec.pids_max:
@@ -278,10 +282,10 @@ def prepare(spec: CellSpec) -> Prepared:
     r, w = os.pipe2(os.O_CLOEXEC)
     ours, theirs = handoff.channel()
     outer_uid, outer_gid = os.getuid(), os.getgid()
+    # 4. Fork C1. Nothing of the supervisor's but stdio, the status pipe and the hand-off channel
+    #    crosses into the cell (a warm launcher holds other cells' channels and its caller's sockets).
     c1 = os.fork()
     if c1 == 0:
-        # Nothing of the supervisor's but stdio, the status pipe and the hand-off channel crosses
-        # into the cell (a warm launcher holds other cells' channels and its caller's sockets).
         sc.close_fds_except({w, theirs.fileno()})
         _run_child(w, lambda: _cell(spec, plan, w, theirs, outer_uid, outer_gid, cg))
     os.close(w)
@@ -347,18 +351,20 @@ def _step(name: str, fn: Callable[..., T], *args: object) -> T:
 
 def _cell(spec: CellSpec, plan: mounts.MountPlan, w: int, ctl: object, outer_uid: int, outer_gid: int,
           cg: cgroups.CellCgroup | None) -> NoReturn:
-    sc.prctl(sc.PR_SET_PDEATHSIG, signal.SIGKILL)  # the cell dies with its supervisor
+    # 5. The cell dies with its supervisor; and before anything else, C1 joins the cgroup, so every
+    #    process of the cell is born inside it.
+    sc.prctl(sc.PR_SET_PDEATHSIG, signal.SIGKILL)
     way_out: list[int] = []
-    if cg is not None:  # before anything else: every process of the cell is born inside its cgroup
+    if cg is not None:
         _step("cgroup", cg.join)
         way_out = _step("cgroup", cg.way_out)
-    # 4. New namespaces; the next fork is PID 1 of the cell.
+    # 6. New namespaces; the next fork is PID 1 of the cell.
     _step("namespaces", namespaces.enter, spec, outer_uid, outer_gid)
-    # Our memory holds the supervisor's environment: not for /proc readers. (Only now: a non-dumpable
-    # process cannot write its own uid_map.)
+    # 7. Non-dumpable: our memory holds the supervisor's environment, not for /proc readers (only now:
+    #    a non-dumpable process cannot write its own uid_map). PID 1 is born with forwarded signals
+    #    blocked: the kernel drops a signal that reaches a namespace's init before it has a handler,
+    #    and the supervisor may signal as soon as it knows us. C1 then leaves the cgroup and waits.
     sc.prctl(sc.PR_SET_DUMPABLE, 0)
-    # PID 1 is born with forwarded signals blocked: the kernel drops a signal that reaches a
-    # namespace's init before it has a handler, and the supervisor may signal as soon as it knows us.
     command_mask = pid1.block_signals()
     pid = os.fork()
     if pid:
@@ -374,21 +380,24 @@ def _cell(spec: CellSpec, plan: mounts.MountPlan, w: int, ctl: object, outer_uid
     for fd in way_out:
         os.close(fd)
     sc.prctl(sc.PR_SET_PDEATHSIG, signal.SIGKILL)
-    # 5. Mount tree: private propagation, tmpfs root, nosuid/nodev binds, /proc, /dev, pivot_root.
+    # 8. Mount tree: private propagation, tmpfs root, nosuid/nodev binds, masks, protected re-binds,
+    #    /proc, /dev; pivot_root, the old root detached.
     _step("mount", mounts.apply, plan)
     _step("pivot_root", mounts.pivot)
     plan.close()
-    # 6. Network and hostname. With the proxy, its listening socket is made here, inside the cell's
-    #    network namespace, and handed out: the proxy serves it from the host's namespace, and the
-    #    cell, whose only interface is lo, reaches nothing else.
+    # 9. Network. With the proxy, its listening socket is made here, inside the cell's network
+    #    namespace, and handed out: the proxy serves it from the host's namespace, and the cell,
+    #    whose only interface is lo, reaches nothing else.
     if spec.network in ("loopback", "proxy"):
         _step("network", namespaces.loopback_up)
     if spec.network == "proxy":
         _step("network", namespaces.proxy_listener, ctl)
+    # 10. Hostname.
     _step("hostname", namespaces.set_hostname, spec.hostname)
-    # Under the monitor: decoy credentials in the cell's home, watched before the command exists.
+    # 11. Under the monitor: decoy credentials in the cell's home, watched before the command exists.
     _step("canaries", canary.plant_and_watch, spec, ctl)
-    # PID 1 keeps none of the supervisor's stdio (it would hold a terminal or a pipe open).
+    # 12. PID 1 keeps none of the supervisor's stdio (it would hold a terminal or a pipe open), forks
+    #     the command's process, and reaps until it ends; then it kills what is left.
     null = os.open("/dev/null", os.O_RDWR)
     for fd in (0, 1, 2):
         os.dup2(null, fd)
@@ -402,56 +411,59 @@ def _command(spec: CellSpec, ctl: object, w: int) -> NoReturn:
     """The command's process: everything that does not depend on the command is done before it
     arrives (a warm cell waits here); the identity is dropped only once it has arrived, so a prepared
     cell never shows a process of the agent's account."""
+    # 13. Default signal dispositions; a session of its own: no controlling terminal, so nothing it
+    #     does reaches the caller's terminal (TIOCSTI); an interactive run gets the cell's own pty (18).
     for s in (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGINT, signal.SIGTTOU, signal.SIGTTIN, signal.SIGTSTP):
         signal.signal(s, signal.SIG_DFL)
-    # A session of its own: no controlling terminal, so nothing it does reaches the caller's terminal
-    # (TIOCSTI); an interactive run gets the cell's own pty as its terminal below.
     os.setsid()
-    # 8. Landlock, first half: the ruleset (the mount tree again, as kernel rules), built now so a
-    #    prepared cell has it ready; enforced just before exec.
+    # 14. The Landlock ruleset (the mount tree again, as kernel rules), built now so a prepared cell has
+    #     it ready; enforced at 19. The seccomp program is in memory (step 2).
     rules = landlock.prepare(spec)
-    filter_program = seccomp.program(spec.watch)  # compiled by the supervisor before the fork: in memory
-    # The command arrives now: at once from `agentcell run`, later for a warm cell. A cell discarded
-    # unused ends here.
+    filter_program = seccomp.program(spec.watch)
+    # 15. The command arrives: at once from `agentcell run`, later for a warm cell; none for a live one.
+    #     A cell discarded unused ends here.
     cmd = handoff.recv(ctl)  # type: ignore[arg-type]
     if cmd is None:
         os._exit(0)
-    # 7. Identity: the agent account (or our own uid in the user namespace), for good.
+    # 16. Identity: the agent account (or our own uid in the user namespace), for good.
     _step("identity", identity.drop, spec.identity)
+    # 17. Working directory.
     cwd = spec.cwd or spec.identity.home
     _step(f"cwd {cwd}", os.chdir, cwd)
-    if cmd.live:  # 8, 9 and 10 as below, once; then each command is forked from this process
-        if rules is not None:
-            rules.enforce()
-        listener = seccomp.load(filter_program, listen=spec.watch)
-        if listener is not None:
-            handoff.send_fd(ctl, listener, b"S")  # type: ignore[arg-type]
-            os.close(listener)
-        sc.close_fds_except({0, 1, 2, w, ctl.fileno()})  # type: ignore[attr-defined]
-        execd.serve(ctl)  # type: ignore[arg-type]
-    # 10. fds onto the numbers the command expects (two passes: a target may hold a source), close
-    #     every other fd, scrubbed environment, exec.
+    # 18. fds onto the numbers the command expects (two passes: a target may hold a source); no
+    #     directory on 0-2; an interactive run's pty of the cell's own devpts, its master to the caller.
     moved = {target: os.dup(fd) for target, fd in cmd.fds.items()}
     for target, fd in moved.items():
         os.dup2(fd, target)
     _stdio_no_directories()
-    if cmd.tty_fds:  # an interactive run: a pty of the cell's own devpts, its master to the caller
+    if cmd.tty_fds:
         _step("terminal", terminal.attach_new_pty, ctl, cmd.tty_fds)
-    # 8. Landlock, second half: enforced for good (it survives exec).
+    # 19. Landlock, enforced for good (it survives exec).
     if rules is not None:
         rules.enforce()
+    # 20. No terminal but the cell's own; the scrubbed environment.
     keep = set(cmd.fds) | set(cmd.tty_fds)
     terminal.refuse_foreign(keep)
     env = spec.environ()
-    # 9. seccomp, last: from here on this process only closes fds and execs. Under the monitor the
-    #    filter's listener goes to the supervisor (which must have it before any call is notified).
+    # 21. seccomp, last: from here on this process only closes fds and execs (or serves). Under the
+    #     monitor the filter's listener goes to the supervisor (which must have it before any call is
+    #     notified).
     listener = seccomp.load(filter_program, listen=spec.watch)
     if listener is not None:
         handoff.send_fd(ctl, listener, b"S")  # type: ignore[arg-type]
         os.close(listener)
-    sc.close_fds_except(keep | {w})  # w is close-on-exec: it reports a failed exec, then vanishes
-    for fd in keep:
-        os.set_inheritable(fd, True)
+    # 22. Every other fd closed (w is close-on-exec: it reports a failed exec, then vanishes). A live
+    #     cell keeps its channel and /dev/null on 0-2.
+    if cmd.live:
+        keep |= {0, 1, 2, ctl.fileno()}  # type: ignore[attr-defined]
+    sc.close_fds_except(keep | {w})
+    if not cmd.live:  # a live cell's channel stays close-on-exec: no command it spawns may hold it
+        for fd in keep:
+            os.set_inheritable(fd, True)
+    # 23. exec the command; a live cell's process instead serves commands, each spawned from here with
+    #     everything above in place (cell/execd.py).
+    if cmd.live:
+        execd.serve(ctl)  # type: ignore[arg-type]
     argv = cmd.argv
     try:
         execd.execvpe(argv, env)
