@@ -243,7 +243,7 @@ def test_session_stop_terminates_a_running_session(env: Env) -> None:
         uid = pwd.getpwnam(row["os_user"]).pw_uid
         agent_pid = next(int(p) for p in os.listdir("/proc") if p.isdigit() and _uid_of(p) == uid)
         chain = _ancestors(agent_pid)  # the cell's PID 1, C1 (forked: the host's cmdline), the host, us
-        host = [p for p in chain if b"agentcell.session.cellhost" in _cmdline(p)][-1]
+        host = [p for p in chain if b"agentcell.host.server" in _cmdline(p)][-1]
         assert chain[chain.index(host) + 1] == sup.pid
         stop = session(env, ["stop", row["session"]])
         assert stop.rc == 0, stop.err
@@ -515,7 +515,7 @@ def test_a_cell_host_that_dies_is_lost_telemetry_and_terminates_the_session(env:
     try:
         children = subprocess.run(["ps", "-o", "pid=", "--ppid", str(sup.pid)], capture_output=True,
                                   text=True).stdout.split()
-        [host] = [int(p) for p in children if b"agentcell.session.cellhost" in _cmdline(int(p))]
+        [host] = [int(p) for p in children if b"agentcell.host.server" in _cmdline(int(p))]
         os.kill(host, 9)  # started by the session we started: the cell's host dies under it
         out, _ = sup.communicate(timeout=60)
     finally:

@@ -62,20 +62,27 @@ class Supervised:
     def start(cls, spec: CellSpec, argv: Sequence[str], *, monitor: str | None = "terminate",
               callback: Callable[[CellEvent], None] | None = None, stdio: Sequence[int] = (0, 1, 2),
               tty_fds: Sequence[int] = (), dedicated: bool | None = None, live: bool = False,
-              guard: Guard | None | bool = True, give_to: tuple[int, int] | None = None) -> Supervised:
+              guard: Guard | None | bool = True, give_to: tuple[int, int] | None = None,
+              adopt: tuple[Any, Any] | None = None) -> Supervised:
         """Launch ``argv`` in a cell for ``spec`` (``live``: no argv; the cell serves commands through
         ``running.live`` until that is closed, see :mod:`agentcell.cell.execd`). ``monitor``: terminate |
         record | ``CLASS=VERDICT,…`` (:func:`agentcell.monitor.monitor.parse_verdicts`) | None (no monitor).
         ``dedicated``: the cell's account exists for agents alone (default: an ``agent:NAME`` identity),
         so what its uid does on the host's network is the cell's (a session's own account is).
         ``guard``: the protected-path step (:class:`Guard`, made here when True, with ``give_to`` as the
-        owner of what is moved aside; False: the caller checks the control surface itself)."""
+        owner of what is moved aside; False: the caller checks the control surface itself).
+        ``adopt``: a host-firewall table and its log reader made before (the session's firewall step,
+        so that a host that cannot have one fails before anything runs): adopted, and removed with the
+        cell; if the cell cannot start, they are left to their maker."""
         if spec.watch and monitor is None:  # its canaries and seccomp listener wait on a monitor
             raise AgentcellError("watch", "a watched cell needs its monitor", "pass monitor='terminate' or 'record'")
         if guard is True:
             guard = Guard(spec, give_to)
         fw = log = None
-        if spec.network == "host-firewall":
+        made = adopt if spec.network == "host-firewall" else None
+        if made is not None:
+            fw, log = made
+        elif spec.network == "host-firewall":
             from .network import firewall, nflog
 
             rules = [r for e in spec.egress if e.startswith("egress:") for r in firewall.parse_egress(e[7:])]
@@ -107,9 +114,9 @@ class Supervised:
         except BaseException:
             if watch is not None:
                 watch.stop()
-            if fw is not None:
+            if fw is not None and made is None:
                 fw.remove()
-            if log is not None:
+            if log is not None and made is None:
                 log.close()
             raise
         proxy = None

@@ -1,5 +1,6 @@
-"""The live cell's host: a fresh process that runs one supervised live cell (``Supervised.start(live=
-True)``: its monitor, proxy and host-firewall table as for any cell) and serves its clients' commands.
+"""The cell host: a fresh process that runs one supervised cell (:class:`agentcell.supervise.Supervised`:
+its monitor, proxy and host-firewall table), either a live cell (``Supervised.start(live=True)``) whose
+clients' commands it serves, or one command in a cell of its own on its stdio: the session's harness.
 
 A process of its own because its callers are threaded (a Python program, an MCP server's event loop,
 LangChain): the launcher must never fork from a threaded process, and this one forks the cell while
@@ -12,7 +13,10 @@ never from inside a cell, come and go; the cell stays until ``stop`` or ``--idle
 command. The protocol is the warm launcher's (:mod:`agentcell.cell.wire`: one marshal dict per
 SOCK_SEQPACKET datagram, stdio as SCM_RIGHTS)::
 
-  client -> {"op": "open", "spec": {...}, "monitor": VERDICT | None}        (first, once)
+  client -> {"op": "open", "spec": {...}, "monitor": VERDICT | None, "give_to": [UID, GID] | None}
+                                                           (first, once: a live cell)
+  client -> {"op": "run", "spec": {...}, "argv": [...], "monitor": ..., "dedicated": B, "guard": B}
+                                                           (instead: one command, --conn only)
   client -> {"op": "exec", "id": N, "argv": [...], "env": {...}, "cwd": DIR | None, "timeout": S | None}
             + fds [stdin, stdout, stderr]
   client -> {"op": "signal", "id": N, "sig": S} | {"op": "status"} | {"op": "stop"}
@@ -23,7 +27,10 @@ SOCK_SEQPACKET datagram, stdio as SCM_RIGHTS)::
   host   -> {"event": "ended", "reason": REASON, "result": {...}}   (to every client, last)
 
 An escape (under ``terminate``) ends the cell: every command still running gets its ``exit`` with
-the reason in ``ended``, and every client the ``ended`` message.
+the reason in ``ended``, and every client the ``ended`` message. For ``run`` the host answers
+``{"event": "started", "cell_id", "pid1"}``, the monitor's events, ``{"event": "stats", "stats"}``
+about once a second and ``ended`` last; the client may send ``{"op": "terminate", "reason"}``, and
+its EOF terminates the cell.
 """
 from __future__ import annotations
 
@@ -73,6 +80,7 @@ class Host:
         self.last_look = 0.0
         self.result: dict[str, Any] | None = None
         self.send_lock = threading.Lock()  # the monitor's thread reports events too
+        self.end_lock = threading.Lock()
         self.started = self.last_work = time.monotonic()
 
     # ---- replies ------------------------------------------------------------------------------------
@@ -228,6 +236,86 @@ class Host:
         self.execs.clear()
         self._broadcast({"event": "ended", "reason": reason, "result": result})
 
+    # ---- one command in a cell of its own: the session's harness --------------------------------------
+
+    def run_once(self, conn: _socket.socket, msg: dict[str, Any], fds: list[int]) -> int:
+        """The session's cell: ``argv`` in a cell of its own, on our stdio (the agent's: a terminal
+        gets a pty of the cell's own, relayed, as agentcell run does; stdin only in the foreground),
+        events as the monitor sees them, stats once a second, ``terminate`` on request; this client's
+        EOF (its supervisor died) terminates the cell: no agent runs unwatched."""
+        from ..cell import terminal
+        from ..supervise import Supervised
+
+        ttys, interactive = terminal.tty_fds(), terminal.is_ours()
+        stdio = [0, 1, 2]
+        if 0 in ttys and not interactive:
+            stdio[0] = os.open(os.devnull, os.O_RDONLY)
+            ttys = tuple(fd for fd in ttys if fd != 0)
+        try:
+            spec = spec_from_dict(msg["spec"])
+            argv = [str(a) for a in msg["argv"]]
+            made = None
+            if msg.get("firewall"):  # the caller's table and its log's socket (the fd that came with this)
+                from ..network import firewall, nflog
+
+                fw = msg["firewall"]
+                made = (firewall.HostFirewall(str(fw["table"]), str(fw["record"])),
+                        nflog.Reader(_socket_from(fds.pop(0)), int(fw["group"])))
+            self.sup = Supervised.start(spec, argv, monitor=msg.get("monitor", "terminate"), callback=self._on_event,
+                                        stdio=stdio, tty_fds=ttys, dedicated=bool(msg.get("dedicated", True)),
+                                        guard=bool(msg.get("guard", True)), adopt=made)
+        except AgentcellError as e:
+            self._send(conn, {"event": "error", "field": e.field, "message": e.line(), "code": e.exit_code})
+            return 1
+        except (OSError, KeyError, TypeError, ValueError) as e:
+            self._send(conn, {"event": "error", "field": "cell", "message": f"{type(e).__name__}: {e}",
+                              "code": 123})
+            return 1
+        self._send(conn, {"event": "started", "cell_id": self.sup.cell_id, "pid1": self.sup.pid1})
+        master = self.sup.running.pty_master
+        if master is None:
+            self._control(conn, until_end=True)
+            return 0
+        # The relay needs this (main) thread for SIGWINCH; the client's requests are served beside it.
+        threading.Thread(target=self._control, args=(conn, False), name="agentcell-host", daemon=True).start()
+        terminal.Relay(master, interactive).pump(self.sup.running, None)
+        self._finish_once(self.sup.wait())
+        return 0
+
+    def _finish_once(self, result: dict[str, Any]) -> None:
+        with self.end_lock:  # the relay (main thread) and the control thread may both get here
+            if self.ended is not None:
+                return
+            self.ended = "ended"
+        self._broadcast({"event": "ended", "reason": "", "result": result})
+
+    def _control(self, conn: _socket.socket, until_end: bool) -> None:
+        last_stats = 0.0
+        while self.ended is None:
+            if until_end:
+                result = self.sup.poll()
+                if result is not None:
+                    self._finish_once(result)
+                    return
+            if time.monotonic() - last_stats >= 1.0:
+                last_stats = time.monotonic()
+                self._send(conn, {"event": "stats", "stats": self.sup.stats()})
+            if not _ready([conn], 0.05):
+                continue
+            try:
+                msg, fds = wire.recv(conn)
+            except (OSError, wire.WireError, ValueError, EOFError, TypeError):
+                msg, fds = None, []
+            for fd in fds:
+                os.close(fd)
+            if msg is None:  # the session's supervisor is gone: fail closed
+                self.sup.terminate("the session's supervisor is gone")
+                if until_end:
+                    self._finish_once(self.sup.wait())
+                return
+            if msg.get("op") == "terminate":
+                self.sup.terminate(str(msg.get("reason") or "terminated"))
+
     # ---- clients ------------------------------------------------------------------------------------
 
     def linger(self, seconds: float) -> None:
@@ -356,6 +444,12 @@ class Host:
                               "message": f"exec: {e if isinstance(e, ValueError) else 'the cell is gone'}"})
 
 
+def _socket_from(fd: int) -> Any:
+    import socket
+
+    return socket.socket(fileno=fd)
+
+
 def _ready(objs: list[Any], timeout: float | None) -> list[Any]:
     """Those of ``objs`` (fds, or objects with fileno()) that are readable within ``timeout``: poll,
     not select, which cannot take an fd above 1023."""
@@ -415,6 +509,8 @@ def main(argv: list[str]) -> int:
         msg, fds = wire.recv(conn)
     except (OSError, wire.WireError, ValueError, EOFError, TypeError):
         return 1
+    if msg is not None and msg.get("op") == "run" and host.private:
+        return host.run_once(conn, msg, fds)
     for fd in fds:
         os.close(fd)
     if msg is None or msg.get("op") != "open" or not host.open(conn, msg):

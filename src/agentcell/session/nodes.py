@@ -245,8 +245,8 @@ class Nodes:
         """The egress rule before the agent exists. Namespaced modes need none on the host: the cell's
         own network namespace (none, loopback) or its proxy (made with the cell) is the rule. For
         host-firewall the table is made here, so that a host that cannot have it fails (retried once,
-        then aborted) before anything runs; spawn hands it over to Supervised, which remakes it with
-        the cell and owns it from then on (it has no way to adopt one made before: see the report)."""
+        then aborted) before anything runs; spawn hands it (and its log's socket) over to the cell's
+        host, whose Supervised adopts it and removes it with the cell."""
         self._inject("firewall", InjectedFault)
         policy = state["policy"]
         table = None
@@ -286,14 +286,14 @@ class Nodes:
         seed_dir, seed_notes = self._seed(state, policy.identity.uid, policy.identity.gid)
         if seed_dir is not None:
             spec = spec.replace(ro_paths=(*spec.ro_paths, seed_dir))
-        made = self.rt.firewalls.pop(sid, None)
-        if made is not None:  # Supervised makes the table again, atomically with the cell, and owns it
-            made[0].remove()
-            made[1].close()
+        made = self.rt.firewalls.get(sid)
         try:
-            cell = spawn.start(spec, list(state["argv"]), stdio=self.rt.stdio)
-        except (OSError, AgentcellError) as e:
+            cell = spawn.start(spec, list(state["argv"]), stdio=self.rt.stdio, firewall=made)
+        except (OSError, AgentcellError) as e:  # the table stays ours: a retry hands it over again, cleanup removes it
             raise SpawnCrash("", _line(e)) from None
+        if made is not None:  # the cell's host owns the table now, and removes it with the cell
+            self.rt.firewalls.pop(sid)
+            made[1].close()
         pid1 = cell.pid1
         self.rt.cells[sid] = cell
         now = time.time()

@@ -1,27 +1,27 @@
 """The one place the session starts a cell: :class:`agentcell.supervise.Supervised` (the cell with its
-proxy, host-firewall table and escape monitor, verdict ``terminate``), run in a process of its own
-(:mod:`.cellhost`) because the graph's process has LangGraph's worker threads and the launcher must not
-fork from it. :class:`HostedCell` is the session's view of that process, with Supervised's interface:
-``cell_id``, ``pid1``, ``events()``, ``poll()``, ``wait()``, ``terminate(reason)``, ``stats()``."""
+proxy, host-firewall table and escape monitor, verdict ``terminate``), run in a process of its own (the
+cell host, :mod:`agentcell.host.server`, which also hosts live cells) because the graph's process has
+LangGraph's worker threads and the launcher must not fork from it. :class:`HostedCell` is the
+session's view of that process, with Supervised's interface: ``cell_id``, ``pid1``, ``events()``,
+``poll()``, ``wait()``, ``terminate(reason)``, ``stats()``."""
 from __future__ import annotations
 
-import json
 import os
 import select
+import socket
 import subprocess
 import time
 from collections.abc import Sequence
 from typing import Any
 
+from ..cell import wire
 from ..cell.spec import CellSpec, spec_to_dict
 from ..errors import LaunchError
-from . import cellhost
 
 
 class HostedCell:
-    def __init__(self, proc: subprocess.Popen[bytes], ctl: int, report: int) -> None:
-        self._proc, self._ctl, self._report = proc, ctl, report
-        self._buf = b""
+    def __init__(self, proc: subprocess.Popen[bytes], sock: socket.socket) -> None:
+        self._proc, self._sock = proc, sock
         self._events: list[dict[str, Any]] = []
         self._stats: dict[str, Any] = {}
         self._result: dict[str, Any] | None = None
@@ -29,65 +29,79 @@ class HostedCell:
         self.cell_id, self.pid1 = "", 0
 
     @classmethod
-    def start(cls, spec: CellSpec, argv: list[str], *, stdio: Sequence[int] = (0, 1, 2)) -> HostedCell:
-        ctl_r, ctl_w = os.pipe2(os.O_CLOEXEC)
-        rep_r, rep_w = os.pipe2(os.O_CLOEXEC)
+    def start(cls, spec: CellSpec, argv: list[str], *, stdio: Sequence[int] = (0, 1, 2),
+              firewall: tuple[Any, Any] | None = None) -> HostedCell:
+        """``firewall``: the session's host-firewall table and log reader, handed to the host (which
+        removes them with the cell); the caller closes its copy of the reader once this returns."""
+        from ..host import server
+
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
-            proc = subprocess.Popen(cellhost.command(ctl_r, rep_w), stdin=stdio[0], stdout=stdio[1],
-                                    stderr=stdio[2], pass_fds=(ctl_r, rep_w), cwd="/",
+            # Its stdio are the agent's (a terminal is relayed through a pty of the cell's own there).
+            proc = subprocess.Popen(server.command("--conn", str(theirs.fileno())), stdin=stdio[0],
+                                    stdout=stdio[1], stderr=stdio[2], pass_fds=(theirs.fileno(),), cwd="/",
                                     env={"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
                                          "LANG": os.environ.get("LANG", "C.UTF-8")})
         except OSError as e:
-            for fd in (ctl_r, ctl_w, rep_r, rep_w):
-                os.close(fd)
+            ours.close()
             raise LaunchError("spawn", f"cannot start the cell's host: {e.strerror}") from None
-        os.close(ctl_r)
-        os.close(rep_w)
-        cell = cls(proc, ctl_w, rep_r)
-        cell._send({"spec": spec_to_dict(spec), "argv": list(argv)})  # the environment's secrets: a pipe, not argv
+        finally:
+            theirs.close()
+        cell = cls(proc, ours)
+        # A session's account (its own, or a persistent agent's) runs nothing outside its cells; its
+        # cleanup checks the protected paths (with the account's details), not the host.
+        request: dict[str, Any] = {"op": "run", "spec": spec_to_dict(spec), "argv": list(argv), "monitor": "terminate",
+                                   "dedicated": True, "guard": False}  # the environment's secrets: a socket, not argv
+        fds = []
+        if firewall is not None:
+            fw, log = firewall
+            request["firewall"] = {"table": fw.table, "record": fw.record, "group": log.group}
+            fds = [log.sock.fileno()]
+        try:
+            wire.send(cell._sock, request, fds)
+        except OSError:
+            pass  # the host has ended: it says why below (or nothing: it ended before the cell started)
         while not cell.pid1:
             msg = cell._next(None)
-            if msg is None or "error" in msg:
+            if msg is None or msg.get("event") == "error":
                 cell.close()
-                raise LaunchError("cell", str(msg["error"]) if msg else "the cell's host ended before the cell "
+                raise LaunchError("cell", str(msg["message"]) if msg else "the cell's host ended before the cell "
                                   "started")
-            if "started" in msg:
-                cell.cell_id, cell.pid1 = str(msg["started"]["cell_id"]), int(msg["started"]["pid1"])
+            if msg.get("event") == "started":
+                cell.cell_id, cell.pid1 = str(msg["cell_id"]), int(msg["pid1"])
             else:
                 cell._take(msg)
         return cell
 
-    # ---- the report pipe ---------------------------------------------------------------------------
+    # ---- the host's socket -------------------------------------------------------------------------
 
     def _send(self, obj: dict[str, Any]) -> None:
-        data = (json.dumps(obj) + "\n").encode()
         try:
-            while data:
-                data = data[os.write(self._ctl, data):]
-        except BrokenPipeError:
-            pass  # the host has ended: its last word is on the report pipe
+            wire.send(self._sock, obj)
+        except OSError:
+            pass  # the host has ended: its last word is on the socket
 
     def _next(self, timeout: float | None) -> dict[str, Any] | None:
         """The next message, waiting up to ``timeout`` (None: until one comes or the host ends)."""
-        while b"\n" not in self._buf:
-            if self._eof or not select.select([self._report], [], [], timeout)[0]:
-                return None
-            chunk = os.read(self._report, 1 << 20)
-            if not chunk:
-                self._eof = True
-                return None
-            self._buf += chunk
-            timeout = 0 if timeout is not None else None
-        line, self._buf = self._buf.split(b"\n", 1)
-        msg: dict[str, Any] = json.loads(line)
+        if self._eof or not select.select([self._sock], [], [], timeout)[0]:
+            return None
+        try:
+            msg, fds = wire.recv(self._sock)
+        except (OSError, wire.WireError, ValueError, EOFError, TypeError):
+            msg, fds = None, []
+        for fd in fds:
+            os.close(fd)
+        if msg is None:
+            self._eof = True
         return msg
 
     def _take(self, msg: dict[str, Any]) -> None:
-        if "event" in msg:
-            self._events.append(msg["event"])
-        elif "stats" in msg:
+        event = msg.get("event")
+        if event in ("escape", "note"):
+            self._events.append(msg["data"])
+        elif event == "stats":
             self._stats = msg["stats"]
-        elif "result" in msg:
+        elif event == "ended":
             self._result = msg["result"]
 
     def _drain(self, timeout: float | None = 0) -> None:
@@ -96,6 +110,7 @@ class HostedCell:
             if msg is None:
                 return
             self._take(msg)
+            timeout = 0 if timeout is not None else None
 
     # ---- Supervised's interface --------------------------------------------------------------------
 
@@ -139,14 +154,14 @@ class HostedCell:
 
     def terminate(self, reason: str) -> None:
         """Freeze, then kill the cell (Supervised.terminate, in the host)."""
-        self._send({"terminate": reason})
+        self._send({"op": "terminate", "reason": reason})
 
     def close(self) -> None:
         if self._proc.returncode is None:
-            os.close(self._ctl)
+            self._sock.close()
             self._proc.wait()
-            os.close(self._report)
 
 
-def start(spec: CellSpec, argv: list[str], *, stdio: Sequence[int] = (0, 1, 2)) -> HostedCell:
-    return HostedCell.start(spec, argv, stdio=stdio)
+def start(spec: CellSpec, argv: list[str], *, stdio: Sequence[int] = (0, 1, 2),
+          firewall: tuple[Any, Any] | None = None) -> HostedCell:
+    return HostedCell.start(spec, argv, stdio=stdio, firewall=firewall)
