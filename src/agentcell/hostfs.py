@@ -3,7 +3,10 @@ link at its end, never a FIFO to block on (opened non-blocking), a directory, a 
 (regular files only), never more than a bound. Every refusal is one :class:`AgentcellError` line naming
 the field and the fix; a path that is not text (bytes that are not UTF-8) is refused the same way.
 
-The lifecycle issue's trusted-filesystem module is to absorb this (and the directory walks).
+It also decides "only you or root can change this" (:func:`changeable_only_by` by mode,
+:func:`only_ours` with the ACL and the link count), owns the state directories (:func:`private_dir`,
+:func:`run_dir`, :func:`state_dir`) and reads ACLs (:func:`acl_entries`). Not yet here: the
+descriptor walk of a tree (``accounts/acl.Walk``).
 """
 from __future__ import annotations
 
@@ -119,3 +122,85 @@ def run_dir(name: str = "") -> str:
     """``/run/agentcell[/NAME]`` for root's records, both 0700."""
     private_dir(RUN)
     return private_dir(os.path.join(RUN, name)) if name else RUN
+
+
+# ---- who can change a file: "only you or root" ------------------------------------------------------
+
+ROOT = frozenset({0})
+ACL_ACCESS = "system.posix_acl_access"
+ACL_USER, ACL_GROUP, ACL_MASK = 0x02, 0x08, 0x10  # tags of the named entries and the mask
+
+
+def acl_decode(raw: bytes) -> list[tuple[int, int, int]] | None:
+    """A POSIX ACL xattr as (tag, perm, id) entries; None if it is not one."""
+    import struct
+
+    if len(raw) < 4 or (len(raw) - 4) % 8:
+        return None
+    return [struct.unpack_from("<HHI", raw, off) for off in range(4, len(raw), 8)]
+
+
+def acl_entries(fd: int, which: str = ACL_ACCESS) -> list[tuple[int, int, int]] | None:
+    """The ACL of the file held by ``fd`` (an O_PATH fd is enough), or None without one."""
+    import errno
+
+    try:
+        return acl_decode(os.getxattr(f"/proc/self/fd/{fd}", which))
+    except OSError as e:
+        if e.errno in (errno.ENODATA, errno.ENOTSUP, errno.EOPNOTSUPP):
+            return None
+        raise
+
+
+def changeable_only_by(st: os.stat_result, owners: frozenset[int] | set[int], *, sticky_ok: bool = False) -> bool:
+    """Only ``owners`` can change (write, or replace what is in) what ``st`` describes, by its mode:
+    not a symlink, owned by one of them, no group or other write bit. ``sticky_ok``: a sticky
+    directory's write bits are fine (others can add names there, not replace ours: /tmp)."""
+    if stat.S_ISLNK(st.st_mode) or st.st_uid not in owners:
+        return False
+    if st.st_mode & 0o022:
+        return sticky_ok and stat.S_ISDIR(st.st_mode) and bool(st.st_mode & stat.S_ISVTX)
+    return True
+
+
+def only_ours(fd: int, owners: frozenset[int] | set[int] | None = None, *, sticky_ok: bool = False) -> bool:
+    """The file held by ``fd`` can be changed only by ``owners`` (default: root and us): by its mode
+    (:func:`changeable_only_by`), by its ACL (no entry naming anyone else with write through the mask)
+    and, for a file, by its one name (a hard link made elsewhere, e.g. by an agent in a project, is
+    the same file)."""
+    st = os.fstat(fd)
+    allowed = owners if owners is not None else {0, os.geteuid()}
+    if not changeable_only_by(st, allowed, sticky_ok=sticky_ok):
+        return False
+    if stat.S_ISDIR(st.st_mode) and st.st_mode & stat.S_ISVTX and sticky_ok:
+        return True
+    if not stat.S_ISDIR(st.st_mode) and st.st_nlink != 1:
+        return False
+    entries = acl_entries(fd) or []
+    mask = next((perm for tag, perm, _ in entries if tag == ACL_MASK), 7)
+    return not any(tag in (ACL_USER, ACL_GROUP) and perm & mask & 2 for tag, perm, _ in entries)
+
+
+def only_ours_at(path: str, owners: frozenset[int] | set[int] | None = None) -> bool:
+    """:func:`only_ours` of ``path`` itself (a link at its end is refused, never followed)."""
+    try:
+        fd = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        return only_ours(fd, owners)
+    finally:
+        os.close(fd)
+
+
+def state_dir() -> str:
+    """AGENTCELL_STATE_DIR, else /var/lib/agentcell for root and the XDG state dir for anyone else (a
+    rootless user's sessions, snapshots and trail are theirs, and /var/lib is not theirs to write)."""
+    given = os.environ.get("AGENTCELL_STATE_DIR")
+    if given:
+        return given
+    if os.geteuid() == 0:
+        return "/var/lib/agentcell"
+    xdg = os.environ.get("XDG_STATE_HOME")
+    base = xdg if xdg and os.path.isabs(xdg) else os.path.join(os.path.expanduser("~"), ".local", "state")
+    return os.path.join(base, "agentcell")

@@ -31,6 +31,7 @@ import stat
 import struct
 from collections.abc import Callable, Iterator
 
+from .. import hostfs
 from .commands import Commands
 
 ACCESS, DEFAULT = "system.posix_acl_access", "system.posix_acl_default"
@@ -44,10 +45,7 @@ Entry = tuple[int, int, int]  # (tag, perm, id)
 
 # ---- the ACL format ----------------------------------------------------------------------------
 
-def decode(raw: bytes) -> list[Entry] | None:
-    if len(raw) < 4 or (len(raw) - 4) % 8:
-        return None
-    return [struct.unpack_from("<HHI", raw, off) for off in range(4, len(raw), 8)]
+decode = hostfs.acl_decode
 
 
 def encode(entries: list[Entry]) -> bytes:
@@ -59,14 +57,7 @@ def _proc(fd: int) -> str:
     return f"/proc/self/fd/{fd}"
 
 
-def get(fd: int, which: str = ACCESS) -> list[Entry] | None:
-    """The entries of the file held by ``fd`` (an O_PATH fd is enough), or None without such an ACL."""
-    try:
-        return decode(os.getxattr(_proc(fd), which))
-    except OSError as e:
-        if e.errno in (errno.ENODATA, errno.ENOTSUP, errno.EOPNOTSUPP):
-            return None
-        raise
+get = hostfs.acl_entries  # the entries of the file held by an fd, or None without such an ACL
 
 
 def put(fd: int, which: str, entries: list[Entry] | None) -> None:

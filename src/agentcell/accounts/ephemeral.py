@@ -18,10 +18,10 @@ import secrets
 from collections.abc import Sequence
 
 from ..errors import AgentcellError
+from ..hostfs import state_dir
 from . import acl
 from .accounts import NOLOGIN, AccountError, _group, _uid_taken, _user, kill_all, processes
 from .commands import Commands, need_root
-from .registry import state_dir
 
 UID_FIRST, UID_LAST = 1_900_000_000, 1_900_065_535
 PREFIX = "ac-s"

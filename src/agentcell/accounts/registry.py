@@ -38,25 +38,14 @@ import marshal
 import os
 import stat
 
+from .. import hostfs
 from ..errors import AgentcellError
+from ..hostfs import state_dir
 
-DEFAULT_STATE_DIR = "/var/lib/agentcell"
 GROUP_PREFIX = "agentcell-"
 STATES = ("creating", "ready", "deleting")
 MODES = ("rw", "ro")
 
-
-def state_dir() -> str:
-    """AGENTCELL_STATE_DIR, else /var/lib/agentcell for root and the XDG state dir for anyone else (a
-    rootless user's sessions, snapshots and trail are theirs, and /var/lib is not theirs to write)."""
-    given = os.environ.get("AGENTCELL_STATE_DIR")
-    if given:
-        return given
-    if os.geteuid() == 0:
-        return DEFAULT_STATE_DIR
-    xdg = os.environ.get("XDG_STATE_HOME")
-    base = xdg if xdg and os.path.isabs(xdg) else os.path.join(os.path.expanduser("~"), ".local", "state")
-    return os.path.join(base, "agentcell")
 
 
 class RegistryError(AgentcellError):
@@ -235,8 +224,7 @@ def _private_dir(d: str) -> None:
         os.makedirs(d, mode=0o700, exist_ok=True)
     except PermissionError:
         raise RegistryError("state dir", f"cannot create {d}", "agent accounts need root: run through sudo") from None
-    st = os.lstat(d)
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
+    if not stat.S_ISDIR(os.lstat(d).st_mode) or not hostfs.only_ours_at(d, {os.geteuid()}):
         raise RegistryError("state dir", f"{d} must be a directory owned by root, not writable by others",
                             f"fix it: chown root: {d} && chmod 700 {d}")
 

@@ -28,6 +28,7 @@ import stat
 import time
 from typing import Any
 
+from .. import hostfs
 from ..errors import AgentcellError
 
 GENESIS = "0" * 64
@@ -46,7 +47,7 @@ class AuditWriteError(AgentcellError):
 
 
 def default_path() -> str:
-    from ..accounts.registry import state_dir
+    from ..hostfs import state_dir
 
     return os.path.join(state_dir(), "audit", "audit.jsonl")
 
@@ -100,9 +101,9 @@ class AuditLog:
             _fsync_dir(os.path.dirname(d))
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
-                raise ValueError(f"{self.path} must be a regular file of ours that no one else can write")
+            if not stat.S_ISREG(os.fstat(fd).st_mode) or not hostfs.only_ours(fd, {os.geteuid()}):
+                raise ValueError(f"{self.path} must be a regular file of ours that no one else can write (by its "
+                                 "mode, an ACL or another name)")
             _lock(fd)
             rfd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
             try:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import stat
 
+from .. import hostfs
 from ..errors import LaunchError
 from . import protect, wire
 from . import syscalls as sc
@@ -96,7 +97,7 @@ def _only_root_renames_in(d: str) -> bool:
         st = os.lstat(d)
     except OSError:
         return False
-    return stat.S_ISDIR(st.st_mode) and st.st_uid == 0 and not st.st_mode & 0o022
+    return stat.S_ISDIR(st.st_mode) and hostfs.changeable_only_by(st, hostfs.ROOT)
 
 
 def _depth(p: str) -> int:

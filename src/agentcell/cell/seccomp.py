@@ -27,9 +27,9 @@ import binascii
 import ctypes
 import errno
 import os
-import stat
 import struct
 
+from .. import hostfs
 from ..errors import LaunchError
 
 EPERM_CALLS = (
@@ -143,12 +143,11 @@ def _key(notify: bool) -> str:
     return f"v{VERSION}-{binascii.crc32(text.encode()):08x}"  # a key, not a defence: the dir is root's
 
 
+ROOT = hostfs.ROOT
+
+
 def _trusted_root_file(path: str) -> bool:
-    for p in (path, os.path.dirname(path)):
-        st = os.lstat(p)
-        if stat.S_ISLNK(st.st_mode) or st.st_uid != 0 or st.st_mode & 0o022:
-            return False
-    return True
+    return all(hostfs.changeable_only_by(os.lstat(p), ROOT) for p in (path, os.path.dirname(path)))
 
 
 def _store(path: str, prog: bytes) -> None:
@@ -161,8 +160,7 @@ def _store(path: str, prog: bytes) -> None:
             os.chmod(d, 0o700 if d == CACHE_DIR else 0o755)
         except FileExistsError:
             pass
-        st = os.lstat(d)
-        if stat.S_ISLNK(st.st_mode) or st.st_uid != 0 or st.st_mode & 0o022:
+        if not hostfs.changeable_only_by(os.lstat(d), ROOT):
             return  # someone else could write here: keep the program in memory only
     tmp = f"{path}.{os.getpid()}.{os.urandom(4).hex()}"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)

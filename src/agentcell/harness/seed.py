@@ -28,7 +28,7 @@ MAX_HOME_FILES = 20_000
 
 
 def seeds_dir() -> str:
-    from ..accounts.registry import state_dir
+    from ..hostfs import state_dir
 
     return os.path.join(state_dir(), "seeds")
 

@@ -10,6 +10,7 @@ import os
 import pwd
 import stat
 
+from .. import hostfs
 from ..cell.spec import DEFAULT_PATH, TYPE_CHECKING, Identity
 from ..errors import PolicyError
 
@@ -55,7 +56,7 @@ def home_dirs() -> set[str]:
 
 def _trusted_link(link: os.stat_result, parent: os.stat_result) -> bool:
     """A symlink only root could have made: root's, in a root-owned directory nobody else may write."""
-    return link.st_uid == 0 and parent.st_uid == 0 and not parent.st_mode & 0o022
+    return link.st_uid == 0 and stat.S_ISDIR(parent.st_mode) and hostfs.changeable_only_by(parent, hostfs.ROOT)
 
 
 def walk(path: str, field: str) -> str:

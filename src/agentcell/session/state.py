@@ -144,7 +144,7 @@ class Serde:
 
 
 def sessions_dir() -> str:
-    from ..accounts.registry import state_dir
+    from ..hostfs import state_dir
 
     return os.path.join(state_dir(), "sessions")
 

@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from .. import hostfs
 from ..errors import AgentcellError
 
 CHUNK = 1 << 20
@@ -43,7 +44,7 @@ class SnapshotError(AgentcellError):
 
 
 def default_store() -> str:
-    from ..accounts.registry import state_dir
+    from ..hostfs import state_dir
 
     return os.environ.get("BACKUP_DIR") or os.path.join(state_dir(), "snapshots")
 
@@ -82,8 +83,7 @@ class Store:
                     break
                 d = os.path.dirname(d)
                 continue
-            shared = pst.st_mode & 0o022 and not pst.st_mode & stat.S_ISVTX
-            if stat.S_ISLNK(pst.st_mode) or pst.st_uid not in (0, os.geteuid()) or shared:
+            if not hostfs.changeable_only_by(pst, {0, os.geteuid()}, sticky_ok=True):
                 raise SnapshotError("--store", f"{d}, above the store, can be changed by others (an agent could "
                                     "swap the store)", "put the store where only you and root can write")
             if d == os.path.dirname(d):  # the top
@@ -111,9 +111,9 @@ class Store:
         except OSError as e:
             raise SnapshotError("--store", f"cannot create {self.path}: {e.strerror}",
                                 "give a directory you can write (--store or BACKUP_DIR)") from None
-        st = os.lstat(self.path)
-        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
-            raise SnapshotError("--store", f"{self.path} must be a directory of yours that nobody else can write",
+        if not stat.S_ISDIR(os.lstat(self.path).st_mode) or not hostfs.only_ours_at(self.path, {os.geteuid()}):
+            raise SnapshotError("--store", f"{self.path} must be a directory of yours that nobody else can write "
+                                "(by its mode or an ACL)",
                                 f"chmod 700 {self.path}, or another --store")
         if not os.access(self.path, os.W_OK):
             raise SnapshotError("--store", f"{self.path} is not writable", "another --store, or fix its permissions")
