@@ -85,3 +85,19 @@ def test_cell_imports_nothing_above_it() -> None:
 
 def test_the_check_sees_an_import() -> None:
     assert "agentcell.cell.launch" in _graph()["agentcell.supervise"]
+
+
+def test_the_network_modes_have_one_definition() -> None:
+    """cell.spec.NETWORK_MODES; the Literal types spell them again for type checkers, equal to it."""
+    from typing import get_args
+
+    from agentcell.cell.spec import NETWORK_MODES
+    from agentcell.policy.models import Network
+
+    assert get_args(Network) == NETWORK_MODES
+    spec_source = (SRC / "cell" / "spec.py").read_text()
+    spelled = ", ".join(f'"{m}"' for m in NETWORK_MODES)
+    assert f"NetworkMode = Literal[{spelled}]" in spec_source
+    others = [str(p.relative_to(SRC)) for p in SRC.rglob("*.py")
+              if '"none", "loopback", "proxy", "host-firewall"' in p.read_text()]
+    assert sorted(others) == ["cell/spec.py", "policy/models.py"]

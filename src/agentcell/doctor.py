@@ -27,11 +27,11 @@ from typing import Any, Literal
 
 from .cell import namespaces
 from .cell import syscalls as sc
+from .cell.spec import NETWORK_MODES
 
 Status = Literal["ok", "warn", "missing"]
 
 IDENTITY_MODES = ("self", "agent", "uid")
-NETWORK_MODES = ("none", "loopback", "proxy", "host-firewall")
 NEEDABLE_MODES = IDENTITY_MODES + NETWORK_MODES
 
 NOBODY_UID = 65534

@@ -19,6 +19,11 @@ if TYPE_CHECKING:
     IdentityMode = Literal["self", "agent", "uid"]
     LandlockMode = Literal["required", "best-effort"]
 
+# The network modes, narrowest first (each reaches more than the one before). The one definition: the
+# Literal types (NetworkMode here, policy.models.Network) spell them again for type checkers, and a
+# test holds them equal to this.
+NETWORK_MODES: tuple[str, ...] = ("none", "loopback", "proxy", "host-firewall")
+
 # Bound read-only (nosuid, nodev) when they exist on the host: what a typical toolchain needs.
 # Top-level symlinks (merged /usr: /bin -> usr/bin) are recreated as symlinks.
 SYSTEM_RO_PATHS: tuple[str, ...] = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc", "/opt")

@@ -5,7 +5,7 @@ import os
 import sys
 
 from ..cell import terminal
-from ..cell.spec import TYPE_CHECKING, CellSpec, new_cell_id
+from ..cell.spec import NETWORK_MODES, TYPE_CHECKING, CellSpec, new_cell_id
 from ..errors import EXIT_CODES_HELP, AgentcellError, printable, report
 from ..policy import resolve as rs
 
@@ -67,7 +67,7 @@ OPTIONS: tuple[tuple[str, str, str, str, str], ...] = (
     ("--on-escape", "on_escape", "value", "VERDICT", "with --monitor: terminate (default: freeze, record, kill "
      "the cell at the first attempt) or record; per class: terminate,network=record"),
 )
-NET_MODES = ("none", "loopback", "proxy", "host-firewall")
+NET_MODES = NETWORK_MODES
 LANDLOCK_MODES = ("required", "best-effort")
 
 

@@ -40,14 +40,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from ..cell.spec import NETWORK_MODES
 from ..errors import AgentcellError, PolicyError
 
 ENV_NAMES = ("AGENT_HARNESS", "PROJECT_ROOT", "DECLARED_PATHS", "AGENT_OS_USER", "BACKUP_DIR", "AUDIT_LOG_PATH",
              "WALL_CLOCK_LIMIT_S", "FIREWALL_ENABLED", "AGENT_API_BASE", "AGENT_MODEL", "AGENT_RISK")
 TOML_KEYS = ("harness", "declared_paths", "agent", "backup_dir", "audit_log_path", "wall_clock_limit_s",
              "firewall_enabled", "network", "risk", "env", "api_base", "model")
-NETWORKS = ("none", "loopback", "proxy", "host-firewall")
-NETWORKS_BY_WIDTH = NETWORKS  # each reaches more than the one before
+NETWORKS = NETWORKS_BY_WIDTH = NETWORK_MODES
 FLAGS = {"harness": "--harness", "project_root": "--project", "declared_paths": "--rw", "agent": "--agent",
          "backup_dir": "--backup-dir", "audit_log_path": "--audit-log", "wall_clock_limit_s": "--wall-clock",
          "firewall_enabled": "--firewall", "network": "--net", "allow_domains": "--allow-domain",
@@ -185,29 +185,18 @@ def _open_walked(path: str) -> tuple[int | None, bool]:
 
 
 def only_yours(fd: int, st: os.stat_result) -> bool:
-    """Whether only the user running agentcell (or root) can have written this file: owned by them,
-    no group or other write bit, no ACL entry naming anyone with write, and one name only (a hard
-    link made elsewhere, e.g. by an agent in a project, is the same file)."""
-    import stat
+    """Whether only the user running agentcell (or root) can have written this file (hostfs.only_ours)."""
+    from .. import hostfs
 
-    from ..accounts import acl
-
-    if st.st_uid not in (0, os.geteuid()) or st.st_mode & 0o022 or (not stat.S_ISDIR(st.st_mode) and st.st_nlink != 1):
-        return False
-    entries = acl.get(fd) or []
-    mask = next((perm for tag, perm, _ in entries if tag == acl.MASK), 7)
-    return not any(tag in acl.NAMED and perm & mask & 2 for tag, perm, _ in entries)
+    return hostfs.only_ours(fd)
 
 
 def _dir_only_yours(fd: int) -> bool:
     """A directory only you or root can change (a sticky world-writable one such as /tmp too, when
     yours or root's: no one else can replace your file there)."""
-    import stat
+    from .. import hostfs
 
-    st = os.fstat(fd)
-    if st.st_mode & stat.S_ISVTX:
-        return st.st_uid in (0, os.geteuid())
-    return only_yours(fd, st)
+    return hostfs.only_ours(fd, sticky_ok=True)
 
 
 def _protected_around(path: str, surface: tuple[str, ...]) -> str | None:
@@ -475,7 +464,7 @@ def load(flags: Mapping[str, Any], *, environ: Mapping[str, str] | None = None, 
         if from_file:
             raise PolicyError(dot_path, "lies in a declared path the agent can write, yet it sets "
                               + ", ".join(from_file), "keep this .env outside the project and its declared paths")
-    from ..accounts.registry import state_dir
+    from ..hostfs import state_dir
 
     if _inside(state_dir(), [root, *values.get("declared_paths", ())]):
         raise PolicyError("AGENTCELL_STATE_DIR", f"{state_dir()} lies in the project or a declared path, which the "
