@@ -11,6 +11,9 @@ Measures (medians, milliseconds, ratio to bwrap measured in the same sitting):
   * warm API, back to back (no gap), and without pre-warming, for the record;
   * the hardening's cost: the launcher in this process with Landlock, seccomp and the cell's cgroup,
     and with each switched off in turn (issue #3).
+  * the Codex CLI's own sandbox, `codex sandbox -- true` (bwrap + seccomp, its native binary), when
+    it is installed: the harness tests' cache (tests/harnesses.py) or AGENTCELL_CODEX=PATH; issue 14
+    asks agentcell run, cold and through the warm launcher, to beat it.
 Targets (issue #2): CLI <= 3x bwrap; warm API <= 1.0x bwrap. Needs root (a throwaway account
 ac-bench<hex> is created and removed) and bwrap (apt package bubblewrap).
 """
@@ -61,6 +64,16 @@ def bwrap_argv(uid: int, gid: int, home: str) -> list[str]:
     argv += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--tmpfs", home, "--tmpfs", "/scratch",
              "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", home, "--chdir", home]
     return [*argv, "true"]
+
+
+def codex_binary() -> str | None:
+    """The Codex CLI's native binary (the npm package's launcher is node, which adds its own start)."""
+    given = os.environ.get("AGENTCELL_CODEX")
+    if given:
+        return given
+    found = sorted(Path("/opt/agentcell-test/harnesses").glob(
+        "npm-*codex*/node_modules/@openai/codex-linux-*/vendor/*/bin/codex"))
+    return str(found[-1]) if found else None
 
 
 def layer_costs(spec: object, runs: int) -> dict[str, float]:
@@ -136,6 +149,18 @@ def main() -> int:
             res["api_no_prewarm"] = median_ms(lambda: cold_api.run(["true"]), args.runs)
             res["api_no_prewarm_no_landlock"] = median_ms(lambda: bare_api.run(["true"]), args.runs)
             res["python_startup"] = median_ms(lambda: run([sys.executable, "-c", "pass"]), args.runs)
+            codex = codex_binary()
+            if codex:
+                # Its own sandbox refuses a CODEX_HOME under /tmp; one of its own, removed after.
+                home = Path("/var/tmp") / f"agentcell-bench-codex-{secrets.token_hex(3)}"
+                home.mkdir(mode=0o700)
+                try:
+                    cenv = dict(env, CODEX_HOME=str(home))
+                    res["codex_sandbox"] = median_ms(
+                        lambda: subprocess.run([codex, "sandbox", "--", "true"], check=True, env=cenv,
+                                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL), args.runs)
+                finally:
+                    shutil.rmtree(home, ignore_errors=True)
             res.update(layer_costs(spec, args.runs))
     finally:
         subprocess.run(["userdel", name], check=False)
@@ -151,8 +176,12 @@ def main() -> int:
         "python_startup": res["python_startup"] / res["bwrap"],
         **{k: res[k] / res["bwrap"] for k in res if k.startswith("launch_")},
     }
+    if "codex_sandbox" in res:
+        ratios["codex_sandbox"] = res["codex_sandbox"] / res["bwrap"]
+        ratios["cli_vs_codex"] = res["cli"] / res["codex_sandbox"]
+        ratios["cli_warm_launcher_vs_codex"] = res["cli_warm_launcher"] / res["codex_sandbox"]
     targets = {"cli": 3.0, "cli_warm_launcher": 3.0, "cli_warm_launcher_spaced": 3.0,
-               "api_warm_spaced": 1.0}
+               "api_warm_spaced": 1.0, "cli_vs_codex": 1.0, "cli_warm_launcher_vs_codex": 1.0}
     if args.json:
         print(json.dumps({"median_ms": res, "ratio_to_bwrap": ratios, "targets": targets}))
         return 0
@@ -172,12 +201,19 @@ def main() -> int:
             ("launch_without_seccomp", "  ... without seccomp"),
             ("launch_without_cgroup", "  ... without its cgroup"),
             ("launch_no_hardening", "  ... with none of the three")]
+    if "codex_sandbox" in res:
+        rows.insert(3, ("codex_sandbox", "codex sandbox -- true (native binary)"))
     for key, label in rows:
         target = targets.get(key)
         verdict = ""
         if target is not None:
             verdict = f"  target <= {target:.1f}x: {'met' if ratios[key] <= target else 'MISSED'}"
         print(f"  {label:<46}{res[key]:7.2f}  {ratios[key]:5.2f}x{verdict}")
+    for key, label in (("cli_vs_codex", "agentcell run --no-warm / codex sandbox"),
+                       ("cli_warm_launcher_vs_codex", "agentcell run, warm launcher / codex sandbox")):
+        if key in ratios:
+            met = "met" if ratios[key] <= targets[key] else "MISSED"
+            print(f"  {label:<46}{'':7}  {ratios[key]:5.2f}x  target <= {targets[key]:.1f}x: {met}")
     return 0
 
 
