@@ -298,15 +298,17 @@ def test_run_path_imports_nothing_heavy() -> None:
     # parses arguments, resolves the policy and launches with the standard library's cheap parts.
     code = ("import sys; sys.argv = ['agentcell', 'run', '--as', '65534', '--', 'true']\n"
             "import agentcell.cli.main, agentcell.cli.run, agentcell.cell.launch, agentcell.cell.warm\n"
+            "import agentcell.supervise, agentcell.guard  # the cold path's protocol and protected-path step\n"
             "bad = ('pydantic', 'langgraph', 'rich', 'pyroute2', 're', 'typing', 'dataclasses', 'json', 'enum',"
-            " 'socket', 'argparse', 'uuid', 'inspect', 'array', 'collections')\n"
+            " 'socket', 'argparse', 'uuid', 'inspect', 'array', 'collections', 'threading', 'mcp', 'langchain_core',"
+            " 'anyio', 'ray')\n"
             "print(sorted(m for m in sys.modules if m.split('.')[0] in bad))")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert p.stdout.strip() == "[]", p.stdout + p.stderr
     # Through a warm launcher, agentcell run does not even need the launcher's own modules.
-    code = ("import sys; import agentcell.cli.main, agentcell.cli.run, agentcell.cell.warm\n"
+    code = ("import sys; import agentcell.cli.main, agentcell.cli.run, agentcell.cell.warm, agentcell.guard\n"
             "print(sorted(m for m in sys.modules if m in ('ctypes', 'importlib', 'agentcell.cell.launch',"
-            " 'agentcell.cell.mounts')))")
+            " 'agentcell.cell.mounts', 'agentcell.supervise')))")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert p.stdout.strip() == "[]", p.stdout + p.stderr
 
