@@ -244,7 +244,7 @@ def test_a_cpu_ceiling_throttles_spinners_on_every_cpu_in_a_session(env: Env) ->
     """The cell's cgroup while it runs: the risk's quota is set, and spinners on every CPU are throttled
     by it (the kernel's own counter, not a clock)."""
     from agentcell import limits
-    from agentcell.session.nodes import cell_cgroups
+    from agentcell.cell.cgroups import groups_of as cell_cgroups
 
     _, cpu, _ = limits.for_risk("high")
     marker = env.project / "src" / "spinning"

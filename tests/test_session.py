@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from agentcell.session.nodes import cell_cgroups
+from agentcell.cell.cgroups import groups_of as cell_cgroups
 from conftest import AGENTCELL, User, needs_root
 from fakenet import DNS4, GOOD4, FakeInternet, leftovers
 from sessionkit import Env, account_gone, acl_names, records, running, scripted, session, session_environ
@@ -882,7 +882,8 @@ def test_every_dotenv_in_the_declared_paths_is_hidden(env: Env, user: User) -> N
 
 def test_the_env_file_search_is_bounded_by_directories_and_a_cut_short_search_refuses_the_session(
         env: Env) -> None:
-    from agentcell.session.nodes import MAX_ENV_DIRS, _dotenv_files
+    from agentcell.session.envfiles import MAX_ENV_DIRS
+    from agentcell.session.envfiles import dotenv_files as _dotenv_files
 
     flood = env.project / "src" / "flood"
     flood.mkdir()
@@ -899,7 +900,7 @@ def test_the_env_file_search_is_bounded_by_directories_and_a_cut_short_search_re
 
 
 def test_depth_alone_never_cuts_the_env_search_short(tmp_path: Path) -> None:
-    from agentcell.session.nodes import _dotenv_files
+    from agentcell.session.envfiles import dotenv_files as _dotenv_files
 
     deep = tmp_path.joinpath(*["a"] * 60)  # an agent's mkdir -p: no longer a way to refuse every later session
     deep.mkdir(parents=True)

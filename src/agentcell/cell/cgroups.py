@@ -275,3 +275,84 @@ class CellCgroup:
                 os.unlink(self.record)
             except FileNotFoundError:
                 pass
+
+
+# ---- teardown by a cell's name alone (session recover, a lost host) ---------------------------------
+
+
+def groups_of(cell_id: str) -> list[str]:
+    """Every group of a cell on this host, v2 or hybrid/v1 (one per controller), whether or not its
+    record (``RECORDS``) survived."""
+    import glob
+
+    return sorted({*glob.glob(f"{ROOT}/{PARENT}/{glob.escape(cell_id)}"),
+                   *glob.glob(f"{ROOT}/*/{PARENT}/{glob.escape(cell_id)}")})
+
+
+def _procs(d: str) -> list[int]:
+    try:
+        with open(os.path.join(d, "cgroup.procs")) as f:
+            return [int(p) for p in f.read().split()]
+    except (OSError, ValueError):
+        return []
+
+
+def kill_by_name(cell_id: str) -> None:
+    """Kill every process of a cell whose handle is gone, through its groups: frozen first, then
+    ``cgroup.kill`` where the kernel has it, else each member (a frozen member cannot fork or exit, so
+    its pid names it until it is killed)."""
+    dirs = groups_of(cell_id)
+    for d in dirs:
+        _poke(d, "cgroup.freeze", "1")
+        _poke(d, "freezer.state", "FROZEN")
+    for _ in range(200):
+        members = {p for d in dirs for p in _procs(d)}
+        if not members:
+            break
+        for d in dirs:
+            _poke(d, "cgroup.kill", "1")
+        for pid in members:
+            try:
+                os.kill(pid, 9)
+            except ProcessLookupError:
+                pass
+        for d in dirs:  # a killed process of a frozen v1 group dies only once thawed
+            _poke(d, "freezer.state", "THAWED")
+        time.sleep(0.01)
+
+
+def _poke(group: str, name: str, value: str) -> None:
+    """Write one of a group's control files, where the kernel (or the group's hierarchy) has it."""
+    try:
+        _write(os.path.join(group, name), value)
+    except OSError:  # not in this hierarchy, or the group is gone already
+        pass
+
+
+def remove_by_name(cell_id: str) -> list[str]:
+    """Kill and remove a cell's groups by its name alone (no handle: its supervisor may be gone);
+    each group that would not go is a problem line."""
+    kill_by_name(cell_id)
+    problems = []
+    for d in groups_of(cell_id):
+        for _ in range(200):
+            try:
+                os.rmdir(d)
+                break
+            except FileNotFoundError:
+                break
+            except OSError as e:
+                err = e
+                time.sleep(0.01)
+        else:
+            problems.append(f"cgroup {d}: {err.strerror}")
+            continue
+        try:
+            os.rmdir(os.path.dirname(d))  # the shared agentcell/ parent, when no other cell uses it
+        except OSError:
+            pass
+    try:
+        os.unlink(os.path.join(RECORDS, cell_id))
+    except OSError:
+        pass
+    return problems

@@ -15,7 +15,6 @@ and ``kill@NODE`` (the supervisor is killed with SIGKILL after that node's work,
 from __future__ import annotations
 
 import os
-import stat
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -23,7 +22,9 @@ from langgraph.errors import NodeError
 from langgraph.types import Command
 
 from ..audit.trail import AuditLog, AuditWriteError
+from ..cell import cgroups
 from ..errors import AgentcellError, PolicyError
+from . import envfiles
 from .state import FINAL, SECRET_PLACEHOLDER, Runtime, SessionState
 
 if TYPE_CHECKING:
@@ -433,7 +434,7 @@ class Nodes:
                 cell.terminate(state.get("reason") or "terminated")
             result = cell.wait()
         elif state.get("cell_id"):
-            _kill_cell(state["cell_id"])
+            cgroups.kill_by_name(state["cell_id"])
         if result is not None:
             update["result"] = {k: v for k, v in result.items() if k != "events"}
             update["events"] = list(result.get("events", []))[:MAX_EVENTS]
@@ -506,7 +507,7 @@ class Nodes:
             except (OSError, AgentcellError) as e:
                 problems.append(_line(e))
         if state.get("cell_id"):
-            problems += _remove_cgroup(state["cell_id"])
+            problems += cgroups.remove_by_name(state["cell_id"])
         from ..harness import seed
 
         problems += seed.remove(sid)
@@ -514,7 +515,7 @@ class Nodes:
         self._crash("cleanup")
         warnings += [f"{f} was {'created' if was is None else 'changed'} during the session: the next session "
                      "reads it; review it first" for f, was in (state.get("config_marks") or {}).items()
-                     if _fingerprint(f) != was]
+                     if envfiles.fingerprint(f) != was]
         update: dict[str, Any] = {"problems": problems, "warnings": list(dict.fromkeys(warnings))}
         update.update(self._audit_quietly(state, "cleanup", "session.cleanup", problems=problems,
                                           account=(account or {}).get("name")))
@@ -706,184 +707,20 @@ def _config_files(files: list[str], declared: list[str]) -> tuple[list[str], lis
         parent = os.path.realpath(os.path.dirname(f))
         if not any(parent == r or parent.startswith(r.rstrip("/") + "/") for r in roots):
             continue
-        marks[f] = _fingerprint(f)
+        marks[f] = envfiles.fingerprint(f)
         if marks[f] is not None:  # the env file the session read (whatever its name) is hidden, the toml read-only
             (ro if os.path.basename(f) == "agentcell.toml" else masked).append(f)
-    found, stopped = _dotenv_files(declared)
+    found, stopped = envfiles.dotenv_files(declared)
     masked += [f for f in found if f not in masked]
     if stopped is not None:
         raise PolicyError("declared_paths", f"the search for .env files in {', '.join(declared)} stopped after "
-                          f"{MAX_ENV_DIRS:,} directories, at {stopped}: one past it would not be hidden from the agent",
+                          f"{envfiles.MAX_ENV_DIRS:,} directories, at {stopped}: one past it would not be hidden from "
+                          "the agent",
                           "declare narrower paths with --rw, or remove what fills them")
     return ro, masked, marks
 
 
-SKIP_DIRS = frozenset({".git", "node_modules", ".venv", "venv", "__pycache__", ".tox", ".mypy_cache", "target"})
-
-
-ENV_NAMES = frozenset({".envrc", ".envs", ".flaskenv", ".dev.vars", ".secrets", "secrets.toml", ".secrets.toml"})
-
-
-def is_env_file(name: str) -> bool:
-    """Names people keep secrets under, in any case, and the copies editors and file managers make of
-    them: .env, .env.local, .env-prod, .env_test, ".env 2", .env(1), prod.env, prod.env.local,
-    x.env.bak, .envrc, .envs (cookiecutter's directory), .flaskenv, .dev.vars, secrets.toml;
-    .env~, #.env#, vim's ..env.swp. Not .environment or env.py."""
-    raw = name.lower()
-    for n in {raw, raw.strip("#").rstrip("~"), raw[1:-4] if raw.startswith(".") and
-              raw.endswith((".swp", ".swo", ".swx")) else raw}:
-        if n in ENV_NAMES or (n.startswith(".env") and (len(n) == 4 or not n[4].isalnum())) or \
-                ".env." in n or (n.endswith(".env") and len(n) > 4):
-            return True
-    return False
-
-
-MAX_ENV_DIRS = 50_000
-
-
-def _dotenv_files(declared: list[str], *, max_dirs: int = MAX_ENV_DIRS) -> tuple[list[str], str | None]:
-    """Every env file or directory (:func:`is_env_file`) in the declared paths, at any depth, and the
-    file an env-named link points at when it lies in them: the secrets people keep there are not the
-    agent's. Links are not followed. Dependency and VCS trees are looked into two levels deep. The
-    walk is bounded by directories (not files, not depth: an explicit stack), and says where it
-    stopped when cut short (the session is then refused: what lies past it would not be hidden)."""
-    out: list[str] = []
-    roots = [os.path.realpath(d) for d in declared]
-    todo = [(r, 0) for r in roots]  # (directory, levels left below a dependency tree's top; 0: no bound)
-    seen = 0
-    while todo:
-        d, left = todo.pop()
-        seen += 1
-        if seen > max_dirs:
-            return sorted(set(out)), d
-        try:
-            entries = list(os.scandir(d))
-        except OSError:  # gone, unreadable, or a name past PATH_MAX (only an agent makes those)
-            continue
-        for e in entries:
-            if is_env_file(e.name):
-                if e.is_file(follow_symlinks=False):
-                    out.append(e.path)
-                elif e.is_dir(follow_symlinks=False):
-                    if os.path.lexists(os.path.join(e.path, "pyvenv.cfg")):  # python -m venv .env
-                        todo.append((e.path, 2))  # a virtualenv: searched like one
-                    else:
-                        out.append(e.path)  # .envs/, .env.d/: hidden whole
-                elif e.is_symlink():
-                    target = os.path.realpath(e.path)
-                    if os.path.exists(target) and any(target.startswith(r.rstrip("/") + "/") for r in roots):
-                        out.append(target)
-            elif e.is_dir(follow_symlinks=False) and left != 1 and e.name != ".git":
-                if left == 0 and e.name in SKIP_DIRS:
-                    todo.append((e.path, 2))  # its top and one level below: node_modules/pkg/.env
-                else:
-                    todo.append((e.path, left - 1 if left else 0))
-    return sorted(set(out)), None
-
-
-def _fingerprint(path: str) -> str | None:
-    import hashlib
-
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return None
-    except OSError:
-        return "unreadable"
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return "not a regular file"
-        h = hashlib.sha256()
-        while chunk := os.read(fd, 1 << 20):
-            h.update(chunk)
-        return h.hexdigest()
-    finally:
-        os.close(fd)
-
-
 # ---- teardown from the state alone (the supervisor may be gone) ------------------------------------
-
-def cell_cgroups(cell_id: str) -> list[str]:
-    """Every group of a cell on this host, v2 or hybrid/v1 (one per controller), whether or not its
-    record (``cgroups.RECORDS``) survived."""
-    import glob
-
-    from ..cell import cgroups
-
-    return sorted({*glob.glob(f"{cgroups.ROOT}/{cgroups.PARENT}/{glob.escape(cell_id)}"),
-                   *glob.glob(f"{cgroups.ROOT}/*/{cgroups.PARENT}/{glob.escape(cell_id)}")})
-
-
-def _procs(d: str) -> list[int]:
-    try:
-        with open(os.path.join(d, "cgroup.procs")) as f:
-            return [int(p) for p in f.read().split()]
-    except (OSError, ValueError):
-        return []
-
-
-def _kill_cell(cell_id: str) -> None:
-    """Kill every process of a cell whose handle is gone, through its groups: frozen first, then
-    ``cgroup.kill`` where the kernel has it, else each member (a frozen member cannot fork or exit, so
-    its pid names it until it is killed)."""
-    dirs = cell_cgroups(cell_id)
-    for d in dirs:
-        _poke(d, "cgroup.freeze", "1")
-        _poke(d, "freezer.state", "FROZEN")
-    for _ in range(200):
-        members = {p for d in dirs for p in _procs(d)}
-        if not members:
-            break
-        for d in dirs:
-            _poke(d, "cgroup.kill", "1")
-        for pid in members:
-            try:
-                os.kill(pid, 9)
-            except ProcessLookupError:
-                pass
-        for d in dirs:  # a killed process of a frozen v1 group dies only once thawed
-            _poke(d, "freezer.state", "THAWED")
-        time.sleep(0.01)
-
-
-def _poke(group: str, name: str, value: str) -> None:
-    """Write one of a group's control files, where the kernel (or the group's hierarchy) has it."""
-    from ..cell import cgroups
-
-    try:
-        cgroups._write(os.path.join(group, name), value)
-    except OSError:  # not in this hierarchy, or the group is gone already
-        pass
-
-
-def _remove_cgroup(cell_id: str) -> list[str]:
-    from ..cell import cgroups
-
-    _kill_cell(cell_id)
-    problems = []
-    for d in cell_cgroups(cell_id):
-        for _ in range(200):
-            try:
-                os.rmdir(d)
-                break
-            except FileNotFoundError:
-                break
-            except OSError as e:
-                err = e
-                time.sleep(0.01)
-        else:
-            problems.append(f"cgroup {d}: {err.strerror}")
-            continue
-        try:
-            os.rmdir(os.path.dirname(d))  # the shared agentcell/ parent, when no other cell uses it
-        except OSError:
-            pass
-    try:
-        os.unlink(os.path.join(cgroups.RECORDS, cell_id))
-    except OSError:
-        pass
-    return problems
-
 
 def _revoke(cmds: Any, account: dict[str, Any], grants: list[dict[str, Any]]) -> list[str]:
     """Remove the session's ACL entries from each granted path; what could not be removed."""
