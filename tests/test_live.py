@@ -262,3 +262,35 @@ def test_cli_bad_input_is_one_line(args: list[str], field: str) -> None:
     p = _cli(*args)
     assert p.returncode == 125 and field in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
     assert "Traceback" not in p.stderr
+
+
+def test_a_result_too_large_for_one_datagram_is_trimmed_not_lost() -> None:
+    """The agent decides how many events a cell has (and how deep their ancestry): the host's last word
+    must still arrive (red team, helper 13: a dropped 'ended' made the session see a lost host)."""
+    import socket
+
+    from agentcell.cell import wire
+    from agentcell.host.server import Host
+
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        host = Host(conn=theirs)
+        # distinct strings: marshal shares equal ones
+        events = [{"operation": "read", "target": f"/t{i}", "acts": False,
+                   "ancestry": [[j, f"/{i}/{j}/" + "x" * 1000, "cmd"] for j in range(32)]} for i in range(300)]
+        host._send(theirs, {"event": "ended", "reason": "r", "result": {"exit_status": 3, "events": events}})
+        msg, _ = wire.recv(ours)
+        assert msg is not None and msg["result"]["exit_status"] == 3
+        assert len(msg["result"]["events"]) in (100, 10) and msg["result"]["trimmed"]["events"] >= 200
+    finally:
+        ours.close()
+        theirs.close()
+
+
+def test_an_adopted_firewall_table_is_recorded_as_its_new_owners(tmp_path: Path) -> None:
+    from agentcell.network.firewall import HostFirewall
+
+    record = tmp_path / "agentcell_x"
+    record.write_text("1\n")
+    HostFirewall("agentcell_x", str(record)).adopt()
+    assert record.read_text() == f"{os.getpid()}\n"

@@ -219,6 +219,12 @@ class Supervised:
         ``Running.wait``) with the events and refusals. Idempotent."""
         if self._result is not None:
             return self._result
+        if result is None:  # an abnormal end (an exception on the way): the cell is killed and reaped first
+            try:
+                self.running.kill()
+                self.running.wait(None, clean_up=False)
+            except Exception:  # noqa: BLE001 - what can be taken down still is, below
+                pass
         events = self.monitor.stop() if self.monitor is not None else []
         blocked = self._proxy.stop() if self._proxy is not None else []
         self.running.clean_up()  # its cgroup, now that the proxy has left it too

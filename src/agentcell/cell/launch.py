@@ -224,6 +224,8 @@ class Prepared:
         cell serves many through ``Running.live`` (:mod:`.execd`) until that channel is closed."""
         if not argv and not live:
             raise LaunchError("command", "no command given", "put it after --")
+        if live and (tty_fds or pass_fds):  # each of its commands brings its own stdio (cell/execd.py)
+            raise LaunchError("command", "a live cell takes no terminal and no fds of its own")
         fds = {} if live else {i: fd for i, fd in enumerate(stdio) if i not in tty_fds}
         fds.update({fd: fd for fd in pass_fds})
         started = time.monotonic()

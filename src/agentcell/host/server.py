@@ -87,10 +87,16 @@ class Host:
 
     def _send(self, conn: _socket.socket, msg: dict[str, Any]) -> None:
         with self.send_lock:
-            try:
-                wire.send(conn, msg)
-            except OSError:
-                pass  # that client has gone; its EOF is handled by the loop
+            for attempt in (msg, _trimmed(msg, 100, 4), _trimmed(msg, 10, 0)):
+                try:
+                    wire.send(conn, attempt)
+                    return
+                except wire.WireError:
+                    continue  # larger than the wire takes: the next, trimmed, does
+                except OSError as e:
+                    if e.errno == 90:  # EMSGSIZE: larger than one datagram of this socket
+                        continue
+                    return  # that client has gone; its EOF is handled by the loop
 
     def _broadcast(self, msg: dict[str, Any]) -> None:
         for conn in list(self.conns):
@@ -259,18 +265,26 @@ class Host:
                 from ..network import firewall, nflog
 
                 fw = msg["firewall"]
-                made = (firewall.HostFirewall(str(fw["table"]), str(fw["record"])),
-                        nflog.Reader(_socket_from(fds.pop(0)), int(fw["group"])))
+                if spec.network != "host-firewall" or len(fds) != 1:
+                    raise ValueError("a firewall is handed over with a host-firewall cell and its log's socket")
+                table = firewall.HostFirewall(str(fw["table"]), str(fw["record"]))
+                if not firewall.exists(table.table):  # fail closed: never a cell without its rule
+                    raise ValueError(f"the firewall table {table.table} handed over does not exist")
+                table.adopt()
+                made = (table, nflog.Reader(_socket_from(fds.pop()), int(fw["group"])))
             self.sup = Supervised.start(spec, argv, monitor=msg.get("monitor", "terminate"), callback=self._on_event,
                                         stdio=stdio, tty_fds=ttys, dedicated=bool(msg.get("dedicated", True)),
                                         guard=bool(msg.get("guard", True)), adopt=made)
         except AgentcellError as e:
             self._send(conn, {"event": "error", "field": e.field, "message": e.line(), "code": e.exit_code})
             return 1
-        except (OSError, KeyError, TypeError, ValueError) as e:
+        except (OSError, KeyError, TypeError, ValueError, IndexError) as e:
             self._send(conn, {"event": "error", "field": "cell", "message": f"{type(e).__name__}: {e}",
                               "code": 123})
             return 1
+        finally:
+            for fd in fds:  # whatever else came with the request
+                os.close(fd)
         self._send(conn, {"event": "started", "cell_id": self.sup.cell_id, "pid1": self.sup.pid1})
         master = self.sup.running.pty_master
         if master is None:
@@ -442,6 +456,26 @@ class Host:
             del self.execs[rid]
             self._send(conn, {"id": cid, "event": "error", "field": "exec", "code": 125,
                               "message": f"exec: {e if isinstance(e, ValueError) else 'the cell is gone'}"})
+
+
+def _trimmed(msg: dict[str, Any], events: int, ancestry: int) -> dict[str, Any]:
+    """``msg`` with its result's lists cut to fit one datagram: the agent decides how many events (and
+    how deep their ancestry) a cell produces, and a result that does not fit must not be lost whole.
+    What was cut is counted in ``trimmed``."""
+    result = msg.get("result")
+    if not isinstance(result, dict):
+        return msg
+    out = dict(result)
+    cut: dict[str, int] = {}
+    for key, keep in (("events", events), ("egress_blocked", events)):
+        items = out.get(key)
+        if isinstance(items, list) and len(items) > keep:
+            out[key], cut[key] = items[:keep], len(items) - keep
+    if isinstance(out.get("events"), list):
+        out["events"] = [dict(e, ancestry=(e.get("ancestry") or [])[:ancestry]) if isinstance(e, dict) else e
+                         for e in out["events"]]
+    out["trimmed"] = cut
+    return dict(msg, result=out)
 
 
 def _socket_from(fd: int) -> Any:

@@ -150,6 +150,16 @@ class HostFirewall:
             pass
 
 
+    def adopt(self) -> None:
+        """This process owns the table from now on (its maker handed it over): the record says so, so
+        that the maker's end does not get it swept while we still need it."""
+        fd = os.open(self.record, os.O_WRONLY | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            os.write(fd, f"{os.getpid()}\n".encode())
+        finally:
+            os.close(fd)
+
+
 def exists(table: str) -> bool:
     return subprocess.run(["nft", "list", "table", "inet", table], capture_output=True).returncode == 0
 
