@@ -382,10 +382,7 @@ class LiveCell:
 
     def _reader(self) -> None:
         while True:
-            try:
-                msg, fds = wire.recv(self._sock)
-            except (OSError, wire.WireError, ValueError, EOFError, TypeError):
-                msg, fds = None, []
+            msg, fds = wire.recv_or_gone(self._sock)
             for fd in fds:
                 os.close(fd)
             if msg is None or msg.get("event") == "ended":

@@ -54,6 +54,29 @@ def recv(sock: Sock) -> tuple[dict[str, Any] | None, list[int]]:
     return msg, fds
 
 
+def recv_or_gone(sock: Sock) -> tuple[dict[str, Any] | None, list[int]]:
+    """:func:`recv`, where a read that fails or a message that is not one counts as the peer gone:
+    (None, [])."""
+    try:
+        return recv(sock)
+    except (OSError, WireError, ValueError, EOFError, TypeError):
+        return None, []
+
+
+def accept_ours(listener: Any) -> Any:
+    """The next connection on ``listener``, if its peer is our own uid and not inside a cell (our
+    user, PID and mount namespaces), else None (it is closed). Only our own uid: same privileges,
+    nothing to gain; never from inside a cell: a rootless cell has our uid and could otherwise ask
+    for a cell with a wider policy."""
+    fd, _addr = listener._accept()
+    conn = _socket.socket(fileno=fd)
+    pid, uid, _gid = peer_cred(conn)
+    if uid != os.getuid() or not shares_our_namespaces(pid):
+        conn.close()
+        return None
+    return conn
+
+
 def pack_fds(fds: list[int]) -> bytes:
     """SCM_RIGHTS payload (struct, not array: array imports collections.abc, ~3 ms per run here)."""
     return struct.pack(f"{len(fds)}i", *fds)

@@ -128,22 +128,12 @@ class Server:
                     self._request(r)
 
     def _accept(self) -> None:
-        assert self.listener is not None
-        fd, _addr = self.listener._accept()  # type: ignore[attr-defined]
-        conn = _socket.socket(fileno=fd)
-        pid, uid, _gid = wire.peer_cred(conn)
-        if uid != os.getuid() or not wire.shares_our_namespaces(pid):
-            # Only our own uid (same privileges, nothing to gain), and never from inside a cell: a
-            # rootless cell has our uid and could otherwise ask for a cell with a wider policy.
-            conn.close()
-            return
-        self.conns.append(conn)
+        conn = wire.accept_ours(self.listener)
+        if conn is not None:
+            self.conns.append(conn)
 
     def _request(self, conn: Sock) -> None:
-        try:
-            msg, fds = wire.recv(conn)
-        except (OSError, wire.WireError, ValueError, EOFError, TypeError):
-            msg, fds = None, []
+        msg, fds = wire.recv_or_gone(conn)
         try:
             if msg is None:
                 self._drop_conn(conn)

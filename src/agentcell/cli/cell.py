@@ -74,7 +74,7 @@ def _connect(name: str) -> socket.socket:
 def _ask(s: socket.socket, op: str) -> dict[str, Any] | None:
     wire.send(s, {"op": op})
     while True:
-        msg, fds = wire.recv(s)
+        msg, fds = wire.recv_or_gone(s)
         for fd in fds:
             os.close(fd)
         if msg is None or msg.get("event") in ("status", "ended"):

@@ -316,10 +316,7 @@ class Host:
                 self._send(conn, {"event": "stats", "stats": self.sup.stats()})
             if not _ready([conn], 0.05):
                 continue
-            try:
-                msg, fds = wire.recv(conn)
-            except (OSError, wire.WireError, ValueError, EOFError, TypeError):
-                msg, fds = None, []
+            msg, fds = wire.recv_or_gone(conn)
             for fd in fds:
                 os.close(fd)
             if msg is None:  # the session's supervisor is gone: fail closed
@@ -342,10 +339,7 @@ class Host:
                 if r is self.listener:
                     self._accept()
                     continue
-                try:
-                    msg, fds = wire.recv(r)
-                except (OSError, wire.WireError, ValueError, EOFError, TypeError):
-                    msg, fds = None, []
+                msg, fds = wire.recv_or_gone(r)
                 for fd in fds:
                     os.close(fd)
                 if msg is None:
@@ -363,15 +357,11 @@ class Host:
                 "uptime_s": time.monotonic() - self.started, "ended": self.ended}
 
     def _accept(self) -> None:
-        assert self.listener is not None
-        fd, _addr = self.listener._accept()  # type: ignore[attr-defined]
-        conn = _socket.socket(fileno=fd)
-        pid, uid, _gid = wire.peer_cred(conn)
-        # as the warm launcher (zygote); and a bounded number of them (each is an fd of ours)
-        if uid != os.getuid() or not wire.shares_our_namespaces(pid) or len(self.conns) >= MAX_CLIENTS:
+        conn = wire.accept_ours(self.listener)
+        if conn is not None and len(self.conns) >= MAX_CLIENTS:  # each is an fd of ours: a bounded number
             conn.close()
-            return
-        self.conns.append(conn)
+        elif conn is not None:
+            self.conns.append(conn)
 
     def _drop(self, conn: _socket.socket) -> None:
         for rid, e in list(self.execs.items()):
@@ -381,10 +371,7 @@ class Host:
         conn.close()
 
     def _request(self, conn: _socket.socket) -> None:
-        try:
-            msg, fds = wire.recv(conn)
-        except (OSError, wire.WireError, ValueError, EOFError, TypeError):
-            msg, fds = None, []
+        msg, fds = wire.recv_or_gone(conn)
         try:
             if msg is None:
                 self._drop(conn)
@@ -539,10 +526,7 @@ def main(argv: list[str]) -> int:
         if wire.peer_uid(conn) != os.getuid():
             return 1
         host.conns.append(conn)
-    try:
-        msg, fds = wire.recv(conn)
-    except (OSError, wire.WireError, ValueError, EOFError, TypeError):
-        return 1
+    msg, fds = wire.recv_or_gone(conn)
     if msg is not None and msg.get("op") == "run" and host.private:
         return host.run_once(conn, msg, fds)
     for fd in fds:

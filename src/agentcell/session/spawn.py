@@ -85,10 +85,7 @@ class HostedCell:
         """The next message, waiting up to ``timeout`` (None: until one comes or the host ends)."""
         if self._eof or not select.select([self._sock], [], [], timeout)[0]:
             return None
-        try:
-            msg, fds = wire.recv(self._sock)
-        except (OSError, wire.WireError, ValueError, EOFError, TypeError):
-            msg, fds = None, []
+        msg, fds = wire.recv_or_gone(self._sock)
         for fd in fds:
             os.close(fd)
         if msg is None:
