@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from .cell import wire, zygote
 from .cell.spec import CellSpec, spec_to_dict
@@ -57,13 +57,13 @@ class _Pending:
     events: queue.Queue[dict[str, Any]] = field(default_factory=queue.Queue)
 
 
-class CellProcess:
-    """A command running in its own cell (from :meth:`Cell.spawn`)."""
+class _Handle:
+    """What a command's handle does alike in a fresh cell and in a live one: signals go out as
+    requests, its end comes from the queue its cell's reader fills (``_take`` reads that message)."""
 
-    def __init__(self, cell: Cell, rid: int, args: list[str], pending: _Pending) -> None:
+    def __init__(self, cell: Any, rid: int, args: list[str], pending: _Pending) -> None:
         self._cell, self.id, self.args, self._pending = cell, rid, args, pending
         self._result: dict[str, Any] | None = None
-        self.timed_out = False
 
     def send_signal(self, sig: int) -> None:
         if self._result is None:
@@ -83,15 +83,35 @@ class CellProcess:
                 return None
         return self.returncode
 
+    def _ended_within(self, timeout: float | None) -> bool:
+        """Take its end if it comes within ``timeout``; False if it did not."""
+        try:
+            self._take(self._pending.events.get(timeout=timeout))
+        except queue.Empty:
+            return False
+        return True
+
+    def _take(self, ev: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    @property
+    def returncode(self) -> int:
+        raise NotImplementedError
+
+
+class CellProcess(_Handle):
+    """A command running in its own cell (from :meth:`Cell.spawn`)."""
+
+    def __init__(self, cell: Cell, rid: int, args: list[str], pending: _Pending) -> None:
+        super().__init__(cell, rid, args, pending)
+        self.timed_out = False
+
     def wait(self, timeout: float | None = None) -> int:
         """Wait for the command; on ``timeout`` the whole cell is killed and 124 returned."""
-        if self._result is None:
-            try:
-                self._take(self._pending.events.get(timeout=timeout))
-            except queue.Empty:
-                self.timed_out = True
-                self.kill()
-                self._take(self._pending.events.get())
+        if self._result is None and not self._ended_within(timeout):
+            self.timed_out = True
+            self.kill()
+            self._ended_within(None)
         return self.returncode
 
     def _take(self, ev: dict[str, Any]) -> None:
@@ -223,32 +243,17 @@ class Cell:
             capture_output: bool = True, text: bool = False) -> CellCompleted:
         """Run ``argv`` in a new cell and wait, like ``subprocess.run``."""
         start = time.monotonic()
-        in_r, in_w = os.pipe2(os.O_CLOEXEC) if input is not None else (os.open(os.devnull, os.O_RDONLY), -1)
-        pipes = [os.pipe2(os.O_CLOEXEC) if capture_output else (-1, 1), None]
-        pipes[1] = os.pipe2(os.O_CLOEXEC) if capture_output else (-1, 2)
-        (out_r, out_w), (err_r, err_w) = pipes  # type: ignore[misc]
-        try:
-            proc = self.spawn(argv, stdin=in_r, stdout=out_w, stderr=err_w)
-        finally:
-            os.close(in_r)
-            if capture_output:
-                os.close(out_w)
-                os.close(err_w)
-        data = input.encode() if isinstance(input, str) else input
-        out, err = _communicate(in_w, out_r, err_r, data, None if timeout is None else start + timeout)
+        proc, in_w, out_r, err_r = _piped(lambda i, o, e: self.spawn(argv, stdin=i, stdout=o, stderr=e), input,
+                                          capture_output)
+        out, err = _communicate(in_w, out_r, err_r, _bytes(input), None if timeout is None else start + timeout)
         timed_out = timeout is not None and time.monotonic() - start >= timeout and proc.poll() is None
         if timed_out:
             proc.timed_out = True
             proc.kill()
         proc.wait()
         res = proc.result
-
-        def conv(b: bytes) -> bytes | str:
-            return b.decode(errors="replace") if text else b
-
         return CellCompleted(
-            args=proc.args, returncode=proc.returncode,
-            stdout=conv(out) if capture_output else None, stderr=conv(err) if capture_output else None,
+            args=proc.args, returncode=proc.returncode, **_outputs(out, err, capture_output, text),
             signal=int(res["signal"]), duration_s=float(res["duration_s"]), cell_id=str(res["cell_id"]),
             timed_out=bool(res["timed_out"]), error=res.get("error"),
         )
@@ -264,37 +269,15 @@ class CellEnded(AgentcellError):
         super().__init__("cell", reason, "open a new cell")
 
 
-class LiveProcess:
+class LiveProcess(_Handle):
     """A command running in a live cell (from :meth:`LiveCell.spawn`)."""
-
-    def __init__(self, cell: LiveCell, cid: int, args: list[str], pending: _Pending) -> None:
-        self._cell, self.id, self.args, self._pending = cell, cid, args, pending
-        self._result: dict[str, Any] | None = None
-
-    def send_signal(self, sig: int) -> None:
-        if self._result is None:
-            self._cell._send({"op": "signal", "id": self.id, "sig": int(sig)})
-
-    def kill(self) -> None:
-        self.send_signal(_signal.SIGKILL)
-
-    def poll(self) -> int | None:
-        if self._result is None:
-            try:
-                self._take(self._pending.events.get_nowait())
-            except queue.Empty:
-                return None
-        return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
         """Wait for the command; on ``timeout`` it (its process group) is killed and 124 returned."""
-        if self._result is None:
-            try:
-                self._take(self._pending.events.get(timeout=timeout))
-            except queue.Empty:
-                self.kill()
-                self._take(self._pending.events.get())
-                self._result = dict(self._result or {}, exit_status=EXIT_TIMEOUT, timed_out=True)
+        if self._result is None and not self._ended_within(timeout):
+            self.kill()
+            self._ended_within(None)
+            self._result = dict(self._result or {}, exit_status=EXIT_TIMEOUT, timed_out=True)
         return self.returncode
 
     def _take(self, ev: dict[str, Any]) -> None:
@@ -448,35 +431,17 @@ class LiveCell:
              text: bool = False) -> CellCompleted:
         """Run ``argv`` in the cell and wait, like ``subprocess.run``. A command the cell's end cut
         short (an escape by any command) returns 137 with ``error`` naming the reason."""
-        in_r, in_w = os.pipe2(os.O_CLOEXEC) if input is not None else (os.open(os.devnull, os.O_RDONLY), -1)
-        out_r, out_w = os.pipe2(os.O_CLOEXEC) if capture_output else (-1, 1)
-        err_r, err_w = os.pipe2(os.O_CLOEXEC) if capture_output else (-1, 2)
-        try:
-            proc = self.spawn(argv, stdin=in_r, stdout=out_w, stderr=err_w, env=env, cwd=cwd, timeout=timeout)
-        except BaseException:
-            for fd in (in_w, out_r, err_r):
-                if fd >= 0:
-                    os.close(fd)
-            raise
-        finally:
-            os.close(in_r)
-            if capture_output:
-                os.close(out_w)
-                os.close(err_w)
-        data = input.encode() if isinstance(input, str) else input
+        proc, in_w, out_r, err_r = _piped(
+            lambda i, o, e: self.spawn(argv, stdin=i, stdout=o, stderr=e, env=env, cwd=cwd, timeout=timeout),
+            input, capture_output)
         # The host enforces the timeout. Once the command has ended its output is read for a moment
         # more, not until EOF: what it left running in the cell (a dev server) may hold the pipes.
-        out, err = _communicate(in_w, out_r, err_r, data, None, done=lambda: proc.poll() is not None)
+        out, err = _communicate(in_w, out_r, err_r, _bytes(input), None, done=lambda: proc.poll() is not None)
         proc.wait()
         res = proc.result
-
-        def conv(b: bytes) -> bytes | str:
-            return b.decode(errors="replace") if text else b
-
         ended = res.get("ended")
         return CellCompleted(
-            args=proc.args, returncode=proc.returncode,
-            stdout=conv(out) if capture_output else None, stderr=conv(err) if capture_output else None,
+            args=proc.args, returncode=proc.returncode, **_outputs(out, err, capture_output, text),
             signal=int(res.get("signal") or 0), duration_s=float(res.get("duration_s") or 0.0), cell_id=self.cell_id,
             timed_out=bool(res.get("timed_out")), error=f"the cell ended: {ended}" if ended else None,
         )
@@ -508,6 +473,45 @@ class LiveCell:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+_H = TypeVar("_H", bound=_Handle)
+
+
+def _piped(spawn: Callable[[int, int, int], _H], input: bytes | str | None,
+           capture_output: bool) -> tuple[_H, int, int, int]:
+    """``spawn(stdin, stdout, stderr)`` with a pipe for what is fed (else /dev/null) and pipes for what
+    is captured (else our own 1 and 2); (the handle, input's write end, output's and error's read
+    ends, -1 where there is none). Our copies of the command's ends are closed either way."""
+    in_r, in_w = os.pipe2(os.O_CLOEXEC) if input is not None else (os.open(os.devnull, os.O_RDONLY), -1)
+    out_r, out_w = os.pipe2(os.O_CLOEXEC) if capture_output else (-1, 1)
+    err_r, err_w = os.pipe2(os.O_CLOEXEC) if capture_output else (-1, 2)
+    try:
+        proc = spawn(in_r, out_w, err_w)
+    except BaseException:
+        for fd in (in_w, out_r, err_r):
+            if fd >= 0:
+                os.close(fd)
+        raise
+    finally:
+        os.close(in_r)
+        if capture_output:
+            os.close(out_w)
+            os.close(err_w)
+    return proc, in_w, out_r, err_r
+
+
+def _bytes(input: bytes | str | None) -> bytes | None:
+    return input.encode() if isinstance(input, str) else input
+
+
+def _outputs(out: bytes, err: bytes, capture_output: bool, text: bool) -> dict[str, bytes | str | None]:
+    """A CellCompleted's stdout and stderr: None when not captured, decoded with ``text``."""
+    if not capture_output:
+        return {"stdout": None, "stderr": None}
+    if text:
+        return {"stdout": out.decode(errors="replace"), "stderr": err.decode(errors="replace")}
+    return {"stdout": out, "stderr": err}
 
 
 def _without_terminals(fds: list[int]) -> tuple[list[int], list[int]]:
