@@ -25,6 +25,8 @@ from .spec import TYPE_CHECKING, CellSpec, spec_to_dict
 
 if TYPE_CHECKING:
     import signal
+    import subprocess
+    from collections.abc import Callable
     from typing import Any
 else:  # see launch.py
     import _signal as signal
@@ -136,8 +138,6 @@ def status() -> dict[str, Any] | None:
 
 def start(idle_s: float) -> tuple[int, bool]:
     """Start the launcher unless one runs; (pid, started_now)."""
-    import subprocess
-
     from . import zygote
 
     running = status()
@@ -145,27 +145,36 @@ def start(idle_s: float) -> tuple[int, bool]:
         return int(running["pid"]), False
     from .. import hostfs
 
-    d = hostfs.private_dir(socket_dir(), "warm")
-    path = os.path.join(d, SOCKET_NAME)
+    path = os.path.join(hostfs.private_dir(socket_dir(), "warm"), SOCKET_NAME)
+    proc = serve_detached(path, lambda fd: zygote.launcher_command("--listen", str(fd), "--path", path, "--idle",
+                                                                    str(idle_s)), 64)
+    return proc.pid, True
+
+
+def serve_detached(path: str, argv: Callable[[int], list[str]], backlog: int) -> subprocess.Popen[bytes]:
+    """Start ``argv(listening fd)``, a server of ours that outlives us (init reaps it), listening on
+    ``path``: a SOCK_SEQPACKET socket of mode 0600 in a directory only we may enter (a stale socket
+    of a server that is gone is replaced). Its environment is the launcher's (:func:`zygote.launcher_env`)."""
+    import subprocess
+
+    from . import zygote
+
     try:
-        os.unlink(path)  # a stale socket of a launcher that is gone
+        os.unlink(path)
     except FileNotFoundError:
         pass
     listener = _socket.socket(_socket.AF_UNIX, _socket.SOCK_SEQPACKET | _socket.SOCK_CLOEXEC)
     try:
         listener.bind(path)
         os.chmod(path, 0o600)
-        listener.listen(64)
-        proc = subprocess.Popen(
-            zygote.launcher_command("--listen", str(listener.fileno()), "--path", path, "--idle", str(idle_s)),
-            pass_fds=[listener.fileno()], start_new_session=True, cwd="/", close_fds=True,
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            env=zygote.launcher_env(),
-        )
+        listener.listen(backlog)
+        proc = subprocess.Popen(argv(listener.fileno()), pass_fds=[listener.fileno()], start_new_session=True,
+                                cwd="/", close_fds=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, env=zygote.launcher_env())
     finally:
         listener.close()
     proc.returncode = 0  # it outlives us on purpose; init reaps it
-    return proc.pid, True
+    return proc
 
 
 def stop() -> int | None:

@@ -8,7 +8,6 @@ import json
 import os
 import re
 import socket
-import subprocess
 import sys
 from typing import Any
 
@@ -111,32 +110,17 @@ def start(argv: list[str]) -> int:
         pass  # none runs: the name is free
     else:
         raise AgentcellError("--name", f"a live cell named {name} runs already", f"stop it: {PROG} stop --name {name}")
-    try:
-        os.unlink(path)  # a stale socket of a host that is gone
-    except FileNotFoundError:
-        pass
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
-    try:
-        listener.bind(path)
-        os.chmod(path, 0o600)
-        listener.listen(16)
-        from ..cell import zygote
+    from ..cell import warm
 
-        proc = subprocess.Popen(server.command("--listen", str(listener.fileno()), "--path", path, "--name", name,
-                                               "--idle", str(idle)),
-                                pass_fds=[listener.fileno()], start_new_session=True, cwd="/", close_fds=True,
-                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                env=zygote.launcher_env())
-    finally:
-        listener.close()
+    proc = warm.serve_detached(path, lambda fd: server.command("--listen", str(fd), "--path", path, "--name", name,
+                                                               "--idle", str(idle)), 16)
     s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
     s.connect(path)
     try:
         live = LiveCell._handshake(s, None, spec, monitor)
     except AgentcellError:
-        proc.wait()
+        os.waitpid(proc.pid, 0)  # it refused the cell and leaves: ours to reap
         raise
-    proc.returncode = 0  # it outlives us on purpose (until stop or --idle); init reaps it
     info = {"name": name, "cell_id": live.cell_id, "pid1": live.pid1, "host_pid": proc.pid, "socket": path,
             "monitor": monitor, "network": spec.network}
     if ns.json:
