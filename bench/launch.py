@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import compileall
+import contextlib
 import json
 import os
 import pwd
@@ -30,7 +31,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -64,6 +65,24 @@ def bwrap_argv(uid: int, gid: int, home: str) -> list[str]:
     argv += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--tmpfs", home, "--tmpfs", "/scratch",
              "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", home, "--chdir", home]
     return [*argv, "true"]
+
+
+def need_root_and_bwrap(prog: str) -> None:
+    if os.geteuid() != 0:
+        sys.exit(f"{prog}: needs root (it creates a throwaway account)")
+    if not shutil.which("bwrap"):
+        sys.exit(f"{prog}: bwrap not found (apt-get install bubblewrap)")
+
+
+@contextlib.contextmanager
+def throwaway_account() -> Iterator[pwd.struct_passwd]:
+    """An account ac-bench<hex> for the benchmark's cells, removed after."""
+    name = "ac-bench" + secrets.token_hex(3)
+    subprocess.run(["useradd", "-M", "-s", "/usr/sbin/nologin", name], check=True)
+    try:
+        yield pwd.getpwnam(name)
+    finally:
+        subprocess.run(["userdel", name], check=False)
 
 
 def codex_binary() -> str | None:
@@ -108,19 +127,13 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=60)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    if os.geteuid() != 0:
-        sys.exit("bench/launch.py: needs root (it creates a throwaway account)")
-    if not shutil.which("bwrap"):
-        sys.exit("bench/launch.py: bwrap not found (apt-get install bubblewrap)")
+    need_root_and_bwrap("bench/launch.py")
     compileall.compile_dir(str(ROOT / "src"), quiet=1)  # as an installed package would have
 
     from agentcell import Cell, CellSpec
     from agentcell.policy.resolve import build_env, resolve_identity
 
-    name = "ac-bench" + secrets.token_hex(3)
-    subprocess.run(["useradd", "-M", "-s", "/usr/sbin/nologin", name], check=True)
-    try:
-        pw = pwd.getpwnam(name)
+    with throwaway_account() as pw:
         ident = resolve_identity(str(pw.pw_uid), euid=0)
         spec = CellSpec(ident, env=build_env({"LANG": "C.UTF-8"}, ident))
         bw = bwrap_argv(pw.pw_uid, pw.pw_gid, ident.home)
@@ -162,8 +175,6 @@ def main() -> int:
                 finally:
                     shutil.rmtree(home, ignore_errors=True)
             res.update(layer_costs(spec, args.runs))
-    finally:
-        subprocess.run(["userdel", name], check=False)
 
     ratios = {
         "cli": res["cli"] / res["bwrap"],

@@ -17,19 +17,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import pwd
-import secrets
-import shutil
-import statistics
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from launch import bwrap_argv, median_ms  # noqa: E402
+from launch import bwrap_argv, median_ms, need_root_and_bwrap, throwaway_account  # noqa: E402
 
 
 def batch_ms(one: Callable[[], object], n: int, runs: int) -> float:
@@ -41,13 +36,7 @@ def batch_ms(one: Callable[[], object], n: int, runs: int) -> float:
         for t in threads:
             t.join()
 
-    batch()
-    samples = []
-    for _ in range(runs):
-        t = time.perf_counter()
-        batch()
-        samples.append(time.perf_counter() - t)
-    return statistics.median(samples) * 1000
+    return median_ms(batch, runs)
 
 
 def main() -> int:
@@ -55,18 +44,12 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=60)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    if os.geteuid() != 0:
-        sys.exit("bench/live.py: needs root (it creates a throwaway account)")
-    if not shutil.which("bwrap"):
-        sys.exit("bench/live.py: bwrap not found (apt-get install bubblewrap)")
+    need_root_and_bwrap("bench/live.py")
     from agentcell import Cell, CellSpec
     from agentcell.policy.resolve import build_env, resolve_identity
 
-    name = "ac-bench" + secrets.token_hex(3)
-    subprocess.run(["useradd", "-M", "-s", "/usr/sbin/nologin", name], check=True)
     res: dict[str, float] = {}
-    try:
-        pw = pwd.getpwnam(name)
+    with throwaway_account() as pw:
         ident = resolve_identity(str(pw.pw_uid), euid=0)
         spec = CellSpec(ident, env=build_env({"LANG": "C.UTF-8"}, ident), cwd=ident.home)
         bw = bwrap_argv(pw.pw_uid, pw.pw_gid, ident.home)
@@ -82,8 +65,6 @@ def main() -> int:
                     res["live_exec_captured"] = median_ms(lambda c=cell: c.exec(["true"]), args.runs)
                     res["live_8_in_flight"] = batch_ms(one, 8, max(5, args.runs // 4))
         res["bwrap_again"] = median_ms(run_bw, args.runs)  # the machine's drift over the sitting
-    finally:
-        subprocess.run(["userdel", name], check=False)
     ratios = {"live_exec": res["live_exec"] / res["bwrap"],
               "live_exec_no_monitor": res["live_exec_no_monitor"] / res["bwrap"],
               "live_exec_captured": res["live_exec_captured"] / res["bwrap"],
