@@ -181,10 +181,11 @@ def only_ours(fd: int, owners: frozenset[int] | set[int] | None = None, *, stick
     return not any(tag in (ACL_USER, ACL_GROUP) and perm & mask & 2 for tag, perm, _ in entries)
 
 
-def only_ours_at(path: str, owners: frozenset[int] | set[int] | None = None) -> bool:
-    """:func:`only_ours` of ``path`` itself (a link at its end is refused, never followed)."""
+def only_ours_at(path: str, owners: frozenset[int] | set[int] | None = None, *, directory: bool = False) -> bool:
+    """:func:`only_ours` of ``path`` itself (a link at its end is refused, never followed; with
+    ``directory``, anything but a directory too: one lookup decides both)."""
     try:
-        fd = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_DIRECTORY if directory else 0))
     except OSError:
         return False
     try:

@@ -36,7 +36,6 @@ from __future__ import annotations
 import fcntl
 import marshal
 import os
-import stat
 
 from .. import hostfs
 from ..errors import AgentcellError
@@ -224,7 +223,7 @@ def _private_dir(d: str) -> None:
         os.makedirs(d, mode=0o700, exist_ok=True)
     except PermissionError:
         raise RegistryError("state dir", f"cannot create {d}", "agent accounts need root: run through sudo") from None
-    if not stat.S_ISDIR(os.lstat(d).st_mode) or not hostfs.only_ours_at(d, {os.geteuid()}):
+    if not hostfs.only_ours_at(d, {os.geteuid()}, directory=True):
         raise RegistryError("state dir", f"{d} must be a directory owned by root, not writable by others",
                             f"fix it: chown root: {d} && chmod 700 {d}")
 

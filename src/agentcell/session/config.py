@@ -40,6 +40,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from .. import hostfs
 from ..cell.spec import NETWORK_MODES
 from ..errors import AgentcellError, PolicyError
 
@@ -115,9 +116,10 @@ def read_dotenv_owned(path: str, *, explicit: bool = False) -> tuple[dict[str, s
     """The file's values, and whether it may decide for root: only a file named on the command line
     (``explicit``: the implicit ``./.env`` is the project's, whoever owns it now: an earlier agent may
     have written a root-owned file through its grant and renamed it), reached through directories
-    only you or root can change, and :func:`only_yours` itself. The way is walked by descriptor, never
-    through a link, so what was checked is what is read. A regular file of at most 1 MiB. (The
-    project's own root and declared paths are ruled out by :func:`load`, which knows them.)"""
+    only you or root can change, and only yours or root's itself (:func:`agentcell.hostfs.only_ours`).
+    The way is walked by descriptor, never through a link, so what was checked is what is read. A
+    regular file of at most 1 MiB. (The project's own root and declared paths are ruled out by
+    :func:`load`, which knows them.)"""
     import stat
 
     fd, dirs_ok = _open_walked(path)
@@ -132,7 +134,7 @@ def read_dotenv_owned(path: str, *, explicit: bool = False) -> tuple[dict[str, s
         if stat.S_ISDIR(st.st_mode) and not explicit:
             return {}, False  # a virtualenv named .env: no configuration here
         lines = _read_regular(fd, path, "point --env-file at a .env file").decode("utf-8").splitlines()
-        ours = explicit and dirs_ok and only_yours(fd, st)
+        ours = explicit and dirs_ok and hostfs.only_ours(fd)
     except UnicodeDecodeError:
         raise PolicyError(path, "is not UTF-8 text", "fix its encoding") from None
     finally:
@@ -153,7 +155,8 @@ def _read_regular(fd: int, path: str, fix: str) -> bytes:
 
 def _open_walked(path: str) -> tuple[int | None, bool]:
     """``path`` opened for reading (None: it does not exist), and whether every directory on the way
-    was reached without a link and is one only you or root can change (:func:`_dir_only_yours`)."""
+    was reached without a link and is one only you or root can change (a sticky one such as /tmp too,
+    when yours or root's: no one else can replace your file there)."""
     flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
     parts = [p for p in os.path.abspath(path).split("/") if p]
     if not parts:
@@ -161,7 +164,7 @@ def _open_walked(path: str) -> tuple[int | None, bool]:
     dfd = os.open("/", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     dirs_ok = True
     try:
-        dirs_ok = _dir_only_yours(dfd)
+        dirs_ok = hostfs.only_ours(dfd, sticky_ok=True)
         for part in parts[:-1]:
             try:
                 nfd = os.open(part, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
@@ -171,7 +174,7 @@ def _open_walked(path: str) -> tuple[int | None, bool]:
                 break
             os.close(dfd)
             dfd = nfd
-            dirs_ok = dirs_ok and _dir_only_yours(dfd)
+            dirs_ok = dirs_ok and hostfs.only_ours(dfd, sticky_ok=True)
         try:
             if dirs_ok:
                 return os.open(parts[-1], flags, dir_fd=dfd), True
@@ -182,21 +185,6 @@ def _open_walked(path: str) -> tuple[int | None, bool]:
             raise PolicyError(path, f"cannot read it ({e.strerror})", "make it a plain readable file") from None
     finally:
         os.close(dfd)
-
-
-def only_yours(fd: int, st: os.stat_result) -> bool:
-    """Whether only the user running agentcell (or root) can have written this file (hostfs.only_ours)."""
-    from .. import hostfs
-
-    return hostfs.only_ours(fd)
-
-
-def _dir_only_yours(fd: int) -> bool:
-    """A directory only you or root can change (a sticky world-writable one such as /tmp too, when
-    yours or root's: no one else can replace your file there)."""
-    from .. import hostfs
-
-    return hostfs.only_ours(fd, sticky_ok=True)
 
 
 def _protected_around(path: str, surface: tuple[str, ...]) -> str | None:

@@ -111,7 +111,7 @@ class Store:
         except OSError as e:
             raise SnapshotError("--store", f"cannot create {self.path}: {e.strerror}",
                                 "give a directory you can write (--store or BACKUP_DIR)") from None
-        if not stat.S_ISDIR(os.lstat(self.path).st_mode) or not hostfs.only_ours_at(self.path, {os.geteuid()}):
+        if not hostfs.only_ours_at(self.path, {os.geteuid()}, directory=True):
             raise SnapshotError("--store", f"{self.path} must be a directory of yours that nobody else can write "
                                 "(by its mode or an ACL)",
                                 f"chmod 700 {self.path}, or another --store")
