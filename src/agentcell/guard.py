@@ -26,24 +26,32 @@ class Guard:
         self.before, self.truncated = protect.surface(spec.rw_paths)
 
     def check(self, result: dict[str, Any], cell_id: str) -> dict[str, Any]:
-        from .cell import protect
-
         spec = self.spec
-        after, truncated = protect.surface(spec.rw_paths)
-        moved, stuck = protect.quarantine(
-            self.before, after, cell_id, spec.rw_paths, allow_write=spec.allow_write,
-            keep_out=(*spec.ro_paths, *spec.masked_paths),
-            owner_uid=None if spec.identity.userns else spec.identity.uid, since_ns=self.since_ns,
-            before_truncated=self.truncated, give_to=self.give_to)
-        gone = {old for old, _new in moved}
-        result["quarantined"] = {old: new for old, new in moved}
-        result["protected_changes"] = [
-            p for p in protect.changes(self.before, after)
-            if not any(p == a or p.startswith(a + "/") for a in spec.allow_write)]
-        result["protected_created"] = [p for p in result["protected_changes"] if p not in gone and (
-            p in stuck or p not in self.before) and not any(a in gone for a in protect._ancestors(p))]
-        result["scan_truncated"] = truncated or self.truncated
+        result.update(compare(self.before, self.truncated, self.since_ns, cell_id, spec.rw_paths, spec.allow_write,
+                              (*spec.ro_paths, *spec.masked_paths),
+                              None if spec.identity.userns else spec.identity.uid, self.give_to))
         return result
+
+
+def compare(before: dict[str, Any], before_truncated: bool, since_ns: int, cell_id: str, rw_paths: tuple[str, ...],
+            allow_write: tuple[str, ...], keep_out: tuple[str, ...], owner_uid: int | None,
+            give_to: tuple[int, int] | None) -> dict[str, Any]:
+    """The step's second half, once the cell has ended, from its first half's scan (``before``, kept
+    by :class:`Guard`, or in a session's checkpointed state): ``quarantined`` (path: where it went),
+    ``protected_changes``, ``protected_created`` (created and not moved) and ``scan_truncated``."""
+    from .cell import protect
+
+    after, truncated = protect.surface(rw_paths)
+    moved, stuck = protect.quarantine(before, after, cell_id, rw_paths, allow_write=allow_write, keep_out=keep_out,
+                                      owner_uid=owner_uid, since_ns=since_ns, before_truncated=before_truncated,
+                                      give_to=give_to)
+    gone = {old for old, _new in moved}
+    changes = [p for p in protect.changes(before, after)
+               if not any(p == a or p.startswith(a + "/") for a in allow_write)]
+    created = [p for p in changes if p not in gone and (p in stuck or p not in before)
+               and not any(a in gone for a in protect._ancestors(p))]
+    return {"quarantined": {old: new for old, new in moved}, "protected_changes": changes,
+            "protected_created": created, "scan_truncated": truncated or before_truncated}
 
 
 def human() -> tuple[int, int] | None:

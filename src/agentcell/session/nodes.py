@@ -523,36 +523,32 @@ class Nodes:
 
     @staticmethod
     def _quarantine(state: SessionState, account: dict[str, Any] | None) -> list[str]:
-        """Move aside what the agent created on the control surface (agentcell run's rule); say what it
-        changed there. Before the account is deleted: what moves must be the account's."""
-        from ..cell import protect
+        """Move aside what the agent created on the control surface (the run protocol's step,
+        :func:`agentcell.guard.compare`, from the scan spawn checkpointed); say what it changed there.
+        Before the account is deleted: what moves must be the account's."""
+        from ..guard import compare
 
         guard, policy = state.get("protect"), state.get("policy") or {}
         if not guard:
             return []
-        rw, allow = tuple(policy.get("rw_paths", ())), tuple(policy.get("allow_write", ()))
-        before = {k: tuple(v) for k, v in guard["before"].items()}
         human = state.get("human")
         try:  # whatever the agent left for the scan to read, teardown goes on
-            after, truncated = protect.surface(rw)
-            moved, stuck = protect.quarantine(
-                before, after, state.get("cell_id", ""), rw, allow_write=allow,
-                keep_out=(*policy.get("ro_paths", ()), *policy.get("masked_paths", ())),
-                owner_uid=(account or {}).get("uid") if (account or {}).get("kind") != "self" else None,
-                since_ns=guard["since_ns"], before_truncated=guard["truncated"],
-                give_to=(human[0], human[1]) if human else None)
+            found = compare(
+                {k: tuple(v) for k, v in guard["before"].items()}, guard["truncated"], guard["since_ns"],
+                state.get("cell_id", ""), tuple(policy.get("rw_paths", ())), tuple(policy.get("allow_write", ())),
+                (*policy.get("ro_paths", ()), *policy.get("masked_paths", ())),
+                (account or {}).get("uid") if (account or {}).get("kind") != "self" else None,
+                (human[0], human[1]) if human else None)
         except Exception as e:  # noqa: BLE001 - a teardown that stops here leaves the account behind
             return [f"the protected paths could not be checked ({type(e).__name__}: {_line(e)}): review "
                     "repositories and agent config in the declared paths before you use them"]
-        gone = {old for old, _new in moved}
+        gone = set(found["quarantined"])
         out = [f"the agent created {old}, which decides what git, your shell or your agent runs; it was moved to "
-               f"{new}" for old, new in moved]
-        out += [f"the agent {'created' if p in stuck or p not in before else 'changed'} {p}, which decides what git, "
-                "your shell or your agent runs: review it before you use the project"
-                for p in protect.changes(before, after)
-                if p not in gone and not any(p == a or p.startswith(a + "/") for a in allow)
-                and not any(p.startswith(g + "/") for g in gone)]
-        if truncated or guard["truncated"]:
+               f"{new}" for old, new in found["quarantined"].items()]
+        out += [f"the agent {'created' if p in found['protected_created'] else 'changed'} {p}, which decides what "
+                "git, your shell or your agent runs: review it before you use the project"
+                for p in found["protected_changes"] if p not in gone and not any(p.startswith(g + "/") for g in gone)]
+        if found["scan_truncated"]:
             out.append("the declared paths hold more than the protected-path scan covers: review repositories and "
                        "agent config in them before you use them")
         return out
