@@ -384,6 +384,10 @@ class LiveCell:
                 self.events.append(msg["data"])
                 continue
             cid = msg.get("id")
+            if msg.get("event") == "exit" and msg.get("ended") and self.ended is None:
+                # The cell's end cut this command short: so said before the command's own end is
+                # delivered, for whoever looks at the cell once its command has returned.
+                self.ended = str(msg["ended"])
             one = self._pending.get(cid) if isinstance(cid, int) else None
             if one is not None and msg.get("event") != "started":
                 one.events.put(msg)
