@@ -100,22 +100,25 @@ def layer_costs(spec: object, runs: int) -> dict[str, float]:
     with each one switched off in turn — by replacing it here, for the benchmark only (forked cells
     inherit the replacement). The difference is that layer's cost per launch."""
     from agentcell.cell import cgroups, landlock, launch, seccomp
+    from agentcell.policy.guards import for_cell
+
+    guarded = for_cell(spec)  # type: ignore[arg-type]
 
     real = {"landlock": landlock.prepare, "seccomp": seccomp.load, "cgroup": cgroups.CellCgroup.create}
     off = {"landlock": lambda _spec: None, "seccomp": lambda _prog: None, "cgroup": lambda *_a: None}
     targets = {"landlock": (landlock, "prepare"), "seccomp": (seccomp, "load"),
                "cgroup": (cgroups.CellCgroup, "create")}
-    out = {"launch_all_layers": median_ms(lambda: launch.launch(spec, ["true"]), runs)}  # type: ignore[arg-type]
+    out = {"launch_all_layers": median_ms(lambda: launch.launch(spec, ["true"], guards=guarded), runs)}  # type: ignore[arg-type]
     for name, (owner, attr) in targets.items():
         setattr(owner, attr, off[name])
         try:
-            out[f"launch_without_{name}"] = median_ms(lambda: launch.launch(spec, ["true"]), runs)  # type: ignore[arg-type]
+            out[f"launch_without_{name}"] = median_ms(lambda: launch.launch(spec, ["true"], guards=guarded), runs)  # type: ignore[arg-type]
         finally:
             setattr(owner, attr, real[name])
     for name, (owner, attr) in targets.items():
         setattr(owner, attr, off[name])
     try:
-        out["launch_no_hardening"] = median_ms(lambda: launch.launch(spec, ["true"]), runs)  # type: ignore[arg-type]
+        out["launch_no_hardening"] = median_ms(lambda: launch.launch(spec, ["true"], guards=guarded), runs)  # type: ignore[arg-type]
     finally:
         for name, (owner, attr) in targets.items():
             setattr(owner, attr, real[name])

@@ -111,8 +111,10 @@ def test_launcher_imports_nothing_from_the_callers_directory(user: User, tmp_pat
     # in the (root) warm launcher.
     marker = tmp_path / "PWNED"
     project = tmp_path / "project"
-    (project / "agentcell" / "cell").mkdir(parents=True)
-    for rel in ("agentcell/__init__.py", "agentcell/cell/__init__.py", "agentcell/cell/zygote.py", "json.py",
+    for d in ("cell", "host"):
+        (project / "agentcell" / d).mkdir(parents=True)
+    for rel in ("agentcell/__init__.py", "agentcell/cell/__init__.py", "agentcell/host/__init__.py",
+                "agentcell/host/zygote.py", "json.py",
                 "marshal.py", "select.py"):
         (project / rel).write_text(PLANT.format(marker=str(marker)))
     harness = ("import os, sys; from agentcell import Cell, CellSpec\n"

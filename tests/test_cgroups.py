@@ -74,14 +74,15 @@ V2_HARNESS = """
 import sys
 from agentcell.cell import cgroups, launch
 from agentcell.cell.spec import CellSpec
+from agentcell.policy.guards import for_cell
 from agentcell.policy.resolve import build_env, resolve_identity
 cgroups.ROOT = sys.argv[1]
 assert cgroups.layout() == "v2", cgroups.layout()
 ident = resolve_identity(sys.argv[2], euid=0)
 spec = CellSpec(ident, env=build_env({}, ident))
-r = launch.launch(spec, ["cat", "/proc/self/cgroup"])
+r = launch.launch(spec, ["cat", "/proc/self/cgroup"], guards=for_cell(spec))
 print("RESULT", r.exit_status, r.limits_hit)
-running = launch.start(spec, ["sleep", "30"])
+running = launch.start(spec, ["sleep", "30"], guards=for_cell(spec))
 running.kill()  # through cgroup.kill
 r = running.wait(20)
 print("KILLED", r.signal, "timed out" if r.timed_out else "at once")

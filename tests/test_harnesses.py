@@ -488,7 +488,7 @@ def test_an_allowed_name_that_does_not_resolve_is_refused_and_noted_never_an_esc
 
 
 def test_every_project_file_a_harness_reads_as_configuration_is_protected() -> None:
-    from agentcell.cell import protect
+    from agentcell import protect
 
     for prof in PROFILES.values():
         for entry in prof.protected:

@@ -167,7 +167,7 @@ def test_a_bad_request_is_refused_and_the_cell_serves_on(live: LiveCell, bad: di
 
 def test_malformed_wire_requests_from_a_client_do_not_end_the_cell(user: User) -> None:
     """A same-uid client sending nonsense gets errors; the cell and other callers go on."""
-    from agentcell.cell import wire
+    from agentcell.host import wire
 
     with Cell.open(_spec(user)) as cell:
         null = os.open(os.devnull, os.O_RDWR)
@@ -269,7 +269,7 @@ def test_a_result_too_large_for_one_datagram_is_trimmed_not_lost() -> None:
     must still arrive (red team, helper 13: a dropped 'ended' made the session see a lost host)."""
     import socket
 
-    from agentcell.cell import wire
+    from agentcell.host import wire
     from agentcell.host.server import Host
 
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)

@@ -165,12 +165,13 @@ def test_a_source_that_stops_is_a_telemetry_event_and_ends_the_cell(user: User) 
     from agentcell import CellSpec
     from agentcell.cell import launch
     from agentcell.monitor.monitor import Monitor
+    from agentcell.policy.guards import for_cell
     from agentcell.policy.resolve import build_env, resolve_identity
 
     ident = resolve_identity(str(user.uid), euid=0)
     spec = CellSpec(ident, env=build_env({}, ident), cell_id="agentcell-montest" + os.urandom(3).hex())
     watch = Monitor(spec.cell_id, None, uid=user.uid)
-    running = launch.start(spec, ["sleep", "30"])
+    running = launch.start(spec, ["sleep", "30"], guards=for_cell(spec))
     watch.attach(running)
     watch.start()
     watch.audit.sock.close()  # the source dies under the monitor
@@ -350,7 +351,7 @@ def test_the_warm_launcher_refuses_a_watched_cell(user: User) -> None:
 
     ident = resolve_identity(str(user.uid), euid=0)
     spec = CellSpec(ident, env=build_env({}, ident), watch=True)
-    with Cell(spec) as cell, pytest.raises(AgentcellError, match="with its monitor"):
+    with Cell(spec) as cell, pytest.raises(AgentcellError, match="served by a cell host"):
         cell.run(["true"])
 
 

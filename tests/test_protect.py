@@ -263,7 +263,7 @@ def test_warnings_do_not_carry_terminal_escapes(user: User, project: Path) -> No
 def test_quarantine_follows_no_symlink_and_moves_only_what_was_scanned(tmp_path: Path) -> None:
     # The after-run step may run as root: a parent swapped for a symlink, or an entry replaced since
     # the scan, must move nothing (here, outside's .envrc stands for a file of somebody else's).
-    from agentcell.cell import protect
+    from agentcell import protect
 
     project, outside = tmp_path / "p", tmp_path / "outside"
     (project / "sub").mkdir(parents=True)

@@ -770,7 +770,7 @@ def test_a_hooks_path_directory_the_agent_creates_is_reported(env: Env, user: Us
 
 
 def test_the_config_reader_never_reads_pseudo_files_nor_fails_the_teardown(tmp_path: Path) -> None:
-    from agentcell.cell import protect
+    from agentcell import protect
 
     repo = _repo(tmp_path / "sub" / ".git")
     (repo / "config").write_text("[include]\n" + "\tpath = /proc/self/status\n" * 6 + "\tpath = ../big\n" * 19)

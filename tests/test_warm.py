@@ -47,7 +47,7 @@ STARTED: dict[str, list[int]] = {}
 
 def _is_launcher(pid: int) -> bool:
     try:
-        return b"agentcell.cell.zygote" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        return b"agentcell.host.zygote" in Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return False
 
@@ -131,13 +131,66 @@ def test_a_client_that_dies_takes_its_cell_with_it(user: User, runtime_dir: Path
     assert not processes_with_argv([b"sleep", tag.encode()])
 
 
+def _threads_and_children(pid: int) -> tuple[int, list[int]]:
+    threads = int(next(line.split()[1] for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                       if line.startswith("Threads:")))
+    children = [int(c) for t in os.listdir(f"/proc/{pid}/task")
+                for c in Path(f"/proc/{pid}/task/{t}/children").read_text().split()]
+    return threads, children
+
+
+def test_a_monitored_run_is_served_by_a_cell_host_the_launcher_forks(user: User, runtime_dir: Path) -> None:
+    """The launcher forks a host for a supervised cell (its monitor's threads live there) and stays
+    single-threaded; the result and what the CLI says are the cold path's."""
+    warm(user, runtime_dir, "start")
+    [launcher] = STARTED[str(runtime_dir)]
+    env = {"XDG_RUNTIME_DIR": str(runtime_dir)}
+    argv = ["--monitor", "--", "sh", "-c", "cat ~/.aws/credentials >/dev/null; sleep 3; echo still running"]
+    results = {how: agentcell_run(argv, as_user=user, env=env, warm=how == "warm") for how in ("warm", "cold")}
+    for how, r in results.items():
+        assert r.rc == 137 and "still running" not in r.out, (how, r.out, r.err)
+        assert r.result["via"] == ("warm launcher" if how == "warm" else "here")
+        assert [e["source"] for e in r.result["events"]] == ["canary"], (how, r.result)  # type: ignore[union-attr]
+        assert "killed at the first escape attempt" in r.err and "not watched: cgroup" in r.err, (how, r.err)
+    warm_r, cold_r = results["warm"], results["cold"]
+    assert warm_r.result["monitor_sources"] == cold_r.result["monitor_sources"]
+    for _ in range(200):  # the host it forked has ended with its cell
+        threads, children = _threads_and_children(launcher)
+        if not children:
+            break
+        time.sleep(0.05)
+    assert (threads, children) == (1, [])
+
+
+def test_a_client_killed_mid_run_ends_its_supervised_cell(user: User, runtime_dir: Path) -> None:
+    """A proxied cell through the launcher: its host fails closed when the client goes."""
+    warm(user, runtime_dir, "start")
+    tag = f"{secrets.randbelow(10**6)}.7"
+    env = {"PATH": "/usr/bin:/bin", "XDG_RUNTIME_DIR": str(runtime_dir)}
+    p = subprocess.Popen([*user.prefix(), AGENTCELL, "run", "--net", "proxy", "--", "sh", "-c",
+                          f"echo \"up $HTTPS_PROXY\"; exec sleep {tag}"], env=env, stdout=subprocess.PIPE, text=True)
+    assert p.stdout is not None and p.stdout.readline() == "up http://127.0.0.1:3128\n"
+    for _ in range(200):
+        if processes_with_argv([b"sleep", tag.encode()]):
+            break
+        time.sleep(0.05)
+    assert processes_with_argv([b"sleep", tag.encode()])
+    p.kill()
+    p.wait()
+    for _ in range(200):
+        if not processes_with_argv([b"sleep", tag.encode()]):
+            break
+        time.sleep(0.05)
+    assert not processes_with_argv([b"sleep", tag.encode()])
+
+
 def test_launcher_serves_only_its_own_uid(user: User, runtime_dir: Path) -> None:
     warm(user, runtime_dir, "start")
     # Open the door on purpose (a careless chmod): the launcher itself must still refuse another uid.
     os.chmod(runtime_dir, 0o755)
     os.chmod(runtime_dir / "agentcell", 0o755)
     os.chmod(runtime_dir / "agentcell" / "launcher.sock", 0o777)
-    code = ("import _socket, sys; from agentcell.cell import wire\n"
+    code = ("import _socket, sys; from agentcell.host import wire\n"
             "s = _socket.socket(_socket.AF_UNIX, _socket.SOCK_SEQPACKET); s.connect(sys.argv[1])\n"
             "try:\n    wire.send(s, {'op': 'status'})\n    msg, _ = wire.recv(s)\n"
             "except OSError:  # closed on us before or after the send (timing): refused either way\n"

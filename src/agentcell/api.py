@@ -1,7 +1,7 @@
 """``agentcell.Cell``: launch commands in cells from a Python program.
 
 Safe in long-lived, multi-threaded programs: this module never forks. The first launch starts a
-single-threaded warm launcher (:mod:`agentcell.cell.zygote`) with ``subprocess`` (fork+exec), and
+single-threaded warm launcher (:mod:`agentcell.host.zygote`) with ``subprocess`` (fork+exec), and
 every later launch is one request to it. One reader thread dispatches its replies.
 
 ``Cell.open(policy)`` gives a :class:`LiveCell` instead: one cell that stays up, watched and behind
@@ -21,9 +21,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
-from .cell import wire, zygote
 from .cell.spec import CellSpec, spec_to_dict
 from .errors import EXIT_TIMEOUT, AgentcellError, LaunchError
+from .host import wire, zygote
 
 LINGER_S = 0.25  # output read after a live command's end, for what it left running
 POLL_S = 0.05  # how often a live command's reader looks whether it has ended

@@ -19,7 +19,7 @@ class Guard:
     def __init__(self, spec: CellSpec, give_to: tuple[int, int] | None = None) -> None:
         import time
 
-        from .cell import protect
+        from . import protect
 
         self.spec, self.give_to = spec, give_to
         self.since_ns = time.time_ns() - 100_000_000  # file times are coarse (a tick or so): some slack
@@ -39,7 +39,7 @@ def compare(before: dict[str, Any], before_truncated: bool, since_ns: int, cell_
     """The step's second half, once the cell has ended, from its first half's scan (``before``, kept
     by :class:`Guard`, or in a session's checkpointed state): ``quarantined`` (path: where it went),
     ``protected_changes``, ``protected_created`` (created and not moved) and ``scan_truncated``."""
-    from .cell import protect
+    from . import protect
 
     after, truncated = protect.surface(rw_paths)
     moved, stuck = protect.quarantine(before, after, cell_id, rw_paths, allow_write=allow_write, keep_out=keep_out,

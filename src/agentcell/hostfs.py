@@ -205,3 +205,30 @@ def state_dir() -> str:
     xdg = os.environ.get("XDG_STATE_HOME")
     base = xdg if xdg and os.path.isabs(xdg) else os.path.join(os.path.expanduser("~"), ".local", "state")
     return os.path.join(base, "agentcell")
+
+
+def socket_dirs(uid: int, home: str) -> list[str]:
+    """Every place a warm launcher of ours (or of the cell's identity ``uid`` with ``home``) may
+    listen, whatever this process's environment says: cells get each one masked."""
+    dirs = {"/run/agentcell", socket_dir(), f"/run/user/{os.getuid()}/agentcell", f"/run/user/{uid}/agentcell",
+            os.path.join(home, ".local", "state", "agentcell")}
+    try:
+        import pwd
+
+        dirs.add(os.path.join(pwd.getpwuid(os.getuid()).pw_dir, ".local", "state", "agentcell"))
+    except KeyError:
+        pass
+    return sorted({os.path.realpath(d) for d in dirs})
+
+
+def socket_dir() -> str:
+    """Where our warm launcher listens: a directory only its owner may enter."""
+    if os.geteuid() == 0:
+        return "/run/agentcell"
+    xdg = os.environ.get("XDG_RUNTIME_DIR", "")
+    if os.path.isabs(xdg):
+        return os.path.join(xdg, "agentcell")
+    state = os.environ.get("XDG_STATE_HOME", "")
+    if not os.path.isabs(state):
+        state = os.path.join(os.path.expanduser("~"), ".local", "state")
+    return os.path.join(state, "agentcell")

@@ -113,7 +113,10 @@ class Supervised:
                                          "see 'agentcell doctor', or --on-escape record to run without that source")
                 if not spec.watch:
                     spec = spec.replace(watch=True)  # canaries and seccomp reports: only a monitor serves them
-            running = launch.start(spec, list(argv), stdio=stdio, tty_fds=tty_fds, live=live)
+            from .policy import guards
+
+            running = launch.start(spec, list(argv), guards=guards.for_cell(spec), stdio=stdio, tty_fds=tty_fds,
+                                   live=live)
         except BaseException:
             if watch is not None:
                 watch.stop()
@@ -246,6 +249,7 @@ class Supervised:
             out["events"] = [ev.as_dict() for ev in events]
             out["terminated_by_monitor"] = self.monitor.terminated
             out["monitor_reason"] = self.monitor.reason if self.monitor.terminated else None
+            out["monitor_frozen"] = bool(self.monitor.frozen_at)
             out["monitor_sources"] = self.monitor.sources()
         if self.guard is not None:
             self.guard.check(out, self.cell_id)

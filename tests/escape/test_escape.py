@@ -155,14 +155,42 @@ def _execute(argv: list[str], a: Attempt, env: dict[str, str]) -> Outcome:
     return Outcome(p.returncode, out, err, result, ru, held)
 
 
-def run_contained(a: Attempt, user: User, project: Path) -> Outcome:
+def run_contained(a: Attempt, user: User, project: Path, warm: bool = False) -> Outcome:
+    """``warm``: through root's warm launcher (:func:`warm_launcher`), which forks a cell host for a
+    supervised cell; a probe on a terminal is built by the CLI itself there too (job control)."""
     who = a.as_user or user
     args = ["--as", str(who.uid), "--rw", str(project), *a.flags, "--", *a.argv]
     env = dict(PROBE_USER_ENV, **a.env)
     if a.hold is None and a.tty is None:
-        r = agentcell_run(args, env=env, pass_fds=a.pass_fds, timeout=a.timeout)
-        return Outcome(r.rc, r.out, r.err, r.result)
-    return _execute([AGENTCELL, "run", "--json", "--no-warm", *args], a, env)
+        r = agentcell_run(args, env=env, pass_fds=a.pass_fds, timeout=a.timeout, warm=warm)
+        o = Outcome(r.rc, r.out, r.err, r.result)
+    else:
+        o = _execute([AGENTCELL, "run", "--json", *([] if warm else ["--no-warm"]), *args], a, env)
+    if warm and a.tty is None and o.result:
+        assert o.result.get("via") == "warm launcher", o.result.get("via")
+    return o
+
+
+@pytest.fixture(scope="module")
+def warm_launcher() -> Iterator[None]:
+    """Root's warm launcher (``agentcell warm start``), started for these tests and stopped after them;
+    one someone else started is not ours to stop or to test with."""
+    if subprocess.run([AGENTCELL, "warm", "status"], capture_output=True).returncode == 0:
+        pytest.skip("a warm launcher of root's that this test did not start runs: 'agentcell warm stop' it to "
+                    "test through it")
+    started = subprocess.run([AGENTCELL, "warm", "start"], capture_output=True, text=True, timeout=60)
+    assert started.returncode == 0, started.stderr
+    pid = int(started.stdout.split(" pid ")[1].split(",")[0])
+    try:
+        yield
+    finally:
+        subprocess.run([AGENTCELL, "warm", "stop"], capture_output=True, timeout=60)
+        for _ in range(200):
+            if not Path(f"/proc/{pid}").exists() or b"agentcell.host.zygote" not in _cmdline(str(pid)):
+                break
+            time.sleep(0.05)
+        else:
+            os.kill(pid, signal.SIGKILL)
 
 
 def run_live(a: Attempt, user: User, project: Path) -> Outcome:
@@ -1446,14 +1474,20 @@ def test_there_are_enough_probes() -> None:
     assert len(PROBES) >= 40
 
 
-@pytest.mark.parametrize("host", ["run", "live"])
+@pytest.mark.parametrize("host", ["run", "warm", "live"])
 @pytest.mark.parametrize("name", sorted(PROBES))
 def test_probe_is_contained(name: str, host: str, world: World, request: pytest.FixtureRequest) -> None:
-    """Through ``agentcell run`` (a cell per command) and as a command of a live cell (``agentcell cell``)."""
+    """Through ``agentcell run`` (a cell per command, built by the CLI), through the warm launcher
+    (its cells, and cell hosts it forks for supervised ones) and as a command of a live cell
+    (``agentcell cell``)."""
     attempt = PROBES[name](world)
     if name in XFAIL:
         request.node.add_marker(pytest.mark.xfail(strict=True, reason=XFAIL[name]))
-    o = (run_contained if host == "run" else run_live)(attempt, world.user, world.project)
+    if host == "warm":
+        request.getfixturevalue("warm_launcher")
+        o = run_contained(attempt, world.user, world.project, warm=True)
+    else:
+        o = (run_contained if host == "run" else run_live)(attempt, world.user, world.project)
     if attempt.hold is not None and not attempt.may_stop_early:
         assert o.held is not None, f"{name} never reached the point where the host looks\nerr: {o.err[-2000:]}"
     evidence = attempt.judge(o)

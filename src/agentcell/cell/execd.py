@@ -28,8 +28,8 @@ import select
 import struct
 
 from . import syscalls as sc
+from .handoff import pack_fds, unpack_fds
 from .spec import TYPE_CHECKING
-from .wire import pack_fds, unpack_fds
 
 if TYPE_CHECKING:
     from collections.abc import Sequence

@@ -26,9 +26,10 @@ from .spec import TYPE_CHECKING, CellSpec, new_cell_id
 if TYPE_CHECKING:
     import signal
     from collections.abc import Callable, Sequence
-    from typing import NoReturn, TypeVar
+    from typing import Any, NoReturn, TypeVar
 
     T = TypeVar("T")
+    Guards = tuple[Sequence[tuple[str, bool]], Sequence[str]]  # mounts.plan's guarded, hidden
 else:  # signal.py only wraps _signal in IntEnums, whose import costs ~6 ms per agentcell run here
     import _signal as signal
 
@@ -250,6 +251,11 @@ class Prepared:
         running.seccomp_fd = listener
         return running
 
+    @property
+    def control(self) -> Any:
+        """The hand-off channel's socket (the warm launcher's forked hosts let go of it)."""
+        return self._ctl
+
     def discard(self) -> None:
         """Throw away a cell that never got a command: with its channel closed, its command process
         exits without exec'ing anything, and PID 1 tears the cell down."""
@@ -263,13 +269,14 @@ class Prepared:
             self.cg.remove()
 
 
-def prepare(spec: CellSpec) -> Prepared:
-    """Build a cell for ``spec`` up to the point where it needs its command. Supervisor-side steps."""
+def prepare(spec: CellSpec, guards: Guards) -> Prepared:
+    """Build a cell for ``spec`` up to the point where it needs its command. Supervisor-side steps.
+    ``guards``: what the policy adds to the mount plan (:func:`agentcell.policy.guards.for_cell`)."""
     cell_id = spec.cell_id or new_cell_id()
     # 1. Plan the mounts: resolve every path once without following symlinks and record its identity
     #    (dev, ino); the child re-opens each in its mount namespace the same way and refuses one that
     #    changed.
-    plan = mounts.plan(spec)
+    plan = mounts.plan(spec, *guards)
     # 2. The seccomp filter, compiled (or read from root's cache) here, once, not in every cell.
     seccomp.program(spec.watch)
     # 3. The cell's own cgroup (limits; freeze and kill as a whole). Root only: unprivileged users
@@ -305,12 +312,12 @@ def cell_limits(spec: CellSpec) -> cgroups.Limits:
                           spec.pids_max or cgroups.DEFAULT_PIDS)
 
 
-def start(spec: CellSpec, argv: Sequence[str], *, stdio: Sequence[int] = (0, 1, 2), pass_fds: Sequence[int] = (),
-          tty_fds: Sequence[int] = (), live: bool = False) -> Running:
+def start(spec: CellSpec, argv: Sequence[str], *, guards: Guards, stdio: Sequence[int] = (0, 1, 2),
+          pass_fds: Sequence[int] = (), tty_fds: Sequence[int] = (), live: bool = False) -> Running:
     """Launch ``argv`` in a new cell and return at once (``live``: no argv; see :meth:`Prepared.go`)."""
     if not argv and not live:
         raise LaunchError("command", "no command given", "put it after --")
-    return prepare(spec).go(argv, stdio=stdio, pass_fds=pass_fds, tty_fds=tty_fds, live=live)
+    return prepare(spec, guards).go(argv, stdio=stdio, pass_fds=pass_fds, tty_fds=tty_fds, live=live)
 
 
 def launch(spec: CellSpec, argv: Sequence[str], *, timeout: float | None = None, **kw: object) -> CellResult:

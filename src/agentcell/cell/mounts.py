@@ -10,11 +10,13 @@ import stat
 
 from .. import hostfs
 from ..errors import LaunchError
-from . import protect, wire
 from . import syscalls as sc
 from .cgroups import default_memory
 from .paths import fd_path, open_nofollow
-from .spec import SCRATCH_PATH, SECRET_DIRS, SECRET_FILES, CellSpec
+from .spec import SCRATCH_PATH, SECRET_DIRS, SECRET_FILES, TYPE_CHECKING, CellSpec
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
 
 _STAGE = "/tmp"  # in the cell's private mount namespace only: a tmpfs is mounted over it
 NEWROOT = "/tmp/newroot"
@@ -104,9 +106,11 @@ def _depth(p: str) -> int:
     return p.rstrip("/").count("/")
 
 
-def plan(spec: CellSpec) -> MountPlan:
+def plan(spec: CellSpec, guarded: Sequence[tuple[str, bool]], hidden: Sequence[str]) -> MountPlan:
     """Build the ordered mount steps for ``spec``; every bind source is opened (no symlinks) and its
-    identity recorded now, and checked again in the cell."""
+    identity recorded now, and checked again in the cell. What policy adds comes from its caller
+    (:func:`agentcell.policy.guards.for_cell`): ``guarded``, entries inside the writable paths bound
+    onto themselves, (path, read-only); ``hidden``, more host paths masked like the secrets."""
     steps: list[Step] = []
     mine: list[Step] = []  # user-declared paths, ordered by depth below
 
@@ -182,15 +186,7 @@ def plan(spec: CellSpec) -> MountPlan:
             mine.append(bind(p, p, True))
     for p in spec.masked_paths:
         mine.append(mask(p))
-    # Hooks, git config and harness config inside the writable paths: read-only, and .git dirs pinned
-    # in place so they cannot be swapped for a rebuilt one (cell/protect.py).
     declared = {*spec.rw_paths, *spec.ro_paths, *spec.masked_paths}
-    scan = protect.Scan(spec.rw_paths)
-    guarded = [(p, False) for p in protect.pinned_paths(scan)]
-    protected = protect.protected_paths(scan, spec.allow_write)
-    guarded += [(p, True) for p in protected]
-    # A lifted entry inside a protected directory: writable on top of the directory's read-only bind.
-    guarded += [(a, False) for a in protect.lifted_inside(protected, spec.allow_write)]
     if len(guarded) > MAX_GUARDED:
         raise LaunchError("protect", f"{len(guarded)} protected entries in the writable paths (the most is "
                           f"{MAX_GUARDED})", "look for planted repositories; --allow-write lifts entries")
@@ -201,9 +197,9 @@ def plan(spec: CellSpec) -> MountPlan:
     # Parents before children; at equal depth masks last so they cover what was bound.
     mine.sort(key=lambda s: (_depth(s.dest), s.kind == "mask"))
     # The host's secrets last, wherever a bind (system or declared, e.g. --ro /etc) brought them in,
-    # and the warm launchers' sockets (a rootless cell has its owner's uid).
+    # and what the policy hides too.
     secrets = []
-    for p in (*SECRET_FILES, *SECRET_DIRS, *wire.socket_dirs(spec.identity.uid, spec.identity.home)):
+    for p in (*SECRET_FILES, *SECRET_DIRS, *hidden):
         if not os.path.exists(p) or os.path.islink(p):
             continue
         for s in steps + mine:  # where a bind brings it in: at the same place below the bind's target

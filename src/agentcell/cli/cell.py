@@ -11,8 +11,9 @@ import socket
 import sys
 from typing import Any
 
-from ..cell import wire
+from .. import hostfs
 from ..errors import EXIT_USAGE, AgentcellError, printable, report
+from ..host import wire
 
 PROG = "agentcell cell"
 NAME = re.compile(r"[a-z0-9][a-z0-9_.-]{0,31}")
@@ -27,11 +28,9 @@ cell ended under it, e.g. at an escape attempt, with the reason on stderr).
 
 
 def cells_dir(make: bool = False) -> str:
-    d = os.path.join(wire.socket_dir(), "cells")
+    d = os.path.join(hostfs.socket_dir(), "cells")
     if make:
-        from .. import hostfs
-
-        hostfs.private_dir(wire.socket_dir(), "cell")
+        hostfs.private_dir(hostfs.socket_dir(), "cell")
         hostfs.private_dir(d, "cell")
     return d
 
@@ -110,7 +109,7 @@ def start(argv: list[str]) -> int:
         pass  # none runs: the name is free
     else:
         raise AgentcellError("--name", f"a live cell named {name} runs already", f"stop it: {PROG} stop --name {name}")
-    from ..cell import warm
+    from ..host import warm
 
     proc = warm.serve_detached(path, lambda fd: server.command("--listen", str(fd), "--path", path, "--name", name,
                                                                "--idle", str(idle)), 16)

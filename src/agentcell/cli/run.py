@@ -251,7 +251,7 @@ def build_spec(ns: Args | Namespace) -> CellSpec:
     for p in allow_write:
         if rs.cell_cwd(p, rw, "") != p:
             raise AgentcellError("--allow-write", f"{p} is not inside a --rw path", "share its project with --rw")
-        from ..cell import protect
+        from .. import protect
 
         why = protect.allow_write_problem(p, rw)
         if why:
@@ -292,9 +292,10 @@ def _limits(ns: Args | Namespace) -> tuple[int | None, int | None, int | None]:
 
 def explain(spec: CellSpec, command: list[str]) -> dict[str, object]:
     from ..cell import landlock, mounts, namespaces
+    from ..policy import guards
 
     ident = spec.identity
-    plan = mounts.plan(spec)
+    plan = mounts.plan(spec, *guards.for_cell(spec))
     ns_names = ["mount", "pid", "ipc", "uts", "net"] + (["user"] if ident.userns else [])
     steps = []
     if os.geteuid() == 0:
@@ -379,7 +380,7 @@ def protected_lines(result: dict[str, Any]) -> list[str]:
             for p in result.get("protected_changes") or () if p not in gone and not any(
                 p.startswith(g + "/") for g in gone)]
     if result.get("scan_truncated"):
-        from ..cell import protect
+        from .. import protect
 
         out.append(f"the writable paths hold more than the protected-path scan covers ({protect.MAX_DEPTH} levels, "
                    f"{protect.MAX_DIRS} directories): repositories and agent config past that were neither protected "
@@ -403,21 +404,29 @@ def _run_here(spec: CellSpec, command: list[str], timeout: float | None, ttys: t
     except BaseException:
         sup.finish(None)
         raise
-    result = sup.finish(cell)
-    watch = sup.monitor
-    if watch is not None:
-        off = {k: v for k, v in watch.sources().items() if not v.startswith("on")}
-        if off:
-            sys.stderr.write(f"{PROG}: monitor: not watched: "
-                             f"{'; '.join(f'{k} ({v})' for k, v in sorted(off.items()))}\n")
-        for ev in watch.events:
-            kind = "resource" if ev.operation == "resource" else "escape" if ev.acts else "note"
-            sys.stderr.write(f"{PROG}: {kind}: {ev.line()}\n")
-        if watch.terminated:  # named here too: a flood of recorded events may have pushed it out of the list
-            shown = watch.reason if watch.reason.isprintable() else repr(watch.reason)
-            sys.stderr.write(f"{PROG}: the cell was {'frozen and ' if watch.frozen_at else ''}killed at the first "
-                             f"escape attempt: {shown} (--on-escape record to only record)\n")
-    return result
+    return sup.finish(cell)
+
+
+def monitor_lines(result: dict[str, Any]) -> list[str]:
+    """What the monitor saw, from a result (the cold path's, or a warm launcher's cell host's)."""
+    if "monitor_sources" not in result:
+        return []
+    from ..monitor.monitor import CellEvent
+
+    out = []
+    off = {k: v for k, v in result["monitor_sources"].items() if not str(v).startswith("on")}
+    if off:
+        out.append(f"monitor: not watched: {'; '.join(f'{k} ({v})' for k, v in sorted(off.items()))}")
+    for raw in result.get("events") or []:
+        ev = CellEvent.from_dict(raw)
+        kind = "resource" if ev.operation == "resource" else "escape" if ev.acts else "note"
+        out.append(f"{kind}: {ev.line()}")
+    if result.get("terminated_by_monitor"):  # named here too: a flood of events may have pushed it out of the list
+        reason = str(result.get("monitor_reason") or "")
+        shown = reason if reason.isprintable() else repr(reason)
+        out.append(f"the cell was {'frozen and ' if result.get('monitor_frozen') else ''}killed at the first escape "
+                   f"attempt: {shown} (--on-escape record to only record)")
+    return out
 
 
 def _wait_here(running: Running, timeout: float | None, interactive: bool) -> dict[str, Any]:
@@ -461,21 +470,22 @@ def execute(ns: Args | Namespace) -> int:
 
         guard = Guard(spec, human())  # the protected-path step, on either path
         result = None
-        local = spec.network in ("proxy", "host-firewall") or ns.monitor  # its proxy, table or monitor is here
-        if not ttys and not ns.no_warm and not local:  # a terminal, a proxy or a firewall: served here
-            from ..cell import warm
+        monitor = ns.on_escape or "terminate" if ns.monitor else None
+        if not ttys and not ns.no_warm:  # a terminal stays here: job control needs the cell in its session
+            from ..host import warm
 
-            result = warm.run(spec, command, ns.timeout)
+            result = warm.run(spec, command, ns.timeout, monitor)
             if result is not None:
                 result["via"] = "warm launcher"
                 guard.check(result, str(result.get("cell_id") or spec.cell_id))
         if result is None:
-            result = _run_here(spec, command, ns.timeout, ttys, interactive, guard,
-                               monitor=ns.on_escape or "terminate" if ns.monitor else None)
+            result = _run_here(spec, command, ns.timeout, ttys, interactive, guard, monitor=monitor)
     except AgentcellError as e:
         return report(PROG, e)
     for sig in FORWARDED:  # the cell has ended: a signal now ends us, as it would any command
         signal.signal(sig, signal.SIG_DFL)
+    for line in monitor_lines(result):
+        sys.stderr.write(f"{PROG}: {line}\n")
     for line in protected_lines(result):
         sys.stderr.write(f"{PROG}: warning: {line}\n")
     if result.get("egress_blocked"):

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import json
 
-from ..cell import warm
 from ..errors import AgentcellError, report
+from ..host import warm
 from .common import Parser
 
 PROG = "agentcell warm"

@@ -15,7 +15,7 @@ the scripted model endpoint (:mod:`.mockmodel`) on a fake internet, as a session
   ``api_base_args``, files with ``{api_base}``), and the key variable it then needs; the URL's host is
   added to the allow-list;
 * **protected**: the project files it reads as instructions or configuration (bound read-only in the
-  cell, and quarantined when the agent creates them: :mod:`agentcell.cell.protect`);
+  cell, and quarantined when the agent creates them: :mod:`agentcell.protect`);
 * ``secret_env``: the API-key variables passed in from the host (environment or ``.env``) for this
   harness only; ``egress_preset``: its allow-list under ``--net proxy``.
 

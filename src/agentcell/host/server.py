@@ -5,12 +5,12 @@ clients' commands it serves, or one command in a cell of its own on its stdio: t
 A process of its own because its callers are threaded (a Python program, an MCP server's event loop,
 LangChain): the launcher must never fork from a threaded process, and this one forks the cell while
 its only thread runs (the monitor's thread starts after). Started by fork+exec, like the warm
-launcher (:func:`agentcell.cell.zygote.launcher_command`).
+launcher (:func:`agentcell.host.zygote.launcher_command`).
 
 Two ways in: ``--conn FD``, one private client (:meth:`agentcell.Cell.open`): its EOF stops the cell;
 ``--listen FD --path SOCKET --name NAME --idle S`` (``agentcell cell start``): clients of our own uid,
 never from inside a cell, come and go; the cell stays until ``stop`` or ``--idle`` seconds without a
-command. The protocol is the warm launcher's (:mod:`agentcell.cell.wire`: one marshal dict per
+command. The protocol is the warm launcher's (:mod:`agentcell.host.wire`: one marshal dict per
 SOCK_SEQPACKET datagram, stdio as SCM_RIGHTS)::
 
   client -> {"op": "open", "spec": {...}, "monitor": VERDICT | None, "give_to": [UID, GID] | None}
@@ -43,9 +43,9 @@ import threading
 import time
 from typing import Any
 
-from ..cell import wire
 from ..cell.spec import spec_from_dict
 from ..errors import AgentcellError
+from . import wire
 
 KILL = 9
 GRACE_S = 3.0  # a command asked to die (timeout), or the cell asked to stop, has this long; then the cell is killed
@@ -272,9 +272,10 @@ class Host:
                     raise ValueError(f"the firewall table {table.table} handed over does not exist")
                 table.adopt()
                 made = (table, nflog.Reader(_socket_from(fds.pop()), int(fw["group"])))
+            dedicated = msg.get("dedicated")  # None: as Supervised decides (an agent account's cell is)
             self.sup = Supervised.start(spec, argv, monitor=msg.get("monitor", "terminate"), callback=self._on_event,
-                                        stdio=stdio, tty_fds=ttys, dedicated=bool(msg.get("dedicated", True)),
-                                        guard=bool(msg.get("guard", True)), adopt=made)
+                                        stdio=stdio, tty_fds=ttys, dedicated=None if dedicated is None else
+                                        bool(dedicated), guard=bool(msg.get("guard", True)), adopt=made)
         except AgentcellError as e:
             self._send(conn, {"event": "error", "field": e.field, "message": e.line(), "code": e.exit_code})
             return 1
@@ -326,6 +327,10 @@ class Host:
                 return
             if msg.get("op") == "terminate":
                 self.sup.terminate(str(msg.get("reason") or "terminated"))
+            elif msg.get("op") == "signal":  # forwarded by agentcell run (its timeout: SIGKILL)
+                sig = msg.get("sig")
+                if isinstance(sig, int) and 0 < sig <= MAX_SIG:
+                    self.sup.running.forward(sig)
 
     # ---- clients ------------------------------------------------------------------------------------
 
@@ -502,11 +507,26 @@ def _stopped(pid1: int) -> bool:
 
 def command(*args: str) -> list[str]:
     """argv that starts this host in a fresh interpreter that imports nothing from its caller's working
-    directory or PYTHONPATH (see :func:`agentcell.cell.zygote.launcher_command`)."""
+    directory or PYTHONPATH (see :func:`agentcell.host.zygote.launcher_command`)."""
     pkg_parent = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     code = ("import sys; sys.path.insert(0, sys.argv[1]); from agentcell.host.server import main; "
             "sys.exit(main(sys.argv[2:]))")
     return [sys.executable, "-I", "-c", code, pkg_parent, *args]
+
+
+def serve_private(conn: _socket.socket, msg: dict[str, Any] | None, fds: list[int]) -> int:
+    """Serve one private client's cell, from its first request (``run`` or ``open``) to the cell's end:
+    as a process of its own started with ``--conn``, or forked by the warm launcher
+    (:mod:`agentcell.host.zygote`), which hands over the client's connection and that request."""
+    host = Host(conn=conn)
+    if msg is not None and msg.get("op") == "run":
+        return host.run_once(conn, msg, fds)
+    for fd in fds:
+        os.close(fd)
+    if msg is None or msg.get("op") != "open" or not host.open(conn, msg):
+        return 1
+    host.serve()
+    return 0
 
 
 def main(argv: list[str]) -> int:
@@ -516,19 +536,17 @@ def main(argv: list[str]) -> int:
     opts = dict(zip(argv[::2], argv[1::2], strict=False))
     if "--conn" in opts:
         conn = _socket.socket(fileno=int(opts["--conn"]))
-        host = Host(conn=conn)
-    else:
-        listener = _socket.socket(fileno=int(opts["--listen"]))
-        ino = os.stat(opts["--path"]).st_ino
-        host = Host(listener=listener, name=opts.get("--name", ""), idle_s=float(opts.get("--idle", "0")))
-        fd, _addr = listener._accept()  # type: ignore[attr-defined]  # the starter, who opens the cell
-        conn = _socket.socket(fileno=fd)
-        if wire.peer_uid(conn) != os.getuid():
-            return 1
-        host.conns.append(conn)
+        msg, fds = wire.recv_or_gone(conn)
+        return serve_private(conn, msg, fds)
+    listener = _socket.socket(fileno=int(opts["--listen"]))
+    ino = os.stat(opts["--path"]).st_ino
+    host = Host(listener=listener, name=opts.get("--name", ""), idle_s=float(opts.get("--idle", "0")))
+    fd, _addr = listener._accept()  # type: ignore[attr-defined]  # the starter, who opens the cell
+    conn = _socket.socket(fileno=fd)
+    if wire.peer_uid(conn) != os.getuid():
+        return 1
+    host.conns.append(conn)
     msg, fds = wire.recv_or_gone(conn)
-    if msg is not None and msg.get("op") == "run" and host.private:
-        return host.run_once(conn, msg, fds)
     for fd in fds:
         os.close(fd)
     if msg is None or msg.get("op") != "open" or not host.open(conn, msg):

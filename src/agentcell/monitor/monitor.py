@@ -98,6 +98,16 @@ class CellEvent:
     def as_dict(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.__slots__}
 
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> CellEvent:
+        """The event :meth:`as_dict` gave (a cell host's report of it)."""
+        ev = cls(str(d.get("operation", "")), str(d.get("target", "")), str(d.get("reason", "")),
+                 source=str(d.get("source", "")), cell=str(d.get("cell", "")), pid=d.get("pid"),
+                 exe=str(d.get("exe") or ""), allow=str(d.get("allow") or ""), ts=d.get("ts"),
+                 acts=bool(d.get("acts", True)), ancestry=d.get("ancestry"))
+        ev.count = int(d.get("count") or 1)
+        return ev
+
     def line(self) -> str:
         who = f"{os.path.basename(self.exe) or '?'} (pid {self.pid})" if self.pid else "the cell"
         more = f" ({self.count}x)" if self.count > 1 else ""

@@ -56,7 +56,7 @@ def _allowed_writes(paths: Iterable[str], rw: tuple[str, ...], host_cwd: str | N
                                         field="allow_write")
         if rs.cell_cwd(real, rw, "") != real:
             raise PolicyError("allow_write", f"{p} is not inside a declared path", "declare its project")
-        from ..cell import protect
+        from .. import protect
 
         why = protect.allow_write_problem(real, rw)
         if why:

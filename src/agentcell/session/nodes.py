@@ -270,7 +270,7 @@ class Nodes:
         return {"firewall_table": table}
 
     def spawn(self, state: SessionState) -> dict[str, Any]:
-        from ..cell import protect
+        from .. import protect
         from ..policy.models import SandboxPolicy
         from . import spawn
 

@@ -14,9 +14,9 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from ..cell import wire
 from ..cell.spec import CellSpec, spec_to_dict
 from ..errors import LaunchError
+from ..host import wire
 
 
 class HostedCell:

@@ -40,7 +40,7 @@ class SessionState(TypedDict, total=False):
     grants: list[dict[str, Any]]  # ACL grants made for this session: path, prior (acl.prior_acl)
     firewall_table: str | None
     cell_id: str
-    protect: dict[str, Any] | None  # the control surface of the declared paths before the cell (cell/protect.py)
+    protect: dict[str, Any] | None  # the control surface of the declared paths before the cell (protect.py)
     harness_pid: int | None
     started_at: float
     deadline: float  # wall-clock time (time.time()) at which the session ends, reason timeout

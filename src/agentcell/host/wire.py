@@ -14,7 +14,8 @@ import marshal
 import os
 import struct
 
-from .spec import TYPE_CHECKING
+from ..cell.handoff import pack_fds, unpack_fds
+from ..cell.spec import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -77,20 +78,6 @@ def accept_ours(listener: Any) -> Any:
     return conn
 
 
-def pack_fds(fds: list[int]) -> bytes:
-    """SCM_RIGHTS payload (struct, not array: array imports collections.abc, ~3 ms per run here)."""
-    return struct.pack(f"{len(fds)}i", *fds)
-
-
-def unpack_fds(anc: list[tuple[int, int, bytes]]) -> list[int]:
-    fds: list[int] = []
-    for level, kind, blob in anc:
-        if level == _socket.SOL_SOCKET and kind == _socket.SCM_RIGHTS:
-            n = len(blob) // 4
-            fds.extend(struct.unpack(f"{n}i", blob[: n * 4]))
-    return fds
-
-
 def peer_cred(sock: Sock) -> tuple[int, int, int]:
     """(pid, uid, gid) of the peer, the pid as seen from our PID namespace."""
     pid, uid, gid = struct.unpack("3i", sock.getsockopt(_socket.SOL_SOCKET, SO_PEERCRED, 12))
@@ -112,30 +99,3 @@ def shares_our_namespaces(pid: int) -> bool:
     except OSError:
         return False  # gone, or not ours to inspect: refuse
     return True
-
-
-def socket_dirs(uid: int, home: str) -> list[str]:
-    """Every place a warm launcher of ours (or of the cell's identity ``uid`` with ``home``) may
-    listen, whatever this process's environment says: cells get each one masked."""
-    dirs = {"/run/agentcell", socket_dir(), f"/run/user/{os.getuid()}/agentcell", f"/run/user/{uid}/agentcell",
-            os.path.join(home, ".local", "state", "agentcell")}
-    try:
-        import pwd
-
-        dirs.add(os.path.join(pwd.getpwuid(os.getuid()).pw_dir, ".local", "state", "agentcell"))
-    except KeyError:
-        pass
-    return sorted({os.path.realpath(d) for d in dirs})
-
-
-def socket_dir() -> str:
-    """Where our warm launcher listens: a directory only its owner may enter."""
-    if os.geteuid() == 0:
-        return "/run/agentcell"
-    xdg = os.environ.get("XDG_RUNTIME_DIR", "")
-    if os.path.isabs(xdg):
-        return os.path.join(xdg, "agentcell")
-    state = os.environ.get("XDG_STATE_HOME", "")
-    if not os.path.isabs(state):
-        state = os.path.join(os.path.expanduser("~"), ".local", "state")
-    return os.path.join(state, "agentcell")

@@ -3,8 +3,8 @@
 A long-lived, multi-threaded program must never fork (a lock held by another thread stays locked in
 the child), so :class:`agentcell.Cell` starts this process once with ``subprocess`` (fork+exec is safe)
 and asks it, over a private socketpair, to launch cells. ``agentcell warm start`` runs the same
-server on a listening socket for ``agentcell run`` (see :mod:`agentcell.cell.warm`). stdio fds travel
-with each request (SCM_RIGHTS); the protocol is in :mod:`agentcell.cell.wire`. Every launch is a
+server on a listening socket for ``agentcell run`` (see :mod:`agentcell.host.warm`). stdio fds travel
+with each request (SCM_RIGHTS); the protocol is in :mod:`agentcell.host.wire`. Every launch is a
 fresh cell: nothing is reused between commands.
 
 Pre-warming: when idle, the launcher prepares the next cell for the policy of the last request
@@ -20,9 +20,12 @@ import select
 import sys
 import time
 
+from ..cell import launch
+from ..cell import syscalls as sc
+from ..cell.spec import TYPE_CHECKING, CellSpec, spec_from_dict
 from ..errors import AgentcellError
-from . import launch, wire
-from .spec import TYPE_CHECKING, CellSpec, spec_from_dict
+from ..policy import guards
+from . import server, wire
 
 if TYPE_CHECKING:
     from typing import Any
@@ -38,17 +41,24 @@ def launcher_command(*args: str) -> list[str]:
     import sys
 
     pkg_parent = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); from agentcell.cell.zygote import main; "
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); from agentcell.host.zygote import main; "
             "main(sys.argv[2:])")
     return [sys.executable, "-I", "-c", code, pkg_parent, *args]
 
 
 def launcher_env() -> dict[str, str]:
     """The launcher needs almost nothing of its caller's environment (each cell's comes with its
-    policy): where its socket lives (so cells can be kept from it), and a language."""
-    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": os.environ.get("LANG", "C.UTF-8")}
+    policy): where its socket lives (so cells can be kept from it), a language, a PATH."""
+    # sbin: a supervised cell's host runs nft (host-firewall)
+    env = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+           "LANG": os.environ.get("LANG", "C.UTF-8")}
     env.update({k: os.environ[k] for k in ("HOME", "XDG_RUNTIME_DIR", "XDG_STATE_HOME") if k in os.environ})
     return env
+
+
+def _prepare(spec: CellSpec) -> launch.Prepared:
+    spec = spec.replace(cell_id="")  # every cell gets its own id
+    return launch.prepare(spec, guards.for_cell(spec))
 
 
 class _Warm:
@@ -67,13 +77,13 @@ class _Warm:
             return cell
         if cell is not None:
             cell.discard()
-        return launch.prepare(spec.replace(cell_id=""))  # every cell gets its own id
+        return _prepare(spec)
 
     def refill(self) -> None:
         if self.wanted is None or self.cell is not None:
             return
         try:
-            self.cell = launch.prepare(self.wanted.replace(cell_id=""))
+            self.cell = _prepare(self.wanted)
         except AgentcellError:
             self.wanted = None  # the next request prepares (and reports) it in the foreground
 
@@ -89,6 +99,7 @@ class Server:
         self.listener = listener
         self.conns: list[Sock] = [conn] if conn is not None else []
         self.cells: dict[tuple[int, int], launch.Running] = {}  # (conn fd, request id) -> cell
+        self.hosts: dict[int, int] = {}  # pidfd -> pid of a cell host forked for a supervised cell
         self.warm = _Warm(prewarm)
         self.idle_s = idle_s
         self.started = self.last_work = time.monotonic()
@@ -108,13 +119,13 @@ class Server:
                 return  # the one private client has gone
             # Prepare the next cell when idle: agents' tool calls come seconds apart, and preparing
             # while a command runs would compete with it for the CPU.
-            if not self.cells:
+            if not self.cells and not self.hosts:
                 self.warm.refill()
-            readers: list[Any] = [*self.conns, *self.cells.values()]
+            readers: list[Any] = [*self.conns, *self.cells.values(), *self.hosts]
             if self.listener is not None:
                 readers.append(self.listener)
             wait = None
-            if self.idle_s and not self.cells:
+            if self.idle_s and not self.cells and not self.hosts:
                 wait = self.last_work + self.idle_s - time.monotonic()
                 if wait <= 0:
                     return  # no command for idle_s (status queries do not count): go away
@@ -122,6 +133,8 @@ class Server:
             for r in ready:
                 if isinstance(r, launch.Running):
                     self._progress(r)
+                elif isinstance(r, int):
+                    self._reap(r)
                 elif r is self.listener:
                     self._accept()
                 else:
@@ -162,8 +175,12 @@ class Server:
 
     def _handle(self, conn: Sock, msg: dict[str, Any], fds: list[int]) -> None:
         op = msg.get("op")
+        if op in ("run", "open"):  # a supervised cell: a host of its own takes this client over
+            self.last_work = time.monotonic()
+            self._host(conn, msg, fds)
+            return
         if op == "status":
-            self._reply(conn, {"event": "status", "pid": os.getpid(), "cells": len(self.cells),
+            self._reply(conn, {"event": "status", "pid": os.getpid(), "cells": len(self.cells) + len(self.hosts),
                                "warm": self.warm.cell is not None, "uptime_s": time.monotonic() - self.started})
             return
         if op == "stop":
@@ -183,12 +200,9 @@ class Server:
         self.last_work = time.monotonic()
         try:
             spec = spec_from_dict(msg["spec"])
-            if spec.network in ("proxy", "host-firewall"):  # no proxy or firewall table is made here
-                raise AgentcellError("network", f"a {spec.network} cell is served by 'agentcell run' (the Python "
-                                     "API gets it with the session layer)", f"use agentcell run --net {spec.network}")
-            if spec.watch:  # its seccomp listener and canary watch are for a monitor, which lives with its caller
-                raise AgentcellError("watch", "a watched cell is served with its monitor (agentcell.supervise)",
-                                     "use agentcell.supervise.Supervised.start, or agentcell run --monitor")
+            if spec.network in ("proxy", "host-firewall") or spec.watch:  # its proxy, table or monitor: a host's
+                raise AgentcellError("op", f"a {'watched' if spec.watch else spec.network} cell is served by a cell "
+                                     "host: ask with op 'run'", "update the client (agentcell run does so)")
             argv = [str(a) for a in msg["argv"]]
             self.cells[key] = self.warm.take(spec).go(argv, stdio=fds)
             self._reply(conn, {"id": rid, "event": "started", "cell_id": self.cells[key].cell_id})
@@ -198,6 +212,50 @@ class Server:
         except (KeyError, TypeError, ValueError) as e:
             self._reply(conn, {"id": rid, "event": "error", "field": "request", "message": f"malformed: {e}",
                                "code": 125})
+
+    def _host(self, conn: Sock, msg: dict[str, Any], fds: list[int]) -> None:
+        """Fork a cell host (:func:`agentcell.host.server.serve_private`) for this client: its monitor,
+        proxy and host-firewall table live there, with threads of their own, never here (this process
+        forks cells and must stay single-threaded). The client's connection and stdio go to the host,
+        which serves that one cell to its end; this process only reaps it. A ``run`` request brings
+        stdin, stdout and stderr: they become the host's 0, 1, 2 (the command's, as agentcell run's)."""
+        self.conns.remove(conn)  # the host's alone from now on: two readers of one socket would race
+        if msg.get("op") == "run" and len(fds) < 3:
+            self._reply(conn, {"event": "error", "field": "request", "message": "a run brings stdin, stdout and "
+                               "stderr", "code": 125})
+            conn.close()
+            return
+        pid = os.fork()
+        if pid == 0:  # the host: nothing of the launcher's but this client's socket and fds
+            code = 1
+            try:
+                keep = {conn.fileno(), *fds}
+                if msg.get("op") == "run":
+                    for i in range(3):
+                        os.dup2(fds[i], i)
+                    keep -= set(fds[:3])
+                    fds = fds[3:]
+                prepared = [self.warm.cell.control] if self.warm.cell is not None else []
+                for sock in (*self.conns, *([self.listener] if self.listener else []), *prepared):
+                    sock.detach()  # its fd is closed below; no finalizer may close a reused number
+                sc.close_fds_except(keep)  # other clients, prepared and running cells, the listener
+                import signal
+
+                signal.signal(signal.SIGINT, signal.SIG_IGN)  # the client acts on a terminal's ^C
+                code = server.serve_private(conn, msg, list(fds))
+            finally:
+                os._exit(code)
+        conn.close()
+        self.hosts[os.pidfd_open(pid)] = pid
+
+    def _reap(self, pidfd: int) -> None:
+        pid = self.hosts.pop(pidfd)
+        os.close(pidfd)
+        try:
+            os.waitpid(pid, 0)
+        except ChildProcessError:
+            pass
+        self.last_work = time.monotonic()
 
     def _progress(self, running: launch.Running) -> None:
         running.poll_messages(0)
@@ -214,10 +272,15 @@ class Server:
 
 
 def main(argv: list[str]) -> None:
-    """``python -m agentcell.cell.zygote --conn FD [--no-prewarm]``, or as the daemon of
+    """``python -m agentcell.host.zygote --conn FD [--no-prewarm]``, or as the daemon of
     ``agentcell warm start``: ``--listen FD --path SOCKET [--idle S]``."""
     opts = dict(zip(argv[::2], argv[1::2], strict=False))
     prewarm = "--no-prewarm" not in argv
+    if "--conn" not in opts:  # the daemon: what a supervised cell's host needs is imported once, here
+        from .. import guard, supervise  # noqa: F401
+        from ..cell import terminal  # noqa: F401
+        from ..monitor import monitor  # noqa: F401
+        from ..network import firewall, nflog, proxy  # noqa: F401
     if "--conn" in opts:
         Server(conn=_socket.socket(fileno=int(opts["--conn"])), prewarm=prewarm).serve()
     else:

@@ -39,9 +39,9 @@ from __future__ import annotations
 import os
 import stat
 
-from ..errors import LaunchError
-from . import paths
-from .spec import TYPE_CHECKING
+from .cell import paths
+from .cell.spec import TYPE_CHECKING
+from .errors import LaunchError
 
 if TYPE_CHECKING:
     from collections.abc import Callable

@@ -2,7 +2,7 @@
 
 A cold ``agentcell run`` pays for a Python start, its imports and a full cell build every time. With
 ``agentcell warm start`` a long-lived launcher (the same single-threaded server :class:`agentcell.Cell`
-uses, :mod:`agentcell.cell.zygote`) listens on a unix socket and keeps the next cell prepared, so
+uses, :mod:`agentcell.host.zygote`) listens on a unix socket and keeps the next cell prepared, so
 the CLI only compiles the policy, hands over argv and its stdio fds, and waits.
 
 Trust: the socket lives in a directory only its owner can enter (``/run/agentcell`` for root,
@@ -19,9 +19,10 @@ import select
 import stat
 import time
 
+from .. import hostfs
+from ..cell.spec import TYPE_CHECKING, CellSpec, spec_to_dict
 from ..errors import AgentcellError
 from . import wire
-from .spec import TYPE_CHECKING, CellSpec, spec_to_dict
 
 if TYPE_CHECKING:
     import signal
@@ -35,7 +36,7 @@ SOCKET_NAME = "launcher.sock"
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 
 
-socket_dir = wire.socket_dir
+socket_dir = hostfs.socket_dir
 
 
 def _private_dir(d: str) -> bool:
@@ -62,14 +63,24 @@ def connect() -> _socket.socket | None:
     return None
 
 
-def run(spec: CellSpec, argv: list[str], timeout: float | None) -> dict[str, Any] | None:
+def run(spec: CellSpec, argv: list[str], timeout: float | None, monitor: str | None = None) -> dict[str, Any] | None:
     """Run through the warm launcher. None means it is not running (or refused the request before
-    anything ran): launch cold instead. Once it has started the command, its result is final."""
+    anything ran): launch cold instead. Once it has started the command, its result is final.
+
+    A cell with a proxy, a host-firewall table or a ``monitor`` (its verdict) is supervised: the
+    launcher forks it a cell host (:func:`agentcell.host.server.serve_private`) that runs it as
+    :class:`agentcell.supervise.Supervised` and answers with its events and, last, ``ended`` and
+    the result, as complete as the cold path's (the protected-path step stays with the caller)."""
     s = connect()
     if s is None:
         return None
+    supervised = monitor is not None or spec.network in ("proxy", "host-firewall")
+    request: dict[str, object] = {"op": "spawn", "id": 1, "spec": spec_to_dict(spec), "argv": argv}
+    if supervised:
+        request = {"op": "run", "spec": request["spec"], "argv": argv, "monitor": monitor, "guard": False}
+    done = "ended" if supervised else "exit"
     try:
-        wire.send(s, {"op": "spawn", "id": 1, "spec": spec_to_dict(spec), "argv": argv}, [0, 1, 2])
+        wire.send(s, request, [0, 1, 2])
         msg, _ = wire.recv(s)
     except (OSError, wire.WireError):
         s.close()
@@ -104,7 +115,7 @@ def run(spec: CellSpec, argv: list[str], timeout: float | None) -> dict[str, Any
             if msg is None:
                 raise AgentcellError("warm launcher", "it went away while the command ran",
                                      "see 'agentcell warm status'; use --no-warm to launch cold")
-            if msg.get("event") == "exit":
+            if msg.get("event") == done:  # before it, a supervised cell's events and stats: its result has them
                 result: dict[str, Any] = msg["result"]
                 if timed_out:
                     result.update(exit_status=124, signal=signal.SIGKILL, timed_out=True)
@@ -143,7 +154,6 @@ def start(idle_s: float) -> tuple[int, bool]:
     running = status()
     if running is not None:
         return int(running["pid"]), False
-    from .. import hostfs
 
     path = os.path.join(hostfs.private_dir(socket_dir(), "warm"), SOCKET_NAME)
     proc = serve_detached(path, lambda fd: zygote.launcher_command("--listen", str(fd), "--path", path, "--idle",

@@ -1,0 +1,28 @@
+"""What the policy adds to a cell's mount plan (:func:`agentcell.cell.mounts.plan`), so the mechanism
+layer knows no policy: the protected entries of the writable paths (:mod:`agentcell.protect`: hooks,
+git config and harness config bound read-only onto themselves, ``.git`` directories pinned in place so
+they cannot be swapped for a rebuilt one, entries ``allow_write`` lifts writable on top), and the
+places a warm launcher or a named live cell of ours may listen, hidden like the host's secrets (a
+rootless cell has its owner's uid and could otherwise talk to them).
+
+Computed when the cell is prepared (the warm launcher's pre-warmed cell: when it was prepared), from
+the filesystem as it is then; what appears later is the protected-path check's (:mod:`agentcell.guard`).
+"""
+from __future__ import annotations
+
+from .. import hostfs, protect
+from ..cell.spec import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..cell.spec import CellSpec
+
+
+def for_cell(spec: CellSpec) -> tuple[tuple[tuple[str, bool], ...], tuple[str, ...]]:
+    """(guarded, hidden) for ``spec``: the arguments :func:`agentcell.cell.mounts.plan` takes."""
+    scan = protect.Scan(spec.rw_paths)
+    guarded = [(p, False) for p in protect.pinned_paths(scan)]
+    protected = protect.protected_paths(scan, spec.allow_write)
+    guarded += [(p, True) for p in protected]
+    # A lifted entry inside a protected directory: writable on top of the directory's read-only bind.
+    guarded += [(a, False) for a in protect.lifted_inside(protected, spec.allow_write)]
+    return tuple(guarded), tuple(hostfs.socket_dirs(spec.identity.uid, spec.identity.home))
