@@ -9,6 +9,8 @@ Measures (medians, milliseconds, ratio to bwrap measured in the same sitting):
   * warm API:  `Cell(spec).run(["true"])` from a long-lived process, calls spaced 50 ms apart as an
                agent's tool calls are (the warm launcher prepares the next cell in between);
   * warm API, back to back (no gap), and without pre-warming, for the record;
+  * supervised: `agentcell run --monitor` cold, and through the warm launcher (which forks it a cell
+    host: the monitor's set-up is paid there, the Python start and imports are not);
   * the hardening's cost: the launcher in this process with Landlock, seccomp and the cell's cgroup,
     and with each switched off in turn (issue #3).
   * the Codex CLI's own sandbox, `codex sandbox -- true` (bwrap + seccomp, its native binary), when
@@ -142,8 +144,11 @@ def main() -> int:
         bw = bwrap_argv(pw.pw_uid, pw.pw_gid, ident.home)
         cli = [AGENTCELL, "run", "--as", str(pw.pw_uid), "--no-warm", "--", "true"]
         cli_warm = [AGENTCELL, "run", "--as", str(pw.pw_uid), "--", "true"]
+        # Supervised: the escape monitor beside the cell (through the launcher, in a cell host it forks).
+        cli_mon = [AGENTCELL, "run", "--as", str(pw.pw_uid), "--monitor", "--no-warm", "--", "true"]
+        cli_mon_warm = [AGENTCELL, "run", "--as", str(pw.pw_uid), "--monitor", "--", "true"]
         env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
-        run = lambda argv: subprocess.run(argv, check=True, env=env)  # noqa: E731
+        run = lambda argv: subprocess.run(argv, check=True, env=env, stderr=subprocess.DEVNULL)  # noqa: E731
         res: dict[str, float] = {}
         # Hardening cost: the same cell without Landlock (best-effort with an unreachable minimum ABI).
         bare = spec.replace(landlock="best-effort", landlock_min_abi=1 << 30)
@@ -151,11 +156,13 @@ def main() -> int:
               Cell(bare, prewarm=False) as bare_api):
             res["bwrap"] = median_ms(lambda: run(bw), args.runs)
             res["cli"] = median_ms(lambda: run(cli), args.runs)
+            res["cli_monitor"] = median_ms(lambda: run(cli_mon), args.runs)
             had_launcher = subprocess.run([AGENTCELL, "warm", "status"], capture_output=True).returncode == 0
             subprocess.run([AGENTCELL, "warm", "start"], check=True, capture_output=True)
             try:
                 res["cli_warm_launcher"] = median_ms(lambda: run(cli_warm), args.runs)
                 res["cli_warm_launcher_spaced"] = median_ms(lambda: run(cli_warm), args.runs, GAP_S)
+                res["cli_monitor_warm_launcher"] = median_ms(lambda: run(cli_mon_warm), args.runs)
             finally:
                 if not had_launcher:
                     subprocess.run([AGENTCELL, "warm", "stop"], check=True, capture_output=True)
@@ -188,6 +195,9 @@ def main() -> int:
         "api_no_prewarm": res["api_no_prewarm"] / res["bwrap"],
         "api_no_prewarm_no_landlock": res["api_no_prewarm_no_landlock"] / res["bwrap"],
         "python_startup": res["python_startup"] / res["bwrap"],
+        "cli_monitor": res["cli_monitor"] / res["bwrap"],
+        "cli_monitor_warm_launcher": res["cli_monitor_warm_launcher"] / res["bwrap"],
+        "cli_monitor_warm_vs_cold": res["cli_monitor_warm_launcher"] / res["cli_monitor"],
         **{k: res[k] / res["bwrap"] for k in res if k.startswith("launch_")},
     }
     if "codex_sandbox" in res:
@@ -209,6 +219,8 @@ def main() -> int:
             ("api_warm_back_to_back", "Cell.run, warm, back to back"),
             ("api_no_prewarm", "Cell.run, no pre-warm"),
             ("api_no_prewarm_no_landlock", "Cell.run, no pre-warm, without Landlock"),
+            ("cli_monitor", "agentcell run --monitor --no-warm"),
+            ("cli_monitor_warm_launcher", "agentcell run --monitor, warm launcher (its host)"),
             ("python_startup", "python -c pass (floor of any CLI)"),
             ("launch_all_layers", "launcher in-process, all hardening"),
             ("launch_without_landlock", "  ... without Landlock"),
@@ -223,6 +235,7 @@ def main() -> int:
         if target is not None:
             verdict = f"  target <= {target:.1f}x: {'met' if ratios[key] <= target else 'MISSED'}"
         print(f"  {label:<46}{res[key]:7.2f}  {ratios[key]:5.2f}x{verdict}")
+    print(f"  {'--monitor: warm launcher / cold':<46}{'':7}  {ratios['cli_monitor_warm_vs_cold']:5.2f}x")
     for key, label in (("cli_vs_codex", "agentcell run --no-warm / codex sandbox"),
                        ("cli_warm_launcher_vs_codex", "agentcell run, warm launcher / codex sandbox")):
         if key in ratios:

@@ -160,6 +160,14 @@ V1_ONLY = """\
 """
 
 
+def test_the_cgroup_migration_wait_is_named_with_the_mount_option_that_removes_it() -> None:
+    slow = doctor.check_cgroup_migration(HYBRID, doctor.parse_cgroup_mounts(HYBRID))
+    assert slow.status == "warn" and "remount,favordynmods /sys/fs/cgroup/unified" in slow.fix, slow
+    fast_info = HYBRID.replace("cgroup2 cgroup2 rw\n", "cgroup2 cgroup2 rw,favordynmods\n")
+    fast = doctor.check_cgroup_migration(fast_info, doctor.parse_cgroup_mounts(fast_info))
+    assert (fast.status, fast.data["favordynmods"]) == ("ok", ["/sys/fs/cgroup/unified"]), fast
+
+
 def test_cgroup_layout_v2_only() -> None:
     cg = doctor.parse_cgroup_mounts(V2_ONLY)
     assert (cg.layout, cg.unified, cg.v1) == ("v2", "/sys/fs/cgroup", {})

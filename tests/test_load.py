@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+from pathlib import Path
 
 from conftest import AGENTCELL, needs_root
 from sessionkit import Env, session_environ
@@ -33,14 +34,17 @@ print("done")
 """
 
 
-def test_twenty_busy_sessions_at_once_all_complete_with_no_telemetry_event(env: Env) -> None:
+def test_twenty_busy_sessions_at_once_all_complete_with_no_telemetry_event(env: Env,
+                                                                          tmp_path: Path) -> None:
     procs = []
+    errs = [tmp_path / f"err-{i}.txt" for i in range(20)]  # files, not pipes: 20 stderrs read one at a time
     try:
-        for _ in range(20):
-            procs.append(subprocess.Popen(
-                [AGENTCELL, "session", "start", "--harness", "shell", "--rw", "src", "--json", "--", "python3", "-c",
-                 BUSY.format(src=str(env.project / "src"))], env=session_environ(env), cwd=env.project,
-                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, stdin=subprocess.DEVNULL))
+        for err in errs:
+            with err.open("w") as ef:
+                procs.append(subprocess.Popen(
+                    [AGENTCELL, "session", "start", "--harness", "shell", "--rw", "src", "--json", "--", "python3",
+                     "-c", BUSY.format(src=str(env.project / "src"))], env=session_environ(env), cwd=env.project,
+                    stdout=subprocess.PIPE, stderr=ef, text=True, stdin=subprocess.DEVNULL))
         outs = [p.communicate(timeout=900)[0] for p in procs]
     finally:
         for p in procs:
@@ -48,7 +52,8 @@ def test_twenty_busy_sessions_at_once_all_complete_with_no_telemetry_event(env: 
                 p.kill()
                 p.wait()
     summaries = [json.loads(o.strip().splitlines()[-1]) for o in outs]
-    ended = [(s["status"], s["reason"]) for s in summaries if s["status"] != "completed" or s["exit_status"] != 0]
+    ended = [(s["status"], s["reason"], errs[i].read_text()[-1500:]) for i, s in enumerate(summaries)
+             if s["status"] != "completed" or s["exit_status"] != 0]
     assert not ended, ended
     shown = [json.loads(subprocess.run([AGENTCELL, "session", "show", s["session"], "--json"], capture_output=True,
                                        text=True, env=session_environ(env)).stdout.strip().splitlines()[-1])
