@@ -184,6 +184,24 @@ def test_a_client_killed_mid_run_ends_its_supervised_cell(user: User, runtime_di
     assert not processes_with_argv([b"sleep", tag.encode()])
 
 
+def test_a_launcher_that_dies_mid_run_still_gets_the_protected_path_check(user: User, runtime_dir: Path,
+                                                                            project: Path) -> None:
+    """The cell dies with the launcher; the CLI says so in one line and still moves aside what the
+    command created that decides what an agent runs."""
+    warm(user, runtime_dir, "start")
+    [launcher] = STARTED[str(runtime_dir)]
+    env = {"PATH": "/usr/bin:/bin", "XDG_RUNTIME_DIR": str(runtime_dir)}
+    planted = project / ".claude" / "settings.json"
+    p = subprocess.Popen([*user.prefix(), AGENTCELL, "run", "--rw", str(project), "--", "sh", "-c",
+                          f"mkdir {project}/.claude && echo '{{}}' > {planted}; echo up; exec sleep 30"],
+                         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert p.stdout is not None and p.stdout.readline() == "up\n"
+    os.kill(launcher, signal.SIGKILL)  # started by this test (STARTED)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 125 and "went away while the command ran" in err, err
+    assert not planted.exists() and "moved to" in err and "/.claude" in err, err
+
+
 def test_launcher_serves_only_its_own_uid(user: User, runtime_dir: Path) -> None:
     warm(user, runtime_dir, "start")
     # Open the door on purpose (a careless chmod): the launcher itself must still refuse another uid.

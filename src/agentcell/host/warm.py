@@ -102,7 +102,9 @@ def run(spec: CellSpec, argv: list[str], timeout: float | None, monitor: str | N
 
     for sig in FORWARDED:
         signal.signal(sig, forward)
-    deadline = None if timeout is None else time.monotonic() + timeout
+    cell_id = str(msg.get("cell_id") or "")
+    started = time.monotonic()
+    deadline = None if timeout is None else started + timeout
     timed_out = False
     try:
         while True:
@@ -112,9 +114,11 @@ def run(spec: CellSpec, argv: list[str], timeout: float | None, monitor: str | N
                 forward(signal.SIGKILL, None)
                 continue
             msg, _ = wire.recv(s)
-            if msg is None:
-                raise AgentcellError("warm launcher", "it went away while the command ran",
-                                     "see 'agentcell warm status'; use --no-warm to launch cold")
+            if msg is None:  # its cell died with it (PID 1's parent-death signal); the caller's checks still run
+                return {"exit_status": 125, "signal": None, "timed_out": timed_out, "cell_id": cell_id,
+                        "duration_s": round(time.monotonic() - started, 6),
+                        "error": "warm launcher: it went away while the command ran (see 'agentcell warm "
+                                 "status'; --no-warm launches cold)"}
             if msg.get("event") == done:  # before it, a supervised cell's events and stats: its result has them
                 result: dict[str, Any] = msg["result"]
                 if timed_out:

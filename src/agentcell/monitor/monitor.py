@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from ..cell.cgroups import CellCgroup
-from ..errors import printable
+from .lines import event_line
 
 ESCAPES = ("read", "write", "execute", "network", "telemetry")
 CLASSES = (*ESCAPES, "resource")
@@ -98,22 +98,9 @@ class CellEvent:
     def as_dict(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.__slots__}
 
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> CellEvent:
-        """The event :meth:`as_dict` gave (a cell host's report of it)."""
-        ev = cls(str(d.get("operation", "")), str(d.get("target", "")), str(d.get("reason", "")),
-                 source=str(d.get("source", "")), cell=str(d.get("cell", "")), pid=d.get("pid"),
-                 exe=str(d.get("exe") or ""), allow=str(d.get("allow") or ""), ts=d.get("ts"),
-                 acts=bool(d.get("acts", True)), ancestry=d.get("ancestry"))
-        ev.count = int(d.get("count") or 1)
-        return ev
 
     def line(self) -> str:
-        who = f"{os.path.basename(self.exe) or '?'} (pid {self.pid})" if self.pid else "the cell"
-        more = f" ({self.count}x)" if self.count > 1 else ""
-        hint = f"; to allow it: {self.allow}" if self.allow else ""
-        text = f"{self.operation} {self.target} by {who}{more}: {self.reason}{hint}"
-        return printable(text)
+        return event_line(self.as_dict())
 
 
 _BLOCKERS = {"fs.execute": "execute", "fs.read_file": "read", "fs.read_dir": "read", "net.bind_tcp": "network",
