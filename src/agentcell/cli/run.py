@@ -246,16 +246,7 @@ def build_spec(ns: Args | Namespace) -> CellSpec:
             here = ident.home
         cwd = rs.cell_cwd(here, visible, ident.home)
     memory_max, cpu_percent, pids_max = _limits(ns)
-    allow_write = tuple(dict.fromkeys(rs.resolve_allowed_write(p, field="--allow-write", homes=homes)
-                                      for p in ns.allow_write))
-    for p in allow_write:
-        if rs.cell_cwd(p, rw, "") != p:
-            raise AgentcellError("--allow-write", f"{p} is not inside a --rw path", "share its project with --rw")
-        from .. import protect
-
-        why = protect.allow_write_problem(p, rw)
-        if why:
-            raise AgentcellError("--allow-write", why)
+    allow_write = rs.allowed_writes(ns.allow_write, rw, field="--allow-write", homes=homes)
     return CellSpec(
         egress=_egress(ns),
         allow_write=allow_write,

@@ -49,20 +49,9 @@ def _in_plan_terms() -> Iterator[None]:
 
 
 def _allowed_writes(paths: Iterable[str], rw: tuple[str, ...], host_cwd: str | None) -> tuple[str, ...]:
-    """Protected paths the plan lets the command write: resolved, and inside a declared path."""
-    out = []
-    for p in paths:
-        real = rs.resolve_allowed_write(p if os.path.isabs(p) or host_cwd is None else os.path.join(host_cwd, p),
-                                        field="allow_write")
-        if rs.cell_cwd(real, rw, "") != real:
-            raise PolicyError("allow_write", f"{p} is not inside a declared path", "declare its project")
-        from .. import protect
-
-        why = protect.allow_write_problem(real, rw)
-        if why:
-            raise PolicyError("allow_write", why)
-        out.append(real)
-    return tuple(out)
+    """Protected paths the plan lets the command write (relative ones from where the session started)."""
+    given = [p if os.path.isabs(p) or host_cwd is None else os.path.join(host_cwd, p) for p in paths]
+    return rs.allowed_writes(given, rw, field="allow_write", fix="declare its project")
 
 
 def compile_plan(plan: SessionPlan, *, environ: Mapping[str, str], euid: int | None = None,

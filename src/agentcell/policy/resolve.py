@@ -132,6 +132,26 @@ def resolve_allowed_write(path: str, *, field: str, homes: set[str] | None = Non
     return resolve_path(path, field=field, writable=True, allow_unsafe=True, homes=homes)
 
 
+def allowed_writes(paths: Iterable[str], rw: tuple[str, ...], *, field: str, homes: set[str] | None = None,
+                   fix: str = "share its project with --rw") -> tuple[str, ...]:
+    """Protected paths the policy lets the command write (:mod:`agentcell.protect`): each resolved,
+    inside a writable declared path, and one the protected-path rules allow lifting. The one check
+    for ``--allow-write`` and a plan's ``allow_write``."""
+    out: list[str] = []
+    for p in paths:
+        real = resolve_allowed_write(p, field=field, homes=homes)
+        if cell_cwd(real, rw, "") != real:
+            raise PolicyError(field, f"{p} is not inside a declared writable path", fix)
+        from .. import protect
+
+        why = protect.allow_write_problem(real, rw)
+        if why:
+            raise PolicyError(field, why)
+        if real not in out:
+            out.append(real)
+    return tuple(out)
+
+
 def resolve_paths(paths: Iterable[str], **kw: object) -> tuple[str, ...]:
     out: list[str] = []
     for p in paths:
