@@ -202,6 +202,54 @@ def test_a_launcher_that_dies_mid_run_still_gets_the_protected_path_check(user: 
     assert not planted.exists() and "moved to" in err and "/.claude" in err, err
 
 
+FAKE_LAUNCHER = """
+import _socket, os, sys
+s = _socket.socket(_socket.AF_UNIX, _socket.SOCK_SEQPACKET)
+s.bind(sys.argv[1]); s.listen(4); print("listening", flush=True)
+c, _ = s._accept(); c = _socket.socket(fileno=c)
+c.settimeout(5)
+try:
+    data = c.recvmsg(1 << 20, 1024)[0]
+except OSError:
+    data = b""
+open(sys.argv[2], "w").write(str(len(data)))
+"""
+
+
+def test_a_launcher_inside_another_namespace_is_never_handed_a_command(user: User, runtime_dir: Path) -> None:
+    """What a rootless cell (our uid) could set up where our launcher would listen: the client sees
+    its peer is not in its own namespaces and builds the cell itself; nothing is sent there."""
+    sock_dir = runtime_dir / "agentcell"
+    sock_dir.mkdir(mode=0o700)
+    shutil.chown(sock_dir, user.uid, user.gid)
+    got = runtime_dir / "got"
+    fake = subprocess.Popen([*user.prefix(), "unshare", "--user", "python3", "-c", FAKE_LAUNCHER,
+                             str(sock_dir / "launcher.sock"), str(got)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert fake.stdout is not None and fake.stdout.readline() == "listening\n"
+        r = agentcell_run(["--monitor", "--", "echo", "real"], as_user=user, env={"XDG_RUNTIME_DIR": str(runtime_dir)},
+                          warm=True)
+        assert r.rc == 0 and r.out == "real" and r.result["via"] == "here", (r.out, r.err, r.result.get("via"))
+        fake.wait(timeout=20)
+        assert got.read_text() == "0", "the client sent its request to a launcher outside its namespaces"
+    finally:
+        if fake.poll() is None:
+            fake.kill()
+            fake.wait()
+
+
+def test_a_malformed_request_is_refused_and_the_launcher_serves_on(user: User, runtime_dir: Path) -> None:
+    warm(user, runtime_dir, "start")
+    code = ("import _socket, sys; from agentcell.host import wire\n"
+            "for msg in ({'op': 'spawn', 'id': 'x'}, {'op': 'signal', 'id': 1, 'sig': 'TERM'}):\n"
+            "    s = _socket.socket(_socket.AF_UNIX, _socket.SOCK_SEQPACKET); s.connect(sys.argv[1])\n"
+            "    wire.send(s, msg); print(wire.recv(s)[0]['event'])\n")
+    p = subprocess.run([*user.prefix(), str(Path(AGENTCELL).parent / "python"), "-c", code,
+                        str(runtime_dir / "agentcell" / "launcher.sock")], capture_output=True, text=True)
+    assert p.stdout.split() == ["error", "error"], p.stdout + p.stderr
+    assert warm(user, runtime_dir, "status").returncode == 0
+
+
 def test_launcher_serves_only_its_own_uid(user: User, runtime_dir: Path) -> None:
     warm(user, runtime_dir, "start")
     # Open the door on purpose (a careless chmod): the launcher itself must still refuse another uid.

@@ -542,11 +542,12 @@ def main(argv: list[str]) -> int:
         msg, fds = wire.recv_or_gone(conn)
         return serve_private(conn, msg, fds)
     listener = _socket.socket(fileno=int(opts["--listen"]))
+    wire.listen_here(listener, MAX_CLIENTS)
     ino = os.stat(opts["--path"]).st_ino
     host = Host(listener=listener, name=opts.get("--name", ""), idle_s=float(opts.get("--idle", "0")))
     fd, _addr = listener._accept()  # type: ignore[attr-defined]  # the starter, who opens the cell
     conn = _socket.socket(fileno=fd)
-    if wire.peer_uid(conn) != os.getuid():
+    if not wire.peer_is_ours(conn):
         return 1
     host.conns.append(conn)
     msg, fds = wire.recv_or_gone(conn)

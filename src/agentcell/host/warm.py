@@ -55,7 +55,7 @@ def connect() -> _socket.socket | None:
     s = _socket.socket(_socket.AF_UNIX, _socket.SOCK_SEQPACKET | _socket.SOCK_CLOEXEC)
     try:
         s.connect(os.path.join(d, SOCKET_NAME))
-        if wire.peer_uid(s) == os.geteuid():
+        if wire.peer_is_ours(s):  # our uid, and not a cell's impostor (a rootless cell has our uid)
             return s
     except OSError:
         pass
@@ -162,6 +162,10 @@ def start(idle_s: float) -> tuple[int, bool]:
     path = os.path.join(hostfs.private_dir(socket_dir(), "warm"), SOCKET_NAME)
     proc = serve_detached(path, lambda fd: zygote.launcher_command("--listen", str(fd), "--path", path, "--idle",
                                                                     str(idle_s)), 64)
+    for _ in range(200):  # until it answers as itself (its own listen(): see wire.peer_is_ours)
+        if status() is not None:
+            break
+        time.sleep(0.01)
     return proc.pid, True
 
 
@@ -192,7 +196,8 @@ def serve_detached(path: str, argv: Callable[[int], list[str]], backlog: int) ->
 
 
 def stop() -> int | None:
-    """Ask the launcher to stop (its running cells are killed); the pid it had, or None."""
+    """Ask the launcher to stop (the cells it runs itself are killed; a supervised cell's host, which
+    it forked, serves that cell to its end, tied to its client); the pid it had, or None."""
     replies = _ask("status", "stop")
     if not replies or replies[0] is None:
         return None

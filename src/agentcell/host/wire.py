@@ -71,21 +71,31 @@ def accept_ours(listener: Any) -> Any:
     for a cell with a wider policy."""
     fd, _addr = listener._accept()
     conn = _socket.socket(fileno=fd)
-    pid, uid, _gid = peer_cred(conn)
-    if uid != os.getuid() or not shares_our_namespaces(pid):
+    if not peer_is_ours(conn):
         conn.close()
         return None
     return conn
+
+
+def peer_is_ours(sock: Sock) -> bool:
+    """The other end is our own uid and not inside a cell (our user, PID and mount namespaces); both
+    ways: a server must take no orders from a cell, and a client must hand no command, stdio or
+    environment to a "launcher" a rootless cell (our uid) set up where ours would listen. A server's
+    credentials are those of its listen() call: servers call :func:`listen_here` at their start."""
+    pid, uid, _gid = peer_cred(sock)
+    return uid == os.geteuid() and shares_our_namespaces(pid)
+
+
+def listen_here(listener: Any, backlog: int) -> None:
+    """listen() again in this process, so that the socket's credentials (what a client's SO_PEERCRED
+    reads) are this server's, not those of the process that bound it and has exited since."""
+    listener.listen(backlog)
 
 
 def peer_cred(sock: Sock) -> tuple[int, int, int]:
     """(pid, uid, gid) of the peer, the pid as seen from our PID namespace."""
     pid, uid, gid = struct.unpack("3i", sock.getsockopt(_socket.SOL_SOCKET, SO_PEERCRED, 12))
     return int(pid), int(uid), int(gid)
-
-
-def peer_uid(sock: Sock) -> int:
-    return peer_cred(sock)[1]
 
 
 def shares_our_namespaces(pid: int) -> bool:

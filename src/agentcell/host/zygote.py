@@ -187,11 +187,15 @@ class Server:
             self.stopping = True
             self._reply(conn, {"event": "stopping"})
             return
-        rid = int(msg.get("id", 0))
+        rid, sig = msg.get("id", 0), msg.get("sig")
+        if not isinstance(rid, int) or (op == "signal" and not (isinstance(sig, int) and 0 < sig <= 64)):
+            self._reply(conn, {"event": "error", "field": "request", "message": "malformed: id and sig are "
+                               "small integers", "code": 125})  # never a reason to stop serving the others
+            return
         key = (conn.fileno(), rid)
         if op == "signal":
             if key in self.cells:
-                self.cells[key].signal(int(msg["sig"]))
+                self.cells[key].signal(int(sig))  # type: ignore[arg-type]
             return
         if op != "spawn":
             self._reply(conn, {"id": rid, "event": "error", "field": "op", "message": f"unknown op {op!r}",
@@ -219,6 +223,10 @@ class Server:
         forks cells and must stay single-threaded). The client's connection and stdio go to the host,
         which serves that one cell to its end; this process only reaps it. A ``run`` request brings
         stdin, stdout and stderr: they become the host's 0, 1, 2 (the command's, as agentcell run's)."""
+        if any(k[0] == conn.fileno() for k in self.cells):  # its results and signals are keyed by this fd
+            self._reply(conn, {"event": "error", "field": "request", "message": "a connection with cells running "
+                               "cannot be handed to a cell host: open another", "code": 125})
+            return
         self.conns.remove(conn)  # the host's alone from now on: two readers of one socket would race
         if msg.get("op") == "run" and len(fds) < 3:
             self._reply(conn, {"event": "error", "field": "request", "message": "a run brings stdin, stdout and "
@@ -285,6 +293,7 @@ def main(argv: list[str]) -> None:
         Server(conn=_socket.socket(fileno=int(opts["--conn"])), prewarm=prewarm).serve()
     else:
         listener = _socket.socket(fileno=int(opts["--listen"]))
+        wire.listen_here(listener, 64)
         path = opts["--path"]
         ino = os.stat(path).st_ino
         try:
