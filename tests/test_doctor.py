@@ -161,10 +161,10 @@ V1_ONLY = """\
 
 
 def test_the_cgroup_migration_wait_is_named_with_the_mount_option_that_removes_it() -> None:
-    slow = doctor.check_cgroup_migration(HYBRID, doctor.parse_cgroup_mounts(HYBRID))
+    slow = doctor.check_cgroup_migration(doctor.parse_cgroup_mounts(HYBRID))
     assert slow.status == "warn" and "remount,favordynmods /sys/fs/cgroup/unified" in slow.fix, slow
     fast_info = HYBRID.replace("cgroup2 cgroup2 rw\n", "cgroup2 cgroup2 rw,favordynmods\n")
-    fast = doctor.check_cgroup_migration(fast_info, doctor.parse_cgroup_mounts(fast_info))
+    fast = doctor.check_cgroup_migration(doctor.parse_cgroup_mounts(fast_info))
     assert (fast.status, fast.data["favordynmods"]) == ("ok", ["/sys/fs/cgroup/unified"]), fast
 
 

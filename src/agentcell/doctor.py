@@ -420,6 +420,7 @@ class CgroupMounts:
     layout: Literal["v2", "hybrid", "v1", "none"]
     unified: str | None  # the cgroup2 mount point, if any
     v1: dict[str, str]  # controller -> its v1 hierarchy's mount point
+    favoured: list[str] = field(default_factory=list)  # cgroup mounts with favordynmods in their super options
 
 
 def _unescape(s: str) -> str:
@@ -430,6 +431,7 @@ def parse_cgroup_mounts(mountinfo: str) -> CgroupMounts:
     """Classify the cgroup layout from mountinfo text: v2-only, hybrid (v1 + cgroup2 beside), or v1."""
     unified: str | None = None
     v1: dict[str, str] = {}
+    favoured: list[str] = []
     for line in mountinfo.splitlines():
         pre, sep, post = line.partition(" - ")
         if not sep:
@@ -439,6 +441,8 @@ def parse_cgroup_mounts(mountinfo: str) -> CgroupMounts:
         if len(fields) < 5 or len(tail) < 3:
             continue
         fstype, mountpoint = tail[0], _unescape(fields[4])
+        if fstype in ("cgroup", "cgroup2") and "favordynmods" in tail[2].split(","):
+            favoured.append(mountpoint)
         if fstype == "cgroup2":
             # Prefer the canonical places if several cgroup2 mounts are visible.
             if unified is None or mountpoint in ("/sys/fs/cgroup", "/sys/fs/cgroup/unified"):
@@ -451,7 +455,7 @@ def parse_cgroup_mounts(mountinfo: str) -> CgroupMounts:
         layout: Literal["v2", "hybrid", "v1", "none"] = "hybrid" if unified else "v1"
     else:
         layout = "v2" if unified else "none"
-    return CgroupMounts(layout, unified, v1)
+    return CgroupMounts(layout, unified, v1, favoured)
 
 
 def _own_unified_cgroup(unified: str) -> str:
@@ -512,7 +516,7 @@ def check_cgroups(mountinfo: str | None = None, *, root: bool) -> list[Check]:
                                 f"{own} is not writable by this user: no memory/cpu/pids ceilings", fix,
                                 {"cgroup": own}))
     if root:
-        checks.append(check_cgroup_migration(mountinfo, cg))
+        checks.append(check_cgroup_migration(cg))
     if cg.unified:
         checks.append(_check_kill_freeze(cg.unified))
     else:
@@ -522,21 +526,14 @@ def check_cgroups(mountinfo: str | None = None, *, root: bool) -> list[Check]:
     return checks
 
 
-def check_cgroup_migration(mountinfo: str, cg: CgroupMounts) -> Check:
+def check_cgroup_migration(cg: CgroupMounts) -> Check:
     """Speed, not safety: a cold cell's first move into its cgroup waits for an RCU grace period (the
     kernel's cgroup_threadgroup_rwsem), ~10 ms of a cold ``agentcell run`` on this project's machines
     (59.7 -> 49.2 ms with it off). The ``favordynmods`` mount option (kernel >= 6.0) removes the wait
     host-wide, at a small cost to every fork and exit; it is the host owner's choice, so this only says so."""
-    favoured = []
-    for line in mountinfo.splitlines():
-        pre, sep, post = line.partition(" - ")
-        fields, tail = pre.split(), post.split()  # tail: fstype, source, super options
-        if sep and len(fields) >= 5 and len(tail) >= 3 and tail[0] in ("cgroup", "cgroup2") \
-                and "favordynmods" in tail[2].split(","):
-            favoured.append(_unescape(fields[4]))
-    data = {"favordynmods": favoured}
-    if favoured:
-        return Check("cgroup migration", "ok", f"favordynmods on {', '.join(favoured)}: a cell joins its "
+    data = {"favordynmods": cg.favoured}
+    if cg.favoured:
+        return Check("cgroup migration", "ok", f"favordynmods on {', '.join(cg.favoured)}: a cell joins its "
                      "cgroup without waiting", data=data)
     where = cg.unified or next(iter(cg.v1.values()), "/sys/fs/cgroup")
     if kernel_tuple(platform.release()) < (6, 0):
