@@ -71,6 +71,24 @@ def processes_with_argv(argv: list[bytes]) -> list[int]:
     return found
 
 
+def kill_client_then_its_cell_ends(p: subprocess.Popen[str], tag: str) -> None:
+    """``p``: an agentcell run (started by the test) whose command printed a line, then exec'd
+    ``sleep TAG``. Kill the client; its cell must end (bounded polls, no timing asserted)."""
+    argv = [b"sleep", tag.encode()]
+    for _ in range(200):  # the line is printed just before the exec of sleep
+        if processes_with_argv(argv):
+            break
+        time.sleep(0.05)
+    assert processes_with_argv(argv)
+    p.kill()
+    p.wait()
+    for _ in range(200):  # the launcher (or the cell's host) notices the closed connection and ends the cell
+        if not processes_with_argv(argv):
+            break
+        time.sleep(0.05)
+    assert not processes_with_argv(argv)
+
+
 def test_run_goes_through_the_warm_launcher_and_confines_the_same(user: User, runtime_dir: Path,
                                                                   project: Path) -> None:
     assert warm(user, runtime_dir, "status").returncode == 1
@@ -117,18 +135,7 @@ def test_a_client_that_dies_takes_its_cell_with_it(user: User, runtime_dir: Path
     p = subprocess.Popen([*user.prefix(), AGENTCELL, "run", "--", "sh", "-c", f"echo up; exec sleep {tag}"],
                          env=env, stdout=subprocess.PIPE, text=True)
     assert p.stdout is not None and p.stdout.readline() == "up\n"
-    for _ in range(200):  # "up" is printed just before the exec of sleep
-        if processes_with_argv([b"sleep", tag.encode()]):
-            break
-        time.sleep(0.05)
-    assert processes_with_argv([b"sleep", tag.encode()])
-    p.kill()
-    p.wait()
-    for _ in range(200):  # bounded poll: the launcher notices the closed connection and kills the cell
-        if not processes_with_argv([b"sleep", tag.encode()]):
-            break
-        time.sleep(0.05)
-    assert not processes_with_argv([b"sleep", tag.encode()])
+    kill_client_then_its_cell_ends(p, tag)
 
 
 def _threads_and_children(pid: int) -> tuple[int, list[int]]:
@@ -170,18 +177,7 @@ def test_a_client_killed_mid_run_ends_its_supervised_cell(user: User, runtime_di
     p = subprocess.Popen([*user.prefix(), AGENTCELL, "run", "--net", "proxy", "--", "sh", "-c",
                           f"echo \"up $HTTPS_PROXY\"; exec sleep {tag}"], env=env, stdout=subprocess.PIPE, text=True)
     assert p.stdout is not None and p.stdout.readline() == "up http://127.0.0.1:3128\n"
-    for _ in range(200):
-        if processes_with_argv([b"sleep", tag.encode()]):
-            break
-        time.sleep(0.05)
-    assert processes_with_argv([b"sleep", tag.encode()])
-    p.kill()
-    p.wait()
-    for _ in range(200):
-        if not processes_with_argv([b"sleep", tag.encode()]):
-            break
-        time.sleep(0.05)
-    assert not processes_with_argv([b"sleep", tag.encode()])
+    kill_client_then_its_cell_ends(p, tag)
 
 
 def test_a_launcher_that_dies_mid_run_still_gets_the_protected_path_check(user: User, runtime_dir: Path,

@@ -155,6 +155,16 @@ def _execute(argv: list[str], a: Attempt, env: dict[str, str]) -> Outcome:
     return Outcome(p.returncode, out, err, result, ru, held)
 
 
+def _gone_or_killed(pid: int, marker: bytes) -> None:
+    """Wait (bounded) for a server the test started and asked to stop; still there (its command line
+    still names ``marker``: not a process that took the number since), it is killed."""
+    for _ in range(200):
+        if not Path(f"/proc/{pid}").exists() or marker not in _cmdline(str(pid)):
+            return
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+
+
 def run_contained(a: Attempt, user: User, project: Path, warm: bool = False) -> Outcome:
     """``warm``: through root's warm launcher (:func:`warm_launcher`), which forks a cell host for a
     supervised cell; a probe on a terminal is built by the CLI itself there too (job control)."""
@@ -185,12 +195,7 @@ def warm_launcher() -> Iterator[None]:
         yield
     finally:
         subprocess.run([AGENTCELL, "warm", "stop"], capture_output=True, timeout=60)
-        for _ in range(200):
-            if not Path(f"/proc/{pid}").exists() or b"agentcell.host.zygote" not in _cmdline(str(pid)):
-                break
-            time.sleep(0.05)
-        else:
-            os.kill(pid, signal.SIGKILL)
+        _gone_or_killed(pid, b"agentcell.host.zygote")
 
 
 def run_live(a: Attempt, user: User, project: Path) -> Outcome:
@@ -213,12 +218,7 @@ def run_live(a: Attempt, user: User, project: Path) -> Outcome:
     finally:
         stopped = subprocess.run([AGENTCELL, "cell", "stop", "--name", name, "--json"], capture_output=True,
                                  text=True, timeout=60)
-        for _ in range(200):
-            if not Path(f"/proc/{host_pid}").exists() or b"agentcell.host.server" not in _cmdline(str(host_pid)):
-                break
-            time.sleep(0.05)
-        else:
-            os.kill(host_pid, signal.SIGKILL)
+        _gone_or_killed(host_pid, b"agentcell.host.server")
     o.result = json.loads(stopped.stdout) if stopped.returncode == 0 else {}
     o.rusage = None
     return o
