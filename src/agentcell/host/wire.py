@@ -1,7 +1,9 @@
 """The warm launcher's wire protocol: one ``marshal``-encoded dict per SOCK_SEQPACKET datagram, with
 fds as SCM_RIGHTS. ``marshal`` and ``_socket`` cost nothing to import (json and socket.py pull in re
-and enum, ~15 ms per ``agentcell run`` here). Both ends are the same uid (checked with SO_PEERCRED),
-so the payload is trusted; it is still type-checked where it is used.
+and enum, ~15 ms per ``agentcell run`` here). Both ends are the same uid and outside any cell (checked
+with SO_PEERCRED and the peer's namespaces, :func:`peer_is_ours`), so the payload is trusted; it is still
+type-checked where it is used. The warm launcher's own ops (a cell host's are in :mod:`.server`, and the
+launcher forks one for ``run`` and ``open``)::
 
   client -> {"op": "spawn", "id": N, "spec": {...}, "argv": [...]}   + fds [stdin, stdout, stderr]
   client -> {"op": "signal", "id": N, "sig": 15} | {"op": "status"} | {"op": "stop"}
