@@ -29,7 +29,8 @@ if TYPE_CHECKING:
     from typing import Any
 
     from .cell.cgroups import CellCgroup
-    from .monitor.monitor import CellEvent, Monitor
+    from .monitor.event import CellEvent
+    from .monitor.monitor import Monitor
 
 
 MAX_BLOCKED = 1000  # distinct refused targets a run's result lists
@@ -115,8 +116,22 @@ class Supervised:
                     spec = spec.replace(watch=True)  # canaries and seccomp reports: only a monitor serves them
             from .policy import guards
 
-            running = launch.start(spec, list(argv), guards=guards.for_cell(spec), stdio=stdio, tty_fds=tty_fds,
-                                   live=live)
+            if not argv and not live:
+                raise AgentcellError("command", "no command given", "put it after --")
+            cell_guards = guards.for_cell(spec)
+            prepared = launch.prepare(spec, cell_guards)
+            if watch is not None:  # its failed calls, watched by its cgroup before the command exists
+                try:
+                    from .monitor.attempts import View
+
+                    watch.watch_calls(prepared.cg, View(spec, *cell_guards))
+                    if watch.terminated:
+                        raise AgentcellError("--monitor", f"the monitor cannot see: {watch.reason}", "see "
+                                             "'agentcell doctor', or --on-escape record to run without that source")
+                except BaseException:
+                    prepared.discard()
+                    raise
+            running = prepared.go(list(argv), stdio=stdio, tty_fds=tty_fds, live=live)
         except BaseException:
             if watch is not None:
                 watch.stop()

@@ -177,6 +177,15 @@ class CellCgroup:
         self.created.append(path)  # at once, so a failure further on still removes it
         return path
 
+    def v2_id(self) -> int | None:
+        """The id of the cell's cgroup v2 directory (its inode number: what eBPF's
+        bpf_get_current_cgroup_id gives for the cell's processes), or None without one."""
+        d = self.dirs.get("unified")
+        try:
+            return os.stat(d).st_ino if d else None
+        except OSError:
+            return None
+
     def join(self) -> None:
         """Move the calling process (and so all it forks) into every group of the cell."""
         for d in self.dirs.values():

@@ -79,8 +79,8 @@ class ExecWatch:
         return self.sock.fileno()
 
     def read(self, limit: int = 8192) -> list[dict[str, Any]]:
-        """fork, exit, exec and uid events now readable (at most ``limit``: the caller's loop must come
-        round): {"kind": "fork"|"exit"|"exec"|"uid", "pid": …, ...}; never blocks."""
+        """fork, thread, exit, exec and uid events now readable (at most ``limit``: the caller's loop must
+        come round): {"kind": "fork"|"thread"|"exit"|"exec"|"uid", "pid": …, ...}; never blocks."""
         out: list[dict[str, Any]] = []
         self.sock.setblocking(False)
         for _ in range(limit):
@@ -102,8 +102,8 @@ class ExecWatch:
             body = off + _EVENT.size
             if what == PROC_EVENT_FORK and len(data) >= body + 16:
                 _ppid, ptgid, cpid, ctgid = struct.unpack_from("=iiii", data, body)
-                if cpid == ctgid:  # a new process, not a thread
-                    out.append({"kind": "fork", "parent": ptgid, "pid": ctgid})
+                # a new process, or a thread (it takes a pid of its own too)
+                out.append({"kind": "fork" if cpid == ctgid else "thread", "parent": ptgid, "pid": ctgid})
             elif what == PROC_EVENT_EXIT and len(data) >= body + 8:
                 pid, tgid = struct.unpack_from("=ii", data, body)
                 if pid == tgid:

@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from ..cell.cgroups import CellCgroup
-from .lines import event_line
+from .event import CellEvent
 
 ESCAPES = ("read", "write", "execute", "network", "telemetry")
 CLASSES = (*ESCAPES, "resource")
@@ -74,33 +74,6 @@ def parse_verdicts(text: str) -> dict[str, str]:
         else:
             raise PolicyError("--on-escape", f"unknown class {cls!r}", f"classes: {', '.join(CLASSES)}")
     return out
-
-
-class CellEvent:
-    __slots__ = ("operation", "target", "reason", "pid", "exe", "cell", "source", "ts", "allow", "count", "acts",
-                 "ancestry")
-
-    def __init__(self, operation: str, target: str, reason: str, *, source: str, cell: str, pid: int | None = None,
-                 exe: str = "", allow: str = "", ts: float | None = None, acts: bool = True,
-                 ancestry: list[list[Any]] | None = None) -> None:
-        self.operation, self.target, self.reason, self.pid, self.exe = operation, target, reason, pid, exe
-        self.cell, self.source, self.allow, self.ts, self.count = cell, source, allow, ts or time.time(), 1
-        # False: recorded, never a reason to end the cell (it cannot be pinned on the cell, or it is
-        # harmless in any cell: a TCP bind where nothing can connect).
-        self.acts = acts
-        # [pid, exe, command line] of each parent, nearest first, up to the cell's PID 1 (not included)
-        self.ancestry = ancestry
-
-    def key(self) -> tuple[str, str, str, bool]:
-        # acts is part of it: a refusal first noted as not the cell's must not mask a later one that is
-        return (self.operation, self.target, self.source, self.acts)
-
-    def as_dict(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in self.__slots__}
-
-
-    def line(self) -> str:
-        return event_line(self.as_dict())
 
 
 _BLOCKERS = {"fs.execute": "execute", "fs.read_file": "read", "fs.read_dir": "read", "net.bind_tcp": "network",
@@ -201,6 +174,14 @@ class Monitor:
         self._masks_checked = self._masks_until = 0.0
         self._running: Any = None
         self._members: set[int] = set()  # the cell's processes, followed by descent from its PID 1
+        # What each of them is, kept a while after it exits (a failed call is often read after its
+        # process is gone): pid -> [parent, executable, command line]
+        self._procs: dict[int, list[Any]] = {}
+        # Processes and threads the cell has made: its PID namespace has given out no higher number. None
+        # once the connector lost events (a /proc number can no longer be told from one of the cell's).
+        self._forks: int | None = 0
+        self.calls: Any = None  # the cell's failed calls (attempts.AttemptSource), from before its command
+        self._calls_dropped = 0
         self._exited: collections.deque[tuple[float, int]] = collections.deque()  # members gone, forgotten after 5 s
         self._index: dict[tuple[str, str, str, bool], CellEvent] = {}
         self._final = False  # the cell has ended: events are recorded, no verdict acts any more
@@ -211,6 +192,7 @@ class Monitor:
             self._state["landlock"] = "off: the audit stream needs root (CAP_AUDIT_CONTROL, CAP_AUDIT_READ)"
             self._state["exec"] = "off: the proc connector needs root (CAP_NET_ADMIN in the host's namespace)"
             self._state["cgroup"] = "off: no cgroup is delegated to unprivileged users here"
+            self._state["calls"] = "off: eBPF needs root (CAP_BPF, CAP_PERFMON)"
             return
         try:
             from .audit import AuditReader
@@ -248,6 +230,44 @@ class Monitor:
         self._sources.append(poll)
         self._state["egress"] = "on"
 
+    def watch_calls(self, cg: CellCgroup | None, view: Any) -> None:
+        """The cell's failed calls (eBPF, by its cgroup), what they mean read against ``view`` (its mount
+        tree: :class:`agentcell.monitor.attempts.View`). Called once the cell's cgroup exists and before
+        its command does. A source that cannot start is a telemetry event (under terminate: no run)."""
+        from .attempts import AttemptSource, Classifier, Host
+
+        if "calls" in self._state:  # rootless: said why in __init__
+            return
+        cgroup_id = cg.v2_id() if cg is not None else None
+        try:
+            if cgroup_id is None:
+                raise OSError(95, "the cell has no cgroup v2 directory to filter on")
+            from .calls import FailedCalls
+
+            calls = FailedCalls(cgroup_id)
+        except OSError as e:
+            self._state["calls"] = f"failed: {e.strerror or e}"
+            self._event(CellEvent("telemetry", "calls", f"the cell's failed calls cannot be watched ({e.strerror or e})"
+                                  ": attempts on what the cell does not contain are not seen", source="telemetry",
+                                  cell=self.cell_id))
+            return
+        classifier = Classifier(view, view.network, Host(), self._pid_ceiling)
+        self.calls = AttemptSource(calls, classifier, self.cell_id, self._exe_of,
+                                   lambda pid: pid in self.trusted)
+        self._state["calls"] = "on"
+
+    def _pid_ceiling(self) -> int | None:
+        return None if self._forks is None else 1 + self._forks
+
+    def _exe_of(self, pid: int) -> str:
+        known = self._procs.get(pid)
+        if known and known[1]:
+            return str(known[1])
+        try:
+            return os.readlink(f"/proc/{pid}/exe")
+        except OSError:
+            return ""
+
     def attach(self, running: Any) -> None:
         """The launched cell: its cgroup, and the watches it handed out (canaries, seccomp listener)."""
         from ..cell import canary
@@ -256,6 +276,8 @@ class Monitor:
         if running.pid1:
             self._members.add(running.pid1)
             self._seed = running.pid1
+            if self.calls is not None:
+                self.calls.classifier.host.pid1 = running.pid1
             try:  # signals go through a pidfd: never to a process that took PID 1's number after it
                 self._pidfd = os.pidfd_open(running.pid1)
             except OSError:
@@ -387,7 +409,7 @@ class Monitor:
         except (OSError, ValueError) as e:
             self._event(CellEvent("telemetry", "monitor", f"a source failed: {e}", source="telemetry",
                                   cell=self.cell_id))
-        for source in (self.audit, self.execs, self.seccomp, self.masks):
+        for source in (self.audit, self.execs, self.seccomp, self.masks, self.calls):
             if source is not None:
                 try:
                     source.close()
@@ -398,7 +420,7 @@ class Monitor:
         groups = [g for g in (self.tools, self.canaries) if g is not None]
         if groups:
             threading.Thread(target=_close_all, args=(groups,), name="agentcell-monitor-close", daemon=True).start()
-        self.audit = self.execs = self.tools = self.canaries = self.seccomp = self.masks = None
+        self.audit = self.execs = self.tools = self.canaries = self.seccomp = self.masks = self.calls = None
         if self._pidfd is not None:
             os.close(self._pidfd)
             self._pidfd = None
@@ -418,16 +440,18 @@ class Monitor:
         try:
             while not self._stop.is_set():
                 self._progress()
-                watched = [s for s in (self.audit, self.execs, self.tools, self.canaries, self.seccomp, self.masks)
-                           if s is not None]
+                watched = [s for s in (self.audit, self.execs, self.tools, self.canaries, self.seccomp, self.masks,
+                                       self.calls) if s is not None]
                 if select.select([*watched, self._wake_r], [], [], 0.02)[0]:
                     self._drain()
                 self._poll_resources()
                 self._poll_egress()
                 self._poll_masks()
-                if self.audit is not None and time.monotonic() - last_lost_check >= 1:
+                if time.monotonic() - last_lost_check >= 1:
                     last_lost_check = time.monotonic()
-                    self._poll_audit_lost()
+                    if self.audit is not None:
+                        self._poll_audit_lost()
+                    self._poll_calls_dropped()
         except Exception as e:  # noqa: BLE001 - a monitor that stops seeing must say so, and act
             self._event(CellEvent("telemetry", "monitor", f"the monitor stopped: {e!r}", source="telemetry",
                                   cell=self.cell_id))
@@ -448,7 +472,7 @@ class Monitor:
             self._event(CellEvent("read", c["path"], "a canary credential was opened (a decoy agentcell planted "
                                   "in the cell's home: nothing legitimate reads it)", source="canary",
                                   cell=self.cell_id, pid=pid, exe=c.get("exe", ""),
-                                  ancestry=ancestry(pid, self._seed, self._members) if pid else None,  # it waits
+                                  ancestry=self.ancestry(pid) if pid else None,  # it waits
                                   allow="nothing: it is a decoy; give real credentials with --ro PATH if a tool "
                                   "needs them"))
             self.canaries.answer(c)  # recorded (and, under terminate, frozen): now the open may go on
@@ -456,6 +480,10 @@ class Monitor:
         # (fanotify, in the order they happened), then the connector's own exec and uid events.
         tools = self.tools.read() if self.tools is not None else []
         self._drain_connector(tools)
+        if self.calls is not None:  # after the connector: the failing process's fork and exec are known
+            for ev in self.calls.read():
+                self._progress()
+                self._event(ev)
         if self.audit is None:
             return
         for raw in self.audit.read(accept=self._accept):
@@ -470,10 +498,10 @@ class Monitor:
         in the order they happened), then the connector's own exec and uid events."""
         execs = self.execs.read() if self.execs is not None else []
         for ex in execs:
-            if ex["kind"] in ("fork", "exit", "lost"):
+            if ex["kind"] in ("fork", "thread", "exit", "lost"):
                 self._progress()  # a flood read is not a spin
                 self._exec_event(ex)
-        for ex in (*(tools or ()), *(e for e in execs if e["kind"] not in ("fork", "exit", "lost"))):
+        for ex in (*(tools or ()), *(e for e in execs if e["kind"] not in ("fork", "thread", "exit", "lost"))):
             self._progress()
             self._exec_event(ex)
 
@@ -505,6 +533,22 @@ class Monitor:
                                                            "account by its permissions"),
                                       source="masks", cell=self.cell_id, acts=readable,
                                       allow="keep masked files from being replaced while a cell runs"))
+
+    def _poll_calls_dropped(self) -> None:
+        """Failed calls the kernel could not hand over: its ring was full. Only this cell's calls go into
+        it, so the cell made them, faster than the monitor reads (about 7,000 in flight): one attempt may
+        hide among them. That acts like any attempt."""
+        if self.calls is None:
+            return
+        try:
+            dropped = self.calls.dropped()
+        except OSError:
+            return
+        if dropped > self._calls_dropped:
+            self._calls_dropped = dropped
+            self._event(CellEvent("telemetry", "calls", f"the kernel dropped {dropped} of the cell's failed calls "
+                                  "(the cell made them faster than the monitor reads): one may be missing from this "
+                                  "report", source="telemetry", cell=self.cell_id))
 
     def _poll_audit_lost(self) -> None:
         """Records the kernel dropped before anyone could read them (its backlog was full). Host-wide,
@@ -557,16 +601,23 @@ class Monitor:
             # The connector carries the whole host's forks: a busy host can overflow it. Who is in the
             # cell is read again from its cgroup (a tool's exec is still named by fanotify).
             self._members = self._cgroup_pids() | ({self._seed} if self._seed else set())
+            self._forks = None
             self._event(CellEvent("telemetry", "exec", "the proc connector overflowed (a busy host); the cell's "
                                   "processes were re-read from its cgroup", source="telemetry", cell=self.cell_id,
                                   acts=False))
             return
         kind, pid = ex["kind"], int(ex.get("pid") or 0)
-        if kind == "fork":
-            if ex["parent"] in self._members:
-                self._members.add(pid)
-            elif pid != self._seed:  # (PID 1 itself was forked by the launcher, outside the cell)
+        if kind in ("fork", "thread"):  # (pid: the new thread's group, its process)
+            parent = ex["parent"]
+            if parent in self._members:
+                if self._forks is not None:
+                    self._forks += 1
+                if kind == "fork":
+                    self._members.add(pid)
+                    self._procs[pid] = [parent, *self._procs.get(parent, [0, "", ""])[1:]]
+            elif kind == "fork" and pid != self._seed:  # (PID 1 itself was forked by the launcher, outside)
                 self._members.discard(pid)  # a pid the cell used before, now someone else's
+                self._procs.pop(pid, None)
             return
         if kind == "exit":  # kept a while: the fanotify event of a tool that exited at once may come later
             if pid in self._members:
@@ -576,6 +627,7 @@ class Monitor:
                     _, old = self._exited.popleft()
                     if not _thread_group_alive(old):  # a leader that exited before its threads still counts
                         self._members.discard(old)
+                        self._procs.pop(old, None)
             return
         if pid not in self._members or pid in self.trusted:
             return  # another process of the host (or ours)
@@ -583,6 +635,8 @@ class Monitor:
             from .execwatch import identify
 
             ex = {**identify(pid), **ex}
+            if kind == "exec":
+                self._procs[pid] = [self._procs.get(pid, [0])[0] or _ppid(pid), ex.get("exe", ""), _cmdline(pid)]
         name = ex.get("tool") or os.path.basename(ex.get("exe", "")) or ex.get("comm", "")
         if kind in ("tool", "exec") and name in PRIVILEGE_TOOLS:  # a copy under the same name too (exec)
             self._event(CellEvent("execute", name, f"a privilege tool was run in the cell ({name}: mounts are "
@@ -661,8 +715,8 @@ class Monitor:
     # ---- verdicts --------------------------------------------------------------------------------
 
     def _event(self, ev: CellEvent) -> None:
-        if ev.ancestry is None and ev.pid:  # as far as the processes are still there
-            ev.ancestry = ancestry(ev.pid, self._seed, self._members)
+        if ev.ancestry is None and ev.pid:
+            ev.ancestry = self.ancestry(ev.pid)
         with self._lock:
             seen = self._index.get(ev.key())
             if seen is not None:
@@ -688,6 +742,27 @@ class Monitor:
         if self.callback is not None:
             self.callback(ev)
 
+    def ancestry(self, pid: int) -> list[list[Any]]:
+        """The parents of ``pid`` ([pid, exe, command line]), nearest first, up to the cell's PID 1 (not
+        listed): from the table of the cell's processes (forks and execs as they came, so a process that
+        has exited is still placed), else as far as /proc still has them."""
+        if pid not in self._procs:
+            return ancestry(pid, self._seed, self._members)
+        out: list[list[Any]] = []
+        seen = {pid}
+        for _ in range(32):
+            ppid = self._procs[pid][0] if pid in self._procs else _ppid(pid)
+            if ppid <= 1 or ppid == self._seed or ppid in seen or ppid not in self._members:
+                break
+            known = self._procs.get(ppid)
+            if known is not None and known[1]:
+                out.append([ppid, known[1], known[2]])
+            else:
+                out.append([ppid, self._exe_of(ppid), _cmdline(ppid)])
+            seen.add(ppid)
+            pid = ppid
+        return out
+
     def terminate(self, reason: str) -> None:
         """Freeze first (nothing of the cell runs on), then kill the whole cgroup."""
         with self._lock:
@@ -712,6 +787,23 @@ class Monitor:
                                   "known)", source="telemetry", cell=self.cell_id))
 
 
+def _ppid(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _cmdline(pid: int) -> str:
+    """The start of a process's command line (its own words, at most four, 300 characters)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return " ".join(a.decode("utf-8", "replace") for a in f.read(4096).split(b"\0")[:4] if a)[:300]
+    except OSError:
+        return ""
+
+
 def ancestry(pid: int, pid1: int | None, members: set[int] | None = None, limit: int = 32) -> list[list[Any]]:
     """The parents of ``pid`` ([pid, exe, the start of its command line: the process's own word]),
     nearest first, up to the cell's PID 1 (agentcell's reaper, not listed), the first one gone, or the
@@ -719,23 +811,14 @@ def ancestry(pid: int, pid1: int | None, members: set[int] | None = None, limit:
     never named)."""
     out: list[list[Any]] = []
     for _ in range(limit):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            break
+        ppid = _ppid(pid)
         if ppid <= 1 or ppid == pid1 or (members and ppid not in members):
             break
         try:
             exe = os.readlink(f"/proc/{ppid}/exe")
         except OSError:
             exe = ""
-        try:
-            with open(f"/proc/{ppid}/cmdline", "rb") as f:
-                cmd = " ".join(a.decode("utf-8", "replace") for a in f.read(4096).split(b"\0")[:4] if a)[:300]
-        except OSError:
-            cmd = ""
-        out.append([ppid, exe, cmd])
+        out.append([ppid, exe, _cmdline(ppid)])
         pid = ppid
     return out
 

@@ -1,0 +1,473 @@
+"""What a failed call means: an attempt to leave the cell (it acts), a note (recorded: ordinary software
+touches it and copes), or nothing (ordinary work). Decided from the cell's own view (its mount tree,
+as the launcher built it from the spec and the protected entries) and what exists on the host.
+
+Acting, each with the path or address as the process named it:
+
+* a host path the cell does not contain: the homes of the host's accounts and ``/root`` (what exists
+  there, and any credential's name whether it exists or not), any other host path outside the declared
+  ones that exists on the host (a sibling repository, ``/srv``, ``/var/lib/…``), a host socket;
+* a secret the cell masks (``/etc/shadow``: its mask is an empty mode-000 file), a ``--mask`` path;
+* a write to the read-only system, to a ``--ro`` path, to a protected entry inside the project (a git
+  hook, ``.claude/settings.json``: read-only binds, so EROFS) or to a path the cell does not contain;
+* a host process through ``/proc`` (a pid the cell's namespace never had), a kernel setting (``/proc/sys``);
+* a device of the host (a disk, memory, a console);
+* a connection or datagram to an address outside the cell (``--net none``, ``loopback``, ``proxy``).
+
+Notes: what software does on its own and copes with when it fails, or what says nothing alone: a DNS
+query (the cell has no resolver: names are resolved by the proxy); a port the host listens on, tried
+on the cell's own loopback; a name next to the project outside the cell (tools look for their config in
+parent directories); a host pid signalled; a hard link across mounts; a name of the host's shared
+``/tmp`` that the cell's own ``/tmp`` lacks (a tool's cache of a fixed name; credentials there act).
+
+Nothing: missing files inside the cell's own view (the cell sees those trees as they are), ``/sys``,
+the system services' sockets and files every libc or toolkit probes (nscd, journald, D-Bus, the machine
+id), a runtime directory of the cell's own account, Python's byte-code caches in the read-only system.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import pwd
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from ..cell.spec import SCRATCH_PATH, SECRET_DIRS, SECRET_FILES, CellSpec
+from .calls import AT_FDCWD, DIRFD, DIRFD2, O_ACCMODE, O_CREAT, O_TRUNC, Call
+from .event import CellEvent
+
+ENOENT, EPERM, ESRCH, EACCES, EBUSY, EXDEV, EROFS = 2, 1, 3, 13, 16, 18, 30
+ENETUNREACH, ECONNREFUSED, EHOSTUNREACH, EADDRNOTAVAIL = 101, 111, 113, 99
+
+# A path with one of these components names a credential (a key, a token store, a shell's history).
+CREDENTIALS = frozenset({
+    ".ssh", ".aws", ".gnupg", ".netrc", ".git-credentials", ".docker", ".kube", ".pgpass", ".npmrc", ".pypirc",
+    ".vault-token", ".password-store", ".azure", ".gcloud", ".terraform.d", ".bash_history", ".zsh_history",
+    ".python_history", ".psql_history", ".mysql_history", ".lesshst", ".viminfo", "id_rsa", "id_ed25519", "id_ecdsa",
+    "id_dsa", "credentials", "credentials.json", "hosts.yml", ".boto", ".s3cfg", ".my.cnf", ".secrets",
+})
+# Host places a libc, a toolkit or a runtime looks at by itself (and copes when they are not there).
+QUIET = ("/sys/", "/run/systemd/", "/var/run/systemd/", "/run/dbus/", "/var/run/dbus/", "/var/lib/dbus/",
+         "/run/nscd/", "/var/run/nscd/", "/var/cache/", "/var/lib/dpkg/", "/var/lib/systemd/", "/run/udev/",
+         "/run/resolvconf/", "/run/systemd-resolved")
+NOTED = ("/var/tmp/",)  # another place for temporary files, which the cell does not have: its /tmp is its own
+# Names in the host's /tmp that tools use for themselves: no secret, no attempt.
+TMP_QUIET = frozenset({".X11-unix", ".ICE-unix", ".XIM-unix", ".font-unix", ".Test-unix"})
+# Devices whose only use from a cell is to read or write the host beneath every wall.
+HOST_DEVICES = ("mem", "kmem", "port", "kmsg", "sd", "hd", "vd", "xvd", "nvme", "mmcblk", "loop", "dm-", "md",
+                "sr", "mapper", "disk", "input", "uinput", "tty0", "tty1", "tty2", "tty3", "tty4", "tty5", "tty6",
+                "tty7", "tty8", "tty9", "console", "ttyS", "vhost", "vsock", "kvm", "cpu", "watchdog", "nvram",
+                "rtc", "hidraw", "bus", "fb", "snd", "video", "sg", "bsg", "btrfs-control", "fuse")
+DNS_PORTS = (53, 853)
+# Protected entries that only instruct a harness (and the session's own configuration): writing them is
+# refused and noted, not an attempt on the human's tools.
+INSTRUCTIONS = frozenset({"AGENTS.md", "CLAUDE.md", "GEMINI.md", "copilot-instructions.md", ".cursorrules",
+                          ".windsurfrules", ".clinerules", "agentcell.toml"})
+
+WRITES = frozenset({"creat", "mkdir", "mkdirat", "rmdir", "unlink", "unlinkat", "rename", "renameat", "renameat2",
+                    "link", "linkat", "symlink", "symlinkat", "chmod", "fchmodat", "fchmodat2", "chown", "lchown",
+                    "fchownat", "truncate", "mknod", "mknodat", "setxattr", "lsetxattr", "removexattr",
+                    "lremovexattr", "utimensat"})
+Verdict = tuple[str, str, str, bool, str]  # operation, target, reason, acts, what would allow it
+
+
+class View:
+    """The cell's mount tree by area: ``system``, ``ro``, ``rw``, ``guarded`` (a protected entry,
+    read-only; ``pinned``: one that may not be renamed), ``mask``, ``home``, ``private`` (its own /tmp,
+    /dev/shm, /scratch), ``dev``, ``proc``; anything else is ``hidden`` (not in the cell)."""
+
+    def __init__(self, spec: CellSpec, guarded: Sequence[tuple[str, bool]], hidden: Sequence[str]) -> None:
+        self.areas: dict[str, str] = {"/proc": "proc", "/dev": "dev", "/dev/pts": "dev", "/dev/shm": "private",
+                                      "/tmp": "private", SCRATCH_PATH: "private"}
+        self.links: dict[str, str] = {}  # top-level symlinks of the system (/bin -> /usr/bin)
+        for p in spec.system_paths:
+            if os.path.islink(p):
+                self.links[p] = os.path.normpath(os.path.join(os.path.dirname(p), os.readlink(p)))
+            elif os.path.isdir(p):
+                self.areas[p] = "system"
+        self.home = spec.identity.home.rstrip("/") or "/"
+        self.areas[self.home] = "home"
+        self.areas.update({p: "rw" for p in spec.rw_paths})
+        self.areas.update({p: "ro" for p in spec.ro_paths if self.areas.get(p) != "system"})
+        self.areas.update({p: "mask" for p in spec.masked_paths})
+        self.declared_masks = set(spec.masked_paths)
+        self.areas.update({p: "guarded" if ro else "pinned" for p, ro in guarded})
+        for p in (*SECRET_FILES, *SECRET_DIRS, *hidden):
+            if self.area(p)[0] not in ("hidden", "private", "home"):
+                self.areas[p] = "mask"
+        # Directories that lead to what the cell contains (/home, /home/you for /home/you/project): the
+        # cell has them, empty but for that way down; tools look for their config in each.
+        self.ancestors = {d for p in self.areas for d in _parents(p)} - {"/"}
+        self.uid, self.network = spec.identity.uid, spec.network
+
+    def resolve_links(self, path: str) -> str:
+        for link, target in self.links.items():
+            if path == link or path.startswith(link + "/"):
+                return target + path[len(link):]
+        return path
+
+    def area(self, path: str) -> tuple[str, str]:
+        """(area, the mount it lies in) of an absolute, normalised path."""
+        p = path
+        while True:
+            kind = self.areas.get(p)
+            if kind is not None:
+                return kind, p
+            if p == "/":
+                return "hidden", "/"
+            p = os.path.dirname(p)
+
+
+def _parents(path: str) -> list[str]:
+    out = []
+    while path != "/":
+        path = os.path.dirname(path)
+        out.append(path)
+    return out
+
+
+class Host:
+    """What the host has, as the classifier asks (a test replaces it). Lookups are of names only."""
+
+    def __init__(self, pid1: int = 0) -> None:
+        self.pid1 = pid1
+        self._homes: set[str] | None = None
+        self._cache: dict[str, tuple[float, Any]] = {}
+
+    def exists(self, path: str) -> bool:
+        try:
+            os.lstat(path)
+            return True
+        except (OSError, ValueError):
+            return False
+
+    def homes(self) -> set[str]:
+        """The home directories of the host's accounts, and /root."""
+        if self._homes is None:
+            out = {"/root"}
+            for pw in pwd.getpwall():
+                home = os.path.normpath(pw.pw_dir or "/")
+                if home.count("/") >= 2 and not home.startswith(("/usr/", "/var/", "/run/", "/dev/", "/proc/",
+                                                                  "/bin", "/sbin", "/nonexistent")):
+                    out.add(home)
+            self._homes = out
+        return self._homes
+
+    def pid_exists(self, pid: int) -> bool:
+        return os.path.exists(f"/proc/{pid}")
+
+    def _table(self, name: str, read: Callable[[], Any]) -> Any:
+        now = time.monotonic()
+        hit = self._cache.get(name)
+        if hit is None or now - hit[0] > 1.0:
+            hit = (now, read())
+            self._cache[name] = hit
+        return hit[1]
+
+    def listens(self, port: int) -> bool:
+        """Whether something listens on TCP ``port`` in the host's network namespace."""
+        def read() -> set[int]:
+            out = set()
+            for name in ("tcp", "tcp6"):
+                try:
+                    with open(f"/proc/self/net/{name}") as f:
+                        for line in f.readlines()[1:]:
+                            fields = line.split()
+                            if len(fields) > 3 and fields[3] == "0A":
+                                out.add(int(fields[1].rsplit(":", 1)[1], 16))
+                except OSError:
+                    pass
+            return out
+        return port in self._table("listen", read)
+
+    def abstract(self, name: str) -> bool:
+        """Whether an abstract unix socket ``name`` exists in the host's network namespace."""
+        def read() -> set[str]:
+            try:
+                with open("/proc/self/net/unix") as f:
+                    return {ln.split()[-1][1:] for ln in f.readlines()[1:] if len(ln.split()) >= 8
+                            and ln.split()[-1].startswith("@")}
+            except OSError:
+                return set()
+        return name in self._table("abstract", read)
+
+    def cwd(self, pid: int) -> str | None:
+        try:
+            return os.readlink(f"/proc/{pid}/cwd")
+        except OSError:
+            return None
+
+    def fd_path(self, pid: int, fd: int) -> str | None:
+        try:
+            path = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            return None
+        return path if path.startswith("/") else None
+
+    def link_in_cell(self, path: str) -> str | None:
+        """Where a symlink at ``path`` in the cell points (its target, as written), or None."""
+        if not self.pid1:
+            return None
+        try:
+            return os.readlink(f"/proc/{self.pid1}/root{path}")
+        except (OSError, ValueError):
+            return None
+
+
+class Classifier:
+    """``classify(call)`` for one cell. ``pid_ceiling()``: the highest pid the cell's namespace may have
+    given out so far (a /proc number above it was never the cell's)."""
+
+    def __init__(self, view: View, network: str, host: Host, pid_ceiling: Callable[[], int | None]) -> None:
+        self.view, self.network, self.host, self.pid_ceiling = view, network, host, pid_ceiling
+
+    def classify(self, call: Call) -> Verdict | None:
+        if call.name in ("kill", "pidfd_open"):
+            return self._pid(call)
+        if call.addr is not None:
+            return self._network(call)
+        if not call.path:
+            return None
+        first = self._path(call, call.path, DIRFD.get(call.name))
+        verdicts = [] if first is None else [self._file(call, first, self._op(call, second=False))]
+        if call.path2:
+            second = self._path(call, call.path2, DIRFD2.get(call.name))
+            if second is not None:
+                verdicts.append(self._file(call, second, "write"))
+        found = [v for v in verdicts if v is not None]
+        return next((v for v in found if v[3]), found[0] if found else None)
+
+    # ---- paths ------------------------------------------------------------------------------------
+
+    def _path(self, call: Call, path: str, dirfd_arg: int | None) -> str | None:
+        """The absolute path the call named (relative ones from its directory fd or working directory,
+        read now: None if the process has gone and left no way to tell)."""
+        if not path.startswith("/"):
+            base: str | None
+            fd = call.args[dirfd_arg] if dirfd_arg is not None else AT_FDCWD
+            fd = fd - (1 << 64) if fd >= 1 << 63 else fd
+            base = self.host.cwd(call.pid) if fd == AT_FDCWD or fd & 0xFFFFFFFF == AT_FDCWD & 0xFFFFFFFF \
+                else self.host.fd_path(call.pid, fd)
+            if base is None:
+                return None
+            path = os.path.join(base, path)
+        return self.view.resolve_links(os.path.normpath(path).replace("//", "/"))
+
+    def _op(self, call: Call, *, second: bool) -> str:
+        if call.name in ("execve", "execveat"):
+            return "execute"
+        if call.name in ("link", "linkat") and not second:
+            return "read"  # its source: what it would give a second name to
+        if call.name in WRITES or call.errno == EROFS:
+            return "write"
+        if call.name in ("open", "openat"):
+            flags = call.args[1] if call.name == "open" else call.args[2]
+            if flags & O_ACCMODE or flags & (O_CREAT | O_TRUNC):
+                return "write"
+        return "read"
+
+    def _file(self, call: Call, path: str, op: str, depth: int = 0) -> Verdict | None:
+        area, mount = self.view.area(path)
+        e = call.errno
+        if area == "mask":
+            if mount in self.view.declared_masks:  # a .env in the project: agents read those without a thought
+                return (op, path, "a path the policy masks in the declared paths (the cell sees an empty file or "
+                        "directory there)", False, f"drop --mask {mount}")
+            return (op, path, "a secret of the host the cell hides (masked: an empty file or directory of the "
+                    "cell's own is there)", True, "nothing: a secret of the host")
+        if area in ("system", "ro", "guarded", "pinned"):
+            return self._read_only(call, path, op, area, mount)
+        if area == "proc":
+            return self._proc(call, path, op)
+        if area == "dev":
+            name = path[len("/dev/"):]
+            if e == ENOENT and name.startswith(HOST_DEVICES):
+                return (op, path, "a device of the host (the cell's /dev has only null, zero, full, random, urandom "
+                        "and tty)", True, "nothing: devices stay outside")
+            return None
+        if area == "hidden":
+            return self._hidden(call, path, op)
+        if e != ENOENT:  # the cell's own writable places: a refusal there is the host's permissions, or a race
+            return None
+        target = self._dangling(path) if depth < 4 else None
+        if target is not None:  # a link of the cell's own that leads somewhere else
+            hit = self._file(call, target, op, depth + 1)
+            return None if hit is None else (hit[0], hit[1], f"through the link {path}: {hit[2]}", hit[3], hit[4])
+        if area == "private" and path.startswith("/tmp/"):
+            return self._shared_tmp(path, op)
+        return None
+
+    def _read_only(self, call: Call, path: str, op: str, area: str, mount: str) -> Verdict | None:
+        """The system, a --ro path, a protected entry of the project: all there, all read-only."""
+        e = call.errno
+        if e == EXDEV and call.name in ("link", "linkat"):
+            return ("write", path, "a hard link across the cell's mounts (the kernel refuses it: EXDEV)", False, "")
+        if area in ("guarded", "pinned"):
+            if op != "write" or e not in (EROFS, EBUSY, EACCES, EPERM, EXDEV):
+                return None
+            if os.path.basename(mount) in INSTRUCTIONS:  # asked to update AGENTS.md, an agent tries to
+                return ("write", path, "a write to a protected file in the project (the instructions harnesses "
+                        "read: read-only in the cell)", False, f"--allow-write {mount}")
+            return ("write", path, "a write to a protected path in the project (git hooks and config, harness "
+                    "settings, what the human's tools run: read-only in the cell)", True, f"--allow-write {mount}")
+        if op != "write":
+            if area == "system" and e in (EACCES, EPERM):
+                return (op, path, "a file of the system that the cell's account may not read (its permissions)",
+                        True, "nothing: the host's permissions decide")
+            return None  # a missing file where the cell sees the host's tree as it is: an ordinary lookup
+        if e not in (EROFS, EACCES, EPERM):
+            return None
+        if "/__pycache__/" in path and path.endswith(".pyc"):
+            return None  # Python caching byte code next to a read-only module: it goes on without
+        if area == "ro":  # declared for reading: a mistake to write there, not a way out
+            return ("write", path, f"a write to a path declared read-only ({mount})", False, f"--rw {mount}")
+        return ("write", path, "a write to the read-only system", True, "nothing: write inside the --rw paths")
+
+    def _dangling(self, path: str) -> str | None:
+        """Where a symlink the cell made leads (at ``path`` or a directory above it, up to the mount)."""
+        p = path
+        while p not in self.view.areas and p != "/":
+            target = self.host.link_in_cell(p)
+            if target is not None:
+                return os.path.normpath(os.path.join(os.path.dirname(p), target) + path[len(p):])
+            p = os.path.dirname(p)
+        return None
+
+    def _shared_tmp(self, path: str, op: str) -> Verdict | None:
+        parts = path.split("/")
+        if len(parts) < 3 or parts[2] in TMP_QUIET or not self.host.exists(path):
+            return None
+        if _credential(path):
+            return (op, path, "a credential in the host's shared /tmp (the cell's /tmp is its own)", True,
+                    "nothing: the host's /tmp stays outside")
+        return (op, path, "a name of the host's shared /tmp, which the cell's own /tmp does not have", False, "")
+
+    def _hidden(self, call: Call, path: str, op: str) -> Verdict | None:
+        """A path the cell does not contain (or the empty directories that lead to what it does)."""
+        if path.startswith(QUIET):
+            return None
+        if path.startswith(f"/run/user/{self.view.uid}/") or path == f"/run/user/{self.view.uid}":
+            return None  # a runtime directory of the cell's own account (XDG_RUNTIME_DIR is not set in a cell)
+        if path.startswith(NOTED):
+            return (op, path, "a place for temporary files that the cell does not have (its /tmp is its own)", False,
+                    "use /tmp")
+        homes = self.host.homes()
+        home = next((h for h in homes if path == h or path.startswith(h + "/")), None)
+        credential = _credential(path)
+        parent = os.path.dirname(path)
+        if parent in self.view.ancestors and home != path and not credential:
+            # next to what the cell contains: a tool looking for its config in a parent directory
+            if not self.host.exists(path):
+                return None
+            return (op, path, "a name next to the cell's paths, which the cell does not have (tools look for "
+                    "their configuration in parent directories)", False, f"--ro {path}")
+        # What is not there is nothing to reach, but a credential's name in a home, or a new name in a
+        # host directory that is there (a write outside the declared paths).
+        there = self.host.exists(path) or op == "write" and self.host.exists(parent)
+        if not (credential and home is not None) and not there:
+            return None
+        what = ("a credential in the home of a host account" if credential and home else
+                "the home of a host account" if home else "a host path outside the cell's declared paths")
+        allow = "nothing: credentials stay outside" if credential else f"--{'rw' if op == 'write' else 'ro'} {path}"
+        return (op, path, f"{what} (the cell does not contain it)", True, allow)
+
+    def _proc(self, call: Call, path: str, op: str) -> Verdict | None:
+        parts = path.split("/")
+        if len(parts) >= 3 and parts[2].isdigit() and call.errno in (ENOENT, ESRCH):
+            pid = int(parts[2])
+            ceiling = self.pid_ceiling()
+            if ceiling is not None and pid > ceiling and self.host.pid_exists(pid):
+                return (op, path, f"a host process (pid {pid}) through /proc: the cell's /proc shows its own "
+                        "processes only", True, "nothing: host processes stay outside")
+            return None
+        if op == "write" and (path.startswith("/proc/sys/") or path == "/proc/sysrq-trigger"):
+            return ("write", path, "a kernel setting", True, "nothing: a cell never changes the kernel")
+        return None
+
+    # ---- processes and the network ----------------------------------------------------------------
+
+    def _pid(self, call: Call) -> Verdict | None:
+        pid = call.args[0] & 0xFFFFFFFF
+        pid = pid - (1 << 32) if pid >= 1 << 31 else pid
+        ceiling = self.pid_ceiling()
+        if call.errno != ESRCH or pid <= 0 or ceiling is None or pid <= ceiling or not self.host.pid_exists(pid):
+            return None
+        return ("execute", f"{call.name} pid {pid}", "a signal or handle for a host process (not in the cell's "
+                "pid namespace: refused)", False, "")
+
+    def _network(self, call: Call) -> Verdict | None:
+        addr = call.addr
+        assert addr is not None
+        e = call.errno
+        if addr[0] == "abstract":
+            if e == ECONNREFUSED and addr[1] and self.host.abstract(addr[1]):
+                return ("network", f"@{addr[1]}", "an abstract socket of the host (another network namespace's)",
+                        True, "nothing: the host's sockets stay outside")
+            return None
+        if addr[0] == "unix":
+            path = self._path(call, addr[1], None)
+            if path is None or e not in (ENOENT, ECONNREFUSED, EACCES, EPERM):
+                return None
+            hit = self._file(call, path, "network")
+            if hit is None or self.view.area(path)[0] in ("system", "ro"):
+                return None
+            return ("network", path, f"a host socket: {hit[2]}", hit[3], "nothing: the host's sockets stay outside")
+        _family, ip, port = addr
+        if e in (EACCES, EPERM) or self.network == "host-firewall":
+            return None  # Landlock's own records say so; on the host's network, the firewall's log does
+        target = f"{ip}:{port}"
+        if port in DNS_PORTS:
+            return ("network", target, "a DNS query: the cell has no resolver (the proxy resolves names)", False,
+                    "--net proxy (names are resolved there)")
+        if ip.startswith("127.") or ip == "::1" or ip == "::ffff:127.0.0.1":
+            if e == ECONNREFUSED and self.host.listens(port):
+                return ("network", target, "a port the host listens on, tried on the cell's own loopback (it is "
+                        "not the host's)", False, "")
+            return None
+        if ip in ("0.0.0.0", "::"):
+            return None
+        return ("network", target, "a connection or datagram to an address outside the cell (its network "
+                "namespace has no way there)", True, "--net proxy with --allow-domain NAME")
+
+
+def _credential(path: str) -> bool:
+    parts = path.split("/")
+    return any(p in CREDENTIALS for p in parts) or any(p.startswith("ssh-") for p in parts[:-1]) and \
+        parts[-1].startswith("agent.")
+
+
+class AttemptSource:
+    """The cell's failed calls (:class:`agentcell.monitor.calls.FailedCalls`), as events: a
+    :class:`agentcell.monitor.source.Source`. ``exe_of(pid)`` names a process (the monitor's table of the
+    cell's processes, which outlives them); ``ignore(pid)``: agentcell's own processes in the cell."""
+
+    name = "calls"
+
+    def __init__(self, calls: Any, classifier: Classifier, cell: str, exe_of: Callable[[int], str],
+                 ignore: Callable[[int], bool]) -> None:
+        self.calls, self.classifier, self.cell = calls, classifier, cell
+        self.exe_of, self.ignore = exe_of, ignore
+
+    def fileno(self) -> int:
+        return int(self.calls.fileno())
+
+    def read(self) -> list[CellEvent]:
+        out = []
+        for call in self.calls.read():
+            if self.ignore(call.pid):
+                continue
+            verdict = self.classifier.classify(call)
+            if verdict is None:
+                continue
+            op, target, reason, acts, allow = verdict
+            out.append(CellEvent(op, target, f"{reason}; refused by the kernel ({call.name}: "
+                                 f"{errno.errorcode.get(call.errno, call.errno)})", source="calls", cell=self.cell,
+                                 pid=call.pid, exe=self.exe_of(call.pid) or call.comm, allow=allow, acts=acts))
+        return out
+
+    def dropped(self) -> int:
+        return int(self.calls.dropped())
+
+    def close(self) -> None:
+        self.calls.close()

@@ -1,0 +1,351 @@
+"""The cell's failed system calls, from the kernel: an eBPF program on the ``sys_exit`` raw tracepoint
+(every call's return, host-wide) keeps only calls that failed, in the cell's own cgroup, of the calls
+that reach for something (open, exec, connect, send, mkdir, unlink, rename, link, chmod, chdir, kill, …)
+with an errno that can mean "not yours" (ENOENT, EACCES, EPERM, EROFS, EXDEV, EBUSY, ESRCH, and the
+network's), and hands each to the monitor through a ring buffer with the process, its name and the
+path or address it named. What it means is decided in :mod:`.attempts`.
+
+Why this source: most of what a cell refuses, the kernel refuses without a record. A host file the cell
+does not contain is ENOENT, a write to the read-only system EROFS (the mount refuses before Landlock is
+asked), a datagram to the network ENETUNREACH (the cell's network namespace has no route), a host pid
+ESRCH. Landlock's audit records cover only what exists in the cell and is not allowed.
+
+Cost: the program runs at every system call's return on the host; one that succeeded costs two
+instructions, one of another cgroup a helper call more. Reading the path takes place at the call's
+return: a thread of the same process could rewrite the buffer in between, so a path may be shown other
+than it was asked for (the call failed all the same). x86_64 only (its call numbers and registers).
+"""
+from __future__ import annotations
+
+import os
+import socket
+import struct
+from typing import Any
+
+from . import bpf
+
+EVENT_SIZE = 600
+_HEAD = struct.Struct("<IIqQ6Q16s")  # nr, pad, ret, pid_tgid, args, comm
+A, B = 88, 344  # the two buffers: a path or an address, and a second path
+RING_SIZE = 4 << 20  # about 7,000 events in flight
+ARG_OFFSETS = (112, 104, 96, 56, 72, 64)  # x86_64 pt_regs: di, si, dx, r10, r8, r9
+ORIG_AX = 120
+
+PATH, SOCKADDR, MSGHDR = 1, 2, 3
+_ERRNOS = (1, 2, 3, 13, 16, 18, 30, 99, 101, 111, 113)  # EPERM … EROFS; EADDRNOTAVAIL … EHOSTUNREACH
+ENOENT = 2
+
+# x86_64: call -> (number, what its arguments are): [(kind, argument index)] for the first buffer, then
+# a second path. Not stat, access or readlink: asking whether something exists reaches nothing.
+CALLS: dict[str, tuple[int, tuple[tuple[int, int], ...]]] = {
+    "open": (2, ((PATH, 0),)), "creat": (85, ((PATH, 0),)), "openat": (257, ((PATH, 1),)),
+    "openat2": (437, ((PATH, 1),)), "execve": (59, ((PATH, 0),)), "execveat": (322, ((PATH, 1),)),
+    "connect": (42, ((SOCKADDR, 1),)), "sendto": (44, ((SOCKADDR, 4),)), "sendmsg": (46, ((MSGHDR, 1),)),
+    "mkdir": (83, ((PATH, 0),)), "mkdirat": (258, ((PATH, 1),)), "rmdir": (84, ((PATH, 0),)),
+    "unlink": (87, ((PATH, 0),)), "unlinkat": (263, ((PATH, 1),)), "rename": (82, ((PATH, 0), (PATH, 1))),
+    "renameat": (264, ((PATH, 1), (PATH, 3))), "renameat2": (316, ((PATH, 1), (PATH, 3))),
+    "link": (86, ((PATH, 0), (PATH, 1))), "linkat": (265, ((PATH, 1), (PATH, 3))),
+    "symlink": (88, ((PATH, 1), (PATH, 0))), "symlinkat": (266, ((PATH, 2), (PATH, 0))),
+    "chmod": (90, ((PATH, 0),)), "fchmodat": (268, ((PATH, 1),)), "fchmodat2": (452, ((PATH, 1),)),
+    "chown": (92, ((PATH, 0),)), "lchown": (94, ((PATH, 0),)), "fchownat": (260, ((PATH, 1),)),
+    "truncate": (76, ((PATH, 0),)), "mknod": (133, ((PATH, 0),)), "mknodat": (259, ((PATH, 1),)),
+    "chdir": (80, ((PATH, 0),)), "setxattr": (188, ((PATH, 0),)), "lsetxattr": (189, ((PATH, 0),)),
+    "removexattr": (197, ((PATH, 0),)), "lremovexattr": (198, ((PATH, 0),)), "utimensat": (280, ((PATH, 1),)),
+    "pidfd_open": (434, ()), "kill": (62, ()),
+}
+NAMES = {nr: name for name, (nr, _) in CALLS.items()}
+# where the directory fd of an *at call is (its path is relative to it)
+DIRFD = {"openat": 0, "openat2": 0, "execveat": 0, "mkdirat": 0, "unlinkat": 0, "renameat": 0, "renameat2": 0,
+         "linkat": 0, "symlinkat": 1, "fchmodat": 0, "fchmodat2": 0, "fchownat": 0, "mknodat": 0, "utimensat": 0}
+DIRFD2 = {"renameat": 2, "renameat2": 2, "linkat": 2}
+AT_FDCWD = -100
+# openat's flags (argument 2) and open's (1): what the open was for
+O_ACCMODE, O_CREAT, O_TRUNC = 3, 0o100, 0o1000
+
+
+def supported() -> str:
+    """Empty if this source can run here, else why not."""
+    if os.uname().machine != "x86_64":
+        return f"its call table knows x86_64 only (this is {os.uname().machine})"
+    if os.geteuid() != 0:
+        return "eBPF needs root (CAP_BPF, CAP_PERFMON)"
+    return ""
+
+
+def _spec(args: tuple[tuple[int, int], ...]) -> int:
+    out = 1 << 16  # watched
+    for shift, (kind, index) in zip((0, 8), args, strict=False):
+        out |= (kind | index << 4) << shift
+    return out
+
+
+def program(cgroup_id: int, table_fd: int, ring_fd: int, drops_fd: int) -> bytes:
+    """The program, for one cell's cgroup (its id: the cgroup2 directory's inode number)."""
+    R0, R1, R2, R3, R6, R7, R8, R9, R10 = (bpf.R0, bpf.R1, bpf.R2, bpf.R3, bpf.R6, bpf.R7, bpf.R8, bpf.R9,
+                                           bpf.R10)
+    lo = sum(1 << e for e in _ERRNOS if e < 64)
+    hi = sum(1 << (e - 64) for e in _ERRNOS if e >= 64)
+    a = bpf.Asm()
+    # raw tracepoint sys_exit: ctx->args[0] is the caller's registers (struct pt_regs *), args[1] the result
+    a.alu("mov", R6, R1)
+    a.ldx(bpf.DW, R7, R6, 8)
+    a.j("jsge", R7, "out", imm=0)  # it succeeded
+    a.j("jslt", R7, "out", imm=-127)
+    a.alu("mov", R1, R7)
+    a.alu("neg", R1)  # errno
+    a.ld64(R2, lo)
+    a.j("jlt", R1, "bit", imm=64)
+    a.ld64(R2, hi)
+    a.alu("sub", R1, imm=64)
+    a.label("bit")
+    a.alu("rsh", R2, R1)
+    a.alu("and", R2, imm=1)
+    a.j("jeq", R2, "out", imm=0)  # not an errno of interest
+    a.call(bpf.GET_CURRENT_CGROUP_ID)
+    a.ld64(R1, cgroup_id)
+    a.j("jne", R0, "out", src=R1)  # not the cell's
+    a.alu("mov", R1, R10)  # the call's number, onto the stack
+    a.alu("add", R1, imm=-8)
+    a.alu("mov", R2, imm=8)
+    a.ldx(bpf.DW, R3, R6, 0)
+    a.alu("add", R3, imm=ORIG_AX)
+    a.call(bpf.PROBE_READ_KERNEL)
+    a.j("jne", R0, "out", imm=0)
+    a.ldx(bpf.DW, R1, R10, -8)
+    a.j("jgt", R1, "out", imm=511)
+    a.stx(bpf.W, R10, -12, R1)
+    a.ld64(R1, table_fd, map_fd=True)  # what its arguments are, if it is one of ours
+    a.alu("mov", R2, R10)
+    a.alu("add", R2, imm=-12)
+    a.call(bpf.MAP_LOOKUP)
+    a.j("jeq", R0, "out", imm=0)
+    a.ldx(bpf.DW, R9, R0, 0)
+    a.j("jeq", R9, "out", imm=0)
+    a.ld64(R1, ring_fd, map_fd=True)
+    a.alu("mov", R2, imm=EVENT_SIZE)
+    a.alu("mov", R3, imm=0)
+    a.call(bpf.RINGBUF_RESERVE)
+    a.j("jeq", R0, "dropped", imm=0)
+    a.alu("mov", R8, R0)  # the event; from here every way out submits or discards it
+    a.ldx(bpf.DW, R1, R10, -8)
+    a.stx(bpf.DW, R8, 0, R1)
+    a.stx(bpf.DW, R8, 8, R7)
+    a.call(bpf.GET_CURRENT_PID_TGID)
+    a.stx(bpf.DW, R8, 16, R0)
+    a.alu("mov", R1, R8)
+    a.alu("add", R1, imm=72)
+    a.alu("mov", R2, imm=16)
+    a.call(bpf.GET_CURRENT_COMM)
+    a.alu("mov", R1, R8)  # the registers, into the first buffer for a moment: the six arguments from there
+    a.alu("add", R1, imm=A)
+    a.alu("mov", R2, imm=168)
+    a.ldx(bpf.DW, R3, R6, 0)
+    a.call(bpf.PROBE_READ_KERNEL)
+    for i, off in enumerate(ARG_OFFSETS):
+        a.ldx(bpf.DW, R1, R8, A + off)
+        a.stx(bpf.DW, R8, 24 + 8 * i, R1)
+    a.st(bpf.B, R8, A, 0)
+    a.st(bpf.B, R8, B, 0)
+    # the first buffer: a path, an address, or a message's address
+    a.alu("mov", R1, R9)
+    a.alu("and", R1, imm=15)
+    a.j("jeq", R1, "second", imm=0)
+    a.alu("mov", R2, R9)
+    a.alu("rsh", R2, imm=4)
+    a.alu("and", R2, imm=7)
+    a.alu("lsh", R2, imm=3)
+    a.alu("mov", R3, R8)
+    a.alu("add", R3, R2)
+    a.ldx(bpf.DW, R6, R3, 24)  # the user pointer (the registers are not needed any more)
+    a.j("jeq", R1, "path", imm=PATH)
+    a.j("jeq", R1, "msghdr", imm=MSGHDR)
+    a.label("sockaddr")
+    for size in (110, 28, 16):  # as much of the address as can be read
+        a.alu("mov", R1, R8)
+        a.alu("add", R1, imm=A)
+        a.alu("mov", R2, imm=size)
+        a.alu("mov", R3, R6)
+        a.call(bpf.PROBE_READ_USER)
+        a.j("jeq", R0, "second", imm=0)
+    a.j("ja", R0, "second")
+    a.label("msghdr")  # msg_name and msg_namelen, into the second buffer; then the address they point at
+    a.alu("mov", R1, R8)
+    a.alu("add", R1, imm=B)
+    a.alu("mov", R2, imm=16)
+    a.alu("mov", R3, R6)
+    a.call(bpf.PROBE_READ_USER)
+    a.j("jne", R0, "second", imm=0)
+    a.ldx(bpf.DW, R6, R8, B)
+    a.j("jeq", R6, "second", imm=0)
+    a.j("ja", R0, "sockaddr")
+    a.label("path")
+    a.alu("mov", R1, R8)
+    a.alu("add", R1, imm=A)
+    a.alu("mov", R2, imm=256)
+    a.alu("mov", R3, R6)
+    a.call(bpf.PROBE_READ_USER_STR)
+    a.label("second")  # a second path (rename, link, symlink)
+    a.alu("mov", R1, R9)
+    a.alu("rsh", R1, imm=8)
+    a.alu("and", R1, imm=15)
+    a.j("jne", R1, "filter", imm=PATH)
+    a.alu("mov", R2, R9)
+    a.alu("rsh", R2, imm=12)
+    a.alu("and", R2, imm=7)
+    a.alu("lsh", R2, imm=3)
+    a.alu("mov", R3, R8)
+    a.alu("add", R3, R2)
+    a.ldx(bpf.DW, R3, R3, 24)
+    a.alu("mov", R1, R8)
+    a.alu("add", R1, imm=B)
+    a.alu("mov", R2, imm=256)
+    a.call(bpf.PROBE_READ_USER_STR)
+    # Missing files under /usr, /lib* and /sys are everyday lookups (locales, libraries, hardware), and
+    # nothing is hidden there: the cell sees those trees as they are (or, /sys, not at all).
+    a.label("filter")
+    a.j("jne", R7, "submit", imm=-ENOENT)
+    a.alu("mov", R1, R9)
+    a.alu("and", R1, imm=15)
+    a.j("jne", R1, "submit", imm=PATH)
+    a.ldx(bpf.W, R1, R8, A)
+    a.j("jeq", R1, "discard", imm=int.from_bytes(b"/lib", "little"))
+    a.ldx(bpf.B, R2, R8, A + 4)
+    a.j("jne", R2, "submit", imm=ord("/"))
+    a.j("jeq", R1, "discard", imm=int.from_bytes(b"/usr", "little"))
+    a.j("jeq", R1, "discard", imm=int.from_bytes(b"/sys", "little"))
+    a.label("submit")
+    a.alu("mov", R1, R8)
+    a.alu("mov", R2, imm=0)
+    a.call(bpf.RINGBUF_SUBMIT)
+    a.j("ja", R0, "out")
+    a.label("discard")
+    a.alu("mov", R1, R8)
+    a.alu("mov", R2, imm=0)
+    a.call(bpf.RINGBUF_DISCARD)
+    a.j("ja", R0, "out")
+    a.label("dropped")  # the ring is full: counted, so the monitor knows it missed some
+    a.st(bpf.W, R10, -16, 0)
+    a.ld64(R1, drops_fd, map_fd=True)
+    a.alu("mov", R2, R10)
+    a.alu("add", R2, imm=-16)
+    a.call(bpf.MAP_LOOKUP)
+    a.j("jeq", R0, "out", imm=0)
+    a.alu("mov", R1, imm=1)
+    a.atomic_add(R0, 0, R1)
+    a.label("out")
+    a.alu("mov", R0, imm=0)
+    a.exit()
+    return a.code()
+
+
+class Call:
+    """One failed call: ``name``, ``errno``, ``pid`` (the process, host pid), ``tid``, ``comm``, ``args``
+    (raw), ``path`` and ``path2`` (as given, maybe relative), ``addr`` (("inet"|"inet6", ip, port),
+    ("unix", path), ("abstract", name) or None)."""
+
+    __slots__ = ("name", "errno", "pid", "tid", "comm", "args", "path", "path2", "addr")
+
+    def __init__(self, name: str, errno: int, pid: int, tid: int, comm: str, args: tuple[int, ...], path: str = "",
+                 path2: str = "", addr: tuple[Any, ...] | None = None) -> None:
+        self.name, self.errno, self.pid, self.tid, self.comm, self.args = name, errno, pid, tid, comm, args
+        self.path, self.path2, self.addr = path, path2, addr
+
+    def __repr__(self) -> str:
+        return f"Call({self.name} -> {self.errno} pid {self.pid} {self.comm!r} {self.path!r} {self.path2!r} " \
+               f"{self.addr!r})"
+
+
+def decode(raw: bytes) -> Call | None:
+    if len(raw) < EVENT_SIZE:
+        return None
+    nr, _pad, ret, pid_tgid, *rest = _HEAD.unpack_from(raw, 0)
+    args, comm = tuple(rest[:6]), rest[6]
+    name = NAMES.get(nr)
+    if name is None:
+        return None
+    kinds = CALLS[name][1]
+    call = Call(name, -ret, pid_tgid >> 32, pid_tgid & 0xFFFFFFFF, comm.split(b"\0")[0].decode(errors="replace"),
+                args)
+    first = kinds[0][0] if kinds else 0
+    if first == PATH:
+        call.path = os.fsdecode(raw[A:A + 256].split(b"\0")[0])
+    elif first == SOCKADDR:
+        length = args[2] if name == "connect" else args[5]
+        call.addr = sockaddr(raw[A:A + 110], length)
+    elif first == MSGHDR:
+        length = struct.unpack_from("<I", raw, B + 8)[0] if struct.unpack_from("<Q", raw, B)[0] else 0
+        call.addr = sockaddr(raw[A:A + 110], length) if length else None
+    if len(kinds) > 1:
+        call.path2 = os.fsdecode(raw[B:B + 256].split(b"\0")[0])
+    return call
+
+
+def sockaddr(data: bytes, length: int) -> tuple[Any, ...] | None:
+    """An address as the call gave it (``length`` bytes of it)."""
+    if len(data) < 2:
+        return None
+    family = struct.unpack_from("<H", data, 0)[0]
+    if family == socket.AF_INET and len(data) >= 8:
+        return ("inet", socket.inet_ntop(socket.AF_INET, data[4:8]), struct.unpack_from(">H", data, 2)[0])
+    if family == socket.AF_INET6 and len(data) >= 24:
+        return ("inet6", socket.inet_ntop(socket.AF_INET6, data[8:24]), struct.unpack_from(">H", data, 2)[0])
+    if family == socket.AF_UNIX:
+        body = data[2:max(2, min(length, len(data)))]
+        if body[:1] == b"\0":
+            return ("abstract", body[1:].decode(errors="replace"))
+        return ("unix", os.fsdecode(body.split(b"\0")[0])) if body else None
+    return None
+
+
+class FailedCalls:
+    """The program for one cell, attached; :meth:`read` what it saw. Close it when the cell has ended."""
+
+    name = "calls"
+
+    def __init__(self, cgroup_id: int) -> None:
+        why = supported()
+        if why:
+            raise OSError(95, why)
+        self._fds: list[int] = []
+        self.ring: bpf.RingBuffer | None = None
+        try:
+            table = self._keep(bpf.map_create(bpf.MAP_ARRAY, 4, 8, 512, "agentcell_calls"))
+            for nr, kinds in CALLS.values():
+                bpf.map_update(table, struct.pack("<I", nr), struct.pack("<Q", _spec(kinds)))
+            ring = self._keep(bpf.map_create(bpf.MAP_RINGBUF, 0, 0, RING_SIZE, "agentcell_ring"))
+            self.drops_fd = self._keep(bpf.map_create(bpf.MAP_ARRAY, 4, 8, 1, "agentcell_drops"))
+            prog = self._keep(bpf.prog_load(bpf.PROG_RAW_TRACEPOINT, program(cgroup_id, table, ring, self.drops_fd),
+                                            "agentcell_calls"))
+            self.ring = bpf.RingBuffer(ring, RING_SIZE)
+            self._keep(bpf.attach_raw_tracepoint("sys_exit", prog))
+        except BaseException:
+            self.close()
+            raise
+
+    def _keep(self, fd: int) -> int:
+        self._fds.append(fd)
+        return fd
+
+    def fileno(self) -> int:
+        assert self.ring is not None
+        return self.ring.fileno()
+
+    def read(self, limit: int = 4096) -> list[Call]:
+        """The failed calls recorded since the last read (at most ``limit``); never blocks."""
+        assert self.ring is not None
+        return [c for c in map(decode, self.ring.records(limit)) if c is not None]
+
+    def dropped(self) -> int:
+        """Failed calls the kernel could not hand over (the ring was full), since the start."""
+        return int(struct.unpack("<Q", bpf.map_lookup(self.drops_fd, struct.pack("<I", 0), 8))[0])
+
+    def close(self) -> None:
+        if self.ring is not None:
+            self.ring.close()
+            self.ring = None
+        for fd in reversed(self._fds):  # the link first: the program stops running before its maps go
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self._fds = []
