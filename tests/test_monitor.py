@@ -158,7 +158,11 @@ def test_a_task_limit_hit_is_recorded_not_terminated(user: User) -> None:
     bomb = "for i in $(seq 40); do sleep 2 & done; wait; echo done"
     r = agentcell_run(["--as", str(user.uid), "--pids", "16", "--monitor", "--", "sh", "-c", bomb], timeout=60)
     assert r.result["terminated_by_monitor"] is False, r.err
-    assert [e["target"] for e in r.result["events"]] == ["pids_limit_hits"], r.result["events"]  # type: ignore[union-attr]
+    events = r.result["events"]
+    assert isinstance(events, list)
+    assert [e["target"] for e in events if e["acts"]] == ["pids_limit_hits"], events
+    # the shell may give up on a refused fork with sleeps still running: those are noted as left behind
+    assert all(e["reason"].startswith("a process still ran when the command ended") for e in events if not e["acts"])
 
 
 def test_a_source_that_stops_is_a_telemetry_event_and_ends_the_cell(user: User) -> None:
@@ -219,8 +223,13 @@ def test_a_privilege_tool_run_in_the_cell_is_an_escape_attempt(user: User) -> No
     r = agentcell_run(["--as", str(user.uid), "--monitor", "--on-escape", "record", "--", "sh", "-c",
                        "mount --version >/dev/null 2>&1; su -c true 2>/dev/null; echo done"], timeout=60)
     assert r.rc == 0 and r.out.strip() == "done", r.err
-    got = [(e["operation"], e["target"], e["source"]) for e in r.result["events"]]  # type: ignore[union-attr]
-    assert got == [("execute", "mount", "exec"), ("execute", "su", "exec")], r.result["events"]
+    events = r.result["events"]
+    assert isinstance(events, list)
+    got = [(e["operation"], e["target"], e["source"]) for e in events]
+    assert got[:2] == [("execute", "mount", "exec"), ("execute", "su", "exec")], events
+    # and what su went on to try, nosuid as it is: the shadow file, the failed-login log
+    assert ("read", "/etc/shadow", "calls") in got[2:], events
+    assert {os.path.basename(e["exe"]) for e in events[2:]} <= {"su"}, events
 
 
 PTRACE = ("import ctypes, time; l = ctypes.CDLL(None, use_errno=True); print('ptrace', l.ptrace(16, 1, 0, 0), "
@@ -301,9 +310,9 @@ def test_rootless_says_what_it_cannot_see_and_uses_what_remains(user: User) -> N
                       as_user=user, timeout=60)
     sources = r.result["monitor_sources"]
     assert {k: v.split(":")[0] for k, v in sources.items()} == {  # type: ignore[union-attr]
-        "landlock": "off", "exec": "off", "cgroup": "off", "canary": "on (inotify", "seccomp": "on",
+        "landlock": "off", "exec": "off", "cgroup": "off", "canary": "on (inotify", "seccomp": "on", "calls": "off",
         "masks": "off"}, sources  # the cell's PID 1 is out of an unprivileged caller's reach
-    assert "not watched: cgroup" in r.err and "audit stream needs root" in r.err
+    assert "not watched: calls" in r.err and "cgroup (off" in r.err and "audit stream needs root" in r.err
     # No cgroup to freeze: the cell is killed through its PID 1 at the first event (the canary).
     assert r.rc == 137 and "ptrace" not in r.out, (r.out, r.err)
     events = r.result["events"]
@@ -431,8 +440,10 @@ def test_a_mask_the_host_undoes_by_a_rename_ends_the_cell(user: User, tmp_path: 
     result = json.loads(out.strip().splitlines()[-1])
     lines = out.splitlines()[:-1]
     assert p.returncode == 137 and "survived" not in lines, (out, err)
+    # the first cat of the masked .env (a note: a path the policy masks), then the mask gone under a file
+    # the account can read; the one it still cannot read (root.key, as /etc/shadow after a useradd) raises nothing
     assert [(e["source"], e["target"], e["acts"]) for e in result["events"]] == [
-        ("masks", f"{shared}/root.key", False), ("masks", f"{shared}/.env", True)], result["events"]
+        ("calls", f"{shared}/.env", False), ("masks", f"{shared}/.env", True)], result["events"]
     # Between the rename and the freeze the cell may read the new file: a window of milliseconds
     # (the loop reads every 50 ms here); never more than a read or two.
     assert lines.count("NEW-SECRET") <= 2, lines

@@ -237,14 +237,17 @@ class CellCgroup:
             return False
 
     def events(self) -> dict[str, int]:
-        """OOM kills and how often the task limit refused a fork, from the cell's own accounting."""
+        """OOM kills, how often the task limit refused a fork, and how many periods the CPU ceiling held
+        the cell back, from the cell's own accounting."""
         if self.kind == "v2":
             d = self.dirs["unified"]
             return {"oom_kills": _count(_read(f"{d}/memory.events"), "oom_kill"),
-                    "pids_limit_hits": _count(_read(f"{d}/pids.events"), "max")}
-        mem, pids = self.dirs.get("memory"), self.dirs.get("pids")
+                    "pids_limit_hits": _count(_read(f"{d}/pids.events"), "max"),
+                    "cpu_throttled": _count(_read(f"{d}/cpu.stat"), "nr_throttled")}
+        mem, pids, cpu = self.dirs.get("memory"), self.dirs.get("pids"), self.dirs.get("cpu")
         return {"oom_kills": _count(_read(f"{mem}/memory.oom_control"), "oom_kill") if mem else 0,
-                "pids_limit_hits": _count(_read(f"{pids}/pids.events"), "max") if pids else 0}
+                "pids_limit_hits": _count(_read(f"{pids}/pids.events"), "max") if pids else 0,
+                "cpu_throttled": _count(_read(f"{cpu}/cpu.stat"), "nr_throttled") if cpu else 0}
 
     def cpu_usage_s(self) -> float:
         if self.kind == "v2":

@@ -10,12 +10,14 @@ clone); a call from a foreign architecture (i386, x32) kills the process.
 Under the escape monitor (``spec.watch``) the calls that can only be an attempt to leave the cell
 (``ESCAPE_CALLS``, namespace flags to clone, the terminal-typing ioctls, AF_VSOCK) are not failed by
 the kernel but handed to the supervisor (``SECCOMP_RET_USER_NOTIF``), which reports who tried what and
-answers EPERM (see ``agentcell.monitor.seccompwatch``). Why notification and not the audit log: an
-EPERM the filter asks to log (``SECCOMP_FILTER_FLAG_LOG``) reaches audit only from a syscall with an
-audit context, which needs audit rules on every syscall of the host; a notification costs ~40 µs on
-the denied call alone, names the process, and works rootless. Calls ordinary software makes and
-copes with (io_uring, keyrings, perf, clone3, personality) keep their plain errno: no false alarm. If
-the supervisor is gone, the kernel fails a notified call with ENOSYS: still refused.
+answers EPERM (see ``agentcell.monitor.seccompwatch``); so are the kernel surfaces ordinary software
+tries and copes with (``NOTED_CALLS``: io_uring, keyrings, perf, userfaultfd), recorded as notes.
+Why notification and not the audit log: an EPERM the filter asks to log
+(``SECCOMP_FILTER_FLAG_LOG``) reaches audit only from a syscall with an audit context, which needs
+audit rules on every syscall of the host; a notification costs ~40 µs on the denied call alone,
+names the process, and works rootless. clone3 and personality keep their plain errno (libc falls
+back; the refused personality flags say nothing). If the supervisor is gone, the kernel fails a
+notified call with ENOSYS: still refused.
 
 The filter is compiled with libseccomp (the pyseccomp binding) to a classic BPF program. Importing
 and compiling cost ~30 ms, so the program is cached: in-process, and for root in a root-only file
@@ -47,6 +49,10 @@ ESCAPE_CALLS = (
     "open_by_handle_at", "fsopen", "fsconfig", "fsmount", "fspick", "move_mount", "open_tree", "mount_setattr",
     "swapon", "swapoff", "reboot", "acct",
 )
+# Refused under the monitor by notification too, but only noted: software tries these and copes (node's
+# libuv probes io_uring at start, krb5 and key helpers use keyrings, profilers perf). What was tried is
+# on record; the cell goes on.
+NOTED_CALLS = ("keyctl", "add_key", "request_key", "perf_event_open", "userfaultfd", "io_uring_setup")
 AF_VSOCK = 40
 NAMESPACE_FLAGS = (0x00020000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x20000000, 0x40000000,
                    0x00000080)  # CLONE_NEWNS, NEWCGROUP, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET, NEWTIME
@@ -70,7 +76,7 @@ CACHE_DIR = "/var/lib/agentcell/seccomp"
 # is confined already, so Landlock is "not there" (ENOSYS) for what runs in it. x86_64 numbers too.
 LANDLOCK_CALLS = ("landlock_create_ruleset", "landlock_add_rule", "landlock_restrict_self")
 LANDLOCK_NUMBERS_X86_64 = (444, 445, 446)
-VERSION = 6  # bump when the rules change: it is part of the cache key
+VERSION = 7  # bump when the rules change: it is part of the cache key
 
 PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 22, 2
 SYS_SECCOMP = {"x86_64": 317, "aarch64": 277}
@@ -101,7 +107,7 @@ def _compile(notify: bool) -> bytes:
     escape = sc.NOTIFY if notify else deny
     for name in EPERM_CALLS:
         try:
-            f.add_rule(escape if name in ESCAPE_CALLS else deny, name)
+            f.add_rule(escape if name in ESCAPE_CALLS or name in NOTED_CALLS else deny, name)
         except (RuntimeError, ValueError, OSError):
             continue  # not a syscall on this architecture
     for flag in NAMESPACE_FLAGS:
@@ -138,8 +144,8 @@ def _key(notify: bool) -> str:
     lib = ctypes.CDLL("libseccomp.so.2")
     lib.seccomp_version.restype = ctypes.POINTER(ctypes.c_uint * 3)
     ver = tuple(lib.seccomp_version().contents)
-    text = repr((VERSION, notify, EPERM_CALLS, ESCAPE_CALLS, NAMESPACE_FLAGS, WEAKENING_PERSONALITIES, ALLOWED_FAMILIES,
-                 EPERM_NUMBERS_X86_64, MULTICAST_JOINS, ver, os.uname().machine))
+    text = repr((VERSION, notify, EPERM_CALLS, ESCAPE_CALLS, NOTED_CALLS, NAMESPACE_FLAGS, WEAKENING_PERSONALITIES,
+                 ALLOWED_FAMILIES, EPERM_NUMBERS_X86_64, MULTICAST_JOINS, ver, os.uname().machine))
     return f"v{VERSION}-{binascii.crc32(text.encode()):08x}"  # a key, not a defence: the dir is root's
 
 

@@ -38,7 +38,7 @@ from .calls import AT_FDCWD, DIRFD, DIRFD2, O_ACCMODE, O_CREAT, O_TRUNC, Call
 from .event import CellEvent
 
 ENOENT, EPERM, ESRCH, EACCES, EBUSY, EXDEV, EROFS = 2, 1, 3, 13, 16, 18, 30
-ENETUNREACH, ECONNREFUSED, EHOSTUNREACH, EADDRNOTAVAIL = 101, 111, 113, 99
+ENETUNREACH, ECONNREFUSED, EHOSTUNREACH, EADDRNOTAVAIL, EINPROGRESS = 101, 111, 113, 99, 115
 
 # A path with one of these components names a credential (a key, a token store, a shell's history).
 CREDENTIALS = frozenset({
@@ -165,13 +165,16 @@ class Host:
             self._cache[name] = hit
         return hit[1]
 
-    def listens(self, port: int) -> bool:
-        """Whether something listens on TCP ``port`` in the host's network namespace."""
+    def listens(self, port: int, *, cell: bool = False) -> bool:
+        """Whether something listens on TCP ``port`` in the host's network namespace (``cell``: the
+        cell's own, through its PID 1)."""
+        where = f"/proc/{self.pid1}/net" if cell else "/proc/self/net"
+
         def read() -> set[int]:
             out = set()
             for name in ("tcp", "tcp6"):
                 try:
-                    with open(f"/proc/self/net/{name}") as f:
+                    with open(f"{where}/{name}") as f:
                         for line in f.readlines()[1:]:
                             fields = line.split()
                             if len(fields) > 3 and fields[3] == "0A":
@@ -179,7 +182,7 @@ class Host:
                 except OSError:
                     pass
             return out
-        return port in self._table("listen", read)
+        return port in self._table(where, read)
 
     def abstract(self, name: str) -> bool:
         """Whether an abstract unix socket ``name`` exists in the host's network namespace."""
@@ -417,16 +420,17 @@ class Classifier:
         if e in (EACCES, EPERM) or self.network == "host-firewall":
             return None  # Landlock's own records say so; on the host's network, the firewall's log does
         target = f"{ip}:{port}"
-        if port in DNS_PORTS:
-            return ("network", target, "a DNS query: the cell has no resolver (the proxy resolves names)", False,
-                    "--net proxy (names are resolved there)")
         if ip.startswith("127.") or ip == "::1" or ip == "::ffff:127.0.0.1":
-            if e == ECONNREFUSED and self.host.listens(port):
+            # refused (or, connecting without blocking, to be refused): the cell's loopback is its own
+            if e in (ECONNREFUSED, EINPROGRESS) and self.host.listens(port) and not self.host.listens(port, cell=True):
                 return ("network", target, "a port the host listens on, tried on the cell's own loopback (it is "
                         "not the host's)", False, "")
             return None
-        if ip in ("0.0.0.0", "::"):
-            return None
+        if e == EINPROGRESS or ip in ("0.0.0.0", "::"):
+            return None  # a connection under way (where the cell has a route: through the proxy)
+        if port in DNS_PORTS:
+            return ("network", target, "a DNS query: the cell has no resolver (the proxy resolves names)", False,
+                    "--net proxy (names are resolved there)")
         return ("network", target, "a connection or datagram to an address outside the cell (its network "
                 "namespace has no way there)", True, "--net proxy with --allow-domain NAME")
 

@@ -32,7 +32,8 @@ ARG_OFFSETS = (112, 104, 96, 56, 72, 64)  # x86_64 pt_regs: di, si, dx, r10, r8,
 ORIG_AX = 120
 
 PATH, SOCKADDR, MSGHDR = 1, 2, 3
-_ERRNOS = (1, 2, 3, 13, 16, 18, 30, 99, 101, 111, 113)  # EPERM … EROFS; EADDRNOTAVAIL … EHOSTUNREACH
+# EPERM … EROFS; EADDRNOTAVAIL … EHOSTUNREACH; EINPROGRESS (a non-blocking connect: refused only later)
+_ERRNOS = (1, 2, 3, 13, 16, 18, 30, 99, 101, 111, 113, 115)
 ENOENT = 2
 
 # x86_64: call -> (number, what its arguments are): [(kind, argument index)] for the first buffer, then

@@ -104,10 +104,10 @@ class ExecWatch:
                 _ppid, ptgid, cpid, ctgid = struct.unpack_from("=iiii", data, body)
                 # a new process, or a thread (it takes a pid of its own too)
                 out.append({"kind": "fork" if cpid == ctgid else "thread", "parent": ptgid, "pid": ctgid})
-            elif what == PROC_EVENT_EXIT and len(data) >= body + 8:
-                pid, tgid = struct.unpack_from("=ii", data, body)
+            elif what == PROC_EVENT_EXIT and len(data) >= body + 12:
+                pid, tgid, status = struct.unpack_from("=iiI", data, body)
                 if pid == tgid:
-                    out.append({"kind": "exit", "pid": tgid})
+                    out.append({"kind": "exit", "pid": tgid, "status": status})  # a wait status
             elif what == PROC_EVENT_EXEC and len(data) >= body + 8:
                 pid, _tgid = struct.unpack_from("=ii", data, body)
                 out.append({"kind": "exec", "pid": pid})  # identified by the monitor, for its cell's only

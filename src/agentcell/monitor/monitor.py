@@ -188,6 +188,7 @@ class Monitor:
         self._pidfd: int | None = None
         self._audit_lost: int | None = None
         self._seed = 0  # the cell's PID 1
+        self._command: int | None = None  # its child: the command
         if rootless:
             self._state["landlock"] = "off: the audit stream needs root (CAP_AUDIT_CONTROL, CAP_AUDIT_READ)"
             self._state["exec"] = "off: the proc connector needs root (CAP_NET_ADMIN in the host's namespace)"
@@ -526,12 +527,11 @@ class Monitor:
         if now < self._masks_until or now - self._masks_checked >= 0.1:
             self._masks_checked = now
             for path, readable in self.masks.check():
-                why = ("the mask over it is gone: the file was replaced on the host (a rename over a masked file "
-                       "detaches the mask in every cell)")
-                self._event(CellEvent("read", path, why + (", and the cell's account can read the new one" if readable
-                                                           else "; the new one is still unreadable to the cell's "
-                                                           "account by its permissions"),
-                                      source="masks", cell=self.cell_id, acts=readable,
+                if not readable:  # useradd on the host replacing /etc/shadow: root's 0600 again, nothing to see
+                    continue      # (looked at again on every pass: a chmod later would be seen)
+                self._event(CellEvent("read", path, "the mask over it is gone: the file was replaced on the host (a "
+                                      "rename over a masked file detaches the mask in every cell), and the cell's "
+                                      "account can read the new one", source="masks", cell=self.cell_id,
                                       allow="keep masked files from being replaced while a cell runs"))
 
     def _poll_calls_dropped(self) -> None:
@@ -583,11 +583,12 @@ class Monitor:
         return _pids_in(self.cg)
 
     def _seccomp_event(self, n: dict[str, Any]) -> None:
-        from .seccompwatch import describe
+        from .seccompwatch import NOTED, describe
 
         op, target, reason = describe(n["call"], n["args"])
         self._event(CellEvent(op, target, reason, source="seccomp", cell=self.cell_id, pid=n["pid"],
-                              exe=n.get("exe", ""), allow="nothing: a cell never gets this call"))
+                              exe=n.get("exe", ""), allow="nothing: a cell never gets this call",
+                              acts=n["call"] not in NOTED))
         self.seccomp.refuse(n)  # recorded (and, under terminate, frozen): now the call fails
 
     def _exec_event(self, ex: dict[str, Any]) -> None:
@@ -615,11 +616,15 @@ class Monitor:
                 if kind == "fork":
                     self._members.add(pid)
                     self._procs[pid] = [parent, *self._procs.get(parent, [0, "", ""])[1:]]
+                    if parent == self._seed and self._command is None:
+                        self._command = pid  # PID 1 forks once: the command (a live cell's exec server)
             elif kind == "fork" and pid != self._seed:  # (PID 1 itself was forked by the launcher, outside)
                 self._members.discard(pid)  # a pid the cell used before, now someone else's
                 self._procs.pop(pid, None)
             return
         if kind == "exit":  # kept a while: the fanotify event of a tool that exited at once may come later
+            if pid in self._members and pid == self._command and ex.get("status", 0) & 0x7F != 9:
+                self._outlived()  # (not when it was killed: then the whole cell was, at once)
             if pid in self._members:
                 now = time.monotonic()
                 self._exited.append((now, pid))
@@ -642,10 +647,25 @@ class Monitor:
             self._event(CellEvent("execute", name, f"a privilege tool was run in the cell ({name}: mounts are "
                                   "nosuid, so it can only be an attempt)", source="exec", cell=self.cell_id,
                                   pid=ex["pid"], exe=ex.get("exe", ""), allow="nothing: a cell never gains privilege"))
+        elif kind == "exec" and _privileged_file(pid):
+            self._event(CellEvent("execute", ex.get("exe", "") or name, "a binary with privilege of its own (setuid, "
+                                  "setgid or file capabilities) ran without it: the cell's mounts are nosuid and its "
+                                  "processes have no_new_privs", source="exec", cell=self.cell_id, pid=pid,
+                                  exe=ex.get("exe", ""), acts=False))
         elif ex["kind"] == "uid" and not (ex.get("ruid") == ex.get("euid") == self.uid):
             self._event(CellEvent("execute", f"uid {ex.get('ruid')}/{ex.get('euid')}", "a process of the cell "
                                   "changed its uid", source="exec", cell=self.cell_id, pid=ex["pid"],
                                   exe=ex.get("exe", "")))
+
+    def _outlived(self) -> None:
+        """The command has ended: what of the cell still runs is noted (PID 1 kills it now; nothing
+        outlives a cell, but a process that tried to is worth knowing)."""
+        gone = {p for _, p in self._exited}
+        for pid in sorted(self._members - gone - {self._seed, self._command or 0}):
+            exe = self._exe_of(pid)
+            self._event(CellEvent("execute", exe or f"pid {pid}", "a process still ran when the command ended "
+                                  "(detached or left behind; it was killed with the cell)", source="exec",
+                                  cell=self.cell_id, pid=pid, exe=exe, acts=False))
 
     def _our_domain(self, domain: str) -> bool:
         """Whether the kernel's record of ``domain`` says the cell made it: for a session's own account
@@ -706,11 +726,13 @@ class Monitor:
         except OSError:
             return
         for key, what in (("oom_kills", "a process was killed for memory (OOM) at the cell's --memory"),
-                          ("pids_limit_hits", "a fork was refused at the cell's --pids")):
+                          ("pids_limit_hits", "a fork was refused at the cell's --pids"),
+                          ("cpu_throttled", "the cell was held at its CPU ceiling (--cpu): it wanted more")):
             n = int(now.get(key, 0))
-            if n > self._resources[key]:
+            if n > self._resources.get(key, 0):
                 self._resources[key] = n
-                self._event(CellEvent("resource", key, what, source="cgroup", cell=self.cell_id))
+                self._event(CellEvent("resource", key, what, source="cgroup", cell=self.cell_id,
+                                      acts=key != "cpu_throttled"))
 
     # ---- verdicts --------------------------------------------------------------------------------
 
@@ -821,6 +843,18 @@ def ancestry(pid: int, pid1: int | None, members: set[int] | None = None, limit:
         out.append([ppid, exe, _cmdline(ppid)])
         pid = ppid
     return out
+
+
+def _privileged_file(pid: int) -> bool:
+    """Whether the process's executable is setuid or setgid or carries file capabilities."""
+    import stat
+
+    try:
+        if os.stat(f"/proc/{pid}/exe").st_mode & (stat.S_ISUID | stat.S_ISGID):
+            return True
+        return bool(os.getxattr(f"/proc/{pid}/exe", "security.capability"))
+    except OSError:
+        return False
 
 
 def _pids_in(cg: CellCgroup | None) -> set[int]:
