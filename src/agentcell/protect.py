@@ -364,6 +364,15 @@ def protected_paths(scan: Scan, allow_write: tuple[str, ...] = ()) -> tuple[str,
                  and not any(p == a or p.startswith(a + "/") for a in lifted))
 
 
+def creatable(scan: Scan, allow_write: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """Protected entries that do not exist yet, in a directory that does: what a command could create
+    (and the monitor watches for, live: it cannot be bound read-only)."""
+    lifted = tuple(a.rstrip("/") for a in allow_write)
+    return tuple(p for p in dict.fromkeys(_candidates(scan))
+                 if _kind(p) is None and _kind(os.path.dirname(p)) == stat.S_IFDIR
+                 and not any(p == a or p.startswith(a + "/") for a in lifted))
+
+
 def lifted_inside(protected: tuple[str, ...], allow_write: tuple[str, ...]) -> tuple[str, ...]:
     """Lifted paths that exist inside a protected directory: bound writable on top of its read-only
     bind (only that entry is lifted, not the directory around it)."""

@@ -118,13 +118,14 @@ class Supervised:
 
             if not argv and not live:
                 raise AgentcellError("command", "no command given", "put it after --")
-            cell_guards = guards.for_cell(spec)
+            cell_guards, creatable = guards.for_watched_cell(spec) if watch is not None else (guards.for_cell(spec), ())
             prepared = launch.prepare(spec, cell_guards)
-            if watch is not None:  # its failed calls, watched by its cgroup before the command exists
+            if watch is not None:  # its failed calls and the protected entries it creates, before its command
                 try:
                     from .monitor.attempts import View
 
                     watch.watch_calls(prepared.cg, View(spec, *cell_guards))
+                    watch.watch_created(creatable)
                     if watch.terminated:
                         raise AgentcellError("--monitor", f"the monitor cannot see: {watch.reason}", "see "
                                              "'agentcell doctor', or --on-escape record to run without that source")

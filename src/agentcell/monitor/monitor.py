@@ -181,6 +181,7 @@ class Monitor:
         # once the connector lost events (a /proc number can no longer be told from one of the cell's).
         self._forks: int | None = 0
         self.calls: Any = None  # the cell's failed calls (attempts.AttemptSource), from before its command
+        self.created: Any = None  # protected entries created (created.CreatedWatch)
         self._calls_dropped = 0
         self._exited: collections.deque[tuple[float, int]] = collections.deque()  # members gone, forgotten after 5 s
         self._index: dict[tuple[str, str, str, bool], CellEvent] = {}
@@ -194,6 +195,7 @@ class Monitor:
             self._state["exec"] = "off: the proc connector needs root (CAP_NET_ADMIN in the host's namespace)"
             self._state["cgroup"] = "off: no cgroup is delegated to unprivileged users here"
             self._state["calls"] = "off: eBPF needs root (CAP_BPF, CAP_PERFMON)"
+            self._state["created"] = "off: fanotify needs root (created protected entries are reported at the end)"
             return
         try:
             from .audit import AuditReader
@@ -256,6 +258,27 @@ class Monitor:
         self.calls = AttemptSource(calls, classifier, self.cell_id, self._exe_of,
                                    lambda pid: pid in self.trusted)
         self._state["calls"] = "on"
+
+    def watch_created(self, entries: tuple[str, ...]) -> None:
+        """Protected entries that do not exist yet (the command may create them: they cannot be bound
+        read-only), watched from before the command exists."""
+        if "created" in self._state:  # rootless
+            return
+        if not entries:
+            self._state["created"] = "on (no protected entry is missing)"
+            return
+        from .created import CreatedWatch
+
+        try:
+            self.created = CreatedWatch(entries, self.cell_id, self._is_member)
+            self._state["created"] = "on"
+        except OSError as e:  # what is created is still moved aside at the end: only the live report is lost
+            self._state["created"] = f"off: {e.strerror or e} (created entries are reported when the cell ends)"
+
+    def _is_member(self, pid: int) -> bool:
+        if pid not in self._members:
+            self._drain_connector()  # it may have forked since the connector was read
+        return pid in self._members and pid not in self.trusted
 
     def _pid_ceiling(self) -> int | None:
         return None if self._forks is None else 1 + self._forks
@@ -418,10 +441,11 @@ class Monitor:
                     pass
         # Closing a fanotify group waits for an SRCU grace period (10-30 ms here): off the caller's
         # path. The cell is gone by now; a decoy's waiting open (there is none left) would be let go.
-        groups = [g for g in (self.tools, self.canaries) if g is not None]
+        groups = [g for g in (self.tools, self.canaries, self.created) if g is not None]
         if groups:
             threading.Thread(target=_close_all, args=(groups,), name="agentcell-monitor-close", daemon=True).start()
         self.audit = self.execs = self.tools = self.canaries = self.seccomp = self.masks = self.calls = None
+        self.created = None
         if self._pidfd is not None:
             os.close(self._pidfd)
             self._pidfd = None
@@ -442,7 +466,7 @@ class Monitor:
             while not self._stop.is_set():
                 self._progress()
                 watched = [s for s in (self.audit, self.execs, self.tools, self.canaries, self.seccomp, self.masks,
-                                       self.calls) if s is not None]
+                                       self.calls, self.created) if s is not None]
                 if select.select([*watched, self._wake_r], [], [], 0.02)[0]:
                     self._drain()
                 self._poll_resources()
@@ -481,8 +505,8 @@ class Monitor:
         # (fanotify, in the order they happened), then the connector's own exec and uid events.
         tools = self.tools.read() if self.tools is not None else []
         self._drain_connector(tools)
-        if self.calls is not None:  # after the connector: the failing process's fork and exec are known
-            for ev in self.calls.read():
+        for source in (self.calls, self.created):  # after the connector: the process's fork and exec are known
+            for ev in source.read() if source is not None else ():
                 self._progress()
                 self._event(ev)
         if self.audit is None:
@@ -737,6 +761,8 @@ class Monitor:
     # ---- verdicts --------------------------------------------------------------------------------
 
     def _event(self, ev: CellEvent) -> None:
+        if ev.pid and not ev.exe:
+            ev.exe = self._exe_of(ev.pid)
         if ev.ancestry is None and ev.pid:
             ev.ancestry = self.ancestry(ev.pid)
         with self._lock:

@@ -17,9 +17,22 @@ if TYPE_CHECKING:
     from ..cell.spec import CellSpec
 
 
-def for_cell(spec: CellSpec) -> tuple[tuple[tuple[str, bool], ...], tuple[str, ...]]:
+Guards = tuple[tuple[tuple[str, bool], ...], tuple[str, ...]]
+
+
+def for_cell(spec: CellSpec) -> Guards:
     """(guarded, hidden) for ``spec``: the arguments :func:`agentcell.cell.mounts.plan` takes."""
+    return _for_scan(spec, protect.Scan(spec.rw_paths))
+
+
+def for_watched_cell(spec: CellSpec) -> tuple[Guards, tuple[str, ...]]:
+    """:func:`for_cell`'s, and the protected entries that do not exist yet (the monitor watches their
+    directories: what the command creates there is reported as it happens), from one scan."""
     scan = protect.Scan(spec.rw_paths)
+    return _for_scan(spec, scan), protect.creatable(scan, spec.allow_write)
+
+
+def _for_scan(spec: CellSpec, scan: protect.Scan) -> Guards:
     guarded = [(p, False) for p in protect.pinned_paths(scan)]
     protected = protect.protected_paths(scan, spec.allow_write)
     guarded += [(p, True) for p in protected]
