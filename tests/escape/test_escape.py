@@ -86,11 +86,14 @@ def _uid_of(pid: str) -> int | None:
         return None
 
 
-def pids_of(uid: int, tag: str | None = None) -> list[int]:
-    """Host processes of ``uid`` (whose argv holds ``tag``, if given)."""
+def pids_of(uid: int | None, tag: str | None = None) -> list[int]:
+    """Host processes of ``uid`` (any uid: None; a tag is then needed) whose argv holds ``tag``, if given.
+    A probe's own tag is unique: the judges that look for it hold whatever account ran it (a session's
+    own, say)."""
+    assert uid is not None or tag
     out = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
-        if _uid_of(pid) == uid and (tag is None or tag.encode() in _cmdline(pid)):
+        if (uid is None or _uid_of(pid) == uid) and (tag is None or tag.encode() in _cmdline(pid)):
             out.append(int(pid))
     return out
 
@@ -287,6 +290,20 @@ class World:
         assert p.stdout is not None and p.stdout.readline().strip() == b"ready"
         return p.pid
 
+    def human(self) -> User:
+        """Another person of the host, with a home in /home: a key in ~/.ssh, a repository beside the
+        one the agent works on, a shell rc. Left readable and writable to the probe's own account, as a
+        careless umask or au's 0755 homes leave them, so that the plain run shows what an agent could
+        do without a cell; deleted with everything in it on close."""
+        u = _make_user()
+        home = Path(f"/home/{u.name}")
+        self._extra_users.append(u)
+        self.defer(lambda: _drop_user(u))
+        self.defer(lambda: shutil.rmtree(home, ignore_errors=True))
+        home.mkdir(mode=0o755)
+        shutil.chown(home, u.uid, u.gid)
+        return u
+
     @property
     def net(self) -> NetHost:
         host: NetHost = self.request.getfixturevalue("nethost")
@@ -344,10 +361,10 @@ def held_evidence(o: Outcome) -> str | None:
     return o.held or None
 
 
-def fds_of_kind(uid: int, tag: str, needle: str) -> Callable[[], str | None]:
+def fds_of_kind(tag: str, needle: str) -> Callable[[], str | None]:
     """While the probe holds: does a process of the probe have an fd whose kernel name holds ``needle``?"""
     def look() -> str | None:
-        for pid in pids_of(uid, tag):
+        for pid in pids_of(None, tag):
             try:
                 fds = os.listdir(f"/proc/{pid}/fd")
             except OSError:
@@ -648,7 +665,8 @@ sys.stdin.read()
 ADD_KEY = """
 import ctypes, sys
 libc = ctypes.CDLL(None, use_errno=True)
-print(libc.syscall(248, b"user", sys.argv[1].encode(), b"x", 1, -4), ctypes.get_errno())
+serial = libc.syscall(248, b"user", sys.argv[1].encode(), b"x", 1, -4)
+print("added" if serial > 0 else "refused", serial, ctypes.get_errno())
 """
 
 FIND_KEY = """
@@ -704,6 +722,16 @@ import ctypes, struct, sys
 libc = ctypes.CDLL(None, use_errno=True)
 attr = ctypes.create_string_buffer(struct.pack("IIII", 2, 4, 4, 1), 72)  # BPF_MAP_TYPE_ARRAY, 4/4, 1 entry
 print("fd", libc.syscall(321, 0, attr, 72), ctypes.get_errno(), flush=True)
+print("agentcell-probe-hold", flush=True)
+sys.stdin.read()
+"""
+
+PERF = """
+import ctypes, struct, sys
+libc = ctypes.CDLL(None, use_errno=True)
+# PERF_TYPE_SOFTWARE, PERF_COUNT_SW_TASK_CLOCK, of this process, user space only (exclude_kernel, exclude_hv)
+attr = ctypes.create_string_buffer(struct.pack("IIQQQQQ", 1, 128, 1, 0, 0, 0, (1 << 5) | (1 << 6)), 128)
+print("fd", libc.syscall(298, attr, 0, -1, -1, 0), ctypes.get_errno(), flush=True)
 print("agentcell-probe-hold", flush=True)
 sys.stdin.read()
 """
@@ -789,6 +817,25 @@ def _(w: World) -> Attempt:
     tok = w.token("aws")
     w.plant("home/.aws/credentials", f"[default]\naws_secret_access_key = {tok}\n")
     return Attempt(py(HOME_SECRETS), in_output(tok), env={"HOME": str(w.dir / "home")})
+
+
+@probe("human_ssh_key_by_absolute_path")
+def _(w: World) -> Attempt:
+    tok = w.token("human-ssh")
+    human = w.human()
+    key = w.plant(".ssh/id_ed25519", f"-----BEGIN OPENSSH PRIVATE KEY-----\n{tok}\n", owner=human,
+                  base=Path(f"/home/{human.name}"))
+    return Attempt(py(READ_PATHS, key), in_output(tok))
+
+
+@probe("sibling_repository_of_the_human")
+def _(w: World) -> Attempt:
+    tok = w.token("sibling")
+    human = w.human()
+    home = Path(f"/home/{human.name}")
+    for rel in (".git/HEAD", "deploy/secrets.env"):
+        w.plant(f"other-repo/{rel}", f"{tok}\n", owner=human, base=home)
+    return Attempt(py(READ_PATHS, home / "other-repo" / "deploy" / "secrets.env"), in_output(tok))
 
 
 def _shadow_reader(w: World) -> User:
@@ -965,6 +1012,31 @@ def _(w: World) -> Attempt:
     return Attempt(py(HARDLINK_WRITE, src, link, tok), _hardlink_judge(src, link, tok), flags=["--ro", str(src.parent)])
 
 
+def _writing_outside(w: World, path: Path, caps: str = "") -> Attempt:
+    tok = w.token("write")
+    w.defer(lambda: path.unlink(missing_ok=True))
+    return Attempt(py(WRITE_FILE, path, tok), file_gained(path, tok), baseline_caps=caps)
+
+
+@probe("write_into_usr")
+def _(w: World) -> Attempt:
+    # The plain run is given CAP_DAC_OVERRIDE (as a harness run as root has): /usr is root's.
+    return _writing_outside(w, Path("/usr/local") / f"{w.tag}-planted", "+dac_override")
+
+
+@probe("write_into_etc")
+def _(w: World) -> Attempt:
+    return _writing_outside(w, Path("/etc") / f"{w.tag}-planted", "+dac_override")
+
+
+@probe("write_into_the_humans_home")
+def _(w: World) -> Attempt:
+    human = w.human()
+    rc = w.plant(".bashrc", "# the human's own\n", mode=0o666, owner=human, base=Path(f"/home/{human.name}"))
+    tok = w.token("human-rc")
+    return Attempt(py(WRITE_FILE, rc, tok), file_gained(rc, tok))
+
+
 @probe("plant_in_tmp")
 def _(w: World) -> Attempt:
     path = Path("/tmp") / (w.tag + "-plant")
@@ -1068,7 +1140,7 @@ def _(w: World) -> Attempt:
     def judge(o: Outcome) -> str | None:
         deadline = time.monotonic() + 1.0  # a loaded machine may not have scheduled the setsid yet
         while True:
-            left = pids_of(w.user.uid, arg)  # sleep itself, or the setsid/sh on their way to exec it
+            left = pids_of(None, arg)  # sleep itself, or the setsid/sh on their way to exec it
             if left or time.monotonic() > deadline:
                 return f"sleep {arg} still runs as {left}" if left else None
             time.sleep(0.05)
@@ -1078,7 +1150,7 @@ def _(w: World) -> Attempt:
 @probe("double_fork_daemon_outlives_the_run")
 def _(w: World) -> Attempt:
     def judge(o: Outcome) -> str | None:
-        left = pids_of(w.user.uid, w.tag)
+        left = pids_of(None, w.tag)
         return f"daemon processes still run: {left}" if left else None
     return Attempt(py(DAEMON, w.tag), judge)
 
@@ -1328,9 +1400,9 @@ def _(w: World) -> Attempt:
     return Attempt([str(d / "cat"), str(secret)], in_output(tok), flags=["--ro", str(d)])
 
 
-def _mounted(uid: int, tag: str, source: str) -> Callable[[], str | None]:
+def _mounted(tag: str, source: str) -> Callable[[], str | None]:
     def look() -> str | None:
-        for pid in pids_of(uid, tag) + [os.getpid()]:
+        for pid in pids_of(None, tag) + [os.getpid()]:
             try:
                 info = Path(f"/proc/{pid}/mountinfo").read_text()
             except OSError:
@@ -1347,7 +1419,7 @@ def _(w: World) -> Attempt:
     # that runs its agent as root would) in a private mount namespace of its own.
     source = w.token("mount")
     return Attempt(py(MOUNT, w.project / "mnt", source, w.tag), held_evidence,
-                   hold=_mounted(w.user.uid, w.tag, source), baseline_caps="+sys_admin",
+                   hold=_mounted(w.tag, source), baseline_caps="+sys_admin",
                    baseline_wrap=["unshare", "--mount", "--propagation", "private"])
 
 
@@ -1355,7 +1427,7 @@ def _(w: World) -> Attempt:
 def _(w: World) -> Attempt:
     source = w.token("userns")
     return Attempt(["unshare", "-Urm", *py(MOUNT, w.project / "mnt", source, w.tag)], held_evidence,
-                   hold=_mounted(w.user.uid, w.tag, source), may_stop_early=True)
+                   hold=_mounted(w.tag, source), may_stop_early=True)
 
 
 @probe("keyring_add_key")
@@ -1363,6 +1435,8 @@ def _(w: World) -> Attempt:
     desc = w.token("key")
 
     def judge(o: Outcome) -> str | None:
+        if "added" in o.out.split():  # (a session's account, gone by now, had a keyring of its own)
+            return "the kernel took the key"
         p = subprocess.run([*w.user.prefix(), *py(FIND_KEY, desc)], capture_output=True, text=True, check=True,
                            env=PROBE_USER_ENV)
         serial = int(p.stdout.strip())
@@ -1390,18 +1464,23 @@ def _(w: World) -> Attempt:
 
 @probe("io_uring_setup")
 def _(w: World) -> Attempt:
-    return Attempt(py(IO_URING, w.tag), held_evidence, hold=fds_of_kind(w.user.uid, w.tag, "[io_uring]"))
+    return Attempt(py(IO_URING, w.tag), held_evidence, hold=fds_of_kind(w.tag, "[io_uring]"))
 
 
 @probe("userfaultfd")
 def _(w: World) -> Attempt:
-    return Attempt(py(USERFAULTFD, w.tag), held_evidence, hold=fds_of_kind(w.user.uid, w.tag, "[userfaultfd]"))
+    return Attempt(py(USERFAULTFD, w.tag), held_evidence, hold=fds_of_kind(w.tag, "[userfaultfd]"))
+
+
+@probe("perf_event_open")
+def _(w: World) -> Attempt:
+    return Attempt(py(PERF, w.tag), held_evidence, hold=fds_of_kind(w.tag, "[perf_event]"))
 
 
 @probe("bpf_map_create")
 def _(w: World) -> Attempt:
     # kernel.unprivileged_bpf_disabled keeps ordinary accounts out of bpf(2) here; the plain run gets CAP_BPF.
-    return Attempt(py(BPF_MAP, w.tag), held_evidence, hold=fds_of_kind(w.user.uid, w.tag, "bpf-map"),
+    return Attempt(py(BPF_MAP, w.tag), held_evidence, hold=fds_of_kind(w.tag, "bpf-map"),
                    baseline_caps="+bpf")
 
 

@@ -2,19 +2,21 @@
 touches it and copes), or nothing (ordinary work). Decided from the cell's own view (its mount tree,
 as the launcher built it from the spec and the protected entries) and what exists on the host.
 
-Acting, each with the path or address as the process named it:
+Acting (outside the declared paths and the allow-list), each with the path or address as the process
+named it:
 
 * a host path the cell does not contain: the homes of the host's accounts and ``/root`` (what exists
   there, and any credential's name whether it exists or not), any other host path outside the declared
   ones that exists on the host (a sibling repository, ``/srv``, ``/var/lib/…``), a host socket;
 * a secret the cell masks (``/etc/shadow``: its mask is an empty mode-000 file), a ``--mask`` path;
-* a write to the read-only system, to a ``--ro`` path, to a protected entry inside the project (a git
-  hook, ``.claude/settings.json``: read-only binds, so EROFS) or to a path the cell does not contain;
+* a write to the read-only system or to a path the cell does not contain;
 * a host process through ``/proc`` (a pid the cell's namespace never had), a kernel setting (``/proc/sys``);
 * a device of the host (a disk, memory, a console);
 * a connection or datagram to an address outside the cell (``--net none``, ``loopback``, ``proxy``).
 
-Notes: what software does on its own and copes with when it fails, or what says nothing alone: a DNS
+Notes: what is refused inside the declared paths (a write to a protected entry of the project, a git
+hook or ``.claude/settings.json``, read-only binds: EROFS; to a ``--ro`` path; a read of a ``--mask``ed
+``.env``), what software does on its own and copes with when it fails, or what says nothing alone: a DNS
 query (the cell has no resolver: names are resolved by the proxy); a port the host listens on, tried
 on the cell's own loopback; a name next to the project outside the cell (tools look for their config in
 parent directories); a host pid signalled; a hard link across mounts; a name of the host's shared
@@ -29,6 +31,7 @@ from __future__ import annotations
 import errno
 import os
 import pwd
+import stat
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -50,7 +53,7 @@ CREDENTIALS = frozenset({
 # Host places a libc, a toolkit or a runtime looks at by itself (and copes when they are not there).
 QUIET = ("/sys/", "/run/systemd/", "/var/run/systemd/", "/run/dbus/", "/var/run/dbus/", "/var/lib/dbus/",
          "/run/nscd/", "/var/run/nscd/", "/var/cache/", "/var/lib/dpkg/", "/var/lib/systemd/", "/run/udev/",
-         "/run/resolvconf/", "/run/systemd-resolved")
+         "/run/resolvconf/", "/run/systemd-resolved", "/dev/log")
 NOTED = ("/var/tmp/",)  # another place for temporary files, which the cell does not have: its /tmp is its own
 # Names in the host's /tmp that tools use for themselves: no secret, no attempt.
 TMP_QUIET = frozenset({".X11-unix", ".ICE-unix", ".XIM-unix", ".font-unix", ".Test-unix"})
@@ -153,6 +156,12 @@ class Host:
                     out.add(home)
             self._homes = out
         return self._homes
+
+    def is_socket(self, path: str) -> bool:
+        try:
+            return stat.S_ISSOCK(os.lstat(path).st_mode)
+        except (OSError, ValueError):
+            return False
 
     def pid_exists(self, pid: int) -> bool:
         return os.path.exists(f"/proc/{pid}")
@@ -309,11 +318,12 @@ class Classifier:
         if area in ("guarded", "pinned"):
             if op != "write" or e not in (EROFS, EBUSY, EACCES, EPERM, EXDEV):
                 return None
-            if os.path.basename(mount) in INSTRUCTIONS:  # asked to update AGENTS.md, an agent tries to
-                return ("write", path, "a write to a protected file in the project (the instructions harnesses "
-                        "read: read-only in the cell)", False, f"--allow-write {mount}")
-            return ("write", path, "a write to a protected path in the project (git hooks and config, harness "
-                    "settings, what the human's tools run: read-only in the cell)", True, f"--allow-write {mount}")
+            # Inside the declared paths, and refused: noted as it happens. An agent asked to add a hook or to
+            # update AGENTS.md tries exactly this; what it plants where nothing was bound is moved aside.
+            what = ("the instructions a harness reads" if os.path.basename(mount) in INSTRUCTIONS else
+                    "what the human's tools run or obey: git hooks and config, harness settings, shell rc files")
+            return ("write", path, f"a write to a protected path in the project ({what}: read-only in the cell)",
+                    False, f"--allow-write {mount}")
         if op != "write":
             if area == "system" and e in (EACCES, EPERM):
                 return (op, path, "a file of the system that the cell's account may not read (its permissions)",
@@ -410,12 +420,12 @@ class Classifier:
             return None
         if addr[0] == "unix":
             path = self._path(call, addr[1], None)
-            if path is None or e not in (ENOENT, ECONNREFUSED, EACCES, EPERM):
+            if path is None or e not in (ENOENT, ECONNREFUSED, EACCES, EPERM) or path.startswith(QUIET):
+                return None  # (the system's own services, which libc and toolkits try by themselves)
+            if self.view.area(path)[0] not in ("hidden", "private") or not self.host.is_socket(path):
                 return None
-            hit = self._file(call, path, "network")
-            if hit is None or self.view.area(path)[0] in ("system", "ro"):
-                return None
-            return ("network", path, f"a host socket: {hit[2]}", hit[3], "nothing: the host's sockets stay outside")
+            return ("network", path, "a socket of a service on the host (the cell does not contain it)", True,
+                    "nothing: the host's sockets stay outside")
         _family, ip, port = addr
         if e in (EACCES, EPERM) or self.network == "host-firewall":
             return None  # Landlock's own records say so; on the host's network, the firewall's log does

@@ -60,12 +60,12 @@ class CreatedWatch:
             path = os.path.join(d, name) if d is not None else ""
             if path not in self.entries or not self.ours(pid):
                 continue
-            told = name in INSTRUCTIONS
-            what = ("the instructions a harness reads" if told else
+            what = ("the instructions a harness reads" if name in INSTRUCTIONS else
                     "what the human's tools run or obey: git hooks and config, harness settings, shell rc files")
+            # inside the declared paths: noted as it happens, made harmless when the cell ends
             out.append(CellEvent("write", path, f"a protected entry was created in the project ({what}); it is "
                                  "moved aside when the cell ends", source="created", cell=self.cell, pid=pid,
-                                 allow=f"--allow-write {path}", acts=not told))
+                                 allow=f"--allow-write {path}", acts=False))
         return out
 
     def close(self) -> None:
