@@ -87,13 +87,15 @@ def _uid_of(pid: str) -> int | None:
 
 
 def pids_of(uid: int | None, tag: str | None = None) -> list[int]:
-    """Host processes of ``uid`` (any uid: None; a tag is then needed) whose argv holds ``tag``, if given.
-    A probe's own tag is unique: the judges that look for it hold whatever account ran it (a session's
-    own, say)."""
+    """Host processes of ``uid`` (None: of any account but root, and a tag is then needed) whose argv holds
+    ``tag``, if given. A probe's own tag is unique: the judges that look for it hold whatever account ran
+    it (a session's own, say); root's processes that name it are agentcell's and the test's."""
     assert uid is not None or tag
     out = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
-        if (uid is None or _uid_of(pid) == uid) and (tag is None or tag.encode() in _cmdline(pid)):
+        owner = _uid_of(pid)
+        if (owner == uid if uid is not None else owner not in (None, 0)) and (tag is None or
+                                                                              tag.encode() in _cmdline(pid)):
             out.append(int(pid))
     return out
 

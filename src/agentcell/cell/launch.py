@@ -19,7 +19,20 @@ import stat
 import time
 
 from ..errors import EXIT_CANNOT_EXEC, EXIT_NOT_FOUND, EXIT_SETUP, EXIT_TIMEOUT, LaunchError, PolicyError
-from . import canary, cgroups, execd, handoff, identity, landlock, mounts, namespaces, pid1, seccomp, terminal
+from . import (
+    canary,
+    cgroups,
+    execd,
+    execmarks,
+    handoff,
+    identity,
+    landlock,
+    mounts,
+    namespaces,
+    pid1,
+    seccomp,
+    terminal,
+)
 from . import syscalls as sc
 from .spec import TYPE_CHECKING, CellSpec, new_cell_id
 
@@ -68,6 +81,7 @@ class Running:
         self.pty_master: int | None = None  # an interactive cell's own pty, for the caller to relay
         self.egress_fd: int | None = None  # network "proxy": the listener for the caller to serve
         self.canary_fd: int | None = None  # spec.watch: the watch on the canary credentials (monitor)
+        self.exec_fd: int | None = None  # spec.watch as root: exec marks on the cell's own mounts (monitor)
         self.seccomp_fd: int | None = None  # spec.watch: the seccomp listener (monitor)
         self.live: execd.Channel | None = None  # a live cell: its exec server's channel
         self._buf = b""
@@ -159,10 +173,10 @@ class Running:
         """Remove the cell's cgroup (once its result is known); close watches no monitor took."""
         if self.live is not None:
             self.live.close()
-        for fd in (self.canary_fd, self.seccomp_fd):
+        for fd in (self.canary_fd, self.seccomp_fd, self.exec_fd):
             if fd is not None:
                 os.close(fd)
-        self.canary_fd = self.seccomp_fd = None
+        self.canary_fd = self.seccomp_fd = self.exec_fd = None
         if self.cg is not None:
             cg, self.cg = self.cg, None
             cg.remove()
@@ -217,6 +231,7 @@ class Prepared:
         self.spec, self.c1, self._r, self._ctl, self.cell_id, self.cg = spec, c1, status_r, ctl, cell_id, cg
         self.egress_fd: int | None = None  # the proxy's listening socket, made in the cell's netns
         self.canary_fd: int | None = None  # spec.watch: the canaries' watch, made by PID 1
+        self.exec_fd: int | None = None  # spec.watch as root: exec marks on its own mounts, made by PID 1
 
     def go(self, argv: Sequence[str], *, stdio: Sequence[int] = (0, 1, 2), pass_fds: Sequence[int] = (),
            tty_fds: Sequence[int] = (), live: bool = False) -> Running:
@@ -248,6 +263,7 @@ class Prepared:
         running.pty_master = master
         running.egress_fd, self.egress_fd = self.egress_fd, None
         running.canary_fd, self.canary_fd = self.canary_fd, None
+        running.exec_fd, self.exec_fd = self.exec_fd, None
         running.seccomp_fd = listener
         return running
 
@@ -260,7 +276,7 @@ class Prepared:
         """Throw away a cell that never got a command: with its channel closed, its command process
         exits without exec'ing anything, and PID 1 tears the cell down."""
         self._ctl.close()  # type: ignore[attr-defined]
-        for fd in (self.egress_fd, self.canary_fd):
+        for fd in (self.egress_fd, self.canary_fd, self.exec_fd):
             if fd is not None:
                 os.close(fd)
         os.close(self._r)
@@ -304,6 +320,8 @@ def prepare(spec: CellSpec, guards: Guards) -> Prepared:
         prepared.egress_fd = handoff.recv_fd(ours, b"L")
     if canary.planned(spec):  # None if the cell failed first
         prepared.canary_fd = handoff.recv_fd(ours, b"C")
+    if execmarks.planned(spec):
+        prepared.exec_fd = handoff.recv_fd(ours, b"X")
     return prepared
 
 
@@ -403,8 +421,10 @@ def _cell(spec: CellSpec, plan: mounts.MountPlan, w: int, ctl: object, outer_uid
         _step("network", namespaces.proxy_listener, ctl)
     # 10. Hostname.
     _step("hostname", namespaces.set_hostname, spec.hostname)
-    # 11. Under the monitor: decoy credentials in the cell's home, watched before the command exists.
+    # 11. Under the monitor: decoy credentials in the cell's home, watched before the command exists; as
+    #     root, exec marks on the cell's own mounts (a setuid binary run from there is named by its file).
     _step("canaries", canary.plant_and_watch, spec, ctl)
+    _step("exec marks", execmarks.mark_and_send, spec, ctl)
     # 12. PID 1 keeps none of the supervisor's stdio (it would hold a terminal or a pipe open), forks
     #     the command's process, and reaps until it ends; then it kills what is left.
     null = os.open("/dev/null", os.O_RDWR)

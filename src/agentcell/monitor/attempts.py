@@ -362,7 +362,7 @@ class Classifier:
             return None
         if path.startswith(f"/run/user/{self.view.uid}/") or path == f"/run/user/{self.view.uid}":
             return None  # a runtime directory of the cell's own account (XDG_RUNTIME_DIR is not set in a cell)
-        if path.startswith(NOTED):
+        if path.startswith(NOTED) or path + "/" in NOTED:
             return (op, path, "a place for temporary files that the cell does not have (its /tmp is its own)", False,
                     "use /tmp")
         homes = self.host.homes()

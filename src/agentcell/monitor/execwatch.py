@@ -190,3 +190,80 @@ class ToolExecs:
 
     def close(self) -> None:
         os.close(self.fd)
+
+
+class ExecMarks:
+    """Execs from the cell's own mounts (:mod:`agentcell.cell.execmarks`, the group PID 1 marked them
+    with): a :class:`agentcell.monitor.source.Source` of notes for binaries with privilege of their own
+    that ran powerless; ``named(pid, path)`` hears every exec's file (the monitor's table of processes:
+    a process that exits at once is still named)."""
+
+    name = "execmarks"
+
+    def __init__(self, fd: int, pid1: int, cell: str, named: Callable[[int, str], None]) -> None:
+        self.fd, self.pid1, self.cell, self.named = fd, pid1, cell, named
+        self._mounts: dict[str, str] = {}
+
+    def fileno(self) -> int:
+        return self.fd
+
+    def _where(self, fd: int) -> str:
+        """The executed file's path in the cell: its path in its mount, below that mount's point."""
+        rel = os.readlink(f"/proc/self/fd/{fd}")
+        try:
+            with open(f"/proc/self/fdinfo/{fd}") as f:
+                mnt = next((ln.split()[1] for ln in f if ln.startswith("mnt_id:")), "")
+            if mnt not in self._mounts:
+                with open(f"/proc/{self.pid1}/mountinfo") as f:
+                    self._mounts = {ln.split()[0]: ln.split()[4] for ln in f if len(ln.split()) > 4}
+            point = self._mounts.get(mnt, "")
+        except OSError:
+            point = ""
+        # Shown relative to the mount's root, or already whole (a bind of a host directory at its own path)
+        if not point or point == "/" or rel == point or rel.startswith(point + "/"):
+            return rel
+        return os.path.normpath(point + "/" + rel)
+
+    def read(self) -> list[Any]:
+        from ..cell import fanotify
+        from .event import CellEvent
+
+        try:
+            data = os.read(self.fd, 1 << 16)
+        except BlockingIOError:
+            return []
+        out = []
+        for mask, fd, pid in fanotify.events(data):
+            if mask & fanotify.FAN_Q_OVERFLOW:
+                out.append(CellEvent("telemetry", "exec", "the kernel dropped exec events of the cell's own mounts",
+                                     source="telemetry", cell=self.cell, acts=False))
+            if fd < 0:
+                continue
+            try:
+                path = self._where(fd)
+                self.named(pid, path)
+                if _privileged(fd):
+                    out.append(CellEvent("execute", path, "a binary with privilege of its own (setuid, setgid or "
+                                         "file capabilities) ran without it: the cell's mounts are nosuid and its "
+                                         "processes have no_new_privs", source="exec", cell=self.cell, pid=pid,
+                                         exe=path, acts=False))
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+        return out
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+def _privileged(fd: int) -> bool:
+    """Setuid, setgid, or file capabilities."""
+    import stat
+
+    if os.fstat(fd).st_mode & (stat.S_ISUID | stat.S_ISGID):
+        return True
+    try:
+        return bool(os.getxattr(fd, "security.capability"))
+    except OSError:
+        return False

@@ -182,6 +182,7 @@ class Monitor:
         self._forks: int | None = 0
         self.calls: Any = None  # the cell's failed calls (attempts.AttemptSource), from before its command
         self.created: Any = None  # protected entries created (created.CreatedWatch)
+        self.execmarks: Any = None  # execs from the cell's own mounts (execwatch.ExecMarks)
         self._calls_dropped = 0
         self._exited: collections.deque[tuple[float, int]] = collections.deque()  # members gone, forgotten after 5 s
         self._index: dict[tuple[str, str, str, bool], CellEvent] = {}
@@ -283,10 +284,29 @@ class Monitor:
     def _pid_ceiling(self) -> int | None:
         return None if self._forks is None else 1 + self._forks
 
+    def _named(self, pid: int, path: str) -> None:
+        """An exec's file, from a mark: the process is that program now (read before it can be gone)."""
+        entry = self._procs.get(pid)
+        if entry is not None:
+            entry[1] = path
+            if entry[2] is None:
+                entry[2] = _cmdline(pid) or path
+
+    def _known(self, pid: int) -> tuple[str, str] | None:
+        """(exe, command line) from the table: a process that has not exec'd is what its parent is."""
+        for _ in range(64):
+            entry = self._procs.get(pid)
+            if entry is None:
+                return None
+            if entry[1] is not None:
+                return str(entry[1]), str(entry[2])
+            pid = entry[0]
+        return None
+
     def _exe_of(self, pid: int) -> str:
-        known = self._procs.get(pid)
-        if known and known[1]:
-            return str(known[1])
+        known = self._known(pid)
+        if known and known[0]:
+            return known[0]
         try:
             return os.readlink(f"/proc/{pid}/exe")
         except OSError:
@@ -330,6 +350,12 @@ class Monitor:
                 self._state["masks"] = "on"
             except OSError as e:
                 self._state["masks"] = f"off: {e.strerror or e}"
+        if running.exec_fd is not None:
+            from .execwatch import ExecMarks
+
+            self.execmarks = ExecMarks(running.exec_fd, running.pid1, self.cell_id, self._named)
+            running.exec_fd = None
+            self._state["execmarks"] = "on"
         if running.seccomp_fd is not None:
             from .seccompwatch import SeccompWatch
 
@@ -441,11 +467,11 @@ class Monitor:
                     pass
         # Closing a fanotify group waits for an SRCU grace period (10-30 ms here): off the caller's
         # path. The cell is gone by now; a decoy's waiting open (there is none left) would be let go.
-        groups = [g for g in (self.tools, self.canaries, self.created) if g is not None]
+        groups = [g for g in (self.tools, self.canaries, self.created, self.execmarks) if g is not None]
         if groups:
             threading.Thread(target=_close_all, args=(groups,), name="agentcell-monitor-close", daemon=True).start()
         self.audit = self.execs = self.tools = self.canaries = self.seccomp = self.masks = self.calls = None
-        self.created = None
+        self.created = self.execmarks = None
         if self._pidfd is not None:
             os.close(self._pidfd)
             self._pidfd = None
@@ -466,7 +492,7 @@ class Monitor:
             while not self._stop.is_set():
                 self._progress()
                 watched = [s for s in (self.audit, self.execs, self.tools, self.canaries, self.seccomp, self.masks,
-                                       self.calls, self.created) if s is not None]
+                                       self.calls, self.created, self.execmarks) if s is not None]
                 if select.select([*watched, self._wake_r], [], [], 0.02)[0]:
                     self._drain()
                 self._poll_resources()
@@ -505,7 +531,7 @@ class Monitor:
         # (fanotify, in the order they happened), then the connector's own exec and uid events.
         tools = self.tools.read() if self.tools is not None else []
         self._drain_connector(tools)
-        for source in (self.calls, self.created):  # after the connector: the process's fork and exec are known
+        for source in (self.execmarks, self.calls, self.created):  # after the connector: forks and execs are known
             for ev in source.read() if source is not None else ():
                 self._progress()
                 self._event(ev)
@@ -639,7 +665,7 @@ class Monitor:
                     self._forks += 1
                 if kind == "fork":
                     self._members.add(pid)
-                    self._procs[pid] = [parent, *self._procs.get(parent, [0, "", ""])[1:]]
+                    self._procs[pid] = [parent, None, None]  # what its parent is, until it execs
                     if parent == self._seed and self._command is None:
                         self._command = pid  # PID 1 forks once: the command (a live cell's exec server)
             elif kind == "fork" and pid != self._seed:  # (PID 1 itself was forked by the launcher, outside)
@@ -664,18 +690,15 @@ class Monitor:
             from .execwatch import identify
 
             ex = {**identify(pid), **ex}
-            if kind == "exec":
-                self._procs[pid] = [self._procs.get(pid, [0])[0] or _ppid(pid), ex.get("exe", ""), _cmdline(pid)]
+            if kind == "exec":  # (gone already: what an exec mark named it stays)
+                before = self._procs.get(pid, [0, None, None])
+                self._procs[pid] = [before[0] or _ppid(pid), ex.get("exe") or before[1] or "",
+                                    _cmdline(pid) or before[2] or ""]
         name = ex.get("tool") or os.path.basename(ex.get("exe", "")) or ex.get("comm", "")
         if kind in ("tool", "exec") and name in PRIVILEGE_TOOLS:  # a copy under the same name too (exec)
             self._event(CellEvent("execute", name, f"a privilege tool was run in the cell ({name}: mounts are "
                                   "nosuid, so it can only be an attempt)", source="exec", cell=self.cell_id,
                                   pid=ex["pid"], exe=ex.get("exe", ""), allow="nothing: a cell never gains privilege"))
-        elif kind == "exec" and _privileged_file(pid):
-            self._event(CellEvent("execute", ex.get("exe", "") or name, "a binary with privilege of its own (setuid, "
-                                  "setgid or file capabilities) ran without it: the cell's mounts are nosuid and its "
-                                  "processes have no_new_privs", source="exec", cell=self.cell_id, pid=pid,
-                                  exe=ex.get("exe", ""), acts=False))
         elif ex["kind"] == "uid" and not (ex.get("ruid") == ex.get("euid") == self.uid):
             self._event(CellEvent("execute", f"uid {ex.get('ruid')}/{ex.get('euid')}", "a process of the cell "
                                   "changed its uid", source="exec", cell=self.cell_id, pid=ex["pid"],
@@ -802,9 +825,9 @@ class Monitor:
             ppid = self._procs[pid][0] if pid in self._procs else _ppid(pid)
             if ppid <= 1 or ppid == self._seed or ppid in seen or ppid not in self._members:
                 break
-            known = self._procs.get(ppid)
-            if known is not None and known[1]:
-                out.append([ppid, known[1], known[2]])
+            known = self._known(ppid)
+            if known is not None and known[0]:
+                out.append([ppid, *known])
             else:
                 out.append([ppid, self._exe_of(ppid), _cmdline(ppid)])
             seen.add(ppid)
@@ -869,18 +892,6 @@ def ancestry(pid: int, pid1: int | None, members: set[int] | None = None, limit:
         out.append([ppid, exe, _cmdline(ppid)])
         pid = ppid
     return out
-
-
-def _privileged_file(pid: int) -> bool:
-    """Whether the process's executable is setuid or setgid or carries file capabilities."""
-    import stat
-
-    try:
-        if os.stat(f"/proc/{pid}/exe").st_mode & (stat.S_ISUID | stat.S_ISGID):
-            return True
-        return bool(os.getxattr(f"/proc/{pid}/exe", "security.capability"))
-    except OSError:
-        return False
 
 
 def _pids_in(cg: CellCgroup | None) -> set[int]:
