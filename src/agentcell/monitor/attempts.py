@@ -459,9 +459,9 @@ class AttemptSource:
     name = "calls"
 
     def __init__(self, calls: Any, classifier: Classifier, cell: str, exe_of: Callable[[int], str],
-                 ignore: Callable[[int], bool]) -> None:
+                 ignore: Callable[[int], bool], execed: Callable[[int, str], None]) -> None:
         self.calls, self.classifier, self.cell = calls, classifier, cell
-        self.exe_of, self.ignore = exe_of, ignore
+        self.exe_of, self.ignore, self.execed = exe_of, ignore, execed
 
     def fileno(self) -> int:
         return int(self.calls.fileno())
@@ -469,6 +469,9 @@ class AttemptSource:
     def read(self) -> list[CellEvent]:
         out = []
         for call in self.calls.read():
+            if call.errno == 0:  # an exec that succeeded: the process's new name, for the monitor's table
+                self.execed(call.pid, call.comm)
+                continue
             if self.ignore(call.pid):
                 continue
             verdict = self.classifier.classify(call)

@@ -160,7 +160,8 @@ def prog_load(kind: int, code: bytes, name: str) -> int:
             load(1)
         except BpfError:
             pass
-        tail = log.value.decode(errors="replace").strip().splitlines()[-3:]
+        lines = log.value.decode(errors="replace").strip().splitlines()
+        tail = [ln for ln in lines if not ln.startswith(("cur state", "old state", "processed "))][-2:]
         raise BpfError(e.errno, f"bpf: the program was refused ({os.strerror(e.errno or 0)})"
                        + (f": {' | '.join(tail)}" if tail else "")) from None
     os.set_inheritable(fd, False)

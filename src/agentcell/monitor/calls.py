@@ -3,7 +3,9 @@
 that reach for something (open, exec, connect, send, mkdir, unlink, rename, link, chmod, chdir, kill, …)
 with an errno that can mean "not yours" (ENOENT, EACCES, EPERM, EROFS, EXDEV, EBUSY, ESRCH, and the
 network's), and hands each to the monitor through a ring buffer with the process, its name and the
-path or address it named. What it means is decided in :mod:`.attempts`.
+path or address it named. What it means is decided in :mod:`.attempts`. It also hands over each exec
+of the cell that succeeded (errno 0), with the new program's name: a process that exits at once is
+still named.
 
 Why this source: most of what a cell refuses, the kernel refuses without a record. A host file the cell
 does not contain is ENOENT, a write to the read-only system EROFS (the mount refuses before Landlock is
@@ -90,7 +92,8 @@ def program(cgroup_id: int, table_fd: int, ring_fd: int, drops_fd: int) -> bytes
     # raw tracepoint sys_exit: ctx->args[0] is the caller's registers (struct pt_regs *), args[1] the result
     a.alu("mov", R6, R1)
     a.ldx(bpf.DW, R7, R6, 8)
-    a.j("jsge", R7, "out", imm=0)  # it succeeded
+    a.j("jeq", R7, "zero", imm=0)
+    a.j("jsgt", R7, "out", imm=0)  # it succeeded
     a.j("jslt", R7, "out", imm=-127)
     a.alu("mov", R1, R7)
     a.alu("neg", R1)  # errno
@@ -233,6 +236,41 @@ def program(cgroup_id: int, table_fd: int, ring_fd: int, drops_fd: int) -> bytes
     a.j("jeq", R0, "out", imm=0)
     a.alu("mov", R1, imm=1)
     a.atomic_add(R0, 0, R1)
+    a.j("ja", R0, "out")
+    # A call that returned 0: of interest only an exec of the cell's, whose new program's name is known
+    # now for certain (the process may be gone before anyone reads /proc).
+    a.label("zero")
+    a.call(bpf.GET_CURRENT_CGROUP_ID)
+    a.ld64(R1, cgroup_id)
+    a.j("jne", R0, "out", src=R1)
+    a.alu("mov", R1, R10)
+    a.alu("add", R1, imm=-8)
+    a.alu("mov", R2, imm=8)
+    a.ldx(bpf.DW, R3, R6, 0)
+    a.alu("add", R3, imm=ORIG_AX)
+    a.call(bpf.PROBE_READ_KERNEL)
+    a.j("jne", R0, "out", imm=0)
+    a.ldx(bpf.DW, R9, R10, -8)
+    a.j("jeq", R9, "exec", imm=CALLS["execve"][0])
+    a.j("jne", R9, "out", imm=CALLS["execveat"][0])
+    a.label("exec")
+    a.ld64(R1, ring_fd, map_fd=True)
+    a.alu("mov", R2, imm=EVENT_SIZE)
+    a.alu("mov", R3, imm=0)
+    a.call(bpf.RINGBUF_RESERVE)
+    a.j("jeq", R0, "dropped", imm=0)
+    a.alu("mov", R8, R0)
+    a.stx(bpf.DW, R8, 0, R9)
+    a.st(bpf.DW, R8, 8, 0)
+    a.call(bpf.GET_CURRENT_PID_TGID)
+    a.stx(bpf.DW, R8, 16, R0)
+    a.alu("mov", R1, R8)
+    a.alu("add", R1, imm=72)
+    a.alu("mov", R2, imm=16)
+    a.call(bpf.GET_CURRENT_COMM)
+    a.st(bpf.B, R8, A, 0)
+    a.st(bpf.B, R8, B, 0)
+    a.j("ja", R0, "submit")
     a.label("out")
     a.alu("mov", R0, imm=0)
     a.exit()

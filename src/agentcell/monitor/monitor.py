@@ -257,7 +257,7 @@ class Monitor:
             return
         classifier = Classifier(view, view.network, Host(), self._pid_ceiling)
         self.calls = AttemptSource(calls, classifier, self.cell_id, self._exe_of,
-                                   lambda pid: pid in self.trusted)
+                                   lambda pid: pid in self.trusted, self._execed)
         self._state["calls"] = "on"
 
     def watch_created(self, entries: tuple[str, ...]) -> None:
@@ -284,6 +284,14 @@ class Monitor:
     def _pid_ceiling(self) -> int | None:
         return None if self._forks is None else 1 + self._forks
 
+    def _execed(self, pid: int, comm: str) -> None:
+        """An exec of the cell's that succeeded, with the new program's name (the failed-call source): what
+        the process is called when nothing better can be read (it exited before its exec was looked at)."""
+        entry = self._procs.get(pid)
+        if entry is not None:
+            del entry[3:]
+            entry.append(comm)
+
     def _named(self, pid: int, path: str) -> None:
         """An exec's file, from a mark: the process is that program now (read before it can be gone)."""
         entry = self._procs.get(pid)
@@ -304,13 +312,15 @@ class Monitor:
         return None
 
     def _exe_of(self, pid: int) -> str:
+        """The process's executable: from the table, from /proc, else the name its last exec gave it."""
         known = self._known(pid)
         if known and known[0]:
             return known[0]
         try:
             return os.readlink(f"/proc/{pid}/exe")
         except OSError:
-            return ""
+            entry = self._procs.get(pid)
+            return str(entry[3]) if entry is not None and len(entry) > 3 else ""
 
     def attach(self, running: Any) -> None:
         """The launched cell: its cgroup, and the watches it handed out (canaries, seccomp listener)."""
@@ -691,9 +701,8 @@ class Monitor:
 
             ex = {**identify(pid), **ex}
             if kind == "exec":  # (gone already: what an exec mark named it stays)
-                before = self._procs.get(pid, [0, None, None])
-                self._procs[pid] = [before[0] or _ppid(pid), ex.get("exe") or before[1] or "",
-                                    _cmdline(pid) or before[2] or ""]
+                entry = self._procs.setdefault(pid, [0, None, None])
+                entry[:3] = [entry[0] or _ppid(pid), ex.get("exe") or entry[1] or "", _cmdline(pid) or entry[2] or ""]
         name = ex.get("tool") or os.path.basename(ex.get("exe", "")) or ex.get("comm", "")
         if kind in ("tool", "exec") and name in PRIVILEGE_TOOLS:  # a copy under the same name too (exec)
             self._event(CellEvent("execute", name, f"a privilege tool was run in the cell ({name}: mounts are "
