@@ -156,7 +156,7 @@ class Supervised:
             _ = sup.pid1  # known before the monitor follows the cell's processes by descent from it
             watch.attach(running)
             if proxy is not None:
-                watch.add_source(proxy.new_events)
+                watch.add_source(proxy.new_events, proxy.fileno())
                 watch.trusted.add(proxy.proc.pid)  # it becomes nobody inside the cell's cgroup: not the agent
             if log is not None:
                 watch.add_source(sup._firewall_events)

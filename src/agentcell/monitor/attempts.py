@@ -231,8 +231,10 @@ class Classifier:
     """``classify(call)`` for one cell. ``pid_ceiling()``: the highest pid the cell's namespace may have
     given out so far (a /proc number above it was never the cell's)."""
 
-    def __init__(self, view: View, network: str, host: Host, pid_ceiling: Callable[[], int | None]) -> None:
+    def __init__(self, view: View, network: str, host: Host, pid_ceiling: Callable[[], int | None],
+                 refused: Callable[[str, int], None] | None = None) -> None:
         self.view, self.network, self.host, self.pid_ceiling = view, network, host, pid_ceiling
+        self.refused = refused  # on the host's network: a connect the firewall refused, and by whom
 
     def classify(self, call: Call) -> Verdict | None:
         if call.name in ("kill", "pidfd_open"):
@@ -426,9 +428,13 @@ class Classifier:
                 return None
             return ("network", path, "a socket of a service on the host (the cell does not contain it)", True,
                     "nothing: the host's sockets stay outside")
-        _family, ip, port = addr
-        if e in (EACCES, EPERM) or self.network == "host-firewall":
-            return None  # Landlock's own records say so; on the host's network, the firewall's log does
+        family, ip, port = addr
+        if self.network == "host-firewall":  # the firewall's log says what it refused; this says who tried
+            if self.refused is not None and e in (ECONNREFUSED, EHOSTUNREACH, ENETUNREACH, EACCES, EPERM):
+                self.refused(f"[{ip}]:{port}" if family == "inet6" else f"{ip}:{port}", call.pid)
+            return None
+        if e in (EACCES, EPERM):
+            return None  # Landlock's own records say so
         target = f"{ip}:{port}"
         if ip.startswith("127.") or ip == "::1" or ip == "::ffff:127.0.0.1":
             # refused (or, connecting without blocking, to be refused): the cell's loopback is its own

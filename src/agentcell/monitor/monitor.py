@@ -164,6 +164,8 @@ class Monitor:
         self._domains: set[str] = set()
         self._resources = {"oom_kills": 0, "pids_limit_hits": 0}
         self._sources: list[Callable[[], list[dict[str, Any]]]] = []
+        self._bells: list[int] = []  # the egress sources' fds, readable when they have news
+        self._refused_by: dict[str, int] = {}  # a firewall-refused address -> the process whose connect failed
         self._state: dict[str, str] = {}  # source -> "on" | why it is off
         self.audit: Any = None
         self.execs: Any = None
@@ -229,9 +231,12 @@ class Monitor:
             self._event(CellEvent("telemetry", "exec", f"the proc connector cannot be read ({e}): execs are not "
                                   "seen", source="telemetry", cell=cell_id))
 
-    def add_source(self, poll: Callable[[], list[dict[str, Any]]]) -> None:
-        """An egress source: ``poll()`` returns the refusals (proxy or firewall events) since its last call."""
+    def add_source(self, poll: Callable[[], list[dict[str, Any]]], fileno: int | None = None) -> None:
+        """An egress source: ``poll()`` returns the refusals (proxy or firewall events) since its last call;
+        ``fileno`` (if any) is readable when it has some (then they are read at once, not on the next pass)."""
         self._sources.append(poll)
+        if fileno is not None:
+            self._bells.append(fileno)
         self._state["egress"] = "on"
 
     def watch_calls(self, cg: CellCgroup | None, view: Any) -> None:
@@ -255,7 +260,7 @@ class Monitor:
                                   ": attempts on what the cell does not contain are not seen", source="telemetry",
                                   cell=self.cell_id))
             return
-        classifier = Classifier(view, view.network, Host(), self._pid_ceiling)
+        classifier = Classifier(view, view.network, Host(), self._pid_ceiling, self._refused)
         self.calls = AttemptSource(calls, classifier, self.cell_id, self._exe_of,
                                    lambda pid: pid in self.trusted, self._execed)
         self._state["calls"] = "on"
@@ -503,7 +508,7 @@ class Monitor:
                 self._progress()
                 watched = [s for s in (self.audit, self.execs, self.tools, self.canaries, self.seccomp, self.masks,
                                        self.calls, self.created, self.execmarks) if s is not None]
-                if select.select([*watched, self._wake_r], [], [], 0.02)[0]:
+                if select.select([*watched, *self._bells, self._wake_r], [], [], 0.02)[0]:
                     self._drain()
                 self._poll_resources()
                 self._poll_egress()
@@ -771,8 +776,35 @@ class Monitor:
                 reason += " (matched by a person's uid, which runs outside the cell too: not held against it)"
             elif raw.get("note"):
                 reason += " (an allowed name: refused, not held against the cell)"
-            self._event(CellEvent("network", str(raw.get("target", "?")), reason, source=source,
-                                  cell=self.cell_id, pid=None, allow=allow, ts=raw.get("ts"), acts=acts))
+            target = str(raw.get("target", "?"))
+            self._event(CellEvent("network", target, reason, source=source, cell=self.cell_id,
+                                  pid=self._egress_owner(raw, target), allow=allow, ts=raw.get("ts"), acts=acts))
+
+    def _egress_owner(self, raw: dict[str, Any], target: str) -> int | None:
+        """The process a refusal was for: the proxy knows the client's port in the cell (whose socket is in
+        the cell's network namespace, connected to the proxy's), the firewall the packet's source port on
+        the host; else a failed connect to that very address (the failed-call source)."""
+        from .sockets import owner
+
+        members = sorted(self._members - {self._seed} - self.trusted)
+        if raw.get("source") == "proxy" and self._seed:
+            from ..cell.spec import PROXY_PORT
+
+            return owner(self._seed, "tcp", int(raw.get("peer_port") or 0), PROXY_PORT, members)
+        if raw.get("source") == "nftables":
+            pid = owner("self", str(raw.get("protocol", "tcp")), int(raw.get("sport") or 0), None, members)
+            return pid or self._refused_by.get(target)
+        return None
+
+    def _refused(self, target: str, pid: int) -> None:
+        """A connect of the cell's that the host firewall refused (the failed-call source, on the host's
+        network): its process, for the firewall's record of the same packet, before or after it."""
+        if len(self._refused_by) < 1000:
+            self._refused_by.setdefault(target, pid)
+        with self._lock:
+            for ev in self.events:
+                if ev.source == "nftables" and ev.target == target and not ev.pid:
+                    ev.pid, ev.exe, ev.ancestry = pid, self._exe_of(pid), self.ancestry(pid)
 
     def _poll_resources(self) -> None:
         if self.cg is None:

@@ -26,16 +26,32 @@ class ProxyProcess:
         # Held for the proxy's whole life and closed in stop(): no with-block fits.
         self.events_file = tempfile.TemporaryFile(mode="w+b", prefix="agentcell-egress-")  # noqa: SIM115
         self._offset = 0  # how far new_events() has read
+        # rung after each event, so the supervisor reads it while the refused client still waits
+        self._bell, bell_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         argv = [sys.executable, "-I", "-c", "import sys; from agentcell.network.proxy import main; main(sys.argv[1:])",
                 "--listen-fd", str(listen_fd), "--events-fd", str(self.events_file.fileno()),
-                "--rules", json.dumps(list(rules)), "--parent", str(os.getpid())]
-        self.proc = subprocess.Popen(argv, pass_fds=(listen_fd, self.events_file.fileno()), cwd="/",
-                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                     env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"})
+                "--rules", json.dumps(list(rules)), "--parent", str(os.getpid()), "--bell-fd", str(bell_w)]
+        try:
+            self.proc = subprocess.Popen(argv, pass_fds=(listen_fd, self.events_file.fileno(), bell_w), cwd="/",
+                                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                         stderr=subprocess.DEVNULL, env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"})
+        except BaseException:
+            os.close(self._bell)
+            raise
+        finally:
+            os.close(bell_w)
         os.close(listen_fd)  # the proxy holds it now: the cell's way out is that process, nothing else
+
+    def fileno(self) -> int:
+        """Readable when the proxy has written events (poll this, then :meth:`new_events`)."""
+        return self._bell
 
     def new_events(self) -> list[dict[str, Any]]:
         """Refusals written since the last call (the monitor's live view of them)."""
+        try:
+            os.read(self._bell, 4096)
+        except OSError:
+            pass  # nothing rung (or closed by stop()): the file says what there is
         offset = self._offset
         data = os.pread(self.events_file.fileno(), MAX_READ, offset)
         complete = data[:data.rfind(b"\n") + 1]
@@ -53,6 +69,8 @@ class ProxyProcess:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait()
+        os.close(self._bell)
+        self._bell = -1
         self.events_file.seek(0)
         events = []
         for line in self.events_file.read(MAX_READ).decode(errors="replace").splitlines():

@@ -152,11 +152,12 @@ def _packet_event(attrs: dict[int, bytes]) -> dict[str, Any] | None:
     names = {6: "tcp", 17: "udp", 1: "icmp", 58: "icmpv6"}
     name = names.get(proto, str(proto))
     port = struct.unpack_from("!H", l4, 2)[0] if proto in (6, 17) and len(l4) >= 4 else None
+    sport = struct.unpack_from("!H", l4, 0)[0] if proto in (6, 17) and len(l4) >= 4 else None
     where = f"[{dst}]" if version == 6 else str(dst)
     target = f"{where}:{port}" if port is not None else where
     uid = struct.unpack("!I", attrs[NFULA_UID])[0] if len(attrs.get(NFULA_UID, b"")) == 4 else None
     allow = f"{'' if name == 'tcp' else name + ':'}{where}:{port}" if port is not None else None
     return {"ts": time.time(), "operation": "network", "source": "nftables", "target": target, "protocol": name,
-            "uid": uid, "prefix": attrs.get(NFULA_PREFIX, b"").rstrip(b"\0").decode(errors="replace"),
+            "uid": uid, "sport": sport, "prefix": attrs.get(NFULA_PREFIX, b"").rstrip(b"\0").decode(errors="replace"),
             "reason": f"not allowed by the host firewall: add --allow-egress {allow} to allow it" if allow else
             f"not allowed by the host firewall ({name})"}

@@ -19,6 +19,7 @@ first becomes ``nobody`` with no_new_privs: it parses what the agent sends.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import ipaddress
 import json
 import os
@@ -39,6 +40,10 @@ MAX_UNRESOLVED = 32
 MAX_EVENTS = 10_000
 MAX_EVENT_BYTES = 1 << 20  # all events together: an agent's names are long and many
 MAX_TARGET = 255  # characters of a destination kept in an event
+# A refused client waits this long for its answer: the supervisor, rung by the event, finds the process
+# that holds the connection in the cell (it may exit the moment it has its answer).
+HOLD_S = 0.2
+_peer: contextvars.ContextVar[int] = contextvars.ContextVar("peer", default=0)  # the client's port in the cell
 HEADER_LIMIT = 64 * 1024
 READ = 1024 * 1024  # bytes per read; the stream's own buffer stays at LIMIT
 LIMIT = 128 * 1024
@@ -135,7 +140,8 @@ class Proxy:
     def _refuse(self, host: str, port: int, how: str, why: str, code: int = 403, *, note: bool = False) -> Refused:
         shown = _printable(host)
         self.events({"ts": time.time(), "operation": "network", "source": "proxy", "target": f"{shown}:{port}",
-                     "protocol": how, "reason": _printable(why.replace(host, shown)), "note": note})
+                     "protocol": how, "reason": _printable(why.replace(host, shown)), "note": note,
+                     "peer_port": _peer.get()})
         return Refused(why if why.isprintable() and len(why) < 512 else "refused", code)
 
     # ---- the protocols -----------------------------------------------------------------------------
@@ -145,6 +151,8 @@ class Proxy:
             writer.close()
             return
         self.open_connections += 1
+        peer = writer.get_extra_info("peername")
+        _peer.set(peer[1] if isinstance(peer, tuple) and len(peer) >= 2 else 0)
         try:
             first = await asyncio.wait_for(reader.readexactly(1), HEADER_TIMEOUT_S)
             if first == b"\x05":
@@ -214,11 +222,13 @@ class Proxy:
         port = struct.unpack("!H", await _timed(reader, 2))[0]
         if ver != 5 or cmd != 1:  # only CONNECT: no BIND, no UDP ASSOCIATE
             self._refuse(host, port, "socks5", "only TCP CONNECT goes through the proxy (no UDP, no BIND)")
+            await asyncio.sleep(HOLD_S)
             writer.write(b"\x05\x07\x00\x01" + bytes(6))
             return
         try:
             up_r, up_w = await self.open(host, port, "socks5")
         except Refused as e:
+            await asyncio.sleep(HOLD_S)
             writer.write((b"\x05\x02" if e.code == 403 else b"\x05\x04") + b"\x00\x01" + bytes(6))
             return
         writer.write(b"\x05\x00\x00\x01" + bytes(6))
@@ -227,6 +237,7 @@ class Proxy:
 
 
 async def _blocked(writer: asyncio.StreamWriter, e: Refused) -> None:
+    await asyncio.sleep(HOLD_S)
     writer.write(f"HTTP/1.1 {e.code} Blocked by agentcell\r\nContent-Type: text/plain\r\n"
                  f"Connection: close\r\n\r\nagentcell: {e.why}\n".encode())
     await writer.drain()
@@ -291,8 +302,10 @@ def _become_nobody() -> None:
     os.setresuid(65534, 65534, 65534)
 
 
-async def serve(listen_fd: int, policy: Policy, events_fd: int) -> None:
+async def serve(listen_fd: int, policy: Policy, events_fd: int, bell_fd: int = -1) -> None:
     out = os.fdopen(events_fd, "w", buffering=1)
+    if bell_fd >= 0:
+        os.set_blocking(bell_fd, False)
     written = size = 0
     full = False
 
@@ -309,6 +322,8 @@ async def serve(listen_fd: int, policy: Policy, events_fd: int) -> None:
         size += len(line)
         try:
             out.write(line)
+            if bell_fd >= 0:
+                os.write(bell_fd, b"!")  # the supervisor reads at once (a full pipe: it will anyway)
         except OSError:
             pass
 
@@ -331,7 +346,7 @@ def main(argv: list[str]) -> None:
         sys.exit(0)  # the agentcell that started us is already gone
     libc.prctl(38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS
     policy = Policy.from_rules(json.loads(opts["--rules"]))
-    asyncio.run(serve(int(opts["--listen-fd"]), policy, int(opts["--events-fd"])))
+    asyncio.run(serve(int(opts["--listen-fd"]), policy, int(opts["--events-fd"]), int(opts.get("--bell-fd", -1))))
 
 
 if __name__ == "__main__":
