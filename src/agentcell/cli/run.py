@@ -402,7 +402,7 @@ def monitor_lines(result: dict[str, Any]) -> list[str]:
     """What the monitor saw, from a result (the cold path's, or a warm launcher's cell host's)."""
     if "monitor_sources" not in result:
         return []
-    from ..monitor.lines import event_kind, event_line
+    from ..monitor.lines import chain, event_kind, event_line
 
     out = []
     off = {k: v for k, v in result["monitor_sources"].items() if not str(v).startswith("on")}
@@ -410,6 +410,8 @@ def monitor_lines(result: dict[str, Any]) -> list[str]:
         out.append(f"monitor: not watched: {'; '.join(f'{k} ({v})' for k, v in sorted(off.items()))}")
     for ev in result.get("events") or []:
         out.append(f"{event_kind(ev)}: {event_line(ev)}")
+        if event_kind(ev) == "escape" and chain(ev):  # who tried, from the cell's PID 1 down
+            out.append(f"  by: {chain(ev)}")
     if result.get("terminated_by_monitor"):  # named here too: a flood of events may have pushed it out of the list
         reason = str(result.get("monitor_reason") or "")
         shown = reason if reason.isprintable() else repr(reason)

@@ -344,8 +344,14 @@ def _show(ns: Any) -> int:
     if ns.json:
         sys.stdout.write(json.dumps(st, default=str) + "\n")
     else:
+        from ..monitor.lines import chain, event_kind, event_line
+
         for k, v in st.items():
             sys.stdout.write(_shown(f"{k}: {json.dumps(v, default=str)}") + "\n")
+        for ev in st.get("events") or []:  # what the monitor saw, each with who did it
+            sys.stdout.write(f"{event_kind(ev)}: {event_line(ev)}\n")
+            if chain(ev):
+                sys.stdout.write(f"  by: {chain(ev)}\n")
     return 0
 
 

@@ -24,3 +24,15 @@ def event_line(ev: Mapping[str, Any]) -> str:
 def event_kind(ev: Mapping[str, Any]) -> str:
     """resource (a ceiling reached), escape (acts on the verdict) or note (recorded only)."""
     return "resource" if ev.get("operation") == "resource" else "escape" if ev.get("acts", True) else "note"
+
+
+def chain(ev: Mapping[str, Any]) -> str:
+    """Who did it, from the cell's PID 1 down: ``PID 1 → claude (pid 40) → bash (pid 52) → cat (pid 60)``."""
+    if not ev.get("pid"):
+        return ""
+    steps = ["PID 1"]
+    for pid, exe, cmd in reversed(ev.get("ancestry") or []):
+        word = os.path.basename(str(exe)) or str(cmd).split(" ", 1)[0] or "?"
+        steps.append(f"{word} (pid {pid})")
+    steps.append(f"{os.path.basename(str(ev.get('exe') or '')) or '?'} (pid {ev['pid']})")
+    return printable(" → ".join(steps))
