@@ -633,10 +633,24 @@ def check_monitor(*, root: bool) -> Check:
             have["exec"] = f"off: the proc connector: {e.strerror}"
         have["landlock"] = "on (audit stream)"
         have["cgroup"] = "on"
+        from .monitor import calls
+
+        why = calls.check()  # loaded and verified, never attached
+        have["calls"] = ("on (eBPF: failed calls, so attempts on what the cell does not contain)" if not why else
+                         f"off: {why}; attempts on what the cell does not contain are not seen (an old kernel, "
+                         "lockdown=confidentiality, or no CAP_BPF in a container)")
+        try:
+            os.close(fanotify.init(fanotify.FAN_CLASS_NOTIF | fanotify.FAN_REPORT_DFID_NAME))
+            have["created"] = "on"
+        except OSError as e:
+            have["created"] = f"off: fanotify directory events: {e.strerror} (Linux 5.9; created protected " \
+                              "entries are reported at the end)"
     else:
         have["exec"] = "off: the proc connector needs root"
         have["landlock"] = "off: the audit stream needs root"
         have["cgroup"] = "off: no delegated cgroup for unprivileged users"
+        have["calls"] = "off: eBPF needs root"
+        have["created"] = "off: fanotify needs root"
     off = sorted(k for k, v in have.items() if not v.startswith("on"))
     detail = "; ".join(f"{k} {v}" for k, v in sorted(have.items()))
     if off:

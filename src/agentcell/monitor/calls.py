@@ -277,6 +277,25 @@ def program(cgroup_id: int, table_fd: int, ring_fd: int, drops_fd: int) -> bytes
     return a.code()
 
 
+def check() -> str:
+    """Empty if the program loads here (maps made, the verifier passes: nothing is attached), else why not."""
+    why = supported()
+    if why:
+        return why
+    fds: list[int] = []
+    try:
+        fds.append(bpf.map_create(bpf.MAP_ARRAY, 4, 8, 512, "agentcell_calls"))
+        fds.append(bpf.map_create(bpf.MAP_RINGBUF, 0, 0, 1 << 16, "agentcell_ring"))
+        fds.append(bpf.map_create(bpf.MAP_ARRAY, 4, 8, 1, "agentcell_drops"))
+        fds.append(bpf.prog_load(bpf.PROG_RAW_TRACEPOINT, program(0, *fds), "agentcell_calls"))
+    except OSError as e:
+        return str(e.strerror or e)
+    finally:
+        for fd in fds:
+            os.close(fd)
+    return ""
+
+
 class Call:
     """One failed call: ``name``, ``errno``, ``pid`` (the process, host pid), ``tid``, ``comm``, ``args``
     (raw), ``path`` and ``path2`` (as given, maybe relative), ``addr`` (("inet"|"inet6", ip, port),
