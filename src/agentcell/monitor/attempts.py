@@ -371,7 +371,7 @@ class Classifier:
         home = next((h for h in homes if path == h or path.startswith(h + "/")), None)
         credential = _credential(path)
         parent = os.path.dirname(path)
-        if parent in self.view.ancestors and home != path and not credential:
+        if parent in self.view.ancestors and home != path and not credential and op != "write":
             # next to what the cell contains: a tool looking for its config in a parent directory
             if not self.host.exists(path):
                 return None
