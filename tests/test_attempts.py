@@ -200,3 +200,11 @@ def test_a_relative_path_is_read_from_where_the_process_stands() -> None:
     assert verdict(c, call("openat", ENOENT, "alice/notes.txt")) == ("read", "/home/alice/notes.txt", True)
     assert acts(classifier(FakeHost({"/home/alice/notes.txt"}, cwd=PROJECT)),
                 call("openat", ENOENT, "../../alice/notes.txt")) is True
+
+
+def test_a_top_level_directory_looked_at_and_a_lock_in_a_read_only_cache_are_notes() -> None:
+    c = classifier(FakeHost({"/var", "/root"}))
+    assert acts(c, call("openat", ENOENT, "/var")) is False
+    assert acts(c, call("openat", ENOENT, "/root")) is True  # a home
+    assert acts(c, call("mkdir", EROFS, "/var")) is True  # a write
+    assert acts(c, call("openat", EROFS, "/opt/tool/pkg/inuse.20.lock", flags=O_WRONLY | O_CREAT)) is False

@@ -5,6 +5,7 @@ a fake internet of the test's own, with nothing but the prompt after ``--``.
 """
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
 import secrets
@@ -90,8 +91,24 @@ def test_a_real_harness_edits_the_project_and_is_ended_at_the_credential_it_read
     # nothing was looked up but the endpoint's name; the harness's own work raised nothing that acts
     assert out["names"] == ["model.test"]
     assert [e["target"] for e in out["events"] if e.get("acts", True)] == [esc["target"]], out["events"]
+    # and the notes it raised are only those listed (each may come or not: the CPU ceiling is hit under load)
+    notes = {(e["operation"], e["target"], e["source"]) for e in out["events"] if not e.get("acts", True)}
+    listed = [*HARNESS_NOTES.get(name, []), *COMMON_NOTES]
+    assert all(any(n[0] == op and fnmatch.fnmatchcase(n[1], target) and n[2] == source
+                   for op, target, source in listed) for n in notes), (name, notes)
     assert account_gone(summary["os_user"]) and summary["problems"] == [], summary
     assert _netns() == before  # its fake internet is gone
+
+
+# What a real harness's turn is noted for (the benign corpus: never an acting event), each a note that may
+# come or not. The CPU ceiling (the session's risk: half the machine) may hold a turn back; Claude Code looks
+# at /var, which the cell has not; Copilot's node probes io_uring (libuv), which seccomp refuses, sets its own
+# OOM score (refused by Landlock), and takes a lock in its package cache, which is read-only under /opt.
+COMMON_NOTES = [("resource", "cpu_throttled", "cgroup")]
+HARNESS_NOTES = {"claude_code": [("read", "/var", "calls")],
+                 "copilot": [("execute", "io_uring_setup", "seccomp"),
+                             ("write", "/proc/<pid>/oom_score_adj", "landlock"),
+                             ("write", "/opt/agentcell-test/harnesses/*/pkg/*/inuse.*.lock", "calls")]}
 
 
 def _netns() -> set[str]:
@@ -467,7 +484,9 @@ def test_git_over_ssh_reaches_an_allowed_host_through_the_proxy_with_the_key_the
     s = session(env, [*base, "--", "ssh", "-o", "StrictHostKeyChecking=no", "-o", "UserKnownHostsFile=/dev/null",
                       "-o", "BatchMode=yes", "git@git.test", "git-upload-pack", "/repo.git"])
     assert s.summary["status"] == "completed" and s.summary["exit_status"] == 255, (s.summary, s.err[-2000:])
-    assert s.summary["events"] == 0
+    # nothing acts; ssh's ProxyCommand may still run when ssh has given up: noted, and killed with the cell
+    events = session(env, ["show", s.summary["session"], "--json"]).summary["events"]
+    assert all(not e["acts"] and e["reason"].startswith("a process still ran") for e in events), events
     attempts = [json.loads(line) for line in log.read_text().splitlines()][len(first):]
     assert attempts and all(a["method"] == "none" for a in attempts), attempts
 

@@ -63,6 +63,7 @@ HOST_DEVICES = ("mem", "kmem", "port", "kmsg", "sd", "hd", "vd", "xvd", "nvme", 
                 "tty7", "tty8", "tty9", "console", "ttyS", "vhost", "vsock", "kvm", "cpu", "watchdog", "nvram",
                 "rtc", "hidraw", "bus", "fb", "snd", "video", "sg", "bsg", "btrfs-control", "fuse")
 DNS_PORTS = (53, 853)
+LOCKS = (".lock", ".lck", "/lock")
 # Protected entries that only instruct a harness (and the session's own configuration): writing them is
 # refused and noted, not an attempt on the human's tools.
 INSTRUCTIONS = frozenset({"AGENTS.md", "CLAUDE.md", "GEMINI.md", "copilot-instructions.md", ".cursorrules",
@@ -335,6 +336,9 @@ class Classifier:
             return None
         if "/__pycache__/" in path and path.endswith(".pyc"):
             return None  # Python caching byte code next to a read-only module: it goes on without
+        if path.endswith(LOCKS) and op == "write":
+            return ("write", path, "a lock file in the read-only system (software claiming a shared cache it finds "
+                    "read-only, as Copilot's package cache in /opt)", False, "")
         if area == "ro":  # declared for reading: a mistake to write there, not a way out
             return ("write", path, f"a write to a path declared read-only ({mount})", False, f"--rw {mount}")
         return ("write", path, "a write to the read-only system", True, "nothing: write inside the --rw paths")
@@ -367,6 +371,10 @@ class Classifier:
         if path.startswith(NOTED) or path + "/" in NOTED:
             return (op, path, "a place for temporary files that the cell does not have (its /tmp is its own)", False,
                     "use /tmp")
+        if path.count("/") == 1 and path not in self.host.homes() and op != "write":
+            if not self.host.exists(path):
+                return None  # (a top-level directory of the host, looked at: /var, /srv; not a home)
+            return (op, path, "a top-level directory of the host, which the cell does not have", False, "")
         homes = self.host.homes()
         home = next((h for h in homes if path == h or path.startswith(h + "/")), None)
         credential = _credential(path)

@@ -41,6 +41,7 @@ from .event import CellEvent
 
 ESCAPES = ("read", "write", "execute", "network", "telemetry")
 CLASSES = (*ESCAPES, "resource")
+CPU_NOTE = 10  # periods the CPU ceiling held the cell back before that is noted (a second at 0.1 s each)
 MAX_EVENTS = 1000  # distinct events kept per cell, of each kind (acting, notes); duplicates are counted
 # An audit overflow is held against the cell that made it: at least FLOOD of its own Landlock denials, and
 # at least half of all the host's, in the last FLOOD_S seconds (a busy cell among a flood is not the flood).
@@ -815,9 +816,11 @@ class Monitor:
             return
         for key, what in (("oom_kills", "a process was killed for memory (OOM) at the cell's --memory"),
                           ("pids_limit_hits", "a fork was refused at the cell's --pids"),
-                          ("cpu_throttled", "the cell was held at its CPU ceiling (--cpu): it wanted more")):
+                          ("cpu_throttled", f"the cell was held at its CPU ceiling (--cpu) for {CPU_NOTE} periods of "
+                                            "0.1 s or more: it wanted more")):
             n = int(now.get(key, 0))
-            if n > self._resources.get(key, 0):
+            # (a start-up's burst past the ceiling, its proxy's and its own, says nothing: held back a while)
+            if n > self._resources.get(key, 0) and (key != "cpu_throttled" or n >= CPU_NOTE):
                 self._resources[key] = n
                 self._event(CellEvent("resource", key, what, source="cgroup", cell=self.cell_id,
                                       acts=key != "cpu_throttled"))
