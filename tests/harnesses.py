@@ -23,6 +23,8 @@ PINS: dict[str, tuple[str, str, str, str]] = {
     "aider": ("pypi", "aider-chat", "0.86.2", "aider"),
 }
 REAL = tuple(PINS)
+# Tools the benign corpus runs in a cell (tests/test_benign.py), kept the same way.
+TOOLS: dict[str, tuple[str, str, str, str]] = {"pytest": ("pypi", "pytest", "8.3.4", "pytest")}
 
 
 class Unavailable(Exception):
@@ -30,12 +32,12 @@ class Unavailable(Exception):
 
 
 def home(name: str) -> Path:
-    registry, package, version, _ = PINS[name]
+    registry, package, version, _ = {**PINS, **TOOLS}[name]
     return ROOT / f"{registry}-{package.replace('@', '').replace('/', '_')}-{version}"
 
 
 def bin_dir(name: str) -> Path:
-    registry, package, version, binary = PINS[name]
+    registry, package, version, binary = {**PINS, **TOOLS}[name]
     where = home(name)
     stamp = where / ".agentcell-installed"
     bindir = where / ("node_modules/.bin" if registry == "npm" else "bin")

@@ -1,0 +1,82 @@
+"""A test server on a fake internet: git's smart HTTP (``git http-backend``) over TLS, or plain static
+files (a package registry's mirror: npm's packuments and tarballs, pip's simple index and wheels).
+
+    python tests/mirror.py ADDR PORT git REPO_ROOT CERT KEY
+    python tests/mirror.py ADDR PORT files ROOT
+
+prints ``ready`` once it listens; each request is a line on stderr.
+"""
+from __future__ import annotations
+
+import http.server
+import os
+import ssl
+import subprocess
+import sys
+from functools import partial
+
+
+class Git(http.server.BaseHTTPRequestHandler):
+    root = ""
+
+    def _serve(self) -> None:
+        path, _, query = self.path.partition("?")
+        if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
+            body = b""
+            while (size := int(self.rfile.readline().split(b";")[0].strip() or b"0", 16)):
+                body += self.rfile.read(size)
+                self.rfile.readline()
+            self.rfile.readline()
+        else:
+            body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        env = {"PATH": "/usr/bin:/bin", "GIT_PROJECT_ROOT": self.root, "GIT_HTTP_EXPORT_ALL": "1",
+               "REQUEST_METHOD": self.command, "PATH_INFO": path, "QUERY_STRING": query,
+               "CONTENT_TYPE": self.headers.get("Content-Type", ""), "CONTENT_LENGTH": str(len(body)),
+               "REMOTE_ADDR": self.client_address[0], "REMOTE_USER": "agent",
+               "GIT_PROTOCOL": self.headers.get("Git-Protocol", "")}
+        out = subprocess.run(["git", "http-backend"], input=body, env=env, capture_output=True).stdout
+        head, _, payload = out.partition(b"\r\n\r\n")  # a CGI response: its headers, then the body
+        status = 200
+        headers = []
+        for line in head.decode("latin-1").splitlines():
+            key, _, value = line.partition(":")
+            if key.lower() == "status":
+                status = int(value.split()[0])
+            elif key:
+                headers.append((key, value.strip()))
+        self.send_response(status)
+        for key, value in headers:
+            self.send_header(key, value)
+        self.send_header("Content-Length", str(len(payload)))
+        self.send_header("Connection", "close")
+        self.end_headers()
+        self.wfile.write(payload)
+
+    do_GET = do_POST = _serve
+
+
+class Server(http.server.ThreadingHTTPServer):
+    def server_bind(self) -> None:  # without HTTPServer's reverse lookup of its own address (no DNS here)
+        import socketserver
+
+        socketserver.TCPServer.server_bind(self)
+        self.server_name, self.server_port = str(self.server_address[0]), int(self.server_address[1])
+
+
+def main() -> None:
+    addr, port, mode, root = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    if mode == "git":
+        Git.root = root
+        server = Server((addr, port), Git)
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.load_cert_chain(sys.argv[5], sys.argv[6])
+        server.socket = ctx.wrap_socket(server.socket, server_side=True)
+    else:
+        server = Server((addr, port), partial(http.server.SimpleHTTPRequestHandler, directory=root))
+    print("ready", flush=True)
+    os.environ.clear()
+    server.serve_forever()
+
+
+if __name__ == "__main__":
+    main()
