@@ -1,15 +1,21 @@
-"""Escape-monitor benchmark: attempt-to-frozen latency, and the monitor's overhead on file-heavy work.
+"""Escape-monitor benchmark: attempt-to-frozen latency, and the monitor's overhead on ordinary work.
 
-    .venv/bin/python bench/monitor.py [--attempts N] [--files N] [--json]
+    .venv/bin/python bench/monitor.py [--attempts N] [--files N] [--rounds N] [--json]
 
-* Latency: N cells (default 100), each a command that writes the time to a shared file and then
-  makes one forbidden TCP connect (Landlock denies it in a `--net none` cell). The monitor (in this
-  process, as `agentcell run --monitor` runs it) freezes the cell; latency = freeze time - attempt
-  time. p50 and p95 (target p95 <= 50 ms).
-* Overhead: `find`, `git status` and `tar` over a generated tree of 20,000 files in a cell, with and
-  without the monitor, interleaved (target <= 5 %), both through `Supervised` as `agentcell run`
-  runs them; the workload as timed inside the cell and, apart, the whole run (set-up and teardown).
-Needs root (a throwaway account ac-bench<hex> is created and removed). No network traffic.
+* Latency: N cells per kind of attempt (default 100), each a command that writes the time to a shared
+  file and then makes one forbidden attempt: a TCP connect (Landlock denies it in a `--net none` cell:
+  the audit stream), a read of a credential in a home the cell does not contain (ENOENT: the
+  failed-call source, eBPF), a datagram to an address outside (ENETUNREACH: the same). The monitor (in
+  this process, as `agentcell run --monitor` runs it) freezes the cell; latency = freeze time - attempt
+  time. p50 and p95 per kind and over all (target p95 <= 50 ms).
+* Overhead, the same cells with and without the monitor, interleaved (target <= 5 %), both through
+  `Supervised` as `agentcell run` runs them; each workload as timed inside the cell and, apart, the
+  whole run (set-up and teardown):
+  - files: `find`, `git status` and `tar` over a generated tree of 20,000 files;
+  - build: the benign corpus's local part: `make` with cc over 40 C files, a Python import-heavy run
+    (as pytest's start), `git add` and `git commit` of the sources.
+Needs root (a throwaway account ac-bench<hex> is created and removed). No network traffic leaves the
+cells (the datagram's address has no route there).
 """
 from __future__ import annotations
 
@@ -33,15 +39,22 @@ from agentcell.supervise import Supervised
 NULLS = (os.open(os.devnull, os.O_RDWR),) * 3
 
 ATTEMPT = ("import socket, time, sys\nopen(sys.argv[1], 'w').write(repr(time.time()))\n"
-           "try:\n    socket.create_connection(('127.0.0.1', 1))\nexcept OSError:\n    pass\ntime.sleep(5)\n")
+           "try:\n    {}\nexcept OSError:\n    pass\ntime.sleep(5)\n")
+KINDS = {  # the attempt, and the source that sees it
+    "landlock": "socket.create_connection(('127.0.0.1', 1))",
+    "calls (file)": "open('/root/.ssh/id_rsa')",
+    # 198.18.0.0/15 (benchmarking): no route in the cell, so nothing is sent
+    "calls (network)": "socket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(b'x', ('198.18.0.9', 9))",
+}
 
 
-def latency(spec: CellSpec, work: Path, attempts: int) -> list[float]:
+def latency(spec: CellSpec, work: Path, attempts: int, attempt: str) -> list[float]:
     out = []
     for i in range(attempts):
         stamp = work / f"t{i}"
         cell = spec.replace(cell_id="agentcell-bench" + secrets.token_hex(4))
-        sup = Supervised.start(cell, ["python3", "-c", ATTEMPT, str(stamp)], monitor="terminate", stdio=NULLS)
+        sup = Supervised.start(cell, ["python3", "-c", ATTEMPT.format(attempt), str(stamp)], monitor="terminate",
+                               stdio=NULLS)
         sup.wait(30)
         watch = sup.monitor
         assert watch is not None
@@ -51,12 +64,22 @@ def latency(spec: CellSpec, work: Path, attempts: int) -> list[float]:
     return out
 
 
-def overhead(spec: CellSpec, tree: Path, rounds: int) -> dict[str, float]:
+def files_workload(tree: Path) -> str:
+    return (f"find {tree} -type f | wc -l >/dev/null; git -C {tree} status --porcelain >/dev/null; "
+            f"tar -cf /dev/null -C {tree} .")
+
+
+def build_workload(src: Path) -> str:
+    return (f"cd {src} && make -s clean >/dev/null && make -s >/dev/null && python3 -c 'import json, email.parser, "
+            "http.client, unittest, argparse, decimal, asyncio, sqlite3' && git add -A && "
+            "git -c user.name=b -c user.email=b@b.invalid commit -qm build --allow-empty >/dev/null")
+
+
+def overhead(spec: CellSpec, workload: str, rounds: int) -> dict[str, float]:
     """Medians: the workload as timed inside the cell (date before and after it), and the whole run
     (set-up and teardown included: the monitor's sources, the canaries, the seccomp listener), plain
     and monitored, interleaved."""
-    work = (f"s=$(date +%s%N); find {tree} -type f | wc -l >/dev/null; git -C {tree} status --porcelain >/dev/null;"
-            f" tar -cf /dev/null -C {tree} .; echo $(( $(date +%s%N) - s ))")
+    work = f"s=$(date +%s%N); {workload}; echo $(( $(date +%s%N) - s ))"
     runs: dict[str, list[float]] = {"plain": [], "monitored": [], "plain_total": [], "monitored_total": []}
     for _ in range(rounds):
         for monitored in (False, True):
@@ -70,12 +93,24 @@ def overhead(spec: CellSpec, tree: Path, rounds: int) -> dict[str, float]:
             total = time.perf_counter() - t
             with os.fdopen(r_out) as f:
                 inside = int(f.read().strip()) / 1e9
-            if r.get("events"):
-                raise SystemExit(f"bench/monitor.py: the clean workload raised {r['events'][0]}")
+            if r.get("events") or r.get("exit_status"):
+                raise SystemExit(f"bench/monitor.py: the clean workload failed or raised {r.get('events')}")
             key = "monitored" if monitored else "plain"
             runs[key].append(inside)
             runs[key + "_total"].append(total)
     return {k: statistics.median(v) for k, v in runs.items()}
+
+
+def make_sources(src: Path, n: int = 40) -> None:
+    src.mkdir()
+    for i in range(n):
+        (src / f"m{i}.c").write_text(f"#include <stdio.h>\n#include <string.h>\nint f{i}(const char *s) "
+                                     f"{{ return (int)strlen(s) + {i}; }}\n")
+    (src / "main.c").write_text("#include <stdio.h>\nint main(void) { puts(\"ok\"); return 0; }\n")
+    objs = " ".join(f"m{i}.o" for i in range(n))
+    (src / "Makefile").write_text(f"app: main.o {objs}\n\tcc -o app main.o {objs}\n%.o: %.c\n\tcc -O1 -c $< -o $@\n"
+                                  "clean:\n\trm -f *.o app\n")
+    subprocess.run(["git", "init", "-q", str(src)], check=True)
 
 
 def main() -> int:
@@ -101,34 +136,45 @@ def main() -> int:
         subprocess.run(["git", "-C", str(tree), "add", "-A"], check=True)
         subprocess.run(["git", "-C", str(tree), "-c", "user.name=b", "-c", "user.email=b@b.invalid", "commit", "-qm",
                         "x"], check=True)
+        make_sources(work / "src")
         subprocess.run(["chown", "-R", name, str(work)], check=True)
         pw = pwd.getpwnam(name)
         ident = resolve_identity(str(pw.pw_uid), euid=0)
         spec = CellSpec(ident, env=build_env({"HOME": ident.home}, ident), rw_paths=(str(work),))
-        lat = sorted(latency(spec, work, args.attempts))
-        o = overhead(spec.replace(env=(*spec.env, ("GIT_CONFIG_COUNT", "1"),
-                                                     ("GIT_CONFIG_KEY_0", "safe.directory"),
-                                                     ("GIT_CONFIG_VALUE_0", "*"))), tree, args.rounds)
+        lat = {kind: sorted(latency(spec, work, args.attempts, attempt)) for kind, attempt in KINDS.items()}
+        git_ok = spec.replace(env=(*spec.env, ("GIT_CONFIG_COUNT", "1"), ("GIT_CONFIG_KEY_0", "safe.directory"),
+                                   ("GIT_CONFIG_VALUE_0", "*")))
+        over = {"files": overhead(git_ok, files_workload(tree), args.rounds),
+                "build": overhead(git_ok, build_workload(work / "src"), args.rounds)}
     finally:
         subprocess.run(["userdel", name], check=False)
         shutil.rmtree(work, ignore_errors=True)
-    p50, p95 = lat[len(lat) // 2] * 1000, lat[int(len(lat) * 0.95) - 1] * 1000
-    res = {"attempts": len(lat), "p50_ms": p50, "p95_ms": p95, "max_ms": lat[-1] * 1000,
-           "workload_s": o["plain"], "workload_monitored_s": o["monitored"],
-           "overhead": o["monitored"] / o["plain"] - 1,
-           "run_s": o["plain_total"], "run_monitored_s": o["monitored_total"],
-           "run_overhead_ms": 1000 * (o["monitored_total"] - o["plain_total"])}
+    every = sorted(x for v in lat.values() for x in v)
+    res: dict[str, object] = {"latency": {kind: _pcts(v) for kind, v in {**lat, "all": every}.items()}}
+    for wl, o in over.items():
+        res[wl] = {"workload_s": o["plain"], "workload_monitored_s": o["monitored"],
+                   "overhead": o["monitored"] / o["plain"] - 1, "run_s": o["plain_total"],
+                   "run_monitored_s": o["monitored_total"],
+                   "run_overhead_ms": 1000 * (o["monitored_total"] - o["plain_total"])}
     if args.json:
         print(json.dumps(res))
         return 0
-    print(f"attempt -> frozen, {len(lat)} attempts: p50 {p50:.1f} ms, p95 {p95:.1f} ms (target p95 <= 50 ms: "
-          f"{'met' if p95 <= 50 else 'MISSED'}), max {lat[-1] * 1000:.1f} ms")
-    print(f"find + git status + tar over {args.files} files, in the cell: {o['plain']:.3f} s plain, "
-          f"{o['monitored']:.3f} s monitored: {100 * res['overhead']:+.1f} % (target <= 5 %: "
-          f"{'met' if res['overhead'] <= 0.05 else 'MISSED'})")
-    print(f"whole run incl. set-up and teardown: {o['plain_total']:.3f} s plain, {o['monitored_total']:.3f} s "
-          f"monitored ({res['run_overhead_ms']:+.1f} ms)")
+    for kind, v in {**lat, "all": every}.items():
+        p = _pcts(v)
+        print(f"attempt -> frozen, {kind}, {len(v)} attempts: p50 {p['p50_ms']:.1f} ms, p95 {p['p95_ms']:.1f} ms "
+              f"(target p95 <= 50 ms: {'met' if p['p95_ms'] <= 50 else 'MISSED'}), max {p['max_ms']:.1f} ms")
+    for wl, what in (("files", f"find + git status + tar over {args.files} files"),
+                     ("build", "make with cc over 40 files + python imports + git commit")):
+        r = res[wl]
+        assert isinstance(r, dict)
+        print(f"{what}, in the cell: {r['workload_s']:.3f} s plain, {r['workload_monitored_s']:.3f} s monitored: "
+              f"{100 * r['overhead']:+.1f} % (target <= 5 %: {'met' if r['overhead'] <= 0.05 else 'MISSED'}); "
+              f"whole run {r['run_s']:.3f} s / {r['run_monitored_s']:.3f} s ({r['run_overhead_ms']:+.1f} ms)")
     return 0
+
+
+def _pcts(v: list[float]) -> dict[str, float]:
+    return {"p50_ms": v[len(v) // 2] * 1000, "p95_ms": v[max(0, int(len(v) * 0.95) - 1)] * 1000, "max_ms": v[-1] * 1000}
 
 
 if __name__ == "__main__":

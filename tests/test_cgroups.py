@@ -50,7 +50,7 @@ def test_every_cell_has_a_cgroup_even_without_limits_and_it_goes_away(user: User
     r = agentcell_run(["--as", str(user.uid), "--", "cat", "/proc/self/cgroup"])
     assert r.rc == 0, r.err
     assert "agentcell" in r.out or r.out.strip() == "0::/", r.out  # inside its cgroup namespace-less view
-    assert r.result["limits_hit"] == {"oom_kills": 0, "pids_limit_hits": 0}
+    assert r.result["limits_hit"] == {"oom_kills": 0, "pids_limit_hits": 0, "cpu_throttled": 0}
     assert not leftovers()
     records = Path("/run/agentcell/cgroups")
     assert not (records.exists() and any(records.iterdir()))
