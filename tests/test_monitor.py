@@ -310,7 +310,7 @@ def test_rootless_says_what_it_cannot_see_and_uses_what_remains(user: User) -> N
                       as_user=user, timeout=60)
     sources = r.result["monitor_sources"]
     assert {k: v.split(":")[0] for k, v in sources.items()} == {  # type: ignore[union-attr]
-        "landlock": "off", "exec": "off", "cgroup": "off", "canary": "on (inotify", "seccomp": "on", "calls": "off",
+        "landlock": "off", "exec": "off", "cgroup": "off", "canary": "on (inotify", "seccomp": "on", "calls": "off", "created": "off",
         "masks": "off"}, sources  # the cell's PID 1 is out of an unprivileged caller's reach
     assert "not watched: calls" in r.err and "cgroup (off" in r.err and "audit stream needs root" in r.err
     # No cgroup to freeze: the cell is killed through its PID 1 at the first event (the canary).

@@ -482,7 +482,7 @@ def test_a_session_reaches_the_domains_its_flags_allow_and_is_ended_at_any_other
                  "    except OSError as e:\n        print('refused', host, e)\n")
         s = session(env, ["start", "--rw", "src", "--allow-domain", "good.test", "--resolver", DNS4,
                           "--allow-range", "198.18.0.0/15", "--allow-range", "fd00:ac::/32", "--json", "--",
-                          "python3", "-c", fetch])
+                          "python3", "-u", "-c", fetch])  # (-u: it is killed at evil.test, before any flush)
         assert s.out.split("\n")[0] == f"hello from {GOOD4} port 80", (s.out, s.err)  # --net proxy, implied
         assert s.rc == 120 and s.summary["escape_target"] == "evil.test:80", (s.summary, s.err)
         [plan] = [r for r in records(env, s.summary["session"]) if r["event"] == "session.plan"]
