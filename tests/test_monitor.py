@@ -310,8 +310,8 @@ def test_rootless_says_what_it_cannot_see_and_uses_what_remains(user: User) -> N
                       as_user=user, timeout=60)
     sources = r.result["monitor_sources"]
     assert {k: v.split(":")[0] for k, v in sources.items()} == {  # type: ignore[union-attr]
-        "landlock": "off", "exec": "off", "cgroup": "off", "canary": "on (inotify", "seccomp": "on", "calls": "off", "created": "off",
-        "masks": "off"}, sources  # the cell's PID 1 is out of an unprivileged caller's reach
+        "landlock": "off", "exec": "off", "cgroup": "off", "canary": "on (inotify", "seccomp": "on", "calls": "off",
+        "created": "off", "masks": "off"}, sources  # the cell's PID 1 is out of an unprivileged caller's reach
     assert "not watched: calls" in r.err and "cgroup (off" in r.err and "audit stream needs root" in r.err
     # No cgroup to freeze: the cell is killed through its PID 1 at the first event (the canary).
     assert r.rc == 137 and "ptrace" not in r.out, (r.out, r.err)
@@ -499,3 +499,39 @@ def test_a_flood_of_refused_packets_is_counted_not_kept_one_by_one(user: User) -
     assert isinstance(blocked, list) and 1 <= len(blocked) <= 2, blocked[:5]
     flood = next(e for e in blocked if e["target"] == "127.0.0.1:9")
     assert flood["count"] > 1000, flood  # (the kernel's queue may drop some: said in an entry of its own)
+
+
+def test_a_protected_entry_the_command_creates_or_writes_is_reported_while_it_runs(user: User, project: Path) -> None:
+    """Live, not only quarantined when the cell ends: the command waits for the test, which waits for the
+    monitor's events (a created .claude, a write refused on the read-only .git/hooks)."""
+    from agentcell import CellSpec
+    from agentcell.policy.resolve import build_env, resolve_identity
+    from agentcell.supervise import Supervised
+
+    for d in (".git/hooks", ".git/objects", ".git/refs"):
+        (project / d).mkdir(parents=True)
+    (project / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    subprocess.run(["chown", "-R", f"{user.uid}:{user.gid}", str(project)], check=True)
+    go = project / "go"
+    ident = resolve_identity(str(user.uid), euid=0)
+    spec = CellSpec(ident, env=build_env({"HOME": ident.home}, ident), rw_paths=(str(project),))
+    seen: list[str] = []
+    script = (f"cd {project}; mkdir .claude; echo x > .git/hooks/pre-commit 2>/dev/null; "
+              f"for i in $(seq 200); do [ -e {go} ] && exit 0; sleep 0.05; done; exit 3")
+    null = os.open(os.devnull, os.O_RDWR)
+    try:
+        sup = Supervised.start(spec, ["sh", "-c", script], monitor="record", stdio=(null, null, null),
+                               callback=lambda ev: seen.append(ev.target))
+        for _ in range(200):
+            if {f"{project}/.claude", f"{project}/.git/hooks/pre-commit"} <= set(seen):
+                break
+            time.sleep(0.05)
+        live = list(seen)
+        go.touch()
+        result = sup.wait(30)
+    finally:
+        os.close(null)
+    assert {f"{project}/.claude", f"{project}/.git/hooks/pre-commit"} <= set(live), live  # before the end
+    assert result["exit_status"] == 0, result
+    assert all(not e["acts"] and e["pid"] and e["exe"] for e in result["events"]), result["events"]
+    assert f"{project}/.claude" in result["quarantined"], result  # and still moved aside at the end

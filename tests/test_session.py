@@ -926,3 +926,17 @@ def test_recover_acts_only_on_what_agentcell_made_for_that_session(env: Env, use
     with pytest.raises(AgentcellError, match="is not the per-session account"):
         ephemeral.delete(ephemeral.Account(user.name, user.uid, user.gid, sid))
     assert subprocess.run(["id", user.name], capture_output=True).returncode == 0  # untouched
+
+
+def test_session_show_names_who_tried_from_the_cells_pid_1_down(env: Env) -> None:
+    """A credential in /root, read by cat under a shell: the session ends there, and ``session show``
+    prints the event with its chain of processes."""
+    s = session(env, ["start", "--rw", "src", "--json", "--", "sh", "-c", "cat /root/.ssh/id_rsa; exit 0"])
+    assert s.rc == 120 and s.summary["escape_target"] == "/root/.ssh/id_rsa", (s.summary, s.err)
+    esc = s.summary["escape"]
+    assert os.path.basename(esc["exe"]) == "cat" and esc["source"] == "calls", esc
+    shown = subprocess.run([AGENTCELL, "session", "show", s.summary["session"]], capture_output=True, text=True,
+                           env=session_environ(env), timeout=60)
+    line = next(ln for ln in shown.stdout.splitlines() if ln.startswith("escape: read /root/.ssh/id_rsa by cat"))
+    chain = shown.stdout.splitlines()[shown.stdout.splitlines().index(line) + 1]
+    assert chain.startswith("  by: PID 1 → dash (pid ") and chain.endswith(f"→ cat (pid {esc['pid']})"), chain
