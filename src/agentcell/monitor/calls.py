@@ -3,9 +3,9 @@
 that reach for something (open, exec, connect, send, mkdir, unlink, rename, link, chmod, chdir, kill, …)
 with an errno that can mean "not yours" (ENOENT, EACCES, EPERM, EROFS, EXDEV, EBUSY, ESRCH, and the
 network's), and hands each to the monitor through a ring buffer with the process, its name and the
-path or address it named. What it means is decided in :mod:`.attempts`. It also hands over each exec
-of the cell that succeeded (errno 0), with the new program's name: a process that exits at once is
-still named.
+path or address it named. What it means is decided in :mod:`.attempts`. A second program, on the
+``sched_process_exec`` raw tracepoint, hands over each exec of the cell (as errno 0), with the new
+program's name: a process that exits at once is still named.
 
 Why this source: most of what a cell refuses, the kernel refuses without a record. A host file the cell
 does not contain is ENOENT, a write to the read-only system EROFS (the mount refuses before Landlock is
@@ -13,7 +13,7 @@ asked), a datagram to the network ENETUNREACH (the cell's network namespace has 
 ESRCH. Landlock's audit records cover only what exists in the cell and is not allowed.
 
 Cost: the program runs at every system call's return on the host; one that succeeded costs two
-instructions, one of another cgroup a helper call more. Reading the path takes place at the call's
+instructions, one that failed in another cgroup a helper call more. Reading the path takes place at the call's
 return: a thread of the same process could rewrite the buffer in between, so a path may be shown other
 than it was asked for (the call failed all the same). x86_64 only (its call numbers and registers).
 """
@@ -92,8 +92,7 @@ def program(cgroup_id: int, table_fd: int, ring_fd: int, drops_fd: int) -> bytes
     # raw tracepoint sys_exit: ctx->args[0] is the caller's registers (struct pt_regs *), args[1] the result
     a.alu("mov", R6, R1)
     a.ldx(bpf.DW, R7, R6, 8)
-    a.j("jeq", R7, "zero", imm=0)
-    a.j("jsgt", R7, "out", imm=0)  # it succeeded
+    a.j("jsge", R7, "out", imm=0)  # it succeeded
     a.j("jslt", R7, "out", imm=-127)
     a.alu("mov", R1, R7)
     a.alu("neg", R1)  # errno
@@ -237,30 +236,28 @@ def program(cgroup_id: int, table_fd: int, ring_fd: int, drops_fd: int) -> bytes
     a.alu("mov", R1, imm=1)
     a.atomic_add(R0, 0, R1)
     a.j("ja", R0, "out")
-    # A call that returned 0: of interest only an exec of the cell's, whose new program's name is known
-    # now for certain (the process may be gone before anyone reads /proc).
-    a.label("zero")
+    a.label("out")
+    a.alu("mov", R0, imm=0)
+    a.exit()
+    return a.code()
+
+
+def exec_program(cgroup_id: int, ring_fd: int, drops_fd: int) -> bytes:
+    """For the ``sched_process_exec`` raw tracepoint: each exec of the cell's that succeeded, with the new
+    program's name (the task's comm is already the new one), as an event of errno 0. A process that exits
+    at once is still named; the calls that succeed pay nothing for it."""
+    R0, R1, R2, R3, R8, R10 = bpf.R0, bpf.R1, bpf.R2, bpf.R3, bpf.R8, bpf.R10
+    a = bpf.Asm()
     a.call(bpf.GET_CURRENT_CGROUP_ID)
     a.ld64(R1, cgroup_id)
     a.j("jne", R0, "out", src=R1)
-    a.alu("mov", R1, R10)
-    a.alu("add", R1, imm=-8)
-    a.alu("mov", R2, imm=8)
-    a.ldx(bpf.DW, R3, R6, 0)
-    a.alu("add", R3, imm=ORIG_AX)
-    a.call(bpf.PROBE_READ_KERNEL)
-    a.j("jne", R0, "out", imm=0)
-    a.ldx(bpf.DW, R9, R10, -8)
-    a.j("jeq", R9, "exec", imm=CALLS["execve"][0])
-    a.j("jne", R9, "out", imm=CALLS["execveat"][0])
-    a.label("exec")
     a.ld64(R1, ring_fd, map_fd=True)
     a.alu("mov", R2, imm=EVENT_SIZE)
     a.alu("mov", R3, imm=0)
     a.call(bpf.RINGBUF_RESERVE)
     a.j("jeq", R0, "dropped", imm=0)
     a.alu("mov", R8, R0)
-    a.stx(bpf.DW, R8, 0, R9)
+    a.st(bpf.DW, R8, 0, CALLS["execve"][0])
     a.st(bpf.DW, R8, 8, 0)
     a.call(bpf.GET_CURRENT_PID_TGID)
     a.stx(bpf.DW, R8, 16, R0)
@@ -270,7 +267,19 @@ def program(cgroup_id: int, table_fd: int, ring_fd: int, drops_fd: int) -> bytes
     a.call(bpf.GET_CURRENT_COMM)
     a.st(bpf.B, R8, A, 0)
     a.st(bpf.B, R8, B, 0)
-    a.j("ja", R0, "submit")
+    a.alu("mov", R1, R8)
+    a.alu("mov", R2, imm=0)
+    a.call(bpf.RINGBUF_SUBMIT)
+    a.j("ja", R0, "out")
+    a.label("dropped")
+    a.st(bpf.W, R10, -8, 0)
+    a.ld64(R1, drops_fd, map_fd=True)
+    a.alu("mov", R2, R10)
+    a.alu("add", R2, imm=-8)
+    a.call(bpf.MAP_LOOKUP)
+    a.j("jeq", R0, "out", imm=0)
+    a.alu("mov", R1, imm=1)
+    a.atomic_add(R0, 0, R1)
     a.label("out")
     a.alu("mov", R0, imm=0)
     a.exit()
@@ -288,6 +297,7 @@ def check() -> str:
         fds.append(bpf.map_create(bpf.MAP_RINGBUF, 0, 0, 1 << 16, "agentcell_ring"))
         fds.append(bpf.map_create(bpf.MAP_ARRAY, 4, 8, 1, "agentcell_drops"))
         fds.append(bpf.prog_load(bpf.PROG_RAW_TRACEPOINT, program(0, *fds), "agentcell_calls"))
+        fds.append(bpf.prog_load(bpf.PROG_RAW_TRACEPOINT, exec_program(0, fds[1], fds[2]), "agentcell_execs"))
     except OSError as e:
         return str(e.strerror or e)
     finally:
@@ -374,8 +384,11 @@ class FailedCalls:
             self.drops_fd = self._keep(bpf.map_create(bpf.MAP_ARRAY, 4, 8, 1, "agentcell_drops"))
             prog = self._keep(bpf.prog_load(bpf.PROG_RAW_TRACEPOINT, program(cgroup_id, table, ring, self.drops_fd),
                                             "agentcell_calls"))
+            execs = self._keep(bpf.prog_load(bpf.PROG_RAW_TRACEPOINT, exec_program(cgroup_id, ring, self.drops_fd),
+                                             "agentcell_execs"))
             self.ring = bpf.RingBuffer(ring, RING_SIZE)
             self._keep(bpf.attach_raw_tracepoint("sys_exit", prog))
+            self._keep(bpf.attach_raw_tracepoint("sched_process_exec", execs))
         except BaseException:
             self.close()
             raise

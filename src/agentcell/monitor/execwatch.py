@@ -126,8 +126,8 @@ class ExecWatch:
 
 def identify(pid: int) -> dict[str, str]:
     """What the process is, read at once (it may be gone: then empty strings)."""
-    out = {"exe": "", "comm": "", "cgroup": ""}
-    for key, path in (("exe", f"/proc/{pid}/exe"), ("comm", f"/proc/{pid}/comm"), ("cgroup", f"/proc/{pid}/cgroup")):
+    out = {"exe": "", "comm": ""}
+    for key, path in (("exe", f"/proc/{pid}/exe"), ("comm", f"/proc/{pid}/comm")):
         try:
             if key == "exe":
                 out[key] = os.readlink(path)
