@@ -3,6 +3,7 @@ has. The host here is a stand-in (FakeHost): which paths, sockets, pids and list
 to say; the cell's view is built from a real CellSpec as the launcher would build it."""
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from typing import Any
 
@@ -51,8 +52,28 @@ class FakeHost(Host):
     def fd_path(self, pid: int, fd: int) -> str | None:
         return None
 
-    def link_in_cell(self, path: str) -> str | None:
-        return self.links.get(path)
+    def resolve(self, path: str) -> str | None:
+        """The walk of the real Host, over the test's links (every other name taken to be there)."""
+        todo, at = [p for p in path.split("/") if p], "/"
+        while todo:
+            part = todo.pop(0)
+            if part == "..":
+                at = os.path.dirname(at)
+            elif part != ".":
+                here = os.path.join(at, part)
+                if here in self.links:
+                    target = self.links[here]
+                    at = "/" if target.startswith("/") else at
+                    todo[:0] = [p for p in target.split("/") if p]
+                else:
+                    at = here
+        return at
+
+    def resolvers(self) -> set[str]:
+        return {"10.0.0.53"}
+
+    def exists_in_cell(self, path: str) -> bool:
+        return False
 
 
 def classifier(host: FakeHost, *, network: str = "none", ceiling: int | None = 50,
@@ -150,17 +171,20 @@ def test_a_host_secret_masked_acts_a_masked_env_file_of_the_project_is_a_note() 
 def test_a_host_process_through_proc_acts_only_above_what_the_cell_could_have_had() -> None:
     c = classifier(FakeHost(pids={7, 4242}), ceiling=50)
     assert acts(c, call("openat", ENOENT, "/proc/4242/environ")) is True
-    assert verdict(c, call("openat", ENOENT, "/proc/7/stat")) is None  # a process of the cell's that just exited
-    assert verdict(c, call("openat", ENOENT, "/proc/9999/stat")) is None  # no such process anywhere
-    assert verdict(classifier(FakeHost(pids={4242}), ceiling=None), call("openat", ENOENT, "/proc/4242/maps")) is None
+    # a number the cell may have had (one of its own that just exited): a note, not an escape
+    assert acts(c, call("openat", ENOENT, "/proc/7/stat")) is False
+    assert acts(c, call("openat", ENOENT, "/proc/9999/stat")) is None  # no such process anywhere
+    assert acts(classifier(FakeHost(pids={4242}), ceiling=None), call("openat", ENOENT, "/proc/4242/maps")) is False
+    assert acts(c, call("openat", ENOENT, "/proc/²/environ")) is None  # (a digit to str.isdigit, not to int)
     assert acts(c, call("kill", ESRCH, pid_arg=4242)) is False
 
 
-def test_the_network_outside_acts_dns_and_the_hosts_own_ports_are_notes() -> None:
+def test_the_network_outside_acts_dns_to_the_hosts_resolver_and_the_hosts_own_ports_are_notes() -> None:
     c = classifier(FakeHost(listening={5432, 8000}, cell_listening={8000}))
     assert verdict(c, call("sendto", ENETUNREACH, addr=("inet", "198.18.0.9", 8081))) == \
         ("network", "198.18.0.9:8081", True)
-    assert acts(c, call("sendto", ENETUNREACH, addr=("inet", "198.18.0.9", 53))) is False
+    assert acts(c, call("sendto", ENETUNREACH, addr=("inet", "10.0.0.53", 53))) is False  # libc's own query
+    assert acts(c, call("sendto", ENETUNREACH, addr=("inet", "198.18.0.9", 53))) is True  # DNS-shaped, elsewhere
     assert acts(c, call("connect", ECONNREFUSED, addr=("inet", "127.0.0.1", 5432))) is False
     assert verdict(c, call("connect", EINPROGRESS, addr=("inet", "127.0.0.1", 8000))) is None  # its own server
     assert verdict(c, call("connect", ECONNREFUSED, addr=("inet", "127.0.0.1", 9))) is None  # nothing listens there
@@ -178,7 +202,9 @@ def test_on_the_hosts_network_a_refused_connect_only_names_who_tried() -> None:
     (("unix", "/var/run/docker.sock"), FakeHost(sockets={"/var/run/docker.sock"}), True),
     (("unix", "/var/run/nscd/socket"), FakeHost(sockets={"/var/run/nscd/socket"}), None),  # libc asks, copes
     (("unix", "/run/nothing.sock"), FakeHost(), None),
-    (("abstract", "/tmp/.X11-unix/X0"), FakeHost(abstract={"/tmp/.X11-unix/X0"}), True),
+    # any host account can bind an abstract name, or a socket in /tmp: noted, or an outsider could end the cell
+    (("abstract", "/tmp/.X11-unix/X0"), FakeHost(abstract={"/tmp/.X11-unix/X0"}), False),
+    (("unix", "/tmp/tmux-1900000001/default"), FakeHost(sockets={"/tmp/tmux-1900000001/default"}), False),
     (("abstract", "never-there"), FakeHost(), None),
 ])
 def test_a_socket_of_a_host_service_acts(addr: tuple[str, str], host: FakeHost, want: bool | None) -> None:
@@ -186,13 +212,27 @@ def test_a_socket_of_a_host_service_acts(addr: tuple[str, str], host: FakeHost, 
     assert acts(classifier(host), call("connect", errno, addr=addr)) is want
 
 
-def test_a_link_the_agent_made_is_followed_to_where_it_leads() -> None:
-    host = FakeHost({"/home/human/.ssh/id_ed25519"}, links={f"{PROJECT}/key": "/home/human/.ssh/id_ed25519",
-                                                            f"{PROJECT}/mine": "src/other.py"})
+def test_a_link_is_followed_where_it_stands_and_dot_dot_after_it() -> None:
+    host = FakeHost({"/home/human/.ssh/id_ed25519", "/srv/secret.env"},
+                    links={f"{PROJECT}/key": "/home/human/.ssh/id_ed25519", f"{PROJECT}/mine": "src/other.py",
+                           f"{PROJECT}/up": f"{PROJECT}/a/b"})
     c = classifier(host)
     v = c.classify(call("openat", ENOENT, f"{PROJECT}/key"))
-    assert v is not None and v[1] == "/home/human/.ssh/id_ed25519" and v[3] is True and "through the link" in v[2]
+    assert v is not None and v[1] == "/home/human/.ssh/id_ed25519" and v[3] is True and "named as" in v[2]
     assert c.classify(call("openat", ENOENT, f"{PROJECT}/mine")) is None  # a link within the project
+    # ".." after a link is taken from where the link led (the kernel's walk), not from its name
+    v = c.classify(call("openat", ENOENT, f"{PROJECT}/up/../../../../../srv/secret.env"))
+    assert v is not None and v[1] == "/srv/secret.env" and v[3] is True, v
+    assert acts(c, call("openat", ENOENT, "/usr/../srv/secret.env")) is True
+
+
+def test_calls_whose_first_path_is_empty_or_whose_flags_are_behind_a_pointer() -> None:
+    c = classifier(FakeHost({"/home/human"}))
+    assert acts(c, call("linkat", EROFS, "", path2="/usr/bin/planted")) is True  # AT_EMPTY_PATH: the fd itself
+    k = call("openat2", ENOENT, "/home/human/planted.txt")
+    k.flags = O_WRONLY | O_CREAT  # openat2's open_how, read by the program
+    assert acts(c, k) is True
+    assert acts(c, call("bind", EROFS, addr=("unix", "/usr/lib/x.sock"))) is True
 
 
 def test_a_relative_path_is_read_from_where_the_process_stands() -> None:

@@ -43,8 +43,10 @@ SEEN: dict[str, list[tuple[str, str, str, bool]]] = {
     "etc_shadow_as_group_shadow": [("read", "calls", "/etc/shadow", ACTS)],
     "etc_shadow_under_declared_ro_etc": [("read", "calls", "/etc/shadow", ACTS)],
     # host processes
+    # (and through its own /proc/PID/root, a name of the host's /tmp: a note)
     "proc_root_and_cwd_of_host_process": [("read", "calls", "/proc/*/cwd/notes.txt", ACTS),
-                                          ("read", "calls", f"/proc/*/root{ESCAPE_TMP}/cwd/notes.txt", ACTS)],
+                                          ("read", "calls", f"/proc/*/root{ESCAPE_TMP}/cwd/notes.txt", ACTS),
+                                          ("read", "calls", f"{ESCAPE_TMP}/cwd/notes.txt", NOTE)],
     # the probe re-opens its own fds through /proc/PID/fd; its stdin is the *host's* /dev/null (the
     # caller's), outside every Landlock rule: refused, and reported
     "proc_fd_of_host_process": [("read", "calls", "/proc/*/fd", ACTS), ("read", "landlock", "/dev/null", ACTS)],
@@ -77,15 +79,17 @@ SEEN: dict[str, list[tuple[str, str, str, bool]]] = {
     # the network
     "tcp4_to_test_host": [("network", "landlock", f"{NET_HOST}:8080", ACTS)],
     "udp4_to_test_host": [("network", "calls", f"{NET_HOST}:8081", ACTS)],
-    "dns_query_to_test_host": [("network", "calls", f"{NET_HOST}:53", NOTE)],
+    "dns_query_to_test_host": [("network", "calls", f"{NET_HOST}:53", ACTS)],  # (not the host's resolver)
     "tcp6_to_test_host": [("network", "landlock", "fd00:ac:*:8080", ACTS)],
     "udp6_to_test_host": [("network", "calls", "fd00:ac:*:8081", ACTS)],
     "bash_dev_tcp_to_test_host": [("network", "landlock", f"{NET_HOST}:8080", ACTS)],
     "host_loopback_tcp4": [("network", "landlock", "127.0.0.1:*", ACTS)],
     "host_loopback_tcp4_under_net_loopback": [("network", "calls", "127.0.0.1:*", NOTE)],
     "host_loopback_tcp6": [("network", "calls", "::1:*", NOTE)],
-    "abstract_unix_socket_of_host": [("network", "calls", "@agentcell-escape-*", ACTS)],
-    "pathname_unix_socket_of_host": [("network", "calls", "/tmp/agentcell-escape-net-*/sock/s", ACTS)],
+    # any account of the host can bind an abstract name or a socket in /tmp: noted, so that no outsider can
+    # end a cell by making the name one of its tools looks for
+    "abstract_unix_socket_of_host": [("network", "calls", "@agentcell-escape-*", NOTE)],
+    "pathname_unix_socket_of_host": [("network", "calls", "/tmp/agentcell-escape-net-*/sock/s", NOTE)],
     # privilege and the kernel
     "setuid_root_binary_on_shared_ro_path": [("execute", "exec", f"{ESCAPE_TMP}/bin/id", NOTE)],
     "file_capability_binary_on_shared_ro_path": [("execute", "exec", f"{ESCAPE_TMP}/bin/cat", NOTE)],

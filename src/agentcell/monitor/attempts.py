@@ -47,7 +47,8 @@ ENETUNREACH, ECONNREFUSED, EHOSTUNREACH, EADDRNOTAVAIL, EINPROGRESS = 101, 111, 
 CREDENTIALS = frozenset({
     ".ssh", ".aws", ".gnupg", ".netrc", ".git-credentials", ".docker", ".kube", ".pgpass", ".npmrc", ".pypirc",
     ".vault-token", ".password-store", ".azure", ".gcloud", ".terraform.d", ".bash_history", ".zsh_history",
-    ".python_history", ".psql_history", ".mysql_history", ".lesshst", ".viminfo", "id_rsa", "id_ed25519", "id_ecdsa",
+    ".python_history", ".psql_history", ".mysql_history", ".lesshst", ".viminfo", ".gitconfig", "id_rsa", "id_ed25519",
+    "id_ecdsa",
     "id_dsa", "credentials", "credentials.json", "hosts.yml", ".boto", ".s3cfg", ".my.cnf", ".secrets",
 })
 # Host places a libc, a toolkit or a runtime looks at by itself (and copes when they are not there).
@@ -63,6 +64,7 @@ HOST_DEVICES = ("mem", "kmem", "port", "kmsg", "sd", "hd", "vd", "xvd", "nvme", 
                 "tty7", "tty8", "tty9", "console", "ttyS", "vhost", "vsock", "kvm", "cpu", "watchdog", "nvram",
                 "rtc", "hidraw", "bus", "fb", "snd", "video", "sg", "bsg", "btrfs-control", "fuse")
 DNS_PORTS = (53, 853)
+SHARED_TMP = ("/tmp/", "/var/tmp/", "/dev/shm/")
 LOCKS = (".lock", ".lck", "/lock")
 # Protected entries that only instruct a harness (and the session's own configuration): writing them is
 # refused and noted, not an attempt on the human's tools.
@@ -158,6 +160,14 @@ class Host:
             self._homes = out
         return self._homes
 
+    def exists_in_cell(self, path: str) -> bool:
+        """Whether ``path`` (no link in it) exists in the cell's view now."""
+        try:
+            os.lstat(f"/proc/{self.pid1}/root{path}")
+            return bool(self.pid1)
+        except (OSError, ValueError):
+            return False
+
     def is_socket(self, path: str) -> bool:
         try:
             return stat.S_ISSOCK(os.lstat(path).st_mode)
@@ -218,14 +228,53 @@ class Host:
             return None
         return path if path.startswith("/") else None
 
-    def link_in_cell(self, path: str) -> str | None:
-        """Where a symlink at ``path`` in the cell points (its target, as written), or None."""
-        if not self.pid1:
+    def resolve(self, path: str) -> str | None:
+        """``path`` (absolute) as the kernel walks it in the cell: each symlink followed where it stands
+        (an absolute one from the cell's root), ``..`` taken after it, at most 40 links; past the first
+        name that is not there, the rest as written. None once the cell is gone (nothing to walk)."""
+        root = f"/proc/{self.pid1}/root"
+        if not self.pid1 or not os.path.isdir(root + "/"):
             return None
-        try:
-            return os.readlink(f"/proc/{self.pid1}/root{path}")
-        except (OSError, ValueError):
-            return None
+        todo = [p for p in path.split("/") if p]
+        at, links = "/", 0
+        while todo:
+            part = todo.pop(0)
+            if part == ".":
+                continue
+            if part == "..":
+                at = os.path.dirname(at)
+                continue
+            here = os.path.join(at, part)
+            try:
+                st = os.lstat(root + here)
+            except (OSError, ValueError):
+                return os.path.normpath(os.path.join(here, *todo))  # not there: nothing further is walked
+            if stat.S_ISLNK(st.st_mode):
+                links += 1
+                if links > 40:
+                    return os.path.normpath(os.path.join(here, *todo))
+                try:
+                    target = os.readlink(root + here)
+                except OSError:
+                    return os.path.normpath(os.path.join(here, *todo))
+                if target.startswith("/"):
+                    at = "/"
+                todo[:0] = [p for p in target.split("/") if p]
+                continue
+            at = here
+            if todo and not stat.S_ISDIR(st.st_mode):
+                return os.path.normpath(os.path.join(here, *todo))
+        return at
+
+    def resolvers(self) -> set[str]:
+        """The host's DNS servers (/etc/resolv.conf): a query to one of them is what libc does by itself."""
+        def read() -> set[str]:
+            try:
+                with open("/etc/resolv.conf") as f:
+                    return {ln.split()[1] for ln in f if ln.startswith("nameserver") and len(ln.split()) > 1}
+            except OSError:
+                return set()
+        return set(self._table("resolvers", read))
 
 
 class Classifier:
@@ -242,22 +291,24 @@ class Classifier:
             return self._pid(call)
         if call.addr is not None:
             return self._network(call)
-        if not call.path:
+        if not call.path and not call.path2:
             return None
-        first = self._path(call, call.path, DIRFD.get(call.name))
-        verdicts = [] if first is None else [self._file(call, first, self._op(call, second=False))]
+        first = self._path(call, call.path, DIRFD.get(call.name)) if call.path else None
+        verdicts = [] if first is None else [self._named(call.path, self._file(call, first,
+                                                                              self._op(call, second=False)))]
         if call.path2:
             second = self._path(call, call.path2, DIRFD2.get(call.name))
             if second is not None:
-                verdicts.append(self._file(call, second, "write"))
+                verdicts.append(self._named(call.path2, self._file(call, second, "write")))
         found = [v for v in verdicts if v is not None]
         return next((v for v in found if v[3]), found[0] if found else None)
 
     # ---- paths ------------------------------------------------------------------------------------
 
     def _path(self, call: Call, path: str, dirfd_arg: int | None) -> str | None:
-        """The absolute path the call named (relative ones from its directory fd or working directory,
-        read now: None if the process has gone and left no way to tell)."""
+        """The absolute path the call reached, as the kernel walks it in the cell (relative ones from its
+        directory fd or working directory, read now: None if the process has gone and left no way to
+        tell)."""
         if not path.startswith("/"):
             base: str | None
             fd = call.args[dirfd_arg] if dirfd_arg is not None else AT_FDCWD
@@ -267,7 +318,15 @@ class Classifier:
             if base is None:
                 return None
             path = os.path.join(base, path)
-        return self.view.resolve_links(os.path.normpath(path).replace("//", "/"))
+        walked = self.host.resolve(path)  # symlinks, and ".." after them, as the kernel took them
+        return walked if walked is not None else self.view.resolve_links(os.path.normpath(path).replace("//", "/"))
+
+    @staticmethod
+    def _named(named: str, v: Verdict | None) -> Verdict | None:
+        """Say how the process named it, when that is not where it led (links, "..")."""
+        if v is None or not named.startswith("/") or os.path.normpath(named) == v[1]:
+            return v
+        return (v[0], v[1], f"{v[2]} (named as {named[:300]})", v[3], v[4])
 
     def _op(self, call: Call, *, second: bool) -> str:
         if call.name in ("execve", "execveat"):
@@ -276,13 +335,11 @@ class Classifier:
             return "read"  # its source: what it would give a second name to
         if call.name in WRITES or call.errno == EROFS:
             return "write"
-        if call.name in ("open", "openat"):
-            flags = call.args[1] if call.name == "open" else call.args[2]
-            if flags & O_ACCMODE or flags & (O_CREAT | O_TRUNC):
-                return "write"
+        if call.name in ("open", "openat", "openat2") and (call.flags & O_ACCMODE or call.flags & (O_CREAT | O_TRUNC)):
+            return "write"
         return "read"
 
-    def _file(self, call: Call, path: str, op: str, depth: int = 0) -> Verdict | None:
+    def _file(self, call: Call, path: str, op: str) -> Verdict | None:
         area, mount = self.view.area(path)
         e = call.errno
         if area == "mask":
@@ -305,10 +362,6 @@ class Classifier:
             return self._hidden(call, path, op)
         if e != ENOENT:  # the cell's own writable places: a refusal there is the host's permissions, or a race
             return None
-        target = self._dangling(path) if depth < 4 else None
-        if target is not None:  # a link of the cell's own that leads somewhere else
-            hit = self._file(call, target, op, depth + 1)
-            return None if hit is None else (hit[0], hit[1], f"through the link {path}: {hit[2]}", hit[3], hit[4])
         if area == "private" and path.startswith("/tmp/"):
             return self._shared_tmp(path, op)
         return None
@@ -342,16 +395,6 @@ class Classifier:
         if area == "ro":  # declared for reading: a mistake to write there, not a way out
             return ("write", path, f"a write to a path declared read-only ({mount})", False, f"--rw {mount}")
         return ("write", path, "a write to the read-only system", True, "nothing: write inside the --rw paths")
-
-    def _dangling(self, path: str) -> str | None:
-        """Where a symlink the cell made leads (at ``path`` or a directory above it, up to the mount)."""
-        p = path
-        while p not in self.view.areas and p != "/":
-            target = self.host.link_in_cell(p)
-            if target is not None:
-                return os.path.normpath(os.path.join(os.path.dirname(p), target) + path[len(p):])
-            p = os.path.dirname(p)
-        return None
 
     def _shared_tmp(self, path: str, op: str) -> Verdict | None:
         parts = path.split("/")
@@ -397,13 +440,19 @@ class Classifier:
 
     def _proc(self, call: Call, path: str, op: str) -> Verdict | None:
         parts = path.split("/")
-        if len(parts) >= 3 and parts[2].isdigit() and call.errno in (ENOENT, ESRCH):
+        if len(parts) >= 3 and parts[2].isascii() and parts[2].isdigit() and call.errno in (ENOENT, ESRCH):
             pid = int(parts[2])
             ceiling = self.pid_ceiling()
-            if ceiling is not None and pid > ceiling and self.host.pid_exists(pid):
+            if not self.host.pid_exists(pid) or self.host.exists_in_cell(f"/proc/{pid}"):
+                return None  # no such process, or one of the cell's own (a file of it that went: a race)
+            if ceiling is not None and pid > ceiling:
                 return (op, path, f"a host process (pid {pid}) through /proc: the cell's /proc shows its own "
                         "processes only", True, "nothing: host processes stay outside")
-            return None
+            # a number the cell may have had (a process of its own that just exited): noted, as a host one
+            return (op, f"/proc/{pid}", "a /proc entry of a number the cell may have given out, which a host process "
+                    "has: one of the cell's that exited, or a host process", False, "")
+        if path in ("/proc/kmsg", "/proc/kcore") and call.errno in (EACCES, EPERM):
+            return (op, path, "the kernel's log or memory", True, "nothing: the kernel stays outside")
         if op == "write" and (path.startswith("/proc/sys/") or path == "/proc/sysrq-trigger"):
             return ("write", path, "a kernel setting", True, "nothing: a cell never changes the kernel")
         return None
@@ -424,16 +473,25 @@ class Classifier:
         assert addr is not None
         e = call.errno
         if addr[0] == "abstract":
+            # Any account of the host can bind any abstract name: one a tool of the cell looks for (its own
+            # single-instance socket) must not be a way for an outsider to end the cell. Noted.
             if e == ECONNREFUSED and addr[1] and self.host.abstract(addr[1]):
-                return ("network", f"@{addr[1]}", "an abstract socket of the host (another network namespace's)",
-                        True, "nothing: the host's sockets stay outside")
+                return ("network", f"@{addr[1]}", "an abstract socket the host has (another network namespace's, "
+                        "any account's)", False, "nothing: the host's sockets stay outside")
             return None
         if addr[0] == "unix":
             path = self._path(call, addr[1], None)
-            if path is None or e not in (ENOENT, ECONNREFUSED, EACCES, EPERM) or path.startswith(QUIET):
+            if path is None:
+                return None
+            if call.name == "bind":  # a socket file made: a write of that path
+                return self._named(addr[1], self._file(call, path, "write"))
+            if e not in (ENOENT, ECONNREFUSED, EACCES, EPERM) or path.startswith(QUIET):
                 return None  # (the system's own services, which libc and toolkits try by themselves)
             if self.view.area(path)[0] not in ("hidden", "private") or not self.host.is_socket(path):
                 return None
+            if path.startswith(SHARED_TMP):  # any account may make a socket there (a tmux-<uid>/default)
+                return ("network", path, "a socket in a temporary directory the host's accounts share", False,
+                        "nothing: the host's sockets stay outside")
             return ("network", path, "a socket of a service on the host (the cell does not contain it)", True,
                     "nothing: the host's sockets stay outside")
         family, ip, port = addr
@@ -452,9 +510,9 @@ class Classifier:
             return None
         if e == EINPROGRESS or ip in ("0.0.0.0", "::"):
             return None  # a connection under way (where the cell has a route: through the proxy)
-        if port in DNS_PORTS:
-            return ("network", target, "a DNS query: the cell has no resolver (the proxy resolves names)", False,
-                    "--net proxy (names are resolved there)")
+        if port in DNS_PORTS and ip in self.host.resolvers():  # libc asking the host's own resolver
+            return ("network", target, "a DNS query to the host's resolver: the cell has none (the proxy resolves "
+                    "names)", False, "--net proxy (names are resolved there)")
         return ("network", target, "a connection or datagram to an address outside the cell (its network "
                 "namespace has no way there)", True, "--net proxy with --allow-domain NAME")
 
@@ -488,7 +546,11 @@ class AttemptSource:
                 continue
             if self.ignore(call.pid):
                 continue
-            verdict = self.classifier.classify(call)
+            try:
+                verdict = self.classifier.classify(call)
+            except Exception as e:  # noqa: BLE001 - a call we cannot read is one we cannot clear: it acts
+                verdict = ("telemetry", call.name, f"a failed call could not be told apart ({type(e).__name__}: "
+                           f"{e}); held against the cell", True, "")
             if verdict is None:
                 continue
             op, target, reason, acts, allow = verdict

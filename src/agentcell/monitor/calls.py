@@ -26,14 +26,17 @@ from typing import Any
 
 from . import bpf
 
-EVENT_SIZE = 600
+PATH_MAX = 4096  # a longer path fails with ENAMETOOLONG: nothing is reached
+A = 88  # the first buffer: a path or an address
+B = A + PATH_MAX  # the second: a second path, or a word the call points at (openat2's flags)
+EVENT_SIZE = B + PATH_MAX
 _HEAD = struct.Struct("<IIqQ6Q16s")  # nr, pad, ret, pid_tgid, args, comm
-A, B = 88, 344  # the two buffers: a path or an address, and a second path
-RING_SIZE = 4 << 20  # about 7,000 events in flight
+SCAN = 256  # a path below /usr, /lib or /sys this long or shorter is looked through for ".." in the kernel
+RING_SIZE = 8 << 20  # about 1,000 events in flight (an event takes what its paths take, rounded up)
 ARG_OFFSETS = (112, 104, 96, 56, 72, 64)  # x86_64 pt_regs: di, si, dx, r10, r8, r9
 ORIG_AX = 120
 
-PATH, SOCKADDR, MSGHDR = 1, 2, 3
+PATH, SOCKADDR, MSGHDR, WORD = 1, 2, 3, 4
 # EPERM … EROFS; EADDRNOTAVAIL … EHOSTUNREACH; EINPROGRESS (a non-blocking connect: refused only later)
 _ERRNOS = (1, 2, 3, 13, 16, 18, 30, 99, 101, 111, 113, 115)
 ENOENT = 2
@@ -42,8 +45,9 @@ ENOENT = 2
 # a second path. Not stat, access or readlink: asking whether something exists reaches nothing.
 CALLS: dict[str, tuple[int, tuple[tuple[int, int], ...]]] = {
     "open": (2, ((PATH, 0),)), "creat": (85, ((PATH, 0),)), "openat": (257, ((PATH, 1),)),
-    "openat2": (437, ((PATH, 1),)), "execve": (59, ((PATH, 0),)), "execveat": (322, ((PATH, 1),)),
+    "openat2": (437, ((PATH, 1), (WORD, 2))), "execve": (59, ((PATH, 0),)), "execveat": (322, ((PATH, 1),)),
     "connect": (42, ((SOCKADDR, 1),)), "sendto": (44, ((SOCKADDR, 4),)), "sendmsg": (46, ((MSGHDR, 1),)),
+    "sendmmsg": (307, ((MSGHDR, 1),)), "bind": (49, ((SOCKADDR, 1),)),  # (mmsghdr starts with a msghdr)
     "mkdir": (83, ((PATH, 0),)), "mkdirat": (258, ((PATH, 1),)), "rmdir": (84, ((PATH, 0),)),
     "unlink": (87, ((PATH, 0),)), "unlinkat": (263, ((PATH, 1),)), "rename": (82, ((PATH, 0), (PATH, 1))),
     "renameat": (264, ((PATH, 1), (PATH, 3))), "renameat2": (316, ((PATH, 1), (PATH, 3))),
@@ -54,12 +58,14 @@ CALLS: dict[str, tuple[int, tuple[tuple[int, int], ...]]] = {
     "truncate": (76, ((PATH, 0),)), "mknod": (133, ((PATH, 0),)), "mknodat": (259, ((PATH, 1),)),
     "chdir": (80, ((PATH, 0),)), "setxattr": (188, ((PATH, 0),)), "lsetxattr": (189, ((PATH, 0),)),
     "removexattr": (197, ((PATH, 0),)), "lremovexattr": (198, ((PATH, 0),)), "utimensat": (280, ((PATH, 1),)),
+    "utime": (132, ((PATH, 0),)), "utimes": (235, ((PATH, 0),)), "futimesat": (261, ((PATH, 1),)),
     "pidfd_open": (434, ()), "kill": (62, ()),
 }
 NAMES = {nr: name for name, (nr, _) in CALLS.items()}
 # where the directory fd of an *at call is (its path is relative to it)
 DIRFD = {"openat": 0, "openat2": 0, "execveat": 0, "mkdirat": 0, "unlinkat": 0, "renameat": 0, "renameat2": 0,
-         "linkat": 0, "symlinkat": 1, "fchmodat": 0, "fchmodat2": 0, "fchownat": 0, "mknodat": 0, "utimensat": 0}
+         "linkat": 0, "symlinkat": 1, "fchmodat": 0, "fchmodat2": 0, "fchownat": 0, "mknodat": 0, "utimensat": 0,
+         "futimesat": 0}
 DIRFD2 = {"renameat": 2, "renameat2": 2, "linkat": 2}
 AT_FDCWD = -100
 # openat's flags (argument 2) and open's (1): what the open was for
@@ -84,8 +90,8 @@ def _spec(args: tuple[tuple[int, int], ...]) -> int:
 
 def program(cgroup_id: int, table_fd: int, ring_fd: int, drops_fd: int) -> bytes:
     """The program, for one cell's cgroup (its id: the cgroup2 directory's inode number)."""
-    R0, R1, R2, R3, R6, R7, R8, R9, R10 = (bpf.R0, bpf.R1, bpf.R2, bpf.R3, bpf.R6, bpf.R7, bpf.R8, bpf.R9,
-                                           bpf.R10)
+    R0, R1, R2, R3, R4, R5, R6, R7, R8, R9, R10 = (bpf.R0, bpf.R1, bpf.R2, bpf.R3, bpf.R4, bpf.R5, bpf.R6, bpf.R7,
+                                                   bpf.R8, bpf.R9, bpf.R10)
     lo = sum(1 << e for e in _ERRNOS if e < 64)
     hi = sum(1 << (e - 64) for e in _ERRNOS if e >= 64)
     a = bpf.Asm()
@@ -184,13 +190,15 @@ def program(cgroup_id: int, table_fd: int, ring_fd: int, drops_fd: int) -> bytes
     a.label("path")
     a.alu("mov", R1, R8)
     a.alu("add", R1, imm=A)
-    a.alu("mov", R2, imm=256)
+    a.alu("mov", R2, imm=PATH_MAX)
     a.alu("mov", R3, R6)
     a.call(bpf.PROBE_READ_USER_STR)
-    a.label("second")  # a second path (rename, link, symlink)
+    a.alu("mov", R6, R0)  # its length (with the NUL), for the filter below
+    a.label("second")  # a second path (rename, link, symlink), or a word (openat2's how)
     a.alu("mov", R1, R9)
     a.alu("rsh", R1, imm=8)
     a.alu("and", R1, imm=15)
+    a.j("jeq", R1, "word", imm=WORD)
     a.j("jne", R1, "filter", imm=PATH)
     a.alu("mov", R2, R9)
     a.alu("rsh", R2, imm=12)
@@ -201,21 +209,55 @@ def program(cgroup_id: int, table_fd: int, ring_fd: int, drops_fd: int) -> bytes
     a.ldx(bpf.DW, R3, R3, 24)
     a.alu("mov", R1, R8)
     a.alu("add", R1, imm=B)
-    a.alu("mov", R2, imm=256)
+    a.alu("mov", R2, imm=PATH_MAX)
     a.call(bpf.PROBE_READ_USER_STR)
-    # Missing files under /usr, /lib* and /sys are everyday lookups (locales, libraries, hardware), and
-    # nothing is hidden there: the cell sees those trees as they are (or, /sys, not at all).
+    a.j("ja", R0, "filter")
+    a.label("word")
+    a.alu("mov", R2, R9)
+    a.alu("rsh", R2, imm=12)
+    a.alu("and", R2, imm=7)
+    a.alu("lsh", R2, imm=3)
+    a.alu("mov", R3, R8)
+    a.alu("add", R3, R2)
+    a.ldx(bpf.DW, R3, R3, 24)
+    a.alu("mov", R1, R8)
+    a.alu("add", R1, imm=B)
+    a.alu("mov", R2, imm=8)
+    a.call(bpf.PROBE_READ_USER)
+    # Missing files under /usr/, /lib/, /lib64/ and /sys/ are everyday lookups (locales, libraries,
+    # hardware), and nothing is hidden there: the cell sees those trees as they are (or, /sys, not at
+    # all). Dropped here, unless the path has a ".." or is longer than SCAN: then where it leads is for
+    # the monitor to say.
     a.label("filter")
     a.j("jne", R7, "submit", imm=-ENOENT)
     a.alu("mov", R1, R9)
     a.alu("and", R1, imm=15)
     a.j("jne", R1, "submit", imm=PATH)
     a.ldx(bpf.W, R1, R8, A)
-    a.j("jeq", R1, "discard", imm=int.from_bytes(b"/lib", "little"))
     a.ldx(bpf.B, R2, R8, A + 4)
+    a.j("jne", R1, "usr", imm=int.from_bytes(b"/lib", "little"))
+    a.j("jeq", R2, "dots", imm=ord("/"))
+    a.j("jeq", R2, "dots", imm=ord("6"))
+    a.j("ja", R0, "submit")
+    a.label("usr")
     a.j("jne", R2, "submit", imm=ord("/"))
-    a.j("jeq", R1, "discard", imm=int.from_bytes(b"/usr", "little"))
-    a.j("jeq", R1, "discard", imm=int.from_bytes(b"/sys", "little"))
+    a.j("jeq", R1, "dots", imm=int.from_bytes(b"/usr", "little"))
+    a.j("jne", R1, "submit", imm=int.from_bytes(b"/sys", "little"))
+    a.label("dots")  # look for ".." up to the end of the path (a long one goes up whole: rare, and looked at)
+    a.j("jsgt", R6, "submit", imm=SCAN)
+    a.alu("mov", R3, imm=0)
+    a.label("scan")
+    a.j("jgt", R3, "submit", imm=SCAN - 2)
+    a.alu("mov", R4, R8)
+    a.alu("add", R4, R3)
+    a.ldx(bpf.B, R5, R4, A)
+    a.j("jeq", R5, "discard", imm=0)
+    a.j("jne", R5, "next", imm=ord("."))
+    a.ldx(bpf.B, R5, R4, A + 1)
+    a.j("jeq", R5, "submit", imm=ord("."))
+    a.label("next")
+    a.alu("add", R3, imm=1)
+    a.j("ja", R0, "scan")
     a.label("submit")
     a.alu("mov", R1, R8)
     a.alu("mov", R2, imm=0)
@@ -309,18 +351,24 @@ def check() -> str:
 class Call:
     """One failed call: ``name``, ``errno``, ``pid`` (the process, host pid), ``tid``, ``comm``, ``args``
     (raw), ``path`` and ``path2`` (as given, maybe relative), ``addr`` (("inet"|"inet6", ip, port),
-    ("unix", path), ("abstract", name) or None)."""
+    ("unix", path), ("abstract", name) or None), ``flags`` (an open's)."""
 
-    __slots__ = ("name", "errno", "pid", "tid", "comm", "args", "path", "path2", "addr")
+    __slots__ = ("name", "errno", "pid", "tid", "comm", "args", "path", "path2", "addr", "flags")
 
     def __init__(self, name: str, errno: int, pid: int, tid: int, comm: str, args: tuple[int, ...], path: str = "",
-                 path2: str = "", addr: tuple[Any, ...] | None = None) -> None:
+                 path2: str = "", addr: tuple[Any, ...] | None = None, flags: int = 0) -> None:
         self.name, self.errno, self.pid, self.tid, self.comm, self.args = name, errno, pid, tid, comm, args
         self.path, self.path2, self.addr = path, path2, addr
+        self.flags = flags or {"open": args[1], "openat": args[2], "creat": O_CREAT | O_TRUNC | 1}.get(name, 0)
 
     def __repr__(self) -> str:
         return f"Call({self.name} -> {self.errno} pid {self.pid} {self.comm!r} {self.path!r} {self.path2!r} " \
                f"{self.addr!r})"
+
+
+def _text(raw: bytes, at: int) -> str:
+    end = raw.find(b"\0", at, at + PATH_MAX)
+    return os.fsdecode(raw[at:end if end >= 0 else at + PATH_MAX])
 
 
 def decode(raw: bytes) -> Call | None:
@@ -336,15 +384,17 @@ def decode(raw: bytes) -> Call | None:
                 args)
     first = kinds[0][0] if kinds else 0
     if first == PATH:
-        call.path = os.fsdecode(raw[A:A + 256].split(b"\0")[0])
+        call.path = _text(raw, A)
     elif first == SOCKADDR:
-        length = args[2] if name == "connect" else args[5]
+        length = args[5] if name == "sendto" else args[2]
         call.addr = sockaddr(raw[A:A + 110], length)
     elif first == MSGHDR:
         length = struct.unpack_from("<I", raw, B + 8)[0] if struct.unpack_from("<Q", raw, B)[0] else 0
         call.addr = sockaddr(raw[A:A + 110], length) if length else None
-    if len(kinds) > 1:
-        call.path2 = os.fsdecode(raw[B:B + 256].split(b"\0")[0])
+    if len(kinds) > 1 and kinds[1][0] == PATH:
+        call.path2 = _text(raw, B)
+    elif len(kinds) > 1 and kinds[1][0] == WORD:
+        call.flags = struct.unpack_from("<Q", raw, B)[0]
     return call
 
 

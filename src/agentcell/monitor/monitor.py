@@ -41,6 +41,7 @@ from .event import CellEvent
 
 ESCAPES = ("read", "write", "execute", "network", "telemetry")
 CLASSES = (*ESCAPES, "resource")
+MAX_LOOKUPS = 200  # egress refusals attributed by a socket lookup, per cell
 CPU_NOTE = 10  # periods the CPU ceiling held the cell back before that is noted (a second at 0.1 s each)
 MAX_EVENTS = 1000  # distinct events kept per cell, of each kind (acting, notes); duplicates are counted
 # An audit overflow is held against the cell that made it: at least FLOOD of its own Landlock denials, and
@@ -166,6 +167,7 @@ class Monitor:
         self._resources = {"oom_kills": 0, "pids_limit_hits": 0}
         self._sources: list[Callable[[], list[dict[str, Any]]]] = []
         self._bells: list[int] = []  # the egress sources' fds, readable when they have news
+        self._lookups = 0  # egress refusals attributed by a socket lookup so far
         self._refused_by: dict[str, int] = {}  # a firewall-refused address -> the process whose connect failed
         self._state: dict[str, str] = {}  # source -> "on" | why it is off
         self.audit: Any = None
@@ -471,6 +473,11 @@ class Monitor:
             self._thread.join(5)
         try:
             self._drain()  # what arrived after the loop's last look
+            for _ in range(64):  # a flood of failed calls at the very end: the ring read to its end
+                if self.calls is None or not _readable(self.calls):
+                    break
+                self._drain()
+            self._poll_calls_dropped()
             self._poll_egress()
         except (OSError, ValueError) as e:
             self._event(CellEvent("telemetry", "monitor", f"a source failed: {e}", source="telemetry",
@@ -787,6 +794,11 @@ class Monitor:
         the host; else a failed connect to that very address (the failed-call source)."""
         from .sockets import owner
 
+        # Each lookup reads the namespace's socket tables, which a flood of refusals grows: the first
+        # MAX_LOOKUPS refusals are attributed (the first one is what ends a cell), later ones are not.
+        self._lookups += 1
+        if self._lookups > MAX_LOOKUPS:
+            return self._refused_by.get(target) if raw.get("source") == "nftables" else None
         members = sorted(self._members - {self._seed} - self.trusted)
         if raw.get("source") == "proxy" and self._seed:
             from ..cell.spec import PROXY_PORT

@@ -306,20 +306,23 @@ async def serve(listen_fd: int, policy: Policy, events_fd: int, bell_fd: int = -
     out = os.fdopen(events_fd, "w", buffering=1)
     if bell_fd >= 0:
         os.set_blocking(bell_fd, False)
-    written = size = 0
-    full = False
+    # Notes (allowed names that did not resolve) and refusals that act have budgets of their own: a flood
+    # of notes never keeps a refusal that acts out of the record; each kind says once that it is full.
+    written = {True: 0, False: 0}
+    size = {True: 0, False: 0}
+    full = {True: False, False: False}
 
     def record(event: dict[str, object]) -> None:
-        nonlocal written, size, full
-        if full:  # refused in a loop: the record says so once, and the disk is not filled
+        kind = bool(event.get("note"))
+        if full[kind]:  # refused in a loop: the record says so once, and the disk is not filled
             return
         line = json.dumps(event) + "\n"
-        written += 1
-        if written > MAX_EVENTS or size + len(line) > MAX_EVENT_BYTES:
-            full = True
-            line = json.dumps({**event, "target": "...", "reason": "later refusals were not recorded (too many)"})
-            line += "\n"
-        size += len(line)
+        written[kind] += 1
+        if written[kind] > MAX_EVENTS // 2 or size[kind] + len(line) > MAX_EVENT_BYTES // 2:
+            full[kind] = True
+            line = json.dumps({**event, "target": "...", "reason": f"later {'notes' if kind else 'refusals'} "
+                               "were not recorded (too many)"}) + "\n"
+        size[kind] += len(line)
         try:
             out.write(line)
             if bell_fd >= 0:
