@@ -519,8 +519,8 @@ class Classifier:
 
 def _credential(path: str) -> bool:
     parts = path.split("/")
-    return any(p in CREDENTIALS for p in parts) or any(p.startswith("ssh-") for p in parts[:-1]) and \
-        parts[-1].startswith("agent.")
+    return (any(p in CREDENTIALS or p.startswith("krb5cc") for p in parts)  # (Kerberos tickets in /tmp)
+            or any(p.startswith("ssh-") for p in parts[:-1]) and parts[-1].startswith("agent."))
 
 
 class AttemptSource:

@@ -32,7 +32,7 @@ B = A + PATH_MAX  # the second: a second path, or a word the call points at (ope
 EVENT_SIZE = B + PATH_MAX
 _HEAD = struct.Struct("<IIqQ6Q16s")  # nr, pad, ret, pid_tgid, args, comm
 SCAN = 256  # a path below /usr, /lib or /sys this long or shorter is looked through for ".." in the kernel
-RING_SIZE = 8 << 20  # about 1,000 events in flight (an event takes what its paths take, rounded up)
+RING_SIZE = 4 << 20  # tens of thousands of events in flight (an event takes its head and its path)
 ARG_OFFSETS = (112, 104, 96, 56, 72, 64)  # x86_64 pt_regs: di, si, dx, r10, r8, r9
 ORIG_AX = 120
 
@@ -88,7 +88,7 @@ def _spec(args: tuple[tuple[int, int], ...]) -> int:
     return out
 
 
-def program(cgroup_id: int, table_fd: int, ring_fd: int, drops_fd: int) -> bytes:
+def program(cgroup_id: int, table_fd: int, ring_fd: int, drops_fd: int, scratch_fd: int) -> bytes:
     """The program, for one cell's cgroup (its id: the cgroup2 directory's inode number)."""
     R0, R1, R2, R3, R4, R5, R6, R7, R8, R9, R10 = (bpf.R0, bpf.R1, bpf.R2, bpf.R3, bpf.R4, bpf.R5, bpf.R6, bpf.R7,
                                                    bpf.R8, bpf.R9, bpf.R10)
@@ -130,12 +130,16 @@ def program(cgroup_id: int, table_fd: int, ring_fd: int, drops_fd: int) -> bytes
     a.j("jeq", R0, "out", imm=0)
     a.ldx(bpf.DW, R9, R0, 0)
     a.j("jeq", R9, "out", imm=0)
-    a.ld64(R1, ring_fd, map_fd=True)
-    a.alu("mov", R2, imm=EVENT_SIZE)
-    a.alu("mov", R3, imm=0)
-    a.call(bpf.RINGBUF_RESERVE)
-    a.j("jeq", R0, "dropped", imm=0)
-    a.alu("mov", R8, R0)  # the event; from here every way out submits or discards it
+    # The event is built in a per-CPU buffer (a program runs to its end on its CPU: no preemption here),
+    # filtered there, and only then copied into the ring, as long as it is: a dropped lookup costs the
+    # ring nothing, and a burst of them cannot fill it.
+    a.st(bpf.W, R10, -16, 0)
+    a.ld64(R1, scratch_fd, map_fd=True)
+    a.alu("mov", R2, R10)
+    a.alu("add", R2, imm=-16)
+    a.call(bpf.MAP_LOOKUP)
+    a.j("jeq", R0, "out", imm=0)
+    a.alu("mov", R8, R0)
     a.ldx(bpf.DW, R1, R10, -8)
     a.stx(bpf.DW, R8, 0, R1)
     a.stx(bpf.DW, R8, 8, R7)
@@ -153,8 +157,9 @@ def program(cgroup_id: int, table_fd: int, ring_fd: int, drops_fd: int) -> bytes
     for i, off in enumerate(ARG_OFFSETS):
         a.ldx(bpf.DW, R1, R8, A + off)
         a.stx(bpf.DW, R8, 24 + 8 * i, R1)
-    a.st(bpf.B, R8, A, 0)
-    a.st(bpf.B, R8, B, 0)
+    a.st(bpf.DW, R8, A, 0)
+    a.st(bpf.DW, R8, B, 0)
+    a.alu("mov", R6, imm=1)  # the first buffer's length, as far as it is used (a path's is set below)
     # the first buffer: a path, an address, or a message's address
     a.alu("mov", R1, R9)
     a.alu("and", R1, imm=15)
@@ -175,7 +180,9 @@ def program(cgroup_id: int, table_fd: int, ring_fd: int, drops_fd: int) -> bytes
         a.alu("mov", R2, imm=size)
         a.alu("mov", R3, R6)
         a.call(bpf.PROBE_READ_USER)
-        a.j("jeq", R0, "second", imm=0)
+        a.j("jeq", R0, "addressed", imm=0)
+    a.label("addressed")
+    a.alu("mov", R6, imm=110)
     a.j("ja", R0, "second")
     a.label("msghdr")  # msg_name and msg_namelen, into the second buffer; then the address they point at
     a.alu("mov", R1, R8)
@@ -183,9 +190,9 @@ def program(cgroup_id: int, table_fd: int, ring_fd: int, drops_fd: int) -> bytes
     a.alu("mov", R2, imm=16)
     a.alu("mov", R3, R6)
     a.call(bpf.PROBE_READ_USER)
-    a.j("jne", R0, "second", imm=0)
+    a.j("jne", R0, "addressed", imm=0)
     a.ldx(bpf.DW, R6, R8, B)
-    a.j("jeq", R6, "second", imm=0)
+    a.j("jeq", R6, "addressed", imm=0)
     a.j("ja", R0, "sockaddr")
     a.label("path")
     a.alu("mov", R1, R8)
@@ -258,15 +265,28 @@ def program(cgroup_id: int, table_fd: int, ring_fd: int, drops_fd: int) -> bytes
     a.label("next")
     a.alu("add", R3, imm=1)
     a.j("ja", R0, "scan")
-    a.label("submit")
-    a.alu("mov", R1, R8)
-    a.alu("mov", R2, imm=0)
-    a.call(bpf.RINGBUF_SUBMIT)
+    a.label("submit")  # as long as it is: the whole event with a second buffer, else up to the first's end
+    a.alu("mov", R1, R9)
+    a.alu("rsh", R1, imm=8)
+    a.alu("and", R1, imm=15)
+    a.alu("mov", R3, imm=EVENT_SIZE)
+    a.j("jne", R1, "output", imm=0)
+    a.alu("mov", R3, R6)
+    a.j("jsgt", R3, "positive", imm=0)
+    a.alu("mov", R3, imm=1)
+    a.label("positive")
+    a.j("jle", R3, "bounded", imm=PATH_MAX)
+    a.alu("mov", R3, imm=PATH_MAX)
+    a.label("bounded")
+    a.alu("add", R3, imm=A)
+    a.label("output")
+    a.ld64(R1, ring_fd, map_fd=True)
+    a.alu("mov", R2, R8)
+    a.alu("mov", R4, imm=0)
+    a.call(bpf.RINGBUF_OUTPUT)
+    a.j("jne", R0, "dropped", imm=0)
     a.j("ja", R0, "out")
     a.label("discard")
-    a.alu("mov", R1, R8)
-    a.alu("mov", R2, imm=0)
-    a.call(bpf.RINGBUF_DISCARD)
     a.j("ja", R0, "out")
     a.label("dropped")  # the ring is full: counted, so the monitor knows it missed some
     a.st(bpf.W, R10, -16, 0)
@@ -294,7 +314,7 @@ def exec_program(cgroup_id: int, ring_fd: int, drops_fd: int) -> bytes:
     a.ld64(R1, cgroup_id)
     a.j("jne", R0, "out", src=R1)
     a.ld64(R1, ring_fd, map_fd=True)
-    a.alu("mov", R2, imm=EVENT_SIZE)
+    a.alu("mov", R2, imm=A)  # its head alone: no path
     a.alu("mov", R3, imm=0)
     a.call(bpf.RINGBUF_RESERVE)
     a.j("jeq", R0, "dropped", imm=0)
@@ -307,8 +327,6 @@ def exec_program(cgroup_id: int, ring_fd: int, drops_fd: int) -> bytes:
     a.alu("add", R1, imm=72)
     a.alu("mov", R2, imm=16)
     a.call(bpf.GET_CURRENT_COMM)
-    a.st(bpf.B, R8, A, 0)
-    a.st(bpf.B, R8, B, 0)
     a.alu("mov", R1, R8)
     a.alu("mov", R2, imm=0)
     a.call(bpf.RINGBUF_SUBMIT)
@@ -338,6 +356,7 @@ def check() -> str:
         fds.append(bpf.map_create(bpf.MAP_ARRAY, 4, 8, 512, "agentcell_calls"))
         fds.append(bpf.map_create(bpf.MAP_RINGBUF, 0, 0, 1 << 16, "agentcell_ring"))
         fds.append(bpf.map_create(bpf.MAP_ARRAY, 4, 8, 1, "agentcell_drops"))
+        fds.append(bpf.map_create(bpf.MAP_PERCPU_ARRAY, 4, EVENT_SIZE, 1, "agentcell_event"))
         fds.append(bpf.prog_load(bpf.PROG_RAW_TRACEPOINT, program(0, *fds), "agentcell_calls"))
         fds.append(bpf.prog_load(bpf.PROG_RAW_TRACEPOINT, exec_program(0, fds[1], fds[2]), "agentcell_execs"))
     except OSError as e:
@@ -372,8 +391,9 @@ def _text(raw: bytes, at: int) -> str:
 
 
 def decode(raw: bytes) -> Call | None:
-    if len(raw) < EVENT_SIZE:
+    if len(raw) < A:
         return None
+    raw = raw.ljust(EVENT_SIZE, b"\0")  # (the ring holds an event as long as its paths are)
     nr, _pad, ret, pid_tgid, *rest = _HEAD.unpack_from(raw, 0)
     args, comm = tuple(rest[:6]), rest[6]
     name = NAMES.get(nr)
@@ -432,8 +452,9 @@ class FailedCalls:
                 bpf.map_update(table, struct.pack("<I", nr), struct.pack("<Q", _spec(kinds)))
             ring = self._keep(bpf.map_create(bpf.MAP_RINGBUF, 0, 0, RING_SIZE, "agentcell_ring"))
             self.drops_fd = self._keep(bpf.map_create(bpf.MAP_ARRAY, 4, 8, 1, "agentcell_drops"))
-            prog = self._keep(bpf.prog_load(bpf.PROG_RAW_TRACEPOINT, program(cgroup_id, table, ring, self.drops_fd),
-                                            "agentcell_calls"))
+            scratch = self._keep(bpf.map_create(bpf.MAP_PERCPU_ARRAY, 4, EVENT_SIZE, 1, "agentcell_event"))
+            prog = self._keep(bpf.prog_load(bpf.PROG_RAW_TRACEPOINT,
+                                            program(cgroup_id, table, ring, self.drops_fd, scratch), "agentcell_calls"))
             execs = self._keep(bpf.prog_load(bpf.PROG_RAW_TRACEPOINT, exec_program(cgroup_id, ring, self.drops_fd),
                                              "agentcell_execs"))
             self.ring = bpf.RingBuffer(ring, RING_SIZE)
