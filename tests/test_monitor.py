@@ -535,3 +535,15 @@ def test_a_protected_entry_the_command_creates_or_writes_is_reported_while_it_ru
     assert result["exit_status"] == 0, result
     assert all(not e["acts"] and e["pid"] and e["exe"] for e in result["events"]), result["events"]
     assert f"{project}/.claude" in result["quarantined"], result  # and still moved aside at the end
+
+
+def test_cat_etc_shadow_is_caught_and_ends_the_cell(user: User) -> None:
+    """The issue's words: ``agentcell run --monitor -- cat /etc/shadow``. The cell masks it (an empty
+    mode-000 file): cat's open fails with EACCES, which no Landlock record covers; the failed-call source
+    names it, with cat and its parent."""
+    r = agentcell_run(["--as", str(user.uid), "--monitor", "--", "sh", "-c", "cat /etc/shadow; sleep 3; echo survived"],
+                      timeout=60)
+    assert r.rc == 137 and "survived" not in r.out, (r.out, r.err)
+    [ev] = [e for e in r.result["events"] if e["acts"]]  # type: ignore[union-attr]
+    assert (ev["operation"], ev["target"], ev["source"]) == ("read", "/etc/shadow", "calls"), ev
+    assert os.path.basename(ev["exe"]) == "cat" and ev["ancestry"] and "by: PID 1 → dash" in r.err, (ev, r.err)

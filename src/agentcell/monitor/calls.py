@@ -88,6 +88,30 @@ def _spec(args: tuple[tuple[int, int], ...]) -> int:
     return out
 
 
+def _argument(a: bpf.Asm, spec: int, shift: int, into: int) -> None:
+    """``into`` = the event's saved argument whose index the spec (in ``spec``) holds at ``shift``."""
+    a.alu("mov", bpf.R2, spec)
+    a.alu("rsh", bpf.R2, imm=shift)
+    a.alu("and", bpf.R2, imm=7)
+    a.alu("lsh", bpf.R2, imm=3)
+    a.alu("mov", bpf.R3, bpf.R8)
+    a.alu("add", bpf.R3, bpf.R2)
+    a.ldx(bpf.DW, into, bpf.R3, 24)
+
+
+def _count_drop(a: bpf.Asm, drops_fd: int, slot: int) -> None:
+    """The ring was full: one more in the drop counter (the stack at ``slot`` for its key), so the monitor
+    knows it missed some."""
+    a.st(bpf.W, bpf.R10, slot, 0)
+    a.ld64(bpf.R1, drops_fd, map_fd=True)
+    a.alu("mov", bpf.R2, bpf.R10)
+    a.alu("add", bpf.R2, imm=slot)
+    a.call(bpf.MAP_LOOKUP)
+    a.j("jeq", bpf.R0, "out", imm=0)
+    a.alu("mov", bpf.R1, imm=1)
+    a.atomic_add(bpf.R0, 0, bpf.R1)
+
+
 def program(cgroup_id: int, table_fd: int, ring_fd: int, drops_fd: int, scratch_fd: int) -> bytes:
     """The program, for one cell's cgroup (its id: the cgroup2 directory's inode number)."""
     R0, R1, R2, R3, R4, R5, R6, R7, R8, R9, R10 = (bpf.R0, bpf.R1, bpf.R2, bpf.R3, bpf.R4, bpf.R5, bpf.R6, bpf.R7,
@@ -164,13 +188,7 @@ def program(cgroup_id: int, table_fd: int, ring_fd: int, drops_fd: int, scratch_
     a.alu("mov", R1, R9)
     a.alu("and", R1, imm=15)
     a.j("jeq", R1, "second", imm=0)
-    a.alu("mov", R2, R9)
-    a.alu("rsh", R2, imm=4)
-    a.alu("and", R2, imm=7)
-    a.alu("lsh", R2, imm=3)
-    a.alu("mov", R3, R8)
-    a.alu("add", R3, R2)
-    a.ldx(bpf.DW, R6, R3, 24)  # the user pointer (the registers are not needed any more)
+    _argument(a, R9, 4, R6)  # the user pointer (the registers are not needed any more)
     a.j("jeq", R1, "path", imm=PATH)
     a.j("jeq", R1, "msghdr", imm=MSGHDR)
     a.label("sockaddr")
@@ -207,26 +225,14 @@ def program(cgroup_id: int, table_fd: int, ring_fd: int, drops_fd: int, scratch_
     a.alu("and", R1, imm=15)
     a.j("jeq", R1, "word", imm=WORD)
     a.j("jne", R1, "filter", imm=PATH)
-    a.alu("mov", R2, R9)
-    a.alu("rsh", R2, imm=12)
-    a.alu("and", R2, imm=7)
-    a.alu("lsh", R2, imm=3)
-    a.alu("mov", R3, R8)
-    a.alu("add", R3, R2)
-    a.ldx(bpf.DW, R3, R3, 24)
+    _argument(a, R9, 12, R3)
     a.alu("mov", R1, R8)
     a.alu("add", R1, imm=B)
     a.alu("mov", R2, imm=PATH_MAX)
     a.call(bpf.PROBE_READ_USER_STR)
     a.j("ja", R0, "filter")
     a.label("word")
-    a.alu("mov", R2, R9)
-    a.alu("rsh", R2, imm=12)
-    a.alu("and", R2, imm=7)
-    a.alu("lsh", R2, imm=3)
-    a.alu("mov", R3, R8)
-    a.alu("add", R3, R2)
-    a.ldx(bpf.DW, R3, R3, 24)
+    _argument(a, R9, 12, R3)
     a.alu("mov", R1, R8)
     a.alu("add", R1, imm=B)
     a.alu("mov", R2, imm=8)
@@ -288,15 +294,8 @@ def program(cgroup_id: int, table_fd: int, ring_fd: int, drops_fd: int, scratch_
     a.j("ja", R0, "out")
     a.label("discard")
     a.j("ja", R0, "out")
-    a.label("dropped")  # the ring is full: counted, so the monitor knows it missed some
-    a.st(bpf.W, R10, -16, 0)
-    a.ld64(R1, drops_fd, map_fd=True)
-    a.alu("mov", R2, R10)
-    a.alu("add", R2, imm=-16)
-    a.call(bpf.MAP_LOOKUP)
-    a.j("jeq", R0, "out", imm=0)
-    a.alu("mov", R1, imm=1)
-    a.atomic_add(R0, 0, R1)
+    a.label("dropped")
+    _count_drop(a, drops_fd, -16)
     a.j("ja", R0, "out")
     a.label("out")
     a.alu("mov", R0, imm=0)
@@ -308,7 +307,7 @@ def exec_program(cgroup_id: int, ring_fd: int, drops_fd: int) -> bytes:
     """For the ``sched_process_exec`` raw tracepoint: each exec of the cell's that succeeded, with the new
     program's name (the task's comm is already the new one), as an event of errno 0. A process that exits
     at once is still named; the calls that succeed pay nothing for it."""
-    R0, R1, R2, R3, R8, R10 = bpf.R0, bpf.R1, bpf.R2, bpf.R3, bpf.R8, bpf.R10
+    R0, R1, R2, R3, R8 = bpf.R0, bpf.R1, bpf.R2, bpf.R3, bpf.R8
     a = bpf.Asm()
     a.call(bpf.GET_CURRENT_CGROUP_ID)
     a.ld64(R1, cgroup_id)
@@ -332,14 +331,7 @@ def exec_program(cgroup_id: int, ring_fd: int, drops_fd: int) -> bytes:
     a.call(bpf.RINGBUF_SUBMIT)
     a.j("ja", R0, "out")
     a.label("dropped")
-    a.st(bpf.W, R10, -8, 0)
-    a.ld64(R1, drops_fd, map_fd=True)
-    a.alu("mov", R2, R10)
-    a.alu("add", R2, imm=-8)
-    a.call(bpf.MAP_LOOKUP)
-    a.j("jeq", R0, "out", imm=0)
-    a.alu("mov", R1, imm=1)
-    a.atomic_add(R0, 0, R1)
+    _count_drop(a, drops_fd, -8)
     a.label("out")
     a.alu("mov", R0, imm=0)
     a.exit()

@@ -200,22 +200,39 @@ class ExecMarks:
 
     name = "execmarks"
 
-    def __init__(self, fd: int, pid1: int, cell: str, named: Callable[[int, str], None]) -> None:
-        self.fd, self.pid1, self.cell, self.named = fd, pid1, cell, named
+    def __init__(self, fd: int, pid1: int, cell: str, named: Callable[[int, str], None],
+                 marked: tuple[str, ...] = ()) -> None:
+        self.fd, self.pid1, self.cell, self.named, self.marked = fd, pid1, cell, named, marked
         self._mounts: dict[str, str] = {}
+        self._read_mounts()  # now, while PID 1 lives (the cell's mounts do not change: it may not mount)
+
+    def _read_mounts(self) -> None:
+        try:
+            with open(f"/proc/{self.pid1}/mountinfo") as f:
+                self._mounts = {ln.split()[0]: ln.split()[4] for ln in f if len(ln.split()) > 4}
+        except OSError:
+            pass
 
     def fileno(self) -> int:
         return self.fd
 
     def _where(self, fd: int) -> str:
-        """The executed file's path in the cell: its path in its mount, below that mount's point."""
+        """The executed file's path in the cell: its path in its mount, below that mount's point (a marked
+        host directory, bound at its own path, where that very file is; else the cell's mount table)."""
         rel = os.readlink(f"/proc/self/fd/{fd}")
+        st = os.fstat(fd)
+        for point in self.marked:
+            try:
+                there = os.lstat(point + rel)
+            except (OSError, ValueError):
+                continue
+            if (there.st_dev, there.st_ino) == (st.st_dev, st.st_ino):
+                return os.path.normpath(point + rel)
         try:
             with open(f"/proc/self/fdinfo/{fd}") as f:
                 mnt = next((ln.split()[1] for ln in f if ln.startswith("mnt_id:")), "")
             if mnt not in self._mounts:
-                with open(f"/proc/{self.pid1}/mountinfo") as f:
-                    self._mounts = {ln.split()[0]: ln.split()[4] for ln in f if len(ln.split()) > 4}
+                self._read_mounts()
             point = self._mounts.get(mnt, "")
         except OSError:
             point = ""

@@ -369,9 +369,11 @@ class Monitor:
             except OSError as e:
                 self._state["masks"] = f"off: {e.strerror or e}"
         if running.exec_fd is not None:
+            from ..cell.execmarks import planned as marked
             from .execwatch import ExecMarks
 
-            self.execmarks = ExecMarks(running.exec_fd, running.pid1, self.cell_id, self._named)
+            self.execmarks = ExecMarks(running.exec_fd, running.pid1, self.cell_id, self._named,
+                                       marked(running.spec))
             running.exec_fd = None
             self._state["execmarks"] = "on"
         if running.seccomp_fd is not None:
