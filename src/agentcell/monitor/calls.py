@@ -31,7 +31,7 @@ A = 88  # the first buffer: a path or an address
 B = A + PATH_MAX  # the second: a second path, or a word the call points at (openat2's flags)
 EVENT_SIZE = B + PATH_MAX
 _HEAD = struct.Struct("<IIqQ6Q16s")  # nr, pad, ret, pid_tgid, args, comm
-SCAN = 256  # a path below /usr, /lib or /sys this long or shorter is looked through for ".." in the kernel
+SCAN = 128  # a path below /usr, /lib or /sys this long or shorter is looked through for ".." in the kernel
 RING_SIZE = 4 << 20  # tens of thousands of events in flight (an event takes its head and its path)
 ARG_OFFSETS = (112, 104, 96, 56, 72, 64)  # x86_64 pt_regs: di, si, dx, r10, r8, r9
 ORIG_AX = 120
@@ -447,11 +447,11 @@ class FailedCalls:
             scratch = self._keep(bpf.map_create(bpf.MAP_PERCPU_ARRAY, 4, EVENT_SIZE, 1, "agentcell_event"))
             prog = self._keep(bpf.prog_load(bpf.PROG_RAW_TRACEPOINT,
                                             program(cgroup_id, table, ring, self.drops_fd, scratch), "agentcell_calls"))
-            execs = self._keep(bpf.prog_load(bpf.PROG_RAW_TRACEPOINT, exec_program(cgroup_id, ring, self.drops_fd),
-                                             "agentcell_execs"))
+            exec_prog = self._keep(bpf.prog_load(bpf.PROG_RAW_TRACEPOINT, exec_program(cgroup_id, ring, self.drops_fd),
+                                                 "agentcell_execs"))
             self.ring = bpf.RingBuffer(ring, RING_SIZE)
             self._keep(bpf.attach_raw_tracepoint("sys_exit", prog))
-            self._keep(bpf.attach_raw_tracepoint("sched_process_exec", execs))
+            self._keep(bpf.attach_raw_tracepoint("sched_process_exec", exec_prog))
         except BaseException:
             self.close()
             raise
