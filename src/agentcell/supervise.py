@@ -153,14 +153,18 @@ class Supervised:
                     pass  # it exited at once: the cell will find no one on its one way out
         sup = cls(spec, running, watch, proxy, fw, log, guard or None)
         if watch is not None:
-            _ = sup.pid1  # known before the monitor follows the cell's processes by descent from it
-            watch.attach(running)
-            if proxy is not None:
-                watch.add_source(proxy.new_events, proxy.fileno())
-                watch.trusted.add(proxy.proc.pid)  # it becomes nobody inside the cell's cgroup: not the agent
-            if log is not None:
-                watch.add_source(sup._firewall_events)
-            watch.start()
+            try:
+                _ = sup.pid1  # known before the monitor follows the cell's processes by descent from it
+                watch.attach(running)
+                if proxy is not None:
+                    watch.add_source(proxy.new_events, proxy.fileno())
+                    watch.trusted.add(proxy.proc.pid)  # it becomes nobody inside the cell's cgroup: not the agent
+                if log is not None:
+                    watch.add_source(sup._firewall_events)
+                watch.start()
+            except BaseException:  # the cell runs already: it is taken down whole before the error goes on
+                sup.finish(None)
+                raise
         return sup
 
     def _firewall_events(self) -> list[dict[str, Any]]:

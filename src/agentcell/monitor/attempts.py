@@ -208,7 +208,7 @@ class Host:
         """Whether an abstract unix socket ``name`` exists in the host's network namespace."""
         def read() -> set[str]:
             try:
-                with open("/proc/self/net/unix") as f:
+                with open("/proc/self/net/unix", errors="surrogateescape") as f:  # (names are any bytes)
                     return {ln.split()[-1][1:] for ln in f.readlines()[1:] if len(ln.split()) >= 8
                             and ln.split()[-1].startswith("@")}
             except OSError:
@@ -270,7 +270,7 @@ class Host:
         """The host's DNS servers (/etc/resolv.conf): a query to one of them is what libc does by itself."""
         def read() -> set[str]:
             try:
-                with open("/etc/resolv.conf") as f:
+                with open("/etc/resolv.conf", errors="replace") as f:
                     return {ln.split()[1] for ln in f if ln.startswith("nameserver") and len(ln.split()) > 1}
             except OSError:
                 return set()

@@ -132,7 +132,7 @@ def identify(pid: int) -> dict[str, str]:
             if key == "exe":
                 out[key] = os.readlink(path)
             else:
-                with open(path) as f:
+                with open(path, errors="replace") as f:  # (a process names itself: any bytes)
                     out[key] = f.read().strip()
         except OSError:
             pass
@@ -208,8 +208,8 @@ class ExecMarks:
 
     def _read_mounts(self) -> None:
         try:
-            with open(f"/proc/{self.pid1}/mountinfo") as f:
-                self._mounts = {ln.split()[0]: ln.split()[4] for ln in f if len(ln.split()) > 4}
+            with open(f"/proc/{self.pid1}/mountinfo", errors="surrogateescape") as f:  # (names are bytes)
+                self._mounts = {ln.split()[0]: _unescape(ln.split()[4]) for ln in f if len(ln.split()) > 4}
         except OSError:
             pass
 
@@ -272,6 +272,21 @@ class ExecMarks:
 
     def close(self) -> None:
         os.close(self.fd)
+
+
+def _unescape(field: str) -> str:
+    """A mountinfo field, its octal escapes (\\040 for a space) undone."""
+    if "\\" not in field:
+        return field
+    out, i = [], 0
+    while i < len(field):
+        if field[i] == "\\" and field[i + 1:i + 4].isdigit():
+            out.append(chr(int(field[i + 1:i + 4], 8)))
+            i += 4
+        else:
+            out.append(field[i])
+            i += 1
+    return "".join(out)
 
 
 def _privileged(fd: int) -> bool:
