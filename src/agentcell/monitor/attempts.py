@@ -8,19 +8,29 @@ named it:
 * a host path the cell does not contain: the homes of the host's accounts and ``/root`` (what exists
   there, and any credential's name whether it exists or not), any other host path outside the declared
   ones that exists on the host (a sibling repository, ``/srv``, ``/var/lib/…``), a host socket;
-* a secret the cell masks (``/etc/shadow``: its mask is an empty mode-000 file), a ``--mask`` path;
+* a secret of the host the cell masks (``/etc/shadow``: its mask is an empty mode-000 file);
 * a write to the read-only system or to a path the cell does not contain;
-* a host process through ``/proc`` (a pid the cell's namespace never had), a kernel setting (``/proc/sys``);
+* a host process through ``/proc`` (a pid the cell's namespace never had), a kernel setting (``/proc/sys``),
+  the kernel's log or memory;
 * a device of the host (a disk, memory, a console);
-* a connection or datagram to an address outside the cell (``--net none``, ``loopback``, ``proxy``).
+* a connection or datagram to an address outside the cell (``--net none``, ``loopback``, ``proxy``), DNS
+  to anything but the host's own resolver included;
+* a socket of a host service the cell does not contain (outside the temporary directories every account
+  shares).
+
+Paths are taken as the kernel walked them in the cell (links followed where they stand, ``..`` after
+them), not as written.
 
 Notes: what is refused inside the declared paths (a write to a protected entry of the project, a git
 hook or ``.claude/settings.json``, read-only binds: EROFS; to a ``--ro`` path; a read of a ``--mask``ed
-``.env``), what software does on its own and copes with when it fails, or what says nothing alone: a DNS
-query (the cell has no resolver: names are resolved by the proxy); a port the host listens on, tried
-on the cell's own loopback; a name next to the project outside the cell (tools look for their config in
-parent directories); a host pid signalled; a hard link across mounts; a name of the host's shared
-``/tmp`` that the cell's own ``/tmp`` lacks (a tool's cache of a fixed name; credentials there act).
+``.env``), what software does on its own and copes with when it fails, what any account of the host could
+set up to make a tool of the cell fail (an abstract socket, a socket in ``/tmp``), or what says nothing
+alone: a DNS query to the host's resolver (the cell has none: names are resolved by the proxy); a port
+the host listens on, tried on the cell's own loopback; a name next to the project outside the cell (tools
+look for their config in parent directories); a top-level host directory looked at; a host pid signalled,
+or a ``/proc`` number the cell may have had; a hard link across mounts; a lock file in a read-only cache;
+a name of the host's shared ``/tmp`` that the cell's own ``/tmp`` lacks (a tool's cache of a fixed name;
+credentials there act).
 
 Nothing: missing files inside the cell's own view (the cell sees those trees as they are), ``/sys``,
 the system services' sockets and files every libc or toolkit probes (nscd, journald, D-Bus, the machine

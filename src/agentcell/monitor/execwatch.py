@@ -60,6 +60,7 @@ class ExecWatch:
             self.sock.bind((0, CN_IDX_PROC))
             self._control(PROC_CN_MCAST_LISTEN)
             self.on_read: Callable[[], None] | None = None  # called for each message read (the watchdog's)
+            self.threads: dict[int, int] = {}
         except BaseException:
             self.sock.close()
             raise
@@ -79,8 +80,9 @@ class ExecWatch:
         return self.sock.fileno()
 
     def read(self, limit: int = 8192) -> list[dict[str, Any]]:
-        """fork, thread, exit, exec and uid events now readable (at most ``limit``: the caller's loop must
-        come round): {"kind": "fork"|"thread"|"exit"|"exec"|"uid", "pid": …, ...}; never blocks."""
+        """fork, exit, exec and uid events now readable (at most ``limit``: the caller's loop must come
+        round): {"kind": "fork"|"exit"|"exec"|"uid", "pid": …, ...}; never blocks. Threads made are
+        counted in ``threads`` (process -> how many), which the caller empties."""
         out: list[dict[str, Any]] = []
         self.sock.setblocking(False)
         for _ in range(limit):
@@ -102,8 +104,10 @@ class ExecWatch:
             body = off + _EVENT.size
             if what == PROC_EVENT_FORK and len(data) >= body + 16:
                 _ppid, ptgid, cpid, ctgid = struct.unpack_from("=iiii", data, body)
-                # a new process, or a thread (it takes a pid of its own too)
-                out.append({"kind": "fork" if cpid == ctgid else "thread", "parent": ptgid, "pid": ctgid})
+                if cpid == ctgid:  # a new process
+                    out.append({"kind": "fork", "parent": ptgid, "pid": ctgid})
+                else:  # a thread: only counted (it takes a pid of its own too), by its process
+                    self.threads[ptgid] = self.threads.get(ptgid, 0) + 1
             elif what == PROC_EVENT_EXIT and len(data) >= body + 12:
                 pid, tgid, status = struct.unpack_from("=iiI", data, body)
                 if pid == tgid:

@@ -1,14 +1,25 @@
 """The escape monitor around one cell: sources → events → verdict → freeze, record, kill.
 
-Sources in this version (each yields :class:`CellEvent`):
+Sources in this version (each yields :class:`CellEvent`; the newer ones through the
+:class:`agentcell.monitor.source.Source` interface, the older ones as records translated here):
 
+* ``calls`` — the cell's failed system calls (eBPF, :mod:`.calls`), what each means decided against the
+  cell's view (:mod:`.attempts`): what the cell does not contain, secrets it masks, writes to the
+  read-only system, the network outside;
+* ``created`` — protected entries created in the project, as it happens (:mod:`.created`);
 * ``landlock`` — Landlock denials from the audit stream (:mod:`.audit`), attributed to the cell by
   the denying process's cgroup (or by its Landlock domain, learnt from the first attributed denial);
-* ``resource`` — the cell's cgroup events: an OOM kill, a refused fork at the task limit;
+* ``resource`` — the cell's cgroup events: an OOM kill, a refused fork at the task limit, the CPU
+  ceiling holding it back (a note);
 * ``telemetry`` — every source reports in; one that fails is itself an event (and, under
   ``terminate``, ends the cell: a monitor that cannot see is no monitor);
-* ``proxy`` / ``nftables`` — the egress layer's refusals (:meth:`Monitor.add_source`), polled;
+* ``proxy`` / ``nftables`` — the egress layer's refusals (:meth:`Monitor.add_source`), read when the
+  proxy rings, each pinned on the process that held the socket (:mod:`.sockets`);
 * ``exec`` — the proc connector (:mod:`.execwatch`): a privilege tool run in the cell, or a uid change;
+  the exec marks PID 1 made on the cell's own mounts (a binary with privilege of its own, a note); the
+  processes left behind when the command ends (notes). With the failed-call source's exec names, they
+  keep a table of the cell's processes that outlives them a while: every event names its process and
+  its parents up to the cell's PID 1;
 * ``canary`` — decoy credentials in the cell's home opened (:mod:`.canaries`);
 * ``seccomp`` — an escape call the cell's filter handed to us and we refused (:mod:`.seccompwatch`).
 
@@ -574,10 +585,14 @@ class Monitor:
         in the order they happened), then the connector's own exec and uid events."""
         execs = self.execs.read() if self.execs is not None else []
         for ex in execs:
-            if ex["kind"] in ("fork", "thread", "exit", "lost"):
+            if ex["kind"] in ("fork", "exit", "lost"):
                 self._progress()  # a flood read is not a spin
                 self._exec_event(ex)
-        for ex in (*(tools or ()), *(e for e in execs if e["kind"] not in ("fork", "thread", "exit", "lost"))):
+        if self.execs is not None and self.execs.threads:
+            if self._forks is not None:  # the threads the cell made: each took a pid of its namespace
+                self._forks += sum(n for pid, n in self.execs.threads.items() if pid in self._members)
+            self.execs.threads.clear()
+        for ex in (*(tools or ()), *(e for e in execs if e["kind"] not in ("fork", "exit", "lost"))):
             self._progress()
             self._exec_event(ex)
 
@@ -683,17 +698,16 @@ class Monitor:
                                   acts=False))
             return
         kind, pid = ex["kind"], int(ex.get("pid") or 0)
-        if kind in ("fork", "thread"):  # (pid: the new thread's group, its process)
+        if kind == "fork":
             parent = ex["parent"]
             if parent in self._members:
                 if self._forks is not None:
                     self._forks += 1
-                if kind == "fork":
-                    self._members.add(pid)
-                    self._procs[pid] = [parent, None, None]  # what its parent is, until it execs
-                    if parent == self._seed and self._command is None:
-                        self._command = pid  # PID 1 forks once: the command (a live cell's exec server)
-            elif kind == "fork" and pid != self._seed:  # (PID 1 itself was forked by the launcher, outside)
+                self._members.add(pid)
+                self._procs[pid] = [parent, None, None]  # what its parent is, until it execs
+                if parent == self._seed and self._command is None:
+                    self._command = pid  # PID 1 forks once: the command (a live cell's exec server)
+            elif pid != self._seed:  # (PID 1 itself was forked by the launcher, outside)
                 self._members.discard(pid)  # a pid the cell used before, now someone else's
                 self._procs.pop(pid, None)
             return
