@@ -5,7 +5,8 @@ with an errno that can mean "not yours" (ENOENT, EACCES, EPERM, EROFS, EXDEV, EB
 network's), and hands each to the monitor through a ring buffer with the process, its name and the
 path or address it named. What it means is decided in :mod:`.attempts`. A second program, on the
 ``sched_process_exec`` raw tracepoint, hands over each exec of the cell (as errno 0), with the new
-program's name: a process that exits at once is still named.
+program's name and file (its place in the kernel's structure read from the kernel's BTF,
+:mod:`.btf`): a process that exits at once is still named.
 
 Why this source: most of what a cell refuses, the kernel refuses without a record. A host file the cell
 does not contain is ENOENT, a write to the read-only system EROFS (the mount refuses before Landlock is
@@ -303,17 +304,20 @@ def program(cgroup_id: int, table_fd: int, ring_fd: int, drops_fd: int, scratch_
     return a.code()
 
 
-def exec_program(cgroup_id: int, ring_fd: int, drops_fd: int) -> bytes:
-    """For the ``sched_process_exec`` raw tracepoint: each exec of the cell's that succeeded, with the new
-    program's name (the task's comm is already the new one), as an event of errno 0. A process that exits
-    at once is still named; the calls that succeed pay nothing for it."""
-    R0, R1, R2, R3, R8 = bpf.R0, bpf.R1, bpf.R2, bpf.R3, bpf.R8
+def exec_program(cgroup_id: int, ring_fd: int, drops_fd: int, filename_at: int | None) -> bytes:
+    """For the ``sched_process_exec`` raw tracepoint (task, old pid, binprm): each exec of the cell's that
+    succeeded, as an event of errno 0, with the new program's name (the task's comm is already the new
+    one) and, where the kernel's BTF says where ``linux_binprm.filename`` lies (``filename_at``), the file
+    as execve was given it, read from the kernel's own copy. A process that exits at once is still named;
+    the calls that succeed pay nothing for it."""
+    R0, R1, R2, R3, R6, R8, R10 = bpf.R0, bpf.R1, bpf.R2, bpf.R3, bpf.R6, bpf.R8, bpf.R10
     a = bpf.Asm()
+    a.alu("mov", R6, R1)  # the tracepoint's arguments
     a.call(bpf.GET_CURRENT_CGROUP_ID)
     a.ld64(R1, cgroup_id)
     a.j("jne", R0, "out", src=R1)
     a.ld64(R1, ring_fd, map_fd=True)
-    a.alu("mov", R2, imm=A)  # its head alone: no path
+    a.alu("mov", R2, imm=A if filename_at is None else A + PATH_MAX)  # its head, and the file's name
     a.alu("mov", R3, imm=0)
     a.call(bpf.RINGBUF_RESERVE)
     a.j("jeq", R0, "dropped", imm=0)
@@ -326,6 +330,22 @@ def exec_program(cgroup_id: int, ring_fd: int, drops_fd: int) -> bytes:
     a.alu("add", R1, imm=72)
     a.alu("mov", R2, imm=16)
     a.call(bpf.GET_CURRENT_COMM)
+    if filename_at is not None:
+        a.st(bpf.B, R8, A, 0)  # (empty if it cannot be read)
+        a.ldx(bpf.DW, R3, R6, 16)  # the binprm
+        a.j("jeq", R3, "submit", imm=0)
+        a.alu("add", R3, imm=filename_at)
+        a.alu("mov", R1, R10)
+        a.alu("add", R1, imm=-8)
+        a.alu("mov", R2, imm=8)
+        a.call(bpf.PROBE_READ_KERNEL)  # its filename pointer
+        a.j("jne", R0, "submit", imm=0)
+        a.ldx(bpf.DW, R3, R10, -8)
+        a.alu("mov", R1, R8)
+        a.alu("add", R1, imm=A)
+        a.alu("mov", R2, imm=PATH_MAX)
+        a.call(bpf.PROBE_READ_KERNEL_STR)
+    a.label("submit")
     a.alu("mov", R1, R8)
     a.alu("mov", R2, imm=0)
     a.call(bpf.RINGBUF_SUBMIT)
@@ -336,6 +356,13 @@ def exec_program(cgroup_id: int, ring_fd: int, drops_fd: int) -> bytes:
     a.alu("mov", R0, imm=0)
     a.exit()
     return a.code()
+
+
+def filename_at() -> int | None:
+    """Where ``linux_binprm.filename`` lies on this kernel (its BTF), or None."""
+    from .btf import member_offset
+
+    return member_offset("linux_binprm", "filename")
 
 
 def check() -> str:
@@ -350,7 +377,8 @@ def check() -> str:
         fds.append(bpf.map_create(bpf.MAP_ARRAY, 4, 8, 1, "agentcell_drops"))
         fds.append(bpf.map_create(bpf.MAP_PERCPU_ARRAY, 4, EVENT_SIZE, 1, "agentcell_event"))
         fds.append(bpf.prog_load(bpf.PROG_RAW_TRACEPOINT, program(0, *fds), "agentcell_calls"))
-        fds.append(bpf.prog_load(bpf.PROG_RAW_TRACEPOINT, exec_program(0, fds[1], fds[2]), "agentcell_execs"))
+        fds.append(bpf.prog_load(bpf.PROG_RAW_TRACEPOINT, exec_program(0, fds[1], fds[2], filename_at()),
+                                 "agentcell_execs"))
     except OSError as e:
         return str(e.strerror or e)
     finally:
@@ -447,8 +475,8 @@ class FailedCalls:
             scratch = self._keep(bpf.map_create(bpf.MAP_PERCPU_ARRAY, 4, EVENT_SIZE, 1, "agentcell_event"))
             prog = self._keep(bpf.prog_load(bpf.PROG_RAW_TRACEPOINT,
                                             program(cgroup_id, table, ring, self.drops_fd, scratch), "agentcell_calls"))
-            exec_prog = self._keep(bpf.prog_load(bpf.PROG_RAW_TRACEPOINT, exec_program(cgroup_id, ring, self.drops_fd),
-                                                 "agentcell_execs"))
+            execs = exec_program(cgroup_id, ring, self.drops_fd, filename_at())
+            exec_prog = self._keep(bpf.prog_load(bpf.PROG_RAW_TRACEPOINT, execs, "agentcell_execs"))
             self.ring = bpf.RingBuffer(ring, RING_SIZE)
             self._keep(bpf.attach_raw_tracepoint("sys_exit", prog))
             self._keep(bpf.attach_raw_tracepoint("sched_process_exec", exec_prog))

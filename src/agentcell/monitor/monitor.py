@@ -201,6 +201,7 @@ class Monitor:
         self.execmarks: Any = None  # execs from the cell's own mounts (execwatch.ExecMarks)
         self._calls_dropped = 0
         self._exited: collections.deque[tuple[float, int]] = collections.deque()  # members gone, forgotten after 5 s
+        self._leftover: list[tuple[int, str]] = []  # what ran on when the command ended (named later)
         self._index: dict[tuple[str, str, str, bool], CellEvent] = {}
         self._final = False  # the cell has ended: events are recorded, no verdict acts any more
         self._pidfd: int | None = None
@@ -303,13 +304,19 @@ class Monitor:
     def _pid_ceiling(self) -> int | None:
         return None if self._forks is None else 1 + self._forks
 
-    def _execed(self, pid: int, comm: str) -> None:
-        """An exec of the cell's that succeeded, with the new program's name (the failed-call source): what
-        the process is called when nothing better can be read (it exited before its exec was looked at)."""
+    def _execed(self, pid: int, comm: str, path: str) -> None:
+        """An exec of the cell's that succeeded (the failed-call source), with the new program's name and
+        the file as execve was given it, from the kernel's copy: what the process is, though it exited
+        before /proc could be read. A relative file is not a name: then its name is the one the kernel
+        gave it."""
         entry = self._procs.get(pid)
         if entry is not None:
             del entry[3:]
             entry.append(comm)
+            if path.startswith("/"):  # the file it resolves to, while the process lives (sh is dash)
+                entry[1] = _readlink(f"/proc/{pid}/exe") or path
+                if entry[2] is None:
+                    entry[2] = _cmdline(pid) or path
 
     def _named(self, pid: int, path: str) -> None:
         """An exec's file, from a mark: the process is that program now (read before it can be gone)."""
@@ -335,11 +342,23 @@ class Monitor:
         known = self._known(pid)
         if known and known[0]:
             return known[0]
-        try:
-            return os.readlink(f"/proc/{pid}/exe")
-        except OSError:
+        exe = _readlink(f"/proc/{pid}/exe")
+        if exe:
+            return exe
+        entry = self._procs.get(pid)
+        return str(entry[3]) if entry is not None and len(entry) > 3 else ""
+
+    def _last_comm(self, pid: int) -> str:
+        """The name the kernel gave the last exec of the process, or of the parent it forked from (the
+        failed-call source hears every exec): for one that exited before its file could be read."""
+        for _ in range(64):
             entry = self._procs.get(pid)
-            return str(entry[3]) if entry is not None and len(entry) > 3 else ""
+            if entry is None:
+                return ""
+            if len(entry) > 3:
+                return str(entry[3])
+            pid = entry[0]
+        return ""
 
     def attach(self, running: Any) -> None:
         """The launched cell: its cgroup, and the watches it handed out (canaries, seccomp listener)."""
@@ -571,6 +590,8 @@ class Monitor:
             for ev in source.read() if source is not None else ():
                 self._progress()
                 self._event(ev)
+        if self._leftover:
+            self._outlived()
         if self.audit is None:
             return
         for raw in self.audit.read(accept=self._accept):
@@ -713,7 +734,11 @@ class Monitor:
             return
         if kind == "exit":  # kept a while: the fanotify event of a tool that exited at once may come later
             if pid in self._members and pid == self._command and ex.get("status", 0) & 0x7F != 9:
-                self._outlived()  # (not when it was killed: then the whole cell was, at once)
+                # (not when it was killed: then the whole cell was, at once). Named at the end of this
+                # drain: the exec marks of what it left may not have been read yet.
+                gone = {p for _, p in self._exited}
+                self._leftover = [(p, _readlink(f"/proc/{p}/exe"))  # (read now: PID 1 is about to kill it)
+                                  for p in sorted(self._members - gone - {self._seed, self._command or 0, pid})]
             if pid in self._members:
                 now = time.monotonic()
                 self._exited.append((now, pid))
@@ -743,11 +768,11 @@ class Monitor:
                                   exe=ex.get("exe", "")))
 
     def _outlived(self) -> None:
-        """The command has ended: what of the cell still runs is noted (PID 1 kills it now; nothing
+        """The command has ended: what of the cell still ran then is noted (PID 1 kills it now; nothing
         outlives a cell, but a process that tried to is worth knowing)."""
-        gone = {p for _, p in self._exited}
-        for pid in sorted(self._members - gone - {self._seed, self._command or 0}):
-            exe = self._exe_of(pid)
+        leftover, self._leftover = self._leftover, []
+        for pid, seen in leftover:
+            exe = self._exe_of(pid) or seen or self._last_comm(pid)
             self._event(CellEvent("execute", exe or f"pid {pid}", "a process still ran when the command ended "
                                   "(detached or left behind; it was killed with the cell)", source="exec",
                                   cell=self.cell_id, pid=pid, exe=exe, acts=False))
@@ -936,6 +961,13 @@ def _ppid(pid: int) -> int:
             return int(f.read().rsplit(")", 1)[1].split()[1])
     except (OSError, ValueError, IndexError):
         return 0
+
+
+def _readlink(path: str) -> str:
+    try:
+        return os.readlink(path)
+    except OSError:
+        return ""
 
 
 def _cmdline(pid: int) -> str:
