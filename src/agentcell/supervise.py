@@ -103,8 +103,12 @@ class Supervised:
                 raise
         watch = None
         try:
+            kernel_names_execs = False
             if monitor is not None:
+                from .monitor.calls import names_execs
                 from .monitor.monitor import Monitor
+
+                kernel_names_execs = names_execs()
 
                 watch = Monitor(spec.cell_id, None, monitor, uid=spec.identity.uid, callback=callback,
                                 rootless=spec.identity.userns,
@@ -119,7 +123,7 @@ class Supervised:
             if not argv and not live:
                 raise AgentcellError("command", "no command given", "put it after --")
             cell_guards, creatable = guards.for_watched_cell(spec) if watch is not None else (guards.for_cell(spec), ())
-            prepared = launch.prepare(spec, cell_guards)
+            prepared = launch.prepare(spec, cell_guards, exec_marks=not kernel_names_execs)
             if watch is not None:  # its failed calls and the protected entries it creates, before its command
                 try:
                     from .monitor.attempts import View
@@ -160,7 +164,7 @@ class Supervised:
                     watch.add_source(proxy.new_events, proxy.fileno())
                     watch.trusted.add(proxy.proc.pid)  # it becomes nobody inside the cell's cgroup: not the agent
                 if log is not None:
-                    watch.add_source(sup._firewall_events)
+                    watch.add_source(sup._firewall_events, log.fileno())
                 watch.start()
             except BaseException:  # the cell runs already: it is taken down whole before the error goes on
                 sup.finish(None)

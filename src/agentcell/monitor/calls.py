@@ -358,6 +358,12 @@ def exec_program(cgroup_id: int, ring_fd: int, drops_fd: int, filename_at: int |
     return a.code()
 
 
+def names_execs() -> bool:
+    """This source can run here and knows where the kernel keeps an exec's file name: a watched cell
+    needs no exec marks (read before the monitor listens to the host's forks: the BTF takes a moment)."""
+    return not supported() and filename_at() is not None
+
+
 def filename_at() -> int | None:
     """Where ``linux_binprm.filename`` lies on this kernel (its BTF), or None."""
     from .btf import member_offset

@@ -63,6 +63,12 @@ SESSION_ACCOUNT_PREFIX = "ac-s"  # accounts.ephemeral.PREFIX (not imported: agen
 # A loop that has not come round for this long *while the watchdog itself kept time* has stopped: a
 # telemetry event. A starved host delays both threads alike (the watchdog's own ticks come late, the
 # loop waits on the run queue): that time is not counted against the loop.
+# The loop's pace when nothing wakes it (each source's file does), and the cgroup's counters' (OOM
+# kills, refused forks: the kernel has acted already, the event only says so): an idle cell costs
+# its supervisor a few wake-ups a second, not fifty.
+PASS_S = 0.1
+MASKS_PASS_S = 0.02
+RESOURCES_S = 0.25
 HEARTBEAT_S = 1.0
 TICK_S = HEARTBEAT_S / 4
 LATE_S = 2 * TICK_S  # a watchdog tick that took longer than this: the process was not getting the CPU
@@ -201,6 +207,8 @@ class Monitor:
         self.execmarks: Any = None  # execs from the cell's own mounts (execwatch.ExecMarks)
         self._calls_dropped = 0
         self._exited: collections.deque[tuple[float, int]] = collections.deque()  # members gone, forgotten after 5 s
+        self._own_mounts: tuple[str, ...] = ()  # where execs are looked at for privilege of their own
+        self._declared: tuple[str, ...] = ()  # the host directories bound at their own paths
         self._leftover: list[tuple[int, str]] = []  # what ran on when the command ended (named later)
         self._index: dict[tuple[str, str, str, bool], CellEvent] = {}
         self._final = False  # the cell has ended: events are recorded, no verdict acts any more
@@ -317,6 +325,23 @@ class Monitor:
                 entry[1] = _readlink(f"/proc/{pid}/exe") or path
                 if entry[2] is None:
                     entry[2] = _cmdline(pid) or path
+        if path.startswith("/") and any(path == m or path.startswith(m.rstrip("/") + "/") for m in self._own_mounts):
+            from .execwatch import privilege_note, privileged
+
+            # The file itself while the process lives, else where the name leads in the cell (no link
+            # left in it: nothing is followed on the host): a note, as the exec marks would make it.
+            # A declared path is a host directory bound at its own path: there it is the host's file
+            # still, once the cell has gone.
+            walked = self.calls.classifier.host.resolve(path) if self.calls is not None else None
+            declared = any(path.startswith(d.rstrip("/") + "/") for d in self._declared)
+            for file in (f"/proc/{pid}/exe", *((f"/proc/{self._seed}/root{walked}",) if walked else ()),
+                         *((walked or path,) if declared else ())):
+                try:
+                    if privileged(file):
+                        self._event(privilege_note(path, pid, self.cell_id))
+                    break
+                except OSError:
+                    continue
 
     def _named(self, pid: int, path: str) -> None:
         """An exec's file, from a mark: the process is that program now (read before it can be gone)."""
@@ -398,6 +423,12 @@ class Monitor:
                 self._state["masks"] = "on"
             except OSError as e:
                 self._state["masks"] = f"off: {e.strerror or e}"
+        from ..cell.execmarks import own_mounts
+
+        if running.exec_fd is None and self.calls is not None:  # no marks: the kernel names the cell's execs
+            self._own_mounts = own_mounts(running.spec)
+            self._declared = (*running.spec.rw_paths, *running.spec.ro_paths)
+            self._state["execmarks"] = "on (no marks: the failed-call source's exec program names each exec)"
         if running.exec_fd is not None:
             from ..cell.execmarks import planned as marked
             from .execwatch import ExecMarks
@@ -511,6 +542,8 @@ class Monitor:
                 self._drain()
             self._poll_calls_dropped()
             self._poll_egress()
+            if self._thread is None or not self._thread.is_alive():  # (not beside a loop that hangs in it)
+                self._poll_resources()  # the cgroup's last counts: it is still there, it goes after the monitor
         except (OSError, ValueError) as e:
             self._event(CellEvent("telemetry", "monitor", f"a source failed: {e}", source="telemetry",
                                   cell=self.cell_id))
@@ -542,15 +575,20 @@ class Monitor:
     # ---- the loop --------------------------------------------------------------------------------
 
     def _run(self) -> None:
-        last_lost_check = time.monotonic()
+        last_lost_check = last_resources = time.monotonic()
         try:
             while not self._stop.is_set():
                 self._progress()
                 watched = [s for s in (self.audit, self.execs, self.tools, self.canaries, self.seccomp, self.masks,
                                        self.calls, self.created, self.execmarks) if s is not None]
-                if select.select([*watched, *self._bells, self._wake_r], [], [], 0.02)[0]:
+                # Every source wakes the loop itself; a pass without news is for what has no file to
+                # wait on (a mask just touched on the host: often, for half a second).
+                idle = PASS_S if time.monotonic() >= self._masks_until else MASKS_PASS_S
+                if select.select([*watched, *self._bells, self._wake_r], [], [], idle)[0]:
                     self._drain()
-                self._poll_resources()
+                if time.monotonic() - last_resources >= RESOURCES_S:
+                    last_resources = time.monotonic()
+                    self._poll_resources()
                 self._poll_egress()
                 self._poll_masks()
                 if time.monotonic() - last_lost_check >= 1:

@@ -59,6 +59,10 @@ class Reader:
     def __init__(self, sock: socket.socket, group: int) -> None:
         self.sock, self.group = sock, group
 
+    def fileno(self) -> int:
+        """Readable when a refused packet has been logged."""
+        return self.sock.fileno()
+
     def events(self, limit: int = 4096) -> list[dict[str, Any]]:
         """The refused packets logged since the last call (at most ``limit`` reads: the caller's loop
         must come round, a flood cannot keep it here)."""
