@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -46,7 +47,10 @@ def test_btf_says_where_a_kernel_structure_keeps_a_member(tmp_path: Path) -> Non
     assert btf.member_offset("linux_binprm", "filename", str(tmp_path / "absent")) is None
 
 
-def test_an_exec_is_named_by_its_file_though_the_process_is_gone(group: Path) -> None:
+def test_an_exec_is_named_by_its_file_with_its_mode_though_the_process_is_gone(group: Path, tmp_path: Path) -> None:
+    setuid = tmp_path / "setuid-true"
+    shutil.copy("/usr/bin/true", setuid)
+    setuid.chmod(0o4755)
     source = calls.FailedCalls(os.stat(group).st_ino)
     try:
         procs = str(group / "cgroup.procs")
@@ -55,9 +59,12 @@ def test_an_exec_is_named_by_its_file_though_the_process_is_gone(group: Path) ->
             with open(procs, "w") as f:
                 f.write("0")
 
-        subprocess.run(["/bin/sh", "-c", "exec /usr/bin/true; exit 3"], preexec_fn=join, check=True)
+        subprocess.run(["/bin/sh", "-c", f"{setuid}; exec /usr/bin/true; exit 3"], preexec_fn=join, check=True)
         subprocess.run(["/bin/true"], check=True)  # (another cgroup's: not handed over)
-        got = [(c.name, c.errno, c.comm, c.path) for c in source.read()]
+        got = [(c.name, c.errno, c.comm, c.path, c.flags) for c in source.read()]
     finally:
         source.close()
-    assert got == [("execve", 0, "sh", "/bin/sh"), ("execve", 0, "true", "/usr/bin/true")], got
+    modes = [calls.MODE_KNOWN | os.stat(p).st_mode for p in ("/bin/sh", setuid, "/usr/bin/true")]
+    assert got == [("execve", 0, "sh", "/bin/sh", modes[0]), ("execve", 0, "setuid-true", str(setuid), modes[1]),
+                   ("execve", 0, "true", "/usr/bin/true", modes[2])], got
+    assert modes[1] & calls.SETID and not modes[2] & calls.SETID

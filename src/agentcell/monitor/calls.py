@@ -304,12 +304,20 @@ def program(cgroup_id: int, table_fd: int, ring_fd: int, drops_fd: int, scratch_
     return a.code()
 
 
-def exec_program(cgroup_id: int, ring_fd: int, drops_fd: int, filename_at: int | None) -> bytes:
+EXEC_NAME = 256  # an exec's file name, at most (longer: cut, and not used as a name)
+SETID = 0o6000  # S_ISUID | S_ISGID
+MODE_KNOWN = 1 << 16  # in an exec event's second word: the file's mode was read
+
+
+def exec_program(cgroup_id: int, ring_fd: int, drops_fd: int, layout: dict[str, int] | None) -> bytes:
     """For the ``sched_process_exec`` raw tracepoint (task, old pid, binprm): each exec of the cell's that
     succeeded, as an event of errno 0, with the new program's name (the task's comm is already the new
-    one) and, where the kernel's BTF says where ``linux_binprm.filename`` lies (``filename_at``), the file
-    as execve was given it, read from the kernel's own copy. A process that exits at once is still named;
-    the calls that succeed pay nothing for it."""
+    one) and, where the kernel's BTF says where things lie (``layout``: :func:`exec_layout`), the file as
+    execve was given it (``linux_binprm.filename``, the kernel's own copy, at most EXEC_NAME bytes) and
+    the mode of the file that runs (``binprm->file->f_inode->i_mode``: setuid and setgid are seen there,
+    exactly, though the process is gone by the time the event is read). A process that exits at once is
+    still named; the calls that succeed pay nothing for it. Each event takes its head and EXEC_NAME
+    bytes of the ring: a burst of tens of thousands of execs fits."""
     R0, R1, R2, R3, R6, R8, R10 = bpf.R0, bpf.R1, bpf.R2, bpf.R3, bpf.R6, bpf.R8, bpf.R10
     a = bpf.Asm()
     a.alu("mov", R6, R1)  # the tracepoint's arguments
@@ -317,12 +325,12 @@ def exec_program(cgroup_id: int, ring_fd: int, drops_fd: int, filename_at: int |
     a.ld64(R1, cgroup_id)
     a.j("jne", R0, "out", src=R1)
     a.ld64(R1, ring_fd, map_fd=True)
-    a.alu("mov", R2, imm=A if filename_at is None else A + PATH_MAX)  # its head, and the file's name
+    a.alu("mov", R2, imm=A if layout is None else A + EXEC_NAME)  # its head, and the file's name
     a.alu("mov", R3, imm=0)
     a.call(bpf.RINGBUF_RESERVE)
     a.j("jeq", R0, "dropped", imm=0)
     a.alu("mov", R8, R0)
-    a.st(bpf.DW, R8, 0, CALLS["execve"][0])
+    a.st(bpf.DW, R8, 0, CALLS["execve"][0])  # (its second word: the mode, below)
     a.st(bpf.DW, R8, 8, 0)
     a.call(bpf.GET_CURRENT_PID_TGID)
     a.stx(bpf.DW, R8, 16, R0)
@@ -330,21 +338,43 @@ def exec_program(cgroup_id: int, ring_fd: int, drops_fd: int, filename_at: int |
     a.alu("add", R1, imm=72)
     a.alu("mov", R2, imm=16)
     a.call(bpf.GET_CURRENT_COMM)
-    if filename_at is not None:
+    if layout is not None:
         a.st(bpf.B, R8, A, 0)  # (empty if it cannot be read)
+
+        def pointer(base_reg: int, offset: int, fail: str) -> None:
+            """R3 = *(u64 *)(base_reg + offset), read from the kernel; to ``fail`` if it cannot be."""
+            a.alu("mov", R3, base_reg)
+            a.alu("add", R3, imm=offset)
+            a.alu("mov", R1, R10)
+            a.alu("add", R1, imm=-8)
+            a.alu("mov", R2, imm=8)
+            a.call(bpf.PROBE_READ_KERNEL)
+            a.j("jne", R0, fail, imm=0)
+            a.ldx(bpf.DW, R3, R10, -8)
+            a.j("jeq", R3, fail, imm=0)
+
         a.ldx(bpf.DW, R3, R6, 16)  # the binprm
         a.j("jeq", R3, "submit", imm=0)
-        a.alu("add", R3, imm=filename_at)
-        a.alu("mov", R1, R10)
-        a.alu("add", R1, imm=-8)
-        a.alu("mov", R2, imm=8)
-        a.call(bpf.PROBE_READ_KERNEL)  # its filename pointer
-        a.j("jne", R0, "submit", imm=0)
-        a.ldx(bpf.DW, R3, R10, -8)
+        a.stx(bpf.DW, R10, -16, R3)
+        pointer(R3, layout["filename"], "mode")
         a.alu("mov", R1, R8)
         a.alu("add", R1, imm=A)
-        a.alu("mov", R2, imm=PATH_MAX)
+        a.alu("mov", R2, imm=EXEC_NAME)
         a.call(bpf.PROBE_READ_KERNEL_STR)
+        a.label("mode")
+        a.ldx(bpf.DW, R3, R10, -16)
+        pointer(R3, layout["file"], "submit")
+        pointer(R3, layout["f_inode"], "submit")
+        a.alu("add", R3, imm=layout["i_mode"])
+        a.st(bpf.DW, R10, -8, 0)
+        a.alu("mov", R1, R10)
+        a.alu("add", R1, imm=-8)
+        a.alu("mov", R2, imm=2)
+        a.call(bpf.PROBE_READ_KERNEL)
+        a.j("jne", R0, "submit", imm=0)
+        a.ldx(bpf.DW, R1, R10, -8)
+        a.alu("or", R1, imm=MODE_KNOWN)
+        a.stx(bpf.W, R8, 4, R1)
     a.label("submit")
     a.alu("mov", R1, R8)
     a.alu("mov", R2, imm=0)
@@ -359,16 +389,19 @@ def exec_program(cgroup_id: int, ring_fd: int, drops_fd: int, filename_at: int |
 
 
 def names_execs() -> bool:
-    """This source can run here and knows where the kernel keeps an exec's file name: a watched cell
+    """This source can run here and knows where the kernel keeps an exec's file and mode: a watched cell
     needs no exec marks (read before the monitor listens to the host's forks: the BTF takes a moment)."""
-    return not supported() and filename_at() is not None
+    return not supported() and exec_layout() is not None
 
 
-def filename_at() -> int | None:
-    """Where ``linux_binprm.filename`` lies on this kernel (its BTF), or None."""
+def exec_layout() -> dict[str, int] | None:
+    """Where ``linux_binprm.filename`` and ``.file``, ``file.f_inode`` and ``inode.i_mode`` lie on this
+    kernel (its BTF), or None."""
     from .btf import member_offset
 
-    return member_offset("linux_binprm", "filename")
+    layout = {"filename": member_offset("linux_binprm", "filename"), "file": member_offset("linux_binprm", "file"),
+              "f_inode": member_offset("file", "f_inode"), "i_mode": member_offset("inode", "i_mode")}
+    return None if any(v is None for v in layout.values()) else {k: int(v or 0) for k, v in layout.items()}
 
 
 def check() -> str:
@@ -383,7 +416,7 @@ def check() -> str:
         fds.append(bpf.map_create(bpf.MAP_ARRAY, 4, 8, 1, "agentcell_drops"))
         fds.append(bpf.map_create(bpf.MAP_PERCPU_ARRAY, 4, EVENT_SIZE, 1, "agentcell_event"))
         fds.append(bpf.prog_load(bpf.PROG_RAW_TRACEPOINT, program(0, *fds), "agentcell_calls"))
-        fds.append(bpf.prog_load(bpf.PROG_RAW_TRACEPOINT, exec_program(0, fds[1], fds[2], filename_at()),
+        fds.append(bpf.prog_load(bpf.PROG_RAW_TRACEPOINT, exec_program(0, fds[1], fds[2], exec_layout()),
                                  "agentcell_execs"))
     except OSError as e:
         return str(e.strerror or e)
@@ -396,7 +429,8 @@ def check() -> str:
 class Call:
     """One failed call: ``name``, ``errno``, ``pid`` (the process, host pid), ``tid``, ``comm``, ``args``
     (raw), ``path`` and ``path2`` (as given, maybe relative), ``addr`` (("inet"|"inet6", ip, port),
-    ("unix", path), ("abstract", name) or None), ``flags`` (an open's)."""
+    ("unix", path), ("abstract", name) or None), ``flags`` (an open's; for an exec that succeeded, its
+    file's mode, with MODE_KNOWN set if it was read)."""
 
     __slots__ = ("name", "errno", "pid", "tid", "comm", "args", "path", "path2", "addr", "flags")
 
@@ -420,7 +454,7 @@ def decode(raw: bytes) -> Call | None:
     if len(raw) < A:
         return None
     raw = raw.ljust(EVENT_SIZE, b"\0")  # (the ring holds an event as long as its paths are)
-    nr, _pad, ret, pid_tgid, *rest = _HEAD.unpack_from(raw, 0)
+    nr, second, ret, pid_tgid, *rest = _HEAD.unpack_from(raw, 0)
     args, comm = tuple(rest[:6]), rest[6]
     name = NAMES.get(nr)
     if name is None:
@@ -437,6 +471,11 @@ def decode(raw: bytes) -> Call | None:
     elif first == MSGHDR:
         length = struct.unpack_from("<I", raw, B + 8)[0] if struct.unpack_from("<Q", raw, B)[0] else 0
         call.addr = sockaddr(raw[A:A + 110], length) if length else None
+    if ret == 0 and name == "execve":  # an exec that succeeded (the exec program): its file's mode
+        call.flags = second
+        if len(os.fsencode(call.path)) >= EXEC_NAME - 1:  # cut: not a name
+            call.path = ""
+        return call
     if len(kinds) > 1 and kinds[1][0] == PATH:
         call.path2 = _text(raw, B)
     elif len(kinds) > 1 and kinds[1][0] == WORD:
@@ -481,7 +520,7 @@ class FailedCalls:
             scratch = self._keep(bpf.map_create(bpf.MAP_PERCPU_ARRAY, 4, EVENT_SIZE, 1, "agentcell_event"))
             prog = self._keep(bpf.prog_load(bpf.PROG_RAW_TRACEPOINT,
                                             program(cgroup_id, table, ring, self.drops_fd, scratch), "agentcell_calls"))
-            execs = exec_program(cgroup_id, ring, self.drops_fd, filename_at())
+            execs = exec_program(cgroup_id, ring, self.drops_fd, exec_layout())
             exec_prog = self._keep(bpf.prog_load(bpf.PROG_RAW_TRACEPOINT, execs, "agentcell_execs"))
             self.ring = bpf.RingBuffer(ring, RING_SIZE)
             self._keep(bpf.attach_raw_tracepoint("sys_exit", prog))
