@@ -23,11 +23,7 @@ _EACH = {4: 12, 5: 12, 6: 8, 13: 8, 15: 12, 19: 12}  # STRUCT, UNION, ENUM, FUNC
 def member_offset(struct_name: str, member: str, path: str = VMLINUX) -> int | None:
     """The byte offset of ``member`` in ``struct struct_name``, or None (no BTF, no such structure or
     member, or a bit field)."""
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except OSError:
-        return None
+    data = _read(path)
     if len(data) < 24:
         return None
     magic, _version, _flags, hdr_len, type_off, type_len, str_off, str_len = struct.unpack_from("<HBBIIIII", data, 0)
@@ -52,6 +48,16 @@ def member_offset(struct_name: str, member: str, path: str = VMLINUX) -> int | N
             return None
         pos += 12 + _FIXED.get(kind, 0) + _EACH.get(kind, 0) * vlen
     return None
+
+
+@functools.lru_cache(maxsize=2)
+def _read(path: str) -> bytes:
+    """The file, read once for all the lookups of a process (about 5 MB: kept while they are made)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
 
 
 def _string_offsets(strings: bytes, name: bytes) -> set[int]:

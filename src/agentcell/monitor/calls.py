@@ -20,6 +20,7 @@ than it was asked for (the call failed all the same). x86_64 only (its call numb
 """
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import struct
@@ -394,14 +395,45 @@ def names_execs() -> bool:
     return not supported() and exec_layout() is not None
 
 
+@functools.lru_cache(maxsize=1)
 def exec_layout() -> dict[str, int] | None:
     """Where ``linux_binprm.filename`` and ``.file``, ``file.f_inode`` and ``inode.i_mode`` lie on this
-    kernel (its BTF), or None."""
-    from .btf import member_offset
+    kernel (its BTF), or None. Read from the BTF once a boot and kept in root's runtime directory: twenty
+    sessions starting at once each reading 5 MB slowed the monitors already listening to the host's forks
+    (their connector overflowed)."""
+    import json
 
-    layout = {"filename": member_offset("linux_binprm", "filename"), "file": member_offset("linux_binprm", "file"),
-              "f_inode": member_offset("file", "f_inode"), "i_mode": member_offset("inode", "i_mode")}
-    return None if any(v is None for v in layout.values()) else {k: int(v or 0) for k, v in layout.items()}
+    from .. import hostfs
+    from .btf import VMLINUX, _read, member_offset
+
+    try:
+        st = os.stat(VMLINUX)
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            key = f"{f.read().strip()} {os.uname().release} {os.uname().version} {st.st_size} {st.st_mtime_ns}"
+    except OSError:
+        return None
+    cache = os.path.join(hostfs.RUN, "btf-exec-layout.json")
+    try:
+        with open(cache) as f:
+            kept = json.load(f)
+        if kept.get("key") == key:
+            layout = kept.get("layout")
+            return {k: int(v) for k, v in layout.items()} if isinstance(layout, dict) else None
+    except (OSError, ValueError, AttributeError, TypeError):
+        pass
+    found = {"filename": member_offset("linux_binprm", "filename"), "file": member_offset("linux_binprm", "file"),
+             "f_inode": member_offset("file", "f_inode"), "i_mode": member_offset("inode", "i_mode")}
+    _read.cache_clear()  # (the offsets are kept; the 5 MB need not be)
+    out = None if any(v is None for v in found.values()) else {k: int(v or 0) for k, v in found.items()}
+    try:
+        hostfs.run_dir()
+        tmp = f"{cache}.{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump({"key": key, "layout": out}, f)
+        os.replace(tmp, cache)
+    except OSError:
+        pass  # (read again next time)
+    return out
 
 
 def check() -> str:
