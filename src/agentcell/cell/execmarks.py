@@ -10,7 +10,8 @@ Mount marks are not free: with one on a mount, every open, read and close there 
 slower path (about 1.3 % of a file-heavy workload on the project, bench/monitor.py). Where the monitor's
 failed-call source runs with the kernel's BTF, its exec program names each exec of the cell's from the
 kernel's own copy of the file's name (:mod:`agentcell.monitor.calls`), and the monitor looks at the file
-itself: then the supervisor launches the cell without marks (``launch.prepare(exec_marks=False)``).
+itself; ``launch.prepare(exec_marks=False)`` leaves the marks out. The supervisor keeps them: a file
+capability is seen only through the file, which a process that exits at once takes with it.
 """
 from __future__ import annotations
 
