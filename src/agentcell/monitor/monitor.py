@@ -310,16 +310,6 @@ class Monitor:
         return pid in self._members and pid not in self.trusted
 
     def _pid_ceiling(self) -> int | None:
-        """The highest pid the cell's namespace can have given out: 1 + its forks and threads. The
-        connector is read to its end first (a drain reads a batch of it: on a busy host the forks before
-        a call may still wait there, and a number the cell had would look like a host process's)."""
-        for _ in range(64):
-            try:  # (closed once the monitor stops: what was read is all there is)
-                if self.execs is None or self.execs.fileno() < 0 or not _readable(self.execs):
-                    break
-            except (OSError, ValueError):
-                break
-            self._drain_connector()
         return None if self._forks is None else 1 + self._forks
 
     def _execed(self, pid: int, comm: str, path: str, mode: int) -> None:
