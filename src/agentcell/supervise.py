@@ -104,10 +104,11 @@ class Supervised:
         watch = None
         try:
             if monitor is not None:
-                from .monitor.calls import names_execs
+                from .monitor import calls
                 from .monitor.monitor import Monitor
 
-                names_execs()  # (the kernel's BTF, read before the monitor listens to the host's forks)
+                if not calls.supported():
+                    calls.exec_layout()  # (the kernel's BTF, read before the monitor listens to the host's forks)
 
                 watch = Monitor(spec.cell_id, None, monitor, uid=spec.identity.uid, callback=callback,
                                 rootless=spec.identity.userns,
@@ -122,9 +123,6 @@ class Supervised:
             if not argv and not live:
                 raise AgentcellError("command", "no command given", "put it after --")
             cell_guards, creatable = guards.for_watched_cell(spec) if watch is not None else (guards.for_cell(spec), ())
-            # The exec marks stay: the exec program names every exec and reads setuid and setgid in the
-            # kernel, but a file capability is seen only through the file, which a process gone at once
-            # takes with it. (Without the marks a file-heavy workload ran 1.3 % faster.)
             prepared = launch.prepare(spec, cell_guards)
             if watch is not None:  # its failed calls and the protected entries it creates, before its command
                 try:

@@ -6,12 +6,11 @@ can say when a binary with privilege of its own (setuid, setgid, file capabiliti
 powerless on its nosuid mount. The system's trees are not marked: their setuid binaries are the host's,
 and the privilege tools among them have marks of their own (:mod:`agentcell.monitor.execwatch`).
 
-Mount marks are not free: with one on a mount, every open, read and close there goes through fsnotify's
-slower path (about 1.3 % of a file-heavy workload on the project, bench/monitor.py). Where the monitor's
-failed-call source runs with the kernel's BTF, its exec program names each exec of the cell's from the
-kernel's own copy of the file's name (:mod:`agentcell.monitor.calls`), and the monitor looks at the file
-itself; ``launch.prepare(exec_marks=False)`` leaves the marks out. The supervisor keeps them: a file
-capability is seen only through the file, which a process that exits at once takes with it.
+Mount marks see the cell's execs only (the mounts are the cell's), but they are not free: with one on a
+mount, every open, read and close there goes through fsnotify's slower path (about 1.3 % of a file-heavy
+workload on the project, bench/monitor.py). The failed-call source's exec program names every exec from
+the kernel too, but a file capability is seen only through the file, which a process that exits at once
+takes with it: the marks stay.
 """
 from __future__ import annotations
 
@@ -23,26 +22,21 @@ from .spec import SCRATCH_PATH, CellSpec
 FAN_MARK_MOUNT = 0x10
 
 
-def own_mounts(spec: CellSpec) -> tuple[str, ...]:
-    """Where in the cell a program may come from that is not the host's system."""
+def planned(spec: CellSpec) -> tuple[str, ...]:
+    """The mounts (paths in the cell) to mark; none unless the cell is watched, as root."""
+    if not spec.watch or spec.identity.userns:
+        return ()
     system = set(spec.system_paths)
     return tuple(dict.fromkeys((*spec.rw_paths, *(p for p in spec.ro_paths if p not in system),
                                 spec.identity.home, "/tmp", "/dev/shm", SCRATCH_PATH)))
 
 
-def planned(spec: CellSpec) -> tuple[str, ...]:
-    """The mounts (paths in the cell) to mark: none unless the cell is watched, as root."""
-    if not spec.watch or spec.identity.userns:
-        return ()
-    return own_mounts(spec)
-
-
-def mark_and_send(paths: tuple[str, ...], ctl: object) -> None:
-    """PID 1 (root in the cell, after pivot_root): mark ``paths`` (:func:`planned`, by the supervisor:
-    the cell cannot import what it does not contain), send the group to the supervisor. A failure fails
-    the launch: the monitor would claim a watch it does not have."""
+def mark_and_send(spec: CellSpec, ctl: object) -> None:
+    """PID 1 (root in the cell, after pivot_root): mark, send the group to the supervisor. A failure
+    fails the launch: the monitor would claim a watch it does not have."""
     from . import handoff
 
+    paths = planned(spec)
     if not paths:
         return
     fd = fanotify.init(fanotify.FAN_CLASS_NOTIF)

@@ -285,11 +285,9 @@ class Prepared:
             self.cg.remove()
 
 
-def prepare(spec: CellSpec, guards: Guards, *, exec_marks: bool = True) -> Prepared:
+def prepare(spec: CellSpec, guards: Guards) -> Prepared:
     """Build a cell for ``spec`` up to the point where it needs its command. Supervisor-side steps.
-    ``guards``: what the policy adds to the mount plan (:func:`agentcell.policy.guards.for_cell`).
-    ``exec_marks=False``: a watched cell whose execs the monitor hears of otherwise (the kernel's exec
-    program) gets no exec marks (:mod:`agentcell.cell.execmarks`: they cost every file access there)."""
+    ``guards``: what the policy adds to the mount plan (:func:`agentcell.policy.guards.for_cell`)."""
     cell_id = spec.cell_id or new_cell_id()
     # 1. Plan the mounts: resolve every path once without following symlinks and record its identity
     #    (dev, ino); the child re-opens each in its mount namespace the same way and refuses one that
@@ -306,7 +304,6 @@ def prepare(spec: CellSpec, guards: Guards, *, exec_marks: bool = True) -> Prepa
                           "delegated here", "run through sudo with --as, or drop the ceilings")
     else:
         cg = None
-    marks = execmarks.planned(spec) if exec_marks else ()
     r, w = os.pipe2(os.O_CLOEXEC)
     ours, theirs = handoff.channel()
     outer_uid, outer_gid = os.getuid(), os.getgid()
@@ -315,7 +312,7 @@ def prepare(spec: CellSpec, guards: Guards, *, exec_marks: bool = True) -> Prepa
     c1 = os.fork()
     if c1 == 0:
         sc.close_fds_except({w, theirs.fileno()})
-        _run_child(w, lambda: _cell(spec, plan, w, theirs, outer_uid, outer_gid, cg, marks))
+        _run_child(w, lambda: _cell(spec, plan, w, theirs, outer_uid, outer_gid, cg))
     os.close(w)
     theirs.close()
     prepared = Prepared(spec, c1, r, ours, cell_id, cg)
@@ -323,7 +320,7 @@ def prepare(spec: CellSpec, guards: Guards, *, exec_marks: bool = True) -> Prepa
         prepared.egress_fd = handoff.recv_fd(ours, b"L")
     if canary.planned(spec):  # None if the cell failed first
         prepared.canary_fd = handoff.recv_fd(ours, b"C")
-    if marks:
+    if execmarks.planned(spec):
         prepared.exec_fd = handoff.recv_fd(ours, b"X")
     return prepared
 
@@ -380,7 +377,7 @@ def _step(name: str, fn: Callable[..., T], *args: object) -> T:
 
 
 def _cell(spec: CellSpec, plan: mounts.MountPlan, w: int, ctl: object, outer_uid: int, outer_gid: int,
-          cg: cgroups.CellCgroup | None, marks: tuple[str, ...]) -> NoReturn:
+          cg: cgroups.CellCgroup | None) -> NoReturn:
     # 5. The cell dies with its supervisor; and before anything else, C1 joins the cgroup, so every
     #    process of the cell is born inside it.
     sc.prctl(sc.PR_SET_PDEATHSIG, signal.SIGKILL)
@@ -427,7 +424,7 @@ def _cell(spec: CellSpec, plan: mounts.MountPlan, w: int, ctl: object, outer_uid
     # 11. Under the monitor: decoy credentials in the cell's home, watched before the command exists; as
     #     root, exec marks on the cell's own mounts (a setuid binary run from there is named by its file).
     _step("canaries", canary.plant_and_watch, spec, ctl)
-    _step("exec marks", execmarks.mark_and_send, marks, ctl)
+    _step("exec marks", execmarks.mark_and_send, spec, ctl)
     # 12. PID 1 keeps none of the supervisor's stdio (it would hold a terminal or a pipe open), forks
     #     the command's process, and reaps until it ends; then it kills what is left.
     null = os.open("/dev/null", os.O_RDWR)

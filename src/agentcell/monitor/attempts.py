@@ -541,7 +541,7 @@ class AttemptSource:
     name = "calls"
 
     def __init__(self, calls: Any, classifier: Classifier, cell: str, exe_of: Callable[[int], str],
-                 ignore: Callable[[int], bool], execed: Callable[[int, str, str, int], None]) -> None:
+                 ignore: Callable[[int], bool], execed: Callable[[int, str, str], None]) -> None:
         self.calls, self.classifier, self.cell = calls, classifier, cell
         self.exe_of, self.ignore, self.execed = exe_of, ignore, execed
 
@@ -552,7 +552,7 @@ class AttemptSource:
         out = []
         for call in self.calls.read():
             if call.errno == 0:  # an exec that succeeded: the process's new name, for the monitor's table
-                self.execed(call.pid, call.comm, call.path, call.flags)
+                self.execed(call.pid, call.comm, call.path)
                 continue
             if self.ignore(call.pid):
                 continue

@@ -8,8 +8,8 @@ milliseconds. No library fits: libbpf's CO-RE relocates an object compiled by cl
 """
 from __future__ import annotations
 
-import functools
 import struct
+from collections.abc import Iterable
 
 VMLINUX = "/sys/kernel/btf/vmlinux"
 _MAGIC = 0xEB9F
@@ -19,18 +19,30 @@ _FIXED = {1: 4, 3: 12, 14: 4, 17: 4}  # INT, ARRAY, VAR, DECL_TAG
 _EACH = {4: 12, 5: 12, 6: 8, 13: 8, 15: 12, 19: 12}  # STRUCT, UNION, ENUM, FUNC_PROTO, DATASEC, ENUM64
 
 
-@functools.lru_cache(maxsize=16)
 def member_offset(struct_name: str, member: str, path: str = VMLINUX) -> int | None:
     """The byte offset of ``member`` in ``struct struct_name``, or None (no BTF, no such structure or
     member, or a bit field)."""
-    data = _read(path)
-    if len(data) < 24:
-        return None
-    magic, _version, _flags, hdr_len, type_off, type_len, str_off, str_len = struct.unpack_from("<HBBIIIII", data, 0)
-    if magic != _MAGIC:
-        return None
+    return offsets(((struct_name, member),), path)[(struct_name, member)]
+
+
+def offsets(wanted: Iterable[tuple[str, str]], path: str = VMLINUX) -> dict[tuple[str, str], int | None]:
+    """:func:`member_offset` for each (structure, member) of ``wanted``, the file read once (about 5 MB,
+    not kept)."""
+    wanted = tuple(wanted)
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError:
+        data = b""
+    if len(data) < 24 or struct.unpack_from("<H", data, 0)[0] != _MAGIC:
+        return dict.fromkeys(wanted)
+    _magic, _version, _flags, hdr_len, type_off, type_len, str_off, str_len = struct.unpack_from("<HBBIIIII", data, 0)
     types = memoryview(data)[hdr_len + type_off:hdr_len + type_off + type_len]
     strings = data[hdr_len + str_off:hdr_len + str_off + str_len]
+    return {(name, member): _offset(types, strings, name, member) for name, member in wanted}
+
+
+def _offset(types: memoryview, strings: bytes, struct_name: str, member: str) -> int | None:
     wanted = _string_offsets(strings, struct_name.encode())
     if not wanted:
         return None
@@ -48,16 +60,6 @@ def member_offset(struct_name: str, member: str, path: str = VMLINUX) -> int | N
             return None
         pos += 12 + _FIXED.get(kind, 0) + _EACH.get(kind, 0) * vlen
     return None
-
-
-@functools.lru_cache(maxsize=2)
-def _read(path: str) -> bytes:
-    """The file, read once for all the lookups of a process (about 5 MB: kept while they are made)."""
-    try:
-        with open(path, "rb") as f:
-            return f.read()
-    except OSError:
-        return b""
 
 
 def _string_offsets(strings: bytes, name: bytes) -> set[int]:

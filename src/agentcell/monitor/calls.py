@@ -389,12 +389,6 @@ def exec_program(cgroup_id: int, ring_fd: int, drops_fd: int, layout: dict[str, 
     return a.code()
 
 
-def names_execs() -> bool:
-    """This source can run here and knows where the kernel keeps an exec's file and mode: a watched cell
-    needs no exec marks (read before the monitor listens to the host's forks: the BTF takes a moment)."""
-    return not supported() and exec_layout() is not None
-
-
 @functools.lru_cache(maxsize=1)
 def exec_layout() -> dict[str, int] | None:
     """Where ``linux_binprm.filename`` and ``.file``, ``file.f_inode`` and ``inode.i_mode`` lie on this
@@ -404,7 +398,8 @@ def exec_layout() -> dict[str, int] | None:
     import json
 
     from .. import hostfs
-    from .btf import VMLINUX, _read, member_offset
+    from ..errors import AgentcellError
+    from .btf import VMLINUX, offsets
 
     try:
         st = os.stat(VMLINUX)
@@ -421,18 +416,20 @@ def exec_layout() -> dict[str, int] | None:
             return {k: int(v) for k, v in layout.items()} if isinstance(layout, dict) else None
     except (OSError, ValueError, AttributeError, TypeError):
         pass
-    found = {"filename": member_offset("linux_binprm", "filename"), "file": member_offset("linux_binprm", "file"),
-             "f_inode": member_offset("file", "f_inode"), "i_mode": member_offset("inode", "i_mode")}
-    _read.cache_clear()  # (the offsets are kept; the 5 MB need not be)
-    out = None if any(v is None for v in found.values()) else {k: int(v or 0) for k, v in found.items()}
+    where = {"filename": ("linux_binprm", "filename"), "file": ("linux_binprm", "file"),
+             "f_inode": ("file", "f_inode"), "i_mode": ("inode", "i_mode")}
+    found = offsets(where.values())
+    out: dict[str, int] | None = {k: v for k, w in where.items() if (v := found[w]) is not None}
+    if out is not None and len(out) < len(where):
+        out = None
     try:
         hostfs.run_dir()
         tmp = f"{cache}.{os.getpid()}"
         with open(tmp, "w") as f:
             json.dump({"key": key, "layout": out}, f)
         os.replace(tmp, cache)
-    except OSError:
-        pass  # (read again next time)
+    except (OSError, AgentcellError):  # (root's runtime directory unusable: read again next time)
+        pass
     return out
 
 

@@ -263,8 +263,11 @@ class ExecMarks:
             try:
                 path = self._where(fd)
                 self.named(pid, path)
-                if privileged(fd):
-                    out.append(privilege_note(path, pid, self.cell))
+                if _privileged(fd):
+                    out.append(CellEvent("execute", path, "a binary with privilege of its own (setuid, setgid or "
+                                         "file capabilities) ran without it: the cell's mounts are nosuid and its "
+                                         "processes have no_new_privs", source="exec", cell=self.cell, pid=pid,
+                                         exe=path, acts=False))
             except OSError:
                 pass
             finally:
@@ -290,21 +293,13 @@ def _unescape(field: str) -> str:
     return "".join(out)
 
 
-def privileged(file: int | str) -> bool:
-    """Setuid, setgid, or file capabilities (the file by fd, or by a path it is at)."""
+def _privileged(fd: int) -> bool:
+    """Setuid, setgid, or file capabilities."""
     import stat
 
-    if os.stat(file).st_mode & (stat.S_ISUID | stat.S_ISGID):
+    if os.fstat(fd).st_mode & (stat.S_ISUID | stat.S_ISGID):
         return True
     try:
-        return bool(os.getxattr(file, "security.capability"))
+        return bool(os.getxattr(fd, "security.capability"))
     except OSError:
         return False
-
-
-def privilege_note(path: str, pid: int, cell: str) -> Any:
-    from .event import CellEvent
-
-    return CellEvent("execute", path, "a binary with privilege of its own (setuid, setgid or file capabilities) "
-                     "ran without it: the cell's mounts are nosuid and its processes have no_new_privs",
-                     source="exec", cell=cell, pid=pid, exe=path, acts=False)

@@ -207,8 +207,6 @@ class Monitor:
         self.execmarks: Any = None  # execs from the cell's own mounts (execwatch.ExecMarks)
         self._calls_dropped = 0
         self._exited: collections.deque[tuple[float, int]] = collections.deque()  # members gone, forgotten after 5 s
-        self._system: tuple[str, ...] = ()  # the host's system trees (no exec marks: execs from elsewhere are
-                                            # looked at for privilege of their own)
         self._leftover: list[tuple[int, str]] = []  # what ran on when the command ended (named later)
         self._index: dict[tuple[str, str, str, bool], CellEvent] = {}
         self._final = False  # the cell has ended: events are recorded, no verdict acts any more
@@ -312,13 +310,11 @@ class Monitor:
     def _pid_ceiling(self) -> int | None:
         return None if self._forks is None else 1 + self._forks
 
-    def _execed(self, pid: int, comm: str, path: str, mode: int) -> None:
+    def _execed(self, pid: int, comm: str, path: str) -> None:
         """An exec of the cell's that succeeded (the failed-call source's exec program), with the new
-        program's name, the file as execve was given it (the kernel's copy) and that file's mode: what the
-        process is, though it exited before /proc could be read. A relative name is not a name: then it
-        is the one the kernel gave the process."""
-        from .calls import MODE_KNOWN, SETID
-
+        program's name and the file as execve was given it (the kernel's copy): what the process is,
+        though it exited before /proc could be read. A relative name is not a name: then it is the one
+        the kernel gave the process."""
         exe = _readlink(f"/proc/{pid}/exe")  # (the file it resolves to, while the process lives: sh is dash)
         entry = self._procs.get(pid)
         if entry is not None:
@@ -328,25 +324,6 @@ class Monitor:
                 entry[1] = exe or os.path.normpath(path)
                 if entry[2] is None:
                     entry[2] = _cmdline(pid) or entry[1]
-        if not self._system:  # (exec marks make this note)
-            return
-        # A binary with privilege of its own, run powerless: its setuid and setgid bits from the kernel
-        # (however it was named, however soon it exited), its file capabilities from the file while the
-        # process lives. Nothing is looked up by name: the cell chooses names. The host's system trees
-        # are left out (their setuid binaries are the host's; the privilege tools are watched apart).
-        name = exe or (os.path.normpath(path) if path.startswith("/") else "")
-        if name and any(name == d or name.startswith(d.rstrip("/") + "/") for d in self._system):
-            return
-        privileged = bool(mode & MODE_KNOWN and mode & SETID)
-        if not privileged and exe:
-            try:
-                privileged = bool(os.getxattr(f"/proc/{pid}/exe", "security.capability"))
-            except OSError:
-                pass
-        if privileged:
-            from .execwatch import privilege_note
-
-            self._event(privilege_note(name or path or comm, pid, self.cell_id))
 
     def _named(self, pid: int, path: str) -> None:
         """An exec's file, from a mark: the process is that program now (read before it can be gone)."""
@@ -428,9 +405,6 @@ class Monitor:
                 self._state["masks"] = "on"
             except OSError as e:
                 self._state["masks"] = f"off: {e.strerror or e}"
-        if running.exec_fd is None and self.calls is not None:  # no marks: the kernel names the cell's execs
-            self._system = running.spec.system_paths
-            self._state["execmarks"] = "on (no marks: the failed-call source's exec program names each exec)"
         if running.exec_fd is not None:
             from ..cell.execmarks import planned as marked
             from .execwatch import ExecMarks
