@@ -1,38 +1,71 @@
 """The failed-call source's own programs, on a cgroup of the test's (no cell): what the kernel hands over."""
 from __future__ import annotations
 
+import errno
 import os
 import secrets
 import shutil
+import struct
 import subprocess
-from collections.abc import Iterator
+import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-from agentcell.monitor import btf, calls
+from agentcell.monitor import bpf, btf, calls
 
 UNIFIED = Path("/sys/fs/cgroup/unified")
 
 
 @pytest.fixture
-def group() -> Iterator[Path]:
+def groups() -> Iterator[Callable[[], Path]]:
+    """Makes cgroup v2 directories of the test's, removed at its end."""
     why = calls.check() if os.geteuid() == 0 else "needs root"
     if why:
         pytest.skip(f"the failed-call source cannot run here: {why}")
     if not (UNIFIED / "cgroup.procs").exists():
         pytest.skip("no cgroup v2 hierarchy at /sys/fs/cgroup/unified")
-    d = UNIFIED / f"agentcell-test-{secrets.token_hex(4)}"
-    d.mkdir()
+    made: list[Path] = []
+
+    def make() -> Path:
+        d = UNIFIED / f"agentcell-test-{secrets.token_hex(4)}"
+        made.append(d)
+        d.mkdir()
+        return d
+
     try:
-        yield d
+        yield make
     finally:
-        for _ in range(100):  # its processes have been waited for; the kernel lets go of them at once
-            try:
-                d.rmdir()
-                break
-            except OSError:
-                os.sched_yield()
+        for d in made:
+            for _ in range(100):  # its processes have been waited for; the kernel lets go of them at once
+                try:
+                    d.rmdir()
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError:
+                    os.sched_yield()
+
+
+@pytest.fixture
+def group(groups: Callable[[], Path]) -> Path:
+    return groups()
+
+
+def _in(group: Path) -> Callable[[], None]:
+    def join() -> None:
+        with open(group / "cgroup.procs", "w") as f:
+            f.write("0")
+    return join
+
+
+def _fail_open(group: Path, path: str) -> None:
+    subprocess.run(["/bin/cat", path], preexec_fn=_in(group), stderr=subprocess.DEVNULL, check=False)
+
+
+def _opens(source: calls.FailedCalls) -> list[str]:
+    return [c.path for c in source.read() if c.name in ("open", "openat")]
 
 
 def test_btf_says_where_a_kernel_structure_keeps_a_member(tmp_path: Path) -> None:
@@ -53,13 +86,7 @@ def test_an_exec_is_named_by_its_file_with_its_mode_though_the_process_is_gone(g
     setuid.chmod(0o4755)
     source = calls.FailedCalls(os.stat(group).st_ino)
     try:
-        procs = str(group / "cgroup.procs")
-
-        def join() -> None:
-            with open(procs, "w") as f:
-                f.write("0")
-
-        subprocess.run(["/bin/sh", "-c", f"{setuid}; exec /usr/bin/true; exit 3"], preexec_fn=join, check=True)
+        subprocess.run(["/bin/sh", "-c", f"{setuid}; exec /usr/bin/true; exit 3"], preexec_fn=_in(group), check=True)
         subprocess.run(["/bin/true"], check=True)  # (another cgroup's: not handed over)
         got = [(c.name, c.errno, c.comm, c.path, c.flags) for c in source.read()]
     finally:
@@ -68,3 +95,81 @@ def test_an_exec_is_named_by_its_file_with_its_mode_though_the_process_is_gone(g
     assert got == [("execve", 0, "sh", "/bin/sh", modes[0]), ("execve", 0, "setuid-true", str(setuid), modes[1]),
                    ("execve", 0, "true", "/usr/bin/true", modes[2])], got
     assert modes[1] & calls.SETID and not modes[2] & calls.SETID
+
+
+def _links(source: calls.FailedCalls) -> tuple[str, str]:
+    assert source.host is not None
+    ids = source.host.ids()
+    return ids["calls_link"], ids["exec_link"]
+
+
+def _gone(link: str) -> bool:
+    try:
+        os.close(bpf.link_by_id(int(link.split(":")[1])))
+        return False
+    except OSError as e:
+        assert e.errno == errno.ENOENT, e
+        return True
+
+
+def test_cells_share_one_program_and_each_gets_only_its_own_calls(groups: Callable[[], Path]) -> None:
+    a, b = groups(), groups()
+    first = calls.FailedCalls(os.stat(a).st_ino)
+    try:
+        second = calls.FailedCalls(os.stat(b).st_ino)
+        try:
+            assert second.host is first.host  # one program on sys_exit, however many cells
+            _fail_open(a, "/nonexistent-agentcell-a")
+            _fail_open(b, "/nonexistent-agentcell-b")
+            assert _opens(first) == ["/nonexistent-agentcell-a"]
+            assert _opens(second) == ["/nonexistent-agentcell-b"]
+        finally:
+            second.close()
+        _fail_open(b, "/nonexistent-agentcell-b")  # (b is not watched any more: nobody's)
+        _fail_open(a, "/nonexistent-agentcell-a2")
+        assert _opens(first) == ["/nonexistent-agentcell-a2"]
+        links = _links(first)
+    finally:
+        first.close()
+    assert all(_gone(link) for link in links)  # the last cell's close detached the programs
+
+
+HOLDER = """
+import sys
+from agentcell.monitor import calls
+source = calls.FailedCalls(int(sys.argv[1]))
+print(*source.host.ids().values(), flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_monitor_in_another_process_joins_the_programs_and_outlives_their_maker(groups: Callable[[], Path]) -> None:
+    a, b, c = groups(), groups(), groups()
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(os.stat(a).st_ino)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None
+        theirs = holder.stdout.readline().split()
+        assert len(theirs) == 4, theirs
+        joined = calls.FailedCalls(os.stat(b).st_ino)
+    finally:
+        holder.kill()  # as a supervisor is killed: nothing of its own is closed by it
+        holder.wait()
+    try:
+        assert _links(joined) == (theirs[0], theirs[1])  # its very links (taken with pidfd_getfd)
+        a.rmdir()  # the killed monitor's cell has ended too; its ring is still in the programs' map
+        _fail_open(b, "/nonexistent-agentcell-b")
+        assert _opens(joined) == ["/nonexistent-agentcell-b"]  # still attached: this process holds it
+        assert joined.host is not None
+        keys = set(bpf.map_keys(joined.host.cells, 8))
+        assert struct.pack("<Q", os.stat(b).st_ino) in keys
+        assert len(keys) == 2, keys  # the killed one's, left in
+        third = calls.FailedCalls(os.stat(c).st_ino)  # a new cell sweeps out the rings of cgroups gone
+        try:
+            assert set(bpf.map_keys(joined.host.cells, 8)) == {struct.pack("<Q", os.stat(p).st_ino) for p in (b, c)}
+        finally:
+            third.close()
+        links = _links(joined)
+    finally:
+        joined.close()
+    assert all(_gone(link) for link in links)

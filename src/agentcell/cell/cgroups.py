@@ -43,6 +43,30 @@ def layout() -> str:
     return "none"
 
 
+def v2_exists(cgroup_id: int) -> bool | None:
+    """Whether a cgroup v2 directory with this id (its inode number, as eBPF sees it) exists now: the
+    kernel opens it by its file handle (kernfs: the id itself), or says it is stale. None if that
+    cannot be asked (no cgroup2 mounted, no CAP_DAC_READ_SEARCH)."""
+    import ctypes
+    import struct
+
+    v2 = ROOT if layout() == "v2" else f"{ROOT}/unified"
+    try:
+        root = os.open(v2, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        handle = ctypes.create_string_buffer(struct.pack("<IiQ", 8, 0xFE, cgroup_id))  # FILEID_KERNFS
+        fd = libc.open_by_handle_at(root, handle, os.O_RDONLY | os.O_PATH | os.O_CLOEXEC)
+        if fd >= 0:
+            os.close(fd)
+            return True
+        return False if ctypes.get_errno() in (116, 2) else None  # ESTALE, ENOENT: gone
+    finally:
+        os.close(root)
+
+
 def _write(path: str, value: str) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
     try:

@@ -18,15 +18,19 @@ import ctypes
 import mmap
 import os
 import struct
+from typing import Any
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
 SYS_BPF = {"x86_64": 321, "aarch64": 280}.get(os.uname().machine, -1)
 
 # bpf(2) commands
-MAP_CREATE, MAP_LOOKUP_ELEM, MAP_UPDATE_ELEM, PROG_LOAD, RAW_TRACEPOINT_OPEN = 0, 1, 2, 5, 17
+MAP_CREATE, MAP_LOOKUP_ELEM, MAP_UPDATE_ELEM, MAP_DELETE_ELEM, MAP_GET_NEXT_KEY = 0, 1, 2, 3, 4
+PROG_LOAD, RAW_TRACEPOINT_OPEN = 5, 17
+LINK_GET_FD_BY_ID = 30
 # map and program types
-MAP_ARRAY, MAP_PERCPU_ARRAY, MAP_RINGBUF = 2, 6, 27
+MAP_HASH, MAP_ARRAY, MAP_PERCPU_ARRAY, MAP_HASH_OF_MAPS, MAP_RINGBUF = 1, 2, 6, 13, 27
+NOEXIST = 1  # map_update: only a new key
 PROG_RAW_TRACEPOINT = 17
 # helpers (enum bpf_func_id)
 MAP_LOOKUP = 1
@@ -123,17 +127,60 @@ def _name(name: str) -> bytes:
     return name.encode().ljust(16, b"\0")
 
 
-def map_create(kind: int, key_size: int, value_size: int, entries: int, name: str) -> int:
-    """A new map (close-on-exec fd)."""
-    attr = struct.pack("<7I", kind, key_size, value_size, entries, 0, 0, 0) + _name(name) + bytes(72)
+def map_create(kind: int, key_size: int, value_size: int, entries: int, name: str, inner: int = 0) -> int:
+    """A new map (close-on-exec fd); ``inner``: for a map of maps, a map like those it will hold."""
+    attr = struct.pack("<7I", kind, key_size, value_size, entries, 0, inner, 0) + _name(name) + bytes(72)
     fd = _bpf(MAP_CREATE, attr)
     os.set_inheritable(fd, False)
     return fd
 
 
-def map_update(fd: int, key: bytes, value: bytes) -> None:
+def map_update(fd: int, key: bytes, value: bytes, flags: int = 0) -> None:
     k, v = ctypes.create_string_buffer(key, len(key)), ctypes.create_string_buffer(value, len(value))
-    _bpf(MAP_UPDATE_ELEM, struct.pack("<IIQQQ", fd, 0, ctypes.addressof(k), ctypes.addressof(v), 0))
+    _bpf(MAP_UPDATE_ELEM, struct.pack("<IIQQQ", fd, 0, ctypes.addressof(k), ctypes.addressof(v), flags))
+
+
+def map_keys(fd: int, key_size: int) -> list[bytes]:
+    """The map's keys (a hash map's, in no particular order)."""
+    out: list[bytes] = []
+    nxt = ctypes.create_string_buffer(key_size)
+    cur: Any = None
+    while True:
+        try:
+            _bpf(MAP_GET_NEXT_KEY, struct.pack("<IIQQ", fd, 0, ctypes.addressof(cur) if cur is not None else 0,
+                                                ctypes.addressof(nxt)) + bytes(8))
+        except BpfError as e:
+            if e.errno == 2:  # ENOENT: the last one
+                return out
+            raise
+        out.append(nxt.raw)
+        cur = ctypes.create_string_buffer(nxt.raw, key_size)
+
+
+def map_delete(fd: int, key: bytes) -> None:
+    k = ctypes.create_string_buffer(key, len(key))
+    _bpf(MAP_DELETE_ELEM, struct.pack("<IIQ", fd, 0, ctypes.addressof(k)) + bytes(16))
+
+
+def link_by_id(link_id: int) -> int:
+    """A new fd on the link with this id (ENOENT once it is gone: detached, its last fd closed)."""
+    fd = _bpf(LINK_GET_FD_BY_ID, struct.pack("<II", link_id, 0) + bytes(8))
+    os.set_inheritable(fd, False)
+    return fd
+
+
+def object_id(fd: int) -> str:
+    """What the bpf object behind ``fd`` is, by the kernel's id for it (``map_id:12``, ``link_id:3``), or
+    empty if the fd is not one (from its fdinfo): an id is given once a boot."""
+    try:
+        with open(f"/proc/self/fdinfo/{fd}") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key in ("map_id", "link_id"):
+                    return f"{key}:{value.strip()}"
+    except OSError:
+        pass
+    return ""
 
 
 def map_lookup(fd: int, key: bytes, value_size: int) -> bytes:

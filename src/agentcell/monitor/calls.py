@@ -26,7 +26,7 @@ import socket
 import struct
 from typing import Any
 
-from . import bpf
+from . import bpf, hostprog
 
 PATH_MAX = 4096  # a longer path fails with ENAMETOOLONG: nothing is reached
 A = 88  # the first buffer: a path or an address
@@ -101,21 +101,33 @@ def _argument(a: bpf.Asm, spec: int, shift: int, into: int) -> None:
     a.ldx(bpf.DW, into, bpf.R3, 24)
 
 
-def _count_drop(a: bpf.Asm, drops_fd: int, slot: int) -> None:
-    """The ring was full: one more in the drop counter (the stack at ``slot`` for its key), so the monitor
-    knows it missed some."""
-    a.st(bpf.W, bpf.R10, slot, 0)
+KEY = -24  # where on the stack both programs keep the caller's cgroup id: the key of ``cells`` and ``drops``
+
+
+def _cell_ring(a: bpf.Asm, cells_fd: int) -> None:
+    """R0 = the ring of the cell whose cgroup id is at KEY, or to ``out`` if no cell has that cgroup."""
+    a.ld64(bpf.R1, cells_fd, map_fd=True)
+    a.alu("mov", bpf.R2, bpf.R10)
+    a.alu("add", bpf.R2, imm=KEY)
+    a.call(bpf.MAP_LOOKUP)
+    a.j("jeq", bpf.R0, "out", imm=0)
+
+
+def _count_drop(a: bpf.Asm, drops_fd: int) -> None:
+    """The cell's ring was full: one more in its drop counter (keyed by its cgroup id, at KEY), so its
+    monitor knows it missed some."""
     a.ld64(bpf.R1, drops_fd, map_fd=True)
     a.alu("mov", bpf.R2, bpf.R10)
-    a.alu("add", bpf.R2, imm=slot)
+    a.alu("add", bpf.R2, imm=KEY)
     a.call(bpf.MAP_LOOKUP)
     a.j("jeq", bpf.R0, "out", imm=0)
     a.alu("mov", bpf.R1, imm=1)
     a.atomic_add(bpf.R0, 0, bpf.R1)
 
 
-def program(cgroup_id: int, table_fd: int, ring_fd: int, drops_fd: int, scratch_fd: int) -> bytes:
-    """The program, for one cell's cgroup (its id: the cgroup2 directory's inode number)."""
+def program(table_fd: int, cells_fd: int, drops_fd: int, scratch_fd: int) -> bytes:
+    """The program, for every watched cell on the host: ``cells`` maps a cell's cgroup id (its cgroup2
+    directory's inode number) to its own ring (:mod:`.hostprog`)."""
     R0, R1, R2, R3, R4, R5, R6, R7, R8, R9, R10 = (bpf.R0, bpf.R1, bpf.R2, bpf.R3, bpf.R4, bpf.R5, bpf.R6, bpf.R7,
                                                    bpf.R8, bpf.R9, bpf.R10)
     lo = sum(1 << e for e in _ERRNOS if e < 64)
@@ -137,8 +149,8 @@ def program(cgroup_id: int, table_fd: int, ring_fd: int, drops_fd: int, scratch_
     a.alu("and", R2, imm=1)
     a.j("jeq", R2, "out", imm=0)  # not an errno of interest
     a.call(bpf.GET_CURRENT_CGROUP_ID)
-    a.ld64(R1, cgroup_id)
-    a.j("jne", R0, "out", src=R1)  # not the cell's
+    a.stx(bpf.DW, R10, KEY, R0)
+    _cell_ring(a, cells_fd)  # not a watched cell's
     a.alu("mov", R1, R10)  # the call's number, onto the stack
     a.alu("add", R1, imm=-8)
     a.alu("mov", R2, imm=8)
@@ -288,8 +300,11 @@ def program(cgroup_id: int, table_fd: int, ring_fd: int, drops_fd: int, scratch_
     a.label("bounded")
     a.alu("add", R3, imm=A)
     a.label("output")
-    a.ld64(R1, ring_fd, map_fd=True)
+    a.alu("mov", R7, R3)  # (the call's result is not needed any more)
+    _cell_ring(a, cells_fd)  # (again: a map's value is not kept across calls; the cell may have gone since)
+    a.alu("mov", R1, R0)
     a.alu("mov", R2, R8)
+    a.alu("mov", R3, R7)
     a.alu("mov", R4, imm=0)
     a.call(bpf.RINGBUF_OUTPUT)
     a.j("jne", R0, "dropped", imm=0)
@@ -297,7 +312,7 @@ def program(cgroup_id: int, table_fd: int, ring_fd: int, drops_fd: int, scratch_
     a.label("discard")
     a.j("ja", R0, "out")
     a.label("dropped")
-    _count_drop(a, drops_fd, -16)
+    _count_drop(a, drops_fd)
     a.j("ja", R0, "out")
     a.label("out")
     a.alu("mov", R0, imm=0)
@@ -310,7 +325,7 @@ SETID = 0o6000  # S_ISUID | S_ISGID
 MODE_KNOWN = 1 << 16  # in an exec event's second word: the file's mode was read
 
 
-def exec_program(cgroup_id: int, ring_fd: int, drops_fd: int, layout: dict[str, int] | None) -> bytes:
+def exec_program(cells_fd: int, drops_fd: int, layout: dict[str, int] | None) -> bytes:
     """For the ``sched_process_exec`` raw tracepoint (task, old pid, binprm): each exec of the cell's that
     succeeded, as an event of errno 0, with the new program's name (the task's comm is already the new
     one) and, where the kernel's BTF says where things lie (``layout``: :func:`exec_layout`), the file as
@@ -323,9 +338,9 @@ def exec_program(cgroup_id: int, ring_fd: int, drops_fd: int, layout: dict[str, 
     a = bpf.Asm()
     a.alu("mov", R6, R1)  # the tracepoint's arguments
     a.call(bpf.GET_CURRENT_CGROUP_ID)
-    a.ld64(R1, cgroup_id)
-    a.j("jne", R0, "out", src=R1)
-    a.ld64(R1, ring_fd, map_fd=True)
+    a.stx(bpf.DW, R10, KEY, R0)
+    _cell_ring(a, cells_fd)
+    a.alu("mov", R1, R0)
     a.alu("mov", R2, imm=A if layout is None else A + EXEC_NAME)  # its head, and the file's name
     a.alu("mov", R3, imm=0)
     a.call(bpf.RINGBUF_RESERVE)
@@ -382,7 +397,7 @@ def exec_program(cgroup_id: int, ring_fd: int, drops_fd: int, layout: dict[str, 
     a.call(bpf.RINGBUF_SUBMIT)
     a.j("ja", R0, "out")
     a.label("dropped")
-    _count_drop(a, drops_fd, -8)
+    _count_drop(a, drops_fd)
     a.label("out")
     a.alu("mov", R0, imm=0)
     a.exit()
@@ -440,12 +455,9 @@ def check() -> str:
         return why
     fds: list[int] = []
     try:
-        fds.append(bpf.map_create(bpf.MAP_ARRAY, 4, 8, 512, "agentcell_calls"))
-        fds.append(bpf.map_create(bpf.MAP_RINGBUF, 0, 0, 1 << 16, "agentcell_ring"))
-        fds.append(bpf.map_create(bpf.MAP_ARRAY, 4, 8, 1, "agentcell_drops"))
-        fds.append(bpf.map_create(bpf.MAP_PERCPU_ARRAY, 4, EVENT_SIZE, 1, "agentcell_event"))
-        fds.append(bpf.prog_load(bpf.PROG_RAW_TRACEPOINT, program(0, *fds), "agentcell_calls"))
-        fds.append(bpf.prog_load(bpf.PROG_RAW_TRACEPOINT, exec_program(0, fds[1], fds[2], exec_layout()),
+        fds.extend(_maps(1 << 16, 1))
+        fds.append(bpf.prog_load(bpf.PROG_RAW_TRACEPOINT, program(*fds), "agentcell_calls"))
+        fds.append(bpf.prog_load(bpf.PROG_RAW_TRACEPOINT, exec_program(fds[1], fds[2], exec_layout()),
                                  "agentcell_execs"))
     except OSError as e:
         return str(e.strerror or e)
@@ -453,6 +465,62 @@ def check() -> str:
         for fd in fds:
             os.close(fd)
     return ""
+
+
+def _maps(ring_size: int, cells: int) -> list[int]:
+    """The programs' maps: the call table (filled), ``cells`` (cgroup id -> a ring of ``ring_size``),
+    ``drops`` (cgroup id -> count), the per-CPU buffer an event is built in."""
+    fds: list[int] = []
+    try:
+        fds.append(bpf.map_create(bpf.MAP_ARRAY, 4, 8, 512, "agentcell_calls"))
+        for nr, kinds in CALLS.values():
+            bpf.map_update(fds[0], struct.pack("<I", nr), struct.pack("<Q", _spec(kinds)))
+        like = bpf.map_create(bpf.MAP_RINGBUF, 0, 0, ring_size, "agentcell_ring")
+        try:
+            fds.append(bpf.map_create(bpf.MAP_HASH_OF_MAPS, 8, 4, cells, "agentcell_cells", inner=like))
+        finally:
+            os.close(like)
+        fds.append(bpf.map_create(bpf.MAP_HASH, 8, 8, cells, "agentcell_drops"))
+        fds.append(bpf.map_create(bpf.MAP_PERCPU_ARRAY, 4, EVENT_SIZE, 1, "agentcell_event"))
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+    return fds
+
+
+def _attached() -> dict[str, int]:
+    """The host's programs, loaded and attached (:mod:`.hostprog` shares them): the fds it hands over."""
+    fds = _maps(RING_SIZE, hostprog.CELLS)
+    out: dict[str, int] = {}
+    try:
+        table, cells, drops, scratch = fds
+        prog = bpf.prog_load(bpf.PROG_RAW_TRACEPOINT, program(table, cells, drops, scratch), "agentcell_calls")
+        try:
+            out["calls_link"] = bpf.attach_raw_tracepoint("sys_exit", prog)
+        finally:
+            os.close(prog)
+        prog = bpf.prog_load(bpf.PROG_RAW_TRACEPOINT, exec_program(cells, drops, exec_layout()), "agentcell_execs")
+        try:
+            out["exec_link"] = bpf.attach_raw_tracepoint("sched_process_exec", prog)
+        finally:
+            os.close(prog)
+        out["cells"], out["drops"] = os.dup(cells), os.dup(drops)
+    except BaseException:
+        for fd in out.values():
+            os.close(fd)
+        raise
+    finally:
+        for fd in fds:  # (the programs hold the table and the buffer)
+            os.close(fd)
+    return out
+
+
+@functools.lru_cache(maxsize=1)
+def _version() -> str:
+    """This build of the programs (fds as placeholders)."""
+    return hostprog.version(program(1, 2, 3, 4), exec_program(2, 3, exec_layout()), RING_SIZE, EVENT_SIZE,
+                            hostprog.CELLS, repr(sorted(CALLS.items())).encode())
 
 
 class Call:
@@ -530,7 +598,9 @@ def sockaddr(data: bytes, length: int) -> tuple[Any, ...] | None:
 
 
 class FailedCalls:
-    """The program for one cell, attached; :meth:`read` what it saw. Close it when the cell has ended."""
+    """One cell's failed calls: its own ring, which the host's programs (:mod:`.hostprog`: one copy for
+    every cell) fill from the moment its cgroup is added to them; :meth:`read` what they saw. Close it
+    when the cell has ended."""
 
     name = "calls"
 
@@ -538,29 +608,46 @@ class FailedCalls:
         why = supported()
         if why:
             raise OSError(95, why)
-        self._fds: list[int] = []
         self.ring: bpf.RingBuffer | None = None
+        self._key = struct.pack("<Q", cgroup_id)
+        self._added: list[int] = []  # the host's maps this cell is in
+        self.host: hostprog.HostPrograms | None = hostprog.acquire(_version(), _attached)
         try:
-            table = self._keep(bpf.map_create(bpf.MAP_ARRAY, 4, 8, 512, "agentcell_calls"))
-            for nr, kinds in CALLS.values():
-                bpf.map_update(table, struct.pack("<I", nr), struct.pack("<Q", _spec(kinds)))
-            ring = self._keep(bpf.map_create(bpf.MAP_RINGBUF, 0, 0, RING_SIZE, "agentcell_ring"))
-            self.drops_fd = self._keep(bpf.map_create(bpf.MAP_ARRAY, 4, 8, 1, "agentcell_drops"))
-            scratch = self._keep(bpf.map_create(bpf.MAP_PERCPU_ARRAY, 4, EVENT_SIZE, 1, "agentcell_event"))
-            prog = self._keep(bpf.prog_load(bpf.PROG_RAW_TRACEPOINT,
-                                            program(cgroup_id, table, ring, self.drops_fd, scratch), "agentcell_calls"))
-            execs = exec_program(cgroup_id, ring, self.drops_fd, exec_layout())
-            exec_prog = self._keep(bpf.prog_load(bpf.PROG_RAW_TRACEPOINT, execs, "agentcell_execs"))
-            self.ring = bpf.RingBuffer(ring, RING_SIZE)
-            self._keep(bpf.attach_raw_tracepoint("sys_exit", prog))
-            self._keep(bpf.attach_raw_tracepoint("sched_process_exec", exec_prog))
+            ring = bpf.map_create(bpf.MAP_RINGBUF, 0, 0, RING_SIZE, "agentcell_ring")
+            try:
+                self.ring = bpf.RingBuffer(ring, RING_SIZE)
+            except BaseException:
+                os.close(ring)
+                raise
+            for fd, value in ((self.host.drops, struct.pack("<Q", 0)), (self.host.cells, struct.pack("<I", ring))):
+                try:
+                    bpf.map_update(fd, self._key, value, bpf.NOEXIST)
+                except OSError as e:
+                    if e.errno == 17:
+                        raise OSError(17, f"cgroup {cgroup_id} is watched by another monitor already") from None
+                    raise
+                self._added.append(fd)
         except BaseException:
             self.close()
             raise
+        self._sweep()
 
-    def _keep(self, fd: int) -> int:
-        self._fds.append(fd)
-        return fd
+    def _sweep(self) -> None:
+        """Cells whose monitor was killed before it could take them out: their cgroups are gone (an id
+        is never given again), and each keeps a ring of RING_SIZE alive while the programs run."""
+        from ..cell.cgroups import v2_exists
+
+        assert self.host is not None
+        try:
+            for key in bpf.map_keys(self.host.cells, 8):
+                if key != self._key and v2_exists(struct.unpack("<Q", key)[0]) is False:
+                    for fd in (self.host.cells, self.host.drops):
+                        try:
+                            bpf.map_delete(fd, key)
+                        except OSError:
+                            pass
+        except OSError:  # (what is not swept now is swept by the next cell)
+            pass
 
     def fileno(self) -> int:
         assert self.ring is not None
@@ -573,15 +660,20 @@ class FailedCalls:
 
     def dropped(self) -> int:
         """Failed calls the kernel could not hand over (the ring was full), since the start."""
-        return int(struct.unpack("<Q", bpf.map_lookup(self.drops_fd, struct.pack("<I", 0), 8))[0])
+        assert self.host is not None
+        return int(struct.unpack("<Q", bpf.map_lookup(self.host.drops, self._key, 8))[0])
 
     def close(self) -> None:
-        if self.ring is not None:
-            self.ring.close()
-            self.ring = None
-        for fd in reversed(self._fds):  # the link first: the program stops running before its maps go
+        for fd in reversed(self._added):  # the programs stop writing to the ring before it goes
             try:
-                os.close(fd)
+                bpf.map_delete(fd, self._key)
             except OSError:
                 pass
-        self._fds = []
+        self._added = []
+        if self.ring is not None:
+            self.ring.close()
+            os.close(self.ring.fd)
+            self.ring = None
+        if self.host is not None:
+            hostprog.release(self.host)
+            self.host = None
