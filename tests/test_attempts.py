@@ -179,6 +179,24 @@ def test_a_host_process_through_proc_acts_only_above_what_the_cell_could_have_ha
     assert acts(c, call("kill", ESRCH, pid_arg=4242)) is False
 
 
+def test_the_kernels_last_pid_in_the_event_decides_where_the_monitors_count_lags() -> None:
+    # The connector's forks not read yet (a busy host): the monitor's count says 5, the kernel's 40.
+    lagging = classifier(FakeHost(pids={33, 4242}), ceiling=5)
+    exited = call("openat", ENOENT, "/proc/33/stat")
+    assert acts(lagging, exited) is True  # (what the count alone says: a false alarm)
+    exited.last_pid = 40
+    assert acts(lagging, exited) is False  # one of the cell's that exited: a note
+    host = call("openat", ENOENT, "/proc/4242/environ")
+    host.last_pid = 40
+    assert acts(lagging, host) is True
+    # the kernel's count exact where the monitor's is lost (the connector overflowed)
+    assert acts(classifier(FakeHost(pids={4242}), ceiling=None), host) is True
+    # a namespace that went round pid_max starts low again: the forks' count, higher, stands
+    wrapped = call("openat", ENOENT, "/proc/33/stat")
+    wrapped.last_pid = 3
+    assert acts(classifier(FakeHost(pids={33}), ceiling=50), wrapped) is False
+
+
 def test_the_network_outside_acts_dns_to_the_hosts_resolver_and_the_hosts_own_ports_are_notes() -> None:
     c = classifier(FakeHost(listening={5432, 8000}, cell_listening={8000}))
     assert verdict(c, call("sendto", ENETUNREACH, addr=("inet", "198.18.0.9", 8081))) == \

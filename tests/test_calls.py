@@ -173,3 +173,17 @@ def test_a_monitor_in_another_process_joins_the_programs_and_outlives_their_make
     finally:
         joined.close()
     assert all(_gone(link) for link in links)
+
+
+def test_a_failed_call_carries_the_last_pid_its_namespace_gave_out(group: Path) -> None:
+    if calls.part(calls.kernel_layout(), calls.PIDNS_FIELDS) is None:
+        pytest.skip("this kernel's BTF does not say where a pid namespace keeps its next pid")
+    source = calls.FailedCalls(os.stat(group).st_ino)
+    try:  # in a pid namespace of its own: sh is 1, the two trues 2 and 3, cat is sh (exec)
+        subprocess.run(["unshare", "--pid", "--fork", "/bin/sh", "-c",
+                        "/bin/true; /bin/true; exec /bin/cat /nonexistent-agentcell"], preexec_fn=_in(group),
+                       stderr=subprocess.DEVNULL, check=False)
+        got = [(c.path, c.last_pid) for c in source.read() if c.name in ("open", "openat")]
+    finally:
+        source.close()
+    assert got == [("/nonexistent-agentcell", 3)], got

@@ -636,7 +636,7 @@ def check_monitor(*, root: bool) -> Check:
         from .monitor import calls
 
         why = calls.check()  # loaded and verified, never attached
-        names = "" if calls.exec_layout() is not None else \
+        names = "" if calls.part(calls.kernel_layout(), calls.EXEC_FIELDS) is not None else \
             "; no BTF: a process that exits at once is named by its 15-character name, not its file"
         have["calls"] = (f"on (eBPF: failed calls, so attempts on what the cell does not contain{names})"
                          if not why else

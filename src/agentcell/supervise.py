@@ -108,7 +108,7 @@ class Supervised:
                 from .monitor.monitor import Monitor
 
                 if not calls.supported():
-                    calls.exec_layout()  # (the kernel's BTF, read before the monitor listens to the host's forks)
+                    calls.kernel_layout()  # (the kernel's BTF, read before the monitor listens to the host's forks)
 
                 watch = Monitor(spec.cell_id, None, monitor, uid=spec.identity.uid, callback=callback,
                                 rootless=spec.identity.userns,

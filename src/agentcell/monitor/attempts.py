@@ -448,11 +448,21 @@ class Classifier:
         allow = "nothing: credentials stay outside" if credential else f"--{'rw' if op == 'write' else 'ro'} {path}"
         return (op, path, f"{what} (the cell does not contain it)", True, allow)
 
+    def _ceiling(self, call: Call) -> int | None:
+        """The highest pid the cell can have given out when the call failed: the kernel's own count in
+        the event (exact), else the monitor's count of the cell's forks so far (which may lag behind
+        the connector on a busy host). The higher of the two: a namespace that went round pid_max
+        starts low again, and the forks' count says so."""
+        counted = self.pid_ceiling()
+        if call.last_pid is None:
+            return counted
+        return call.last_pid if counted is None else max(call.last_pid, counted)
+
     def _proc(self, call: Call, path: str, op: str) -> Verdict | None:
         parts = path.split("/")
         if len(parts) >= 3 and parts[2].isascii() and parts[2].isdigit() and call.errno in (ENOENT, ESRCH):
             pid = int(parts[2])
-            ceiling = self.pid_ceiling()
+            ceiling = self._ceiling(call)
             if not self.host.pid_exists(pid) or self.host.exists_in_cell(f"/proc/{pid}"):
                 return None  # no such process, or one of the cell's own (a file of it that went: a race)
             if ceiling is not None and pid > ceiling:
@@ -472,7 +482,7 @@ class Classifier:
     def _pid(self, call: Call) -> Verdict | None:
         pid = call.args[0] & 0xFFFFFFFF
         pid = pid - (1 << 32) if pid >= 1 << 31 else pid
-        ceiling = self.pid_ceiling()
+        ceiling = self._ceiling(call)
         if call.errno != ESRCH or pid <= 0 or ceiling is None or pid <= ceiling or not self.host.pid_exists(pid):
             return None
         return ("execute", f"{call.name} pid {pid}", "a signal or handle for a host process (not in the cell's "

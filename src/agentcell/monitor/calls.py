@@ -125,9 +125,26 @@ def _count_drop(a: bpf.Asm, drops_fd: int) -> None:
     a.atomic_add(bpf.R0, 0, bpf.R1)
 
 
-def program(table_fd: int, cells_fd: int, drops_fd: int, scratch_fd: int) -> bytes:
+def _pointer(a: bpf.Asm, base_reg: int, offset: int, fail: str, slot: int) -> None:
+    """R3 = *(u64 *)(base_reg + offset), read from the kernel through the stack at ``slot``; to ``fail``
+    if it cannot be read or is NULL."""
+    a.alu("mov", bpf.R3, base_reg)
+    a.alu("add", bpf.R3, imm=offset)
+    a.alu("mov", bpf.R1, bpf.R10)
+    a.alu("add", bpf.R1, imm=slot)
+    a.alu("mov", bpf.R2, imm=8)
+    a.call(bpf.PROBE_READ_KERNEL)
+    a.j("jne", bpf.R0, fail, imm=0)
+    a.ldx(bpf.DW, bpf.R3, bpf.R10, slot)
+    a.j("jeq", bpf.R3, fail, imm=0)
+
+
+def program(table_fd: int, cells_fd: int, drops_fd: int, scratch_fd: int, pidns: dict[str, int] | None) -> bytes:
     """The program, for every watched cell on the host: ``cells`` maps a cell's cgroup id (its cgroup2
-    directory's inode number) to its own ring (:mod:`.hostprog`)."""
+    directory's inode number) to its own ring (:mod:`.hostprog`). With ``pidns`` (PIDNS_FIELDS of
+    :func:`kernel_layout`), each event's second word is the caller's pid namespace's next pid at the
+    moment the call failed: every number below it may have been the cell's, none above (a /proc entry
+    or a pid above it is a host process's, exactly, whatever the monitor has read so far)."""
     R0, R1, R2, R3, R4, R5, R6, R7, R8, R9, R10 = (bpf.R0, bpf.R1, bpf.R2, bpf.R3, bpf.R4, bpf.R5, bpf.R6, bpf.R7,
                                                    bpf.R8, bpf.R9, bpf.R10)
     lo = sum(1 << e for e in _ERRNOS if e < 64)
@@ -187,6 +204,16 @@ def program(table_fd: int, cells_fd: int, drops_fd: int, scratch_fd: int) -> byt
     a.alu("add", R1, imm=72)
     a.alu("mov", R2, imm=16)
     a.call(bpf.GET_CURRENT_COMM)
+    if pidns is not None:
+        a.call(bpf.GET_CURRENT_TASK)
+        _pointer(a, R0, pidns["nsproxy"], "numbered", -32)
+        _pointer(a, R3, pidns["pid_ns"], "numbered", -32)
+        a.alu("add", R3, imm=pidns["idr"] + pidns["idr_next"])
+        a.alu("mov", R1, R8)
+        a.alu("add", R1, imm=4)
+        a.alu("mov", R2, imm=4)
+        a.call(bpf.PROBE_READ_KERNEL)
+        a.label("numbered")
     a.alu("mov", R1, R8)  # the registers, into the first buffer for a moment: the six arguments from there
     a.alu("add", R1, imm=A)
     a.alu("mov", R2, imm=168)
@@ -327,13 +354,13 @@ MODE_KNOWN = 1 << 16  # in an exec event's second word: the file's mode was read
 
 def exec_program(cells_fd: int, drops_fd: int, layout: dict[str, int] | None) -> bytes:
     """For the ``sched_process_exec`` raw tracepoint (task, old pid, binprm): each exec of the cell's that
-    succeeded, as an event of errno 0, with the new program's name (the task's comm is already the new
-    one) and, where the kernel's BTF says where things lie (``layout``: :func:`exec_layout`), the file as
-    execve was given it (``linux_binprm.filename``, the kernel's own copy, at most EXEC_NAME bytes) and
-    the mode of the file that runs (``binprm->file->f_inode->i_mode``: setuid and setgid are seen there,
-    exactly, though the process is gone by the time the event is read). A process that exits at once is
-    still named; the calls that succeed pay nothing for it. Each event takes its head and EXEC_NAME
-    bytes of the ring: a burst of tens of thousands of execs fits."""
+    succeeded, as an event of errno 0, with the new program's name (the task's comm is already the new one) and,
+    where the kernel's BTF says where things lie (``layout``: EXEC_FIELDS of :func:`kernel_layout`), the file as
+    execve was given it (``linux_binprm.filename``, the kernel's own copy, at most EXEC_NAME bytes) and the mode
+    of the file that runs (``binprm->file->f_inode->i_mode``: setuid and setgid are seen there, exactly, though
+    the process is gone by the time the event is read). A process that exits at once is still named; the calls
+    that succeed pay nothing for it. Each event takes its head and EXEC_NAME bytes of the ring: a burst of tens
+    of thousands of execs fits."""
     R0, R1, R2, R3, R6, R8, R10 = bpf.R0, bpf.R1, bpf.R2, bpf.R3, bpf.R6, bpf.R8, bpf.R10
     a = bpf.Asm()
     a.alu("mov", R6, R1)  # the tracepoint's arguments
@@ -358,16 +385,7 @@ def exec_program(cells_fd: int, drops_fd: int, layout: dict[str, int] | None) ->
         a.st(bpf.B, R8, A, 0)  # (empty if it cannot be read)
 
         def pointer(base_reg: int, offset: int, fail: str) -> None:
-            """R3 = *(u64 *)(base_reg + offset), read from the kernel; to ``fail`` if it cannot be."""
-            a.alu("mov", R3, base_reg)
-            a.alu("add", R3, imm=offset)
-            a.alu("mov", R1, R10)
-            a.alu("add", R1, imm=-8)
-            a.alu("mov", R2, imm=8)
-            a.call(bpf.PROBE_READ_KERNEL)
-            a.j("jne", R0, fail, imm=0)
-            a.ldx(bpf.DW, R3, R10, -8)
-            a.j("jeq", R3, fail, imm=0)
+            _pointer(a, base_reg, offset, fail, -8)
 
         a.ldx(bpf.DW, R3, R6, 16)  # the binprm
         a.j("jeq", R3, "submit", imm=0)
@@ -404,39 +422,49 @@ def exec_program(cells_fd: int, drops_fd: int, layout: dict[str, int] | None) ->
     return a.code()
 
 
+# Where things lie in the kernel's structures (its BTF), by what each program reads: an exec's file and
+# its mode; the pid namespace's next pid (``idr_next``: the last one given out is the one before it).
+EXEC_FIELDS = {"filename": ("linux_binprm", "filename"), "file": ("linux_binprm", "file"),
+               "f_inode": ("file", "f_inode"), "i_mode": ("inode", "i_mode")}
+PIDNS_FIELDS = {"nsproxy": ("task_struct", "nsproxy"), "pid_ns": ("nsproxy", "pid_ns_for_children"),
+                "idr": ("pid_namespace", "idr"), "idr_next": ("idr", "idr_next")}
+
+
+def part(layout: dict[str, int], fields: dict[str, tuple[str, str]]) -> dict[str, int] | None:
+    """The offsets ``fields`` names, if the layout has them all."""
+    return layout if all(k in layout for k in fields) else None
+
+
 @functools.lru_cache(maxsize=1)
-def exec_layout() -> dict[str, int] | None:
-    """Where ``linux_binprm.filename`` and ``.file``, ``file.f_inode`` and ``inode.i_mode`` lie on this
-    kernel (its BTF), or None. Read from the BTF once a boot and kept in root's runtime directory: twenty
-    sessions starting at once each reading 5 MB slowed the monitors already listening to the host's forks
-    (their connector overflowed)."""
+def kernel_layout() -> dict[str, int]:
+    """The offsets of EXEC_FIELDS and PIDNS_FIELDS on this kernel, as far as its BTF has them (none
+    without BTF). Read from the BTF once a boot and kept in root's runtime directory: twenty sessions
+    starting at once each reading 5 MB slowed the monitors already listening to the host's forks (their
+    connector overflowed)."""
     import json
 
     from .. import hostfs
     from ..errors import AgentcellError
     from .btf import VMLINUX, offsets
 
+    where = {**EXEC_FIELDS, **PIDNS_FIELDS}
     try:
         st = os.stat(VMLINUX)
         with open("/proc/sys/kernel/random/boot_id") as f:
-            key = f"{f.read().strip()} {os.uname().release} {os.uname().version} {st.st_size} {st.st_mtime_ns}"
+            key = (f"{f.read().strip()} {os.uname().release} {os.uname().version} {st.st_size} {st.st_mtime_ns} "
+                   f"{sorted(where.items())}")
     except OSError:
-        return None
-    cache = os.path.join(hostfs.RUN, "btf-exec-layout.json")
+        return {}
+    cache = os.path.join(hostfs.RUN, "btf-layout.json")
     try:
         with open(cache) as f:
             kept = json.load(f)
         if kept.get("key") == key:
-            layout = kept.get("layout")
-            return {k: int(v) for k, v in layout.items()} if isinstance(layout, dict) else None
-    except (OSError, ValueError, AttributeError, TypeError):
+            return {k: int(v) for k, v in kept["layout"].items() if k in where}
+    except (OSError, ValueError, AttributeError, TypeError, KeyError):
         pass
-    where = {"filename": ("linux_binprm", "filename"), "file": ("linux_binprm", "file"),
-             "f_inode": ("file", "f_inode"), "i_mode": ("inode", "i_mode")}
     found = offsets(where.values())
-    out: dict[str, int] | None = {k: v for k, w in where.items() if (v := found[w]) is not None}
-    if out is not None and len(out) < len(where):
-        out = None
+    out = {k: v for k, w in where.items() if (v := found[w]) is not None}
     try:
         hostfs.run_dir()
         tmp = f"{cache}.{os.getpid()}"
@@ -456,9 +484,10 @@ def check() -> str:
     fds: list[int] = []
     try:
         fds.extend(_maps(1 << 16, 1))
-        fds.append(bpf.prog_load(bpf.PROG_RAW_TRACEPOINT, program(*fds), "agentcell_calls"))
-        fds.append(bpf.prog_load(bpf.PROG_RAW_TRACEPOINT, exec_program(fds[1], fds[2], exec_layout()),
-                                 "agentcell_execs"))
+        fds.append(bpf.prog_load(bpf.PROG_RAW_TRACEPOINT, program(*fds, part(kernel_layout(), PIDNS_FIELDS)),
+                                 "agentcell_calls"))
+        fds.append(bpf.prog_load(bpf.PROG_RAW_TRACEPOINT,
+                                 exec_program(fds[1], fds[2], part(kernel_layout(), EXEC_FIELDS)), "agentcell_execs"))
     except OSError as e:
         return str(e.strerror or e)
     finally:
@@ -495,12 +524,15 @@ def _attached() -> dict[str, int]:
     out: dict[str, int] = {}
     try:
         table, cells, drops, scratch = fds
-        prog = bpf.prog_load(bpf.PROG_RAW_TRACEPOINT, program(table, cells, drops, scratch), "agentcell_calls")
+        prog = bpf.prog_load(bpf.PROG_RAW_TRACEPOINT,
+                             program(table, cells, drops, scratch, part(kernel_layout(), PIDNS_FIELDS)),
+                             "agentcell_calls")
         try:
             out["calls_link"] = bpf.attach_raw_tracepoint("sys_exit", prog)
         finally:
             os.close(prog)
-        prog = bpf.prog_load(bpf.PROG_RAW_TRACEPOINT, exec_program(cells, drops, exec_layout()), "agentcell_execs")
+        prog = bpf.prog_load(bpf.PROG_RAW_TRACEPOINT, exec_program(cells, drops, part(kernel_layout(), EXEC_FIELDS)),
+                             "agentcell_execs")
         try:
             out["exec_link"] = bpf.attach_raw_tracepoint("sched_process_exec", prog)
         finally:
@@ -519,22 +551,26 @@ def _attached() -> dict[str, int]:
 @functools.lru_cache(maxsize=1)
 def _version() -> str:
     """This build of the programs (fds as placeholders)."""
-    return hostprog.version(program(1, 2, 3, 4), exec_program(2, 3, exec_layout()), RING_SIZE, EVENT_SIZE,
-                            hostprog.CELLS, repr(sorted(CALLS.items())).encode())
+    layout = kernel_layout()
+    return hostprog.version(program(1, 2, 3, 4, part(layout, PIDNS_FIELDS)),
+                            exec_program(2, 3, part(layout, EXEC_FIELDS)), RING_SIZE, EVENT_SIZE, hostprog.CELLS,
+                            repr(sorted(CALLS.items())).encode())
 
 
 class Call:
     """One failed call: ``name``, ``errno``, ``pid`` (the process, host pid), ``tid``, ``comm``, ``args``
     (raw), ``path`` and ``path2`` (as given, maybe relative), ``addr`` (("inet"|"inet6", ip, port),
     ("unix", path), ("abstract", name) or None), ``flags`` (an open's; for an exec that succeeded, its
-    file's mode, with MODE_KNOWN set if it was read)."""
+    file's mode, with MODE_KNOWN set if it was read), ``last_pid`` (the highest pid the caller's pid
+    namespace had given out when the call failed, or None if the kernel's layout is not known)."""
 
-    __slots__ = ("name", "errno", "pid", "tid", "comm", "args", "path", "path2", "addr", "flags")
+    __slots__ = ("name", "errno", "pid", "tid", "comm", "args", "path", "path2", "addr", "flags", "last_pid")
 
     def __init__(self, name: str, errno: int, pid: int, tid: int, comm: str, args: tuple[int, ...], path: str = "",
-                 path2: str = "", addr: tuple[Any, ...] | None = None, flags: int = 0) -> None:
+                 path2: str = "", addr: tuple[Any, ...] | None = None, flags: int = 0,
+                 last_pid: int | None = None) -> None:
         self.name, self.errno, self.pid, self.tid, self.comm, self.args = name, errno, pid, tid, comm, args
-        self.path, self.path2, self.addr = path, path2, addr
+        self.path, self.path2, self.addr, self.last_pid = path, path2, addr, last_pid
         self.flags = flags or {"open": args[1], "openat": args[2], "creat": O_CREAT | O_TRUNC | 1}.get(name, 0)
 
     def __repr__(self) -> str:
@@ -573,6 +609,7 @@ def decode(raw: bytes) -> Call | None:
         if len(os.fsencode(call.path)) >= EXEC_NAME - 1:  # cut: not a name
             call.path = ""
         return call
+    call.last_pid = second - 1 if second else None  # (the namespace's next pid)
     if len(kinds) > 1 and kinds[1][0] == PATH:
         call.path2 = _text(raw, B)
     elif len(kinds) > 1 and kinds[1][0] == WORD:
