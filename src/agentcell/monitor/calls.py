@@ -484,7 +484,9 @@ def check() -> str:
     fds: list[int] = []
     try:
         fds.extend(_maps(1 << 16, 1))
-        fds.append(bpf.prog_load(bpf.PROG_RAW_TRACEPOINT, program(*fds, part(kernel_layout(), PIDNS_FIELDS)),
+        table, cells, drops, scratch = fds
+        fds.append(bpf.prog_load(bpf.PROG_RAW_TRACEPOINT,
+                                 program(table, cells, drops, scratch, part(kernel_layout(), PIDNS_FIELDS)),
                                  "agentcell_calls"))
         fds.append(bpf.prog_load(bpf.PROG_RAW_TRACEPOINT,
                                  exec_program(fds[1], fds[2], part(kernel_layout(), EXEC_FIELDS)), "agentcell_execs"))
