@@ -1,0 +1,118 @@
+"""A session's own certificate authority, for the proxy to stand in for the hosts a secret is bound to.
+
+The cell trusts this CA (its certificate goes into the cell's trust bundle); the proxy terminates TLS
+for a bound host with a leaf certificate the CA signed, so it can put the real credential where the
+cell sent a placeholder. What keeps this from being a general man-in-the-middle key:
+
+* **Name constraints.** The CA is valid only for the bound hosts (RFC 5280 name constraints, marked
+  critical: a verifier that does not understand them must refuse the chain). Even a leaked CA key
+  could not vouch for any other name to the cell, but for the bound hosts' own subdomains (a DNS
+  subtree is the name and every name below it: X.509 has no "this name only"). OpenSSL (curl, git,
+  Python, Node), Go and rustls enforce them.
+* **The key never leaves the supervisor.** Every leaf is made up front, for the bound hosts only, when
+  the session starts; the proxy (another process, running as ``nobody``) gets the leaves' keys, never
+  the CA's. The CA's key is not written anywhere.
+* **Short-lived.** A day at most (a session's life), P-256 keys, made fresh per session.
+
+Upstream, the proxy verifies the real host against the host's own trust store: this CA is never
+trusted outside the cell.
+"""
+from __future__ import annotations
+
+import datetime
+import ipaddress
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+VALID = datetime.timedelta(days=1)
+SKEW = datetime.timedelta(minutes=5)  # a clock a little behind still accepts it
+
+
+def _general_name(host: str) -> x509.GeneralName:
+    try:
+        return x509.IPAddress(ipaddress.ip_address(host))
+    except ValueError:
+        return x509.DNSName(host.lower().rstrip("."))
+
+
+def _subtree(host: str) -> x509.GeneralName:
+    """The name constraint for one host: that name (and, X.509 being what it is, its subdomains), an
+    address as a /32 or /128."""
+    try:
+        ip = ipaddress.ip_address(host)
+        return x509.IPAddress(ipaddress.ip_network(f"{ip}/{ip.max_prefixlen}"))
+    except ValueError:
+        return x509.DNSName(host.lower().rstrip("."))
+
+
+class SessionCA:
+    """A CA for ``hosts`` alone; :meth:`leaf` for each of them, :attr:`pem` for the cell's trust."""
+
+    def __init__(self, session: str, hosts: tuple[str, ...]) -> None:
+        if not hosts:
+            raise ValueError("a session CA needs at least one host to stand in for")
+        self.hosts = tuple(dict.fromkeys(h.lower().rstrip(".") for h in hosts))
+        self._key = ec.generate_private_key(ec.SECP256R1())
+        now = datetime.datetime.now(datetime.UTC)
+        self.not_before, self.not_after = now - SKEW, now + VALID
+        name = x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "agentcell"),
+                          x509.NameAttribute(NameOID.COMMON_NAME, f"agentcell session {session}"[:64])])
+        self._name = name
+        ips = [h for h in self.hosts if isinstance(_subtree(h), x509.IPAddress)]
+        permitted = [_subtree(h) for h in self.hosts]
+        excluded: list[x509.GeneralName] | None = None
+        if not ips:  # no address at all: say so (a constraint naming no IP would leave every IP open)
+            excluded = [x509.IPAddress(ipaddress.ip_network("0.0.0.0/0")), x509.IPAddress(ipaddress.ip_network("::/0"))]
+        self.cert = (
+            x509.CertificateBuilder()
+            .subject_name(name).issuer_name(name)
+            .public_key(self._key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(self.not_before).not_valid_after(self.not_after)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+            .add_extension(x509.KeyUsage(digital_signature=False, content_commitment=False, key_encipherment=False,
+                                         data_encipherment=False, key_agreement=False, key_cert_sign=True,
+                                         crl_sign=True, encipher_only=False, decipher_only=False), critical=True)
+            .add_extension(x509.NameConstraints(permitted_subtrees=permitted, excluded_subtrees=excluded),
+                           critical=True)
+            .add_extension(x509.SubjectKeyIdentifier.from_public_key(self._key.public_key()), critical=False)
+            .sign(self._key, hashes.SHA256())
+        )
+        self.pem = self.cert.public_bytes(serialization.Encoding.PEM)
+
+    def leaf(self, host: str) -> tuple[bytes, bytes]:
+        """(certificate chain, private key), PEM, for one of the CA's hosts."""
+        host = host.lower().rstrip(".")
+        if host not in self.hosts:
+            raise ValueError(f"{host} is not one of this session's bound hosts")
+        key = ec.generate_private_key(ec.SECP256R1())
+        san = _general_name(host)
+        # An address gets no common name: OpenSSL checks a common name that looks like a host name
+        # against the DNS constraints (and "127.0.0.1" looks like one); the subject is then empty and
+        # the alternative name critical, as RFC 5280 asks.
+        ip = isinstance(san, x509.IPAddress)
+        cert = (
+            x509.CertificateBuilder()
+            .subject_name(x509.Name([] if ip else [x509.NameAttribute(NameOID.COMMON_NAME, host[:64])]))
+            .issuer_name(self._name)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(self.not_before).not_valid_after(self.not_after)
+            .add_extension(x509.SubjectAlternativeName([san]), critical=ip)
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(x509.KeyUsage(digital_signature=True, content_commitment=False, key_encipherment=False,
+                                         data_encipherment=False, key_agreement=False, key_cert_sign=False,
+                                         crl_sign=False, encipher_only=False, decipher_only=False), critical=True)
+            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+            .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(self._key.public_key()), critical=False)
+            .sign(self._key, hashes.SHA256())
+        )
+        chain = cert.public_bytes(serialization.Encoding.PEM) + self.pem
+        return chain, key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                        serialization.NoEncryption())
+
+    def __repr__(self) -> str:  # (never the key)
+        return f"SessionCA(hosts={self.hosts!r}, until={self.not_after.isoformat()})"
