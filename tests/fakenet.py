@@ -6,7 +6,8 @@ namespace, which has no other link. Everything is named ac-/agentcell and remove
 
     host  ac-h<hex> 198.18.0.1/30, fd00:ac::1/64   <-veth->   ac-n<hex> 198.18.0.2/30, fd00:ac::2/64
     in the namespace:  198.18.1.10 good.test (HTTP on 80, 443, 8443), 198.18.1.20 evil.test,
-                       fd00:ac:1::10 good6.test, DNS 198.18.0.53 (UDP and TCP)
+                       198.18.1.30 api.test (for a test's own server), fd00:ac:1::10 good6.test,
+                       DNS 198.18.0.53 (UDP and TCP)
 """
 from __future__ import annotations
 
@@ -20,9 +21,10 @@ import time
 from pathlib import Path
 
 GOOD4, EVIL4, GOOD6, DNS4 = "198.18.1.10", "198.18.1.20", "fd00:ac:1::10", "198.18.0.53"
+API4 = "198.18.1.30"  # api.test: nothing listens there but what a test starts itself (run_in)
 RECORDS = {
     "good.test": [GOOD4, GOOD6], "www.good.test": [GOOD4], "evil.test": [EVIL4], "good6.test": [GOOD6],
-    "loop.test": ["127.0.0.1"], "meta.test": ["169.254.169.254"], "mixed.test": [GOOD4, "10.0.0.1"],
+    "api.test": [API4], "loop.test": ["127.0.0.1"], "meta.test": ["169.254.169.254"], "mixed.test": [GOOD4, "10.0.0.1"],
 }
 
 SERVERS = r'''
@@ -112,7 +114,7 @@ class FakeInternet:
         inside = ["netns", "exec", self.ns, "ip"]
         _ip(*inside, "link", "set", "lo", "up")
         _ip(*inside, "addr", "add", "198.18.0.2/30", "dev", self.ns_if)
-        for a in ("198.18.1.10/32", "198.18.1.20/32", f"{DNS4}/32"):
+        for a in ("198.18.1.10/32", "198.18.1.20/32", f"{API4}/32", f"{DNS4}/32"):
             _ip(*inside, "addr", "add", a, "dev", self.ns_if)
         _ip(*inside, "-6", "addr", "add", "fd00:ac::2/64", "dev", self.ns_if, "nodad")
         _ip(*inside, "-6", "addr", "add", f"{GOOD6}/128", "dev", self.ns_if, "nodad")
@@ -135,6 +137,10 @@ class FakeInternet:
                 if time.monotonic() > deadline:
                     raise RuntimeError("the fake internet does not answer") from None
                 time.sleep(0.05)
+
+    def run_in(self, argv: list[str], **kwargs: object) -> subprocess.Popen[str]:
+        """A process of the test's own in the namespace (a server on api.test); the caller kills it by PID."""
+        return subprocess.Popen(["ip", "netns", "exec", self.ns, *argv], text=True, **kwargs)  # type: ignore[call-overload]
 
     def dns_queries(self) -> list[tuple[str, str]]:
         return [tuple(json.loads(line)) for line in self.dns_log.read_text().splitlines()]

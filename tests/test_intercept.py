@@ -93,23 +93,19 @@ def rig(tmp_path: Path) -> Iterator[dict[str, Any]]:
         up_server = await asyncio.start_server(upstream.handle, "127.0.0.1", 0, ssl=up_ctx)
         up_port = up_server.sockets[0].getsockname()[1]
 
-        async def open_upstream(host: str, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-            assert (host, port) == (HOST, 443)
-            return await asyncio.open_connection("127.0.0.1", up_port)
-
         icpt = Interceptor(creds, {HOST: server_context(str(tmp_path / "leaf.pem"), str(tmp_path / "leaf.key"))},
-                           upstream_context(public.pem.decode()), open_upstream,
-                           lambda host, port, why: refused.append(why))
+                           upstream_context(public.pem.decode()), lambda host, port, why: refused.append(why))
 
         async def front(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             head = await reader.readuntil(b"\r\n\r\n")
             target = head.split(b" ")[1].decode()
             host, _, port = target.rpartition(":")
-            assert icpt.wants(host)
+            assert icpt.wants(host) and (host, port) == (HOST, "443")
+            up_r, up_w = await asyncio.open_connection("127.0.0.1", up_port)
             writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
             await writer.drain()
             try:
-                await icpt.serve(host, int(port), reader, writer)
+                await icpt.serve(host, int(port), reader, writer, up_r, up_w)
             finally:
                 writer.close()
 

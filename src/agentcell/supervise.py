@@ -47,6 +47,7 @@ class Supervised:
         self._blocked: dict[tuple[str, str, str], dict[str, Any]] = {}  # refusals, one per target, counted
         self._blocked_lock = _thread.allocate_lock()  # the monitor's loop adds while the end reads (a slow stop)
         self._result: dict[str, Any] | None = None
+        self._trust: Any = None  # the session CA's certificates for the cell (network.tlsca.CellTrust)
 
     @property
     def cell_id(self) -> str:
@@ -67,7 +68,8 @@ class Supervised:
               callback: Callable[[CellEvent], None] | None = None, stdio: Sequence[int] = (0, 1, 2),
               tty_fds: Sequence[int] = (), dedicated: bool | None = None, live: bool = False,
               guard: Guard | None | bool = True, give_to: tuple[int, int] | None = None,
-              adopt: tuple[Any, Any] | None = None) -> Supervised:
+              adopt: tuple[Any, Any] | None = None, credentials: Any = None,
+              upstream_ca: str | None = None) -> Supervised:
         """Launch ``argv`` in a cell for ``spec`` (``live``: no argv; the cell serves commands through
         ``running.live`` until that is closed, see :mod:`agentcell.cell.execd`). ``monitor``: terminate |
         record | ``CLASS=VERDICT,…`` (:func:`agentcell.monitor.monitor.parse_verdicts`) | None (no monitor).
@@ -77,7 +79,40 @@ class Supervised:
         owner of what is moved aside; False: the caller checks the control surface itself).
         ``adopt``: a host-firewall table and its log reader made before (the session's firewall step,
         so that a host that cannot have one fails before anything runs): adopted, and removed with the
-        cell; if the cell cannot start, they are left to their maker."""
+        cell; if the cell cannot start, they are left to their maker.
+        ``credentials`` (:class:`agentcell.policy.credentials.CredentialSet`, ``--net proxy`` only): the
+        cell's environment gets their placeholders and trusts a CA made for this cell alone, whose leaves
+        let the proxy put the real values in the requests to their hosts (verified upstream against the
+        host's trust store, or ``upstream_ca``, a PEM: a test's CA standing in for the public ones)."""
+        trust = ca = None
+        if credentials is not None and credentials.secrets:
+            if spec.network != "proxy":
+                raise AgentcellError("--secret", "credentials are injected by the egress proxy",
+                                     "use --net proxy (with --allow-domain for their hosts)")
+            from .cell.spec import new_cell_id
+            from .network.tlsca import CellTrust, SessionCA
+
+            if not spec.cell_id:  # (its trust directory is named by it)
+                spec = spec.replace(cell_id=new_cell_id())
+            ca = SessionCA(spec.cell_id, credentials.hosts())
+            trust = CellTrust(spec.cell_id, ca)
+            placeholders = credentials.cell_env()
+            env = tuple((k, v) for k, v in spec.env if k not in placeholders and k not in dict(trust.env()))
+            spec = spec.replace(env=(*env, *placeholders.items(), *trust.env()), ro_paths=(*spec.ro_paths, trust.dir))
+        try:
+            return cls._start(spec, argv, monitor=monitor, callback=callback, stdio=stdio, tty_fds=tty_fds,
+                              dedicated=dedicated, live=live, guard=guard, give_to=give_to, adopt=adopt,
+                              secrets=(credentials, ca, upstream_ca) if ca is not None else None, trust=trust)
+        except BaseException:
+            if trust is not None:
+                trust.remove()
+            raise
+
+    @classmethod
+    def _start(cls, spec: CellSpec, argv: Sequence[str], *, monitor: str | None, callback: Callable[[CellEvent], None]
+               | None, stdio: Sequence[int], tty_fds: Sequence[int], dedicated: bool | None, live: bool,
+               guard: Guard | None | bool, give_to: tuple[int, int] | None, adopt: tuple[Any, Any] | None,
+               secrets: tuple[Any, Any, str | None] | None, trust: Any) -> Supervised:
         if spec.watch and monitor is None:  # its canaries and seccomp listener wait on a monitor
             raise AgentcellError("watch", "a watched cell needs its monitor", "pass monitor='terminate' or 'record'")
         if guard is True:
@@ -149,13 +184,15 @@ class Supervised:
         if running.egress_fd is not None:
             from .network import egress
 
-            proxy = egress.ProxyProcess(running.egress_fd, spec.egress)
+            proxy = egress.ProxyProcess(running.egress_fd, spec.egress,
+                                        egress.secrets_memfd(*secrets) if secrets is not None else None)
             if running.cg is not None:  # the proxy serves this cell alone: it counts against its ceilings
                 try:
                     running.cg.adopt(proxy.proc.pid)
                 except OSError:
                     pass  # it exited at once: the cell will find no one on its one way out
         sup = cls(spec, running, watch, proxy, fw, log, guard or None)
+        sup._trust = trust
         if watch is not None:
             try:
                 _ = sup.pid1  # known before the monitor follows the cell's processes by descent from it
@@ -255,6 +292,8 @@ class Supervised:
         events = self.monitor.stop() if self.monitor is not None else []
         blocked = self._proxy.stop() if self._proxy is not None else []
         self.running.clean_up()  # its cgroup, now that the proxy has left it too
+        if self._trust is not None:
+            self._trust.remove()
         if self._fw is not None:
             self._fw.remove()
         if self._log is not None:

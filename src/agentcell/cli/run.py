@@ -51,6 +51,13 @@ OPTIONS: tuple[tuple[str, str, str, str, str], ...] = (
     ("--as", "as_", "value", "WHO", "self (default), agent:NAME or UID (root only)"),
     ("--env", "env", "append", "K=V", "set a variable in the cell (argv is public: pass secrets by --keep-env)"),
     ("--keep-env", "keep_env", "append", "NAME", "pass the host's NAME through"),
+    ("--secret", "secret", "append", "NAME[=SOURCE]", "with --net proxy: a credential the cell gets only as a "
+     "placeholder; the proxy puts the real value in requests to its --secret-host (SOURCE: env:VAR (default: "
+     "NAME), file:PATH, cmd:COMMAND)"),
+    ("--secret-host", "secret_host", "append", "NAME=HOST[,HOST][:HEADER]", "where --secret NAME may go: the "
+     "hosts, and the request headers it may go in (default: any header)"),
+    ("--upstream-ca", "upstream_ca", "value", "PEM", "with --secret: verify the secrets' hosts against this CA "
+     "bundle instead of the host's trust store"),
     ("--cwd", "cwd", "value", "DIR", "working directory inside the cell (default: here if shared, else $HOME)"),
     ("--timeout", "timeout", "value", "S", "kill the whole cell after S seconds"),
     ("--allow-unsafe-path", "allow_unsafe_path", "flag", "", "accept /, a home dir or a credential dir as a path"),
@@ -90,6 +97,9 @@ class Args:
     allow_write: list[str]
     env: list[str]
     keep_env: list[str]
+    secret: list[str]
+    secret_host: list[str]
+    upstream_ca: str | None
     scratch: str | None
     home: str | None
     net: str | None
@@ -275,6 +285,39 @@ def _egress(ns: Args | Namespace) -> tuple[str, ...]:
                      allow_egress=ns.allow_egress, allow_loopback=ns.allow_loopback, names=nc.FLAGS)
 
 
+def _credentials(ns: Args | Namespace, spec: CellSpec) -> tuple[Any, str | None]:
+    """``--secret``/``--secret-host``/``--upstream-ca``: the credential set (values read now, on the host)
+    and the upstream CA's PEM; (None, None) without ``--secret``. Each bound host must be one the proxy
+    lets through."""
+    if not ns.secret:
+        for flag, given in (("--secret-host", ns.secret_host), ("--upstream-ca", ns.upstream_ca)):
+            if given:
+                raise AgentcellError(flag, "says where a --secret goes", "add --secret NAME")
+        return None, None
+    if spec.network != "proxy":
+        raise AgentcellError("--secret", "credentials are injected by the egress proxy", "add --net proxy")
+    from ..network.rules import Policy
+    from ..policy.credentials import CredentialSet, parse_bindings, read_values
+
+    creds = CredentialSet.build(read_values(ns.secret), parse_bindings(ns.secret_host))
+    policy = Policy.from_rules(spec.egress)
+    for host in creds.hosts():
+        if not policy.name_verdict(host, 443)[0]:
+            raise AgentcellError("--secret-host", f"{host} is not on the allow-list", f"add --allow-domain {host}")
+    pem = None
+    if ns.upstream_ca:
+        try:
+            with open(ns.upstream_ca, encoding="ascii") as f:
+                pem = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise AgentcellError("--upstream-ca", f"cannot read {ns.upstream_ca} ({getattr(e, 'strerror', e)})",
+                                 "give a PEM file of CA certificates") from None
+        if "-----BEGIN CERTIFICATE-----" not in pem:
+            raise AgentcellError("--upstream-ca", f"{ns.upstream_ca} holds no PEM certificate",
+                                 "give a PEM file of CA certificates")
+    return creds, pem
+
+
 def _limits(ns: Args | Namespace) -> tuple[int | None, int | None, int | None]:
     from .. import limits
 
@@ -380,7 +423,8 @@ def protected_lines(result: dict[str, Any]) -> list[str]:
 
 
 def _run_here(spec: CellSpec, command: list[str], timeout: float | None, ttys: tuple[int, ...],
-              interactive: bool, guard: Guard, monitor: str | None = None) -> dict[str, Any]:
+              interactive: bool, guard: Guard, monitor: str | None = None, credentials: Any = None,
+              upstream_ca: str | None = None) -> dict[str, Any]:
     """The cold path: build the cell in this process. Where our 0, 1, 2 are terminals the cell gets a
     pty of its own, relayed; stdin only when the run is interactive (else /dev/null)."""
     from ..supervise import Supervised
@@ -389,7 +433,8 @@ def _run_here(spec: CellSpec, command: list[str], timeout: float | None, ttys: t
     if 0 in ttys and not interactive:
         stdio[0] = os.open(os.devnull, os.O_RDONLY)
         ttys = tuple(fd for fd in ttys if fd != 0)
-    sup = Supervised.start(spec, command, monitor=monitor, stdio=stdio, tty_fds=ttys, guard=guard)
+    sup = Supervised.start(spec, command, monitor=monitor, stdio=stdio, tty_fds=ttys, guard=guard,
+                           credentials=credentials, upstream_ca=upstream_ca)
     try:
         cell = _wait_here(sup.running, timeout, interactive)
     except BaseException:
@@ -456,13 +501,16 @@ def execute(ns: Args | Namespace) -> int:
             return 0
         if not command:
             raise AgentcellError("command", "no command given", "put it after --, e.g. agentcell run -- true")
+        credentials, upstream_ca = _credentials(ns, spec)
         ttys, interactive = terminal.tty_fds(), terminal.is_ours()
         from ..guard import Guard, human
 
         guard = Guard(spec, human())  # the protected-path step, on either path
         result = None
         monitor = ns.on_escape or "terminate" if ns.monitor else None
-        if not ttys and not ns.no_warm:  # a terminal stays here: job control needs the cell in its session
+        # A terminal stays here (job control needs the cell in its session); so do credentials (the warm
+        # launcher is another process: the values go no further than this one and its proxy).
+        if not ttys and not ns.no_warm and credentials is None:
             from ..host import warm
 
             result = warm.run(spec, command, ns.timeout, monitor)
@@ -470,7 +518,8 @@ def execute(ns: Args | Namespace) -> int:
                 result["via"] = "warm launcher"
                 guard.check(result, str(result.get("cell_id") or spec.cell_id))
         if result is None:
-            result = _run_here(spec, command, ns.timeout, ttys, interactive, guard, monitor=monitor)
+            result = _run_here(spec, command, ns.timeout, ttys, interactive, guard, monitor=monitor,
+                               credentials=credentials, upstream_ca=upstream_ca)
     except AgentcellError as e:
         return report(PROG, e)
     for sig in FORWARDED:  # the cell has ended: a signal now ends us, as it would any command

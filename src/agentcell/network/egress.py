@@ -21,8 +21,26 @@ __all__ = ["PROXY_PORT", "ProxyProcess", "proxy_environment", "summary"]
 MAX_READ = 2 << 20  # the proxy writes at most 1 MiB of events
 
 
+def secrets_memfd(creds: Any, ca: Any, upstream_ca: str | None) -> int:
+    """The proxy's credentials (values included) and a leaf per bound host, in a memfd (memory only,
+    never a path): read by the proxy at its start and closed. The CA's own key is not in it."""
+    config = {"secrets": [{"name": s.name, "value": s.value, "placeholder": s.placeholder, "hosts": list(s.hosts),
+                           "headers": list(s.headers)} for s in creds.secrets.values()],
+              "leaves": {h: [pem.decode() for pem in ca.leaf(h)] for h in creds.hosts()},
+              "upstream_ca": upstream_ca}
+    fd = os.memfd_create("agentcell-secrets", os.MFD_CLOEXEC)
+    try:
+        os.write(fd, json.dumps(config).encode())
+        os.lseek(fd, 0, os.SEEK_SET)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 class ProxyProcess:
-    def __init__(self, listen_fd: int, rules: tuple[str, ...]) -> None:
+    def __init__(self, listen_fd: int, rules: tuple[str, ...], secrets_fd: int | None = None) -> None:
+        """``secrets_fd``: :func:`secrets_memfd`'s, given to the proxy (and closed here)."""
         # Held for the proxy's whole life and closed in stop(): no with-block fits.
         self.events_file = tempfile.TemporaryFile(mode="w+b", prefix="agentcell-egress-")  # noqa: SIM115
         self._offset = 0  # how far new_events() has read
@@ -31,8 +49,12 @@ class ProxyProcess:
         argv = [sys.executable, "-I", "-c", "import sys; from agentcell.network.proxy import main; main(sys.argv[1:])",
                 "--listen-fd", str(listen_fd), "--events-fd", str(self.events_file.fileno()),
                 "--rules", json.dumps(list(rules)), "--parent", str(os.getpid()), "--bell-fd", str(bell_w)]
+        fds: tuple[int, ...] = (listen_fd, self.events_file.fileno(), bell_w)
+        if secrets_fd is not None:
+            argv += ["--secrets-fd", str(secrets_fd)]
+            fds += (secrets_fd,)
         try:
-            self.proc = subprocess.Popen(argv, pass_fds=(listen_fd, self.events_file.fileno(), bell_w), cwd="/",
+            self.proc = subprocess.Popen(argv, pass_fds=fds, cwd="/",
                                          stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                          stderr=subprocess.DEVNULL, env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"})
         except BaseException:
@@ -40,6 +62,8 @@ class ProxyProcess:
             raise
         finally:
             os.close(bell_w)
+            if secrets_fd is not None:
+                os.close(secrets_fd)
         os.close(listen_fd)  # the proxy holds it now: the cell's way out is that process, nothing else
 
     def fileno(self) -> int:

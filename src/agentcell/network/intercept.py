@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 import h11
@@ -32,29 +32,27 @@ IDLE_S = 300.0  # a kept-alive connection with no request for this long is close
 HOP = {b"connection", b"keep-alive", b"proxy-connection", b"proxy-authorization", b"te", b"trailer", b"upgrade",
        b"expect"}
 
-Open = Callable[[str, int], Awaitable[tuple[asyncio.StreamReader, asyncio.StreamWriter]]]
 Refuse = Callable[[str, int, str], None]
 
 
 class Interceptor:
     """``leaves``: host -> server context with its leaf; ``upstream``: the client context that verifies
-    the real hosts; ``open_upstream(host, port)``: a checked TCP connection (the proxy's own policy);
-    ``refuse(host, port, why)``: records an event that acts."""
+    the real hosts; ``refuse(host, port, why)``: records an event that acts."""
 
     def __init__(self, creds: CredentialSet, leaves: dict[str, ssl.SSLContext], upstream: ssl.SSLContext,
-                 open_upstream: Open, refuse: Refuse) -> None:
-        self.creds, self.leaves, self.upstream = creds, leaves, upstream
-        self.open_upstream, self.refuse = open_upstream, refuse
+                 refuse: Refuse) -> None:
+        self.creds, self.leaves, self.upstream, self.refuse = creds, leaves, upstream, refuse
 
     def wants(self, host: str) -> bool:
         return host.lower().rstrip(".") in self.leaves
 
-    async def serve(self, host: str, port: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """After the CONNECT was answered: the cell's TLS, then requests until either side closes."""
+    async def serve(self, host: str, port: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                    up_r: asyncio.StreamReader, up_w: asyncio.StreamWriter) -> None:
+        """After the CONNECT was answered (``up_*``: the TCP connection to the real host, checked and
+        made by the proxy's policy): the cell's TLS, the host's, then requests until either side closes."""
         host = host.lower().rstrip(".")
-        await asyncio.wait_for(writer.start_tls(self.leaves[host]), HANDSHAKE_S)
-        up_r, up_w = await self.open_upstream(host, port)
         try:
+            await asyncio.wait_for(writer.start_tls(self.leaves[host]), HANDSHAKE_S)
             await asyncio.wait_for(up_w.start_tls(self.upstream, server_hostname=host), HANDSHAKE_S)
             await self._relay(host, port, reader, writer, up_r, up_w)
         finally:

@@ -13,8 +13,15 @@ private, loopback or metadata address unless an --allow-range covers it); the co
 that checked address, so a second resolution cannot rebind it. Each refusal is written as one JSON
 line to the events fd (what the escape monitor consumes, and what ``agentcell run`` summarises).
 
+Credentials (``--secrets-fd N``: a memfd the supervisor wrote, read and closed before anything is
+served): the hosts a secret is bound to are intercepted (:mod:`.intercept`: the session CA's leaves,
+made by the supervisor, which keeps the CA's key); every other destination stays a tunnel. A
+placeholder seen where the proxy can see it and it does not belong (a plain-HTTP request, a
+destination's name, a request to a bound host outside its bound header) is refused and acts.
+
 Run as ``python -m agentcell.network.proxy --listen-fd N --events-fd M --rules JSON``; as root it
-first becomes ``nobody`` with no_new_privs: it parses what the agent sends.
+first becomes ``nobody`` with no_new_privs: it parses what the agent sends. Holding credentials, it
+is not dumpable either (no ptrace, no /proc/PID/mem, no core: not even by another ``nobody``).
 """
 from __future__ import annotations
 
@@ -27,9 +34,14 @@ import socket
 import struct
 import sys
 import time
+import typing
 from collections.abc import Awaitable, Callable
 
 from .rules import Address, Policy
+
+if typing.TYPE_CHECKING:
+    from ..policy.credentials import CredentialSet
+    from .intercept import Interceptor
 
 CONNECT_TIMEOUT_S = 10.0
 HEADER_TIMEOUT_S = 30.0  # to send a request's head (slowloris)
@@ -88,8 +100,9 @@ def dns_resolver(server: tuple[str, int]) -> Resolve:
 
 class Proxy:
     def __init__(self, policy: Policy, events: Callable[[dict[str, object]], None],
-                 resolve: Resolve | None = None) -> None:
-        self.policy, self.events = policy, events
+                 resolve: Resolve | None = None, creds: CredentialSet | None = None,
+                 interceptor: Interceptor | None = None) -> None:
+        self.policy, self.events, self.creds, self.interceptor = policy, events, creds, interceptor
         self.resolve = resolve or (dns_resolver(policy.resolver) if policy.resolver else system_resolve)
         self.open_connections = 0
         self.unresolved: set[str] = set()
@@ -137,6 +150,10 @@ class Proxy:
             return r, w
         raise Refused(f"{host}:{port} unreachable ({last})", 502)
 
+    def refuse_request(self, host: str, port: int, why: str) -> None:
+        """An intercepted request refused (a placeholder where its secret is not bound): an event that acts."""
+        self._refuse(host, port, "https", why)
+
     def _refuse(self, host: str, port: int, how: str, why: str, code: int = 403, *, note: bool = False) -> Refused:
         shown = _printable(host)
         self.events({"ts": time.time(), "operation": "network", "source": "proxy", "target": f"{shown}:{port}",
@@ -175,13 +192,14 @@ class Proxy:
         if method == "CONNECT":
             host, port = _split_hostport(target, 443)
             try:
+                self._placeholders(host, port, "http-connect", head)
                 up_r, up_w = await self.open(host, port, "http-connect")
             except Refused as e:
                 await _blocked(writer, e)
                 return
             writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
             await writer.drain()
-            await _pipe(reader, writer, up_r, up_w)
+            await self._tunnel(host, port, reader, writer, up_r, up_w)
             return
         if not target.lower().startswith("http://"):
             writer.write(b"HTTP/1.1 400 Bad Request\r\nConnection: close\r\n\r\nagentcell: use an absolute URI or "
@@ -191,6 +209,7 @@ class Proxy:
         hostport, _, path = target[7:].partition("/")
         host, port = _split_hostport(hostport, 80)
         try:
+            self._placeholders(host, port, "http", head, plain=True)
             up_r, up_w = await self.open(host, port, "http")
         except Refused as e:
             await _blocked(writer, e)
@@ -226,6 +245,7 @@ class Proxy:
             writer.write(b"\x05\x07\x00\x01" + bytes(6))
             return
         try:
+            self._placeholders(host, port, "socks5", host.encode("latin-1", "replace"))
             up_r, up_w = await self.open(host, port, "socks5")
         except Refused as e:
             await asyncio.sleep(HOLD_S)
@@ -233,7 +253,25 @@ class Proxy:
             return
         writer.write(b"\x05\x00\x00\x01" + bytes(6))
         await writer.drain()
-        await _pipe(reader, writer, up_r, up_w)
+        await self._tunnel(host, port, reader, writer, up_r, up_w)
+
+    async def _tunnel(self, host: str, port: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                      up_r: asyncio.StreamReader, up_w: asyncio.StreamWriter) -> None:
+        """A connection made: a bound host's is intercepted (its credential goes in there), any other
+        is piped as it is."""
+        if self.interceptor is not None and self.interceptor.wants(host):
+            await self.interceptor.serve(host, port, reader, writer, up_r, up_w)
+        else:
+            await _pipe(reader, writer, up_r, up_w)
+
+    def _placeholders(self, host: str, port: int, how: str, head: bytes, *, plain: bool = False) -> None:
+        """A placeholder in what the proxy reads before any connection (a destination's name, a plain
+        HTTP request's head): Refused, with an event that acts. Over plain HTTP even a bound host's
+        request is refused: the real value never crosses the network in the clear."""
+        for s in self.creds.found(head) if self.creds is not None else ():
+            where = "a plain-HTTP request" if plain else "the destination's name"
+            raise self._refuse(host, port, how, f"the placeholder of {s.name} in {where} (it goes only to "
+                               f"{', '.join(s.hosts)} over HTTPS, in a header)")
 
 
 async def _blocked(writer: asyncio.StreamWriter, e: Refused) -> None:
@@ -302,7 +340,8 @@ def _become_nobody() -> None:
     os.setresuid(65534, 65534, 65534)
 
 
-async def serve(listen_fd: int, policy: Policy, events_fd: int, bell_fd: int = -1) -> None:
+async def serve(listen_fd: int, policy: Policy, events_fd: int, bell_fd: int = -1,
+                creds: CredentialSet | None = None, icpt: Interceptor | None = None) -> None:
     out = os.fdopen(events_fd, "w", buffering=1)
     if bell_fd >= 0:
         os.set_blocking(bell_fd, False)
@@ -330,11 +369,43 @@ async def serve(listen_fd: int, policy: Policy, events_fd: int, bell_fd: int = -
         except OSError:
             pass
 
-    proxy = Proxy(policy, record)
+    proxy = Proxy(policy, record, creds=creds, interceptor=icpt)
+    if icpt is not None:
+        icpt.refuse = proxy.refuse_request
     listener = socket.socket(fileno=listen_fd)
     server = await asyncio.start_server(proxy.handle, sock=listener, limit=LIMIT)
     async with server:
         await server.serve_forever()
+
+
+def load_secrets(fd: int) -> tuple[CredentialSet, dict[str, typing.Any], str | None]:
+    """The supervisor's memfd: the credentials, each bound host's leaf (chain and key, PEM), and the CA
+    the real hosts are verified against (None: the host's trust store). Read and closed."""
+    from ..policy.credentials import CredentialSet, Secret
+
+    with os.fdopen(fd, "rb") as f:
+        config = json.loads(f.read())
+    creds = CredentialSet(Secret(s["name"], s["value"], s["placeholder"], tuple(s["hosts"]), tuple(s["headers"]))
+                          for s in config["secrets"])
+    return creds, config["leaves"], config.get("upstream_ca")
+
+
+def interceptor(creds: CredentialSet, leaves: dict[str, typing.Any], upstream_ca: str | None) -> Interceptor:
+    """The TLS contexts, built while the leaves' keys are in memory only (a memfd each, closed after),
+    before the proxy gives up root (as nobody, not dumpable, it could not open /proc/self/fd)."""
+    from .intercept import Interceptor, server_context, upstream_context
+
+    contexts = {}
+    for host, (chain, key) in leaves.items():
+        fds = [os.memfd_create("agentcell-leaf", os.MFD_CLOEXEC) for _ in range(2)]
+        try:
+            for fd, pem in zip(fds, (chain, key), strict=True):
+                os.write(fd, pem.encode())
+            contexts[host] = server_context(f"/proc/self/fd/{fds[0]}", f"/proc/self/fd/{fds[1]}")
+        finally:
+            for fd in fds:
+                os.close(fd)
+    return Interceptor(creds, contexts, upstream_context(upstream_ca), lambda host, port, why: None)
 
 
 def main(argv: list[str]) -> None:
@@ -343,13 +414,20 @@ def main(argv: list[str]) -> None:
     opts = dict(zip(argv[::2], argv[1::2], strict=False))
     libc = ctypes.CDLL(None, use_errno=True)
     parent = int(opts["--parent"])
+    creds = icpt = None
+    if "--secrets-fd" in opts:
+        creds, leaves, upstream_ca = load_secrets(int(opts["--secrets-fd"]))
+        icpt = interceptor(creds, leaves, upstream_ca)
+        del leaves  # (the keys live in the contexts now)
     _become_nobody()
+    libc.prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0: what it holds is not read through ptrace or /proc
     libc.prctl(1, 9, 0, 0, 0)  # PR_SET_PDEATHSIG SIGKILL (after the uid change, which clears it)
     if os.getppid() != parent:
         sys.exit(0)  # the agentcell that started us is already gone
     libc.prctl(38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS
     policy = Policy.from_rules(json.loads(opts["--rules"]))
-    asyncio.run(serve(int(opts["--listen-fd"]), policy, int(opts["--events-fd"]), int(opts.get("--bell-fd", -1))))
+    asyncio.run(serve(int(opts["--listen-fd"]), policy, int(opts["--events-fd"]), int(opts.get("--bell-fd", -1)),
+                      creds, icpt))
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import os
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
@@ -116,3 +117,48 @@ class SessionCA:
 
     def __repr__(self) -> str:  # (never the key)
         return f"SessionCA(hosts={self.hosts!r}, until={self.not_after.isoformat()})"
+
+
+SYSTEM_BUNDLE = "/etc/ssl/certs/ca-certificates.crt"  # Debian's, what the host trusts
+# Where each runtime in the cell looks for the CAs it trusts: the bundle (the host's CAs and the
+# session's), or for Node, which adds to its own, the session's CA alone.
+BUNDLE_KNOBS = ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "GIT_SSL_CAINFO", "PIP_CERT",
+                "AWS_CA_BUNDLE", "DENO_CERT")
+CA_KNOBS = ("NODE_EXTRA_CA_CERTS",)
+
+
+class CellTrust:
+    """The session CA's certificate, and a bundle of it with the host's CAs, in a directory the cell
+    gets read-only (``/run/agentcell/trust/CELL``: the host's side stays root's; the cell sees the path
+    it is bound at); :meth:`env` points every runtime's knob at them. Public certificates only."""
+
+    def __init__(self, cell_id: str, ca: SessionCA) -> None:
+        from .. import hostfs
+
+        if not cell_id or "/" in cell_id or cell_id.startswith("."):
+            raise ValueError(f"a cell id names a directory: {cell_id!r}")
+        self.dir = os.path.join(hostfs.run_dir("trust"), cell_id)
+        os.mkdir(self.dir, 0o755)
+        try:
+            self.ca = os.path.join(self.dir, "agentcell-session-ca.pem")
+            self.bundle = os.path.join(self.dir, "ca-bundle.pem")
+            try:
+                with open(SYSTEM_BUNDLE, "rb") as f:
+                    system = f.read()
+            except OSError:
+                system = b""
+            for path, data in ((self.ca, ca.pem), (self.bundle, system.rstrip(b"\n") + b"\n" + ca.pem)):
+                with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644),
+                          "wb") as f:
+                    f.write(data)
+        except BaseException:
+            self.remove()
+            raise
+
+    def env(self) -> tuple[tuple[str, str], ...]:
+        return (*((k, self.bundle) for k in BUNDLE_KNOBS), *((k, self.ca) for k in CA_KNOBS))
+
+    def remove(self) -> None:
+        import shutil
+
+        shutil.rmtree(self.dir, ignore_errors=True)
