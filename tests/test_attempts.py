@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from agentcell.cell.spec import CellSpec, Identity
-from agentcell.monitor.attempts import Classifier, Host, View
+from agentcell.monitor.attempts import AttemptSource, Classifier, Host, Later, View
 from agentcell.monitor.calls import AT_FDCWD, CALLS, Call
 
 PROJECT = "/home/human/proj"
@@ -107,9 +107,15 @@ def verdict(c: Classifier, k: Call) -> tuple[str, str, bool] | None:
     return None if v is None else (v[0], v[1], v[3])
 
 
-def acts(c: Classifier, k: Call) -> bool | None:
-    """Whether it acts (True), is a note (False), or is nothing (None)."""
-    v = c.classify(k)
+def acts(c: Classifier, k: Call, *, final: bool = False) -> bool | str | None:
+    """Whether it acts (True), is a note (False), is nothing (None), or waits for the connector ("later")."""
+    c.final = final
+    try:
+        v = c.classify(k)
+    except Later:
+        return "later"
+    finally:
+        c.final = False
     return None if v is None else v[3]
 
 
@@ -170,7 +176,9 @@ def test_a_host_secret_masked_acts_a_masked_env_file_of_the_project_is_a_note() 
 
 def test_a_host_process_through_proc_acts_only_above_what_the_cell_could_have_had() -> None:
     c = classifier(FakeHost(pids={7, 4242}), ceiling=50)
-    assert acts(c, call("openat", ENOENT, "/proc/4242/environ")) is True
+    # (no kernel count in the event: the fork count alone, once the connector has had its time)
+    assert acts(c, call("openat", ENOENT, "/proc/4242/environ")) == "later"
+    assert acts(c, call("openat", ENOENT, "/proc/4242/environ"), final=True) is True
     # a number the cell may have had (one of its own that just exited): a note, not an escape
     assert acts(c, call("openat", ENOENT, "/proc/7/stat")) is False
     assert acts(c, call("openat", ENOENT, "/proc/9999/stat")) is None  # no such process anywhere
@@ -179,22 +187,33 @@ def test_a_host_process_through_proc_acts_only_above_what_the_cell_could_have_ha
     assert acts(c, call("kill", ESRCH, pid_arg=4242)) is False
 
 
-def test_the_kernels_last_pid_in_the_event_decides_where_the_monitors_count_lags() -> None:
-    # The connector's forks not read yet (a busy host): the monitor's count says 5, the kernel's 40.
-    lagging = classifier(FakeHost(pids={33, 4242}), ceiling=5)
-    exited = call("openat", ENOENT, "/proc/33/stat")
-    assert acts(lagging, exited) is True  # (what the count alone says: a false alarm)
-    exited.last_pid = 40
-    assert acts(lagging, exited) is False  # one of the cell's that exited: a note
-    host = call("openat", ENOENT, "/proc/4242/environ")
-    host.last_pid = 40
-    assert acts(lagging, host) is True
-    # the kernel's count exact where the monitor's is lost (the connector overflowed)
-    assert acts(classifier(FakeHost(pids={4242}), ceiling=None), host) is True
-    # a namespace that went round pid_max starts low again: the forks' count, higher, stands
-    wrapped = call("openat", ENOENT, "/proc/33/stat")
-    wrapped.last_pid = 3
-    assert acts(classifier(FakeHost(pids={33}), ceiling=50), wrapped) is False
+def test_the_kernels_last_pid_says_never_the_cells_and_the_connector_says_maybe() -> None:
+    count = [5]
+    lagging = Classifier(classifier(FakeHost()).view, "none", FakeHost(pids={33, 4242, 23286}), lambda: count[0])
+
+    def probe(pid: int, last: int | None) -> Call:
+        k = call("openat", ENOENT, f"/proc/{pid}/stat")
+        k.last_pid = last
+        return k
+
+    # Above the kernel's count when the call failed: a host process, at once.
+    assert acts(lagging, probe(4242, 40)) is True
+    # Between the connector's count and the kernel's: a child not handed over yet (ps in a busy cell) ...
+    assert acts(lagging, probe(33, 40)) == "later"
+    count[0] = 36  # ... which the connector names on the next pass: one of the cell's, a note
+    assert acts(lagging, probe(33, 40)) is False
+    # ... or numbers burnt by forks that failed (no process made, nothing the connector hears of): the
+    # count alone decides once the wait is over; the kernel's count never makes a host pid the cell's.
+    count[0] = 5
+    assert acts(lagging, probe(23286, 24002)) == "later"
+    assert acts(lagging, probe(23286, 24002), final=True) is True
+    # the connector's count lost (it overflowed): the kernel's count still tells a host process
+    lost = Classifier(lagging.view, "none", FakeHost(pids={33, 4242}), lambda: None)
+    assert acts(lost, probe(4242, 40)) is True and acts(lost, probe(33, 40)) is False
+    # a namespace that went round pid_max: the kernel's count starts low again, the fork count stands
+    count[0] = 50
+    assert acts(lagging, probe(33, 3)) is False
+    assert acts(lagging, probe(4242, 3)) == "later"
 
 
 def test_the_network_outside_acts_dns_to_the_hosts_resolver_and_the_hosts_own_ports_are_notes() -> None:
@@ -266,3 +285,31 @@ def test_a_top_level_directory_looked_at_and_a_lock_in_a_read_only_cache_are_not
     assert acts(c, call("openat", ENOENT, "/root")) is True  # a home
     assert acts(c, call("mkdir", EROFS, "/var")) is True  # a write
     assert acts(c, call("openat", EROFS, "/opt/tool/pkg/inuse.20.lock", flags=O_WRONLY | O_CREAT)) is False
+
+
+def test_a_call_that_waits_for_the_connector_is_decided_on_a_later_pass_or_at_the_end() -> None:
+    count = [5]
+    c = Classifier(classifier(FakeHost()).view, "none", FakeHost(pids={33, 4242}), lambda: count[0])
+
+    class Ring:
+        def __init__(self) -> None:
+            self.calls: list[Call] = []
+
+        def read(self) -> list[Call]:
+            out, self.calls = self.calls, []
+            return out
+
+    ring = Ring()
+    source = AttemptSource(ring, c, "cell", lambda pid: "/usr/bin/ps", lambda pid: False, lambda *a: None)
+    child, host = call("openat", ENOENT, "/proc/33/stat"), call("openat", ENOENT, "/proc/4242/stat")
+    child.last_pid = host.last_pid = 40
+    ring.calls = [child, host]
+    got = source.read()  # the host pid above the kernel's count acts at once; the child waits
+    assert [(e.target, e.acts) for e in got] == [("/proc/4242/stat", True)] and source.pending
+    assert source.read() == [] and source.pending  # the connector has not named it yet
+    count[0] = 36
+    assert [(e.target, e.acts) for e in source.read()] == [("/proc/33", False)] and not source.pending
+    count[0] = 5
+    ring.calls = [call("openat", ENOENT, "/proc/33/stat")]  # (no kernel count: the fork count, at the end)
+    assert source.read() == [] and source.pending
+    assert [(e.target, e.acts) for e in source.flush()] == [("/proc/33/stat", True)] and not source.pending

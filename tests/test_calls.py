@@ -187,3 +187,49 @@ def test_a_failed_call_carries_the_last_pid_its_namespace_gave_out(group: Path) 
     finally:
         source.close()
     assert got == [("/nonexistent-agentcell", 3)], got
+
+
+def test_a_listed_holder_whose_pid_is_another_process_now_is_never_asked_for_its_fds(
+        groups: Callable[[], Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    from agentcell.monitor import hostprog
+
+    other = subprocess.Popen(["sleep", "30"])  # (a process of ours, not a holder: as a reused pid would be)
+    asked: list[int] = []
+    real = hostprog._pidfd_getfd
+    monkeypatch.setattr(hostprog, "_pidfd_getfd", lambda pidfd, fd: asked.append(fd) or real(pidfd, fd))
+    try:
+        with hostprog._registry() as holders:
+            holders.append({"pid": other.pid, "start": 1, "version": calls._version(),
+                            "fds": {name: [0, "map_id:1"] for name in hostprog.SHARED}})
+        source = calls.FailedCalls(os.stat(groups()).st_ino)
+        try:
+            assert asked == []
+            with hostprog._registry() as holders:
+                assert [h["pid"] for h in holders] == [os.getpid()]  # (the stale one dropped)
+        finally:
+            source.close()
+    finally:
+        other.kill()
+        other.wait()
+
+
+def test_programs_no_holder_list_names_are_detached_at_once(groups: Callable[[], Path],
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    from agentcell.monitor import hostprog
+
+    made: list[str] = []
+    create = calls._attached
+
+    def remembered() -> dict[str, int]:
+        fds = create()
+        made.extend(bpf.object_id(fds[name]) for name in ("calls_link", "exec_link"))
+        return fds
+
+    monkeypatch.setattr(calls, "_attached", remembered)
+    # the list of holders cannot be written (a full /run): nobody could find these programs to share them
+    monkeypatch.setattr(hostprog, "_boot", lambda: (_ for _ in ()).throw(OSError(28, "No space left on device")))
+    with pytest.raises(OSError, match="No space left"):
+        calls.FailedCalls(os.stat(groups()).st_ino)
+    assert len(made) == 2 and all(made) and hostprog._host is None
+    assert all(_gone(link) for link in made)
+    assert not [p for p in os.listdir("/run/agentcell") if p.startswith("calls.json.")]

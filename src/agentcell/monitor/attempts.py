@@ -74,6 +74,9 @@ HOST_DEVICES = ("mem", "kmem", "port", "kmsg", "sd", "hd", "vd", "xvd", "nvme", 
                 "tty7", "tty8", "tty9", "console", "ttyS", "vhost", "vsock", "kvm", "cpu", "watchdog", "nvram",
                 "rtc", "hidraw", "bus", "fb", "snd", "video", "sg", "bsg", "btrfs-control", "fuse")
 DNS_PORTS = (53, 853)
+# How long a call waits for the connector to name a fork it may come from (:class:`Later`): passes of
+# the monitor read the connector further meanwhile; then the count alone decides.
+WAIT_S = 0.25
 SHARED_TMP = ("/tmp/", "/var/tmp/", "/dev/shm/")
 LOCKS = (".lock", ".lck", "/lock")
 # Protected entries that only instruct a harness (and the session's own configuration): writing them is
@@ -287,6 +290,10 @@ class Host:
         return set(self._table("resolvers", read))
 
 
+class Later(Exception):
+    """A call that cannot be told apart yet (:meth:`Classifier._beyond`): asked again shortly."""
+
+
 class Classifier:
     """``classify(call)`` for one cell. ``pid_ceiling()``: the highest pid the cell's namespace may have
     given out so far (a /proc number above it was never the cell's)."""
@@ -295,6 +302,7 @@ class Classifier:
                  refused: Callable[[str, int], None] | None = None) -> None:
         self.view, self.network, self.host, self.pid_ceiling = view, network, host, pid_ceiling
         self.refused = refused  # on the host's network: a connect the firewall refused, and by whom
+        self.final = False  # no more waiting for the connector (Later is decided now)
 
     def classify(self, call: Call) -> Verdict | None:
         if call.name in ("kill", "pidfd_open"):
@@ -448,24 +456,36 @@ class Classifier:
         allow = "nothing: credentials stay outside" if credential else f"--{'rw' if op == 'write' else 'ro'} {path}"
         return (op, path, f"{what} (the cell does not contain it)", True, allow)
 
-    def _ceiling(self, call: Call) -> int | None:
-        """The highest pid the cell can have given out when the call failed: the kernel's own count in
-        the event (exact), else the monitor's count of the cell's forks so far (which may lag behind
-        the connector on a busy host). The higher of the two: a namespace that went round pid_max
-        starts low again, and the forks' count says so."""
+    def _beyond(self, call: Call, pid: int, *, wait: bool = True) -> bool:
+        """Whether ``pid`` (a host process has that number) is beyond what the cell's namespace has given
+        out: True, a host process's; False, it may have been one of the cell's (exited since).
+        * Above the kernel's own count when the call failed (``last_pid``, read by the program): never the
+          cell's, exactly. (That count is only ever a ceiling: a fork that fails after its number was
+          taken, at the task limit or out of descriptors, raises it with no process made, so it never
+          decides the other way.)
+        * At or below the monitor's count of the cell's forks and threads (the connector): maybe the cell's.
+        * Between the two: a fork the connector has not handed over yet (a busy host), or numbers burnt by
+          failed forks. Raises :class:`Later` (``wait``): asked again once the connector has been read
+          further, and decided on the count alone when it is :attr:`final`.
+        A namespace that went round pid_max (the count above the kernel's) is told by the count alone;
+        a count lost (the connector overflowed) cannot tell: False."""
         counted = self.pid_ceiling()
-        if call.last_pid is None:
-            return counted
-        return call.last_pid if counted is None else max(call.last_pid, counted)
+        last = call.last_pid
+        if last is not None and (counted is None or counted <= last) and pid > last:
+            return True
+        if counted is None or pid <= counted:
+            return False
+        if wait and not self.final:
+            raise Later(pid)
+        return True
 
     def _proc(self, call: Call, path: str, op: str) -> Verdict | None:
         parts = path.split("/")
         if len(parts) >= 3 and parts[2].isascii() and parts[2].isdigit() and call.errno in (ENOENT, ESRCH):
             pid = int(parts[2])
-            ceiling = self._ceiling(call)
             if not self.host.pid_exists(pid) or self.host.exists_in_cell(f"/proc/{pid}"):
                 return None  # no such process, or one of the cell's own (a file of it that went: a race)
-            if ceiling is not None and pid > ceiling:
+            if self._beyond(call, pid):
                 return (op, path, f"a host process (pid {pid}) through /proc: the cell's /proc shows its own "
                         "processes only", True, "nothing: host processes stay outside")
             # a number the cell may have had (a process of its own that just exited): noted, as a host one
@@ -482,8 +502,7 @@ class Classifier:
     def _pid(self, call: Call) -> Verdict | None:
         pid = call.args[0] & 0xFFFFFFFF
         pid = pid - (1 << 32) if pid >= 1 << 31 else pid
-        ceiling = self._ceiling(call)
-        if call.errno != ESRCH or pid <= 0 or ceiling is None or pid <= ceiling or not self.host.pid_exists(pid):
+        if call.errno != ESRCH or pid <= 0 or not self.host.pid_exists(pid) or not self._beyond(call, pid, wait=False):
             return None
         return ("execute", f"{call.name} pid {pid}", "a signal or handle for a host process (not in the cell's "
                 "pid namespace: refused)", False, "")
@@ -554,30 +573,57 @@ class AttemptSource:
                  ignore: Callable[[int], bool], execed: Callable[[int, str, str], None]) -> None:
         self.calls, self.classifier, self.cell = calls, classifier, cell
         self.exe_of, self.ignore, self.execed = exe_of, ignore, execed
+        self._later: list[tuple[Any, float]] = []  # (call, until when it may wait)
 
     def fileno(self) -> int:
         return int(self.calls.fileno())
 
+    @property
+    def pending(self) -> bool:
+        """Calls waiting for the connector (:class:`Later`): read again on the monitor's next pass."""
+        return bool(self._later)
+
     def read(self) -> list[CellEvent]:
-        out = []
+        out: list[CellEvent] = []
+        now = time.monotonic()
+        waiting, self._later = self._later, []
+        for call, until in waiting:  # (the connector has been read since)
+            self._classify(call, until, now < until, out)
         for call in self.calls.read():
             if call.errno == 0:  # an exec that succeeded: the process's new name, for the monitor's table
                 self.execed(call.pid, call.comm, call.path)
                 continue
             if self.ignore(call.pid):
                 continue
-            try:
-                verdict = self.classifier.classify(call)
-            except Exception as e:  # noqa: BLE001 - a call we cannot read is one we cannot clear: it acts
-                verdict = ("telemetry", call.name, f"a failed call could not be told apart ({type(e).__name__}: "
-                           f"{e}); held against the cell", True, "")
-            if verdict is None:
-                continue
-            op, target, reason, acts, allow = verdict
-            out.append(CellEvent(op, target, f"{reason}; refused by the kernel ({call.name}: "
-                                 f"{errno.errorcode.get(call.errno, call.errno)})", source="calls", cell=self.cell,
-                                 pid=call.pid, exe=self.exe_of(call.pid) or call.comm, allow=allow, acts=acts))
+            self._classify(call, now + WAIT_S, True, out)
         return out
+
+    def flush(self) -> list[CellEvent]:
+        """What still waits, decided now (the cell has ended: the connector has said all it will)."""
+        out: list[CellEvent] = []
+        waiting, self._later = self._later, []
+        for call, until in waiting:
+            self._classify(call, until, False, out)
+        return out
+
+    def _classify(self, call: Any, until: float, wait: bool, out: list[CellEvent]) -> None:
+        self.classifier.final = not wait
+        try:
+            verdict = self.classifier.classify(call)
+        except Later:
+            self._later.append((call, until))
+            return
+        except Exception as e:  # noqa: BLE001 - a call we cannot read is one we cannot clear: it acts
+            verdict = ("telemetry", call.name, f"a failed call could not be told apart ({type(e).__name__}: "
+                       f"{e}); held against the cell", True, "")
+        finally:
+            self.classifier.final = False
+        if verdict is None:
+            return
+        op, target, reason, acts, allow = verdict
+        out.append(CellEvent(op, target, f"{reason}; refused by the kernel ({call.name}: "
+                             f"{errno.errorcode.get(call.errno, call.errno)})", source="calls", cell=self.cell,
+                             pid=call.pid, exe=self.exe_of(call.pid) or call.comm, allow=allow, acts=acts))
 
     def dropped(self) -> int:
         return int(self.calls.dropped())

@@ -64,6 +64,16 @@ class HostPrograms:
         self.fds = {}
 
 
+def _forget() -> None:
+    """In a child forked without exec: the parent's holding is not the child's (its copies of the fds
+    are closed by its exec, or with it)."""
+    global _host, _users
+    _host, _users = None, 0
+
+
+os.register_at_fork(after_in_child=_forget)
+
+
 def acquire(version: str, create: Callable[[], dict[str, int]]) -> HostPrograms:
     """The host's programs of this ``version`` (a digest of their build), joined or made (``create``
     loads and attaches them and returns SHARED's fds); :func:`release` when done."""
@@ -95,28 +105,30 @@ def release(host: HostPrograms) -> None:
 
 
 def _join_or_create(version: str, create: Callable[[], dict[str, int]]) -> HostPrograms:
-    with _registry() as holders:
-        live, mine = [], None
-        for h in holders:
-            if h.get("pid") == os.getpid() or not _alive(h.get("pid")):
-                continue  # (our own: a fork's leftover, or a crash we survived; none are open here)
-            if mine is None and h.get("version") == version:
-                mine = _take(h)
-                if mine is None:  # alive, but not holding them any more (or another process by that pid)
-                    continue
-            live.append(h)
-        host = HostPrograms(mine if mine is not None else create())
-        try:
+    host = None
+    try:
+        with _registry() as holders:
+            live, mine = [], None
+            for h in holders:
+                if h.get("pid") == os.getpid() or not _alive(h.get("pid")):
+                    continue  # (our own: a fork's leftover, or a crash we survived; none are open here)
+                if mine is None and h.get("version") == version:
+                    mine = _take(h)
+                    if mine is None:  # alive, but not holding them any more (or another process by that pid)
+                        continue
+                live.append(h)
+            host = HostPrograms(mine if mine is not None else create())
             ids = host.ids()
             if not all(ids.values()):
                 raise OSError(5, "the failed-call programs' objects have no id in fdinfo")
-            live.append({"pid": os.getpid(), "version": version,
+            live.append({"pid": os.getpid(), "start": _started(os.getpid()), "version": version,
                          "fds": {name: [fd, ids[name]] for name, fd in host.fds.items()}})
             holders[:] = live
-        except BaseException:
+    except BaseException:  # (the list not written: nobody could find these, so nobody keeps them)
+        if host is not None:
             host.close()
-            raise
-        return host
+        raise
+    return host
 
 
 def _take(holder: dict[str, Any]) -> dict[str, int] | None:
@@ -128,6 +140,10 @@ def _take(holder: dict[str, Any]) -> dict[str, int] | None:
     except (OSError, KeyError, TypeError, ValueError):
         return None
     try:
+        # The process the pidfd holds (its number cannot be given again while it is held) is the one
+        # listed: started when it was. Another process by that number is never asked for its fds.
+        if holder.get("start") is None or _started(int(holder["pid"])) != holder["start"]:
+            return None
         for name in SHARED:
             fd, oid = holder["fds"][name]
             new = _pidfd_getfd(pidfd, int(fd))
@@ -151,6 +167,15 @@ def _pidfd_getfd(pidfd: int, fd: int) -> int:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err))
     return int(new)  # (close-on-exec, as the kernel makes it)
+
+
+def _started(pid: int) -> int | None:
+    """When the process started (clock ticks since boot: /proc/PID/stat's 22nd field), or None."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rsplit(b")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def _alive(pid: Any) -> bool:
@@ -177,9 +202,15 @@ def _registry() -> Iterator[list[dict[str, Any]]]:
             holders = []
         yield holders
         tmp = f"{path}.{os.getpid()}"
-        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600), "w") as f:
-            json.dump({"boot": _boot(), "holders": holders}, f)
-        os.replace(tmp, path)
+        try:
+            with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600),
+                      "w") as f:
+                json.dump({"boot": _boot(), "holders": holders}, f)
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
     finally:
         os.close(fd)  # (the lock goes with it)
 

@@ -516,6 +516,8 @@ class Monitor:
                 if self.calls is None or not _readable(self.calls):
                     break
                 self._drain()
+            for ev in self.calls.flush() if self.calls is not None else ():  # (what waited for the connector)
+                self._event(ev)
             self._poll_calls_dropped()
             self._poll_egress()
             if self._thread is None or not self._thread.is_alive():  # (not beside a loop that hangs in it)
@@ -560,7 +562,9 @@ class Monitor:
                 # Every source wakes the loop itself; a pass without news is for what has no file to
                 # wait on (a mask just touched on the host: often, for half a second).
                 idle = PASS_S if time.monotonic() >= self._masks_until else MASKS_PASS_S
-                if select.select([*watched, *self._bells, self._wake_r], [], [], idle)[0]:
+                waiting = self.calls is not None and self.calls.pending  # calls waiting for the connector
+                if select.select([*watched, *self._bells, self._wake_r], [], [],
+                                 min(idle, MASKS_PASS_S) if waiting else idle)[0] or waiting:
                     self._drain()
                 if time.monotonic() - last_resources >= RESOURCES_S:
                     last_resources = time.monotonic()
