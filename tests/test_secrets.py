@@ -40,6 +40,9 @@ class H(http.server.BaseHTTPRequestHandler):
     do_POST = do_GET
     def log_message(self, *a):
         pass
+import threading
+plain = http.server.ThreadingHTTPServer(("198.18.1.30", 80), H)  # (a gateway without TLS)
+threading.Thread(target=plain.serve_forever, daemon=True).start()
 srv = http.server.ThreadingHTTPServer(("198.18.1.30", 443), H)
 ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
 ctx.load_cert_chain(cert, key)
@@ -141,6 +144,23 @@ def test_git_over_https_authenticates_with_the_injected_token(user: User, api: d
     assert GH not in r.out + r.err
 
 
+def test_a_gateway_without_tls_gets_the_key_only_where_it_is_bound_over_plain_http(user: User,
+                                                                                  api: dict[str, object]) -> None:
+    script = ('curl -sS -H "x-api-key: $GW_KEY" http://api.test/gw; '
+              'curl -sS -H "x-api-key: $GW_KEY" http://good.test/; sleep 5; echo survived')
+    r = agentcell_run(["--as", str(user.uid), *BASE, "--secret", "GW_KEY", "--secret-host", "GW_KEY=http://api.test",
+                       "--upstream-ca", str(api["ca"]), "--monitor", "--", "sh", "-c", script],
+                      env={"GW_KEY": GH}, timeout=90)
+    seen = requests(api)
+    assert [(p, h["x-api-key"]) for p, h in seen] == [("/gw", GH)], (seen, r.out, r.err)
+    # to another host over plain HTTP: a placeholder where it does not belong (over HTTPS to api.test it
+    # would be a tunnel the proxy never opens: not bound over HTTPS, not intercepted)
+    assert "survived" not in r.out and r.rc == 137, (r.out, r.err)
+    events = r.result["events"]
+    assert isinstance(events, list) and "sent over plain HTTP to good.test" in events[0]["reason"], events
+    assert GH not in r.out + r.err
+
+
 def test_secret_flags_are_checked_before_anything_runs(user: User, api: dict[str, object]) -> None:
     for args, env, want in (
             (["--secret", "K"], {}, "--secret: K is not set in the environment"),
@@ -148,7 +168,7 @@ def test_secret_flags_are_checked_before_anything_runs(user: User, api: dict[str
              "--secret-host: elsewhere.test is not on the allow-list"),
             (["--secret-host", "K=api.test"], {}, "--secret-host: says where a --secret goes"),
             (["--secret", "K", "--secret-host", "K=api.test", "--upstream-ca", "/nonexistent"], {"K": GH},
-             "--upstream-ca: cannot read /nonexistent")):
+             "--upstream-ca: /nonexistent does not exist")):
         r = agentcell_run(["--as", str(user.uid), *BASE, *args, "--", "true"], env=env, timeout=30)
         assert r.rc == 125 and r.err.strip().endswith(")") and want in r.err and r.err.count("\n") == 1, (args, r.err)
         assert GH not in r.err

@@ -84,7 +84,7 @@ class Supervised:
         cell's environment gets their placeholders and trusts a CA made for this cell alone, whose leaves
         let the proxy put the real values in the requests to their hosts (verified upstream against the
         host's trust store, or ``upstream_ca``, a PEM: a test's CA standing in for the public ones)."""
-        trust = ca = None
+        trust = ca = secrets = None
         if credentials is not None and credentials.secrets:
             if spec.network != "proxy":
                 raise AgentcellError("--secret", "credentials are injected by the egress proxy",
@@ -94,15 +94,19 @@ class Supervised:
 
             if not spec.cell_id:  # (its trust directory is named by it)
                 spec = spec.replace(cell_id=new_cell_id())
-            ca = SessionCA(spec.cell_id, credentials.hosts())
-            trust = CellTrust(spec.cell_id, ca)
             placeholders = credentials.cell_env()
-            env = tuple((k, v) for k, v in spec.env if k not in placeholders and k not in dict(trust.env()))
-            spec = spec.replace(env=(*env, *placeholders.items(), *trust.env()), ro_paths=(*spec.ro_paths, trust.dir))
+            env = tuple((k, v) for k, v in spec.env if k not in placeholders)
+            spec = spec.replace(env=(*env, *placeholders.items()))
+            if credentials.hosts():  # (bound over plain HTTP alone: nothing to terminate, no CA)
+                ca = SessionCA(spec.cell_id, credentials.hosts())
+                trust = CellTrust(spec.cell_id, ca)
+                env = tuple((k, v) for k, v in spec.env if k not in dict(trust.env()))
+                spec = spec.replace(env=(*env, *trust.env()), ro_paths=(*spec.ro_paths, trust.dir))
+            secrets = (credentials, ca, upstream_ca)
         try:
             return cls._start(spec, argv, monitor=monitor, callback=callback, stdio=stdio, tty_fds=tty_fds,
                               dedicated=dedicated, live=live, guard=guard, give_to=give_to, adopt=adopt,
-                              secrets=(credentials, ca, upstream_ca) if ca is not None else None, trust=trust)
+                              secrets=secrets, trust=trust)
         except BaseException:
             if trust is not None:
                 trust.remove()

@@ -306,15 +306,9 @@ def _credentials(ns: Args | Namespace, spec: CellSpec) -> tuple[Any, str | None]
             raise AgentcellError("--secret-host", f"{host} is not on the allow-list", f"add --allow-domain {host}")
     pem = None
     if ns.upstream_ca:
-        try:
-            with open(ns.upstream_ca, encoding="ascii") as f:
-                pem = f.read()
-        except (OSError, UnicodeDecodeError) as e:
-            raise AgentcellError("--upstream-ca", f"cannot read {ns.upstream_ca} ({getattr(e, 'strerror', e)})",
-                                 "give a PEM file of CA certificates") from None
-        if "-----BEGIN CERTIFICATE-----" not in pem:
-            raise AgentcellError("--upstream-ca", f"{ns.upstream_ca} holds no PEM certificate",
-                                 "give a PEM file of CA certificates")
+        from ..network.tlsca import read_bundle
+
+        pem = read_bundle(ns.upstream_ca, "--upstream-ca")
     return creds, pem
 
 

@@ -72,6 +72,8 @@ def parser() -> Parser:
     sp.add_argument("--api-base", metavar="URL", help="the harness's model API: a gateway or a local model server "
                     "(AGENT_API_BASE; its host joins the allow-list)")
     sp.add_argument("--model", metavar="NAME", help="the model the harness asks for (AGENT_MODEL)")
+    sp.add_argument("--upstream-ca", metavar="PEM", help="with the proxy: verify the API hosts the keys are injected "
+                    "for against this CA bundle, not the host's trust store (a TLS-inspecting gateway's CA)")
     sp.add_argument("--env", action="append", metavar="NAME=VALUE", help="set a variable in the cell (repeatable; "
                     "visible in the process list: pass secrets with --keep-env)")
     sp.add_argument("--keep-env", action="append", metavar="NAME", help="pass NAME from the environment (or the "
@@ -164,14 +166,17 @@ def _start(ns: Any, harness_args: list[str]) -> int:
               allow_presets=list(cfg.allow_presets), allow_ranges=list(cfg.allow_ranges), resolver=cfg.resolver,
               allow_egress=[], allow_loopback=False, names=nc.FLAGS)  # errors in the flags' own names
     policy = compile_policy(plan, dict(os.environ), cfg.project_root)
+    # The harness's keys the proxy injects (the cell holds placeholders), and those that enter as they are.
+    credentials, upstream_ca, cfg = _credentials(ns, cfg, launch, policy)
     if ns.explain:
-        sys.stdout.write(_explain(cfg, plan, policy, launch))
+        sys.stdout.write(_explain(cfg, plan, policy, launch, credentials))
         return 0
     for note in (*cfg.notes, *launch.notes):
         sys.stderr.write(_shown(f"{PROG}: note: {note}") + "\n")
     faults = state.parse_faults(os.environ.get(state.FAULTS_ENV, ""))
     # A harness that may own the terminal (its TUI, a shell) gets it alone: no status line over it.
-    rt = state.Runtime(faults=faults, secrets=dict(cfg.secrets), environ=dict(os.environ),
+    rt = state.Runtime(faults=faults, secrets=dict(cfg.secrets), credentials=credentials, upstream_ca=upstream_ca,
+                       environ=dict(os.environ),
                        status_line=sys.stderr.isatty() and not ns.json and not launch.interactive)
     g, _conn = _graph(rt)
 
@@ -196,7 +201,45 @@ def _start(ns: Any, harness_args: list[str]) -> int:
     return 0 if summary["reason"] == "timeout" or not isinstance(code, int) else code
 
 
-def _explain(cfg: Any, plan: Any, policy: dict[str, Any], launch: Any) -> str:
+def _credentials(ns: Any, cfg: Any, launch: Any, policy: dict[str, Any]) -> tuple[Any, str | None, Any]:
+    """(the keys the proxy injects, the upstream CA's PEM, the configuration without those keys' values).
+    With the proxy, each of the harness's keys that has a home (its provider, --api-base's host) is bound
+    there, to the hosts of it the allow-list lets through; the cell gets a placeholder. Without the proxy
+    the keys enter the cell as they are (said in a note)."""
+    from dataclasses import replace
+
+    from ..harness import profiles
+
+    pem = None
+    if ns.upstream_ca:
+        from ..network.tlsca import read_bundle
+
+        pem = read_bundle(ns.upstream_ca, "--upstream-ca")
+    if not cfg.secrets:
+        return None, pem, cfg
+    renamed = {launch.renames.get(k, k): k for k in cfg.secrets} if launch.renames else {k: k for k in cfg.secrets}
+    bound = profiles.key_bindings(profiles.get(cfg.harness), tuple(renamed.values()), launch.api_host)
+    if policy.get("network") != "proxy":
+        if bound:
+            names = ", ".join(sorted(renamed[k] for k in bound))
+            notes = (*cfg.notes, f"{names} enter the cell as they are: the proxy keeps keys out of the cell "
+                     "(--net proxy)")
+            cfg = replace(cfg, notes=notes)
+        return None, pem, cfg
+    from ..network.rules import Policy
+    from ..policy.credentials import CredentialSet
+
+    rules = Policy.from_rules(policy.get("egress") or ())
+    allowed = {k: (tuple(h for h in hosts if rules.name_verdict(h, 443)[0]), headers)
+               for k, (hosts, headers) in bound.items()}
+    allowed = {k: v for k, v in allowed.items() if v[0]}
+    if not allowed:
+        return None, pem, cfg
+    creds = CredentialSet.build({k: cfg.secrets[k] for k in allowed}, allowed)
+    return creds, pem, replace(cfg, secrets={k: v for k, v in cfg.secrets.items() if k not in allowed})
+
+
+def _explain(cfg: Any, plan: Any, policy: dict[str, Any], launch: Any, credentials: Any = None) -> str:
     """What a session would be: the harness's launch, what the cell gets, where each value came from."""
     from .. import limits
     from ..policy.compile import explain
@@ -211,6 +254,8 @@ def _explain(cfg: Any, plan: Any, policy: dict[str, Any], launch: Any) -> str:
             ("api base", cfg.api_base or "the harness's own"),
             ("allow-list", " ".join([*plan.allow_presets, *plan.allow_domains]) or "-"),
             ("secrets", " ".join(sorted(cfg.secrets)) or "-"),
+            ("injected", "; ".join(f"{s.name} -> {','.join(s.hosts)} ({','.join(s.headers) or 'any header'})"
+                                   for s in credentials.secrets.values()) if credentials else "-"),
             ("settings", " ".join(("~/" if f.home else "seed/") + f.path for f in launch.files) or "-"),
             ("home from", cfg.home_from or "-")]
     width = max(len(k) for k, _ in rows)

@@ -229,6 +229,39 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
 
 HARNESSES = tuple(n for n in PROFILES if n not in ("shell", "scripted"))
 
+# Where each API key goes at its own provider, and in which request header: a session with the proxy
+# binds it there (and to --api-base's host, in any of the headers keys travel in) and the cell holds a
+# placeholder (agentcell.policy.credentials). A key not listed here enters the cell as it is.
+KEY_HOSTS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "ANTHROPIC_API_KEY": (("api.anthropic.com",), ("x-api-key", "authorization")),
+    "ANTHROPIC_AUTH_TOKEN": (("api.anthropic.com",), ("authorization",)),
+    "OPENAI_API_KEY": (("api.openai.com",), ("authorization",)),
+    "CODEX_API_KEY": (("api.openai.com",), ("authorization",)),
+    "OPENROUTER_API_KEY": (("openrouter.ai",), ("authorization",)),
+    "GEMINI_API_KEY": (("generativelanguage.googleapis.com",), ("x-goog-api-key",)),
+    "GOOGLE_API_KEY": (("generativelanguage.googleapis.com",), ("x-goog-api-key",)),
+    "CURSOR_API_KEY": (("api2.cursor.sh",), ("authorization",)),
+    "COPILOT_GITHUB_TOKEN": (("api.githubcopilot.com", "api.github.com"), ("authorization",)),
+    "COPILOT_PROVIDER_API_KEY": ((), ("authorization", "api-key")),  # its provider is --api-base's
+}
+KEY_HEADERS = ("authorization", "x-api-key", "x-goog-api-key", "api-key")  # what a gateway may read a key from
+
+
+def key_bindings(profile: Profile, names: tuple[str, ...], api_host: str | None) -> dict[
+        str, tuple[tuple[str, ...], tuple[str, ...]]]:
+    """Where each of ``names`` (the session's keys, by their names on the host) may go, by the name the
+    cell knows it by: its provider (KEY_HOSTS) and, with --api-base, that host (``api_host``:
+    host[:port]) for every key of the profile. Keys bound nowhere are left out."""
+    base = api_host.rsplit(":", 1)[0] if api_host and not api_host.endswith("]") else api_host
+    out = {}
+    for name in names:
+        hosts, headers = KEY_HOSTS.get(name, ((), ()))
+        if base and name in profile.secret_env:
+            hosts, headers = (*hosts, base), tuple(dict.fromkeys((*headers, *KEY_HEADERS)))
+        if hosts:
+            out[profile.secret_as.get(name, name)] = (tuple(dict.fromkeys(hosts)), headers)
+    return out
+
 
 def get(name: str) -> Profile:
     try:

@@ -273,9 +273,15 @@ class Host:
                 table.adopt()
                 made = (table, nflog.Reader(_socket_from(fds.pop()), int(fw["group"])))
             dedicated = msg.get("dedicated")  # None: as Supervised decides (an agent account's cell is)
+            credentials = None
+            if msg.get("credentials"):  # (the values came over the socket: never argv, never a file)
+                from ..policy.credentials import CredentialSet
+
+                credentials = CredentialSet.from_wire(msg["credentials"])
             self.sup = Supervised.start(spec, argv, monitor=msg.get("monitor", "terminate"), callback=self._on_event,
                                         stdio=stdio, tty_fds=ttys, dedicated=None if dedicated is None else
-                                        bool(dedicated), guard=bool(msg.get("guard", True)), adopt=made)
+                                        bool(dedicated), guard=bool(msg.get("guard", True)), adopt=made,
+                                        credentials=credentials, upstream_ca=msg.get("upstream_ca"))
         except AgentcellError as e:
             self._send(conn, {"event": "error", "field": e.field, "message": e.line(), "code": e.exit_code})
             return 1

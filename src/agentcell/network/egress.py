@@ -24,9 +24,8 @@ MAX_READ = 2 << 20  # the proxy writes at most 1 MiB of events
 def secrets_memfd(creds: Any, ca: Any, upstream_ca: str | None) -> int:
     """The proxy's credentials (values included) and a leaf per bound host, in a memfd (memory only,
     never a path): read by the proxy at its start and closed. The CA's own key is not in it."""
-    config = {"secrets": [{"name": s.name, "value": s.value, "placeholder": s.placeholder, "hosts": list(s.hosts),
-                           "headers": list(s.headers)} for s in creds.secrets.values()],
-              "leaves": {h: [pem.decode() for pem in ca.leaf(h)] for h in creds.hosts()},
+    config = {"secrets": creds.as_wire(),
+              "leaves": {h: [pem.decode() for pem in ca.leaf(h)] for h in creds.hosts()} if ca is not None else {},
               "upstream_ca": upstream_ca}
     fd = os.memfd_create("agentcell-secrets", os.MFD_CLOEXEC)
     try:

@@ -208,15 +208,16 @@ class Proxy:
             return
         hostport, _, path = target[7:].partition("/")
         host, port = _split_hostport(hostport, 80)
+        # The Host header is the checked destination's (no fronting another name on a shared CDN).
+        headers = [h for h in lines[1:] if h and not h.lower().startswith(
+            ("proxy-", "connection:", "keep-alive:", "host:"))]
         try:
-            self._placeholders(host, port, "http", head, plain=True)
+            self._placeholders(host, port, "http", hostport.encode("latin-1"))
+            headers = self._inject_plain(host, port, "/" + path, headers)
             up_r, up_w = await self.open(host, port, "http")
         except Refused as e:
             await _blocked(writer, e)
             return
-        # The Host header is the checked destination's (no fronting another name on a shared CDN).
-        headers = [h for h in lines[1:] if h and not h.lower().startswith(
-            ("proxy-", "connection:", "keep-alive:", "host:"))]
         up_w.write((f"{method} /{path} {version}\r\nHost: {hostport}\r\n" + "".join(f"{h}\r\n" for h in headers)
                     + "Connection: close\r\n\r\n").encode("latin-1"))
         await _pipe(reader, writer, up_r, up_w)
@@ -264,14 +265,23 @@ class Proxy:
         else:
             await _pipe(reader, writer, up_r, up_w)
 
-    def _placeholders(self, host: str, port: int, how: str, head: bytes, *, plain: bool = False) -> None:
-        """A placeholder in what the proxy reads before any connection (a destination's name, a plain
-        HTTP request's head): Refused, with an event that acts. Over plain HTTP even a bound host's
-        request is refused: the real value never crosses the network in the clear."""
+    def _placeholders(self, host: str, port: int, how: str, head: bytes) -> None:
+        """A placeholder in a destination's name: Refused, with an event that acts."""
         for s in self.creds.found(head) if self.creds is not None else ():
-            where = "a plain-HTTP request" if plain else "the destination's name"
-            raise self._refuse(host, port, how, f"the placeholder of {s.name} in {where} (it goes only to "
-                               f"{', '.join(s.hosts)} over HTTPS, in a header)")
+            raise self._refuse(host, port, how, f"the placeholder of {s.name} in the destination's name (it goes "
+                               f"only to {', '.join(s.hosts)}, in a header)")
+
+    def _inject_plain(self, host: str, port: int, target: str, lines: list[str]) -> list[str]:
+        """A plain-HTTP request's header lines, the real values in where a secret is bound to the host over
+        plain HTTP (``http://HOST``: a gateway of the person's without TLS); a placeholder anywhere else
+        in it is Refused, with an event that acts."""
+        if self.creds is None or not self.creds.found("\n".join([target, *lines])):
+            return lines
+        pairs = [(n.strip(), v.strip()) for n, _, v in (line.partition(":") for line in lines)]
+        out, why = self.creds.inject(host, target, pairs, plain=True)
+        if why:
+            raise self._refuse(host, port, "http", why + " (a plain-HTTP request)")
+        return [f"{n}: {v}" for n, v in out]
 
 
 async def _blocked(writer: asyncio.StreamWriter, e: Refused) -> None:
@@ -381,12 +391,11 @@ async def serve(listen_fd: int, policy: Policy, events_fd: int, bell_fd: int = -
 def load_secrets(fd: int) -> tuple[CredentialSet, dict[str, typing.Any], str | None]:
     """The supervisor's memfd: the credentials, each bound host's leaf (chain and key, PEM), and the CA
     the real hosts are verified against (None: the host's trust store). Read and closed."""
-    from ..policy.credentials import CredentialSet, Secret
+    from ..policy.credentials import CredentialSet
 
     with os.fdopen(fd, "rb") as f:
         config = json.loads(f.read())
-    creds = CredentialSet(Secret(s["name"], s["value"], s["placeholder"], tuple(s["hosts"]), tuple(s["headers"]))
-                          for s in config["secrets"])
+    creds = CredentialSet.from_wire(config["secrets"])
     return creds, config["leaves"], config.get("upstream_ca")
 
 
@@ -417,7 +426,7 @@ def main(argv: list[str]) -> None:
     creds = icpt = None
     if "--secrets-fd" in opts:
         creds, leaves, upstream_ca = load_secrets(int(opts["--secrets-fd"]))
-        icpt = interceptor(creds, leaves, upstream_ca)
+        icpt = interceptor(creds, leaves, upstream_ca) if leaves else None
         del leaves  # (the keys live in the contexts now)
     _become_nobody()
     libc.prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0: what it holds is not read through ptrace or /proc

@@ -119,6 +119,21 @@ class SessionCA:
         return f"SessionCA(hosts={self.hosts!r}, until={self.not_after.isoformat()})"
 
 
+def read_bundle(path: str, field: str) -> str:
+    """``--upstream-ca``: a PEM file of CA certificates (a regular file, not through a link), as text."""
+    from ..errors import AgentcellError
+    from ..hostfs import read_regular
+
+    fix = "give a PEM file of CA certificates"
+    try:
+        pem = read_regular(path, field, fix, limit=4 << 20).decode("ascii")
+    except UnicodeDecodeError:
+        raise AgentcellError(field, f"{path} is not PEM text", fix) from None
+    if "-----BEGIN CERTIFICATE-----" not in pem:
+        raise AgentcellError(field, f"{path} holds no PEM certificate", fix)
+    return pem
+
+
 SYSTEM_BUNDLE = "/etc/ssl/certs/ca-certificates.crt"  # Debian's, what the host trusts
 # Where each runtime in the cell looks for the CAs it trusts: the bundle (the host's CAs and the
 # session's), or for Node, which adds to its own, the session's CA alone.

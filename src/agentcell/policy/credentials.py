@@ -23,6 +23,7 @@ import string
 import subprocess
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..errors import PolicyError
 
@@ -40,7 +41,8 @@ CMD_TIMEOUT_S = 30.0
 @dataclass(frozen=True)
 class Secret:
     """One credential: ``name`` (its variable in the cell), ``value`` (never shown), ``placeholder``
-    (what the cell sees), ``hosts`` it may go to, ``headers`` it may go in (empty: any header)."""
+    (what the cell sees), ``hosts`` it may go to (``http://HOST``: over plain HTTP, a gateway of the
+    person's that has no TLS; else over HTTPS only), ``headers`` it may go in (empty: any header)."""
 
     name: str
     value: str = field(repr=False)
@@ -50,6 +52,11 @@ class Secret:
 
     def __str__(self) -> str:
         return f"{self.name} (bound to {', '.join(self.hosts) or 'no host'})"
+
+    def to(self, plain: bool) -> tuple[str, ...]:
+        """The hosts it may go to over HTTPS, or (``plain``) over plain HTTP."""
+        return tuple(h[7:] for h in self.hosts if h.startswith("http://")) if plain else \
+            tuple(h for h in self.hosts if not h.startswith("http://"))
 
 
 def placeholder(value: str) -> str:
@@ -71,21 +78,26 @@ def placeholder(value: str) -> str:
 
 
 def _host(text: str, flag: str) -> str:
+    """A bound host: ``HOST`` (HTTPS) or ``http://HOST`` (plain HTTP: a gateway without TLS)."""
     host = text.strip().lower().rstrip(".")
+    plain = host.startswith("http://")
+    host = host.removeprefix("http://")
     if not HOST.fullmatch(host):
         raise PolicyError(flag, f"{text!r} is not a host name or address", "e.g. api.anthropic.com")
-    return host.strip("[]")
+    return ("http://" if plain else "") + host.strip("[]")
 
 
 def parse_bindings(flags: Iterable[str]) -> dict[str, tuple[tuple[str, ...], tuple[str, ...]]]:
-    """``--secret-host NAME=HOST[,HOST…][:HEADER[,HEADER…]]``, each: NAME -> (hosts, headers)."""
+    """``--secret-host NAME=HOST[,HOST…][:HEADER[,HEADER…]]``, each: NAME -> (hosts, headers). A host
+    ``http://HOST`` may get it over plain HTTP (a gateway without TLS), and only that way."""
     out: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {}
     for flag in flags:
         name, eq, rest = flag.partition("=")
         if not eq or not NAME.fullmatch(name) or not rest:
             raise PolicyError("--secret-host", f"{flag!r} is not NAME=HOST[,HOST][:HEADER]",
                               "e.g. --secret-host ANTHROPIC_API_KEY=api.anthropic.com:x-api-key")
-        hosts_text, _, headers_text = rest.partition(":")
+        colon = re.search(r":(?!//)", rest)  # (the colon of http:// is not the one before the headers)
+        hosts_text, headers_text = (rest[:colon.start()], rest[colon.end():]) if colon else (rest, "")
         hosts = tuple(_host(h, "--secret-host") for h in hosts_text.split(",") if h.strip())
         headers = tuple(h.strip().lower() for h in headers_text.split(",") if h.strip())
         if any(not re.fullmatch(r"[a-z0-9-]{1,64}", h) for h in headers):
@@ -161,9 +173,19 @@ class CredentialSet:
     def __repr__(self) -> str:
         return f"CredentialSet({', '.join(map(str, self.secrets.values()))})"
 
+    def as_wire(self) -> list[dict[str, Any]]:
+        """Values included: for a socket or a memfd to agentcell's own processes, never a file."""
+        return [{"name": s.name, "value": s.value, "placeholder": s.placeholder, "hosts": list(s.hosts),
+                 "headers": list(s.headers)} for s in self.secrets.values()]
+
+    @classmethod
+    def from_wire(cls, items: Iterable[Mapping[str, Any]]) -> CredentialSet:
+        return cls(Secret(str(i["name"]), str(i["value"]), str(i["placeholder"]), tuple(map(str, i["hosts"])),
+                          tuple(map(str, i["headers"]))) for i in items)
+
     def hosts(self) -> tuple[str, ...]:
-        """Every host a secret is bound to: those the proxy terminates TLS for."""
-        return tuple(dict.fromkeys(h for s in self.secrets.values() for h in s.hosts))
+        """Every host a secret is bound to over HTTPS: those the proxy terminates TLS for."""
+        return tuple(dict.fromkeys(h for s in self.secrets.values() for h in s.to(plain=False)))
 
     def cell_env(self) -> dict[str, str]:
         """What the cell gets in place of the values."""
@@ -181,18 +203,21 @@ class CredentialSet:
         raw = data.encode("latin-1", "replace") if isinstance(data, str) else data
         return [s for s in self.secrets.values() if s.placeholder.encode() in raw]
 
-    def inject(self, host: str, target: str, headers: list[tuple[str, str]]) -> tuple[list[tuple[str, str]], str]:
-        """A request to ``host`` for ``target`` (its path and query) with ``headers``: the headers with
-        the real values in place of the placeholders where bound, and "" — or the headers unchanged
-        and why the request must be refused (a placeholder where its secret is not bound)."""
+    def inject(self, host: str, target: str, headers: list[tuple[str, str]], *,
+               plain: bool = False) -> tuple[list[tuple[str, str]], str]:
+        """A request to ``host`` for ``target`` (its path and query) with ``headers`` (``plain``: over
+        plain HTTP): the headers with the real values in place of the placeholders where bound, and ""
+        — or the headers unchanged and why the request must be refused (a placeholder where its secret
+        is not bound)."""
         host = host.lower().rstrip(".")
         for s in self.found(target):
             return headers, f"the placeholder of {s.name} in the URL to {host} (it goes in a header, never a URL)"
         out = []
         for name, value in headers:
             for s in self.found(value):
-                if host not in s.hosts:
-                    return headers, f"the placeholder of {s.name} sent to {host} (bound to {', '.join(s.hosts)})"
+                if host not in s.to(plain):
+                    how = "over plain HTTP " if plain else ""
+                    return headers, f"the placeholder of {s.name} sent {how}to {host} (bound to {', '.join(s.hosts)})"
                 if s.headers and name.lower() not in s.headers:
                     return headers, f"the placeholder of {s.name} in the header {name} (bound to " \
                                     f"{', '.join(s.headers)})"

@@ -289,7 +289,8 @@ class Nodes:
             spec = spec.replace(ro_paths=(*spec.ro_paths, seed_dir))
         made = self.rt.firewalls.get(sid)
         try:
-            cell = spawn.start(spec, list(state["argv"]), stdio=self.rt.stdio, firewall=made)
+            cell = spawn.start(spec, list(state["argv"]), stdio=self.rt.stdio, firewall=made,
+                               credentials=self.rt.credentials, upstream_ca=self.rt.upstream_ca)
         except (OSError, AgentcellError) as e:  # the table stays ours: a retry hands it over again, cleanup removes it
             raise SpawnCrash("", _line(e)) from None
         if made is not None:  # the cell's host owns the table now, and removes it with the cell

@@ -30,9 +30,12 @@ class HostedCell:
 
     @classmethod
     def start(cls, spec: CellSpec, argv: list[str], *, stdio: Sequence[int] = (0, 1, 2),
-              firewall: tuple[Any, Any] | None = None) -> HostedCell:
+              firewall: tuple[Any, Any] | None = None, credentials: Any = None,
+              upstream_ca: str | None = None) -> HostedCell:
         """``firewall``: the session's host-firewall table and log reader, handed to the host (which
-        removes them with the cell); the caller closes its copy of the reader once this returns."""
+        removes them with the cell); the caller closes its copy of the reader once this returns.
+        ``credentials`` (:class:`agentcell.policy.credentials.CredentialSet`): injected by the cell's
+        proxy (:meth:`agentcell.supervise.Supervised.start`), handed to the host over the socket."""
         from ..host import server
 
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -52,6 +55,9 @@ class HostedCell:
         # cleanup checks the protected paths (with the account's details), not the host.
         request: dict[str, Any] = {"op": "run", "spec": spec_to_dict(spec), "argv": list(argv), "monitor": "terminate",
                                    "dedicated": True, "guard": False}  # the environment's secrets: a socket, not argv
+        if credentials is not None and credentials.secrets:
+            request["credentials"] = credentials.as_wire()
+            request["upstream_ca"] = upstream_ca
         fds = []
         if firewall is not None:
             fw, log = firewall
@@ -160,5 +166,7 @@ class HostedCell:
 
 
 def start(spec: CellSpec, argv: list[str], *, stdio: Sequence[int] = (0, 1, 2),
-          firewall: tuple[Any, Any] | None = None) -> HostedCell:
-    return HostedCell.start(spec, argv, stdio=stdio, firewall=firewall)
+          firewall: tuple[Any, Any] | None = None, credentials: Any = None,
+          upstream_ca: str | None = None) -> HostedCell:
+    return HostedCell.start(spec, argv, stdio=stdio, firewall=firewall, credentials=credentials,
+                            upstream_ca=upstream_ca)
