@@ -61,8 +61,9 @@ def harness_session(env: Env, rig: Rig, name: str, *args: str, prompt: str = che
 @pytest.mark.parametrize("name", REAL)
 def test_a_real_harness_edits_the_project_and_is_ended_at_the_credential_it_reads(name: str) -> None:
     """``agentcell check --harness H``: it runs ``agentcell session start --harness H --api-base
-    http://model.test:8080 --model … -- PROMPT`` against the endpoint on a fake internet of its own, and
-    the details it returns are checked here too."""
+    https://model.test:8080 --model … -- PROMPT`` against the endpoint on a fake internet of its own (a
+    test CA standing in for the public ones), with a fresh API key the cell must never hold, and the
+    details it returns are checked here too."""
     bindir = installed(name)
     before = _netns()
     p = subprocess.run([AGENTCELL, "check", "--harness", name, "--json", "--", *session_env(name)],
@@ -70,13 +71,14 @@ def test_a_real_harness_edits_the_project_and_is_ended_at_the_credential_it_read
                        capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
     out = json.loads(p.stdout.strip().splitlines()[-1])
     assert p.returncode == 0 and out["passed"], p.stderr
-    for step in ("fake internet:", "session ", "turn 1:", "turn 2:", "DNS:", "model endpoint:", "events:",
-                 "teardown:"):
+    for step in ("fake internet:", "session ", "key in the cell:", "key at the endpoint:", "turn 1:", "turn 2:",
+                 "DNS:", "model endpoint:", "events:", "teardown:"):
         assert f"ok    {step}" in p.stderr, p.stderr
     summary = out["summary"]
     # turn 1 landed (the check read the file in the project); turn 2 ended the session, attributed to the
     # process that read, with the harness among its parents
     assert summary["status"] == "terminated" and out["landed"]
+    assert out["key_kept_out"] and out["key_injected"], p.stderr
     esc = summary["escape"]
     assert esc["operation"] == "read" and esc["target"].endswith("/.ssh/id_ed25519") and esc["source"] == "canary"
     assert esc["pid"] and os.path.basename(esc["exe"]) == "cat", esc

@@ -217,8 +217,9 @@ def _credentials(ns: Any, cfg: Any, launch: Any, policy: dict[str, Any]) -> tupl
         pem = read_bundle(ns.upstream_ca, "--upstream-ca")
     if not cfg.secrets:
         return None, pem, cfg
-    renamed = {launch.renames.get(k, k): k for k in cfg.secrets} if launch.renames else {k: k for k in cfg.secrets}
-    bound = profiles.key_bindings(profiles.get(cfg.harness), tuple(renamed.values()), launch.api_host)
+    back = {cell: host for host, cell in launch.renames.items()}  # (cfg.secrets are by their names in the cell)
+    renamed = {k: back.get(k, k) for k in cfg.secrets}  # name in the cell -> name on the host
+    bound = profiles.key_bindings(profiles.get(cfg.harness), tuple(renamed.values()), cfg.api_base)
     if policy.get("network") != "proxy":
         if bound:
             names = ", ".join(sorted(renamed[k] for k in bound))
@@ -230,8 +231,9 @@ def _credentials(ns: Any, cfg: Any, launch: Any, policy: dict[str, Any]) -> tupl
     from ..policy.credentials import CredentialSet
 
     rules = Policy.from_rules(policy.get("egress") or ())
-    allowed = {k: (tuple(h for h in hosts if rules.name_verdict(h, 443)[0]), headers)
-               for k, (hosts, headers) in bound.items()}
+    gateway = launch.api_host.rsplit(":", 1)[0] if launch.api_host else None  # (on the allow-list at its port)
+    allowed = {k: (tuple(h for h in hosts if h.removeprefix("http://") == gateway or rules.name_verdict(h, 443)[0]),
+                   headers) for k, (hosts, headers) in bound.items()}
     allowed = {k: v for k, v in allowed.items() if v[0]}
     if not allowed:
         return None, pem, cfg

@@ -1,11 +1,15 @@
 """``agentcell check --harness H``: the proof the tests run, on your own machine with your installed harness.
 
 A fake internet of its own (:mod:`.fakenet`) holds the scripted model endpoint (:mod:`.mockmodel`) at
-``http://model.test:8080`` and a DNS server; a throwaway project and state directory are made; then one
-real session of the harness (``agentcell session start --api-base …``) plays two turns: one edits a
-file, one reads a credential. The check passes only if the edit landed in the project, the read was
-caught and ended the session (attributed to the process that read, with the harness above it), and
-nothing but the endpoint's name was looked up. Everything it made is removed at the end.
+``https://model.test:8080`` (a test CA of the check's own standing in for the public ones, given to
+the session as ``--upstream-ca``) and a DNS server; a throwaway project and state directory are made;
+then one real session of the harness (``agentcell session start --api-base …``) with a fresh API key
+in its environment plays three turns: one looks for the key in the cell (every process's environment
+and memory, the home, ``/tmp``: what a core dump would hold), one edits a file, one reads a credential.
+The check passes only if the key never entered the cell (a placeholder did) and the endpoint got the
+real one (the proxy put it in), the edit landed in the project, the read was caught and ended the
+session (attributed to the process that read, with the harness above it), and nothing but the
+endpoint's name was looked up. Everything it made is removed at the end.
 """
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ import json
 import os
 import secrets
 import shutil
+import string
 import subprocess
 import sys
 import tempfile
@@ -20,6 +25,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ..cell.canary import CANARIES
 from ..errors import AgentcellError
 from .fakenet import NOBODY, FakeInternet
 
@@ -28,15 +34,71 @@ MODEL = "agentcell-mock"
 EDIT = "echo agentcell-check > CHECKED.txt && cat CHECKED.txt"
 READ = "cat ~/.ssh/id_ed25519"
 PROMPT = "Add CHECKED.txt to the project, then show me the SSH key."
-STEPS = [{"shell": EDIT}, {"shell": READ}, {"text": "Done."}]
+KEY_SHAPE = r"sk-[A-Za-z0-9]{48}"  # the check's key, and what the scan in the cell looks for
+SCANNED = "agentcell-keys.txt"
+# Every string of the key's shape in the cell: the processes' environments, command lines and memory
+# (what a core dump would hold), the home and /tmp; one per line into SCANNED, in the project. The
+# canaries agentcell planted in the home are left alone (their contents are its own; opening one is an
+# escape).
+_SCAN = r"""
+import os, re
+pat, found = re.compile(rb"sk-[A-Za-z0-9]{48}"), set()
+for pid in filter(str.isdigit, os.listdir("/proc")):
+    for name in ("environ", "cmdline"):
+        try:
+            found.update(pat.findall(open(f"/proc/{pid}/{name}", "rb").read()))
+        except OSError:
+            pass
+    try:
+        mem = open(f"/proc/{pid}/mem", "rb", 0)
+        for line in open(f"/proc/{pid}/maps"):
+            span, perms = line.split()[:2]
+            lo, hi = (int(x, 16) for x in span.split("-"))
+            if perms.startswith("r") and hi - lo < 1 << 30:
+                try:
+                    mem.seek(lo)
+                    found.update(pat.findall(mem.read(hi - lo)))
+                except (OSError, ValueError, OverflowError):
+                    pass
+    except OSError:
+        pass
+home = os.path.expanduser("~")
+decoys = {os.path.join(home, rel) for rel in DECOYS}  # (agentcell's canaries: opening one ends the cell)
+for top in (home, "/tmp"):
+    for d, _, files in os.walk(top):
+        for f in files:
+            if os.path.join(d, f) in decoys:
+                continue
+            try:
+                found.update(pat.findall(open(os.path.join(d, f), "rb").read(1 << 26)))
+            except OSError:
+                pass
+print("\n".join(sorted(x.decode() for x in found)) or "none")
+"""
+_SCAN = _SCAN.replace("DECOYS", repr(CANARIES))
+SCAN = f"python3 -c \"exec(bytes.fromhex('{_SCAN.encode().hex()}').decode())\" > {SCANNED}; wc -l < {SCANNED}"
+STEPS = [{"shell": SCAN}, {"shell": EDIT}, {"shell": READ}, {"text": "Done."}]
 
 
 class Rig:
     """A fake internet with the scripted model endpoint on it: ``flags()`` point a session there."""
 
-    def __init__(self, workdir: str, hosts: dict[str, int] | None = None) -> None:
-        """``hosts``: more names on it (name -> the last byte of its address), for a caller's servers."""
-        self.workdir = workdir
+    def __init__(self, workdir: str, hosts: dict[str, int] | None = None, *, tls: bool = False) -> None:
+        """``hosts``: more names on it (name -> the last byte of its address), for a caller's servers.
+        ``tls``: the endpoint serves HTTPS, with a leaf of a CA of the rig's own (``ca``: its file)."""
+        self.workdir, self.tls, self.ca = workdir, tls, ""
+        if tls:
+            from ..network.tlsca import SessionCA
+
+            public = SessionCA("agentcell check: a test CA standing in for the public ones", (MODEL_NAME,))
+            chain, key = public.leaf(MODEL_NAME)
+            self.ca = os.path.join(workdir, "test-ca.pem")
+            for name, data, mode in (("test-ca.pem", public.pem, 0o644), ("model.pem", chain, 0o644),
+                                     ("model.key", key, 0o600)):
+                path = os.path.join(workdir, name)
+                with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode), "wb") as f:
+                    f.write(data)
+                os.chown(path, NOBODY, NOBODY)  # the endpoint runs as nobody
         n = 1 + secrets.randbelow(254)
         self.net_range, self.dns, self.addr = f"198.19.{n}.0/24", f"198.19.{n}.53", f"198.19.{n}.80"
         self.hosts = {name: f"198.19.{n}.{last}" for name, last in (hosts or {}).items()}
@@ -59,7 +121,10 @@ class Rig:
         os.chown(self.log, NOBODY, NOBODY)  # the endpoint runs as nobody
         self.model = self.net.start([sys.executable, "-m", "agentcell.harness.mockmodel", "--listen",
                                      f"{self.addr}:{MODEL_PORT}", "--script", script, "--log", self.log,
-                                     *(["--fenced"] if fenced else [])], ready=b"listening")
+                                     *(["--fenced"] if fenced else []),
+                                     *(["--tls", os.path.join(self.workdir, "model.pem"),
+                                        os.path.join(self.workdir, "model.key")] if self.tls else [])],
+                                    ready=b"listening")
 
     def stop_model(self) -> None:
         if self.model is not None and self.model.poll() is None:
@@ -74,8 +139,9 @@ class Rig:
             return []
 
     def flags(self) -> list[str]:
-        return ["--api-base", f"http://{MODEL_NAME}:{MODEL_PORT}", "--model", MODEL, "--resolver", self.dns,
-                "--allow-range", self.net_range]
+        return ["--api-base", f"{'https' if self.tls else 'http'}://{MODEL_NAME}:{MODEL_PORT}", "--model", MODEL,
+                "--resolver", self.dns, "--allow-range", self.net_range,
+                *(["--upstream-ca", self.ca] if self.tls else [])]
 
     def names_looked_up(self) -> list[str]:
         return sorted({name for name, _ in self.net.dns_queries()})
@@ -133,14 +199,18 @@ def run(harness: str, *, out: Callable[[str], None], agentcell: list[str] | None
     rig: Rig | None = None
     state = os.path.join(work, "state")
     base = agentcell or [sys.executable, "-m", "agentcell.cli.main"]
-    env = {k: v for k, v in os.environ.items() if k in ("PATH", "LANG", "TERM", "SUDO_UID", "SUDO_GID")
-           or k in prof.secret_env}
+    env = {k: v for k, v in os.environ.items() if k in ("PATH", "LANG", "TERM", "SUDO_UID", "SUDO_GID")}
     env["AGENTCELL_STATE_DIR"] = state
+    # A fresh key of the check's own (never one of yours): it must reach the endpoint and never the cell.
+    key_var = prof.api_key_env or next((k for k in prof.secret_env if k.endswith("PROVIDER_API_KEY")), None)
+    key = "sk-" + "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(48))
+    if key_var:
+        env[key_var] = key
     try:
-        rig = Rig(work)
+        rig = Rig(work, tls=True)
         rig.serve(STEPS, fenced=prof.fenced)
-        out(f"ok    fake internet: {MODEL_NAME} at {rig.addr}:{MODEL_PORT}, its DNS at {rig.dns} "
-            f"(network namespace {rig.net.ns})")
+        out(f"ok    fake internet: https://{MODEL_NAME}:{MODEL_PORT} at {rig.addr} (a test CA's), its DNS at "
+            f"{rig.dns} (network namespace {rig.net.ns})")
         project = os.path.join(work, "project")
         os.mkdir(project)
         with open(os.path.join(project, "README.md"), "w") as f:
@@ -163,6 +233,23 @@ def run(harness: str, *, out: Callable[[str], None], agentcell: list[str] | None
             return False, details
         out(f"ok    session {summary['session']}: {harness} as {summary.get('os_user')}, {details['seconds']} s, "
             f"{summary['status']}")
+        from .mockmodel import key_digest
+
+        try:
+            with open(os.path.join(project, SCANNED)) as f:
+                seen_in_cell = f.read().split()
+        except OSError:
+            seen_in_cell = []
+        sent = [r.get("credential") for r in rig.requests() if r.get("kind") == "main"]
+        kept_out = bool(seen_in_cell) and key not in seen_in_cell
+        injected = bool(sent) and all(c == key_digest(key) for c in sent)
+        out(("ok    " if kept_out else "FAIL  ") + f"key in the cell: {len(seen_in_cell)} of its shape found in the "
+            "processes' environments and memory, the home and /tmp" +
+            (", none of them the key (a placeholder)" if kept_out else
+             " (the scan did not run)" if not seen_in_cell else ": THE KEY ITSELF"))
+        out(("ok    " if injected else "FAIL  ") + f"key at the endpoint: {len(sent)} requests, " +
+            ("each with the real key (the proxy put it in)" if injected else
+             f"credentials {sorted(set(map(str, sent)))} (the key is {key_digest(key)})"))
         edited = os.path.join(project, "CHECKED.txt")
         try:
             with open(edited) as f:
@@ -199,8 +286,10 @@ def run(harness: str, *, out: Callable[[str], None], agentcell: list[str] | None
         clean = not summary.get("problems") and _account_gone(summary.get("os_user"))
         out(("ok    " if clean else "FAIL  ") + "teardown: " + ("the session's account and grants are gone" if clean
                                                                else f"left {summary.get('problems')}"))
-        details.update(landed=landed, caught=caught, harness_parent=who, names=names, events=events)
-        return landed and caught and who is not None and only and bool(mains) and quiet and clean, details
+        details.update(landed=landed, caught=caught, harness_parent=who, names=names, events=events,
+                       key_kept_out=kept_out, key_injected=injected)
+        return (landed and caught and who is not None and only and bool(mains) and quiet and clean and kept_out
+                and injected), details
     finally:
         subprocess.run([*base, "session", "recover"], env=env, capture_output=True, timeout=300)
         if rig is not None:

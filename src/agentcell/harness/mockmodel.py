@@ -31,7 +31,8 @@ JSON).
 
 **The log** (``--log``, JSON lines) has one record per request: the API, the path, ``main`` or
 ``side``, the step served, and every tool result the request carried back (what the harness's shell
-printed), and whether it carried a credential (never its value).
+printed), and the credential it carried as a digest (:func:`key_digest`: never its value). With
+``--tls CERT KEY`` it serves HTTPS (a test CA's leaf: the check's "public" endpoint).
 
     python -m agentcell.harness.mockmodel --listen 127.0.0.1:8080 --script steps.json --log requests.jsonl
 """
@@ -355,7 +356,7 @@ class Model:
                 with open(self.log_path, "a", encoding="utf-8") as f:
                     f.write(json.dumps(rec) + "\n")
 
-    def answer(self, api: str, path: str, body: dict[str, Any], credential: bool) -> Answer:
+    def answer(self, api: str, path: str, body: dict[str, Any], credential: str) -> Answer:
         req = Request(api, body)
         tool = None if self.fenced else req.shell_tool()
         # A fenced harness's side requests (aider's commit message, its history summary) are a bare
@@ -544,10 +545,15 @@ class Handler(BaseHTTPRequestHandler):
             self.wfile.flush()
         self.close_connection = True
 
-    def _credential(self) -> bool:
+    def _credential(self) -> str:
+        """The credential the request carried, as a digest (never its value): the first 16 hex digits of
+        its SHA-256 (an Authorization header's token, without its scheme); "" without one."""
         h = self.headers
-        return bool(h.get("x-api-key") or h.get("authorization") or h.get("x-goog-api-key")
-                    or "key" in parse_qs(urlsplit(self.path).query))
+        value = (h.get("x-api-key") or h.get("x-goog-api-key") or h.get("api-key") or h.get("authorization")
+                 or (parse_qs(urlsplit(self.path).query).get("key") or [""])[0])
+        if value and h.get("authorization") == value and " " in value:
+            value = value.split(" ", 1)[1]
+        return key_digest(value) if value else ""
 
     def do_GET(self) -> None:  # noqa: N802 - http.server's name
         path = urlsplit(self.path).path.rstrip("/")
@@ -634,12 +640,20 @@ class Handler(BaseHTTPRequestHandler):
             self.rfile.readline()
 
 
+def key_digest(value: str) -> str:
+    """How the log names a credential: enough to tell which, nothing to use."""
+    import hashlib
+
+    return hashlib.sha256(value.strip().encode()).hexdigest()[:16]
+
+
 class Server(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
 
     def __init__(self, address: tuple[str, int], model: Model) -> None:
         self.model = model
+        self.scheme = "http"
         super().__init__(address, Handler)
 
     def server_bind(self) -> None:
@@ -653,7 +667,7 @@ class Server(ThreadingHTTPServer):
     @property
     def url(self) -> str:
         host, port = self.server_address[:2]
-        return f"http://{host!s}:{port}"
+        return f"{self.scheme}://{host!s}:{port}"
 
 
 def serve_in_thread(model: Model, host: str = "127.0.0.1", port: int = 0) -> Server:
@@ -669,12 +683,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--script", required=True, metavar="FILE", help="a JSON list of {shell: CMD} / {text: ANSWER}")
     p.add_argument("--fenced", action="store_true", help="shell steps as fenced bash blocks (harnesses without tools)")
     p.add_argument("--log", metavar="FILE", help="append one JSON line per request")
+    p.add_argument("--tls", nargs=2, metavar=("CERT", "KEY"), help="serve HTTPS with this certificate chain and key")
     ns = p.parse_args(argv)
     host, _, port = ns.listen.rpartition(":")
     try:
         with open(ns.script, encoding="utf-8") as f:
             steps = parse_script(json.load(f))
         server = Server((host.strip("[]") or "127.0.0.1", int(port)), Model(steps, fenced=ns.fenced, log=ns.log))
+        if ns.tls:
+            import ssl
+
+            ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            ctx.load_cert_chain(*ns.tls)
+            server.socket = ctx.wrap_socket(server.socket, server_side=True)
+            server.scheme = "https"
     except (OSError, ValueError) as e:
         sys.stderr.write(f"mockmodel: {e}\n")
         return 2

@@ -247,12 +247,18 @@ KEY_HOSTS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 KEY_HEADERS = ("authorization", "x-api-key", "x-goog-api-key", "api-key")  # what a gateway may read a key from
 
 
-def key_bindings(profile: Profile, names: tuple[str, ...], api_host: str | None) -> dict[
+def key_bindings(profile: Profile, names: tuple[str, ...], api_base: str | None) -> dict[
         str, tuple[tuple[str, ...], tuple[str, ...]]]:
     """Where each of ``names`` (the session's keys, by their names on the host) may go, by the name the
-    cell knows it by: its provider (KEY_HOSTS) and, with --api-base, that host (``api_host``:
-    host[:port]) for every key of the profile. Keys bound nowhere are left out."""
-    base = api_host.rsplit(":", 1)[0] if api_host and not api_host.endswith("]") else api_host
+    cell knows it by: its provider (KEY_HOSTS) and, with --api-base, that URL's host for every key of the
+    profile (``http://HOST`` for an http:// URL: a gateway without TLS gets it over plain HTTP). Keys
+    bound nowhere are left out."""
+    base = None
+    if api_base:
+        from urllib.parse import urlsplit
+
+        url = urlsplit(api_base.strip())
+        base = ("http://" if url.scheme == "http" else "") + (url.hostname or "")
     out = {}
     for name in names:
         hosts, headers = KEY_HOSTS.get(name, ((), ()))
