@@ -1,8 +1,11 @@
 """A test server on a fake internet: git's smart HTTP (``git http-backend``) over TLS, or plain static
 files (a package registry's mirror: npm's packuments and tarballs, pip's simple index and wheels).
 
-    python tests/mirror.py ADDR PORT git REPO_ROOT CERT KEY
+    python tests/mirror.py ADDR PORT git REPO_ROOT CERT KEY [TOKEN]
     python tests/mirror.py ADDR PORT files ROOT
+
+With TOKEN, git asks for it as a GitHub-style host does: HTTP Basic (any user, the token as password);
+a request without it gets 401 and a Basic challenge, one with another gets 403 (its digest on stderr).
 
 prints ``ready`` once it listens; each request is a line on stderr.
 """
@@ -18,8 +21,34 @@ from functools import partial
 
 class Git(http.server.BaseHTTPRequestHandler):
     root = ""
+    token = ""
+
+    def _authorized(self) -> bool:
+        if not self.token:
+            return True
+        import base64
+        import hashlib
+
+        given = self.headers.get("Authorization", "")
+        if not given:
+            self.send_response(401)
+            self.send_header("WWW-Authenticate", 'Basic realm="agentcell test git"')
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return False
+        scheme, _, rest = given.partition(" ")
+        password = base64.b64decode(rest).decode().partition(":")[2] if scheme.lower() == "basic" else rest
+        if password == self.token:
+            return True
+        sys.stderr.write(f"refused token {hashlib.sha256(password.encode()).hexdigest()[:16]}\n")
+        self.send_response(403)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+        return False
 
     def _serve(self) -> None:
+        if not self._authorized():
+            return
         path, _, query = self.path.partition("?")
         if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
             body = b""
@@ -67,6 +96,7 @@ def main() -> None:
     addr, port, mode, root = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
     if mode == "git":
         Git.root = root
+        Git.token = sys.argv[7] if len(sys.argv) > 7 else ""
         server = Server((addr, port), Git)
         ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         ctx.load_cert_chain(sys.argv[5], sys.argv[6])

@@ -107,3 +107,17 @@ def test_a_value_from_a_file_or_a_command_run_as_the_person(tmp_path: Path) -> N
     with pytest.raises(PolicyError, match="exited 3") as e:
         read_value("K", f"cmd:echo {GITHUB}; exit 3", {"PATH": os.defpath})
     assert GITHUB not in str(e.value)
+
+
+def test_a_token_in_basic_credentials_is_injected_as_git_sends_it() -> None:
+    import base64
+
+    c = creds()
+    gh = c.cell_env()["GH_TOKEN"]
+    basic = "Basic " + base64.b64encode(f"x-access-token:{gh}".encode()).decode()
+    headers, why = c.inject("github.example.test", "/o/r.git/git-receive-pack", [("Authorization", basic)])
+    assert why == "" and headers == [("Authorization", "Basic " + base64.b64encode(
+        f"x-access-token:{GITHUB}".encode()).decode())]
+    assert c.carried(["GET / HTTP/1.1", f"Authorization: {basic}"]) and not c.carried(["Authorization: Basic eA=="])
+    out, why = c.inject("evil.example.test", "/", [("Authorization", basic)])
+    assert "sent to evil.example.test" in why and out == [("Authorization", basic)]

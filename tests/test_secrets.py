@@ -14,7 +14,7 @@ import pytest
 
 from agentcell.network.tlsca import SessionCA
 from conftest import User, agentcell_run, needs_root
-from fakenet import DNS4, FakeInternet, leftovers
+from fakenet import API4, DNS4, FakeInternet, leftovers
 
 pytestmark = needs_root
 
@@ -131,17 +131,38 @@ def test_the_placeholder_in_a_url_or_to_another_host_is_refused_and_ends_the_cel
     assert requests(api) == []  # nothing of it went out
 
 
-def test_git_over_https_authenticates_with_the_injected_token(user: User, api: dict[str, object]) -> None:
-    # git sends the token (a credential helper's answer, as GH_TOKEN would give it) in Authorization
-    script = ('git -c credential.helper= -c "http.extraHeader=Authorization: token $GH_TOKEN" '
-              'ls-remote https://api.test/o/r.git 2>&1 | head -2; true')
-    r = agentcell_run(["--as", str(user.uid), *BASE, "--secret", "GH_TOKEN", "--secret-host",
-                       "GH_TOKEN=api.test:authorization", "--upstream-ca", str(api["ca"]), "--", "sh", "-c", script],
-                      env={"GH_TOKEN": GH}, timeout=90)
-    seen = requests(api)
-    assert seen and seen[0][0].startswith("/o/r.git/info/refs"), (seen, r.out, r.err)
-    assert seen[0][1]["Authorization"] == f"token {GH}"
-    assert GH not in r.out + r.err
+def test_git_push_over_https_authenticates_with_the_injected_token(user: User, api: dict[str, object],
+                                                                   tmp_path: Path) -> None:
+    """A GitHub-style host: git's smart HTTP asks for Basic credentials; git gets the placeholder from a
+    credential helper (as from GH_TOKEN), the proxy puts the token in, inside the Basic credentials."""
+    root = tmp_path / "repos"
+    root.mkdir()
+    subprocess.run(["git", "init", "-q", "--bare", str(root / "r.git")], check=True)
+    subprocess.run(["git", "-C", str(root / "r.git"), "config", "http.receivepack", "true"], check=True)
+    subprocess.run(["chmod", "-R", "a+rwX", str(tmp_path)], check=True)
+    fake = api["inet"]
+    assert isinstance(fake, FakeInternet)
+    work = Path(str(api["ca"])).parent
+    server = fake.run_in([sys.executable, str(Path(__file__).parent / "mirror.py"), API4, "8443", "git", str(root),
+                          str(work / "chain.pem"), str(work / "key.pem"), GH], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE)
+    try:
+        assert server.stdout is not None and server.stdout.readline().strip() == "ready"
+        script = ('cd /tmp && git init -q w && cd w && echo hi > f && git add f && '
+                  'git -c user.name=a -c user.email=a@a.invalid commit -qm one && '
+                  'git -c credential.helper="!f() { echo username=x-access-token; echo password=$GH_TOKEN; }; f" '
+                  'push -q https://api.test:8443/r.git HEAD:main 2>&1; echo "pushed=$?"')
+        r = agentcell_run(["--as", str(user.uid), *BASE, "--allow-domain", "api.test:8443", "--secret", "GH_TOKEN",
+                           "--secret-host", "GH_TOKEN=api.test:authorization", "--upstream-ca", str(api["ca"]), "--",
+                           "sh", "-c", script], env={"GH_TOKEN": GH}, timeout=120)
+    finally:
+        server.kill()
+        _, err = server.communicate()
+    assert "pushed=0" in r.out, (r.out, r.err, err[-2000:])
+    log = subprocess.run(["git", "-C", str(root / "r.git"), "log", "--format=%s", "main"], capture_output=True,
+                         text=True, check=True).stdout
+    assert log.strip() == "one"
+    assert "refused token" not in err and GH not in r.out + r.err
 
 
 def test_a_gateway_without_tls_gets_the_key_only_where_it_is_bound_over_plain_http(user: User,

@@ -275,7 +275,7 @@ class Proxy:
         """A plain-HTTP request's header lines, the real values in where a secret is bound to the host over
         plain HTTP (``http://HOST``: a gateway of the person's without TLS); a placeholder anywhere else
         in it is Refused, with an event that acts."""
-        if self.creds is None or not self.creds.found("\n".join([target, *lines])):
+        if self.creds is None or not self.creds.carried([target, *lines]):
             return lines
         pairs = [(n.strip(), v.strip()) for n, _, v in (line.partition(":") for line in lines)]
         out, why = self.creds.inject(host, target, pairs, plain=True)

@@ -16,6 +16,7 @@ prompt-injected agent exfiltrating "the key" does.
 """
 from __future__ import annotations
 
+import base64
 import os
 import re
 import secrets as _random
@@ -214,16 +215,42 @@ class CredentialSet:
             return headers, f"the placeholder of {s.name} in the URL to {host} (it goes in a header, never a URL)"
         out = []
         for name, value in headers:
-            for s in self.found(value):
+            basic = _basic(value)  # (git's token: Authorization: Basic base64(user:token))
+            text = basic if basic is not None else value
+            for s in self.found(text):
                 if host not in s.to(plain):
                     how = "over plain HTTP " if plain else ""
                     return headers, f"the placeholder of {s.name} sent {how}to {host} (bound to {', '.join(s.hosts)})"
                 if s.headers and name.lower() not in s.headers:
                     return headers, f"the placeholder of {s.name} in the header {name} (bound to " \
                                     f"{', '.join(s.headers)})"
-                value = value.replace(s.placeholder, s.value)
+                text = text.replace(s.placeholder, s.value)
+            if basic is not None and text != basic:
+                value = value.split(" ", 1)[0] + " " + base64.b64encode(text.encode("latin-1")).decode()
+            elif basic is None:
+                value = text
             out.append((name, value))
         return out, ""
+
+    def carried(self, lines: Iterable[str]) -> bool:
+        """Whether any of ``lines`` (a request's target and header lines) carries a placeholder, as it
+        is or inside Basic credentials."""
+        for line in lines:
+            basic = _basic(line.partition(":")[2].strip())
+            if self.found(line) or basic is not None and self.found(basic):
+                return True
+        return False
+
+
+def _basic(value: str) -> str | None:
+    """The decoded credentials of ``Basic BASE64`` (``user:password``), or None."""
+    scheme, _, rest = value.strip().partition(" ")
+    if scheme.lower() != "basic" or not rest:
+        return None
+    try:
+        return base64.b64decode(rest.strip(), validate=True).decode("latin-1")
+    except ValueError:
+        return None
 
 
 def read_values(names: Iterable[str], env: Mapping[str, str] | None = None) -> dict[str, str]:
