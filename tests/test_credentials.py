@@ -118,6 +118,31 @@ def test_a_token_in_basic_credentials_is_injected_as_git_sends_it() -> None:
     headers, why = c.inject("github.example.test", "/o/r.git/git-receive-pack", [("Authorization", basic)])
     assert why == "" and headers == [("Authorization", "Basic " + base64.b64encode(
         f"x-access-token:{GITHUB}".encode()).decode())]
-    assert c.carried(["GET / HTTP/1.1", f"Authorization: {basic}"]) and not c.carried(["Authorization: Basic eA=="])
     out, why = c.inject("evil.example.test", "/", [("Authorization", basic)])
     assert "sent to evil.example.test" in why and out == [("Authorization", basic)]
+
+
+def test_the_placeholder_is_swapped_only_where_it_is_the_credential_of_an_auth_header() -> None:
+    c = CredentialSet.build({"K": GITHUB}, parse_bindings(["K=api.example.test"]))  # no header named
+    ph = c.cell_env()["K"]
+    for name, value in (("Authorization", f"Bearer {ph}"), ("x-api-key", ph), ("x-goog-api-key", f" {ph} ")):
+        out, why = c.inject("api.example.test", "/", [(name, value)])
+        assert why == "" and GITHUB in out[0][1], (name, value)
+    for name, value, said in (("Host", ph, "in the header Host"), ("Origin", ph, "in the header Origin"),
+                              ("x-note", ph, "in the header x-note"),
+                              ("Authorization", f"Bearer {ph} {ph}", "inside a longer value"),
+                              ("Authorization", f"Bearer {ph}xyz", "inside a longer value"),
+                              ("Authorization", f"x{ph}", "inside a longer value")):
+        out, why = c.inject("api.example.test", "/", [(name, value)])
+        assert said in why and out == [(name, value)], (name, value, why)
+    with pytest.raises(PolicyError, match="servers echo or follow"):
+        parse_bindings(["K=api.example.test:host"])
+
+
+def test_a_real_value_coming_back_is_seen_as_it_is_and_in_base64() -> None:
+    import base64
+
+    c = creds()
+    assert c.leaked(b"...echo " + ANTHROPIC.encode() + b"...") is c.secrets["ANTHROPIC_API_KEY"]
+    assert c.leaked(base64.b64encode(GITHUB.encode())) is c.secrets["GH_TOKEN"]
+    assert c.leaked(c.cell_env()["GH_TOKEN"].encode()) is None

@@ -107,7 +107,10 @@ def test_a_real_harness_edits_the_project_and_is_ended_at_the_credential_it_read
 # come or not. The CPU ceiling (the session's risk: half the machine) may hold a turn back; Claude Code looks
 # at /var, which the cell has not; Copilot's node probes io_uring (libuv), which seccomp refuses, sets its own
 # OOM score (refused by Landlock), and takes a lock in its package cache, which is read-only under /opt.
-COMMON_NOTES = [("resource", "cpu_throttled", "cgroup")]
+COMMON_NOTES = [("resource", "cpu_throttled", "cgroup"),
+                # the check's key scan walks /proc: a process of the cell that exits meanwhile is a /proc number
+                # the cell had (a host process may have it too)
+                ("read", "/proc/[0-9]*", "calls")]
 HARNESS_NOTES = {"claude_code": [("read", "/var", "calls")],
                  "copilot": [("execute", "io_uring_setup", "seccomp"),
                              ("write", "/proc/<pid>/oom_score_adj", "landlock"),

@@ -150,6 +150,10 @@ class Proxy:
             return r, w
         raise Refused(f"{host}:{port} unreachable ({last})", 502)
 
+    def refuse_plain(self, host: str, port: int, why: str) -> None:
+        """A plain-HTTP request refused (a placeholder where its secret is not bound): an event that acts."""
+        self._refuse(host, port, "http", why)
+
     def refuse_request(self, host: str, port: int, why: str) -> None:
         """An intercepted request refused (a placeholder where its secret is not bound): an event that acts."""
         self._refuse(host, port, "https", why)
@@ -213,10 +217,22 @@ class Proxy:
             ("proxy-", "connection:", "keep-alive:", "host:"))]
         try:
             self._placeholders(host, port, "http", hostport.encode("latin-1"))
-            headers = self._inject_plain(host, port, "/" + path, headers)
+            for sec in self.creds.found(head) if self.creds is not None else ():  # (before any lookup)
+                if host.lower().rstrip(".") not in sec.to(plain=True):
+                    raise self._refuse(host, port, "http", f"the placeholder of {sec.name} sent over plain HTTP to "
+                                       f"{host} (bound to {', '.join(sec.hosts)})")
             up_r, up_w = await self.open(host, port, "http")
         except Refused as e:
             await _blocked(writer, e)
+            return
+        if self.creds is not None:  # parsed whole, request by request: what goes up is what was checked
+            from .intercept import relay
+
+            try:
+                await relay(self.creds, self.refuse_plain, host, port, reader, writer, up_r, up_w, plain=True,
+                            data=head)
+            finally:
+                up_w.close()
             return
         up_w.write((f"{method} /{path} {version}\r\nHost: {hostport}\r\n" + "".join(f"{h}\r\n" for h in headers)
                     + "Connection: close\r\n\r\n").encode("latin-1"))
@@ -271,17 +287,7 @@ class Proxy:
             raise self._refuse(host, port, how, f"the placeholder of {s.name} in the destination's name (it goes "
                                f"only to {', '.join(s.hosts)}, in a header)")
 
-    def _inject_plain(self, host: str, port: int, target: str, lines: list[str]) -> list[str]:
-        """A plain-HTTP request's header lines, the real values in where a secret is bound to the host over
-        plain HTTP (``http://HOST``: a gateway of the person's without TLS); a placeholder anywhere else
-        in it is Refused, with an event that acts."""
-        if self.creds is None or not self.creds.carried([target, *lines]):
-            return lines
-        pairs = [(n.strip(), v.strip()) for n, _, v in (line.partition(":") for line in lines)]
-        out, why = self.creds.inject(host, target, pairs, plain=True)
-        if why:
-            raise self._refuse(host, port, "http", why + " (a plain-HTTP request)")
-        return [f"{n}: {v}" for n, v in out]
+
 
 
 async def _blocked(writer: asyncio.StreamWriter, e: Refused) -> None:

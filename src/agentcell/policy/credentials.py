@@ -43,7 +43,7 @@ CMD_TIMEOUT_S = 30.0
 class Secret:
     """One credential: ``name`` (its variable in the cell), ``value`` (never shown), ``placeholder``
     (what the cell sees), ``hosts`` it may go to (``http://HOST``: over plain HTTP, a gateway of the
-    person's that has no TLS; else over HTTPS only), ``headers`` it may go in (empty: any header)."""
+    person's that has no TLS; else over HTTPS only), ``headers`` it may go in (empty: AUTH_HEADERS)."""
 
     name: str
     value: str = field(repr=False)
@@ -89,7 +89,8 @@ def _host(text: str, flag: str) -> str:
 
 
 def parse_bindings(flags: Iterable[str]) -> dict[str, tuple[tuple[str, ...], tuple[str, ...]]]:
-    """``--secret-host NAME=HOST[,HOST…][:HEADER[,HEADER…]]``, each: NAME -> (hosts, headers). A host
+    """``--secret-host NAME=HOST[,HOST…][:HEADER[,HEADER…]]``, each: NAME -> (hosts, headers: none
+    named is AUTH_HEADERS; Host, Origin, Referer, Cookie and their kin are never allowed). A host
     ``http://HOST`` may get it over plain HTTP (a gateway without TLS), and only that way."""
     out: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {}
     for flag in flags:
@@ -104,6 +105,9 @@ def parse_bindings(flags: Iterable[str]) -> dict[str, tuple[tuple[str, ...], tup
         if any(not re.fullmatch(r"[a-z0-9-]{1,64}", h) for h in headers):
             raise PolicyError("--secret-host", f"{headers_text!r} is not a list of header names",
                               "e.g. :authorization or :x-api-key")
+        if NEVER & set(headers):
+            raise PolicyError("--secret-host", f"{', '.join(sorted(NEVER & set(headers)))}: servers echo or follow "
+                              "that header", "bind the secret to the header it authenticates with (authorization)")
         old_hosts, old_headers = out.get(name, ((), ()))
         out[name] = (tuple(dict.fromkeys((*old_hosts, *hosts))), tuple(dict.fromkeys((*old_headers, *headers))))
     return out
@@ -209,7 +213,10 @@ class CredentialSet:
         """A request to ``host`` for ``target`` (its path and query) with ``headers`` (``plain``: over
         plain HTTP): the headers with the real values in place of the placeholders where bound, and ""
         — or the headers unchanged and why the request must be refused (a placeholder where its secret
-        is not bound)."""
+        is not bound). A placeholder is swapped only where it is the whole credential of a header the
+        secret may go in: ``PH``, ``SCHEME PH`` (Bearer, token) or inside ``Basic`` credentials; never
+        in a header that servers echo or follow (Host, Origin, Referer, Cookie), never in part of a
+        longer value."""
         host = host.lower().rstrip(".")
         for s in self.found(target):
             return headers, f"the placeholder of {s.name} in the URL to {host} (it goes in a header, never a URL)"
@@ -221,9 +228,13 @@ class CredentialSet:
                 if host not in s.to(plain):
                     how = "over plain HTTP " if plain else ""
                     return headers, f"the placeholder of {s.name} sent {how}to {host} (bound to {', '.join(s.hosts)})"
-                if s.headers and name.lower() not in s.headers:
-                    return headers, f"the placeholder of {s.name} in the header {name} (bound to " \
-                                    f"{', '.join(s.headers)})"
+                allowed = s.headers or AUTH_HEADERS
+                if name.lower() not in allowed or name.lower() in NEVER:
+                    return headers, f"the placeholder of {s.name} in the header {name} (it may go in " \
+                                    f"{', '.join(allowed)})"
+                if not _whole(text, s.placeholder, basic is not None):
+                    return headers, f"the placeholder of {s.name} inside a longer value of {name} (it goes " \
+                                    "alone, after a scheme, or in Basic credentials)"
                 text = text.replace(s.placeholder, s.value)
             if basic is not None and text != basic:
                 value = value.split(" ", 1)[0] + " " + base64.b64encode(text.encode("latin-1")).decode()
@@ -232,14 +243,28 @@ class CredentialSet:
             out.append((name, value))
         return out, ""
 
-    def carried(self, lines: Iterable[str]) -> bool:
-        """Whether any of ``lines`` (a request's target and header lines) carries a placeholder, as it
-        is or inside Basic credentials."""
-        for line in lines:
-            basic = _basic(line.partition(":")[2].strip())
-            if self.found(line) or basic is not None and self.found(basic):
-                return True
-        return False
+    def leaked(self, data: bytes) -> Secret | None:
+        """The secret whose real value (as it is, or base64) ``data`` carries: a response must never."""
+        for s in self.secrets.values():
+            if s.value.encode() in data or base64.b64encode(s.value.encode()).rstrip(b"=") in data:
+                return s
+        return None
+
+
+# Where a secret bound to no header in particular may go; where none ever goes (servers echo them back,
+# redirect to them, or keep them).
+AUTH_HEADERS = ("authorization", "x-api-key", "api-key", "x-goog-api-key")
+NEVER = frozenset({"host", "origin", "referer", "cookie", "location", "forwarded", "x-forwarded-host"})
+
+
+def _whole(text: str, placeholder: str, basic: bool) -> bool:
+    """The placeholder is the credential itself: the whole value, after a scheme word, or (in Basic
+    credentials) the whole user or password."""
+    text = text.strip()
+    if basic:
+        return placeholder in text.split(":", 1)
+    scheme, _, rest = text.partition(" ")
+    return text == placeholder or rest.strip() == placeholder and scheme.isalpha()
 
 
 def _basic(value: str) -> str | None:
