@@ -93,8 +93,12 @@ def rig(tmp_path: Path) -> Iterator[dict[str, Any]]:
         up_server = await asyncio.start_server(upstream.handle, "127.0.0.1", 0, ssl=up_ctx)
         up_port = up_server.sockets[0].getsockname()[1]
 
+        async def opener(host: str, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+            assert (host, port) == (HOST, 443)
+            return await asyncio.open_connection("127.0.0.1", up_port)
+
         icpt = Interceptor(creds, {HOST: server_context(str(tmp_path / "leaf.pem"), str(tmp_path / "leaf.key"))},
-                           upstream_context(public.pem.decode()), lambda host, port, why: refused.append(why))
+                           upstream_context(public.pem.decode()), lambda host, port, why: refused.append(why), opener)
 
         async def front(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             head = await reader.readuntil(b"\r\n\r\n")
@@ -180,3 +184,28 @@ def test_a_streamed_response_is_not_held(rig: dict[str, Any]) -> None:
     rig["loop"].call_soon_threadsafe(rig["upstream"].go_on.set)
     assert r.read() == b"\ndata: two\n\n"
     c.close()
+
+
+
+def test_http2_streams_at_once_each_get_the_key_and_the_placeholder_elsewhere_is_refused(rig: dict[str, Any]) -> None:
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("h2")
+    ph = rig["placeholder"]
+    with httpx.Client(http2=True, proxy=f"http://127.0.0.1:{rig['port']}", verify=rig["trust"], timeout=20) as c:
+        import concurrent.futures
+
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(lambda i: c.post(f"https://{HOST}/v1/messages?i={i}", content=b"y" * (i * 5000),
+                                                     headers={"x-api-key": ph}), range(4)))
+        assert [(a.http_version, a.status_code, a.text) for a in answers] == [
+            ("HTTP/2", 200, f"hello POST {i * 5000}\n") for i in range(4)]
+        bad = c.get(f"https://{HOST}/v1/messages?key={ph}")
+        assert bad.status_code == 403 and "in the URL" in bad.text
+        with c.stream("GET", f"https://{HOST}/stream", headers={"x-api-key": ph}) as r:
+            lines = r.iter_lines()
+            assert next(lines) == "data: one"  # before the upstream sends the second
+            rig["loop"].call_soon_threadsafe(rig["upstream"].go_on.set)
+            assert [line for line in lines if line] == ["data: two"]
+    seen = sorted((t, h["x-api-key"], len(b)) for _, t, h, b in rig["upstream"].seen)
+    assert seen == sorted([(f"/v1/messages?i={i}", KEY, i * 5000) for i in range(4)] + [("/stream", KEY, 0)])
+    assert len(rig["refused"]) == 1 and "in the URL" in rig["refused"][0]

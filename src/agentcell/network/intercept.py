@@ -18,8 +18,9 @@ host is a plain tunnel: its TLS is the client's and the server's, never opened.
 from __future__ import annotations
 
 import asyncio
+import functools
 import ssl
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import h11
@@ -34,6 +35,7 @@ HOP = {b"connection", b"keep-alive", b"proxy-connection", b"proxy-authorization"
        b"expect"}
 
 Refuse = Callable[[str, int, str], None]
+Opener = Callable[[str, int], Awaitable[tuple[asyncio.StreamReader, asyncio.StreamWriter]]]
 
 
 class Interceptor:
@@ -41,8 +43,9 @@ class Interceptor:
     the real hosts; ``refuse(host, port, why)``: records an event that acts."""
 
     def __init__(self, creds: CredentialSet, leaves: dict[str, ssl.SSLContext], upstream: ssl.SSLContext,
-                 refuse: Refuse) -> None:
+                 refuse: Refuse, opener: Opener | None = None) -> None:
         self.creds, self.leaves, self.upstream, self.refuse = creds, leaves, upstream, refuse
+        self.opener = opener  # more connections to a host, checked as the first (HTTP/2's streams at once)
 
     def wants(self, host: str) -> bool:
         return host.lower().rstrip(".") in self.leaves
@@ -55,13 +58,201 @@ class Interceptor:
         try:
             await asyncio.wait_for(writer.start_tls(self.leaves[host]), HANDSHAKE_S)
             await asyncio.wait_for(up_w.start_tls(self.upstream, server_hostname=host), HANDSHAKE_S)
-            await self._relay(host, port, reader, writer, up_r, up_w)
+            tls = writer.get_extra_info("ssl_object")
+            if tls is not None and tls.selected_alpn_protocol() == "h2":
+                await self._relay_h2(host, port, reader, writer, (up_r, up_w))
+            else:
+                await self._relay(host, port, reader, writer, up_r, up_w)
         finally:
             up_w.close()
 
     async def _relay(self, host: str, port: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                      up_r: asyncio.StreamReader, up_w: asyncio.StreamWriter) -> None:
         await relay(self.creds, self.refuse, host, port, reader, writer, up_r, up_w)
+
+
+    async def _more(self, host: str, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """Another connection to the real host, checked by the proxy's policy as the first was, and TLS."""
+        if self.opener is None:
+            raise OSError(95, "no second connection to the host can be made")
+        up_r, up_w = await self.opener(host, port)
+        try:
+            await asyncio.wait_for(up_w.start_tls(self.upstream, server_hostname=host), HANDSHAKE_S)
+        except BaseException:
+            up_w.close()
+            raise
+        return up_r, up_w
+
+    async def _relay_h2(self, host: str, port: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                        first: tuple[asyncio.StreamReader, asyncio.StreamWriter]) -> None:
+        """HTTP/2 from the cell, each stream a request of its own upstream over HTTP/1.1 (on the connection
+        the proxy made, then on more it opens, checked the same way, as streams run at once)."""
+        import h2.config
+        import h2.connection
+        import h2.events
+        import h2.exceptions
+
+        conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False, header_encoding=None))
+        conn.initiate_connection()
+        writer.write(conn.data_to_send())
+        spare = [first]
+        bodies: dict[int, asyncio.Queue[bytes | None]] = {}
+        tasks: dict[int, asyncio.Task[None]] = {}
+        window = asyncio.Event()  # set when the client gives more room to send
+
+        def flush() -> None:
+            data = conn.data_to_send()
+            if data:
+                writer.write(data)
+
+        async def send_data(sid: int, data: bytes) -> None:
+            while data:
+                room = min(conn.local_flow_control_window(sid), conn.max_outbound_frame_size)
+                if room <= 0:
+                    window.clear()
+                    await window.wait()
+                    continue
+                conn.send_data(sid, data[:room])
+                data = data[room:]
+                flush()
+                await writer.drain()
+
+        async def respond(sid: int, status: int, headers: list[tuple[bytes, bytes]], body: bytes = b"") -> None:
+            conn.send_headers(sid, [(b":status", str(status).encode()), *headers], end_stream=not body)
+            flush()
+            if body:
+                await send_data(sid, body)
+                conn.end_stream(sid)
+                flush()
+            await writer.drain()
+
+        async def stream(sid: int, raw: list[tuple[bytes, bytes]]) -> None:
+            pseudo = {n: v for n, v in raw if n.startswith(b":")}
+            authority = pseudo.get(b":authority", b"").decode("latin-1").lower()
+            target = pseudo.get(b":path", b"/").decode("latin-1")
+            method = pseudo.get(b":method", b"GET")
+            headers = [(n.decode("latin-1"), v.decode("latin-1")) for n, v in raw
+                       if not n.startswith(b":") and n.lower() != b"host"]
+            named = authority.rsplit(":", 1)[0] if ":" in authority and not authority.endswith("]") else authority
+            if named.rstrip(".") not in ("", host) or not target.startswith("/"):
+                await respond(sid, 421, [(b"content-type", b"text/plain")],
+                              f"agentcell: a request for {authority}{target[:200]} on the connection to {host}\n"
+                              .encode())
+                return
+            injected, why = self.creds.inject(host, target, headers)
+            if why:
+                self.refuse(host, port, why)
+                await asyncio.sleep(HOLD_S)
+                await respond(sid, 403, [(b"content-type", b"text/plain")], f"agentcell: {why}\n".encode())
+                return
+            first = await bodies[sid].get()  # (None: the request had no body)
+            forward = [("Host", host if port == 443 else f"{host}:{port}"),
+                       *((n, v) for n, v in injected if n.lower().encode() not in HOP
+                         and n.lower() != "transfer-encoding")]
+            if first is not None and not any(n.lower() == "content-length" for n, _ in forward):
+                forward.append(("Transfer-Encoding", "chunked"))  # (HTTP/2 frames its body; HTTP/1.1 must be told)
+            up_r, up_w = spare.pop() if spare else await self._more(host, port)
+            up = h11.Connection(h11.CLIENT)
+            reuse, tail = False, b""
+            window_size = 2 * max((len(sec.value) for sec in self.creds.secrets.values()), default=0) + 8
+
+            def leaked(chunk: bytes) -> bool:
+                nonlocal tail
+                found = self.creds.leaked(tail + chunk)
+                tail = (tail + chunk)[-window_size:]
+                if found is not None:
+                    self.refuse(host, port, f"the real value of {found.name} came back from {host} (an endpoint "
+                                "that echoes what it got): the stream was ended there")
+                    conn.reset_stream(sid)
+                    flush()
+                return found is not None
+
+            try:
+                up_w.write(up.send(h11.Request(method=method, target=target, headers=forward)))
+                chunk = first
+                while chunk is not None:
+                    up_w.write(up.send(h11.Data(data=chunk)))
+                    await up_w.drain()
+                    chunk = await bodies[sid].get()
+                up_w.write(up.send(h11.EndOfMessage()))
+                await up_w.drain()
+                while True:
+                    ev = await _next(up, up_r)
+                    if isinstance(ev, h11.InformationalResponse):
+                        continue
+                    if isinstance(ev, h11.Response):
+                        kept = [(n.lower(), v) for n, v in ev.headers.raw_items()
+                                if n.lower() not in HOP and n.lower() != b"transfer-encoding"]
+                        if leaked(b"\n".join(n + b": " + v for n, v in kept)):
+                            await asyncio.sleep(HOLD_S)
+                            return
+                        conn.send_headers(sid, [(b":status", str(ev.status_code).encode()), *kept])
+                        flush()
+                        await writer.drain()
+                    elif isinstance(ev, h11.Data):
+                        if leaked(bytes(ev.data)):
+                            await asyncio.sleep(HOLD_S)
+                            return
+                        await send_data(sid, bytes(ev.data))
+                    elif isinstance(ev, h11.EndOfMessage):
+                        conn.end_stream(sid)
+                        flush()
+                        await writer.drain()
+                        reuse = up.our_state is h11.DONE and up.their_state is h11.DONE
+                        break
+                    else:
+                        conn.reset_stream(sid)
+                        flush()
+                        break
+            finally:
+                if reuse:  # (a fresh h11 state for it next time: the connection is what is kept)
+                    spare.append((up_r, up_w))
+                else:
+                    up_w.close()
+
+        def forget(sid: int, _task: object = None) -> None:
+            tasks.pop(sid, None)
+            bodies.pop(sid, None)
+
+        try:
+            while True:
+                data = await asyncio.wait_for(reader.read(READ), IDLE_S)
+                if not data:
+                    return
+                try:
+                    events = conn.receive_data(data)
+                except h2.exceptions.ProtocolError:
+                    flush()
+                    return
+                for ev in events:
+                    if isinstance(ev, h2.events.RequestReceived):
+                        sid = ev.stream_id
+                        bodies[sid] = asyncio.Queue()
+                        tasks[sid] = asyncio.ensure_future(stream(sid, list(ev.headers)))
+                        tasks[sid].add_done_callback(functools.partial(forget, sid))
+                    elif isinstance(ev, h2.events.DataReceived):
+                        if ev.stream_id in bodies:
+                            bodies[ev.stream_id].put_nowait(ev.data)
+                        conn.acknowledge_received_data(ev.flow_controlled_length, ev.stream_id)
+                    elif isinstance(ev, h2.events.StreamEnded):
+                        if ev.stream_id in bodies:
+                            bodies[ev.stream_id].put_nowait(None)
+                    elif isinstance(ev, h2.events.StreamReset):
+                        task = tasks.pop(ev.stream_id, None)
+                        if task is not None:
+                            task.cancel()
+                    elif isinstance(ev, h2.events.WindowUpdated | h2.events.RemoteSettingsChanged):
+                        window.set()
+                    elif isinstance(ev, h2.events.ConnectionTerminated):
+                        return
+                flush()
+                await writer.drain()
+        finally:
+            for task in tasks.values():
+                task.cancel()
+            await asyncio.gather(*tasks.values(), return_exceptions=True)
+            for _, w in spare:
+                w.close()
 
 
 async def relay(creds: CredentialSet, refuse: Refuse, host: str, port: int, reader: asyncio.StreamReader,
@@ -143,10 +334,12 @@ async def relay(creds: CredentialSet, refuse: Refuse, host: str, port: int, read
             if isinstance(ev, h11.Response):
                 kept = [(n, v) for n, v in ev.headers.raw_items() if n.lower() not in HOP]
                 if leaked(b"\n".join(n + b": " + v for n, v in kept)):
+                    await asyncio.sleep(HOLD_S)  # (the cell is frozen before the client hears of it)
                     return
                 await _send(writer, down, h11.Response(status_code=ev.status_code, headers=kept, reason=ev.reason))
             elif isinstance(ev, h11.Data):
                 if leaked(bytes(ev.data)):
+                    await asyncio.sleep(HOLD_S)
                     return
                 await _send(writer, down, ev)
             elif isinstance(ev, h11.EndOfMessage):
@@ -182,11 +375,15 @@ async def _send(writer: asyncio.StreamWriter, conn: h11.Connection, *events: Any
 
 
 def server_context(chain_path: str, key_path: str) -> ssl.SSLContext:
-    """The cell-facing side for one bound host (its leaf), HTTP/1.1 only."""
+    """The cell-facing side for one bound host (its leaf): HTTP/2 (when ``h2`` is there) or HTTP/1.1."""
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
     ctx.load_cert_chain(chain_path, key_path)
-    ctx.set_alpn_protocols(["http/1.1"])
+    try:
+        import h2  # noqa: F401
+        ctx.set_alpn_protocols(["h2", "http/1.1"])
+    except ImportError:
+        ctx.set_alpn_protocols(["http/1.1"])
     return ctx
 
 

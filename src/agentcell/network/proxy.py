@@ -388,6 +388,7 @@ async def serve(listen_fd: int, policy: Policy, events_fd: int, bell_fd: int = -
     proxy = Proxy(policy, record, creds=creds, interceptor=icpt)
     if icpt is not None:
         icpt.refuse = proxy.refuse_request
+        icpt.opener = lambda host, port: proxy.open(host, port, "https")  # (HTTP/2's streams at once)
     listener = socket.socket(fileno=listen_fd)
     server = await asyncio.start_server(proxy.handle, sock=listener, limit=LIMIT)
     async with server:
