@@ -605,3 +605,9 @@ def test_the_key_the_harness_holds_is_a_placeholder_that_ends_the_session_where_
     assert KEYS["ANTHROPIC_API_KEY"] not in json.dumps(s.summary) + s.out + s.err
     mains = [r for r in rig.requests() if r["kind"] == "main"]
     assert mains and all(r["credential"] == key_digest(KEYS["ANTHROPIC_API_KEY"]) for r in mains), mains
+    # never written: not in the checkpoints, the audit trail, the snapshots, nor what session show prints
+    shown = session(env, ["show", s.summary["session"], "--json"])
+    assert KEYS["ANTHROPIC_API_KEY"] not in shown.out + shown.err
+    key = KEYS["ANTHROPIC_API_KEY"].encode()
+    written = [f for f in env.state.rglob("*") if f.is_file() and not f.is_symlink() and key in f.read_bytes()]
+    assert written == [], written

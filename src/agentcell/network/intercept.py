@@ -273,6 +273,8 @@ async def relay(creds: CredentialSet, refuse: Refuse, host: str, port: int, read
     authority = host if port == (80 if plain else 443) else f"{host}:{port}"
     tail = b""  # the end of what came back so far: a value split between two reads is still seen
     window = 2 * max((len(s.value) for s in creds.secrets.values()), default=0) + 8
+    # A host no secret is bound to (plain HTTP elsewhere): its request bodies are looked at too.
+    unbound = not any(host in s.to(plain) for s in creds.secrets.values())
 
     async def refused(code: int, why: str, *, event: bool = True) -> None:
         if event:
@@ -318,13 +320,23 @@ async def relay(creds: CredentialSet, refuse: Refuse, host: str, port: int, read
         forward = [("Host", authority), *((n, v) for n, v in injected if n.lower().encode() not in HOP)]
         if down.client_is_waiting_for_100_continue:
             await _send(writer, down, h11.InformationalResponse(status_code=100, headers=[]))
-        up_w.write(up.send(h11.Request(method=request.method, target=target, headers=forward)))
+        # (the head goes with the body's first piece: one looked at before anything of the request leaves)
+        head = up.send(h11.Request(method=request.method, target=target, headers=forward))
         # the request's body (as it comes), then the response (as it comes)
+        sent = b""
         while not isinstance(ev := await _next(down, reader), h11.EndOfMessage):
             if not isinstance(ev, h11.Data):
                 return
-            up_w.write(up.send(ev))
+            if unbound and (found := creds.found(sent + bytes(ev.data))):
+                await refused(403, f"the placeholder of {found[0].name} in a request body to {host} (bound to "
+                              f"{', '.join(found[0].hosts)})")
+                return
+            sent = (sent + bytes(ev.data))[-window:]
+            up_w.write(head + up.send(ev))
+            head = b""
             await up_w.drain()
+        if head:
+            up_w.write(head)
         up_w.write(up.send(h11.EndOfMessage()))
         await up_w.drain()
         while True:
