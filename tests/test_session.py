@@ -942,3 +942,27 @@ def test_session_show_names_who_tried_from_the_cells_pid_1_down(env: Env) -> Non
     # (sh is dash, named so while it lives: by the name it was run by once it is gone)
     assert chain.startswith(("  by: PID 1 → dash (pid ", "  by: PID 1 → sh (pid ")), chain
     assert chain.endswith(f"→ cat (pid {esc['pid']})"), chain
+
+
+def test_a_session_secret_from_a_command_run_as_the_person_reaches_the_cell_as_a_placeholder(env: Env,
+                                                                                            user: User) -> None:
+    value = "tok-" + secrets.token_hex(16)
+    script = 'echo "K=$K"; cat /proc/self/environ | tr "\\0" "\\n" | grep -c "^K="'
+    base = ["start", "--harness", "shell", "--rw", "src", "--net", "proxy", "--allow-domain", "api.example.test",
+            "--json"]
+    s = session(env, [*base, "--secret", f"K=cmd:printf '{value[:4]}%s' \"$(id -u)\"; printf '{value[4:]}'",
+                      "--secret-host", "K=api.example.test", "--", "sh", "-c", script],
+                extra={"SUDO_UID": str(user.uid), "SUDO_GID": str(user.gid)})
+    assert s.rc == 0, s.err
+    real = f"{value[:4]}{user.uid}{value[4:]}"  # (the command ran as the person, not as root)
+    placeholder = s.out.splitlines()[0].removeprefix("K=")
+    assert len(placeholder) == len(real) and placeholder != real and placeholder[:4] == "tok-", s.out
+    assert s.out.splitlines()[1] == "1" and real not in s.out + s.err + json.dumps(s.summary)
+    written = [f for f in env.state.rglob("*") if f.is_file() and real.encode() in f.read_bytes()]
+    assert written == []
+    for args, want in ((["--secret", "K=env:NOPE", "--secret-host", "K=api.example.test"], "NOPE is not set"),
+                       (["--secret", "K=env:PATH", "--secret-host", "K=elsewhere.test"],
+                        "--secret-host: elsewhere.test is not on the allow-list"),
+                       (["--secret-host", "K=api.example.test"], "--secret-host: says where a --secret goes")):
+        s = session(env, [*base, *args, "--", "true"])
+        assert s.rc == 125 and want in s.err and len(s.err.strip().splitlines()) == 1, (args, s.err)

@@ -74,6 +74,11 @@ def parser() -> Parser:
     sp.add_argument("--model", metavar="NAME", help="the model the harness asks for (AGENT_MODEL)")
     sp.add_argument("--upstream-ca", metavar="PEM", help="with the proxy: verify the API hosts the keys are injected "
                     "for against this CA bundle, not the host's trust store (a TLS-inspecting gateway's CA)")
+    sp.add_argument("--secret", action="append", metavar="NAME[=SOURCE]", help="with the proxy: another credential "
+                    "the cell gets only as a placeholder (SOURCE: env:VAR (default NAME), file:PATH, cmd:COMMAND, run "
+                    "as you); bound with --secret-host")
+    sp.add_argument("--secret-host", action="append", metavar="NAME=HOST[,HOST][:HEADER]", help="where --secret NAME "
+                    "may go: the hosts (http://HOST: over plain HTTP) and the request headers")
     sp.add_argument("--env", action="append", metavar="NAME=VALUE", help="set a variable in the cell (repeatable; "
                     "visible in the process list: pass secrets with --keep-env)")
     sp.add_argument("--keep-env", action="append", metavar="NAME", help="pass NAME from the environment (or the "
@@ -215,7 +220,8 @@ def _credentials(ns: Any, cfg: Any, launch: Any, policy: dict[str, Any]) -> tupl
         from ..network.tlsca import read_bundle
 
         pem = read_bundle(ns.upstream_ca, "--upstream-ca")
-    if not cfg.secrets:
+    given = _given_secrets(ns, policy)
+    if not cfg.secrets and not given:
         return None, pem, cfg
     back = {cell: host for host, cell in launch.renames.items()}  # (cfg.secrets are by their names in the cell)
     renamed = {k: back.get(k, k) for k in cfg.secrets}  # name in the cell -> name on the host
@@ -234,11 +240,46 @@ def _credentials(ns: Any, cfg: Any, launch: Any, policy: dict[str, Any]) -> tupl
     gateway = launch.api_host.rsplit(":", 1)[0] if launch.api_host else None  # (on the allow-list at its port)
     allowed = {k: (tuple(h for h in hosts if h.removeprefix("http://") == gateway or rules.name_verdict(h, 443)[0]),
                    headers) for k, (hosts, headers) in bound.items()}
-    allowed = {k: v for k, v in allowed.items() if v[0]}
-    if not allowed:
+    allowed = {k: v for k, v in allowed.items() if v[0] and k not in given}
+    values = {**{k: cfg.secrets[k] for k in allowed}, **{k: v for k, (v, _) in given.items()}}
+    if not values:
         return None, pem, cfg
-    creds = CredentialSet.build({k: cfg.secrets[k] for k in allowed}, allowed)
-    return creds, pem, replace(cfg, secrets={k: v for k, v in cfg.secrets.items() if k not in allowed})
+    creds = CredentialSet.build(values, {**allowed, **{k: b for k, (_, b) in given.items()}})
+    return creds, pem, replace(cfg, secrets={k: v for k, v in cfg.secrets.items() if k not in values})
+
+
+def _given_secrets(ns: Any, policy: dict[str, Any]) -> dict[str, tuple[str, tuple[tuple[str, ...], tuple[str, ...]]]]:
+    """``--secret``/``--secret-host``: name -> (value, (hosts, headers)). Read on the host now (a ``cmd:``
+    source as the person who ran sudo); each bound host must be on the session's allow-list."""
+    if not ns.secret:
+        if ns.secret_host:
+            raise AgentcellError("--secret-host", "says where a --secret goes", "add --secret NAME")
+        return {}
+    if policy.get("network") != "proxy":
+        raise AgentcellError("--secret", "credentials are injected by the egress proxy", "use --net proxy")
+    from ..network.rules import Policy
+    from ..policy.credentials import parse_bindings, read_values
+
+    uid, gid = os.environ.get("SUDO_UID", ""), os.environ.get("SUDO_GID", "")
+    person = (int(uid), int(gid or uid)) if uid.isdigit() and uid != "0" and (gid or uid).isdigit() else None
+    values = read_values(ns.secret, run_as=person)
+    bindings = parse_bindings(ns.secret_host or [])
+    rules = Policy.from_rules(policy.get("egress") or ())
+    out = {}
+    for name, value in values.items():
+        hosts, headers = bindings.get(name, ((), ()))
+        if not hosts:
+            raise AgentcellError("--secret", f"{name} is bound to no host", f"add --secret-host {name}=HOST")
+        for h in hosts:
+            plain = h.startswith("http://")
+            if not rules.name_verdict(h.removeprefix("http://"), 80 if plain else 443)[0]:
+                raise AgentcellError("--secret-host", f"{h} is not on the allow-list",
+                                     f"add --allow-domain {h.removeprefix('http://')}")
+        out[name] = (value, (hosts, headers))
+    for name in bindings:
+        if name not in values:
+            raise AgentcellError("--secret-host", f"{name} is bound but not given", f"add --secret {name}")
+    return out
 
 
 def _explain(cfg: Any, plan: Any, policy: dict[str, Any], launch: Any, credentials: Any = None) -> str:

@@ -278,13 +278,15 @@ def _basic(value: str) -> str | None:
         return None
 
 
-def read_values(names: Iterable[str], env: Mapping[str, str] | None = None) -> dict[str, str]:
-    """``--secret NAME[=SOURCE]`` flags read into values (the environment: this process's by default)."""
+def read_values(names: Iterable[str], env: Mapping[str, str] | None = None,
+                run_as: tuple[int, int] | None = None) -> dict[str, str]:
+    """``--secret NAME[=SOURCE]`` flags read into values (the environment: this process's by default;
+    ``run_as``: who runs a ``cmd:`` source)."""
     env = os.environ if env is None else env
     out: dict[str, str] = {}
     for flag in names:
         name, _, source = flag.partition("=")
         if not NAME.fullmatch(name):
             raise PolicyError("--secret", f"{name!r} is not a variable name", "e.g. --secret ANTHROPIC_API_KEY")
-        out[name] = read_value(name, source, env)
+        out[name] = read_value(name, source, env, run_as)
     return out
