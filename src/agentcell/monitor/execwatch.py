@@ -56,7 +56,10 @@ class ExecWatch:
     def __init__(self) -> None:
         self.sock = socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC, NETLINK_CONNECTOR)
         try:
-            set_rcvbuf(self.sock, 16 << 20)
+            # The whole host's forks, execs and exits arrive here; twenty busy sessions on two cores
+            # starve a monitor for a while now and then: 16 MiB overflowed about one full test run in
+            # five (memory is taken only while messages wait).
+            set_rcvbuf(self.sock, 32 << 20)
             self.sock.bind((0, CN_IDX_PROC))
             self._control(PROC_CN_MCAST_LISTEN)
             self.on_read: Callable[[], None] | None = None  # called for each message read (the watchdog's)
