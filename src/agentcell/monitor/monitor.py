@@ -715,6 +715,7 @@ class Monitor:
         from .seccompwatch import NOTED, describe
 
         op, target, reason = describe(n["call"], n["args"])
+        self._drain_connector()  # the caller's parents may have forked since the connector was read (it waits)
         self._event(CellEvent(op, target, reason, source="seccomp", cell=self.cell_id, pid=n["pid"],
                               exe=n.get("exe", ""), allow="nothing: a cell never gets this call",
                               acts=n["call"] not in NOTED))
