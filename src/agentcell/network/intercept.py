@@ -153,19 +153,14 @@ class Interceptor:
                 forward.append(("Transfer-Encoding", "chunked"))  # (HTTP/2 frames its body; HTTP/1.1 must be told)
             up_r, up_w = spare.pop() if spare else await self._more(host, port)
             up = h11.Connection(h11.CLIENT)
-            reuse, tail = False, b""
-            window_size = 2 * max((len(sec.value) for sec in self.creds.secrets.values()), default=0) + 8
+            reuse, echo = False, Echoes(self.creds, self.refuse, host, port)
 
             def leaked(chunk: bytes) -> bool:
-                nonlocal tail
-                found = self.creds.leaked(tail + chunk)
-                tail = (tail + chunk)[-window_size:]
-                if found is not None:
-                    self.refuse(host, port, f"the real value of {found.name} came back from {host} (an endpoint "
-                                "that echoes what it got): the stream was ended there")
-                    conn.reset_stream(sid)
-                    flush()
-                return found is not None
+                if not echo.seen(chunk):
+                    return False
+                conn.reset_stream(sid)
+                flush()
+                return True
 
             try:
                 up_w.write(up.send(h11.Request(method=method, target=target, headers=forward)))
@@ -255,6 +250,25 @@ class Interceptor:
                 w.close()
 
 
+class Echoes:
+    """What comes back from ``host``, looked at for the real values (as they are, or base64): ``seen``
+    is True, and an event that acts is recorded, when one is there. The end of what came so far is
+    kept, so a value split between two reads is still seen."""
+
+    def __init__(self, creds: CredentialSet, refuse: Refuse, host: str, port: int) -> None:
+        self.creds, self.refuse, self.host, self.port = creds, refuse, host, port
+        self.window = 2 * max((len(s.value) for s in creds.secrets.values()), default=0) + 8
+        self._tail = b""
+
+    def seen(self, chunk: bytes) -> bool:
+        found = self.creds.leaked(self._tail + chunk)
+        self._tail = (self._tail + chunk)[-self.window:]
+        if found is not None:
+            self.refuse(self.host, self.port, f"the real value of {found.name} came back from {self.host} (an "
+                        "endpoint that echoes what it got): it was cut there")
+        return found is not None
+
+
 async def relay(creds: CredentialSet, refuse: Refuse, host: str, port: int, reader: asyncio.StreamReader,
                 writer: asyncio.StreamWriter, up_r: asyncio.StreamReader, up_w: asyncio.StreamWriter, *,
                 plain: bool = False, data: bytes = b"") -> None:
@@ -271,8 +285,8 @@ async def relay(creds: CredentialSet, refuse: Refuse, host: str, port: int, read
     if data:
         down.receive_data(data)
     authority = host if port == (80 if plain else 443) else f"{host}:{port}"
-    tail = b""  # the end of what came back so far: a value split between two reads is still seen
-    window = 2 * max((len(s.value) for s in creds.secrets.values()), default=0) + 8
+    echo = Echoes(creds, refuse, host, port)
+    window = echo.window
     # A host no secret is bound to (plain HTTP elsewhere): its request bodies are looked at too.
     unbound = not any(host in s.to(plain) for s in creds.secrets.values())
 
@@ -285,14 +299,7 @@ async def relay(creds: CredentialSet, refuse: Refuse, host: str, port: int, read
                 ("content-type", "text/plain"), ("connection", "close")]),
                 h11.Data(data=f"agentcell: {why}\n".encode()), h11.EndOfMessage())
 
-    def leaked(chunk: bytes) -> bool:
-        nonlocal tail
-        found = creds.leaked(tail + chunk)
-        tail = (tail + chunk)[-window:]
-        if found is not None:
-            refuse(host, port, f"the real value of {found.name} came back from {host} (an endpoint that echoes "
-                   "what it got): the connection was ended there")
-        return found is not None
+    leaked = echo.seen
 
     while True:
         request = await _next(down, reader, IDLE_S)
