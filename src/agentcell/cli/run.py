@@ -297,13 +297,14 @@ def _credentials(ns: Args | Namespace, spec: CellSpec) -> tuple[Any, str | None]
     if spec.network != "proxy":
         raise AgentcellError("--secret", "credentials are injected by the egress proxy", "add --net proxy")
     from ..network.rules import Policy
-    from ..policy.credentials import CredentialSet, parse_bindings, read_values
+    from ..policy.credentials import CredentialSet, off_the_list, parse_bindings, read_values
 
     creds = CredentialSet.build(read_values(ns.secret), parse_bindings(ns.secret_host))
-    policy = Policy.from_rules(spec.egress)
-    for host in creds.hosts():
-        if not policy.name_verdict(host, 443)[0]:
-            raise AgentcellError("--secret-host", f"{host} is not on the allow-list", f"add --allow-domain {host}")
+    rules = Policy.from_rules(spec.egress)
+    host = off_the_list((h for s in creds.secrets.values() for h in s.hosts), rules.name_verdict)
+    if host is not None:
+        raise AgentcellError("--secret-host", f"{host} is not on the allow-list",
+                             f"add --allow-domain {host.removeprefix('http://')}")
     pem = None
     if ns.upstream_ca:
         from ..network.tlsca import read_bundle

@@ -258,7 +258,7 @@ def _given_secrets(ns: Any, policy: dict[str, Any]) -> dict[str, tuple[str, tupl
     if policy.get("network") != "proxy":
         raise AgentcellError("--secret", "credentials are injected by the egress proxy", "use --net proxy")
     from ..network.rules import Policy
-    from ..policy.credentials import parse_bindings, read_values
+    from ..policy.credentials import off_the_list, parse_bindings, read_values
 
     uid, gid = os.environ.get("SUDO_UID", ""), os.environ.get("SUDO_GID", "")
     person = (int(uid), int(gid or uid)) if uid.isdigit() and uid != "0" and (gid or uid).isdigit() else None
@@ -270,11 +270,10 @@ def _given_secrets(ns: Any, policy: dict[str, Any]) -> dict[str, tuple[str, tupl
         hosts, headers = bindings.get(name, ((), ()))
         if not hosts:
             raise AgentcellError("--secret", f"{name} is bound to no host", f"add --secret-host {name}=HOST")
-        for h in hosts:
-            plain = h.startswith("http://")
-            if not rules.name_verdict(h.removeprefix("http://"), 80 if plain else 443)[0]:
-                raise AgentcellError("--secret-host", f"{h} is not on the allow-list",
-                                     f"add --allow-domain {h.removeprefix('http://')}")
+        off = off_the_list(hosts, rules.name_verdict)
+        if off is not None:
+            raise AgentcellError("--secret-host", f"{off} is not on the allow-list",
+                                 f"add --allow-domain {off.removeprefix('http://')}")
         out[name] = (value, (hosts, headers))
     for name in bindings:
         if name not in values:

@@ -22,7 +22,7 @@ import re
 import secrets as _random
 import string
 import subprocess
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -265,6 +265,16 @@ def _whole(text: str, placeholder: str, basic: bool) -> bool:
         return placeholder in text.split(":", 1)
     scheme, _, rest = text.partition(" ")
     return text == placeholder or rest.strip() == placeholder and scheme.isalpha()
+
+
+def off_the_list(hosts: Iterable[str], verdict: Callable[[str, int], tuple[bool, str]]) -> str | None:
+    """The first bound host (``http://HOST``: at port 80, else 443) the proxy's rules (``verdict``:
+    :meth:`agentcell.network.rules.Policy.name_verdict`) would not let through, or None."""
+    for h in hosts:
+        plain = h.startswith("http://")
+        if not verdict(h.removeprefix("http://"), 80 if plain else 443)[0]:
+            return h
+    return None
 
 
 def _basic(value: str) -> str | None:
