@@ -1,0 +1,183 @@
+"""A session plan: one session as plain data (issue 17), the unit of ``agentcell fleet`` and ``agentcell k8s``.
+
+One JSON object per line of a plans file::
+
+    {"name": "fix-1", "project": {"files": {"app.py": "print(1)\\n"}}, "harness": "scripted",
+     "script": "edit app.py 1 2\\nrun python3 app.py", "wall_clock_s": 120}
+
+A plan says what ``agentcell session start`` would be told; :meth:`SessionPlan.start_args` turns it into
+those flags, so the session's own checks (harness, egress names, ceilings) still decide, on the node. What
+this model checks is what must hold before anything is sent anywhere: the fields' names and types, a
+name usable as a directory and as a Kubernetes name, one project source. Credentials are not part of a
+plan: a plan travels through the cluster's object store.
+"""
+from __future__ import annotations
+
+import json
+import posixpath
+import re
+from collections.abc import Iterator
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from ..errors import AgentcellError
+
+NAME = re.compile(r"^[a-z0-9]([a-z0-9-]{0,38}[a-z0-9])?$")  # a directory, a DNS label, a Kubernetes name part
+MAX_PLANS = 10_000
+MAX_FILES_BYTES = 4 << 20  # inline project files: a small project, not a checkout
+
+
+class Project(BaseModel):
+    """Where the session's project comes from, on the node that runs it. Exactly one of:
+    ``files`` (inline: relative path -> text), ``path`` (a directory on every node, copied), ``git``
+    (a repository URL or path the node can clone, at ``ref``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    files: dict[str, str] | None = None
+    path: str | None = None
+    git: str | None = None
+    ref: str | None = None
+
+    @model_validator(mode="after")
+    def _one(self) -> Project:
+        given = [k for k in ("files", "path", "git") if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError("give exactly one of files, path or git")
+        if self.ref is not None and self.git is None:
+            raise ValueError("ref goes with git")
+        if self.path is not None and not posixpath.isabs(self.path):
+            raise ValueError("path must be absolute (a directory on the node)")
+        if self.files is not None:
+            if sum(len(k) + len(v.encode()) for k, v in self.files.items()) > MAX_FILES_BYTES:
+                raise ValueError(f"inline files exceed {MAX_FILES_BYTES >> 20} MiB; use path or git")
+            for rel in self.files:
+                norm = posixpath.normpath(rel)
+                if posixpath.isabs(rel) or norm.startswith("..") or norm == "." or "\0" in rel:
+                    raise ValueError(f"'{rel}' is not a relative path inside the project")
+        return self
+
+
+class SessionPlan(BaseModel):
+    """One session. ``args`` are the harness's own arguments (after ``--``); ``script`` is the
+    ``scripted`` harness's steps; ``prompt`` is the one prompt of a harness that takes one."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    name: str
+    project: Project
+    harness: str = "shell"
+    args: tuple[str, ...] = ()
+    script: str | None = None
+    prompt: str | None = None
+    wall_clock_s: int | None = Field(default=None, gt=0, le=7 * 86400)
+    risk: Literal["low", "medium", "high"] | None = None
+    memory: str | None = None
+    cpu: int | None = Field(default=None, gt=0)
+    pids: int | None = Field(default=None, gt=0)
+    network: Literal["none", "loopback", "proxy", "host-firewall"] | None = None
+    allow_domains: tuple[str, ...] = ()
+    deny_domains: tuple[str, ...] = ()
+    allow_presets: tuple[str, ...] = ()
+    allow_ranges: tuple[str, ...] = ()
+    resolver: str | None = None
+    api_base: str | None = None
+    model: str | None = None
+    env: dict[str, str] = {}
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not NAME.match(v):
+            raise ValueError("1-40 of a-z, 0-9 and '-', starting and ending with a letter or digit")
+        return v
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, v: dict[str, str]) -> dict[str, str]:
+        for k in v:
+            if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", k):
+                raise ValueError(f"'{k}' is not a variable name")
+        return v
+
+    @model_validator(mode="after")
+    def _harness_input(self) -> SessionPlan:
+        given = [k for k in ("args", "script", "prompt") if getattr(self, k)]
+        if len(given) > 1:
+            raise ValueError(f"give one of args, script or prompt, not {' and '.join(given)}")
+        if self.script is not None and self.harness != "scripted":
+            raise ValueError("script is the scripted harness's: set harness to scripted")
+        return self
+
+    def harness_args(self) -> list[str]:
+        if self.script is not None:
+            return ["--text", self.script]
+        if self.prompt is not None:
+            return [self.prompt]
+        return list(self.args)
+
+    def start_args(self, project_dir: str) -> list[str]:
+        """``agentcell session start`` flags for this plan, its project at ``project_dir``."""
+        out = ["--project", project_dir, "--harness", self.harness]
+        for flag, value in (("--wall-clock", self.wall_clock_s), ("--risk", self.risk), ("--memory", self.memory),
+                            ("--cpu", self.cpu), ("--pids", self.pids), ("--net", self.network),
+                            ("--resolver", self.resolver), ("--api-base", self.api_base), ("--model", self.model)):
+            if value is not None:
+                out += [flag, str(value)]
+        for flag, values in (("--allow-domain", self.allow_domains), ("--deny-domain", self.deny_domains),
+                             ("--allow-preset", self.allow_presets), ("--allow-range", self.allow_ranges)):
+            for v in values:
+                out += [flag, v]
+        for k, v in sorted(self.env.items()):
+            out += ["--env", f"{k}={v}"]
+        return [*out, "--", *self.harness_args()]
+
+
+def _where(err: ValidationError) -> tuple[str, str]:
+    first = err.errors()[0]
+    field = ".".join(str(p) for p in first["loc"]) or "plan"
+    return field, str(first["msg"]).removeprefix("Value error, ")
+
+
+def parse(obj: Any, where: str = "plan") -> SessionPlan:
+    try:
+        return SessionPlan.model_validate(obj)
+    except ValidationError as e:
+        field, msg = _where(e)
+        raise AgentcellError(f"{where}: {field}", msg, "see 'agentcell fleet run --help' for a plan's fields") from None
+
+
+def read(path: str) -> list[SessionPlan]:
+    """A plans file (JSON lines; blank lines and lines starting with # skipped). Every line is checked
+    before any is used; names must be unique."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except OSError as e:
+        raise AgentcellError("PLANS", f"cannot read {path}: {e.strerror}", "give a JSON-lines file of plans") from None
+    except UnicodeDecodeError:
+        raise AgentcellError("PLANS", f"{path} is not UTF-8 text", "give a JSON-lines file of plans") from None
+    plans: list[SessionPlan] = []
+    seen: dict[str, int] = {}
+    for n, line in _numbered(lines):
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise AgentcellError(f"{path}:{n}", f"not JSON ({e.msg} at column {e.colno})",
+                                 "one JSON object per line") from None
+        plan = parse(obj, f"{path}:{n}")
+        if plan.name in seen:
+            raise AgentcellError(f"{path}:{n}: name", f"'{plan.name}' is also the name on line {seen[plan.name]}",
+                                 "give each plan its own name")
+        seen[plan.name] = n
+        plans.append(plan)
+    if not plans:
+        raise AgentcellError("PLANS", f"{path} has no plans", "one JSON object per line")
+    if len(plans) > MAX_PLANS:
+        raise AgentcellError("PLANS", f"{path} has {len(plans)} plans", f"split it: at most {MAX_PLANS} a run")
+    return plans
+
+
+def _numbered(lines: list[str]) -> Iterator[tuple[int, str]]:
+    for n, line in enumerate(lines, 1):
+        if line.strip() and not line.lstrip().startswith("#"):
+            yield n, line
