@@ -150,3 +150,24 @@ def test_a_json_line_that_is_not_a_record_is_reported_not_a_crash(tmp_path: Path
     p.write_bytes(b"\n".join([*ls[:2], b"[]", *ls[3:]]) + b"\n")
     v = verify(str(p))
     assert not v.ok and 3 in [n for n, _ in v.problems]
+
+
+def test_a_trail_verified_while_others_append_is_whole_as_it_stood(tmp_path: Path) -> None:
+    # Sessions on one machine append to one trail while a fleet node verifies it: the verdict is on
+    # what the writers had finished (a record written but its anchor not yet is not "appended by hand").
+    p = trail(tmp_path, 1)
+    code = ("import sys; from agentcell.audit import AuditLog\n"
+            "log = AuditLog(sys.argv[1])\n"
+            "for i in range(400): log.append('step', session='s-' + sys.argv[2], n=i)\n")
+    writers = [subprocess.Popen([sys.executable, "-c", code, str(p), str(w)]) for w in range(3)]
+    try:
+        seen = []
+        while any(w.poll() is None for w in writers):
+            v = verify(str(p))
+            assert v.ok, v.problems
+            seen.append(v.records)
+    finally:
+        for w in writers:
+            w.wait()
+    assert [w.returncode for w in writers] == [0, 0, 0]
+    assert verify(str(p)).records == 1201 and len(set(seen)) > 1  # verified while it grew

@@ -26,6 +26,7 @@ import json
 import os
 import stat
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from .. import hostfs
@@ -143,11 +144,11 @@ class AuditLog:
             os.close(fd)  # releases the lock
 
 
-def _lock(fd: int) -> None:
+def _lock(fd: int, how: int = fcntl.LOCK_EX) -> None:
     deadline = time.monotonic() + LOCK_WAIT_S
     while True:
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, how | fcntl.LOCK_NB)
             return
         except BlockingIOError:
             if time.monotonic() > deadline:
@@ -272,6 +273,19 @@ def _open_trail(path: str) -> int | None:
     return open_regular(path, path, "give the audit trail's file (a regular file)")
 
 
+def _upto(f: Any, size: int) -> Iterator[bytes]:
+    """The lines of ``f`` within its first ``size`` bytes."""
+    left = size
+    for raw in f:
+        if left <= 0:
+            return
+        if len(raw) > left:
+            yield raw[:left]
+            return
+        left -= len(raw)
+        yield raw
+
+
 def verify(path: str | None = None) -> Verdict:
     path = path or default_path()
     problems: list[tuple[int, str]] = []
@@ -282,7 +296,21 @@ def verify(path: str | None = None) -> Verdict:
     ended: set[str] = set()
     prev, seq, n, line = GENESIS, 0, 0, b""
     with os.fdopen(fd, "rb") as f:
-        for n, raw in enumerate(f, 1):  # streamed: a trail of any length, in bounded memory
+        # What a writer has finished: the length and the anchor together, read while no one appends (a
+        # writer holds the lock from its record's write to its anchor's), then the records up to there.
+        # Records appended meanwhile are past that length: a live trail verifies as it stood.
+        try:
+            _lock(fd, fcntl.LOCK_SH)
+        except OSError as e:
+            return Verdict(path, 0, [(0, str(e))])
+        try:
+            size = os.fstat(fd).st_size
+            head: str | Exception = _head_text(path + ".head")
+        except (OSError, ValueError) as e:
+            head = e
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        for n, raw in enumerate(_upto(f, size), 1):  # streamed: a trail of any length, in bounded memory
             if not raw.endswith(b"\n"):
                 problems.append((n, "the last record is cut off in the middle (truncated)"))
                 n -= 1
@@ -314,7 +342,9 @@ def verify(path: str | None = None) -> Verdict:
                     ended.add(sid)
     lines = n
     try:
-        head_seq, head_digest = _head_text(path + ".head").split()
+        if isinstance(head, Exception):
+            raise head
+        head_seq, head_digest = head.split()
         if int(head_seq) > lines:
             problems.append((lines, f"the log ends at record {lines} but {head_seq} were written (truncated)"))
         elif int(head_seq) == lines and head_digest != prev:
