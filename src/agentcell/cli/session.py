@@ -94,6 +94,8 @@ def parser() -> Parser:
                     "prepared once: logins, settings)")
     sp.add_argument("--explain", action="store_true", help="print the plan and the policy; start nothing")
     sp.add_argument("--json", action="store_true", help="print the summary as one JSON object, last on stdout")
+    sp.add_argument("--id", metavar="ID", dest="session_id", help="the session's id (default: a new one): a "
+                    "caller's own, e.g. a fleet's, known before the session starts; refused if it is taken")
     for name, help_ in (("list", "the sessions kept"), ("recover", "finish the teardown of sessions whose "
                                                                    "supervisor died")):
         sp = sub.add_parser(name, help=help_)
@@ -149,7 +151,7 @@ def _start(ns: Any, harness_args: list[str]) -> int:
                                          "risk", "memory", "cpu", "pids", "limits", "home_from")}
     flags["harness_args"] = harness_args
     cfg = config.load(flags, dotenv=ns.env_file)
-    sid = graph.new_session_id()
+    sid = _checked_id(ns.session_id, "--id") if ns.session_id is not None else graph.new_session_id()
     from ..session.nodes import compile_policy, make_plan, session_network
 
     launch = profiles.launch(profiles.get(cfg.harness), cfg.harness_args, seed_dir=seed.path(sid),
@@ -184,6 +186,8 @@ def _start(ns: Any, harness_args: list[str]) -> int:
                        environ=dict(os.environ),
                        status_line=sys.stderr.isatty() and not ns.json and not launch.interactive)
     g, _conn = _graph(rt)
+    if ns.session_id is not None and graph.load(g, sid) is not None:
+        raise AgentcellError("--id", f"session {sid} exists", "give an id not used before")
 
     def stop(sig: int, _frame: object) -> None:
         rt.stop_requested[sid] = f"signal {sig}"
@@ -351,11 +355,17 @@ def _shown(text: str) -> str:
 
 # ---- list, show, stop, restore, diff, recover ---------------------------------------------------
 
-def _load(sid: str) -> tuple[Any, dict[str, Any]]:
+def _checked_id(sid: str, field: str = "ID") -> str:
     from ..hostfs import shown
 
     if not sid or len(sid) > 64 or not all(c.isascii() and (c.isalnum() or c in "-_") for c in sid):
-        raise AgentcellError("ID", f"'{shown(sid, 80)}' is not a session id", "see 'agentcell session list'")
+        fix = "1-64 of letters, digits, '-' and '_'" if field != "ID" else "see 'agentcell session list'"
+        raise AgentcellError(field, f"'{shown(sid, 80)}' is not a session id", fix)
+    return sid
+
+
+def _load(sid: str) -> tuple[Any, dict[str, Any]]:
+    _checked_id(sid)
     from ..session import graph
 
     g, _conn = _graph()
