@@ -18,6 +18,7 @@ COMMANDS = {
     "warm": ("agentcell.cli.warm", "start/stop the warm launcher that makes agentcell run fast"),
     "cell": ("agentcell.cli.cell", "a live cell: start it once, exec many commands in it, stop it"),
     "mcp": ("agentcell.cli.mcp", "an MCP server (stdio) whose tools run in one live cell"),
+    "fleet": ("agentcell.cli.fleet", "run session plans on the nodes of a Ray cluster (agentcell[ray])"),
     "k8s": ("agentcell.cli.k8s", "session plans as Kubernetes agent-sandbox resources, and their image"),
 }
 

@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from ..errors import AgentcellError
 
-NAME = re.compile(r"^[a-z0-9]([a-z0-9-]{0,38}[a-z0-9])?$")  # a directory, a DNS label, a Kubernetes name part
+NAME = re.compile(r"^[a-z0-9]([a-z0-9-]{0,34}[a-z0-9])?$")  # a directory, a DNS label, a Kubernetes name part
 MAX_PLANS = 10_000
 MAX_FILES_BYTES = 4 << 20  # inline project files: a small project, not a checkout
 
@@ -88,7 +88,7 @@ class SessionPlan(BaseModel):
     @classmethod
     def _name(cls, v: str) -> str:
         if not NAME.match(v):
-            raise ValueError("1-40 of a-z, 0-9 and '-', starting and ending with a letter or digit")
+            raise ValueError("1-36 of a-z, 0-9 and '-', starting and ending with a letter or digit")
         return v
 
     @field_validator("env")
