@@ -212,24 +212,25 @@ def _summary(stdout: str) -> dict[str, Any] | None:
 
 def collect(node: Node, plan_name: str, summary: dict[str, Any], project: str) -> dict[str, Any]:
     """A finished session's result: its summary, audit records and verdict, and its diff (paths relative
-    to the project)."""
+    to the project). Read here, in this process: the node's trail and snapshot store are root's files."""
+    from ..audit import trail
+    from ..snapshot.store import Store
+
     sid = str(summary["session"])
-    trail = os.path.join(node.state, "audit", "audit.jsonl")
-    v = node.cli("audit", "verify", trail, "--json", "--running")  # other sessions may still run here
-    verdict = json.loads(v.stdout) if v.stdout.startswith("{") else {"ok": False, "problems": [v.stderr.strip()]}
-    shown = node.cli("audit", "show", trail, "--session", sid, "--json")
-    records = json.loads(shown.stdout) if shown.returncode == 0 else []
+    path = os.path.join(node.state, "audit", "audit.jsonl")
+    verdict = trail.verify(path)  # the whole trail as it stands; other sessions may still be running
+    records = trail.records(path, sid)
     ended = bool(records) and records[-1].get("event") == "session.end"
-    audit = {"path": trail, "chain_ok": bool(verdict.get("chain_ok")), "problems": verdict.get("problems", []),
-             "ended": ended, "verified": bool(verdict.get("chain_ok")) and ended, "records": records}
+    audit = {"path": path, "chain_ok": verdict.ok, "ended": ended, "verified": verdict.ok and ended,
+             "problems": [{"line": n, "problem": p} for n, p in verdict.problems], "records": records}
     diff: dict[str, Any] | None = None
-    if summary.get("backup_id"):
-        changes = node.cli("session", "diff", sid, "--json")
-        text = node.cli("session", "diff", sid)
-        if changes.returncode == 0:
-            inside = project.rstrip("/") + "/"
-            diff = {kind: [p.removeprefix(inside) for p in paths] for kind, paths in json.loads(changes.stdout).items()}
-            diff["text"] = text.stdout.replace(inside, "") if text.returncode == 0 else ""
+    backup = summary.get("backup_id")
+    if backup:
+        store = Store(os.path.join(node.state, "snapshots"))
+        inside = project.rstrip("/") + "/"
+        changes = store.diff(str(backup))
+        diff = {kind: [p.removeprefix(inside) for p in paths] for kind, paths in changes.items()}
+        diff["text"] = "".join(store.text_diff(str(backup), p) for p in changes["modified"])
     return result(plan_name, node.name, sid, str(summary.get("status")), str(summary.get("reason") or ""),
                   exit_status=summary.get("exit_status"), duration_s=summary.get("duration_s"), summary=summary,
                   audit=audit, diff=diff)
