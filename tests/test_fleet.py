@@ -223,13 +223,15 @@ def test_thirty_sessions_over_two_nodes_one_node_crashes_and_its_sessions_are_re
 
 def test_a_plan_the_node_refuses_is_reported_and_the_others_run(fleet: Fleet, user: User) -> None:
     plans = [_plan(1, "edits"), {**_plan(2, "edits"), "harness": "shell", "script": None, "args": ["true"],
-                                 "allow_domains": ["bad..name"]}]
+                                 "allow_domains": ["bad..name"]},
+             {**_plan(3, "edits"), "model": "--rw=/etc"}]  # a value is never taken for a flag
     r = fleet.run(plans, user.name)
     assert isinstance(r, subprocess.CompletedProcess)
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
     rows = {line.split()[0]: line for line in r.stdout.splitlines()[1:]}
     assert " completed " in rows["edits-1"], r.stdout
     assert " refused " in rows["edits-2"] and "allow-domain" in rows["edits-2"], r.stdout
+    assert " refused " in rows["edits-3"] and "--model" in rows["edits-3"], r.stdout  # a value, not --rw
 
 
 @pytest.fixture
@@ -307,8 +309,8 @@ def test_plans_prints_each_session_start_line_and_run_needs_an_owner(tmp_path: P
     p = subprocess.run([AGENTCELL, "fleet", "plans", str(plans)], capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stderr
     assert p.stdout.splitlines() == [
-        "a: agentcell session start --project '<a>' --harness scripted --allow-domain pypi.org -- --text 'say hi'",
-        "b: agentcell session start --project '<b>' --harness shell --memory 1G -- make test"]
+        "a: agentcell session start '--project=<a>' --harness=scripted --allow-domain=pypi.org -- --text 'say hi'",
+        "b: agentcell session start '--project=<b>' --harness=shell --memory=1G -- make test"]
     p = subprocess.run([AGENTCELL, "fleet", "run", str(plans)], capture_output=True, text=True, timeout=60,
                        env={"PATH": os.environ["PATH"]})
     assert p.returncode == 125 and "--owner" in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr

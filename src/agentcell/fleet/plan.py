@@ -116,19 +116,18 @@ class SessionPlan(BaseModel):
         return list(self.args)
 
     def start_args(self, project_dir: str) -> list[str]:
-        """``agentcell session start`` flags for this plan, its project at ``project_dir``."""
-        out = ["--project", project_dir, "--harness", self.harness]
+        """``agentcell session start`` flags for this plan, its project at ``project_dir``. Each value is
+        joined to its flag (``--flag=VALUE``): a value that starts with ``-`` stays a value."""
+        out = [f"--project={project_dir}", f"--harness={self.harness}"]
         for flag, value in (("--wall-clock", self.wall_clock_s), ("--risk", self.risk), ("--memory", self.memory),
                             ("--cpu", self.cpu), ("--pids", self.pids), ("--net", self.network),
                             ("--resolver", self.resolver), ("--api-base", self.api_base), ("--model", self.model)):
             if value is not None:
-                out += [flag, str(value)]
+                out.append(f"{flag}={value}")
         for flag, values in (("--allow-domain", self.allow_domains), ("--deny-domain", self.deny_domains),
                              ("--allow-preset", self.allow_presets), ("--allow-range", self.allow_ranges)):
-            for v in values:
-                out += [flag, v]
-        for k, v in sorted(self.env.items()):
-            out += ["--env", f"{k}={v}"]
+            out += [f"{flag}={v}" for v in values]
+        out += [f"--env={k}={v}" for k, v in sorted(self.env.items())]
         return [*out, "--", *self.harness_args()]
 
 
