@@ -372,3 +372,11 @@ def test_doctor_says_which_monitor_sources_a_user_has(user: Any) -> None:
     mine = by_name(rep["checks"], "monitor")
     assert mine["status"] == "warn" and "sudo" in mine["fix"]
     assert {k for k, v in mine["data"]["sources"].items() if v.startswith("on")} == {"seccomp", "canary"}
+
+
+def test_the_extras_are_reported_installed_or_with_their_install_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(doctor, "EXTRAS", (*doctor.EXTRAS, ("nothing", "agentcell-no-such-dist", "nothing at all")))
+    got = {c.name: c for c in doctor.check_extras()}
+    assert got["extra ray"].status == "ok" and got["extra ray"].data["version"], got["extra ray"]  # test.sh installs it
+    missing = got["extra nothing"]
+    assert missing.status == "warn" and missing.fix.startswith("pip install 'agentcell[nothing]'"), missing

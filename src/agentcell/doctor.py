@@ -744,6 +744,26 @@ def check_tools() -> list[Check]:
     return out
 
 
+EXTRAS = (("mcp", "mcp", "agentcell mcp"), ("langchain", "langchain-core", "CellShellTool"),
+          ("ray", "ray", "agentcell fleet"))
+
+
+def check_extras() -> list[Check]:
+    """The optional extras: installed or not, read from the package metadata (nothing is imported)."""
+    from importlib import metadata
+
+    out = []
+    for extra, dist, what in EXTRAS:
+        try:
+            version = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out.append(Check(f"extra {extra}", "warn", f"{dist} is not installed: {what} is not available",
+                             f"pip install 'agentcell[{extra}]' (only for {what})", {"version": None}))
+            continue
+        out.append(Check(f"extra {extra}", "ok", f"{dist} {version}: {what}", data={"version": version}))
+    return out
+
+
 def check_harnesses() -> list[Check]:
     """Each harness profile: whether its CLI is installed where a cell can run it (resolved as a session
     resolves it), and what it still needs. Nothing is run."""
@@ -864,6 +884,7 @@ def run() -> Report:
     nft = check_nft(root=root)
     checks.append(nft)
     checks += check_tools()
+    checks += check_extras()
     checks += check_harnesses()
     modes = evaluate_modes(root=root, userns_ok=userns.status == "ok", userns_fix=userns.fix,
                            ns_root=ns_root, ns_rootless=ns_rootless, nft_ok=nft.data.get("listed") is True)
