@@ -17,11 +17,12 @@ import json
 import posixpath
 import re
 from collections.abc import Iterator
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ..errors import AgentcellError
+from ..policy.models import Network, Risk
 
 NAME = re.compile(r"^[a-z0-9]([a-z0-9-]{0,34}[a-z0-9])?$")  # a directory, a DNS label, a Kubernetes name part
 MAX_PLANS = 10_000
@@ -70,11 +71,11 @@ class SessionPlan(BaseModel):
     script: str | None = None
     prompt: str | None = None
     wall_clock_s: int | None = Field(default=None, gt=0, le=7 * 86400)
-    risk: Literal["low", "medium", "high"] | None = None
+    risk: Risk | None = None
     memory: str | None = None
     cpu: int | None = Field(default=None, gt=0)
     pids: int | None = Field(default=None, gt=0)
-    network: Literal["none", "loopback", "proxy", "host-firewall"] | None = None
+    network: Network | None = None
     allow_domains: tuple[str, ...] = ()
     deny_domains: tuple[str, ...] = ()
     allow_presets: tuple[str, ...] = ()
