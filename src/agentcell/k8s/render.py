@@ -66,8 +66,9 @@ trap 'kill -TERM "$session"' TERM INT
 status=0
 while kill -0 "$session" 2>/dev/null; do wait "$session"; status=$?; done
 echo "agentcell-pod: the session ended (exit status $status); its state is kept in {STATE} until the claim ends" >&2
-trap 'exit 0' TERM INT
-while :; do sleep 3600 & wait $!; done
+hold=
+trap 'kill $hold 2>/dev/null; exit 0' TERM INT
+while :; do sleep 3600 & hold=$!; wait $hold; done
 """
 CLONE = f"""set -eu
 git clone --quiet -- "$1" {PROJECT}
