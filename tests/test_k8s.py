@@ -17,6 +17,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -265,33 +266,42 @@ def test_the_project_comes_from_an_init_container() -> None:
     assert pod["initContainers"][0]["command"] == ["sh", "-c", render.COPY_FILES]
     init = _docs("git-proxy")["SandboxTemplate"]["spec"]["podTemplate"]["spec"]["initContainers"][0]
     assert init["command"] == ["sh", "-c", render.CLONE, "clone", "https://git.example/org/repo.git", "v1.2"]
-    assert init["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN", "DAC_OVERRIDE", "FOWNER"]}
+    assert init["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN", "SETUID", "SETGID"]}
 
 
-def test_the_init_scripts_fill_the_project_and_give_it_to_the_owner(tmp_path: Path) -> None:
-    """The two init scripts, run here by sh on a real repository and a ConfigMap-like tree (paths moved)."""
-    repo, out = tmp_path / "repo", tmp_path / "project"
-    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t"]
-    subprocess.run(["git", "init", "-q", str(repo)], check=True)
-    (repo / "a.txt").write_text("one\n")
-    subprocess.run([*git, "-C", str(repo), "add", "a.txt"], check=True)
-    subprocess.run([*git, "-C", str(repo), "commit", "-qm", "one"], check=True)
-    subprocess.run([*git, "-C", str(repo), "tag", "v1"], check=True)
-    (repo / "a.txt").write_text("two\n")
-    subprocess.run([*git, "-C", str(repo), "commit", "-qam", "two"], check=True)
-    chown = "chown -R" if os.geteuid() == 0 else ": chown -R"
-    clone = render.CLONE.replace(render.PROJECT, str(out)).replace("chown -R", chown)
-    subprocess.run(["sh", "-c", clone, "clone", str(repo), "v1"], check=True, capture_output=True)
-    assert (out / "a.txt").read_text() == "one\n"
-    if os.geteuid() == 0:
-        assert (out / "a.txt").stat().st_uid == render.OWNER_UID
-    files, out2 = tmp_path / "files", tmp_path / "project2"
-    (files / "src").mkdir(parents=True)
-    out2.mkdir()
-    (files / "src" / "b.py").write_text("B\n")
-    copy_files = render.COPY_FILES.replace(render.FILES, str(files)).replace(render.PROJECT, str(out2))
-    subprocess.run(["sh", "-c", copy_files.replace("chown -R", chown)], check=True)
-    assert (out2 / "src" / "b.py").read_text() == "B\n"
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root: the scripts give the project to uid 1000 with setpriv")
+def test_the_init_scripts_fill_the_project_as_its_owner() -> None:
+    """The two init scripts, run here by sh on a real repository and a ConfigMap-like tree (their paths moved)."""
+    top = Path(tempfile.mkdtemp(prefix="agentcell-k8s-"))
+    try:
+        top.chmod(0o755)  # the owner (uid 1000) reads the repository and the files, as in the pod
+        repo, out = top / "repo", top / "project"
+        out.mkdir()  # the project volume: an empty directory root owns
+        git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(repo)]
+        subprocess.run(["git", "init", "-q", str(repo)], check=True)
+        (repo / "a.txt").write_text("one\n")
+        for step in (["add", "a.txt"], ["commit", "-qm", "one"], ["tag", "v1"]):
+            subprocess.run([*git, *step], check=True)
+        (repo / "a.txt").write_text("two\n")
+        subprocess.run([*git, "commit", "-qam", "two"], check=True)
+        subprocess.run(["chown", "-R", f"{render.OWNER_UID}:{render.OWNER_UID}", str(repo)], check=True)  # git's
+        # safe.directory: a local repository is cloned by its own owner only (the pod clones from a URL)
+        clone = render.CLONE.replace(render.PROJECT, str(out))
+        env = {"PATH": "/usr/bin:/bin", "HOME": "/tmp", "GIT_TERMINAL_PROMPT": "0"}
+        p = subprocess.run(["sh", "-c", clone, "clone", str(repo), "v1"], capture_output=True, text=True, env=env)
+        assert p.returncode == 0, p.stderr
+        assert (out / "a.txt").read_text() == "one\n"
+        assert {f.stat().st_uid for f in [out, *out.rglob("*")]} == {render.OWNER_UID}  # nothing of root's
+        files, out2 = top / "files", top / "project2"
+        (files / "src").mkdir(parents=True)
+        out2.mkdir()
+        (files / "src" / "b.py").write_text("B\n")
+        copy_files = render.COPY_FILES.replace(render.FILES, str(files)).replace(render.PROJECT, str(out2))
+        subprocess.run(["sh", "-c", copy_files], check=True, env=env)
+        assert (out2 / "src" / "b.py").read_text() == "B\n"
+        assert {f.stat().st_uid for f in [out2, *out2.rglob("*")]} == {render.OWNER_UID}
+    finally:
+        shutil.rmtree(top)
 
 
 def test_the_supervisor_waits_for_the_claim_then_runs_the_session_and_passes_sigterm_on(tmp_path: Path) -> None:

@@ -70,14 +70,17 @@ hold=
 trap 'kill $hold 2>/dev/null; exit 0' TERM INT
 while :; do sleep 3600 & hold=$!; wait $hold; done
 """
+# The init container's scripts: the project is written by its owner, never by root (a clone of an untrusted
+# repository as root is what the fleet's nodes avoid too); root only gives the empty volume to the owner.
+AS_OWNER = f"setpriv --reuid={OWNER_UID} --regid={OWNER_UID} --clear-groups --"
 CLONE = f"""set -eu
-git clone --quiet -- "$1" {PROJECT}
-if [ -n "$2" ]; then git -C {PROJECT} checkout --quiet --detach "$2" --; fi
-chown -R {OWNER_UID}:{OWNER_UID} {PROJECT}
+chown {OWNER_UID}:{OWNER_UID} {PROJECT}
+{AS_OWNER} git clone --quiet -- "$1" {PROJECT}
+if [ -n "$2" ]; then {AS_OWNER} git -C {PROJECT} checkout --quiet --detach "$2" --; fi
 """
 COPY_FILES = f"""set -eu
-cp -RL {FILES}/. {PROJECT}/
-chown -R {OWNER_UID}:{OWNER_UID} {PROJECT}
+chown {OWNER_UID}:{OWNER_UID} {PROJECT}
+{AS_OWNER} cp -RL {FILES}/. {PROJECT}/
 """
 
 
@@ -187,7 +190,7 @@ def _source(plan: SessionPlan, opts: Options) -> _Source:
     def init(command: list[str], **more: Any) -> dict[str, Any]:
         return {"name": "project", "image": opts.image, "command": command, **more,
                 "securityContext": {"runAsUser": 0, "capabilities": {"drop": ["ALL"], "add": [
-                    "CHOWN", "DAC_OVERRIDE", "FOWNER"]}}, "volumeMounts": mounts}
+                    "CHOWN", "SETUID", "SETGID"]}}, "volumeMounts": mounts}
 
     if project.path is not None:
         raise AgentcellError(f"{plan.name}: project.path", f"{project.path} is a directory on a node; a pod would "
@@ -196,7 +199,7 @@ def _source(plan: SessionPlan, opts: Options) -> _Source:
     if project.git is not None:
         port = _git_port(plan.name, project.git)
         return _Source(init(["sh", "-c", CLONE, "clone", project.git, project.ref or ""],
-                            env=[{"name": "GIT_TERMINAL_PROMPT", "value": "0"}, {"name": "HOME", "value": "/root"}]),
+                            env=[{"name": "GIT_TERMINAL_PROMPT", "value": "0"}, {"name": "HOME", "value": "/tmp"}]),
                        (), None, port)
     files = project.files or {}
     size = sum(len(k) + len(v.encode()) for k, v in files.items())
