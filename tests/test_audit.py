@@ -171,3 +171,26 @@ def test_a_trail_verified_while_others_append_is_whole_as_it_stood(tmp_path: Pat
             w.wait()
     assert [w.returncode for w in writers] == [0, 0, 0]
     assert verify(str(p)).records == 1201 and len(set(seen)) > 1  # verified while it grew
+
+
+@pytest.mark.parametrize("before", [0, 3])
+def test_a_writer_killed_between_its_record_and_its_anchor_does_not_end_the_trail(tmp_path: Path,
+                                                                                 before: int) -> None:
+    # A node crashes (or a supervisor is killed) after a record's write and before its anchor's: the next
+    # writer moves the anchor onto that whole, chained record, and the trail goes on verifiable.
+    p = trail(tmp_path, before) if before else Path(tmp_path / "audit" / "audit.jsonl")
+    code = ("import os, sys; from agentcell.audit import trail\n"
+            "trail._write_head = lambda *a: os._exit(9)\n"
+            "trail.AuditLog(sys.argv[1]).append('step', session='s-1', n='killed')\n")
+    assert subprocess.run([sys.executable, "-c", code, str(p)]).returncode == 9
+    assert len(lines(p)) == before + 1 and not verify(str(p)).ok  # the anchor is one behind
+    AuditLog(str(p)).append("step", session="s-1", n="after")
+    v = verify(str(p))
+    assert v.ok and v.records == before + 2, v.problems
+    # Only that: a record that does not follow the anchored one is still refused.
+    extra = json.loads(lines(p)[-1])
+    extra.update(seq=extra["seq"] + 1, prev="f" * 64)
+    with p.open("ab") as f:
+        f.write(json.dumps(extra, sort_keys=True, separators=(",", ":")).encode() + b"\n")
+    with pytest.raises(AuditWriteError):
+        AuditLog(str(p)).append("step", session="s-1", n="refused")

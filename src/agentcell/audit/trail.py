@@ -111,15 +111,23 @@ class AuditLog:
                 prev_line = _last_line(rfd)
             finally:
                 os.close(rfd)
-            seq, prev = 1, GENESIS
+            seq, prev, last_prev = 1, GENESIS, None
             if prev_line:
                 try:
-                    seq, prev = int(json.loads(prev_line)["seq"]) + 1, _digest(prev_line)
+                    rec = json.loads(prev_line)
+                    seq, prev, last_prev = int(rec["seq"]) + 1, _digest(prev_line), rec["prev"]
                 except (ValueError, KeyError, TypeError, RecursionError):
                     raise _Broken("its last record is damaged") from None
+            head = _read_head(self.head)
+            if prev_line and last_prev == (head[1] if head is not None and head[0] == seq - 2 else
+                                           GENESIS if head is None and seq == 2 else None):
+                # A writer died between its record and its anchor (a crash, a kill -9): the record is
+                # whole and follows the anchored one. Move the anchor onto it, as that writer would have.
+                _write_head(self.head, seq - 1, prev)
+                head = (seq - 1, prev)
             # The log must end where its anchor says: appending to a cut or replaced trail would give
             # it a new, valid-looking end and bury the damage.
-            if _read_head(self.head) != ((seq - 1, prev) if prev_line else None):
+            if head != ((seq - 1, prev) if prev_line else None):
                 raise _Broken("it does not end where its anchor says (records were cut off or replaced, or "
                               "the anchor is gone)")
             record = {"seq": seq, "ts": round(time.time(), 6), "session": session, "event": event,
