@@ -94,6 +94,8 @@ def parser() -> Parser:
                     "prepared once: logins, settings)")
     sp.add_argument("--explain", action="store_true", help="print the plan and the policy; start nothing")
     sp.add_argument("--json", action="store_true", help="print the summary as one JSON object, last on stdout")
+    sp.add_argument("--summary-file", metavar="FILE", help="also write the summary there, as JSON (a new file: "
+                    "a caller's own channel, apart from the harness's output on stdout)")
     sp.add_argument("--id", metavar="ID", dest="session_id", help="the session's id (default: a new one): a "
                     "caller's own, e.g. a fleet's, known before the session starts; refused if it is taken")
     for name, help_ in (("list", "the sessions kept"), ("recover", "finish the teardown of sessions whose "
@@ -150,6 +152,7 @@ def _start(ns: Any, harness_args: list[str]) -> int:
                                          *config.EGRESS_KEYS, "resolver", "api_base", "model", "env", "keep_env",
                                          "risk", "memory", "cpu", "pids", "limits", "home_from")}
     flags["harness_args"] = harness_args
+    summary_fd = _new_file(ns.summary_file, "--summary-file") if ns.summary_file else None
     cfg = config.load(flags, dotenv=ns.env_file)
     sid = _checked_id(ns.session_id, "--id") if ns.session_id is not None else graph.new_session_id()
     from ..session.nodes import compile_policy, make_plan, session_network
@@ -202,6 +205,9 @@ def _start(ns: Any, harness_args: list[str]) -> int:
     if ns.json:
         sys.stdout.flush()
         sys.stdout.write(json.dumps(summary) + "\n")
+    if summary_fd is not None:
+        with os.fdopen(summary_fd, "w", encoding="utf-8") as f:
+            f.write(json.dumps(summary) + "\n")
     if summary["status"] == "aborted":
         return EXIT_ABORTED
     if summary["status"] == "terminated":
@@ -354,6 +360,14 @@ def _shown(text: str) -> str:
 
 
 # ---- list, show, stop, restore, diff, recover ---------------------------------------------------
+
+def _new_file(path: str, field: str) -> int:
+    """A file made for us now (never one that exists, never through a link), mode 0600."""
+    try:
+        return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as e:
+        raise AgentcellError(field, f"cannot make {path}: {e.strerror}", "give a new file's path") from None
+
 
 def _checked_id(sid: str, field: str = "ID") -> str:
     from ..hostfs import shown
