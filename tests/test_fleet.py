@@ -283,6 +283,54 @@ def test_a_project_from_a_path_or_git_is_made_as_its_owner(node_base: Path, user
     assert not Path("/tmp/agentcell-pwned").exists()
     r = node.run_plan(plan.parse({"name": "no-owner", "project": {"path": str(src)}}), run, here, "ac-nobody-here")
     assert r["status"] == "failed" and "no account ac-nobody-here" in r["reason"], r
+    r = node.run_plan(plan.parse({"name": "by-root", "project": {"path": str(src)}}), run, here, "root")
+    assert r["status"] == "failed" and "root" in r["reason"], r
+
+
+def test_inline_files_are_written_by_the_owner_and_the_agent_cannot_hide_the_summary(node_base: Path,
+                                                                                    user: User) -> None:
+    from agentcell.fleet import node, plan
+
+    here = node.Node(str(node_base), "n1")
+    run = node.new_run_id()
+    # The harness's last output has no newline: the summary comes through a file of its own.
+    p = plan.parse({"name": "a", "project": {"files": {"deep/er/app.py": "x = 1\n", "b.txt": "b\n"}},
+                    "args": ["sh", "-c", "echo changed > b.txt; printf '{\"status\": \"completed\"'"]})
+    r = node.run_plan(p, run, here, user.name)
+    assert (r["status"], r["exit_status"], r["diff"]["modified"]) == ("completed", 0, ["b.txt"]), r["reason"]
+    assert r["stdout"].endswith('{"status": "completed"') and r["audit"]["verified"]
+    made = Path(here.project(run, "a"))
+    assert {(f.stat().st_uid, f.stat().st_gid) for f in [made, *made.rglob("*")]} == {(user.uid, user.gid)}
+    # A retry's id and project never meet another plan's: names have no '_'.
+    assert node.session_id(run, "a", 2) != node.session_id(run, "a-r2") and "_r2" in node.session_id(run, "a", 2)
+    assert here.project(run, "a", 2) != here.project(run, "a-r2")
+
+
+def test_the_operator_caps_what_a_plan_may_ask_for(node_base: Path, user: User) -> None:
+    from agentcell import limits
+    from agentcell.errors import AgentcellError
+    from agentcell.fleet import node, plan
+
+    caps = plan.Caps(memory=512 << 20, pids=100, wall_clock_s=600)
+    for ask, field in (({"memory": "1G"}, "memory"), ({"pids": 101}, "pids"), ({"wall_clock_s": 601}, "wall_clock_s"),
+                       ({"allow_ranges": ["10.0.0.0/8"]}, "allow_ranges"), ({"resolver": "10.0.0.2"}, "resolver"),
+                       ({"network": "host-firewall"}, "network"), ({"memory": "lots"}, "memory")):
+        p = plan.parse({"name": "a", "project": {"path": "/srv"}, **ask})
+        with pytest.raises(AgentcellError) as e:
+            caps.check(p, "plans.jsonl: a")
+        assert e.value.field == f"plans.jsonl: a: {field}", e.value
+    plan.Caps(plan_network=True).check(plan.parse({"name": "a", "project": {"path": "/srv"},
+                                                   "allow_ranges": ["10.0.0.0/8"]}), "a")
+    # On the node: a plan's own ceilings, held to the caps (or to the node's most generous default).
+    assert caps.ceilings(plan.parse({"name": "a", "project": {"path": "/srv"}, "memory": "256M", "pids": 50})) \
+        == (256 << 20, limits.for_risk("medium")[1], 50)
+    assert plan.Caps().ceilings(plan.parse({"name": "a", "project": {"path": "/srv"}, "pids": 10 ** 7}))[2] \
+        == limits.for_risk("low")[2]
+    here = node.Node(str(node_base), "n1")
+    r = node.run_plan(plan.parse({"name": "c", "project": {"files": {"a": ""}}, "memory": "100T", "args": ["true"]}),
+                      node.new_run_id(), here, user.name, caps=caps)
+    policy = next(rec for rec in r["audit"]["records"] if rec["event"] == "session.policy")
+    assert policy["details"]["limits"]["memory_bytes"] == 512 << 20, policy
 
 
 @pytest.mark.parametrize("line, field", [
@@ -290,6 +338,8 @@ def test_a_project_from_a_path_or_git_is_made_as_its_owner(node_base: Path, user
     ('{"name": "a", "project": {"files": {"../x": ""}}}', "project"),
     ('{"name": "a", "project": {"path": "/srv"}, "script": "say hi"}', "plan"),
     ('{"name": "a", "project": {"path": "/srv"}, "wall_clock_s": "soon"}', "wall_clock_s"),
+    ('{"name": "a", "project": {"git": "/srv/r", "ref": "--orphan=x"}}', "project"),
+    ('{"name": "a", "project": {"files": {"a\\ud800": ""}}}', "project"),
     ('{"name": "a"', "not JSON"),
 ])
 def test_a_bad_plan_is_refused_in_one_line_before_anything_is_sent(tmp_path: Path, line: str, field: str) -> None:
@@ -299,6 +349,19 @@ def test_a_bad_plan_is_refused_in_one_line_before_anything_is_sent(tmp_path: Pat
         p = subprocess.run([AGENTCELL, "fleet", *cmd], capture_output=True, text=True, timeout=60)
         assert p.returncode == 125 and len(p.stderr.strip().splitlines()) == 1, p.stderr
         assert f"plans.jsonl:2: {field}" in p.stderr, p.stderr
+
+
+def test_a_plan_over_the_operators_caps_is_refused_before_anything_is_sent(tmp_path: Path) -> None:
+    plans = tmp_path / "plans.jsonl"
+    plans.write_text('{"name": "ok", "project": {"path": "/srv"}}\n'
+                     '{"name": "a", "project": {"path": "/srv"}, "allow_ranges": ["10.0.0.0/8"]}\n')
+    p = subprocess.run([AGENTCELL, "fleet", "run", str(plans), "--owner", "nobody", "--address", "127.0.0.1:9"],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 125 and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert "plans.jsonl: a: allow_ranges" in p.stderr and "--trust-plan-network" in p.stderr, p.stderr
+    p = subprocess.run([AGENTCELL, "fleet", "run", str(plans), "--owner", "nobody", "--max-memory", "lots"],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 125 and "--max-memory" in p.stderr and "Traceback" not in p.stderr, p.stderr
 
 
 def test_plans_prints_each_session_start_line_and_run_needs_an_owner(tmp_path: Path) -> None:

@@ -48,6 +48,16 @@ def parser() -> Parser:
     _cluster_args(sp)
     sp.add_argument("--owner", metavar="USER", help="the account each node gives the projects to (it must exist on "
                     "every node; default: the person behind sudo)")
+    for flag, metavar, help_ in (
+            ("--max-memory", "SIZE", "the most memory a plan may ask for (default: each node's most generous "
+             "default ceiling, that of --risk low)"),
+            ("--max-cpu", "PERCENT", "the most CPU a plan may ask for, in percent of one CPU (default: likewise)"),
+            ("--max-pids", "N", "the most tasks a plan may ask for (default: likewise)"),
+            ("--max-wall-clock", "S", "the longest wall clock a plan may ask for (default 86400)")):
+        sp.add_argument(flag, metavar=metavar, help=help_)
+    sp.add_argument("--trust-plan-network", action="store_true", help="let plans set allow_ranges, resolver and "
+                    "network host-firewall: ways to non-public addresses (other nodes, the Ray head) and past "
+                    "the name allow-list. Only when the plans' authors may reach those")
     sp.add_argument("--recover-wait", type=float, default=300.0, metavar="S", help="how long to wait for a lost "
                     "node to come back before leaving its sessions lost (default 300)")
     sp.add_argument("--out", metavar="FILE", help="write each plan's whole result, one JSON object a line")
@@ -124,11 +134,26 @@ def _own_stdout() -> Any:
     return ours
 
 
+def _caps(ns: Any) -> Any:
+    from .. import limits
+    from ..fleet.plan import Caps
+
+    wall = ns.max_wall_clock
+    if wall is not None and (not wall.isdigit() or int(wall) < 1):
+        raise AgentcellError("--max-wall-clock", f"'{wall}' is not a number of seconds", "e.g. --max-wall-clock 3600")
+    return Caps(memory=limits.parse_size(ns.max_memory, "--max-memory") if ns.max_memory else None,
+                cpu=limits.parse_cpu(ns.max_cpu, "--max-cpu") if ns.max_cpu else None,
+                pids=limits.parse_pids(ns.max_pids, "--max-pids") if ns.max_pids else None,
+                wall_clock_s=int(wall) if wall else 86400, plan_network=ns.trust_plan_network)
+
+
 def _run(ns: Any) -> int:
     from ..fleet import node, plan
 
     plans = plan.read(ns.plans)  # every line checked before anything is sent
-    owner, base = _owner(ns), _base(ns)
+    owner, base, caps = _owner(ns), _base(ns), _caps(ns)
+    for p in plans:
+        caps.check(p, f"{ns.plans}: {p.name}")
     if ns.out:
         out = open(ns.out, "x", encoding="utf-8")  # noqa: SIM115 - kept open for the whole run
     stdout = _own_stdout()
@@ -137,7 +162,7 @@ def _run(ns: Any) -> int:
     run_id = node.new_run_id()
     progress = Progress(len(plans))
     sys.stderr.write(f"{PROG}: run {run_id}: {len(plans)} sessions\n")
-    results = cluster.run(plans, run_id=run_id, base=base, owner=owner, recover_wait_s=ns.recover_wait,
+    results = cluster.run(plans, run_id=run_id, base=base, owner=owner, recover_wait_s=ns.recover_wait, caps=caps,
                           on_result=progress.add)
     progress.end()
     if ns.out:

@@ -29,7 +29,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ..errors import AgentcellError
 from . import node as node_mod
-from .plan import SessionPlan
+from .plan import Caps, SessionPlan
 
 CELLS = "agentcell_cells"  # the resource: cells a node runs at once
 LABEL = "agentcell.node"  # the node label naming a node (else its host name)
@@ -58,11 +58,11 @@ def node_name() -> str:
 
 
 @ray.remote(num_cpus=0, max_retries=0)
-def _run(plan: dict[str, Any], run: str, base: str, owner: str, attempt: int, tracker: Any) -> Result:
+def _run(plan: dict[str, Any], run: str, base: str, owner: str, attempt: int, caps: Caps, tracker: Any) -> Result:
     p = SessionPlan.model_validate(plan)
     here = node_mod.Node(base, node_name())
     ray.get(tracker.started.remote(p.name, here.name))
-    return node_mod.run_plan(p, run, here, owner, attempt)
+    return node_mod.run_plan(p, run, here, owner, attempt, caps)
 
 
 @ray.remote(num_cpus=0, max_retries=0)
@@ -107,9 +107,13 @@ def recover_on(run: str, base: str, name: str, names: list[str] | None, wait_s: 
 
 
 def run(plans: Sequence[SessionPlan], *, run_id: str, base: str, owner: str, recover_wait_s: float,
-        on_result: Callable[[Result], None] = lambda r: None) -> list[Result]:
-    """Run every plan on the cluster (connected); the results in the plans' order. ``on_result`` is told
-    each result as it arrives (a lost one, then its recovery)."""
+        caps: Caps | None = None, on_result: Callable[[Result], None] = lambda r: None) -> list[Result]:
+    """Run every plan on the cluster (connected), each held to ``caps`` (checked: :meth:`Caps.check`);
+    the results in the plans' order. ``on_result`` is told each result as it arrives (a lost one, then
+    its recovery)."""
+    caps = caps or Caps()
+    for p in plans:
+        caps.check(p, p.name)
     here = ray.get_runtime_context().get_node_id()
     tracker = Tracker.options(  # type: ignore[attr-defined]
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=here, soft=False)).remote()
@@ -121,7 +125,7 @@ def run(plans: Sequence[SessionPlan], *, run_id: str, base: str, owner: str, rec
     def submit(name: str) -> None:
         tries[name] = tries.get(name, 0) + 1
         ref = _run.options(resources={CELLS: 1}).remote(by_name[name].model_dump(mode="json"), run_id, base, owner,
-                                                        tries[name], tracker)
+                                                        tries[name], caps, tracker)
         pending[ref] = name
 
     def lost(name: str, where: str | None, why: str) -> Result:

@@ -26,21 +26,28 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import AgentcellError
-from .plan import SessionPlan
+from .plan import Caps, SessionPlan
 
 DEFAULT_BASE = "/var/lib/agentcell-fleet"
 REFUSED = 125  # session start's exit status for a bad flag or value: nothing was created
-TAIL = 2000  # the end of a failed command's stderr, kept in its result
+TAIL = 8192  # the end of a session's stdout (the harness's output) and stderr, kept in its result
+MAX_PATHS = 10_000  # of each kind in a result's diff; more are counted, not listed
+MAX_TEXT = 1 << 20  # bytes of text diffs in a result
+MAX_TEXT_FILES = 200  # modified files whose text diff is made (each one reads the backup's manifest)
 
 
 def new_run_id() -> str:
     return time.strftime("%Y%m%d-%H%M%S") + "-" + os.urandom(3).hex()
 
 
+def _attempt(attempt: int) -> str:
+    return f"_r{attempt}" if attempt > 1 else ""  # '_': no plan name has one, so no name is another's retry
+
+
 def session_id(run: str, name: str, attempt: int = 1) -> str:
-    """RUN-NAME, and -rN for the Nth attempt (a plan lost before its session began runs again): at most
+    """RUN-NAME, and _rN for the Nth attempt (a plan lost before its session began runs again): at most
     22 + 1 + 36 + 3 characters, within a session id's 64."""
-    return f"{run}-{name}" + (f"-r{attempt}" if attempt > 1 else "")
+    return f"{run}-{name}{_attempt(attempt)}"
 
 
 @dataclass(frozen=True)
@@ -59,7 +66,7 @@ class Node:
         return os.path.join(self.root, "state")
 
     def project(self, run: str, name: str, attempt: int = 1) -> str:
-        return os.path.join(self.root, "projects", run, name + (f"-r{attempt}" if attempt > 1 else ""))
+        return os.path.join(self.root, "projects", run, name + _attempt(attempt))
 
     def ledger(self, run: str) -> str:
         return os.path.join(self.root, "runs", run)
@@ -105,8 +112,9 @@ def account(owner: str) -> Any:
     except KeyError:
         raise AgentcellError("--owner", f"there is no account {owner} on this node",
                              "give an account every node has") from None
-    if pw.pw_uid == 0:
-        raise AgentcellError("--owner", "root cannot own a session's project", "give a person's account")
+    if pw.pw_uid == 0 or pw.pw_gid == 0:
+        raise AgentcellError("--owner", f"{owner} is root or in root's group: it cannot own a session's project",
+                             "give a person's account")
     return pw
 
 
@@ -116,18 +124,11 @@ def materialize(plan: SessionPlan, dest: str, pw: Any) -> None:
     src = plan.project
     os.mkdir(dest, 0o755)
     os.chown(dest, pw.pw_uid, pw.pw_gid)
-    if src.files is not None:
-        for rel, text in sorted(src.files.items()):
-            path = os.path.join(dest, os.path.normpath(rel))
-            parent = os.path.dirname(path)
-            if not os.path.isdir(parent):
-                os.makedirs(parent, mode=0o755)
-                for d in _between(dest, parent):
-                    os.chown(d, pw.pw_uid, pw.pw_gid)
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.write(text)
-                os.fchown(f.fileno(), pw.pw_uid, pw.pw_gid)
+    if src.files is not None:  # written by the owner too: root never writes into a tree the owner can change
+        p = _as(pw, [sys.executable, "-I", "-S", "-c", WRITE_FILES, dest], stdin=json.dumps(src.files))
+        if p.returncode != 0:
+            raise AgentcellError("project.files", f"cannot write them as {pw.pw_name}: {_last_line(p.stderr)}",
+                                 "give relative paths of regular files")
         return
     if src.path is not None:
         p = _as(pw, ["cp", "-R", "--no-dereference", "--preserve=mode,timestamps,links", "--",
@@ -145,22 +146,26 @@ def materialize(plan: SessionPlan, dest: str, pw: Any) -> None:
                              "give a repository this node can reach (https, ssh, git or a path)")
 
 
-def _between(top: str, leaf: str) -> list[str]:
-    """The directories from below ``top`` down to ``leaf``."""
-    out = []
-    while leaf != top:
-        out.append(leaf)
-        leaf = os.path.dirname(leaf)
-    return out
+WRITE_FILES = """
+import json, os, sys
+top = sys.argv[1]
+for rel, text in sorted(json.load(sys.stdin).items()):
+    path = os.path.join(top, os.path.normpath(rel))
+    os.makedirs(os.path.dirname(path), mode=0o755, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(text)
+"""
 
 
-def _as(pw: Any, argv: list[str]) -> subprocess.CompletedProcess[str]:
+def _as(pw: Any, argv: list[str], stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    """``argv`` as ``pw``'s account (no other groups, no new privileges), with a plain environment."""
     env = {"PATH": os.environ.get("PATH") or "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": "/nonexistent",
            "GIT_TERMINAL_PROMPT": "0", "GIT_ALLOW_PROTOCOL": GIT_PROTOCOLS, "GIT_CONFIG_NOSYSTEM": "1",
            "GIT_CONFIG_GLOBAL": "/dev/null"}
     return subprocess.run(["setpriv", f"--reuid={pw.pw_uid}", f"--regid={pw.pw_gid}", "--clear-groups",
                            "--no-new-privs", "--", *argv], capture_output=True, text=True, env=env, cwd="/",
-                          stdin=subprocess.DEVNULL, timeout=600)
+                          input=stdin, stdin=None if stdin is not None else subprocess.DEVNULL, timeout=600)
 
 
 def _last_line(text: str) -> str:
@@ -173,39 +178,65 @@ def result(plan_name: str, node: str, sid: str, status: str, reason: str, **more
             "exit_status": None, "duration_s": None, "summary": None, "audit": None, "diff": None, **more}
 
 
-def run_plan(plan: SessionPlan, run: str, node: Node, owner: str, attempt: int = 1) -> dict[str, Any]:
-    """Run one plan here, to its end, its project given to ``owner``; its result (see the module's doc)."""
+def run_plan(plan: SessionPlan, run: str, node: Node, owner: str, attempt: int = 1,
+             caps: Caps | None = None) -> dict[str, Any]:
+    """Run one plan here, to its end, its project given to ``owner``, its ceilings held to ``caps``; its
+    result (see the module's doc)."""
     sid = session_id(run, plan.name, attempt)
     ledger = node.ledger(run)
     project = node.project(run, plan.name, attempt)
     for d in (node.state, ledger, os.path.dirname(project)):
         _makedirs(d)
     os.chmod(node.state, 0o700)
-    _write_json(os.path.join(ledger, f"{plan.name}.json"),
-                {"name": plan.name, "session": sid, "node": node.name, "project": project, "started": time.time()})
+    _write_json(os.path.join(ledger, f"{plan.name}.json"), {"name": plan.name, "session": sid, "attempt": attempt,
+                                                             "node": node.name, "project": project,
+                                                             "started": time.time()})
     try:
+        ceilings = (caps or Caps()).ceilings(plan)
         materialize(plan, project, account(owner))
     except (AgentcellError, OSError, subprocess.SubprocessError) as e:
         return result(plan.name, node.name, sid, "failed", f"project: {e}")
+    summary_file = os.path.join(ledger, f"{plan.name}{_attempt(attempt)}.summary.json")
     cmd = ["setpriv", "--pdeathsig", "TERM", "--", *agentcell_command(
-        "session", "start", "--id", sid, "--json", *plan.start_args(project))]
-    p = subprocess.run(cmd, capture_output=True, text=True, env=node.environ(), cwd=node.root,
-                       stdin=subprocess.DEVNULL)
-    summary = _summary(p.stdout)
+        "session", "start", "--id", sid, "--summary-file", summary_file, *plan.start_args(project, ceilings))]
+    # The harness's output shares the session's stdout: kept only as a tail, never parsed.
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=node.environ(), cwd=node.root,
+                         stdin=subprocess.DEVNULL)
+    tails = [Tail(p.stdout), Tail(p.stderr)]
+    code = p.wait()
+    out, err = (t.text() for t in tails)
+    summary = _read_summary(summary_file)
     if summary is None:
-        status = "refused" if p.returncode == REFUSED else "failed"
-        return result(plan.name, node.name, sid, status, _last_line(p.stderr), stderr=p.stderr[-TAIL:],
-                      exit_status=p.returncode)
-    return collect(node, plan.name, summary, project)
+        status = "refused" if code == REFUSED else "failed"
+        return result(plan.name, node.name, sid, status, _last_line(err), exit_status=code, stderr=err, stdout=out)
+    return {**collect(node, plan.name, summary, project), "stdout": out, "stderr": err}
 
 
-def _summary(stdout: str) -> dict[str, Any] | None:
-    lines = stdout.rstrip("\n").split("\n")
-    if not lines or not lines[-1].startswith("{"):
-        return None
+class Tail:
+    """The last ``TAIL`` bytes of a pipe, read by a thread of its own to the pipe's end."""
+
+    def __init__(self, pipe: Any) -> None:
+        import threading
+
+        self._buf = b""
+        self._thread = threading.Thread(target=self._read, args=(pipe,), daemon=True)
+        self._thread.start()
+
+    def _read(self, pipe: Any) -> None:
+        with pipe:
+            while chunk := pipe.read1(65536):
+                self._buf = (self._buf + chunk)[-TAIL:]
+
+    def text(self) -> str:
+        self._thread.join()
+        return self._buf.decode("utf-8", errors="replace")
+
+
+def _read_summary(path: str) -> dict[str, Any] | None:
     try:
-        out: dict[str, Any] = json.loads(lines[-1])
-    except json.JSONDecodeError:
+        with open(path, encoding="utf-8") as f:
+            out: dict[str, Any] = json.loads(f.read())
+    except (OSError, ValueError):
         return None
     return out
 
@@ -229,8 +260,18 @@ def collect(node: Node, plan_name: str, summary: dict[str, Any], project: str) -
         store = Store(os.path.join(node.state, "snapshots"))
         inside = project.rstrip("/") + "/"
         changes = store.diff(str(backup))
-        diff = {kind: [p.removeprefix(inside) for p in paths] for kind, paths in changes.items()}
-        diff["text"] = "".join(store.text_diff(str(backup), p) for p in changes["modified"])
+        diff = {kind: [p.removeprefix(inside) for p in paths[:MAX_PATHS]] for kind, paths in changes.items()}
+        diff["counts"] = {kind: len(paths) for kind, paths in changes.items()}
+        text, left = [], MAX_TEXT
+        for path in changes["modified"][:MAX_TEXT_FILES]:
+            if left <= 0:
+                break
+            part = store.text_diff(str(backup), path, limit=left)
+            text.append(part[:left])
+            left -= len(part)
+        diff["text"] = "".join(text)
+        diff["truncated"] = left <= 0 or len(changes["modified"]) > MAX_TEXT_FILES or \
+            any(len(paths) > MAX_PATHS for paths in changes.values())
     return result(plan_name, node.name, sid, str(summary.get("status")), str(summary.get("reason") or ""),
                   exit_status=summary.get("exit_status"), duration_s=summary.get("duration_s"), summary=summary,
                   audit=audit, diff=diff)

@@ -17,6 +17,7 @@ import json
 import posixpath
 import re
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -47,12 +48,18 @@ class Project(BaseModel):
             raise ValueError("give exactly one of files, path or git")
         if self.ref is not None and self.git is None:
             raise ValueError("ref goes with git")
+        if self.ref is not None and (self.ref.startswith("-") or not self.ref.strip()):
+            raise ValueError("ref must name a branch, tag or commit (not start with -)")
         if self.path is not None and not posixpath.isabs(self.path):
             raise ValueError("path must be absolute (a directory on the node)")
         if self.files is not None:
-            if sum(len(k) + len(v.encode()) for k, v in self.files.items()) > MAX_FILES_BYTES:
+            if sum(len(k) + len(v.encode(errors="replace")) for k, v in self.files.items()) > MAX_FILES_BYTES:
                 raise ValueError(f"inline files exceed {MAX_FILES_BYTES >> 20} MiB; use path or git")
-            for rel in self.files:
+            for rel, text in self.files.items():
+                try:
+                    rel.encode(), text.encode()
+                except UnicodeEncodeError:
+                    raise ValueError(f"{rel!r} (or its text) is not valid Unicode") from None
                 norm = posixpath.normpath(rel)
                 if posixpath.isabs(rel) or norm.startswith("..") or norm == "." or "\0" in rel:
                     raise ValueError(f"'{rel}' is not a relative path inside the project")
@@ -116,12 +123,14 @@ class SessionPlan(BaseModel):
             return [self.prompt]
         return list(self.args)
 
-    def start_args(self, project_dir: str) -> list[str]:
-        """``agentcell session start`` flags for this plan, its project at ``project_dir``. Each value is
+    def start_args(self, project_dir: str, ceilings: tuple[int, int, int] | None = None) -> list[str]:
+        """``agentcell session start`` flags for this plan, its project at ``project_dir``; ``ceilings``
+        (memory bytes, CPU percent, tasks) replace the plan's own (:meth:`Caps.ceilings`). Each value is
         joined to its flag (``--flag=VALUE``): a value that starts with ``-`` stays a value."""
         out = [f"--project={project_dir}", f"--harness={self.harness}"]
-        for flag, value in (("--wall-clock", self.wall_clock_s), ("--risk", self.risk), ("--memory", self.memory),
-                            ("--cpu", self.cpu), ("--pids", self.pids), ("--net", self.network),
+        memory, cpu, pids = ceilings or (self.memory, self.cpu, self.pids)
+        for flag, value in (("--wall-clock", self.wall_clock_s), ("--risk", self.risk), ("--memory", memory),
+                            ("--cpu", cpu), ("--pids", pids), ("--net", self.network),
                             ("--resolver", self.resolver), ("--api-base", self.api_base), ("--model", self.model)):
             if value is not None:
                 out.append(f"{flag}={value}")
@@ -130,6 +139,63 @@ class SessionPlan(BaseModel):
             out += [f"{flag}={v}" for v in values]
         out += [f"--env={k}={v}" for k, v in sorted(self.env.items())]
         return [*out, "--", *self.harness_args()]
+
+
+TRUSTED_NETWORK = "--trust-plan-network"
+
+
+@dataclass(frozen=True)
+class Caps:
+    """What the operator lets a plan ask for (``agentcell fleet run --max-*``). A plan is written by
+    someone less trusted than the nodes' root: it may choose ceilings up to these, and never its own
+    way to non-public addresses (another node, the Ray head) unless the operator says so."""
+
+    memory: int | None = None  # bytes; None: the node's most generous default (risk low)
+    cpu: int | None = None  # percent of one CPU; None: likewise
+    pids: int | None = None
+    wall_clock_s: int = 86400
+    plan_network: bool = False  # plans may set allow_ranges, resolver and network host-firewall
+
+    def check(self, plan: SessionPlan, where: str) -> None:
+        """Refuse what the plan asks beyond these (at the caller, before anything is sent)."""
+        from ..limits import parse_cpu, parse_pids, parse_size
+
+        fix = "lower it in the plan, or raise the cap (agentcell fleet run --help)"
+        if plan.wall_clock_s and plan.wall_clock_s > self.wall_clock_s:
+            raise AgentcellError(f"{where}: wall_clock_s", f"{plan.wall_clock_s} s is over the cap of "
+                                 f"{self.wall_clock_s} s (--max-wall-clock)", fix)
+        for field, value, cap, flag, parse in (("memory", plan.memory, self.memory, "--max-memory", parse_size),
+                                               ("cpu", plan.cpu, self.cpu, "--max-cpu", parse_cpu),
+                                               ("pids", plan.pids, self.pids, "--max-pids", parse_pids)):
+            if value is None:
+                continue
+            try:
+                asked = parse(str(value), field)
+            except AgentcellError as e:
+                raise AgentcellError(f"{where}: {field}", e.problem, e.fix) from None
+            if cap is not None and asked > cap:
+                raise AgentcellError(f"{where}: {field}", f"{value} is over the cap of {cap} ({flag})", fix)
+        if not self.plan_network:
+            opened = [k for k in ("allow_ranges", "resolver") if getattr(plan, k)]
+            opened += ["network host-firewall"] if plan.network == "host-firewall" else []
+            if opened:
+                raise AgentcellError(f"{where}: {opened[0].split()[0]}", f"a plan may not set {opened[0]}: it would "
+                                     "open a way to non-public addresses (other nodes, the Ray head) or "
+                                     "past the name allow-list", f"remove it, or run with {TRUSTED_NETWORK}")
+
+    def ceilings(self, plan: SessionPlan) -> tuple[int, int, int]:
+        """On the node: the plan's ceilings (its own, or its risk level's here), held to the caps (or, where
+        none is given, to this node's most generous default)."""
+        from ..limits import for_risk, parse_cpu, parse_pids, parse_size
+
+        asked = list(for_risk(plan.risk or "medium"))
+        for i, (value, parse) in enumerate(((plan.memory, parse_size), (plan.cpu, parse_cpu),
+                                            (plan.pids, parse_pids))):
+            if value is not None:
+                asked[i] = parse(str(value))
+        roof = for_risk("low")
+        caps = (self.memory or roof[0], self.cpu or roof[1], self.pids or roof[2])
+        return min(asked[0], caps[0]), min(asked[1], caps[1]), min(asked[2], caps[2])
 
 
 def _where(err: ValidationError) -> tuple[str, str]:
