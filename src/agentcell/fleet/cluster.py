@@ -160,7 +160,13 @@ def run(plans: Sequence[SessionPlan], *, run_id: str, base: str, owner: str, rec
         if not by_node:
             break
         for where, names in sorted(by_node.items()):
-            got = recover_on(run_id, base, where, names, recover_wait_s)
+            try:
+                got = recover_on(run_id, base, where, names, recover_wait_s)
+            except RayError as e:  # the node died again, or its recovery failed: they stay lost, said why
+                for name in names:
+                    results[name] = {**results[name], "reason": f"{results[name]['reason']}; recovery on "
+                                     f"{where} failed: {_first_line(e)}"}
+                got = None
             if got is None:
                 given_up.add(where)
                 continue

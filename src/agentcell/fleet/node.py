@@ -284,7 +284,7 @@ def ledger_entries(node: Node, run: str) -> dict[str, dict[str, Any]]:
     except FileNotFoundError:
         return out
     for fn in names:
-        if fn.endswith(".json"):
+        if fn.endswith(".json") and "." not in fn[:-5]:  # NAME.json (not NAME_rN.summary.json)
             with open(os.path.join(node.ledger(run), fn), encoding="utf-8") as f:
                 entry = json.load(f)
             out[str(entry["name"])] = entry
