@@ -306,6 +306,21 @@ def test_inline_files_are_written_by_the_owner_and_the_agent_cannot_hide_the_sum
     assert here.project(run, "a", 2) != here.project(run, "a-r2")
 
 
+def test_values_a_plan_names_come_from_the_nodes_env_file(node_base: Path, user: User) -> None:
+    from agentcell.fleet import node, plan
+
+    keys = node_base / "keys.env"
+    keys.write_text("AC_TEST_TOKEN=tok-on-the-node\n")
+    keys.chmod(0o600)
+    here = node.Node(str(node_base), "n1")
+    p = plan.parse({"name": "k", "project": {"files": {"a": ""}}, "keep_env": ["AC_TEST_TOKEN"],
+                    "args": ["sh", "-c", "echo token=$AC_TEST_TOKEN"]})
+    run = node.new_run_id()
+    got = [node.run_plan(p, run, here, user.name, attempt=i + 1, env_file=f) for i, f in enumerate((str(keys), None))]
+    assert [(r["status"], r["stdout"]) for r in got] == [("completed", "token=tok-on-the-node\n"),
+                                                         ("completed", "token=\n")], got
+
+
 def test_the_operator_caps_what_a_plan_may_ask_for(node_base: Path, user: User) -> None:
     from agentcell import limits
     from agentcell.errors import AgentcellError

@@ -28,8 +28,9 @@ EPILOG = """a plan's fields (JSON; only name and project are required):
   args | script | prompt
                   the harness's arguments; the scripted harness's steps; a one-prompt harness's prompt
   wall_clock_s, risk, memory, cpu, pids, network, allow_domains, deny_domains, allow_presets,
-  allow_ranges, resolver, api_base, model, env
-                  as session start's flags of those names
+  allow_ranges, resolver, api_base, model, env, keep_env
+                  as session start's flags of those names (keep_env: names whose values the nodes'
+                  --node-env-file holds)
 nodes: ray start --resources '{"agentcell_cells": N}' [--labels agentcell.node=NAME], as root
 exit status: 0 every session ran to its end and its audit trail verified; 1 some did not (lost, failed,
   refused, trail not whole); 125 bad input (nothing was sent)
@@ -58,6 +59,8 @@ def parser() -> Parser:
     sp.add_argument("--trust-plan-network", action="store_true", help="let plans set allow_ranges, resolver and "
                     "network host-firewall: ways to non-public addresses (other nodes, the Ray head) and past "
                     "the name allow-list. Only when the plans' authors may reach those")
+    sp.add_argument("--node-env-file", metavar="PATH", help="a .env file on every node (root's, mode 0600) with the "
+                    "harnesses' keys: each session reads it there (session start --env-file); plans carry none")
     sp.add_argument("--recover-wait", type=float, default=300.0, metavar="S", help="how long to wait for a lost "
                     "node to come back before leaving its sessions lost (default 300)")
     sp.add_argument("--out", metavar="FILE", help="write each plan's whole result, one JSON object a line")
@@ -152,6 +155,9 @@ def _run(ns: Any) -> int:
 
     plans = plan.read(ns.plans)  # every line checked before anything is sent
     owner, base, caps = _owner(ns), _base(ns), _caps(ns)
+    if ns.node_env_file and not os.path.isabs(ns.node_env_file):
+        raise AgentcellError("--node-env-file", f"{ns.node_env_file} is not an absolute path",
+                             "give the file's full path on the nodes")
     for p in plans:
         caps.check(p, f"{ns.plans}: {p.name}")
     if ns.out:
@@ -163,7 +169,7 @@ def _run(ns: Any) -> int:
     progress = Progress(len(plans))
     sys.stderr.write(f"{PROG}: run {run_id}: {len(plans)} sessions\n")
     results = cluster.run(plans, run_id=run_id, base=base, owner=owner, recover_wait_s=ns.recover_wait, caps=caps,
-                          on_result=progress.add)
+                          env_file=ns.node_env_file, on_result=progress.add)
     progress.end()
     if ns.out:
         with out:

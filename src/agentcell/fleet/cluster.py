@@ -58,11 +58,12 @@ def node_name() -> str:
 
 
 @ray.remote(num_cpus=0, max_retries=0)
-def _run(plan: dict[str, Any], run: str, base: str, owner: str, attempt: int, caps: Caps, tracker: Any) -> Result:
+def _run(plan: dict[str, Any], run: str, base: str, owner: str, attempt: int, caps: Caps, env_file: str | None,
+         tracker: Any) -> Result:
     p = SessionPlan.model_validate(plan)
     here = node_mod.Node(base, node_name())
     ray.get(tracker.started.remote(p.name, here.name))
-    return node_mod.run_plan(p, run, here, owner, attempt, caps)
+    return node_mod.run_plan(p, run, here, owner, attempt, caps, env_file)
 
 
 @ray.remote(num_cpus=0, max_retries=0)
@@ -107,7 +108,8 @@ def recover_on(run: str, base: str, name: str, names: list[str] | None, wait_s: 
 
 
 def run(plans: Sequence[SessionPlan], *, run_id: str, base: str, owner: str, recover_wait_s: float,
-        caps: Caps | None = None, on_result: Callable[[Result], None] = lambda r: None) -> list[Result]:
+        caps: Caps | None = None, env_file: str | None = None,
+        on_result: Callable[[Result], None] = lambda r: None) -> list[Result]:
     """Run every plan on the cluster (connected), each held to ``caps`` (checked: :meth:`Caps.check`);
     the results in the plans' order. ``on_result`` is told each result as it arrives (a lost one, then
     its recovery)."""
@@ -125,7 +127,7 @@ def run(plans: Sequence[SessionPlan], *, run_id: str, base: str, owner: str, rec
     def submit(name: str) -> None:
         tries[name] = tries.get(name, 0) + 1
         ref = _run.options(resources={CELLS: 1}).remote(by_name[name].model_dump(mode="json"), run_id, base, owner,
-                                                        tries[name], caps, tracker)
+                                                        tries[name], caps, env_file, tracker)
         pending[ref] = name
 
     def lost(name: str, where: str | None, why: str) -> Result:

@@ -179,9 +179,10 @@ def result(plan_name: str, node: str, sid: str, status: str, reason: str, **more
 
 
 def run_plan(plan: SessionPlan, run: str, node: Node, owner: str, attempt: int = 1,
-             caps: Caps | None = None) -> dict[str, Any]:
+             caps: Caps | None = None, env_file: str | None = None) -> dict[str, Any]:
     """Run one plan here, to its end, its project given to ``owner``, its ceilings held to ``caps``; its
-    result (see the module's doc)."""
+    result (see the module's doc). ``env_file``: a ``.env`` on this node for ``session start
+    --env-file`` (the harness's keys live there, on each node: they never travel with a plan)."""
     sid = session_id(run, plan.name, attempt)
     ledger = node.ledger(run)
     project = node.project(run, plan.name, attempt)
@@ -198,7 +199,8 @@ def run_plan(plan: SessionPlan, run: str, node: Node, owner: str, attempt: int =
         return result(plan.name, node.name, sid, "failed", f"project: {e}")
     summary_file = os.path.join(ledger, f"{plan.name}{_attempt(attempt)}.summary.json")
     cmd = ["setpriv", "--pdeathsig", "TERM", "--", *agentcell_command(
-        "session", "start", "--id", sid, "--summary-file", summary_file, *plan.start_args(project, ceilings))]
+        "session", "start", "--id", sid, "--summary-file", summary_file,
+        *([f"--env-file={env_file}"] if env_file else []), *plan.start_args(project, ceilings))]
     # The harness's output shares the session's stdout: kept only as a tail, never parsed.
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=node.environ(), cwd=node.root,
                          stdin=subprocess.DEVNULL)

@@ -91,6 +91,7 @@ class SessionPlan(BaseModel):
     api_base: str | None = None
     model: str | None = None
     env: dict[str, str] = {}
+    keep_env: tuple[str, ...] = ()  # names only: the values come from the node (fleet run --node-env-file)
 
     @field_validator("name")
     @classmethod
@@ -99,9 +100,9 @@ class SessionPlan(BaseModel):
             raise ValueError("1-36 of a-z, 0-9 and '-', starting and ending with a letter or digit")
         return v
 
-    @field_validator("env")
+    @field_validator("env", "keep_env")
     @classmethod
-    def _env(cls, v: dict[str, str]) -> dict[str, str]:
+    def _env(cls, v: Any) -> Any:
         for k in v:
             if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", k):
                 raise ValueError(f"'{k}' is not a variable name")
@@ -138,6 +139,7 @@ class SessionPlan(BaseModel):
                              ("--allow-preset", self.allow_presets), ("--allow-range", self.allow_ranges)):
             out += [f"{flag}={v}" for v in values]
         out += [f"--env={k}={v}" for k, v in sorted(self.env.items())]
+        out += [f"--keep-env={k}" for k in self.keep_env]
         return [*out, "--", *self.harness_args()]
 
 
