@@ -46,9 +46,10 @@ DNS_LABEL = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
 DNS_SUBDOMAIN = re.compile(r"^(?=.{1,253}$)[a-z0-9]([a-z0-9-]*[a-z0-9])?(\.[a-z0-9]([a-z0-9-]*[a-z0-9])?)*$")
 # The outer layer keeps these from the pod even where a name the proxy allows resolves into them (the proxy
 # refuses them too); a plan's allow_ranges are given back as rules of their own.
-PRIVATE = {"0.0.0.0/0": ("10.0.0.0/8", "100.64.0.0/10", "127.0.0.0/8", "169.254.0.0/16", "172.16.0.0/12",
-                         "192.168.0.0/16"),
-           "::/0": ("fc00::/7", "fe80::/10")}
+PRIVATE = {"0.0.0.0/0": ("0.0.0.0/8", "10.0.0.0/8", "100.64.0.0/10", "127.0.0.0/8", "169.254.0.0/16",
+                         "172.16.0.0/12", "192.168.0.0/16"),
+           # ::ffff:0:0/96 is IPv4 written as IPv6: every private IPv4 address again, so all of it is kept out
+           "::/0": ("::1/128", "::ffff:0:0/96", "fc00::/7", "fe80::/10")}
 GIT_PORTS = {"https": 443, "http": 80, "ssh": 22, "git": 9418}
 MAX_WARM = 1000
 
