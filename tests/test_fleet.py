@@ -15,6 +15,7 @@ import pwd
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -316,7 +317,39 @@ def test_inline_files_are_written_by_the_owner_and_the_agent_cannot_hide_the_sum
     assert here.project(run, "a", 2) != here.project(run, "a-r2")
 
 
+def test_a_clone_is_from_public_addresses_unless_trusted_and_pinned_to_the_address_checked(node_base: Path,
+                                                                                          user: User) -> None:
+    from agentcell.fleet import node, plan
+
+    repo = node_base / "served" / "app.git"
+    work = node_base / "work"
+    work.mkdir()
+    (work / "app.py").write_text("x = 1\n")
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t"]
+    for cmd in (["-C", str(work), "init", "-q", "-b", "main"], ["-C", str(work), "add", "app.py"],
+                ["-C", str(work), "commit", "-qm", "one"], ["clone", "-q", "--bare", str(work), str(repo)],
+                ["-C", str(repo), "update-server-info"]):
+        subprocess.run([*git, *cmd], check=True, capture_output=True)
+    server = subprocess.Popen([sys.executable, "-m", "http.server", "--bind", "127.0.0.1", "0", "--directory",
+                               str(repo.parent)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert server.stdout is not None
+        port = int(server.stdout.readline().split(" port ")[1].split()[0])
+        here = node.Node(str(node_base), "n1")
+        p = plan.parse({"name": "g", "project": {"git": f"http://localhost:{port}/app.git"}, "args": ["true"]})
+        run = node.new_run_id()
+        r = node.run_plan(p, run, here, user.name)  # the node's loopback is not a public address
+        assert r["status"] == "failed" and "localhost is 127.0.0.1, not a public address" in r["reason"], r
+        r = node.run_plan(p, run, here, user.name, attempt=2, caps=plan.Caps(plan_network=True))
+        assert r["status"] == "completed", r["reason"]
+        assert (Path(here.project(run, "g", 2)) / "app.py").read_text() == "x = 1\n"
+    finally:
+        server.kill()
+        server.wait()
+
+
 def test_values_a_plan_names_come_from_the_nodes_env_file(node_base: Path, user: User) -> None:
+    from agentcell.errors import AgentcellError
     from agentcell.fleet import node, plan
 
     keys = node_base / "keys.env"
@@ -329,6 +362,18 @@ def test_values_a_plan_names_come_from_the_nodes_env_file(node_base: Path, user:
     got = [node.run_plan(p, run, here, user.name, attempt=i + 1, env_file=f) for i, f in enumerate((str(keys), None))]
     assert [(r["status"], r["stdout"]) for r in got] == [("completed", "token=tok-on-the-node\n"),
                                                          ("completed", "token=\n")], got
+    # At the caller: only the names the operator allows, and never the key's host.
+    with pytest.raises(AgentcellError, match="--allow-keep-env AC_TEST_TOKEN"):
+        plan.Caps(keys=True).check(p, "k")
+    plan.Caps(keys=True, keep_env=("AC_TEST_TOKEN",)).check(p, "k")
+    gateway = plan.parse({"name": "k", "project": {"path": "/srv"}, "harness": "codex", "api_base": "https://x.test"})
+    with pytest.raises(AgentcellError, match="where the harness's key goes"):
+        plan.Caps(keys=True).check(gateway, "k")
+    plan.Caps(keys=True, api_bases=("https://x.test",)).check(gateway, "k")
+    bare = plan.parse({"name": "k", "project": {"path": "/srv"}, "harness": "codex", "network": "loopback"})
+    with pytest.raises(AgentcellError, match="enter the cell as they are"):
+        plan.Caps(keys=True).check(bare, "k")
+    plan.Caps().check(bare, "k")
 
 
 def test_the_operator_caps_what_a_plan_may_ask_for(node_base: Path, user: User) -> None:

@@ -49,16 +49,7 @@ def parser() -> Parser:
     _cluster_args(sp)
     sp.add_argument("--owner", metavar="USER", help="the account each node gives the projects to (it must exist on "
                     "every node; default: the person behind sudo)")
-    for flag, metavar, help_ in (
-            ("--max-memory", "SIZE", "the most memory a plan may ask for (default: each node's most generous "
-             "default ceiling, that of --risk low)"),
-            ("--max-cpu", "PERCENT", "the most CPU a plan may ask for, in percent of one CPU (default: likewise)"),
-            ("--max-pids", "N", "the most tasks a plan may ask for (default: likewise)"),
-            ("--max-wall-clock", "S", "the longest wall clock a plan may ask for (default 86400)")):
-        sp.add_argument(flag, metavar=metavar, help=help_)
-    sp.add_argument("--trust-plan-network", action="store_true", help="let plans set allow_ranges, resolver and "
-                    "network host-firewall: ways to non-public addresses (other nodes, the Ray head) and past "
-                    "the name allow-list. Only when the plans' authors may reach those")
+    cap_args(sp)
     sp.add_argument("--node-env-file", metavar="PATH", help="a .env file on every node (root's, mode 0600) with the "
                     "harnesses' keys: each session reads it there (session start --env-file); plans carry none")
     sp.add_argument("--recover-wait", type=float, default=300.0, metavar="S", help="how long to wait for a lost "
@@ -74,6 +65,24 @@ def parser() -> Parser:
     sp = sub.add_parser("plans", help="check a plans file and print each plan's session start line")
     sp.add_argument("plans", metavar="PLANS.jsonl")
     return p
+
+
+def cap_args(sp: Any) -> None:
+    """The operator's caps on what a plan may ask for (here and in agentcell k8s render)."""
+    for flag, metavar, help_ in (
+            ("--max-memory", "SIZE", "the most memory a plan may ask for (default: each node's most generous "
+             "default ceiling, that of --risk low)"),
+            ("--max-cpu", "PERCENT", "the most CPU a plan may ask for, in percent of one CPU (default: likewise)"),
+            ("--max-pids", "N", "the most tasks a plan may ask for (default: likewise)"),
+            ("--max-wall-clock", "S", "the longest wall clock a plan may ask for (default 86400)")):
+        sp.add_argument(flag, metavar=metavar, help=help_)
+    sp.add_argument("--trust-plan-network", action="store_true", help="let plans set allow_ranges, resolver and "
+                    "network host-firewall, and clone from non-public addresses: ways to other nodes, the Ray head, "
+                    "the cloud's metadata, and past the name allow-list. Only when the plans' authors may reach those")
+    sp.add_argument("--allow-api-base", action="append", default=[], metavar="URL", help="an api_base a plan may "
+                    "give (repeatable): the harness's key goes to its host")
+    sp.add_argument("--allow-keep-env", action="append", default=[], metavar="NAME", help="a variable of the "
+                    "nodes' keys a plan may pass into its cell with keep_env (repeatable)")
 
 
 def _cluster_args(sp: Any) -> None:
@@ -137,7 +146,8 @@ def _own_stdout() -> Any:
     return ours
 
 
-def _caps(ns: Any) -> Any:
+def caps(ns: Any, keys: bool) -> Any:
+    """The caps the flags of :func:`cap_args` give; ``keys``: the nodes hold harness keys."""
     from .. import limits
     from ..fleet.plan import Caps
 
@@ -147,19 +157,20 @@ def _caps(ns: Any) -> Any:
     return Caps(memory=limits.parse_size(ns.max_memory, "--max-memory") if ns.max_memory else None,
                 cpu=limits.parse_cpu(ns.max_cpu, "--max-cpu") if ns.max_cpu else None,
                 pids=limits.parse_pids(ns.max_pids, "--max-pids") if ns.max_pids else None,
-                wall_clock_s=int(wall) if wall else 86400, plan_network=ns.trust_plan_network)
+                wall_clock_s=int(wall) if wall else 86400, plan_network=ns.trust_plan_network,
+                api_bases=tuple(ns.allow_api_base), keep_env=tuple(ns.allow_keep_env), keys=keys)
 
 
 def _run(ns: Any) -> int:
     from ..fleet import node, plan
 
     plans = plan.read(ns.plans)  # every line checked before anything is sent
-    owner, base, caps = _owner(ns), _base(ns), _caps(ns)
+    owner, base, held = _owner(ns), _base(ns), caps(ns, keys=bool(ns.node_env_file))
     if ns.node_env_file and not os.path.isabs(ns.node_env_file):
         raise AgentcellError("--node-env-file", f"{ns.node_env_file} is not an absolute path",
                              "give the file's full path on the nodes")
     for p in plans:
-        caps.check(p, f"{ns.plans}: {p.name}")
+        held.check(p, f"{ns.plans}: {p.name}")
     if ns.out:
         out = open(ns.out, "x", encoding="utf-8")  # noqa: SIM115 - kept open for the whole run
     stdout = _own_stdout()
@@ -168,7 +179,7 @@ def _run(ns: Any) -> int:
     run_id = node.new_run_id()
     progress = Progress(len(plans))
     sys.stderr.write(f"{PROG}: run {run_id}: {len(plans)} sessions\n")
-    results = cluster.run(plans, run_id=run_id, base=base, owner=owner, recover_wait_s=ns.recover_wait, caps=caps,
+    results = cluster.run(plans, run_id=run_id, base=base, owner=owner, recover_wait_s=ns.recover_wait, caps=held,
                           env_file=ns.node_env_file, on_result=progress.add)
     progress.end()
     if ns.out:

@@ -118,9 +118,10 @@ def account(owner: str) -> Any:
     return pw
 
 
-def materialize(plan: SessionPlan, dest: str, pw: Any) -> None:
+def materialize(plan: SessionPlan, dest: str, pw: Any, caps: Caps | None = None) -> None:
     """Make the plan's project at ``dest`` (which must not exist yet), owned by ``pw``. A copy or a clone
-    runs as that account, not as root: a plan gets only what its owner could read."""
+    runs as that account, not as root: a plan gets only what its owner could read. A clone runs on the
+    node's network, outside any cell: from public addresses only, unless ``caps`` trust the plan's network."""
     src = plan.project
     os.mkdir(dest, 0o755)
     os.chown(dest, pw.pw_uid, pw.pw_gid)
@@ -138,12 +139,63 @@ def materialize(plan: SessionPlan, dest: str, pw: Any) -> None:
                                  "give a directory every node has, readable by the owner")
         return
     assert src.git is not None
-    p = _as(pw, ["git", "clone", "--quiet", "--", src.git, dest])
+    pinned = _git_remote(src.git, (caps or Caps()).plan_network)
+    p = _as(pw, ["git", *pinned, "clone", "--quiet", "--", src.git, dest])
     if p.returncode == 0 and src.ref:
         p = _as(pw, ["git", "-C", dest, "checkout", "--quiet", "--detach", src.ref, "--"])
     if p.returncode != 0:
         raise AgentcellError("project.git", f"cannot clone {src.git}: {_last_line(p.stderr)}",
                              "give a repository this node can reach (https, ssh, git or a path)")
+
+
+GIT_PORTS = {"https": 443, "http": 80, "ssh": 22, "git": 9418}
+
+
+def _git_remote(url: str, trusted: bool) -> list[str]:
+    """git's options for cloning ``url``: the host's addresses checked (public ones only, unless
+    ``trusted``: a plan could otherwise have the node fetch an internal service's data into the project,
+    for its agent to read out), the address pinned for http(s) so a second lookup cannot differ, and no
+    redirect followed (it could lead anywhere). A path or file:// URL is read as the owner: nothing to check."""
+    import ipaddress
+    import socket
+    from urllib.parse import urlsplit
+
+    from ..network.firewall import NOT_BY_WILDCARD
+
+    if "://" in url:
+        parts = urlsplit(url)
+        if parts.scheme == "file":
+            return []
+        try:
+            host, port = parts.hostname, parts.port or GIT_PORTS.get(parts.scheme)
+        except ValueError:
+            host = port = None
+        if not host or port is None:
+            raise AgentcellError("project.git", f"'{url}' is not a URL to clone from",
+                                 "give an https://, ssh:// or git:// URL, or a path")
+    else:
+        head = url.split(":", 1)[0]
+        if ":" not in url or not head or "/" in head:
+            return []  # a path on the node
+        host, port = head.rsplit("@", 1)[-1], 22  # [user@]host:path, git's ssh form
+    try:
+        found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as e:
+        raise AgentcellError("project.git", f"cannot find {host}: {e}", "give a repository this node can reach") \
+            from None
+    addrs = [ipaddress.ip_address(str(i[4][0]).split("%")[0]) for i in found]
+    if not trusted:
+        private = [ipaddress.ip_network(n) for n in NOT_BY_WILDCARD]
+        for a in addrs:
+            if not a.is_global or any(a in n for n in private if n.version == a.version):
+                raise AgentcellError("project.git", f"{host} is {a}, not a public address: a clone runs on the "
+                                     "node's network, outside the cell", "clone from a public host, or run with "
+                                     "--trust-plan-network")
+    opts = ["-c", "http.followRedirects=false"]
+    if "://" in url and urlsplit(url).scheme in ("http", "https"):
+        a = addrs[0]
+        opts += ["-c", f"http.curloptResolve={host}:{port}:{f'[{a}]' if a.version == 6 else a}"]
+    return opts
 
 
 WRITE_FILES = """
@@ -194,7 +246,7 @@ def run_plan(plan: SessionPlan, run: str, node: Node, owner: str, attempt: int =
                                                              "started": time.time()})
     try:
         ceilings = (caps or Caps()).ceilings(plan)
-        materialize(plan, project, account(owner))
+        materialize(plan, project, account(owner), caps)
     except (AgentcellError, OSError, subprocess.SubprocessError) as e:
         return result(plan.name, node.name, sid, "failed", f"project: {e}")
     summary_file = os.path.join(ledger, f"{plan.name}{_attempt(attempt)}.summary.json")

@@ -148,15 +148,21 @@ TRUSTED_NETWORK = "--trust-plan-network"
 
 @dataclass(frozen=True)
 class Caps:
-    """What the operator lets a plan ask for (``agentcell fleet run --max-*``). A plan is written by
-    someone less trusted than the nodes' root: it may choose ceilings up to these, and never its own
-    way to non-public addresses (another node, the Ray head) unless the operator says so."""
+    """What the operator lets a plan ask for (``agentcell fleet run`` and ``agentcell k8s render``: ``--max-*``,
+    ``--trust-plan-network``, ``--allow-api-base``, ``--allow-keep-env``). A plan is written by someone less
+    trusted than the nodes' root: it may choose ceilings up to these, never its own way to non-public
+    addresses (another node, the Ray head, the cloud's metadata) unless the operator says so, and never where
+    the nodes' keys go."""
 
     memory: int | None = None  # bytes; None: the node's most generous default (risk low)
     cpu: int | None = None  # percent of one CPU; None: likewise
     pids: int | None = None
     wall_clock_s: int = 86400
-    plan_network: bool = False  # plans may set allow_ranges, resolver and network host-firewall
+    plan_network: bool = False  # plans may set allow_ranges, resolver and network host-firewall, and clone from
+    # non-public addresses
+    api_bases: tuple[str, ...] = ()  # the api_base values a plan may give (its host gets the harness's key)
+    keep_env: tuple[str, ...] = ()  # the variables of the nodes' keys a plan may pass into its cell
+    keys: bool = False  # the nodes hold harness keys (--node-env-file, --env-secret)
 
     def check(self, plan: SessionPlan, where: str) -> None:
         """Refuse what the plan asks beyond these (at the caller, before anything is sent)."""
@@ -184,6 +190,17 @@ class Caps:
                 raise AgentcellError(f"{where}: {opened[0].split()[0]}", f"a plan may not set {opened[0]}: it would "
                                      "open a way to non-public addresses (other nodes, the Ray head) or "
                                      "past the name allow-list", f"remove it, or run with {TRUSTED_NETWORK}")
+        if plan.api_base is not None and plan.api_base not in self.api_bases:
+            raise AgentcellError(f"{where}: api_base", "a plan may not choose where the harness's key goes (its "
+                                 "host is given the key)", f"remove it, or allow it: --allow-api-base {plan.api_base}")
+        extra = [k for k in plan.keep_env if k not in self.keep_env]
+        if extra:
+            raise AgentcellError(f"{where}: keep_env", f"a plan may not take {extra[0]} from the nodes",
+                                 f"remove it, or allow it: --allow-keep-env {extra[0]}")
+        if self.keys and plan.harness not in ("shell", "scripted") and plan.network not in (None, "proxy"):
+            raise AgentcellError(f"{where}: network", f"with network {plan.network} the nodes' keys would enter "
+                                 "the cell as they are (the proxy keeps them out)", "remove it: the harness's "
+                                 "own is the proxy")
 
     def ceilings(self, plan: SessionPlan) -> tuple[int, int, int]:
         """On the node: the plan's ceilings (its own, or its risk level's here), held to the caps (or, where
