@@ -51,11 +51,15 @@ PLANS: dict[str, dict[str, Any]] = {p["name"]: p for p in [
     {"name": "harness-default", "project": {"files": {}}, "harness": "claude_code", "prompt": "fix the tests",
      "api_base": "http://gateway.example:8080", "model": "m"},
 ]}
+# These plans are the operator's own: their network fields and gateway are trusted (--trust-plan-network,
+# --allow-api-base); test_a_plan_is_held_to_the_operators_caps has the refusals.
+TRUSTED = plans.Caps(plan_network=True, api_bases=("http://gateway.example:8080",))
+TRUST_FLAGS = ["--trust-plan-network", "--allow-api-base", "http://gateway.example:8080"]
 OPTIONS = {
-    "plain": render.Options(image=IMAGE),
+    "plain": render.Options(image=IMAGE, caps=TRUSTED),
     "gvisor-no-claim": render.Options(image=IMAGE, namespace="agents", runtime_class="gvisor", warm=0, claim=False,
-                                      env_secret="harness-keys"),
-    "own-namespaces": render.Options(image=IMAGE, runtime_class="kata", warm=3, host_namespaces=False),
+                                      env_secret="harness-keys", caps=TRUSTED),
+    "own-namespaces": render.Options(image=IMAGE, runtime_class="kata", warm=3, host_namespaces=False, caps=TRUSTED),
 }
 
 
@@ -293,12 +297,15 @@ def test_the_init_scripts_fill_the_project_as_its_owner() -> None:
         assert (out / "a.txt").read_text() == "one\n"
         assert {f.stat().st_uid for f in [out, *out.rglob("*")]} == {render.OWNER_UID}  # nothing of root's
         files, out2 = top / "files", top / "project2"
-        (files / "src").mkdir(parents=True)
+        (files / "..2026_12_03" / "src").mkdir(parents=True)  # a ConfigMap volume as the kubelet lays it out
+        (files / "..data").symlink_to("..2026_12_03")
+        (files / "src").symlink_to("..data/src")
         out2.mkdir()
-        (files / "src" / "b.py").write_text("B\n")
+        (files / "..2026_12_03" / "src" / "b.py").write_text("B\n")
         copy_files = render.COPY_FILES.replace(render.FILES, str(files)).replace(render.PROJECT, str(out2))
         subprocess.run(["sh", "-c", copy_files], check=True, env=env)
         assert (out2 / "src" / "b.py").read_text() == "B\n"
+        assert sorted(f.name for f in out2.iterdir()) == ["src"]  # the files once, not the kubelet's layout
         assert {f.stat().st_uid for f in [out2, *out2.rglob("*")]} == {render.OWNER_UID}
     finally:
         shutil.rmtree(top)
@@ -358,13 +365,14 @@ def _plans_file(tmp_path: Path, *objs: dict[str, Any]) -> str:
 
 def test_render_prints_yaml_for_kubectl_and_writes_a_file_per_plan(tmp_path: Path) -> None:
     path = _plans_file(tmp_path, *PLANS.values())
-    p = _cli("render", path, "--image", IMAGE, "--plan", "git-proxy", "--namespace", "agents")
+    p = _cli("render", path, "--image", IMAGE, "--plan", "git-proxy", "--namespace", "agents", *TRUST_FLAGS)
     assert p.returncode == 0, p.stderr
     docs = [d for d in yaml.safe_load_all(p.stdout) if d]
     assert [d["kind"] for d in docs] == ["NetworkPolicy", "SandboxTemplate", "SandboxWarmPool", "SandboxClaim"]
     assert {d["metadata"]["namespace"] for d in docs} == {"agents"}
-    assert docs == render.render(plans.parse(PLANS["git-proxy"]), render.Options(image=IMAGE, namespace="agents"))
-    p = _cli("render", path, "--image", IMAGE, "-o", str(tmp_path / "out"))
+    assert docs == render.render(plans.parse(PLANS["git-proxy"]), render.Options(image=IMAGE, namespace="agents",
+                                                                                 caps=TRUSTED))
+    p = _cli("render", path, "--image", IMAGE, "-o", str(tmp_path / "out"), *TRUST_FLAGS)
     assert p.returncode == 0 and p.stdout == "", p.stderr
     assert sorted(f.name for f in (tmp_path / "out").iterdir()) == sorted(f"{n}.yaml" for n in PLANS)
 
@@ -390,6 +398,31 @@ def test_bad_input_is_one_line_and_exit_125(tmp_path: Path, args: list[str], obj
     assert p.stderr.count("\n") == 1 and "Traceback" not in p.stderr
     assert says in p.stderr, p.stderr
     assert p.stderr.startswith("agentcell k8s")
+
+
+@pytest.mark.parametrize("plan,says", [
+    ({"allow_ranges": ["169.254.169.254/32"]}, "a: allow_ranges: a plan may not set allow_ranges"),
+    ({"resolver": "127.0.0.1:10250"}, "a: resolver: a plan may not set resolver"),
+    ({"network": "host-firewall"}, "a: network: a plan may not set network host-firewall"),
+    ({"harness": "claude_code", "prompt": "p", "api_base": "https://evil.example"},
+     "a: api_base: a plan may not choose where the harness's key goes"),
+    ({"keep_env": ["OTHER_KEY"]}, "a: keep_env: a plan may not take OTHER_KEY"),
+    ({"memory": "1T"}, "a: memory: 1T is over the cap"),
+    ({"project": {"git": "http://169.254.169.254/latest/"}}, "a: project.git: 169.254.169.254 is not a public"),
+    ({"project": {"git": "git@10.0.0.5:org/repo.git"}}, "a: project.git: 10.0.0.5 is not a public"),
+])
+def test_a_plan_is_held_to_the_operators_caps(tmp_path: Path, plan: dict[str, Any], says: str) -> None:
+    # The plans' author is trusted less than the operator: as agentcell fleet run holds them.
+    obj = {"name": "a", "project": {"files": {"a": "b"}}, **plan}
+    p = _cli("render", _plans_file(tmp_path, obj), "--image", IMAGE, "--env-secret", "keys", "--max-memory", "4G")
+    assert p.returncode == 125 and p.stdout == "" and p.stderr.count("\n") == 1, p.stderr
+    assert says in p.stderr, p.stderr
+    # Within the caps, a plan without ceilings of its own gets the caps, not the pod node's defaults.
+    p = _cli("render", _plans_file(tmp_path, {"name": "a", "project": {"files": {"a": "b"}}}), "--image", IMAGE,
+             "--max-memory", "4G", "--max-pids", "100")
+    args = [d for d in yaml.safe_load_all(p.stdout) if d and d["kind"] == "SandboxTemplate"][0]
+    command = args["spec"]["podTemplate"]["spec"]["containers"][0]["command"]
+    assert "--memory=4G" not in command and f"--memory={4 << 30}" in command and "--pids=100" in command, command
 
 
 def test_missing_plans_file_and_image_are_one_line_too(tmp_path: Path) -> None:

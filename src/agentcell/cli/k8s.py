@@ -47,6 +47,9 @@ def parser() -> Parser:
     sp.add_argument("--no-host-namespaces", dest="host_namespaces", action="store_false", help="no hostPID and "
                     "hostNetwork: agentcell's monitor cannot see from a pod's own namespaces, and the session aborts")
     sp.add_argument("-o", "--output-dir", metavar="DIR", help="write DIR/NAME.yaml for each plan instead")
+    from .fleet import cap_args
+
+    cap_args(sp)
     sub.add_parser("image", help="the Containerfile of the image the pods run (Debian 12 and agentcell)")
     return p
 
@@ -67,15 +70,17 @@ def main(argv: list[str]) -> int:
 def _render(ns: Any) -> int:
     from ..fleet import plan as plans
     from ..k8s import render
+    from .fleet import caps
 
     opts = render.Options(image=ns.image, namespace=ns.namespace, runtime_class=ns.runtime_class, warm=ns.warm,
-                          claim=ns.claim, host_namespaces=ns.host_namespaces, env_secret=ns.env_secret)
+                          claim=ns.claim, host_namespaces=ns.host_namespaces, env_secret=ns.env_secret,
+                          caps=caps(ns, keys=ns.env_secret is not None))
     chosen = plans.read(ns.plans)
     if ns.plan is not None:
         chosen = [p for p in chosen if p.name == ns.plan]
         if not chosen:
             raise AgentcellError("--plan", f"no plan named '{ns.plan}' in {ns.plans}", "give one of its names")
-    out = {p.name: render.dump(render.render(p, opts), f"# agentcell k8s render: plan {p.name} of {ns.plans}\n")
+    out = {p.name: render.dump(render.render(p, opts), f"# agentcell k8s render: plan {p.name}\n")
            for p in chosen}  # every plan rendered before anything is written
     if ns.output_dir is None:
         sys.stdout.write("".join(out.values()))

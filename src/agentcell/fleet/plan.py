@@ -124,7 +124,8 @@ class SessionPlan(BaseModel):
             return [self.prompt]
         return list(self.args)
 
-    def start_args(self, project_dir: str, ceilings: tuple[int, int, int] | None = None) -> list[str]:
+    def start_args(self, project_dir: str,
+                   ceilings: tuple[int | str | None, int | str | None, int | None] | None = None) -> list[str]:
         """``agentcell session start`` flags for this plan, its project at ``project_dir``; ``ceilings``
         (memory bytes, CPU percent, tasks) replace the plan's own (:meth:`Caps.ceilings`). Each value is
         joined to its flag (``--flag=VALUE``): a value that starts with ``-`` stays a value."""
@@ -201,6 +202,12 @@ class Caps:
             raise AgentcellError(f"{where}: network", f"with network {plan.network} the nodes' keys would enter "
                                  "the cell as they are (the proxy keeps them out)", "remove it: the harness's "
                                  "own is the proxy")
+
+    def bounded(self, plan: SessionPlan) -> tuple[int | str | None, int | str | None, int | None]:
+        """Where the node's own defaults are not known (a pod): the plan's ceilings where it gives them
+        (:meth:`check` holds them to the caps), else the caps (None: the session's default there)."""
+        return (plan.memory if plan.memory is not None else self.memory,
+                plan.cpu if plan.cpu is not None else self.cpu, plan.pids if plan.pids is not None else self.pids)
 
     def ceilings(self, plan: SessionPlan) -> tuple[int, int, int]:
         """On the node: the plan's ceilings (its own, or its risk level's here), held to the caps (or, where

@@ -29,9 +29,10 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from ..errors import AgentcellError
-from ..fleet.plan import SessionPlan
+from ..fleet.plan import TRUSTED_NETWORK, Caps, SessionPlan
 from ..network import compile as nc
 from ..network import presets, rules
+from ..network.firewall import NOT_BY_WILDCARD
 
 API = "extensions.agents.x-k8s.io/v1beta1"  # agent-sandbox's extension kinds (checked against release v0.5.6)
 CLAIM_LABEL = "agents.x-k8s.io/claim-uid"  # put on the pod by agent-sandbox's claim controller when a claim takes it
@@ -46,10 +47,8 @@ DNS_LABEL = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
 DNS_SUBDOMAIN = re.compile(r"^(?=.{1,253}$)[a-z0-9]([a-z0-9-]*[a-z0-9])?(\.[a-z0-9]([a-z0-9-]*[a-z0-9])?)*$")
 # The outer layer keeps these from the pod even where a name the proxy allows resolves into them (the proxy
 # refuses them too); a plan's allow_ranges are given back as rules of their own.
-PRIVATE = {"0.0.0.0/0": ("0.0.0.0/8", "10.0.0.0/8", "100.64.0.0/10", "127.0.0.0/8", "169.254.0.0/16",
-                         "172.16.0.0/12", "192.168.0.0/16"),
-           # ::ffff:0:0/96 is IPv4 written as IPv6: every private IPv4 address again, so all of it is kept out
-           "::/0": ("::1/128", "::ffff:0:0/96", "fc00::/7", "fe80::/10")}
+PRIVATE = {"0.0.0.0/0": tuple(n for n in NOT_BY_WILDCARD if ":" not in n),
+           "::/0": tuple(n for n in NOT_BY_WILDCARD if ":" in n)}
 GIT_PORTS = {"https": 443, "http": 80, "ssh": 22, "git": 9418}
 MAX_WARM = 1000
 
@@ -76,12 +75,12 @@ while :; do sleep 3600 & hold=$!; wait $hold; done
 AS_OWNER = f"setpriv --reuid={OWNER_UID} --regid={OWNER_UID} --clear-groups --"
 CLONE = f"""set -eu
 chown {OWNER_UID}:{OWNER_UID} {PROJECT}
-{AS_OWNER} git clone --quiet -- "$1" {PROJECT}
+{AS_OWNER} git -c http.followRedirects=false clone --quiet -- "$1" {PROJECT}
 if [ -n "$2" ]; then {AS_OWNER} git -C {PROJECT} checkout --quiet --detach "$2" --; fi
 """
 COPY_FILES = f"""set -eu
 chown {OWNER_UID}:{OWNER_UID} {PROJECT}
-{AS_OWNER} cp -RL {FILES}/. {PROJECT}/
+{AS_OWNER} cp -RL {FILES}/..data/. {PROJECT}/
 """
 
 
@@ -97,6 +96,7 @@ class Options:
     claim: bool = True
     host_namespaces: bool = True
     env_secret: str | None = None  # a Secret whose keys become the supervisor's environment (a harness's API key)
+    caps: Caps = Caps()  # what the operator lets a plan ask for (Caps.check; keys: an env_secret is given)
 
     def check(self) -> None:
         if not self.image or any(c.isspace() for c in self.image):
@@ -126,6 +126,7 @@ class _Source:
 def render(plan: SessionPlan, opts: Options) -> list[dict[str, Any]]:
     """The plan's resources, in the order to apply them. Bad input: AgentcellError naming the plan's field."""
     opts.check()
+    opts.caps.check(plan, plan.name)
     source = _source(plan, opts)
     docs = [source.configmap] if source.configmap else []
     docs += [network_policy(plan, opts, source.clone_port), template(plan, opts, source), warm_pool(plan, opts)]
@@ -147,7 +148,7 @@ def template(plan: SessionPlan, opts: Options, source: _Source) -> dict[str, Any
                 "appArmorProfile": {"type": "Unconfined"}}
     session: dict[str, Any] = {
         "name": "session", "image": opts.image,
-        "command": ["sh", "-c", SUPERVISOR, "agentcell-pod", *plan.start_args(PROJECT)],
+        "command": ["sh", "-c", SUPERVISOR, "agentcell-pod", *plan.start_args(PROJECT, opts.caps.bounded(plan))],
         "securityContext": security,
         "volumeMounts": [{"name": "project", "mountPath": PROJECT}, {"name": "state", "mountPath": STATE},
                          {"name": "podinfo", "mountPath": PODINFO, "readOnly": True}]}
@@ -198,9 +199,10 @@ def _source(plan: SessionPlan, opts: Options) -> _Source:
                              "need a hostPath volume, which hands the pod the node's files",
                              "give the project as git (cloned by an init container) or files (a ConfigMap)")
     if project.git is not None:
-        port = _git_port(plan.name, project.git)
+        port = _git_port(plan.name, project.git, opts.caps.plan_network)
         return _Source(init(["sh", "-c", CLONE, "clone", project.git, project.ref or ""],
-                            env=[{"name": "GIT_TERMINAL_PROMPT", "value": "0"}, {"name": "HOME", "value": "/tmp"}]),
+                            env=[{"name": "GIT_TERMINAL_PROMPT", "value": "0"}, {"name": "HOME", "value": "/tmp"},
+                                 {"name": "GIT_ALLOW_PROTOCOL", "value": "https:http:ssh:git"}]),
                        (), None, port)
     files = project.files or {}
     size = sum(len(k) + len(v.encode()) for k, v in files.items())
@@ -216,9 +218,22 @@ def _source(plan: SessionPlan, opts: Options) -> _Source:
     return _Source(init(["sh", "-c", COPY_FILES]), (volume,), configmap, None)
 
 
-def _git_port(name: str, url: str) -> int:
-    """The port a clone of ``url`` connects to; a path (a repository on the node) is refused."""
+def _git_port(name: str, url: str, trusted: bool) -> int:
+    """The port a clone of ``url`` connects to; a path (a repository on the node) is refused, and so is an
+    address that is not public (the clone runs on the node's network, outside the cell) unless ``trusted``.
+    A name is resolved in the cluster, not here: the NetworkPolicy keeps the pod from non-public ranges
+    only where the network plugin applies it to a hostNetwork pod."""
     field = f"{name}: project.git"
+    host = url.split("://", 1)[-1].split("/", 1)[0].rsplit("@", 1)[-1].rsplit(":", 1)[0].strip("[]") \
+        if "://" in url else url.split(":", 1)[0].rsplit("@", 1)[-1]
+    try:
+        literal = ipaddress.ip_address(host)
+    except ValueError:
+        literal = None
+    if literal is not None and not trusted and (not literal.is_global or any(
+            literal in ipaddress.ip_network(n) for n in NOT_BY_WILDCARD if (":" in n) == (literal.version == 6))):
+        raise AgentcellError(field, f"{host} is not a public address: the clone runs on the node's network, outside "
+                             "the cell", f"clone from a public host, or render with {TRUSTED_NETWORK}")
     if "://" in url:
         parts = urlsplit(url)
         default = GIT_PORTS.get(parts.scheme)
