@@ -14,7 +14,7 @@ the fleet over a local ``agentcell session start``, side by side in one sitting.
 
 Every node runs on these same 2 cores, so more nodes add cells and Ray processes, not CPUs: the numbers
 say what the fleet layer costs, not how a real cluster scales. Needs root; makes a throwaway owner
-ac-bf<hex> and /tmp/agentcell-bench-fleet-*; removes both.
+ac-bf<hex>, /tmp/agentcell-bench-fleet-* and Ray's scratch /tmp/ray-bench-fleet-*; removes them.
 """
 from __future__ import annotations
 
@@ -47,11 +47,13 @@ def plans(n: int, tag: str) -> list[plan.SessionPlan]:
                         "harness": "scripted", "script": STEPS, "wall_clock_s": 120}) for i in range(n)]
 
 
+RAY_TMP = tempfile.mkdtemp(prefix="ray-bench-fleet-")  # Ray's own scratch: an ending Ray process may write in it
+
+
 def on_cluster(work: Path, nodes: int, cells: int, owner: str, ps: list[plan.SessionPlan]) -> float:
     """Seconds for ``ps`` on a fresh cluster of ``nodes`` worker nodes (its start not counted)."""
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False,
-                                                      "object_store_memory": 80 << 20,
-                                                      "temp_dir": str(work / "ray")})
+                                                      "object_store_memory": 80 << 20, "temp_dir": RAY_TMP})
     try:
         for i in range(nodes):
             c.add_node(num_cpus=2, object_store_memory=80 << 20, resources={fleet.CELLS: cells},
@@ -132,7 +134,7 @@ def main() -> int:
         fleet_s, local_s = [], []
         c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False,
                                                           "object_store_memory": 80 << 20,
-                                                          "temp_dir": str(work / "ray1")})
+                                                          "temp_dir": RAY_TMP})
         try:
             c.add_node(num_cpus=2, object_store_memory=80 << 20, resources={fleet.CELLS: 1},
                        labels={fleet.LABEL: "solo"})
@@ -156,6 +158,7 @@ def main() -> int:
                            env={"PATH": os.environ["PATH"], "AGENTCELL_STATE_DIR": str(state)})
         subprocess.run(["chattr", "-R", "-i", str(work)], capture_output=True)
         shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(RAY_TMP, ignore_errors=True)
         subprocess.run(["userdel", owner], capture_output=True)
     if args.json:
         print(json.dumps(rows))

@@ -108,16 +108,6 @@ def leftovers() -> list[str]:
     return left
 
 
-def gone(base: Path) -> None:
-    """Remove ``base``, again if a Ray process that was ending wrote its session directory back."""
-    for _ in range(20):
-        shutil.rmtree(base, ignore_errors=True)
-        time.sleep(0.25)
-        if not base.exists():
-            return
-    raise AssertionError(f"{base} keeps coming back")
-
-
 @pytest.fixture
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     base = Path("/tmp") / f"agentcell-fleet-{os.urandom(3).hex()}"
@@ -125,7 +115,9 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     before = set(leftovers())
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 0, "include_dashboard": False, "object_store_memory": 80 << 20,
-        "temp_dir": str(base / "ray"), "_system_config": SYSTEM})
+        # Ray's own scratch (sockets, logs) in pytest's temporary tree: a Ray process that is ending writes
+        # its empty session directory back there after the cluster's shutdown, seconds later.
+        "temp_dir": str(tmp_path_factory.mktemp("ray")), "_system_config": SYSTEM})
     f = Fleet(cluster, base, {})
     try:
         for name in ("w1", "w2"):
@@ -139,7 +131,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
             subprocess.run([AGENTCELL, "session", "recover"], capture_output=True, timeout=300,
                            env={"PATH": os.environ["PATH"], "AGENTCELL_STATE_DIR": str(d / "state")})
         subprocess.run(["chattr", "-R", "-i", str(base)], capture_output=True)
-        gone(base)
+        shutil.rmtree(base, ignore_errors=True)
         assert set(leftovers()) <= before, set(leftovers()) - before
 
 
