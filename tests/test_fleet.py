@@ -74,7 +74,9 @@ def _children() -> dict[int, list[int]]:
 
 def crash(node: Any) -> int:
     """Stop, then kill, every process of a Ray node: those it started, and all their descendants."""
-    roots = {info.process.pid for infos in node.all_processes.values() for info in infos if info.process}
+    # Only those still running: one that has ended and been reaped may have left its PID to a stranger.
+    roots = {info.process.pid for infos in node.all_processes.values() for info in infos
+             if info.process and info.process.poll() is None}
     stopped: set[int] = set()
     while True:
         kids, todo, found = _children(), list(roots), set()
