@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import AgentcellError
-from .plan import Caps, SessionPlan
+from .plan import Caps, SessionPlan, git_remote, public
 
 DEFAULT_BASE = "/var/lib/agentcell-fleet"
 REFUSED = 125  # session start's exit status for a bad flag or value: nothing was created
@@ -148,9 +148,6 @@ def materialize(plan: SessionPlan, dest: str, pw: Any, caps: Caps | None = None)
                              "give a repository this node can reach (https, ssh, git or a path)")
 
 
-GIT_PORTS = {"https": 443, "http": 80, "ssh": 22, "git": 9418}
-
-
 def _git_remote(url: str, trusted: bool) -> list[str]:
     """git's options for cloning ``url``: the host's addresses checked (public ones only, unless
     ``trusted``: a plan could otherwise have the node fetch an internal service's data into the project,
@@ -158,41 +155,28 @@ def _git_remote(url: str, trusted: bool) -> list[str]:
     redirect followed (it could lead anywhere). A path or file:// URL is read as the owner: nothing to check."""
     import ipaddress
     import socket
-    from urllib.parse import urlsplit
 
-    from ..network.firewall import NOT_BY_WILDCARD
-
-    if "://" in url:
-        parts = urlsplit(url)
-        if parts.scheme == "file":
-            return []
-        try:
-            host, port = parts.hostname, parts.port or GIT_PORTS.get(parts.scheme)
-        except ValueError:
-            host = port = None
-        if not host or port is None:
-            raise AgentcellError("project.git", f"'{url}' is not a URL to clone from",
-                                 "give an https://, ssh:// or git:// URL, or a path")
-    else:
-        head = url.split(":", 1)[0]
-        if ":" not in url or not head or "/" in head:
-            return []  # a path on the node
-        host, port = head.rsplit("@", 1)[-1], 22  # [user@]host:path, git's ssh form
+    try:
+        remote = git_remote(url)
+    except ValueError as e:
+        raise AgentcellError("project.git", f"'{url}' {e}", "give an https://, ssh:// or git:// URL, or a path") \
+            from None
+    if remote is None:
+        return []
+    scheme, host, port = remote
     try:
         found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except (OSError, UnicodeError) as e:
         raise AgentcellError("project.git", f"cannot find {host}: {e}", "give a repository this node can reach") \
             from None
     addrs = [ipaddress.ip_address(str(i[4][0]).split("%")[0]) for i in found]
-    if not trusted:
-        private = [ipaddress.ip_network(n) for n in NOT_BY_WILDCARD]
-        for a in addrs:
-            if not a.is_global or any(a in n for n in private if n.version == a.version):
-                raise AgentcellError("project.git", f"{host} is {a}, not a public address: a clone runs on the "
-                                     "node's network, outside the cell", "clone from a public host, or run with "
-                                     "--trust-plan-network")
+    bad = next((a for a in addrs if not public(a)), None) if not trusted else None
+    if bad is not None:
+        raise AgentcellError("project.git", f"{host} is {bad}, not a public address: a clone runs on the "
+                             "node's network, outside the cell", "clone from a public host, or run with "
+                             "--trust-plan-network")
     opts = ["-c", "http.followRedirects=false"]
-    if "://" in url and urlsplit(url).scheme in ("http", "https"):
+    if scheme in ("http", "https"):
         a = addrs[0]
         opts += ["-c", f"http.curloptResolve={host}:{port}:{f'[{a}]' if a.version == 6 else a}"]
     return opts

@@ -13,12 +13,14 @@ plan: a plan travels through the cluster's object store.
 """
 from __future__ import annotations
 
+import ipaddress
 import json
 import posixpath
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -222,6 +224,37 @@ class Caps:
         roof = for_risk("low")
         caps = (self.memory or roof[0], self.cpu or roof[1], self.pids or roof[2])
         return min(asked[0], caps[0]), min(asked[1], caps[1]), min(asked[2], caps[2])
+
+
+GIT_PORTS = {"https": 443, "http": 80, "ssh": 22, "git": 9418}  # the transports a plan's clone may use
+
+
+def git_remote(url: str) -> tuple[str, str, int] | None:
+    """(scheme, host, port) that a clone of ``url`` connects to; None for a path or a file:// URL (read on
+    the machine itself). ValueError (its text follows the URL): another scheme, no host, a bad port."""
+    if "://" in url:
+        parts = urlsplit(url)
+        if parts.scheme == "file":
+            return None
+        try:
+            port = parts.port
+        except ValueError:
+            raise ValueError("has a bad port") from None
+        if parts.scheme not in GIT_PORTS or not parts.hostname:
+            raise ValueError("is not a URL to clone from")
+        return parts.scheme, parts.hostname, port or GIT_PORTS[parts.scheme]
+    head = url.split(":", 1)[0]
+    if ":" in url and head and "/" not in head:  # [user@]host:path, git's scp-like form of ssh
+        return "ssh", head.rsplit("@", 1)[-1], 22
+    return None
+
+
+def public(addr: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+    """Whether ``addr`` is public, as the egress proxy judges an address a name resolved to (with no
+    --allow-range): never loopback, private, link-local or an IPv4 one carried in IPv6."""
+    from ..network.rules import Policy
+
+    return Policy.from_rules(()).address_verdict(addr)[0]
 
 
 def _where(err: ValidationError) -> tuple[str, str]:

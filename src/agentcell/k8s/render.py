@@ -29,7 +29,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from ..errors import AgentcellError
-from ..fleet.plan import TRUSTED_NETWORK, Caps, SessionPlan
+from ..fleet.plan import TRUSTED_NETWORK, Caps, SessionPlan, git_remote, public
 from ..network import compile as nc
 from ..network import presets, rules
 from ..network.firewall import NOT_BY_WILDCARD
@@ -49,7 +49,6 @@ DNS_SUBDOMAIN = re.compile(r"^(?=.{1,253}$)[a-z0-9]([a-z0-9-]*[a-z0-9])?(\.[a-z0
 # refuses them too); a plan's allow_ranges are given back as rules of their own.
 PRIVATE = {"0.0.0.0/0": tuple(n for n in NOT_BY_WILDCARD if ":" not in n),
            "::/0": tuple(n for n in NOT_BY_WILDCARD if ":" in n)}
-GIT_PORTS = {"https": 443, "http": 80, "ssh": 22, "git": 9418}
 MAX_WARM = 1000
 
 # The session container's command (sh -c SCRIPT agentcell-pod START-ARGS...). A warm pod waits, ready, until a
@@ -224,30 +223,21 @@ def _git_port(name: str, url: str, trusted: bool) -> int:
     A name is resolved in the cluster, not here: the NetworkPolicy keeps the pod from non-public ranges
     only where the network plugin applies it to a hostNetwork pod."""
     field = f"{name}: project.git"
-    host = url.split("://", 1)[-1].split("/", 1)[0].rsplit("@", 1)[-1].rsplit(":", 1)[0].strip("[]") \
-        if "://" in url else url.split(":", 1)[0].rsplit("@", 1)[-1]
+    try:
+        remote = git_remote(url)
+    except ValueError as e:
+        raise AgentcellError(field, f"'{url}' {e}", "give an https://, http://, ssh:// or git:// URL") from None
+    if remote is None:
+        raise AgentcellError(field, f"'{url}' is a path on the node", "give the repository's URL (https:// or ssh://)")
+    _scheme, host, port = remote
     try:
         literal = ipaddress.ip_address(host)
     except ValueError:
         literal = None
-    if literal is not None and not trusted and (not literal.is_global or any(
-            literal in ipaddress.ip_network(n) for n in NOT_BY_WILDCARD if (":" in n) == (literal.version == 6))):
+    if literal is not None and not trusted and not public(literal):
         raise AgentcellError(field, f"{host} is not a public address: the clone runs on the node's network, outside "
                              "the cell", f"clone from a public host, or render with {TRUSTED_NETWORK}")
-    if "://" in url:
-        parts = urlsplit(url)
-        default = GIT_PORTS.get(parts.scheme)
-        if default is None or not parts.hostname:
-            raise AgentcellError(field, f"'{url}' is not a URL a pod clones from",
-                                 "give an https://, http://, ssh:// or git:// URL")
-        try:
-            return parts.port or default
-        except ValueError:
-            raise AgentcellError(field, f"'{url}' has a bad port", "a number 1-65535") from None
-    head = url.split(":", 1)[0]
-    if ":" in url and head and "/" not in head:  # [user@]host:path, git's scp-like form of ssh
-        return 22
-    raise AgentcellError(field, f"'{url}' is a path on the node", "give the repository's URL (https:// or ssh://)")
+    return port
 
 
 # ---- the NetworkPolicy -------------------------------------------------------------------------
