@@ -194,6 +194,24 @@ def only_ours_at(path: str, owners: frozenset[int] | set[int] | None = None, *, 
         os.close(fd)
 
 
+def replace_file(path: str, data: bytes) -> None:
+    """Put ``data`` at ``path`` whole or not at all: written to a new file beside it (never through a
+    link), synced, then renamed over it. Readers see the old content or the new, never part of either."""
+    tmp = f"{path}.tmp-{os.urandom(6).hex()}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        os.unlink(tmp)
+        raise
+    os.close(fd)
+    os.rename(tmp, path)
+
+
 def state_dir() -> str:
     """AGENTCELL_STATE_DIR, else /var/lib/agentcell for root and the XDG state dir for anyone else (a
     rootless user's sessions, snapshots and trail are theirs, and /var/lib is not theirs to write)."""

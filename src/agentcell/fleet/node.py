@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from .. import hostfs
 from ..errors import AgentcellError
 from .plan import Caps, SessionPlan, git_remote, public
 
@@ -88,15 +89,6 @@ def agentcell_command(*args: str) -> list[str]:
 
 def _makedirs(path: str) -> None:
     os.makedirs(path, mode=0o711, exist_ok=True)  # root's; an agent account may pass through to its project
-
-
-def _write_json(path: str, obj: dict[str, Any]) -> None:
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 GIT_PROTOCOLS = "https:http:ssh:git:file"  # never ext:: (a command run by the URL) or another transport
@@ -219,17 +211,18 @@ def run_plan(plan: SessionPlan, run: str, node: Node, owner: str, attempt: int =
     """Run one plan here, to its end, its project given to ``owner``, its ceilings held to ``caps``; its
     result (see the module's doc). ``env_file``: a ``.env`` on this node for ``session start
     --env-file`` (the harness's keys live there, on each node: they never travel with a plan)."""
+    caps = caps or Caps()
     sid = session_id(run, plan.name, attempt)
     ledger = node.ledger(run)
     project = node.project(run, plan.name, attempt)
     for d in (node.state, ledger, os.path.dirname(project)):
         _makedirs(d)
     os.chmod(node.state, 0o700)
-    _write_json(os.path.join(ledger, f"{plan.name}.json"), {"name": plan.name, "session": sid, "attempt": attempt,
-                                                             "node": node.name, "project": project,
-                                                             "started": time.time()})
+    entry = {"name": plan.name, "session": sid, "attempt": attempt, "node": node.name, "project": project,
+             "started": time.time()}
+    hostfs.replace_file(os.path.join(ledger, f"{plan.name}.json"), json.dumps(entry).encode())
     try:
-        ceilings = (caps or Caps()).ceilings(plan)
+        ceilings = caps.ceilings(plan)
         materialize(plan, project, account(owner), caps)
     except (AgentcellError, OSError, subprocess.SubprocessError) as e:
         return result(plan.name, node.name, sid, "failed", f"project: {e}")

@@ -239,8 +239,8 @@ class Store:
         _syncfs(self.path)  # every object on disk before the manifest that names them (one sync, not 20,000)
         raw = json.dumps(manifest, separators=(",", ":")).encode()
         path = self._manifest_path(sid)
-        _write_bytes(path[:-5] + ".sha256", hashlib.sha256(raw).hexdigest().encode())  # the manifest's own check
-        _write_bytes(path, raw)  # last: a snapshot exists once its manifest does
+        hostfs.replace_file(path[:-5] + ".sha256", hashlib.sha256(raw).hexdigest().encode())  # the manifest's check
+        hostfs.replace_file(path, raw)  # last: a snapshot exists once its manifest does
         return sid
 
     def _put(self, opath: int, st: os.stat_result, shown: str, staging: str) -> tuple[str, int]:
@@ -529,21 +529,7 @@ def _load_json(path: str) -> dict[str, Any]:
 
 
 def _write_json(path: str, data: object) -> None:
-    _write_bytes(path, json.dumps(data, separators=(",", ":")).encode())
-
-
-def _write_bytes(path: str, data: bytes) -> None:
-    tmp = f"{path}.tmp-{os.urandom(6).hex()}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    try:
-        _write_all(fd, data)
-        os.fsync(fd)
-    except BaseException:
-        os.close(fd)
-        os.unlink(tmp)
-        raise
-    os.close(fd)
-    os.rename(tmp, path)
+    hostfs.replace_file(path, json.dumps(data, separators=(",", ":")).encode())
 
 
 # ---- restore on directory fds ----------------------------------------------------------------------
