@@ -19,6 +19,7 @@ ac-bf<hex>, /tmp/agentcell-bench-fleet-* and Ray's scratch /tmp/ray-bench-fleet-
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import secrets
@@ -28,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -50,8 +52,9 @@ def plans(n: int, tag: str) -> list[plan.SessionPlan]:
 RAY_TMP = tempfile.mkdtemp(prefix="ray-bench-fleet-")  # Ray's own scratch: an ending Ray process may write in it
 
 
-def on_cluster(work: Path, nodes: int, cells: int, owner: str, ps: list[plan.SessionPlan]) -> float:
-    """Seconds for ``ps`` on a fresh cluster of ``nodes`` worker nodes (its start not counted)."""
+@contextlib.contextmanager
+def cluster_of(nodes: int, cells: int) -> Iterator[None]:
+    """A fresh Ray cluster, connected: a head with no cells and ``nodes`` worker nodes of ``cells`` each."""
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False,
                                                       "object_store_memory": 80 << 20, "temp_dir": RAY_TMP})
     try:
@@ -60,16 +63,21 @@ def on_cluster(work: Path, nodes: int, cells: int, owner: str, ps: list[plan.Ses
                        labels={fleet.LABEL: f"b{i}"})
         c.wait_for_nodes()
         fleet.connect(c.address)
-        t = time.perf_counter()
-        res = fleet.run(ps, run_id=node.new_run_id(), base=str(work / "nodes"), owner=owner, recover_wait_s=0)
-        took = time.perf_counter() - t
-        bad = [(r["name"], r["status"], r["reason"]) for r in res if r["status"] != "completed"]
-        if bad:
-            raise SystemExit(f"bench/fleet.py: sessions did not complete: {bad[:3]}")
-        return took
+        yield
     finally:
         ray.shutdown()
         c.shutdown()
+
+
+def in_fleet(base: Path, owner: str, ps: list[plan.SessionPlan]) -> float:
+    """Seconds for ``ps`` on the connected cluster, every session completed."""
+    t = time.perf_counter()
+    res = fleet.run(ps, run_id=node.new_run_id(), base=str(base), owner=owner, recover_wait_s=0)
+    took = time.perf_counter() - t
+    bad = [(r["name"], r["status"], r["reason"]) for r in res if r["status"] != "completed"]
+    if bad:
+        raise SystemExit(f"bench/fleet.py: sessions did not complete: {bad[:3]}")
+    return took
 
 
 def local(work: Path, owner: str, ps: list[plan.SessionPlan], at_once: int) -> float:
@@ -125,32 +133,18 @@ def main() -> int:
     try:
         for r in range(args.rounds):
             for n in (1, 2, 3):
-                ps = plans(args.sessions, f"r{r}n{n}")
-                f = on_cluster(work / f"c{r}{n}", n, args.cells, owner, ps)
+                with cluster_of(n, args.cells):
+                    f = in_fleet(work / f"c{r}{n}" / "nodes", owner, plans(args.sessions, f"r{r}n{n}"))
                 lo = local(work, owner, plans(args.sessions, f"l{r}n{n}"), n * args.cells)
                 rows["throughput"].append({"round": r, "nodes": n, "cells": n * args.cells,
                                            "fleet_per_min": 60 * args.sessions / f,
                                            "local_per_min": 60 * args.sessions / lo})
         fleet_s, local_s = [], []
-        c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False,
-                                                          "object_store_memory": 80 << 20,
-                                                          "temp_dir": RAY_TMP})
-        try:
-            c.add_node(num_cpus=2, object_store_memory=80 << 20, resources={fleet.CELLS: 1},
-                       labels={fleet.LABEL: "solo"})
-            c.wait_for_nodes()
-            fleet.connect(c.address)
-            fleet.run(plans(1, "warm"), run_id=node.new_run_id(), base=str(work / "solo"), owner=owner,
-                      recover_wait_s=0)  # the node's first Ray worker started, as on a cluster in use
+        with cluster_of(1, 1):
+            in_fleet(work / "solo", owner, plans(1, "warm"))  # the node's first Ray worker started, as in use
             for r in range(args.rounds):  # interleaved: a batch in the fleet, a batch local
-                t = time.perf_counter()
-                fleet.run(plans(args.single, f"s{r}"), run_id=node.new_run_id(), base=str(work / "solo"),
-                          owner=owner, recover_wait_s=0)
-                fleet_s.append((time.perf_counter() - t) / args.single)
+                fleet_s.append(in_fleet(work / "solo", owner, plans(args.single, f"s{r}")) / args.single)
                 local_s.append(local(work, owner, plans(args.single, f"sl{r}"), 1) / args.single)
-        finally:
-            ray.shutdown()
-            c.shutdown()
         rows["single"] = {"fleet_ms": 1000 * statistics.median(fleet_s), "local_ms": 1000 * statistics.median(local_s)}
     finally:
         for state in [*work.glob("*/nodes/*/state"), *work.glob("solo/*/state"), work / "local-state"]:
