@@ -119,8 +119,7 @@ class AuditLog:
                 except (ValueError, KeyError, TypeError, RecursionError):
                     raise _Broken("its last record is damaged") from None
             head = _read_head(self.head)
-            if prev_line and last_prev == (head[1] if head is not None and head[0] == seq - 2 else
-                                           GENESIS if head is None and seq == 2 else None):
+            if prev_line and (head or (0, GENESIS)) == (seq - 2, last_prev):  # (no anchor: before the first)
                 # A writer died between its record and its anchor (a crash, a kill -9): the record is
                 # whole and follows the anchored one. Move the anchor onto it, as that writer would have.
                 _write_head(self.head, seq - 1, prev)
