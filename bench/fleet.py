@@ -49,15 +49,20 @@ def plans(n: int, tag: str) -> list[plan.SessionPlan]:
                         "harness": "scripted", "script": STEPS, "wall_clock_s": 120}) for i in range(n)]
 
 
-RAY_TMP = tempfile.mkdtemp(prefix="ray-bench-fleet-")  # Ray's own scratch: an ending Ray process may write in it
+# Ray's own scratch: an ending Ray process may write in it. RAY_TMPDIR too: the cluster writes its address to
+# $RAY_TMPDIR/ray/ray_current_cluster whatever temp_dir says (/tmp/ray by default, on no fresh machine).
+RAY_TMPDIR = tempfile.mkdtemp(prefix="ray-bench-fleet-")
+RAY_TMP = os.path.join(RAY_TMPDIR, "ray")
+os.mkdir(RAY_TMP)
+os.environ["RAY_TMPDIR"] = RAY_TMPDIR
 
 
 @contextlib.contextmanager
 def cluster_of(nodes: int, cells: int) -> Iterator[None]:
     """A fresh Ray cluster, connected: a head with no cells and ``nodes`` worker nodes of ``cells`` each."""
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False,
-                                                      "object_store_memory": 80 << 20, "temp_dir": RAY_TMP})
+    c = Cluster()  # the head is added inside the try: one that fails half-way is shut down too
     try:
+        c.add_node(num_cpus=0, include_dashboard=False, object_store_memory=80 << 20, temp_dir=RAY_TMP)
         for i in range(nodes):
             c.add_node(num_cpus=2, object_store_memory=80 << 20, resources={fleet.CELLS: cells},
                        labels={fleet.LABEL: f"b{i}"})
@@ -152,7 +157,7 @@ def main() -> int:
                            env={"PATH": os.environ["PATH"], "AGENTCELL_STATE_DIR": str(state)})
         subprocess.run(["chattr", "-R", "-i", str(work)], capture_output=True)
         shutil.rmtree(work, ignore_errors=True)
-        shutil.rmtree(RAY_TMP, ignore_errors=True)
+        shutil.rmtree(RAY_TMPDIR, ignore_errors=True)
         subprocess.run(["userdel", owner], capture_output=True)
     if args.json:
         print(json.dumps(rows))

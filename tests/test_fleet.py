@@ -111,23 +111,28 @@ def leftovers() -> list[str]:
 
 
 @pytest.fixture
-def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+def fleet(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Iterator[Fleet]:
+    # Ray's own scratch (sockets, logs) in pytest's temporary tree: a Ray process that is ending writes its
+    # empty session directory back there after the cluster's shutdown, seconds later. RAY_TMPDIR too: the
+    # cluster writes its address to $RAY_TMPDIR/ray/ray_current_cluster whatever temp_dir says (/tmp/ray by
+    # default, which only a machine that ran Ray before has).
+    scratch = tmp_path_factory.mktemp("ray")
+    (scratch / "ray").mkdir()
+    monkeypatch.setenv("RAY_TMPDIR", str(scratch))
     base = Path("/tmp") / f"agentcell-fleet-{os.urandom(3).hex()}"
-    base.mkdir(mode=0o711)
     before = set(leftovers())
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 0, "include_dashboard": False, "object_store_memory": 80 << 20,
-        # Ray's own scratch (sockets, logs) in pytest's temporary tree: a Ray process that is ending writes
-        # its empty session directory back there after the cluster's shutdown, seconds later.
-        "temp_dir": str(tmp_path_factory.mktemp("ray")), "_system_config": SYSTEM})
-    f = Fleet(cluster, base, {})
+    base.mkdir(mode=0o711)
+    cluster = Cluster()  # nothing started yet: the head is added below, inside the try
     try:
+        cluster.add_node(num_cpus=0, include_dashboard=False, object_store_memory=80 << 20,
+                         temp_dir=str(scratch / "ray"), _system_config=SYSTEM)
+        f = Fleet(cluster, base, {})
         for name in ("w1", "w2"):
             f.add(name)
         cluster.wait_for_nodes()
         yield f
     finally:
-        cluster.shutdown()  # the processes it started, by their Popen objects
+        cluster.shutdown()  # the processes it started (a head that failed half-way too), by their Popen objects
         nodes = base / "nodes"
         for d in sorted(nodes.iterdir()) if nodes.is_dir() else []:  # whatever a failed test left running
             subprocess.run([AGENTCELL, "session", "recover"], capture_output=True, timeout=300,
