@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 ROOT = Path(os.environ.get("AGENTCELL_HARNESS_CACHE", "/opt/agentcell-test/harnesses"))
@@ -56,16 +57,23 @@ def bin_dir(name: str) -> Path:
         if made.returncode != 0:
             raise Unavailable(f"python3 -m venv failed: {made.stderr.strip()[-300:]}")
         cmd = [str(where / "bin" / "pip"), "install", "-q", "--disable-pip-version-check", f"{package}=={version}"]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
-    if p.returncode != 0:
-        shutil.rmtree(where, ignore_errors=True)
-        tail = (p.stderr or p.stdout).strip().splitlines()[-3:]
-        raise Unavailable(f"{registry} install of {package}@{version} failed (registry out of reach?): "
-                          + " | ".join(tail))
-    if name == "copilot":  # it unpacks its 235 MB runtime into HOME at every start unless it finds it here
-        subprocess.run([str(bindir / binary), "--version"], env={**os.environ, "COPILOT_PKG_CACHE_HOME":
-                                                                  str(copilot_pkg(name))},
-                       capture_output=True, timeout=300, check=True)
+    # Installers and the postinstall checks they run (opencode --version makes /tmp/opencode) write their
+    # scratch in a directory of the install's own, removed after it: nothing is left in /tmp.
+    scratch = tempfile.mkdtemp(prefix="agentcell-install-")
+    env = {**os.environ, "TMPDIR": scratch}
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, env=env)
+        if p.returncode != 0:
+            shutil.rmtree(where, ignore_errors=True)
+            tail = (p.stderr or p.stdout).strip().splitlines()[-3:]
+            raise Unavailable(f"{registry} install of {package}@{version} failed (registry out of reach?): "
+                              + " | ".join(tail))
+        if name == "copilot":  # it unpacks its 235 MB runtime into HOME at every start unless it finds it here
+            subprocess.run([str(bindir / binary), "--version"], env={**env, "COPILOT_PKG_CACHE_HOME":
+                                                                      str(copilot_pkg(name))},
+                           capture_output=True, timeout=300, check=True)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
     subprocess.run(["chmod", "-R", "a+rX", str(where)], check=True)
     stamp.write_text(f"{package}@{version}\n")
     return bindir
