@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from agentcell.cell.spec import CellSpec, Identity
-from agentcell.monitor.attempts import AttemptSource, Classifier, Host, Later, View
+from agentcell.monitor.attempts import RECENT_NS, AttemptSource, Classifier, Host, View
 from agentcell.monitor.calls import AT_FDCWD, CALLS, Call
 
 PROJECT = "/home/human/proj"
@@ -76,27 +76,33 @@ class FakeHost(Host):
         return False
 
 
-def classifier(host: FakeHost, *, network: str = "none", ceiling: int | None = 50,
+def classifier(host: FakeHost, *, network: str = "none", lost: bool = False,
                guarded: tuple[tuple[str, bool], ...] = (), masked: tuple[str, ...] = (),
                refused: list[tuple[str, int]] | None = None) -> Classifier:
     spec = CellSpec(Identity("agent", 1_900_000_001, 1_900_000_001, "ac-s1", HOME), rw_paths=(PROJECT,),
                     masked_paths=masked, network=network)  # type: ignore[arg-type]
     sink = refused if refused is not None else []
-    return Classifier(View(spec, guarded, ()), network, host, lambda: ceiling,
+    return Classifier(View(spec, guarded, ()), network, host, lambda: lost,
                       lambda target, pid: sink.append((target, pid)))
 
 
 def call(name: str, errno: int, path: str = "", *, path2: str = "", flags: int = 0, addr: Any = None,
-         pid_arg: int = 0) -> Call:
-    args = [0] * 6
+         pid_arg: int = 0, args: tuple[int, ...] = (), at: int = 0) -> Call:
+    """A failed call; ``at``: the kernel's clock when it failed (ns)."""
+    raw = [*args, *[0] * (6 - len(args))]
     if name in ("openat", "openat2", "mkdirat", "unlinkat"):
-        args[0], args[2] = AT_FDCWD & 0xFFFFFFFFFFFFFFFF, flags
+        raw[0], raw[2] = AT_FDCWD & 0xFFFFFFFFFFFFFFFF, flags
     elif name == "open":
-        args[1] = flags
+        raw[1] = flags
     if name in ("kill", "pidfd_open"):
-        args[0] = pid_arg
+        raw[0] = pid_arg
     assert name in CALLS
-    return Call(name, errno, 1234, 1234, "tool", tuple(args), path, path2, addr)
+    return Call(name, errno, 1234, 1234, "tool", tuple(raw), path, path2, addr, ktime=at)
+
+
+def ended(ns_tid: int, at: int) -> Call:
+    """One of the cell's tasks, ended: its number in the cell's pid namespace (0: not known), and when."""
+    return Call("exit", 0, 1234, 1234, "tool", (0,) * 6, ktime=at, ns_tid=ns_tid)
 
 
 O_WRONLY, O_CREAT = 1, 0o100
@@ -107,15 +113,9 @@ def verdict(c: Classifier, k: Call) -> tuple[str, str, bool] | None:
     return None if v is None else (v[0], v[1], v[3])
 
 
-def acts(c: Classifier, k: Call, *, final: bool = False) -> bool | str | None:
-    """Whether it acts (True), is a note (False), is nothing (None), or waits for the connector ("later")."""
-    c.final = final
-    try:
-        v = c.classify(k)
-    except Later:
-        return "later"
-    finally:
-        c.final = False
+def acts(c: Classifier, k: Call) -> bool | None:
+    """Whether it acts (True), is a note (False) or is nothing (None)."""
+    v = c.classify(k)
     return None if v is None else v[3]
 
 
@@ -174,46 +174,57 @@ def test_a_host_secret_masked_acts_a_masked_env_file_of_the_project_is_a_note() 
     assert verdict(c, call("openat", EACCES, f"{PROJECT}/.env")) == ("read", f"{PROJECT}/.env", False)
 
 
-def test_a_host_process_through_proc_acts_only_above_what_the_cell_could_have_had() -> None:
-    c = classifier(FakeHost(pids={7, 4242}), ceiling=50)
-    # (no kernel count in the event: the fork count alone, once the connector has had its time)
-    assert acts(c, call("openat", ENOENT, "/proc/4242/environ")) == "later"
-    assert acts(c, call("openat", ENOENT, "/proc/4242/environ"), final=True) is True
-    # a number the cell may have had (one of its own that just exited): a note, not an escape
-    assert acts(c, call("openat", ENOENT, "/proc/7/stat")) is False
-    assert acts(c, call("openat", ENOENT, "/proc/9999/stat")) is None  # no such process anywhere
-    assert acts(classifier(FakeHost(pids={4242}), ceiling=None), call("openat", ENOENT, "/proc/4242/maps")) is False
-    assert acts(c, call("openat", ENOENT, "/proc/²/environ")) is None  # (a digit to str.isdigit, not to int)
-    assert acts(c, call("kill", ESRCH, pid_arg=4242)) is False
+S = 10**9  # a second of the kernel's clock
 
 
-def test_the_kernels_last_pid_says_never_the_cells_and_the_connector_says_maybe() -> None:
-    count = [5]
-    lagging = Classifier(classifier(FakeHost()).view, "none", FakeHost(pids={33, 4242, 23286}), lambda: count[0])
+def test_a_host_process_through_proc_acts_unless_the_cell_just_gave_that_number_up() -> None:
+    c = classifier(FakeHost(pids={7, 4242}))
+    assert acts(c, call("openat", ENOENT, "/proc/4242/environ", at=5 * S)) is True
+    assert acts(c, call("openat", ENOENT, "/proc/9999/stat", at=5 * S)) is None  # no such process anywhere
+    assert acts(c, call("openat", ENOENT, "/proc/²/environ", at=5 * S)) is None  # (a digit to str.isdigit only)
+    # one of its own that just ended (ps listing /proc, a parent looking at its child): a note, not an escape
+    c.ended(ended(7, 5 * S))
+    assert verdict(c, call("openat", ENOENT, "/proc/7/stat", at=5 * S + 1)) == ("read", "/proc/7", False)
+    assert acts(c, call("openat", ENOENT, "/proc/7/stat", at=5 * S + RECENT_NS)) is False
+    # long after: the number is a host process's, whatever the cell once had there
+    assert acts(c, call("openat", ENOENT, "/proc/7/stat", at=5 * S + RECENT_NS + 1)) is True
+    # a signal or a pidfd for a host process: a note; for a number of its own just ended, nothing
+    assert acts(c, call("kill", ESRCH, pid_arg=4242, at=6 * S)) is False
+    assert acts(c, call("kill", ESRCH, pid_arg=7, at=6 * S)) is None
 
-    def probe(pid: int, last: int | None) -> Call:
-        k = call("openat", ENOENT, f"/proc/{pid}/stat")
-        k.last_pid = last
-        return k
 
-    # Above the kernel's count when the call failed: a host process, at once.
-    assert acts(lagging, probe(4242, 40)) is True
-    # Between the connector's count and the kernel's: a child not handed over yet (ps in a busy cell) ...
-    assert acts(lagging, probe(33, 40)) == "later"
-    count[0] = 36  # ... which the connector names on the next pass: one of the cell's, a note
-    assert acts(lagging, probe(33, 40)) is False
-    # ... or numbers burnt by forks that failed (no process made, nothing the connector hears of): the
-    # count alone decides once the wait is over; the kernel's count never makes a host pid the cell's.
-    count[0] = 5
-    assert acts(lagging, probe(23286, 24002)) == "later"
-    assert acts(lagging, probe(23286, 24002), final=True) is True
-    # the connector's count lost (it overflowed): the kernel's count still tells a host process
-    lost = Classifier(lagging.view, "none", FakeHost(pids={33, 4242}), lambda: None)
-    assert acts(lost, probe(4242, 40)) is True and acts(lost, probe(33, 40)) is False
-    # a namespace that went round pid_max: the kernel's count starts low again, the fork count stands
-    count[0] = 50
-    assert acts(lagging, probe(33, 3)) is False
-    assert acts(lagging, probe(4242, 3)) == "later"
+def test_whose_number_it_is_never_depends_on_how_the_hosts_pids_compare_with_the_cells() -> None:
+    # (a fresh host's pids are as low as the cell's; a host past pid_max starts low again; a cell that forked
+    # more than pid_max times has had every number): what the cell's namespace gave up, and when, decides
+    c = classifier(FakeHost(pids={3, 301, 32000}))
+    for n in range(2, 32768, 97):  # a busy cell: numbers given up all over the range, long ago
+        c.ended(ended(n, S))
+    c.ended(ended(301, 100 * S))  # ... and 301 just now
+    assert acts(c, call("openat", ENOENT, "/proc/3/cwd", at=100 * S)) is True  # never the cell's
+    assert acts(c, call("openat", ENOENT, "/proc/32000/cwd", at=100 * S)) is True
+    assert acts(c, call("openat", ENOENT, "/proc/301/cwd", at=100 * S)) is False
+    assert acts(c, call("openat", ENOENT, f"/proc/{2 + 97}/cwd", at=100 * S)) is None  # not a host pid
+
+
+def test_a_number_that_cannot_be_told_is_a_note() -> None:
+    # the kernel dropped some of the cell's events (an ended task among them, maybe): a note, never an escape
+    assert acts(classifier(FakeHost(pids={4242}), lost=True), call("openat", ENOENT, "/proc/4242/maps")) is False
+    # a kernel that does not say what number an ended task had
+    c = classifier(FakeHost(pids={4242}))
+    c.ended(ended(0, S))
+    assert acts(c, call("openat", ENOENT, "/proc/4242/maps", at=2 * S)) is False
+
+
+def test_an_ended_task_is_forgotten_only_once_it_is_long_gone() -> None:
+    c = classifier(FakeHost(pids={5}))
+    c.ended(ended(5, S))
+    for n in range(100, 3000):  # many more, all within RECENT_NS of the first
+        c.ended(ended(n, S + n))
+    assert acts(c, call("openat", ENOENT, "/proc/5/stat", at=2 * S)) is False
+    for n in range(3000, 5000):  # and many more, long after
+        c.ended(ended(n, S + RECENT_NS + n))
+    assert acts(c, call("openat", ENOENT, "/proc/5/stat", at=S + RECENT_NS + 5000)) is True
+    assert len(c._ended) <= 2100
 
 
 def test_the_network_outside_acts_dns_to_the_hosts_resolver_and_the_hosts_own_ports_are_notes() -> None:
@@ -287,29 +298,41 @@ def test_a_top_level_directory_looked_at_and_a_lock_in_a_read_only_cache_are_not
     assert acts(c, call("openat", EROFS, "/opt/tool/pkg/inuse.20.lock", flags=O_WRONLY | O_CREAT)) is False
 
 
-def test_a_call_that_waits_for_the_connector_is_decided_on_a_later_pass_or_at_the_end() -> None:
-    count = [5]
-    c = Classifier(classifier(FakeHost()).view, "none", FakeHost(pids={33, 4242}), lambda: count[0])
+def test_the_source_hands_each_exit_to_the_classifier_before_the_calls_after_it() -> None:
+    c = classifier(FakeHost(pids={33, 4242}))
 
     class Ring:
-        def __init__(self) -> None:
-            self.calls: list[Call] = []
+        def __init__(self, calls: list[Call]) -> None:
+            self.calls = calls
 
         def read(self) -> list[Call]:
             out, self.calls = self.calls, []
             return out
 
-    ring = Ring()
+    ring = Ring([ended(33, S), call("openat", ENOENT, "/proc/33/stat", at=S + 1),
+                 call("openat", ENOENT, "/proc/4242/stat", at=S + 2)])
     source = AttemptSource(ring, c, "cell", lambda pid: "/usr/bin/ps", lambda pid: False, lambda *a: None)
-    child, host = call("openat", ENOENT, "/proc/33/stat"), call("openat", ENOENT, "/proc/4242/stat")
-    child.last_pid = host.last_pid = 40
-    ring.calls = [child, host]
-    got = source.read()  # the host pid above the kernel's count acts at once; the child waits
-    assert [(e.target, e.acts) for e in got] == [("/proc/4242/stat", True)] and source.pending
-    assert source.read() == [] and source.pending  # the connector has not named it yet
-    count[0] = 36
-    assert [(e.target, e.acts) for e in source.read()] == [("/proc/33", False)] and not source.pending
-    count[0] = 5
-    ring.calls = [call("openat", ENOENT, "/proc/33/stat")]  # (no kernel count: the fork count, at the end)
-    assert source.read() == [] and source.pending
-    assert [(e.target, e.acts) for e in source.flush()] == [("/proc/33/stat", True)] and not source.pending
+    assert [(e.target, e.acts, e.exe) for e in source.read()] == [("/proc/33", False, "/usr/bin/ps"),
+                                                                 ("/proc/4242/stat", True, "/usr/bin/ps")]
+
+
+def test_raw_packet_and_icmp_sockets_refused_and_writes_to_sys_and_devices_the_cell_lacks_are_recorded() -> None:
+    c = classifier(FakeHost({"/dev/ttyUSB0", "/dev/mem"}))
+    c.host.is_device = lambda path: path in ("/dev/ttyUSB0", "/dev/mem")  # type: ignore[method-assign]
+    sock = {k: call("socket", e, args=a) for k, e, a in (
+        ("raw", EPERM, (2, 3 | 0o2000000, 1)), ("icmp", EACCES, (2, 2, 1)), ("icmp6", EACCES, (10, 2, 58)),
+        ("packet", EPERM, (17, 3, 0x300)), ("tcp", EACCES, (2, 1, 0)), ("unix", EPERM, (1, 1, 0)))}
+    assert verdict(c, sock["raw"]) == ("network", "socket inet raw", False)
+    assert verdict(c, sock["icmp"]) == ("network", "socket inet icmp", False)
+    assert verdict(c, sock["icmp6"]) == ("network", "socket inet6 icmp", False)
+    assert verdict(c, sock["packet"]) == ("network", "socket packet", False)
+    assert verdict(c, sock["tcp"]) is None and verdict(c, sock["unix"]) is None
+    # /sys: a write is a kernel setting or a control group (the cell has no /sys); a look is nothing
+    assert verdict(c, call("mkdir", ENOENT, "/sys/fs/cgroup/x")) == ("write", "/sys/fs/cgroup/x", True)
+    assert acts(c, call("openat", ENOENT, "/sys/kernel/mm/ksm/run", flags=O_WRONLY)) is True
+    assert acts(c, call("mkdir", EROFS, "/sys")) is True
+    assert verdict(c, call("openat", ENOENT, "/sys/fs/cgroup/cpu.max")) is None
+    # a device the cell does not have: a host device that reads beneath every wall acts, another is a note
+    assert verdict(c, call("openat", ENOENT, "/dev/mem")) == ("read", "/dev/mem", True)
+    assert verdict(c, call("openat", ENOENT, "/dev/ttyUSB0")) == ("read", "/dev/ttyUSB0", False)
+    assert verdict(c, call("openat", ENOENT, "/dev/not-there")) is None

@@ -605,8 +605,23 @@ if os.fork() == 0:
 """
 
 SEND = """
-import socket, sys
+import socket, struct, sys
 kind, addr, port, token = sys.argv[1], sys.argv[2], int(sys.argv[3] or 0), sys.argv[4]
+if kind == "icmp4":  # an echo request carrying the token: ping's socket if the host lets us, else a raw one
+    body = struct.pack("!BBHHH", 8, 0, 0, 0xAC, 1) + token.encode()
+    total = sum(int.from_bytes(body[i:i + 2].ljust(2, b"\\0"), "big") for i in range(0, len(body), 2))
+    while total >> 16:
+        total = (total & 0xFFFF) + (total >> 16)
+    body = body[:2] + struct.pack("!H", ~total & 0xFFFF) + body[4:]
+    for typ in (socket.SOCK_DGRAM, socket.SOCK_RAW):
+        try:
+            s = socket.socket(socket.AF_INET, typ, socket.IPPROTO_ICMP)
+            s.sendto(body, (addr, 0))
+            print("SENT")
+            break
+        except OSError as e:
+            print("BLOCKED", e.errno)
+    sys.exit(0)
 fam = {"4": socket.AF_INET, "6": socket.AF_INET6, "u": socket.AF_UNIX}[kind[-1]]
 typ = socket.SOCK_DGRAM if kind.startswith(("udp", "dns")) else socket.SOCK_STREAM
 where = addr if fam == socket.AF_UNIX else (addr, port)
@@ -629,6 +644,26 @@ try:
     print("SENT")
 except OSError as e:
     print("BLOCKED", e.errno)
+"""
+
+OPEN_HOLD = """
+import sys
+try:
+    f = open(sys.argv[1], "rb")
+    print("opened", flush=True)
+except OSError as e:
+    print("refused", e.errno, flush=True)
+print("agentcell-probe-hold", flush=True)
+sys.stdin.read()
+"""
+
+MKDIR = """
+import os, sys
+try:
+    os.mkdir(sys.argv[1])
+    print("made")
+except OSError as e:
+    print("refused", e.errno)
 """
 
 LISTEN_HOLD = """
@@ -1191,7 +1226,10 @@ fams = {"4": socket.AF_INET, "6": socket.AF_INET6, "u": socket.AF_UNIX}
 socks, ports = [], []
 for kind, addr, port in json.loads(sys.argv[3]):
     fam = fams[kind[-1]]
-    s = socket.socket(fam, socket.SOCK_DGRAM if kind.startswith("udp") else socket.SOCK_STREAM)
+    if kind == "icmp4":  # every echo request that reaches this host, payload and all
+        s = socket.socket(fam, socket.SOCK_RAW, socket.IPPROTO_ICMP)
+    else:
+        s = socket.socket(fam, socket.SOCK_DGRAM if kind.startswith("udp") else socket.SOCK_STREAM)
     if fam == socket.AF_UNIX:
         s.bind("\\0" + addr if kind == "abstractu" else addr)
         if kind != "abstractu":
@@ -1272,7 +1310,8 @@ def nethost() -> Iterator[NetHost]:
         _ip("-n", ns, "addr", "add", f"{v6}/64", "dev", peer_if, "nodad")
         _ip("-n", ns, "link", "set", peer_if, "up")
         _ip("-n", ns, "link", "set", "lo", "up")
-        inside = [["tcp4", v4, 8080], ["udp4", v4, 8081], ["udp4", v4, 53], ["tcp6", v6, 8080], ["udp6", v6, 8081]]
+        inside = [["tcp4", v4, 8080], ["udp4", v4, 8081], ["udp4", v4, 53], ["tcp6", v6, 8080], ["udp6", v6, 8081],
+                  ["icmp4", v4, 0]]
         abstract, pathname = f"agentcell-escape-{tag}", str(sock_dir / "s")
         outside = [["tcp4", "127.0.0.1", 0], ["tcp6", "::1", 0], ["abstractu", abstract, 0], ["unixu", pathname, 0]]
         ports = []
@@ -1317,6 +1356,15 @@ def _(w: World) -> Attempt:
 @probe("tcp6_to_test_host")
 def _(w: World) -> Attempt:
     return _sending(w, "tcp6", lambda h: h.v6, lambda h: 8080)
+
+
+@probe("icmp_echo_to_test_host")
+def _(w: World) -> Attempt:
+    # An ordinary account may open neither ping's socket (net.ipv4.ping_group_range) nor a raw one: the plain
+    # run is given CAP_NET_RAW (as ping's file capability gives it).
+    a = _sending(w, "icmp4", lambda h: h.v4, lambda h: 0)
+    a.baseline_caps = "+net_raw"
+    return a
 
 
 @probe("udp6_to_test_host")
@@ -1484,6 +1532,59 @@ def _(w: World) -> Attempt:
     # kernel.unprivileged_bpf_disabled keeps ordinary accounts out of bpf(2) here; the plain run gets CAP_BPF.
     return Attempt(py(BPF_MAP, w.tag), held_evidence, hold=fds_of_kind(w.tag, "bpf-map"),
                    baseline_caps="+bpf")
+
+
+@probe("device_node_of_the_host")
+def _(w: World) -> Attempt:
+    # A device node of the host that the cell's /dev does not have (a char device the world may open: the
+    # plain run needs nothing more); judged by the probe's fds while it holds.
+    node = Path("/dev") / w.tag
+    w.defer(lambda: node.unlink(missing_ok=True))
+    os.mknod(node, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+    os.chmod(node, 0o666)
+
+    def holds() -> str | None:
+        for pid in pids_of(None, w.tag):
+            for fd in os.listdir(f"/proc/{pid}/fd") if os.path.isdir(f"/proc/{pid}/fd") else ():
+                try:
+                    st = os.stat(f"/proc/{pid}/fd/{fd}")
+                except OSError:
+                    continue
+                if stat.S_ISCHR(st.st_mode) and st.st_rdev == os.makedev(1, 3) and \
+                        os.readlink(f"/proc/{pid}/fd/{fd}") == str(node):
+                    return f"pid {pid} holds fd {fd} on the host's device {node}"
+        return None
+    return Attempt(py(OPEN_HOLD, node, w.tag), held_evidence, hold=holds)
+
+
+def _cgroup2() -> Path | None:
+    for line in Path("/proc/self/mounts").read_text().splitlines():
+        fields = line.split()
+        if fields[2] == "cgroup2":
+            return Path(fields[1])
+    return None
+
+
+@probe("control_group_made_in_sys_fs_cgroup")
+def _(w: World) -> Attempt:
+    # A control group delegated to the probe's account (as systemd delegates one to a user's session): the
+    # plain run may make a child of it, outside any ceiling agentcell set. In a cell there is no /sys.
+    root = _cgroup2()
+    assert root is not None, "no cgroup2 hierarchy is mounted"
+    given = root / w.tag
+    child = given / "planted"
+
+    def undo() -> None:
+        for d in (child, given):
+            try:
+                d.rmdir()
+            except FileNotFoundError:
+                pass
+    w.defer(undo)
+    given.mkdir()
+    for name in ("", "cgroup.procs", "cgroup.subtree_control"):
+        os.chown(given / name, w.user.uid, w.user.gid)
+    return Attempt(py(MKDIR, child), lambda o: f"{child} was made on the host" if child.is_dir() else None)
 
 
 @probe("mknod_char_device_in_project")

@@ -82,6 +82,9 @@ SEEN: dict[str, list[tuple[str, str, str, bool]]] = {
     "dns_query_to_test_host": [("network", "calls", f"{NET_HOST}:53", ACTS)],  # (not the host's resolver)
     "tcp6_to_test_host": [("network", "landlock", "fd00:ac:*:8080", ACTS)],
     "udp6_to_test_host": [("network", "calls", "fd00:ac:*:8081", ACTS)],
+    # ping's socket and a raw one, refused to the cell's account (it could not reach anything either): noted
+    "icmp_echo_to_test_host": [("network", "calls", "socket inet icmp", NOTE), ("network", "calls", "socket inet raw",
+                                                                                 NOTE)],
     "bash_dev_tcp_to_test_host": [("network", "landlock", f"{NET_HOST}:8080", ACTS)],
     "host_loopback_tcp4": [("network", "landlock", "127.0.0.1:*", ACTS)],
     "host_loopback_tcp4_under_net_loopback": [("network", "calls", "127.0.0.1:*", NOTE)],
@@ -98,6 +101,8 @@ SEEN: dict[str, list[tuple[str, str, str, bool]]] = {
     "tiocsti_into_the_terminal": [("write", "seccomp", "ioctl TIOCSTI", ACTS)],
     "bpf_map_create": [("execute", "seccomp", "bpf", ACTS)],
     "mknod_char_device_in_project": [("write", "landlock", "{project}", ACTS)],
+    "device_node_of_the_host": [("read", "calls", "/dev/agentcell-escape-*", NOTE)],
+    "control_group_made_in_sys_fs_cgroup": [("write", "calls", "/sys/fs/cgroup/*agentcell-escape-*/planted", ACTS)],
     # kernel surfaces ordinary software tries and copes without: noted
     "keyring_add_key": [("execute", "seccomp", "add_key", NOTE)],
     "io_uring_setup": [("execute", "seccomp", "io_uring_setup", NOTE)],

@@ -10,8 +10,9 @@ named it:
   ones that exists on the host (a sibling repository, ``/srv``, ``/var/lib/…``), a host socket;
 * a secret of the host the cell masks (``/etc/shadow``: its mask is an empty mode-000 file);
 * a write to the read-only system or to a path the cell does not contain;
-* a host process through ``/proc`` (a pid the cell's namespace never had), a kernel setting (``/proc/sys``),
-  the kernel's log or memory;
+* a host process through ``/proc`` (a number a host process has that the cell's namespace has not given up
+  in the last moments), a kernel setting (``/proc/sys``, ``/sys``, a control group), the kernel's log or
+  memory;
 * a device of the host (a disk, memory, a console);
 * a connection or datagram to an address outside the cell (``--net none``, ``loopback``, ``proxy``), DNS
   to anything but the host's own resolver included;
@@ -28,9 +29,10 @@ set up to make a tool of the cell fail (an abstract socket, a socket in ``/tmp``
 alone: a DNS query to the host's resolver (the cell has none: names are resolved by the proxy); a port
 the host listens on, tried on the cell's own loopback; a name next to the project outside the cell (tools
 look for their config in parent directories); a top-level host directory looked at; a host pid signalled,
-or a ``/proc`` number the cell may have had; a hard link across mounts; a lock file in a read-only cache;
-a name of the host's shared ``/tmp`` that the cell's own ``/tmp`` lacks (a tool's cache of a fixed name;
-credentials there act).
+or a ``/proc`` number the cell gave up a moment ago; a raw, packet or ICMP socket refused (ping); another
+device of the host that the cell's ``/dev`` lacks; a hard link across mounts; a lock file in a read-only
+cache; a name of the host's shared ``/tmp`` that the cell's own ``/tmp`` lacks (a tool's cache of a fixed
+name; credentials there act).
 
 Nothing: missing files inside the cell's own view (the cell sees those trees as they are), ``/sys``,
 the system services' sockets and files every libc or toolkit probes (nscd, journald, D-Bus, the machine
@@ -74,9 +76,11 @@ HOST_DEVICES = ("mem", "kmem", "port", "kmsg", "sd", "hd", "vd", "xvd", "nvme", 
                 "tty7", "tty8", "tty9", "console", "ttyS", "vhost", "vsock", "kvm", "cpu", "watchdog", "nvram",
                 "rtc", "hidraw", "bus", "fb", "snd", "video", "sg", "bsg", "btrfs-control", "fuse")
 DNS_PORTS = (53, 853)
-# How long a call waits for the connector to name a fork it may come from (:class:`Later`): passes of
-# the monitor read the connector further meanwhile; then the count alone decides.
-WAIT_S = 0.25
+# A /proc entry or a pid of a number the cell's namespace gave up this recently (by the kernel's clock, when
+# the call failed) is taken for one of the cell's own that just ended: ps listing /proc, a parent looking
+# at its child, a watcher polling a pid it started. Past that, a number a host process has is the host's.
+RECENT_NS = 10 * 10**9
+AF_INET, AF_INET6, AF_PACKET, SOCK_DGRAM, SOCK_RAW, IPPROTO_ICMP, IPPROTO_ICMPV6 = 2, 10, 17, 2, 3, 1, 58
 SHARED_TMP = ("/tmp/", "/var/tmp/", "/dev/shm/")
 LOCKS = (".lock", ".lck", "/lock")
 # Protected entries that only instruct a harness (and the session's own configuration): writing them is
@@ -190,6 +194,12 @@ class Host:
     def pid_exists(self, pid: int) -> bool:
         return os.path.exists(f"/proc/{pid}")
 
+    def is_device(self, path: str) -> bool:
+        try:
+            return stat.S_ISCHR(os.lstat(path).st_mode) or stat.S_ISBLK(os.lstat(path).st_mode)
+        except (OSError, ValueError):
+            return False
+
     def _table(self, name: str, read: Callable[[], Any]) -> Any:
         now = time.monotonic()
         hit = self._cache.get(name)
@@ -290,23 +300,50 @@ class Host:
         return set(self._table("resolvers", read))
 
 
-class Later(Exception):
-    """A call that cannot be told apart yet (:meth:`Classifier._beyond`): asked again shortly."""
-
-
 class Classifier:
-    """``classify(call)`` for one cell. ``pid_ceiling()``: the highest pid the cell's namespace may have
-    given out so far (a /proc number above it was never the cell's)."""
+    """``classify(call)`` for one cell; :meth:`ended` for each of its tasks that ends (the calls' ring
+    hands both over in the order they happened). ``lost()``: whether the kernel dropped any of the cell's
+    events (an ended task among them, maybe)."""
 
-    def __init__(self, view: View, network: str, host: Host, pid_ceiling: Callable[[], int | None],
+    def __init__(self, view: View, network: str, host: Host, lost: Callable[[], bool] = lambda: False,
                  refused: Callable[[str, int], None] | None = None) -> None:
-        self.view, self.network, self.host, self.pid_ceiling = view, network, host, pid_ceiling
+        self.view, self.network, self.host, self.lost = view, network, host, lost
         self.refused = refused  # on the host's network: a connect the firewall refused, and by whom
-        self.final = False  # no more waiting for the connector (Later is decided now)
+        self._ended: dict[int, int] = {}  # a number of the cell's pid namespace -> when its task ended (ns)
+        self._unnumbered = False  # an ended task came without its number (the kernel's layout is not known)
+
+    def ended(self, call: Call) -> None:
+        """One of the cell's tasks ended (a Call named ``exit``): its number is free in the cell's namespace
+        from now on, and may be named by the cell's tools a moment longer."""
+        if not call.ns_tid:
+            self._unnumbered = True
+            return
+        self._ended.pop(call.ns_tid, None)
+        self._ended[call.ns_tid] = call.ktime  # (in the order they ended: the oldest first)
+        while len(self._ended) > 1024:
+            oldest = next(iter(self._ended))
+            if call.ktime - self._ended[oldest] <= RECENT_NS:
+                break
+            del self._ended[oldest]
+
+    def _hosts(self, call: Call, pid: int) -> bool | None:
+        """Whether ``pid``, a number the cell named that its namespace does not have now and a host process
+        has, is that host process's. Decided by what the cell's namespace did, never by how the host's pids
+        compare with the cell's: False if the cell gave that number up in the RECENT_NS before the call (one
+        of its own, just ended), None if that cannot be told (the kernel dropped some of the cell's events,
+        or does not say what number an ended task had), else True: a host process, whatever its number."""
+        gone = self._ended.get(pid)
+        if gone is not None and call.ktime - gone <= RECENT_NS:
+            return False
+        if self._unnumbered or self.lost():
+            return None
+        return True
 
     def classify(self, call: Call) -> Verdict | None:
         if call.name in ("kill", "pidfd_open"):
             return self._pid(call)
+        if call.name == "socket":
+            return self._socket(call)
         if call.addr is not None:
             return self._network(call)
         if not call.path and not call.path2:
@@ -360,6 +397,9 @@ class Classifier:
     def _file(self, call: Call, path: str, op: str) -> Verdict | None:
         area, mount = self.view.area(path)
         e = call.errno
+        if op == "write" and (path == "/sys" or path.startswith("/sys/")):
+            return ("write", path, "a kernel setting or a control group (/sys: the cell has none)", True,
+                    "nothing: a cell never changes the kernel")
         if area == "mask":
             if mount in self.view.declared_masks:  # a .env in the project: agents read those without a thought
                 return (op, path, "a path the policy masks in the declared paths (the cell sees an empty file or "
@@ -375,6 +415,9 @@ class Classifier:
             if e == ENOENT and name.startswith(HOST_DEVICES):
                 return (op, path, "a device of the host (the cell's /dev has only null, zero, full, random, urandom "
                         "and tty)", True, "nothing: devices stay outside")
+            if e == ENOENT and self.host.is_device(path):
+                return (op, path, "a device of the host that the cell's /dev does not have", False,
+                        "nothing: devices stay outside")
             return None
         if area == "hidden":
             return self._hidden(call, path, op)
@@ -456,41 +499,19 @@ class Classifier:
         allow = "nothing: credentials stay outside" if credential else f"--{'rw' if op == 'write' else 'ro'} {path}"
         return (op, path, f"{what} (the cell does not contain it)", True, allow)
 
-    def _beyond(self, call: Call, pid: int, *, wait: bool = True) -> bool:
-        """Whether ``pid`` (a host process has that number) is beyond what the cell's namespace has given
-        out: True, a host process's; False, it may have been one of the cell's (exited since).
-        * Above the kernel's own count when the call failed (``last_pid``, read by the program): never the
-          cell's, exactly. (That count is only ever a ceiling: a fork that fails after its number was
-          taken, at the task limit or out of descriptors, raises it with no process made, so it never
-          decides the other way.)
-        * At or below the monitor's count of the cell's forks and threads (the connector): maybe the cell's.
-        * Between the two: a fork the connector has not handed over yet (a busy host), or numbers burnt by
-          failed forks. Raises :class:`Later` (``wait``): asked again once the connector has been read
-          further, and decided on the count alone when it is :attr:`final`.
-        A namespace that went round pid_max (the count above the kernel's) is told by the count alone;
-        a count lost (the connector overflowed) cannot tell: False."""
-        counted = self.pid_ceiling()
-        last = call.last_pid
-        if last is not None and (counted is None or counted <= last) and pid > last:
-            return True
-        if counted is None or pid <= counted:
-            return False
-        if wait and not self.final:
-            raise Later(pid)
-        return True
-
     def _proc(self, call: Call, path: str, op: str) -> Verdict | None:
         parts = path.split("/")
         if len(parts) >= 3 and parts[2].isascii() and parts[2].isdigit() and call.errno in (ENOENT, ESRCH):
             pid = int(parts[2])
             if not self.host.pid_exists(pid) or self.host.exists_in_cell(f"/proc/{pid}"):
                 return None  # no such process, or one of the cell's own (a file of it that went: a race)
-            if self._beyond(call, pid):
+            whose = self._hosts(call, pid)
+            if whose:
                 return (op, path, f"a host process (pid {pid}) through /proc: the cell's /proc shows its own "
                         "processes only", True, "nothing: host processes stay outside")
-            # a number the cell may have had (a process of its own that just exited): noted, as a host one
-            return (op, f"/proc/{pid}", "a /proc entry of a number the cell may have given out, which a host process "
-                    "has: one of the cell's that exited, or a host process", False, "")
+            return (op, f"/proc/{pid}", "a /proc entry of a number a host process has, which the cell "
+                    + ("gave up a moment ago (one of its own processes, just ended)" if whose is False else
+                       "may have had (the kernel dropped some of its events)"), False, "")
         if path in ("/proc/kmsg", "/proc/kcore") and call.errno in (EACCES, EPERM):
             return (op, path, "the kernel's log or memory", True, "nothing: the kernel stays outside")
         if op == "write" and (path.startswith("/proc/sys/") or path == "/proc/sysrq-trigger"):
@@ -502,10 +523,27 @@ class Classifier:
     def _pid(self, call: Call) -> Verdict | None:
         pid = call.args[0] & 0xFFFFFFFF
         pid = pid - (1 << 32) if pid >= 1 << 31 else pid
-        if call.errno != ESRCH or pid <= 0 or not self.host.pid_exists(pid) or not self._beyond(call, pid, wait=False):
+        if call.errno != ESRCH or pid <= 0 or not self.host.pid_exists(pid) or self._hosts(call, pid) is False:
             return None
         return ("execute", f"{call.name} pid {pid}", "a signal or handle for a host process (not in the cell's "
                 "pid namespace: refused)", False, "")
+
+    def _socket(self, call: Call) -> Verdict | None:
+        """A socket the cell's account may not make: raw IP, packet, ICMP (ping's). It would reach past the
+        proxy; ordinary tools try it (ping) and cope."""
+        family, kind, proto = call.args[0] & 0xFFFFFFFF, call.args[1] & 0xF, call.args[2] & 0xFFFFFFFF
+        if call.errno not in (EPERM, EACCES):
+            return None
+        if family == AF_PACKET:
+            target, what = "socket packet", "a packet socket (every frame on a network interface)"
+        elif family in (AF_INET, AF_INET6) and kind == SOCK_RAW:
+            target, what = f"socket {'inet6' if family == AF_INET6 else 'inet'} raw", "a raw IP socket"
+        elif family in (AF_INET, AF_INET6) and kind == SOCK_DGRAM and proto in (IPPROTO_ICMP, IPPROTO_ICMPV6):
+            target, what = f"socket {'inet6' if family == AF_INET6 else 'inet'} icmp", "an ICMP socket (ping)"
+        else:
+            return None
+        return ("network", target, f"{what}: the cell's account may not make one, and the cell has no network "
+                "beyond the proxy's allow-list", False, "--net proxy with --allow-domain NAME (TCP to names only)")
 
     def _network(self, call: Call) -> Verdict | None:
         addr = call.addr
@@ -573,57 +611,33 @@ class AttemptSource:
                  ignore: Callable[[int], bool], execed: Callable[[int, str, str], None]) -> None:
         self.calls, self.classifier, self.cell = calls, classifier, cell
         self.exe_of, self.ignore, self.execed = exe_of, ignore, execed
-        self._later: list[tuple[Any, float]] = []  # (call, until when it may wait)
 
     def fileno(self) -> int:
         return int(self.calls.fileno())
 
-    @property
-    def pending(self) -> bool:
-        """Calls waiting for the connector (:class:`Later`): read again on the monitor's next pass."""
-        return bool(self._later)
-
     def read(self) -> list[CellEvent]:
         out: list[CellEvent] = []
-        now = time.monotonic()
-        waiting, self._later = self._later, []
-        for call, until in waiting:  # (the connector has been read since)
-            self._classify(call, until, now < until, out)
         for call in self.calls.read():
+            if call.name == "exit":  # (before any call that names its number: the ring keeps their order)
+                self.classifier.ended(call)
+                continue
             if call.errno == 0:  # an exec that succeeded: the process's new name, for the monitor's table
                 self.execed(call.pid, call.comm, call.path)
                 continue
             if self.ignore(call.pid):
                 continue
-            self._classify(call, now + WAIT_S, True, out)
+            try:
+                verdict = self.classifier.classify(call)
+            except Exception as e:  # noqa: BLE001 - a call we cannot read is one we cannot clear: it acts
+                verdict = ("telemetry", call.name, f"a failed call could not be told apart ({type(e).__name__}: "
+                           f"{e}); held against the cell", True, "")
+            if verdict is None:
+                continue
+            op, target, reason, acts, allow = verdict
+            out.append(CellEvent(op, target, f"{reason}; refused by the kernel ({call.name}: "
+                                 f"{errno.errorcode.get(call.errno, call.errno)})", source="calls", cell=self.cell,
+                                 pid=call.pid, exe=self.exe_of(call.pid) or call.comm, allow=allow, acts=acts))
         return out
-
-    def flush(self) -> list[CellEvent]:
-        """What still waits, decided now (the cell has ended: the connector has said all it will)."""
-        out: list[CellEvent] = []
-        waiting, self._later = self._later, []
-        for call, until in waiting:
-            self._classify(call, until, False, out)
-        return out
-
-    def _classify(self, call: Any, until: float, wait: bool, out: list[CellEvent]) -> None:
-        self.classifier.final = not wait
-        try:
-            verdict = self.classifier.classify(call)
-        except Later:
-            self._later.append((call, until))
-            return
-        except Exception as e:  # noqa: BLE001 - a call we cannot read is one we cannot clear: it acts
-            verdict = ("telemetry", call.name, f"a failed call could not be told apart ({type(e).__name__}: "
-                       f"{e}); held against the cell", True, "")
-        finally:
-            self.classifier.final = False
-        if verdict is None:
-            return
-        op, target, reason, acts, allow = verdict
-        out.append(CellEvent(op, target, f"{reason}; refused by the kernel ({call.name}: "
-                             f"{errno.errorcode.get(call.errno, call.errno)})", source="calls", cell=self.cell,
-                             pid=call.pid, exe=self.exe_of(call.pid) or call.comm, allow=allow, acts=acts))
 
     def dropped(self) -> int:
         return int(self.calls.dropped())

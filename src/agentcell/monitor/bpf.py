@@ -34,6 +34,7 @@ NOEXIST = 1  # map_update: only a new key
 PROG_RAW_TRACEPOINT = 17
 # helpers (enum bpf_func_id)
 MAP_LOOKUP = 1
+KTIME_GET_NS = 5
 GET_CURRENT_PID_TGID = 14
 GET_CURRENT_COMM = 16
 GET_CURRENT_TASK = 35

@@ -6,7 +6,11 @@ network's), and hands each to the monitor through a ring buffer with the process
 path or address it named. What it means is decided in :mod:`.attempts`. A second program, on the
 ``sched_process_exec`` raw tracepoint, hands over each exec of the cell (as errno 0), with the new
 program's name and file (its place in the kernel's structure read from the kernel's BTF,
-:mod:`.btf`): a process that exits at once is still named.
+:mod:`.btf`): a process that exits at once is still named. A third, on ``sched_process_exit``, hands
+over each task of the cell that ends, with the number it had in the cell's pid namespace: a /proc
+entry or a pid the cell names is told to be a number the cell just gave up, or a host process's,
+whatever the host's pids and the cell's pid counter are. Every event carries the kernel's clock
+(CLOCK_MONOTONIC) and the events of one cell come in one ring, in the order they happened.
 
 Why this source: most of what a cell refuses, the kernel refuses without a record. A host file the cell
 does not contain is ENOENT, a write to the read-only system EROFS (the mount refuses before Landlock is
@@ -29,10 +33,12 @@ from typing import Any
 from . import bpf, hostprog
 
 PATH_MAX = 4096  # a longer path fails with ENAMETOOLONG: nothing is reached
-A = 88  # the first buffer: a path or an address
+A = 96  # the first buffer: a path or an address
 B = A + PATH_MAX  # the second: a second path, or a word the call points at (openat2's flags)
 EVENT_SIZE = B + PATH_MAX
-_HEAD = struct.Struct("<IIqQ6Q16s")  # nr, pad, ret, pid_tgid, args, comm
+_HEAD = struct.Struct("<IIqQ6Q16sQ")  # nr, second word, ret, pid_tgid, args, comm, the kernel's clock
+KTIME = 88  # where the clock is in the head
+EXIT = 1024  # an exit event's number (no call has it)
 SCAN = 128  # a path below /usr, /lib or /sys this long or shorter is looked through for ".." in the kernel
 RING_SIZE = 4 << 20  # tens of thousands of events in flight (an event takes its head and its path)
 ARG_OFFSETS = (112, 104, 96, 56, 72, 64)  # x86_64 pt_regs: di, si, dx, r10, r8, r9
@@ -61,7 +67,7 @@ CALLS: dict[str, tuple[int, tuple[tuple[int, int], ...]]] = {
     "chdir": (80, ((PATH, 0),)), "setxattr": (188, ((PATH, 0),)), "lsetxattr": (189, ((PATH, 0),)),
     "removexattr": (197, ((PATH, 0),)), "lremovexattr": (198, ((PATH, 0),)), "utimensat": (280, ((PATH, 1),)),
     "utime": (132, ((PATH, 0),)), "utimes": (235, ((PATH, 0),)), "futimesat": (261, ((PATH, 1),)),
-    "pidfd_open": (434, ()), "kill": (62, ()),
+    "pidfd_open": (434, ()), "kill": (62, ()), "socket": (41, ()),
 }
 NAMES = {nr: name for name, (nr, _) in CALLS.items()}
 # where the directory fd of an *at call is (its path is relative to it)
@@ -139,12 +145,9 @@ def _pointer(a: bpf.Asm, base_reg: int, offset: int, fail: str, slot: int) -> No
     a.j("jeq", bpf.R3, fail, imm=0)
 
 
-def program(table_fd: int, cells_fd: int, drops_fd: int, scratch_fd: int, pidns: dict[str, int] | None) -> bytes:
+def program(table_fd: int, cells_fd: int, drops_fd: int, scratch_fd: int) -> bytes:
     """The program, for every watched cell on the host: ``cells`` maps a cell's cgroup id (its cgroup2
-    directory's inode number) to its own ring (:mod:`.hostprog`). With ``pidns`` (PIDNS_FIELDS of
-    :func:`kernel_layout`), each event's second word is the caller's pid namespace's next pid at the
-    moment the call failed: every number below it may have been the cell's, none above (a /proc entry
-    or a pid above it is a host process's, exactly, whatever the monitor has read so far)."""
+    directory's inode number) to its own ring (:mod:`.hostprog`)."""
     R0, R1, R2, R3, R4, R5, R6, R7, R8, R9, R10 = (bpf.R0, bpf.R1, bpf.R2, bpf.R3, bpf.R4, bpf.R5, bpf.R6, bpf.R7,
                                                    bpf.R8, bpf.R9, bpf.R10)
     lo = sum(1 << e for e in _ERRNOS if e < 64)
@@ -204,16 +207,8 @@ def program(table_fd: int, cells_fd: int, drops_fd: int, scratch_fd: int, pidns:
     a.alu("add", R1, imm=72)
     a.alu("mov", R2, imm=16)
     a.call(bpf.GET_CURRENT_COMM)
-    if pidns is not None:
-        a.call(bpf.GET_CURRENT_TASK)
-        _pointer(a, R0, pidns["nsproxy"], "numbered", -32)
-        _pointer(a, R3, pidns["pid_ns"], "numbered", -32)
-        a.alu("add", R3, imm=pidns["idr"] + pidns["idr_next"])
-        a.alu("mov", R1, R8)
-        a.alu("add", R1, imm=4)
-        a.alu("mov", R2, imm=4)
-        a.call(bpf.PROBE_READ_KERNEL)
-        a.label("numbered")
+    a.call(bpf.KTIME_GET_NS)
+    a.stx(bpf.DW, R8, KTIME, R0)
     a.alu("mov", R1, R8)  # the registers, into the first buffer for a moment: the six arguments from there
     a.alu("add", R1, imm=A)
     a.alu("mov", R2, imm=168)
@@ -281,7 +276,8 @@ def program(table_fd: int, cells_fd: int, drops_fd: int, scratch_fd: int, pidns:
     # Missing files under /usr/, /lib/, /lib64/ and /sys/ are everyday lookups (locales, libraries,
     # hardware), and nothing is hidden there: the cell sees those trees as they are (or, /sys, not at
     # all). Dropped here, unless the path has a ".." or is longer than SCAN: then where it leads is for
-    # the monitor to say.
+    # the monitor to say. Under /sys only a look is (an open to read, an exec, a chdir): a write there
+    # (a kernel setting, a control group made) goes up.
     a.label("filter")
     a.j("jne", R7, "submit", imm=-ENOENT)
     a.alu("mov", R1, R9)
@@ -297,6 +293,16 @@ def program(table_fd: int, cells_fd: int, drops_fd: int, scratch_fd: int, pidns:
     a.j("jne", R2, "submit", imm=ord("/"))
     a.j("jeq", R1, "dots", imm=int.from_bytes(b"/usr", "little"))
     a.j("jne", R1, "submit", imm=int.from_bytes(b"/sys", "little"))
+    a.ldx(bpf.DW, R1, R8, 0)  # /sys: what the call is
+    for name in ("execve", "execveat", "chdir"):
+        a.j("jeq", R1, "dots", imm=CALLS[name][0])
+    for name, at in (("open", 24 + 8), ("openat", 24 + 16), ("openat2", B)):  # its flags (openat2's: read into B)
+        a.ldx(bpf.DW, R2, R8, at)
+        a.j("jeq", R1, "flags", imm=CALLS[name][0])
+    a.j("ja", R0, "submit")  # any other call here writes
+    a.label("flags")
+    a.alu("and", R2, imm=O_ACCMODE | O_CREAT | O_TRUNC)
+    a.j("jne", R2, "submit", imm=0)
     a.label("dots")  # look for ".." up to the end of the path (a long one goes up whole: rare, and looked at)
     a.j("jsgt", R6, "submit", imm=SCAN)
     a.alu("mov", R3, imm=0)
@@ -364,23 +370,8 @@ def exec_program(cells_fd: int, drops_fd: int, layout: dict[str, int] | None) ->
     R0, R1, R2, R3, R6, R8, R10 = bpf.R0, bpf.R1, bpf.R2, bpf.R3, bpf.R6, bpf.R8, bpf.R10
     a = bpf.Asm()
     a.alu("mov", R6, R1)  # the tracepoint's arguments
-    a.call(bpf.GET_CURRENT_CGROUP_ID)
-    a.stx(bpf.DW, R10, KEY, R0)
-    _cell_ring(a, cells_fd)
-    a.alu("mov", R1, R0)
-    a.alu("mov", R2, imm=A if layout is None else A + EXEC_NAME)  # its head, and the file's name
-    a.alu("mov", R3, imm=0)
-    a.call(bpf.RINGBUF_RESERVE)
-    a.j("jeq", R0, "dropped", imm=0)
-    a.alu("mov", R8, R0)
-    a.st(bpf.DW, R8, 0, CALLS["execve"][0])  # (its second word: the mode, below)
-    a.st(bpf.DW, R8, 8, 0)
-    a.call(bpf.GET_CURRENT_PID_TGID)
-    a.stx(bpf.DW, R8, 16, R0)
-    a.alu("mov", R1, R8)
-    a.alu("add", R1, imm=72)
-    a.alu("mov", R2, imm=16)
-    a.call(bpf.GET_CURRENT_COMM)
+    # its head, and the file's name (its second word: the mode, below)
+    _reserve(a, cells_fd, A if layout is None else A + EXEC_NAME, CALLS["execve"][0])
     if layout is not None:
         a.st(bpf.B, R8, A, 0)  # (empty if it cannot be read)
 
@@ -409,25 +400,93 @@ def exec_program(cells_fd: int, drops_fd: int, layout: dict[str, int] | None) ->
         a.ldx(bpf.DW, R1, R10, -8)
         a.alu("or", R1, imm=MODE_KNOWN)
         a.stx(bpf.W, R8, 4, R1)
-    a.label("submit")
-    a.alu("mov", R1, R8)
-    a.alu("mov", R2, imm=0)
-    a.call(bpf.RINGBUF_SUBMIT)
-    a.j("ja", R0, "out")
-    a.label("dropped")
-    _count_drop(a, drops_fd)
-    a.label("out")
-    a.alu("mov", R0, imm=0)
-    a.exit()
+    _submit(a, drops_fd)
     return a.code()
 
 
+def _reserve(a: bpf.Asm, cells_fd: int, size: int, nr: int) -> None:
+    """R8 = ``size`` bytes reserved in the ring of the cell the current task is in (to ``out`` if it is in
+    none, to ``dropped`` if the ring is full), its head written: ``nr`` (its second word 0), result 0,
+    no arguments, the process and its name, the kernel's clock. Ends with :func:`_submit`."""
+    R0, R1, R2, R3, R8, R10 = bpf.R0, bpf.R1, bpf.R2, bpf.R3, bpf.R8, bpf.R10
+    a.call(bpf.GET_CURRENT_CGROUP_ID)
+    a.stx(bpf.DW, R10, KEY, R0)
+    _cell_ring(a, cells_fd)
+    a.alu("mov", R1, R0)
+    a.alu("mov", R2, imm=size)
+    a.alu("mov", R3, imm=0)
+    a.call(bpf.RINGBUF_RESERVE)
+    a.j("jeq", R0, "dropped", imm=0)
+    a.alu("mov", R8, R0)
+    a.st(bpf.DW, R8, 0, nr)
+    for off in range(8, 72, 8):  # the result, the process (below), the arguments
+        a.st(bpf.DW, R8, off, 0)
+    a.call(bpf.GET_CURRENT_PID_TGID)
+    a.stx(bpf.DW, R8, 16, R0)
+    a.alu("mov", R1, R8)
+    a.alu("add", R1, imm=72)
+    a.alu("mov", R2, imm=16)
+    a.call(bpf.GET_CURRENT_COMM)
+    a.call(bpf.KTIME_GET_NS)
+    a.stx(bpf.DW, R8, KTIME, R0)
+
+
+def _submit(a: bpf.Asm, drops_fd: int) -> None:
+    """The record at R8 handed over (``submit``), or counted as dropped (``dropped``); the program's end."""
+    a.label("submit")
+    a.alu("mov", bpf.R1, bpf.R8)
+    a.alu("mov", bpf.R2, imm=0)
+    a.call(bpf.RINGBUF_SUBMIT)
+    a.j("ja", bpf.R0, "out")
+    a.label("dropped")
+    _count_drop(a, drops_fd)
+    a.label("out")
+    a.alu("mov", bpf.R0, imm=0)
+    a.exit()
+
+
+def exit_program(cells_fd: int, drops_fd: int, layout: dict[str, int] | None) -> bytes:
+    """For the ``sched_process_exit`` raw tracepoint: each task of the cell that ends (a process or a
+    thread), as an event numbered EXIT whose second word is the number it had in its innermost pid
+    namespace, the cell's (``task->thread_pid->numbers[level].nr``, where ``layout``, EXIT_FIELDS of
+    :func:`kernel_layout`, says where those lie; 0 where it cannot be read). The tracepoint fires before
+    the task is taken out of its namespace: the event is in the ring before any call can find that
+    number gone. A head only (no path): a build that starts a hundred thousand processes fits."""
+    R0, R1, R2, R3, R8, R10 = bpf.R0, bpf.R1, bpf.R2, bpf.R3, bpf.R8, bpf.R10
+    a = bpf.Asm()
+    _reserve(a, cells_fd, A, EXIT)  # (its second word 0 until the number is read)
+    if layout is not None:
+        a.call(bpf.GET_CURRENT_TASK)
+        _pointer(a, R0, layout["thread_pid"], "submit", -8)  # R3: the task's struct pid
+        a.stx(bpf.DW, R10, -16, R3)
+        a.alu("add", R3, imm=layout["level"])
+        a.st(bpf.DW, R10, -8, 0)
+        a.alu("mov", R1, R10)
+        a.alu("add", R1, imm=-8)
+        a.alu("mov", R2, imm=4)
+        a.call(bpf.PROBE_READ_KERNEL)
+        a.j("jne", R0, "submit", imm=0)
+        a.ldx(bpf.DW, R1, R10, -8)
+        a.j("jgt", R1, "submit", imm=MAX_PID_NS_LEVEL)
+        a.alu("mul", R1, imm=layout["upid_ns"] + 8)  # (struct upid: the number, then a pointer)
+        a.ldx(bpf.DW, R3, R10, -16)
+        a.alu("add", R3, R1)
+        a.alu("add", R3, imm=layout["numbers"] + layout["upid_nr"])
+        a.alu("mov", R1, R8)
+        a.alu("add", R1, imm=4)
+        a.alu("mov", R2, imm=4)
+        a.call(bpf.PROBE_READ_KERNEL)
+    _submit(a, drops_fd)
+    return a.code()
+
+
+MAX_PID_NS_LEVEL = 32  # the kernel's own bound on nested pid namespaces
 # Where things lie in the kernel's structures (its BTF), by what each program reads: an exec's file and
-# its mode; the pid namespace's next pid (``idr_next``: the last one given out is the one before it).
+# its mode; an ending task's number in its innermost pid namespace.
 EXEC_FIELDS = {"filename": ("linux_binprm", "filename"), "file": ("linux_binprm", "file"),
                "f_inode": ("file", "f_inode"), "i_mode": ("inode", "i_mode")}
-PIDNS_FIELDS = {"nsproxy": ("task_struct", "nsproxy"), "pid_ns": ("nsproxy", "pid_ns_for_children"),
-                "idr": ("pid_namespace", "idr"), "idr_next": ("idr", "idr_next")}
+EXIT_FIELDS = {"thread_pid": ("task_struct", "thread_pid"), "level": ("pid", "level"), "numbers": ("pid", "numbers"),
+               "upid_nr": ("upid", "nr"), "upid_ns": ("upid", "ns")}
 
 
 def part(layout: dict[str, int], fields: dict[str, tuple[str, str]]) -> dict[str, int] | None:
@@ -437,7 +496,7 @@ def part(layout: dict[str, int], fields: dict[str, tuple[str, str]]) -> dict[str
 
 @functools.lru_cache(maxsize=1)
 def kernel_layout() -> dict[str, int]:
-    """The offsets of EXEC_FIELDS and PIDNS_FIELDS on this kernel, as far as its BTF has them (none
+    """The offsets of EXEC_FIELDS and EXIT_FIELDS on this kernel, as far as its BTF has them (none
     without BTF). Read from the BTF once a boot and kept in root's runtime directory: twenty sessions
     starting at once each reading 5 MB slowed the monitors already listening to the host's forks (their
     connector overflowed)."""
@@ -447,7 +506,7 @@ def kernel_layout() -> dict[str, int]:
     from ..errors import AgentcellError
     from .btf import VMLINUX, offsets
 
-    where = {**EXEC_FIELDS, **PIDNS_FIELDS}
+    where = {**EXEC_FIELDS, **EXIT_FIELDS}
     try:
         st = os.stat(VMLINUX)
         with open("/proc/sys/kernel/random/boot_id") as f:
@@ -485,11 +544,11 @@ def check() -> str:
     try:
         fds.extend(_maps(1 << 16, 1))
         table, cells, drops, scratch = fds
-        fds.append(bpf.prog_load(bpf.PROG_RAW_TRACEPOINT,
-                                 program(table, cells, drops, scratch, part(kernel_layout(), PIDNS_FIELDS)),
-                                 "agentcell_calls"))
+        fds.append(bpf.prog_load(bpf.PROG_RAW_TRACEPOINT, program(table, cells, drops, scratch), "agentcell_calls"))
         fds.append(bpf.prog_load(bpf.PROG_RAW_TRACEPOINT,
                                  exec_program(fds[1], fds[2], part(kernel_layout(), EXEC_FIELDS)), "agentcell_execs"))
+        fds.append(bpf.prog_load(bpf.PROG_RAW_TRACEPOINT,
+                                 exit_program(fds[1], fds[2], part(kernel_layout(), EXIT_FIELDS)), "agentcell_exits"))
     except OSError as e:
         return str(e.strerror or e)
     finally:
@@ -526,19 +585,18 @@ def _attached() -> dict[str, int]:
     out: dict[str, int] = {}
     try:
         table, cells, drops, scratch = fds
-        prog = bpf.prog_load(bpf.PROG_RAW_TRACEPOINT,
-                             program(table, cells, drops, scratch, part(kernel_layout(), PIDNS_FIELDS)),
-                             "agentcell_calls")
-        try:
-            out["calls_link"] = bpf.attach_raw_tracepoint("sys_exit", prog)
-        finally:
-            os.close(prog)
-        prog = bpf.prog_load(bpf.PROG_RAW_TRACEPOINT, exec_program(cells, drops, part(kernel_layout(), EXEC_FIELDS)),
-                             "agentcell_execs")
-        try:
-            out["exec_link"] = bpf.attach_raw_tracepoint("sched_process_exec", prog)
-        finally:
-            os.close(prog)
+        layout = kernel_layout()
+        for link, tracepoint, code, name in (
+                ("calls_link", "sys_exit", program(table, cells, drops, scratch), "agentcell_calls"),
+                ("exec_link", "sched_process_exec", exec_program(cells, drops, part(layout, EXEC_FIELDS)),
+                 "agentcell_execs"),
+                ("exit_link", "sched_process_exit", exit_program(cells, drops, part(layout, EXIT_FIELDS)),
+                 "agentcell_exits")):
+            prog = bpf.prog_load(bpf.PROG_RAW_TRACEPOINT, code, name)
+            try:
+                out[link] = bpf.attach_raw_tracepoint(tracepoint, prog)
+            finally:
+                os.close(prog)
         out["cells"], out["drops"] = os.dup(cells), os.dup(drops)
     except BaseException:
         for fd in out.values():
@@ -554,8 +612,8 @@ def _attached() -> dict[str, int]:
 def _version() -> str:
     """This build of the programs (fds as placeholders)."""
     layout = kernel_layout()
-    return hostprog.version(program(1, 2, 3, 4, part(layout, PIDNS_FIELDS)),
-                            exec_program(2, 3, part(layout, EXEC_FIELDS)), RING_SIZE, EVENT_SIZE, hostprog.CELLS,
+    return hostprog.version(program(1, 2, 3, 4), exec_program(2, 3, part(layout, EXEC_FIELDS)),
+                            exit_program(2, 3, part(layout, EXIT_FIELDS)), RING_SIZE, EVENT_SIZE, hostprog.CELLS,
                             repr(sorted(CALLS.items())).encode())
 
 
@@ -563,16 +621,17 @@ class Call:
     """One failed call: ``name``, ``errno``, ``pid`` (the process, host pid), ``tid``, ``comm``, ``args``
     (raw), ``path`` and ``path2`` (as given, maybe relative), ``addr`` (("inet"|"inet6", ip, port),
     ("unix", path), ("abstract", name) or None), ``flags`` (an open's; for an exec that succeeded, its
-    file's mode, with MODE_KNOWN set if it was read), ``last_pid`` (the highest pid the caller's pid
-    namespace had given out when the call failed, or None if the kernel's layout is not known)."""
+    file's mode, with MODE_KNOWN set if it was read), ``ktime`` (the kernel's CLOCK_MONOTONIC, ns). An
+    ended task of the cell is a Call named ``exit`` (errno 0) whose ``ns_tid`` is the number it had in
+    the cell's pid namespace (0: not known)."""
 
-    __slots__ = ("name", "errno", "pid", "tid", "comm", "args", "path", "path2", "addr", "flags", "last_pid")
+    __slots__ = ("name", "errno", "pid", "tid", "comm", "args", "path", "path2", "addr", "flags", "ktime", "ns_tid")
 
     def __init__(self, name: str, errno: int, pid: int, tid: int, comm: str, args: tuple[int, ...], path: str = "",
-                 path2: str = "", addr: tuple[Any, ...] | None = None, flags: int = 0,
-                 last_pid: int | None = None) -> None:
+                 path2: str = "", addr: tuple[Any, ...] | None = None, flags: int = 0, ktime: int = 0,
+                 ns_tid: int = 0) -> None:
         self.name, self.errno, self.pid, self.tid, self.comm, self.args = name, errno, pid, tid, comm, args
-        self.path, self.path2, self.addr, self.last_pid = path, path2, addr, last_pid
+        self.path, self.path2, self.addr, self.ktime, self.ns_tid = path, path2, addr, ktime, ns_tid
         self.flags = flags or {"open": args[1], "openat": args[2], "creat": O_CREAT | O_TRUNC | 1}.get(name, 0)
 
     def __repr__(self) -> str:
@@ -590,13 +649,14 @@ def decode(raw: bytes) -> Call | None:
         return None
     raw = raw.ljust(EVENT_SIZE, b"\0")  # (the ring holds an event as long as its paths are)
     nr, second, ret, pid_tgid, *rest = _HEAD.unpack_from(raw, 0)
-    args, comm = tuple(rest[:6]), rest[6]
+    args, comm, ktime = tuple(rest[:6]), rest[6].split(b"\0")[0].decode(errors="replace"), rest[7]
+    if nr == EXIT:
+        return Call("exit", 0, pid_tgid >> 32, pid_tgid & 0xFFFFFFFF, comm, (0,) * 6, ktime=ktime, ns_tid=second)
     name = NAMES.get(nr)
     if name is None:
         return None
     kinds = CALLS[name][1]
-    call = Call(name, -ret, pid_tgid >> 32, pid_tgid & 0xFFFFFFFF, comm.split(b"\0")[0].decode(errors="replace"),
-                args)
+    call = Call(name, -ret, pid_tgid >> 32, pid_tgid & 0xFFFFFFFF, comm, args, ktime=ktime)
     first = kinds[0][0] if kinds else 0
     if first == PATH:
         call.path = _text(raw, A)
@@ -611,7 +671,6 @@ def decode(raw: bytes) -> Call | None:
         if len(os.fsencode(call.path)) >= EXEC_NAME - 1:  # cut: not a name
             call.path = ""
         return call
-    call.last_pid = second - 1 if second else None  # (the namespace's next pid)
     if len(kinds) > 1 and kinds[1][0] == PATH:
         call.path2 = _text(raw, B)
     elif len(kinds) > 1 and kinds[1][0] == WORD:

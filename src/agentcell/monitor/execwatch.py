@@ -63,7 +63,6 @@ class ExecWatch:
             self.sock.bind((0, CN_IDX_PROC))
             self._control(PROC_CN_MCAST_LISTEN)
             self.on_read: Callable[[], None] | None = None  # called for each message read (the watchdog's)
-            self.threads: dict[int, int] = {}
         except BaseException:
             self.sock.close()
             raise
@@ -84,8 +83,8 @@ class ExecWatch:
 
     def read(self, limit: int = 8192) -> list[dict[str, Any]]:
         """fork, exit, exec and uid events now readable (at most ``limit``: the caller's loop must come
-        round): {"kind": "fork"|"exit"|"exec"|"uid", "pid": …, ...}; never blocks. Threads made are
-        counted in ``threads`` (process -> how many), which the caller empties."""
+        round): {"kind": "fork"|"exit"|"exec"|"uid", "pid": …, ...}; never blocks. Threads are not
+        events here (their processes are)."""
         out: list[dict[str, Any]] = []
         self.sock.setblocking(False)
         for _ in range(limit):
@@ -109,8 +108,6 @@ class ExecWatch:
                 _ppid, ptgid, cpid, ctgid = struct.unpack_from("=iiii", data, body)
                 if cpid == ctgid:  # a new process
                     out.append({"kind": "fork", "parent": ptgid, "pid": ctgid})
-                else:  # a thread: only counted (it takes a pid of its own too), by its process
-                    self.threads[ptgid] = self.threads.get(ptgid, 0) + 1
             elif what == PROC_EVENT_EXIT and len(data) >= body + 12:
                 pid, tgid, status = struct.unpack_from("=iiI", data, body)
                 if pid == tgid:

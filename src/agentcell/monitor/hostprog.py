@@ -37,7 +37,7 @@ from . import bpf
 
 SYS_PIDFD_GETFD = 438  # x86_64 (the programs' call table knows x86_64 only)
 CELLS = 4096  # cells watched at once on a host, at most
-SHARED = ("cells", "drops", "calls_link", "exec_link")  # what a holder hands over
+SHARED = ("cells", "drops", "calls_link", "exec_link", "exit_link")  # what a holder hands over
 
 _lock = threading.Lock()
 _host: HostPrograms | None = None

@@ -199,9 +199,6 @@ class Monitor:
         # What each of them is, kept a while after it exits (a failed call is often read after its
         # process is gone): pid -> [parent, executable, command line]
         self._procs: dict[int, list[Any]] = {}
-        # Processes and threads the cell has made: its PID namespace has given out no higher number. None
-        # once the connector lost events (a /proc number can no longer be told from one of the cell's).
-        self._forks: int | None = 0
         self.calls: Any = None  # the cell's failed calls (attempts.AttemptSource), from before its command
         self.created: Any = None  # protected entries created (created.CreatedWatch)
         self.execmarks: Any = None  # execs from the cell's own mounts (execwatch.ExecMarks)
@@ -281,7 +278,7 @@ class Monitor:
                                   ": attempts on what the cell does not contain are not seen", source="telemetry",
                                   cell=self.cell_id))
             return
-        classifier = Classifier(view, view.network, Host(), self._pid_ceiling, self._refused)
+        classifier = Classifier(view, view.network, Host(), lambda: bool(calls.dropped()), self._refused)
         self.calls = AttemptSource(calls, classifier, self.cell_id, self._exe_of,
                                    lambda pid: pid in self.trusted, self._execed)
         self._state["calls"] = "on"
@@ -306,9 +303,6 @@ class Monitor:
         if pid not in self._members:
             self._drain_connector()  # it may have forked since the connector was read
         return pid in self._members and pid not in self.trusted
-
-    def _pid_ceiling(self) -> int | None:
-        return None if self._forks is None else 1 + self._forks
 
     def _execed(self, pid: int, comm: str, path: str) -> None:
         """An exec of the cell's that succeeded (the failed-call source's exec program), with the new
@@ -516,8 +510,6 @@ class Monitor:
                 if self.calls is None or not _readable(self.calls):
                     break
                 self._drain()
-            for ev in self.calls.flush() if self.calls is not None else ():  # (what waited for the connector)
-                self._event(ev)
             self._poll_calls_dropped()
             self._poll_egress()
             if self._thread is None or not self._thread.is_alive():  # (not beside a loop that hangs in it)
@@ -562,9 +554,7 @@ class Monitor:
                 # Every source wakes the loop itself; a pass without news is for what has no file to
                 # wait on (a mask just touched on the host: often, for half a second).
                 idle = PASS_S if time.monotonic() >= self._masks_until else MASKS_PASS_S
-                waiting = self.calls is not None and self.calls.pending  # calls waiting for the connector
-                if select.select([*watched, *self._bells, self._wake_r], [], [],
-                                 min(idle, MASKS_PASS_S) if waiting else idle)[0] or waiting:
+                if select.select([*watched, *self._bells, self._wake_r], [], [], idle)[0]:
                     self._drain()
                 if time.monotonic() - last_resources >= RESOURCES_S:
                     last_resources = time.monotonic()
@@ -627,10 +617,6 @@ class Monitor:
             if ex["kind"] in ("fork", "exit", "lost"):
                 self._progress()  # a flood read is not a spin
                 self._exec_event(ex)
-        if self.execs is not None and self.execs.threads:
-            if self._forks is not None:  # the threads the cell made: each took a pid of its namespace
-                self._forks += sum(n for pid, n in self.execs.threads.items() if pid in self._members)
-            self.execs.threads.clear()
         for ex in (*(tools or ()), *(e for e in execs if e["kind"] not in ("fork", "exit", "lost"))):
             self._progress()
             self._exec_event(ex)
@@ -732,7 +718,6 @@ class Monitor:
             # The connector carries the whole host's forks: a busy host can overflow it. Who is in the
             # cell is read again from its cgroup (a tool's exec is still named by fanotify).
             self._members = self._cgroup_pids() | ({self._seed} if self._seed else set())
-            self._forks = None
             self._event(CellEvent("telemetry", "exec", "the proc connector overflowed (a busy host); the cell's "
                                   "processes were re-read from its cgroup", source="telemetry", cell=self.cell_id,
                                   acts=False))
@@ -741,8 +726,6 @@ class Monitor:
         if kind == "fork":
             parent = ex["parent"]
             if parent in self._members:
-                if self._forks is not None:
-                    self._forks += 1
                 self._members.add(pid)
                 self._procs[pid] = [parent, None, None]  # what its parent is, until it execs
                 if parent == self._seed and self._command is None:
