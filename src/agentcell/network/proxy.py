@@ -37,7 +37,7 @@ import time
 import typing
 from collections.abc import Awaitable, Callable
 
-from .rules import Address, Policy
+from .rules import Address, Policy, host_name_fault
 
 if typing.TYPE_CHECKING:
     from ..policy.credentials import CredentialSet
@@ -111,6 +111,9 @@ class Proxy:
 
     async def open(self, host: str, port: int, how: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         """Check, resolve, check again, connect to the checked address; Refused otherwise."""
+        fault = host_name_fault(host)
+        if fault:  # (before the allow-list and the resolver, which could each read it another way)
+            raise self._refuse(host, port, how, fault)
         ok, why = self.policy.name_verdict(host, port)
         if not ok:
             raise self._refuse(host, port, how, why)
@@ -250,8 +253,8 @@ class Proxy:
             host = str(ipaddress.IPv4Address(await _timed(reader, 4)))
         elif atyp == 4:
             host = str(ipaddress.IPv6Address(await _timed(reader, 16)))
-        elif atyp == 3:
-            host = (await _timed(reader, (await _timed(reader, 1))[0])).decode("idna")
+        elif atyp == 3:  # as sent: any byte that is not a host name's is refused in open(), with an event
+            host = (await _timed(reader, (await _timed(reader, 1))[0])).decode("latin-1")
         else:
             writer.write(b"\x05\x08\x00\x01" + bytes(6))
             return

@@ -47,6 +47,30 @@ def normalise_host(host: str) -> str:
     return host.strip().rstrip(".").lower()
 
 
+_LABEL = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_")
+
+
+def host_name_fault(host: str) -> str:
+    """Empty if ``host`` is a destination a client may name: an IP address (an IPv6 one in brackets or
+    not), or a DNS host name (ASCII letters, digits, '-' and '_' in labels of 1 to 63 characters, neither
+    starting nor ending with '-', at most 253 characters, one final dot allowed); else what is wrong with
+    it. Nothing else reaches a resolver or the allow-list: a NUL, a space or a control character in a
+    name is a different name to each of them."""
+    if _is_ip(host.removeprefix("[").removesuffix("]")):
+        return ""
+    name = host[:-1] if host.endswith(".") else host
+    if not name or len(name) > 253:
+        return "not a host name (empty, or longer than 253 characters)"
+    for label in name.split("."):
+        if not 0 < len(label) <= 63:
+            return "not a host name (an empty label, or one longer than 63 characters)"
+        if not set(label) <= _LABEL:
+            return "not a host name (a character other than a letter, a digit, '-' or '_')"
+        if label[0] == "-" or label[-1] == "-":
+            return "not a host name (a label starts or ends with '-')"
+    return ""
+
+
 def parse_pattern(text: str, field: str = "--allow-domain") -> Pattern:
     """``PATTERN[:PORT]``; a clear one-line error for anything else."""
     raw = text.strip()
