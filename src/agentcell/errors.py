@@ -33,6 +33,38 @@ def printable(text: str, keep: str = "") -> str:
     return "".join(c if c.isprintable() or c in keep else repr(c)[1:-1] for c in text)
 
 
+class Terminated(BaseException):
+    """SIGTERM or SIGHUP, raised where the process is, as SIGINT raises KeyboardInterrupt: every
+    ``finally`` on the way out runs, so what the command made is taken down (a ``timeout``, a CI job
+    cancelled, a closed terminal). Not an Exception: no ``except Exception`` swallows it."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"signal {signum}")
+        self.signum = signum
+
+
+def raise_on_termination() -> None:
+    """From now on SIGTERM and SIGHUP raise :class:`Terminated` in the main thread. Once: a second one
+    while the first's cleanup runs is ignored (SIGINT, a person's ^C, still interrupts it). A child forked
+    without exec (the launcher's, the warm launcher's) gets their default back: it must die of them, never
+    unwind its parent's frames and run their cleanup."""
+    import os
+    import signal
+
+    def terminated(signum: int, _frame: object) -> None:
+        for s in (signal.SIGTERM, signal.SIGHUP):
+            signal.signal(s, signal.SIG_IGN)
+        raise Terminated(signum)
+
+    def default() -> None:
+        for s in (signal.SIGTERM, signal.SIGHUP):
+            signal.signal(s, signal.SIG_DFL)
+
+    for s in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(s, terminated)
+    os.register_at_fork(after_in_child=default)
+
+
 class AgentcellError(Exception):
     """An error a user can fix. ``str()`` is the one-line message printed to them."""
 

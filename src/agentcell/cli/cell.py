@@ -120,6 +120,13 @@ def start(argv: list[str]) -> int:
     except AgentcellError:
         os.waitpid(proc.pid, 0)  # it refused the cell and leaves: ours to reap
         raise
+    except BaseException:  # ended before the cell was handed over (SIGTERM, ^C): the host takes it down
+        import signal
+
+        s.close()
+        os.kill(proc.pid, signal.SIGTERM)  # (not proc.terminate(): Popen counts it as gone already)
+        os.waitpid(proc.pid, 0)
+        raise
     info = {"name": name, "cell_id": live.cell_id, "pid1": live.pid1, "host_pid": proc.pid, "socket": path,
             "monitor": monitor, "network": spec.network}
     if ns.json:

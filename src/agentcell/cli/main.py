@@ -38,8 +38,13 @@ def main(argv: list[str] | None = None) -> int:
 
         sys.stderr.write(f"agentcell: unknown command '{args[0]}' (one of: {', '.join(COMMANDS)})\n")
         return EXIT_USAGE
+    from ..errors import Terminated, raise_on_termination
+
+    raise_on_termination()  # (a command that handles them itself, as run and session start do, sets its own)
     try:
         return int(__import__(entry[0], fromlist=["main"]).main(args[1:]))  # not importlib: ~0.6 ms
+    except Terminated as e:
+        return 128 + e.signum
     except BrokenPipeError:  # `agentcell doctor | head`: the reader left; not an error worth a traceback
         import os
 

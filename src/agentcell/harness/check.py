@@ -177,6 +177,25 @@ def _account_gone(name: str | None) -> bool:
     return not name
 
 
+def _session(argv: list[str], env: dict[str, str], cwd: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    """The session, to its end. If the check is ended meanwhile (SIGTERM, ^C, its timeout), the session is
+    told as ``session stop`` would tell it (SIGTERM) and waited for: it takes its cell, account and grants
+    down itself; then the caller's ``session recover`` finds nothing left to do."""
+    p = subprocess.Popen(argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except BaseException:
+        p.terminate()
+        try:
+            p.communicate(timeout=120)
+        except BaseException:
+            p.kill()
+            p.communicate()
+        raise
+    return subprocess.CompletedProcess(argv, p.returncode, out, err)
+
+
 def run(harness: str, *, out: Callable[[str], None], agentcell: list[str] | None = None,
         extra: list[str] | None = None) -> tuple[bool, dict[str, Any]]:
     """The check. Returns (passed, details); ``out`` gets one line per step."""
@@ -221,9 +240,8 @@ def run(harness: str, *, out: Callable[[str], None], agentcell: list[str] | None
         for made in (project, os.path.join(project, "README.md")):
             os.chown(made, *owner)
         started = time.monotonic()
-        ran = subprocess.run([*base, "session", "start", "--harness", harness, "--project", project, *rig.flags(),
-                            *(extra or []), "--json", "--", PROMPT], env=env, cwd=project, capture_output=True,
-                           text=True, stdin=subprocess.DEVNULL, timeout=600)
+        ran = _session([*base, "session", "start", "--harness", harness, "--project", project, *rig.flags(),
+                        *(extra or []), "--json", "--", PROMPT], env, project)
         details["seconds"] = round(time.monotonic() - started, 1)
         lines = ran.stdout.strip().splitlines()
         summary = json.loads(lines[-1]) if lines and lines[-1].startswith("{") else {}

@@ -66,8 +66,9 @@ class FakeInternet:
 
     def _build(self) -> None:
         hostfs.run_dir("fakenet")
+        sweep()
         with open(self.record, "w") as f:  # before anything is made: a crash leaves a name to clean up
-            json.dump({"ns": self.ns, "veth": self.host_if, "pid": os.getpid()}, f)
+            json.dump({"ns": self.ns, "veth": self.host_if, "pid": os.getpid(), "start": _started(os.getpid())}, f)
         _ip("netns", "add", self.ns)
         _ip("link", "add", self.host_if, "type", "veth", "peer", "name", self.ns_if)
         _ip("link", "set", self.ns_if, "netns", self.ns)
@@ -101,9 +102,11 @@ class FakeInternet:
 
     def start(self, argv: list[str], *, ready: bytes | None = None, timeout: float = 10,
               as_nobody: bool = True) -> subprocess.Popen[bytes]:
-        """Run ``argv`` inside the namespace (ended by :meth:`close`), as nobody unless told (it parses
-        what a cell sends); with ``ready``, wait for a first line of output that starts with it."""
-        who = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "--"] if as_nobody else []
+        """Run ``argv`` inside the namespace (ended by :meth:`close`, or killed by the kernel when this
+        process ends however it ends), as nobody unless told (it parses what a cell sends); with ``ready``,
+        wait for a first line of output that starts with it."""
+        who = ["setpriv", "--pdeathsig=KILL", *([f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
+                                                if as_nobody else []), "--"]
         proc = subprocess.Popen(["ip", "netns", "exec", self.ns, *who, *argv], stdout=subprocess.PIPE,
                                 stdin=subprocess.DEVNULL)
         self.procs.append(proc)  # ip netns exec and setpriv exec in place: this pid is the program's
@@ -158,6 +161,48 @@ class FakeInternet:
             left.append(self.ns)
         left += [f"pid {p.pid}" for p in self.procs if p.poll() is None]
         return left
+
+
+def _started(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks since boot): None if there is none, -1 if unreadable."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, IndexError):
+        return -1
+
+
+def sweep() -> list[str]:
+    """Fake internets whose maker has gone (killed before :meth:`FakeInternet.close`): their namespace
+    and link, by the names recorded before they were made. Their servers died with their maker."""
+    gone: list[str] = []
+    try:
+        names = os.listdir(RECORDS_DIR)
+    except OSError:
+        return gone
+    for name in names:
+        path = os.path.join(RECORDS_DIR, name)
+        try:
+            with open(path) as f:
+                rec = json.load(f)
+            pid, start, ns, veth = int(rec["pid"]), rec.get("start"), str(rec["ns"]), str(rec["veth"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        now = _started(pid)
+        if now == -1 or now is not None and (start is None or now == start):
+            continue  # its maker runs (the same process: its pid and its start), or one cannot tell
+        if not ns.startswith("agentcell-inet-") or not veth.startswith("ac-h"):
+            continue
+        _ip("link", "del", veth, check=False)
+        _ip("netns", "del", ns, check=False)
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+        gone.append(ns)
+    return gone
 
 
 def serve_dns(address: str, records: dict[str, list[str]], log: str) -> None:

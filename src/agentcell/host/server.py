@@ -539,9 +539,21 @@ def serve_private(conn: _socket.socket, msg: dict[str, Any] | None, fds: list[in
 
 
 def main(argv: list[str]) -> int:
+    """A cell host of its own. SIGTERM or SIGHUP takes its cell down (killed, its teardown run, its socket
+    removed) as ``stop`` would, and ends it with 128+N."""
     import signal
 
+    from ..errors import Terminated, raise_on_termination
+
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's ^C is the client's to act on
+    raise_on_termination()
+    try:
+        return _main(argv)
+    except Terminated as e:
+        return 128 + e.signum
+
+
+def _main(argv: list[str]) -> int:
     opts = dict(zip(argv[::2], argv[1::2], strict=False))
     if "--conn" in opts:
         conn = _socket.socket(fileno=int(opts["--conn"]))

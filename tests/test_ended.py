@@ -1,0 +1,171 @@
+"""Ended is cleaned (issue 25): a command stopped by SIGTERM (a ``timeout``, a cancelled CI job), SIGINT (^C)
+or SIGHUP (a closed terminal) takes down what it made: ``agentcell check`` its fake internet (network
+namespace, link, DNS and model endpoint running as nobody), its session and its temporary directory;
+``agentcell session start`` its cell, account and grants; a live cell's host (``agentcell cell start``) its
+cell and socket.
+
+What each run made is found by name, the way the stop hook finds leftovers: accounts ``ac-*``, cgroups,
+network namespaces and links ``agentcell*``/``ac-*``, agentcell's processes running as nobody, and
+``/tmp/agentcell-check-*``; the host's before and after must match.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from conftest import AGENTCELL, User, needs_root
+from sessionkit import Env, running, session_environ
+from sessionkit import env as env  # the fixture, under its own name
+
+pytestmark = needs_root
+
+NOBODY = 65534
+
+
+def _names(cmd: list[str], prefixes: tuple[str, ...]) -> set[str]:
+    out = subprocess.run(cmd, capture_output=True, text=True).stdout
+    words = {w.split("@")[0].rstrip(":") for line in out.splitlines() for w in line.split()[:2]}
+    return {w for w in words if w.startswith(prefixes)}
+
+
+def _cmdline(pid: str) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def what_exists() -> set[str]:
+    """Everything of agentcell's on the host, by name (and nobody's processes of agentcell's by pid)."""
+    found = {f"account {p.pw_name}" for p in pwd.getpwall() if p.pw_name.startswith("ac-")}
+    for base in Path("/sys/fs/cgroup").iterdir():
+        if base.is_dir():
+            found |= {f"cgroup {p}" for p in base.glob("agentcell*")}
+    found |= {f"netns {n}" for n in _names(["ip", "netns", "list"], ("agentcell",))}
+    found |= {f"link {n}" for n in _names(["ip", "-o", "link", "show"], ("ac-", "agentcell"))}
+    found |= {f"/tmp/{p.name}" for p in Path("/tmp").glob("agentcell-check-*")}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if os.stat(f"/proc/{pid}").st_uid == NOBODY and b"agentcell" in _cmdline(pid):
+                found.add(f"process {pid} {_cmdline(pid)[:80]!r}")
+        except OSError:
+            pass
+    return found
+
+
+def settled(before: set[str], *, seconds: float = 30) -> set[str]:
+    """What is left beyond ``before``, once the kernel has had a moment to reap what was killed."""
+    deadline = time.monotonic() + seconds
+    while True:
+        left = what_exists() - before
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.1)
+
+
+def wait_for(what: Callable[[], object], seconds: float = 120) -> object:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        got = what()
+        if got:
+            return got
+        time.sleep(0.05)
+    raise AssertionError(f"waited {seconds} s in vain")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP], ids=["TERM", "INT", "HUP"])
+def test_agentcell_check_stopped_mid_session_leaves_nothing(sig: int) -> None:
+    from harnesses import Unavailable, bin_dir
+
+    try:
+        bindir = bin_dir("claude_code")
+    except Unavailable as e:
+        pytest.skip(str(e))
+    before = what_exists()
+    p = subprocess.Popen([AGENTCELL, "check", "--harness", "claude_code"], stdin=subprocess.DEVNULL,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                         env={"PATH": f"{bindir}:{os.environ['PATH']}", "LANG": "C.UTF-8"})
+    try:
+        # its session is under way: the per-session account exists, the fake internet's servers run
+        wait_for(lambda: any(w.startswith("account ac-s") for w in what_exists() - before))
+        made = what_exists() - before
+        assert any(w.startswith("netns agentcell-inet-") for w in made), made
+        assert any(w.startswith("process ") for w in made), made
+        p.send_signal(sig)
+        _, err = p.communicate(timeout=300)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode == 128 + sig, (p.returncode, err[-2000:])
+    assert "Traceback" not in err, err
+    assert settled(before) == set()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP], ids=["TERM", "INT", "HUP"])
+def test_session_start_stopped_takes_down_its_cell_account_and_grants(env: Env, sig: int) -> None:
+    before = what_exists()
+    sup = running(env)
+    try:
+        assert sup.poll() is None, "the session ended before its agent ran"
+        made = what_exists() - before
+        assert any(w.startswith("account ac-s") for w in made), made
+        sup.send_signal(sig)
+        out, _ = sup.communicate(timeout=120)
+    finally:
+        if sup.poll() is None:
+            sup.kill()
+            sup.wait()
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert (summary["status"], summary["reason"]) == ("terminated", f"stopped: signal {sig}"), summary
+    assert not summary["problems"], summary
+    assert settled(before) == set()
+    shown = subprocess.run([AGENTCELL, "session", "show", summary["session"], "--json"], capture_output=True,
+                           text=True, env=session_environ(env), timeout=60)
+    assert json.loads(shown.stdout)["status"] == summary["status"]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["TERM", "HUP"])
+def test_a_live_cells_host_stopped_takes_down_its_cell_and_socket(user: User, sig: int) -> None:
+    before = what_exists()
+    name = f"ended{os.getpid()}"
+    p = subprocess.run([AGENTCELL, "cell", "start", "--name", name, "--json", "--as", str(user.uid), "--monitor"],
+                       capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert p.returncode == 0, p.stderr
+    info = json.loads(p.stdout)
+    host, sock, cell_id = int(info["host_pid"]), Path(info["socket"]), info["cell_id"]
+    try:
+        ran = subprocess.run([AGENTCELL, "cell", "exec", "--name", name, "--", "sh", "-c",
+                              "setsid sleep 300 >/dev/null 2>&1 &"], capture_output=True, text=True, timeout=60)
+        assert ran.returncode == 0, ran.stderr
+        made = what_exists() - before
+        assert sock.exists() and Path(f"/run/agentcell/cgroups/{cell_id}").exists(), made
+        assert any(w.startswith("cgroup ") for w in made), made
+        os.kill(host, sig)
+        wait_for(lambda: not Path(f"/proc/{host}").exists() or Path(f"/proc/{host}/stat").read_text().split()[2]
+                 == "Z", 60)
+    finally:
+        if Path(f"/proc/{host}").exists():
+            subprocess.run([AGENTCELL, "cell", "stop", "--name", name], capture_output=True, timeout=60)
+    assert not sock.exists()
+    assert not Path(f"/run/agentcell/cgroups/{cell_id}").exists()
+    assert not [pid for pid in filter(str.isdigit, os.listdir("/proc")) if _uid(pid) == user.uid]
+    assert settled(before) == set()
+    listed = json.loads(subprocess.run([AGENTCELL, "cell", "list", "--json"], capture_output=True, text=True,
+                                       timeout=60).stdout)
+    assert name not in [c["name"] for c in listed]
+
+
+def _uid(pid: str) -> int | None:
+    try:
+        return os.stat(f"/proc/{pid}").st_uid
+    except OSError:
+        return None
