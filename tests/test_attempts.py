@@ -10,8 +10,9 @@ from typing import Any
 import pytest
 
 from agentcell.cell.spec import CellSpec, Identity
-from agentcell.monitor.attempts import RECENT_NS, AttemptSource, Classifier, Host, View
-from agentcell.monitor.calls import AT_FDCWD, CALLS, Call
+from agentcell.monitor.attempts import AttemptSource, Classifier, Host, View
+from agentcell.monitor.calls import AT_FDCWD, CALLS, Call, TaskEvent
+from agentcell.monitor.pidns import EXIT, FORK, GONE_TIDS, RECENT_NS, Numbers
 
 PROJECT = "/home/human/proj"
 HOME = "/home/ac-s1"
@@ -46,13 +47,13 @@ class FakeHost(Host):
     def abstract(self, name: str) -> bool:
         return name in self.names
 
-    def cwd(self, pid: int) -> str | None:
+    def cwd(self, pid: int, tid: int = 0) -> str | None:
         return self.where
 
-    def fd_path(self, pid: int, fd: int) -> str | None:
+    def fd_path(self, pid: int, fd: int, tid: int = 0) -> str | None:
         return None
 
-    def resolve(self, path: str) -> str | None:
+    def resolve(self, path: str, pid: int = 0, tid: int = 0) -> str | None:
         """The walk of the real Host, over the test's links (every other name taken to be there)."""
         todo, at = [p for p in path.split("/") if p], "/"
         while todo:
@@ -100,9 +101,11 @@ def call(name: str, errno: int, path: str = "", *, path2: str = "", flags: int =
     return Call(name, errno, 1234, 1234, "tool", tuple(raw), path, path2, addr, ktime=at)
 
 
-def ended(ns_tid: int, at: int) -> Call:
-    """One of the cell's tasks, ended: its number in the cell's pid namespace (0: not known), and when."""
-    return Call("exit", 0, 1234, 1234, "tool", (0,) * 6, ktime=at, ns_tid=ns_tid)
+def lived(c: Classifier, number: int, born: int, ended: int | None = None, tid: int = 0) -> None:
+    """One of the cell's tasks had ``number`` in its pid namespace from ``born`` (to ``ended``), by the clock."""
+    c.numbers.task(FORK, number, tid or 100_000 + number, born)
+    if ended is not None:
+        c.numbers.task(EXIT, number, tid or 100_000 + number, ended)
 
 
 O_WRONLY, O_CREAT = 1, 0o100
@@ -177,54 +180,76 @@ def test_a_host_secret_masked_acts_a_masked_env_file_of_the_project_is_a_note() 
 S = 10**9  # a second of the kernel's clock
 
 
-def test_a_host_process_through_proc_acts_unless_the_cell_just_gave_that_number_up() -> None:
-    c = classifier(FakeHost(pids={7, 4242}))
-    assert acts(c, call("openat", ENOENT, "/proc/4242/environ", at=5 * S)) is True
+def test_a_host_process_through_proc_acts_unless_the_number_was_the_cells_when_it_was_looked_at() -> None:
+    c = classifier(FakeHost(pids={7, 8, 4242}))
+    assert acts(c, call("openat", ENOENT, "/proc/4242/environ", at=5 * S)) is True  # never the cell's
     assert acts(c, call("openat", ENOENT, "/proc/9999/stat", at=5 * S)) is None  # no such process anywhere
     assert acts(c, call("openat", ENOENT, "/proc/²/environ", at=5 * S)) is None  # (a digit to str.isdigit only)
     # one of its own that just ended (ps listing /proc, a parent looking at its child): a note, not an escape
-    c.ended(ended(7, 5 * S))
+    lived(c, 7, S, 5 * S)
     assert verdict(c, call("openat", ENOENT, "/proc/7/stat", at=5 * S + 1)) == ("read", "/proc/7", False)
-    assert acts(c, call("openat", ENOENT, "/proc/7/stat", at=5 * S + RECENT_NS)) is False
-    # long after: the number is a host process's, whatever the cell once had there
-    assert acts(c, call("openat", ENOENT, "/proc/7/stat", at=5 * S + RECENT_NS + 1)) is True
-    # a signal or a pidfd for a host process: a note; for a number of its own just ended, nothing
+    assert acts(c, call("openat", ENOENT, "/proc/7/cwd", at=5 * S + RECENT_NS)) is False
+    # long after: a look at whether it runs (a pidfile's check) is still its own business; a reach is not
+    assert acts(c, call("openat", ENOENT, "/proc/7/status", at=5 * S + RECENT_NS + 1)) is False
+    assert acts(c, call("openat", ENOENT, "/proc/7", at=5 * S + RECENT_NS + 1)) is False
+    assert acts(c, call("openat", ENOENT, "/proc/7/cwd", at=5 * S + RECENT_NS + 1)) is True
+    assert acts(c, call("openat", ENOENT, "/proc/7/environ", at=5 * S + RECENT_NS + 1)) is True
+    # alive when the call was made (it ended since): the ENOENT was about a name below it
+    lived(c, 8, S, 9 * S)
+    assert acts(c, call("openat", ENOENT, "/proc/8/fd/99", at=8 * S)) is None
+    # a signal or a pidfd for a host process: a note; for a number of its own, however long ago, nothing
     assert acts(c, call("kill", ESRCH, pid_arg=4242, at=6 * S)) is False
     assert acts(c, call("kill", ESRCH, pid_arg=7, at=6 * S)) is None
+    assert acts(c, call("pidfd_open", ESRCH, pid_arg=7, at=60 * S)) is None
+
+
+def test_a_number_the_cell_takes_only_after_the_look_is_the_hosts_at_the_look() -> None:
+    # the look fails (no such number in the cell), then a thread takes that number: still a host process's
+    c = classifier(FakeHost(pids={1157}))
+    lived(c, 1157, 5 * S + 1)
+    assert acts(c, call("openat", ENOENT, "/proc/1157/status", at=5 * S)) is True
 
 
 def test_whose_number_it_is_never_depends_on_how_the_hosts_pids_compare_with_the_cells() -> None:
     # (a fresh host's pids are as low as the cell's; a host past pid_max starts low again; a cell that forked
-    # more than pid_max times has had every number): what the cell's namespace gave up, and when, decides
+    # more than pid_max times has had every number): what the cell's namespace did with it, and when, decides
     c = classifier(FakeHost(pids={3, 301, 32000}))
-    for n in range(2, 32768, 97):  # a busy cell: numbers given up all over the range, long ago
-        c.ended(ended(n, S))
-    c.ended(ended(301, 100 * S))  # ... and 301 just now
+    for n in range(5, 32768, 97):  # a busy cell: numbers given up all over the range, long ago
+        lived(c, n, S, S)
+    lived(c, 301, 99 * S, 100 * S)  # ... and 301 just now
     assert acts(c, call("openat", ENOENT, "/proc/3/cwd", at=100 * S)) is True  # never the cell's
     assert acts(c, call("openat", ENOENT, "/proc/32000/cwd", at=100 * S)) is True
     assert acts(c, call("openat", ENOENT, "/proc/301/cwd", at=100 * S)) is False
-    assert acts(c, call("openat", ENOENT, f"/proc/{2 + 97}/cwd", at=100 * S)) is None  # not a host pid
+    assert acts(c, call("openat", ENOENT, f"/proc/{5 + 97}/cwd", at=100 * S)) is None  # not a host pid
 
 
 def test_a_number_that_cannot_be_told_is_a_note() -> None:
-    # the kernel dropped some of the cell's events (an ended task among them, maybe): a note, never an escape
+    # the kernel dropped some of the cell's task events: a note, never an escape
     assert acts(classifier(FakeHost(pids={4242}), lost=True), call("openat", ENOENT, "/proc/4242/maps")) is False
-    # a kernel that does not say what number an ended task had
+    # a kernel that does not say what number a task had
     c = classifier(FakeHost(pids={4242}))
-    c.ended(ended(0, S))
+    c.numbers.task(EXIT, 0, 9, S)
     assert acts(c, call("openat", ENOENT, "/proc/4242/maps", at=2 * S)) is False
 
 
-def test_an_ended_task_is_forgotten_only_once_it_is_long_gone() -> None:
-    c = classifier(FakeHost(pids={5}))
-    c.ended(ended(5, S))
-    for n in range(100, 3000):  # many more, all within RECENT_NS of the first
-        c.ended(ended(n, S + n))
-    assert acts(c, call("openat", ENOENT, "/proc/5/stat", at=2 * S)) is False
-    for n in range(3000, 5000):  # and many more, long after
-        c.ended(ended(n, S + RECENT_NS + n))
-    assert acts(c, call("openat", ENOENT, "/proc/5/stat", at=S + RECENT_NS + 5000)) is True
-    assert len(c._ended) <= 2100
+def test_a_thread_that_execs_gives_its_own_number_up_and_takes_its_leaders() -> None:
+    n = Numbers()
+    n.task(FORK, 3, 503, S)  # the process (host tid 503 is its leader)
+    n.task(FORK, 5, 505, 2 * S)  # one of its threads
+    n.task(EXIT, 3, 503, 3 * S)  # the thread calls exec: the kernel ends the leader ...
+    n.exec_by(505, 503, 3 * S + 1)  # ... and the thread goes on as the process, under the leader's number
+    assert n.state(3, 4 * S) == "alive" and n.state(5, 4 * S) == "ended"
+    assert n.state(5, 4 * S + RECENT_NS + 1) == "had"
+
+
+def test_what_the_cell_did_with_its_numbers_stays_bounded() -> None:
+    n = Numbers()
+    for i in range(200_000):  # threads made and ended as fast as a cell can, 20 a millisecond, for 10 s
+        n.task(FORK, 300 + i % 30_000, 10**6 + i, S + i * 50_000)
+        n.task(EXIT, 300 + i % 30_000, 10**6 + i, S + i * 50_000 + 1)
+    assert len(n.live) == 0 and len(n.ended) == len(n.first) == 30_000 and len(n._ends) <= 61_024
+    assert len(n.gone_tids) <= GONE_TIDS
+    assert n.state(300, S + 200_000 * 50_000) == "ended" and n.state(29_999, S) == "never"
 
 
 def test_the_network_outside_acts_dns_to_the_hosts_resolver_and_the_hosts_own_ports_are_notes() -> None:
@@ -298,19 +323,25 @@ def test_a_top_level_directory_looked_at_and_a_lock_in_a_read_only_cache_are_not
     assert acts(c, call("openat", EROFS, "/opt/tool/pkg/inuse.20.lock", flags=O_WRONLY | O_CREAT)) is False
 
 
-def test_the_source_hands_each_exit_to_the_classifier_before_the_calls_after_it() -> None:
+def test_the_source_reads_the_tasks_before_it_tells_the_calls_apart() -> None:
     c = classifier(FakeHost(pids={33, 4242}))
 
     class Ring:
-        def __init__(self, calls: list[Call]) -> None:
-            self.calls = calls
+        def __init__(self, calls: list[Call], tasks: list[TaskEvent]) -> None:
+            self.calls, self.tasks = calls, tasks
 
         def read(self) -> list[Call]:
             out, self.calls = self.calls, []
             return out
 
-    ring = Ring([ended(33, S), call("openat", ENOENT, "/proc/33/stat", at=S + 1),
-                 call("openat", ENOENT, "/proc/4242/stat", at=S + 2)])
+        def read_tasks(self) -> list[TaskEvent]:
+            out, self.tasks = self.tasks, []
+            return out
+
+    # (the task ring is read after the calls: a task that ended before a call is always there by then)
+    ring = Ring([call("openat", ENOENT, "/proc/33/stat", at=S + 1),
+                 call("openat", ENOENT, "/proc/4242/stat", at=S + 2)],
+                [TaskEvent(FORK, 33, 633, 633, S - 5), TaskEvent(EXIT, 33, 633, 633, S)])
     source = AttemptSource(ring, c, "cell", lambda pid: "/usr/bin/ps", lambda pid: False, lambda *a: None)
     assert [(e.target, e.acts, e.exe) for e in source.read()] == [("/proc/33", False, "/usr/bin/ps"),
                                                                  ("/proc/4242/stat", True, "/usr/bin/ps")]
@@ -332,6 +363,8 @@ def test_raw_packet_and_icmp_sockets_refused_and_writes_to_sys_and_devices_the_c
     assert acts(c, call("openat", ENOENT, "/sys/kernel/mm/ksm/run", flags=O_WRONLY)) is True
     assert acts(c, call("mkdir", EROFS, "/sys")) is True
     assert verdict(c, call("openat", ENOENT, "/sys/fs/cgroup/cpu.max")) is None
+    # (a runtime's trace markers: Bun opens one for writing at every start)
+    assert verdict(c, call("openat", ENOENT, "/sys/kernel/debug/tracing/trace_marker", flags=O_WRONLY)) is None
     # a device the cell does not have: a host device that reads beneath every wall acts, another is a note
     assert verdict(c, call("openat", ENOENT, "/dev/mem")) == ("read", "/dev/mem", True)
     assert verdict(c, call("openat", ENOENT, "/dev/ttyUSB0")) == ("read", "/dev/ttyUSB0", False)

@@ -97,10 +97,10 @@ def test_an_exec_is_named_by_its_file_with_its_mode_though_the_process_is_gone(g
     assert modes[1] & calls.SETID and not modes[2] & calls.SETID
 
 
-def _links(source: calls.FailedCalls) -> tuple[str, str, str]:
+def _links(source: calls.FailedCalls) -> tuple[str, ...]:
     assert source.host is not None
     ids = source.host.ids()
-    return ids["calls_link"], ids["exec_link"], ids["exit_link"]
+    return ids["calls_link"], ids["exec_link"], ids["fork_link"], ids["exit_link"]
 
 
 def _gone(link: str) -> bool:
@@ -150,13 +150,13 @@ def test_a_monitor_in_another_process_joins_the_programs_and_outlives_their_make
     try:
         assert holder.stdout is not None
         theirs = holder.stdout.readline().split()
-        assert len(theirs) == 5, theirs
+        assert len(theirs) == 7, theirs
         joined = calls.FailedCalls(os.stat(b).st_ino)
     finally:
         holder.kill()  # as a supervisor is killed: nothing of its own is closed by it
         holder.wait()
     try:
-        assert _links(joined) == tuple(theirs[:3])  # its very links (taken with pidfd_getfd)
+        assert _links(joined) == tuple(theirs[:4])  # its very links (taken with pidfd_getfd)
         a.rmdir()  # the killed monitor's cell has ended too; its ring is still in the programs' map
         _fail_open(b, "/nonexistent-agentcell-b")
         assert _opens(joined) == ["/nonexistent-agentcell-b"]  # still attached: this process holds it
@@ -175,23 +175,27 @@ def test_a_monitor_in_another_process_joins_the_programs_and_outlives_their_make
     assert all(_gone(link) for link in links)
 
 
-def test_each_ended_task_comes_with_its_number_in_the_cells_pid_namespace_before_the_call_that_finds_it_gone(
-        group: Path) -> None:
-    if calls.part(calls.kernel_layout(), calls.EXIT_FIELDS) is None:
+def test_each_task_that_starts_or_ends_comes_with_its_number_in_the_cells_pid_namespace(group: Path) -> None:
+    if calls.part(calls.kernel_layout(), calls.TASK_FIELDS) is None:
         pytest.skip("this kernel's BTF does not say where a task keeps its pid")
     source = calls.FailedCalls(os.stat(group).st_ino)
     try:  # in a pid namespace of its own: sh is 1, the two trues 2 and 3; then a look for 3's /proc entry
         subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "/bin/sh", "-c",
                         "/bin/true; /bin/true; exec /bin/cat /proc/3/stat"], preexec_fn=_in(group),
                        stderr=subprocess.DEVNULL, check=False)
-        read = source.read()
+        failed = [c for c in source.read() if c.name in ("open", "openat")]
+        tasks = source.read_tasks()
+        lost = source.tasks_dropped()
     finally:
         source.close()
-    got = [(c.name, c.ns_tid or c.path) for c in read if c.name in ("exit", "open", "openat")]
-    # cat was the shell (exec): 1, which ends last of the namespace; then unshare itself, in the host's
-    assert got[:4] == [("exit", 2), ("exit", 3), ("openat", "/proc/3/stat"), ("exit", 1)], got
-    assert len(got) == 5 and got[4][0] == "exit" and got[4][1] > 3, got
-    assert [c.ktime for c in read] == sorted(c.ktime for c in read) and read[0].ktime > 0
+    # unshare's fork (1, the shell, then cat), the two trues; each ends; unshare itself ends, in the host's
+    inside = [(t.kind, t.number) for t in tasks if t.number < 100]
+    assert inside == [(calls.FORK, 1), (calls.FORK, 2), (calls.EXIT, 2), (calls.FORK, 3), (calls.EXIT, 3),
+                      (calls.EXIT, 1)], tasks
+    assert [t.ktime for t in tasks] == sorted(t.ktime for t in tasks) and lost == 0
+    assert [c.path for c in failed] == ["/proc/3/stat"]
+    gone = next(t for t in tasks if (t.kind, t.number) == (calls.EXIT, 3))
+    assert gone.ktime < failed[0].ktime and gone.tid == gone.tgid > 3  # (its host tid)
 
 
 def test_a_listed_holder_whose_pid_is_another_process_now_is_never_asked_for_its_fds(
@@ -227,7 +231,7 @@ def test_programs_no_holder_list_names_are_detached_at_once(groups: Callable[[],
 
     def remembered() -> dict[str, int]:
         fds = create()
-        made.extend(bpf.object_id(fds[name]) for name in ("calls_link", "exec_link", "exit_link"))
+        made.extend(bpf.object_id(fds[name]) for name in ("calls_link", "exec_link", "fork_link", "exit_link"))
         return fds
 
     monkeypatch.setattr(calls, "_attached", remembered)
@@ -235,6 +239,6 @@ def test_programs_no_holder_list_names_are_detached_at_once(groups: Callable[[],
     monkeypatch.setattr(hostprog, "_boot", lambda: (_ for _ in ()).throw(OSError(28, "No space left on device")))
     with pytest.raises(OSError, match="No space left"):
         calls.FailedCalls(os.stat(groups()).st_ino)
-    assert len(made) == 3 and all(made) and hostprog._host is None
+    assert len(made) == 4 and all(made) and hostprog._host is None
     assert all(_gone(link) for link in made)
     assert not [p for p in os.listdir("/run/agentcell") if p.startswith("calls.json.")]

@@ -338,7 +338,8 @@ def test_names_the_agent_chooses_stay_small_and_harmless(user: User, inet: FakeI
 BAD_NAMES = r'''
 import socket
 names = [b"good.test\x00.evil.test", b"evil.test\x00good.test", b"good.test\n", b"go od.test", b"good.t\x7fest",
-         b"g\xc3\xb6od.test", b"-good.test", b"good..test", b"a" * 64 + b".good.test"]
+         b"g\xc3\xb6od.test", b"-good.test", b"good..test", b"a" * 64 + b".good.test",
+         b"fe80::1%lo"]
 for name in names:  # by SOCKS5 (a name of any bytes), then by CONNECT
     s = socket.create_connection(("127.0.0.1", 3128))
     s.sendall(b"\x05\x01\x00")
@@ -360,12 +361,13 @@ def test_a_name_that_is_not_a_host_name_is_refused_before_the_allow_list_with_an
     rc, out, err, blocked = proxied(user, "--allow-domain", "*.test", "--allow-domain", "good.test",
                                     cmd=["python3", "-c", BAD_NAMES])
     lines = out.splitlines()
-    assert lines[:9] == ["socks 2"] * 9 and lines[9:14] == ["connect HTTP/1.1 403 Blocked by agentcell"] * 5, out
-    assert lines[14] == "good HTTP/1.1 200 Connection established", out
+    assert lines[:10] == ["socks 2"] * 10 and lines[10:15] == ["connect HTTP/1.1 403 Blocked by agentcell"] * 5, out
+    assert lines[15] == "good HTTP/1.1 200 Connection established", out
     faults = {str(b["target"]) for b in blocked if "not a host name" in str(b["reason"])}
-    assert len(faults) == 9 and all(t.isprintable() for t in faults), blocked  # (shown escaped)
+    assert len(faults) == 10 and all(t.isprintable() for t in faults), blocked  # (shown escaped)
     assert rules.host_name_fault("good.test") == rules.host_name_fault("[fd00:ac::1]") == ""
     assert rules.host_name_fault("_dmarc.good.test.") == "" and rules.host_name_fault("a" * 254)
+    assert rules.host_name_fault("[fe80::1%eth0]") and rules.host_name_fault("fe80::1%25eth0")
 
 
 def test_ipv6_forms_of_private_addresses_are_refused() -> None:

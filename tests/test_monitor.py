@@ -547,3 +547,78 @@ def test_cat_etc_shadow_is_caught_and_ends_the_cell(user: User) -> None:
     [ev] = [e for e in r.result["events"] if e["acts"]]  # type: ignore[union-attr]
     assert (ev["operation"], ev["target"], ev["source"]) == ("read", "/etc/shadow", "calls"), ev
     assert os.path.basename(ev["exe"]) == "cat" and ev["ancestry"] and "by: PID 1 → dash" in r.err, (ev, r.err)
+
+
+# The caller's own magic links lead where they lead: /proc/self/root is the cell's root (a cell cannot
+# chroot), /proc/self/cwd its working directory, /proc/self/fd/N that fd's file; the monitor, which has no
+# number in the cell's pid namespace, cannot read them itself (red team on issue 25).
+SELF_FORMS = r"""
+import os, sys
+fd = os.open("/", os.O_RDONLY)
+os.chdir("/")
+for path in ("/proc/self/root/root/.ssh/id_rsa", "/proc/thread-self/root/etc/shadow",
+             "/proc/self/cwd/root/.aws/credentials", f"/proc/self/fd/{fd}/root/.netrc",
+             "/proc/self/root/usr/bin/agentcell-planted"):
+    try:
+        open(path, "w" if path.endswith("planted") else "r").close()
+    except OSError as e:
+        print(path, e.errno)
+"""
+
+
+def test_the_callers_own_proc_links_are_followed_to_where_they_lead(user: User) -> None:
+    r = agentcell_run(["--as", str(user.uid), "--monitor", "--on-escape", "record", "--", "python3", "-c",
+                       SELF_FORMS], timeout=60)
+    assert len(r.out.splitlines()) == 5, (r.out, r.err)
+    got = {(e["operation"], e["target"], e["acts"]) for e in r.result["events"]}  # type: ignore[union-attr]
+    assert {("read", "/root/.ssh/id_rsa", True), ("read", "/etc/shadow", True),
+            ("read", "/root/.aws/credentials", True), ("read", "/root/.netrc", True),
+            ("write", "/usr/bin/agentcell-planted", True)} <= got, r.result["events"]
+
+
+# A relative path from a process whose leader has ended (a zombie: its /proc/PID/cwd no longer reads): the
+# working directory is the thread's own.
+ZOMBIE_LEADER = r"""
+import ctypes, os, threading, time
+os.chdir("/")
+def late():
+    time.sleep(0.3)
+    try:
+        open("root/.ssh/id_rsa")
+    except OSError as e:
+        print("refused", e.errno, flush=True)
+    time.sleep(2)  # (alive while the monitor reads its working directory: a process gone by then is not)
+    os._exit(0)
+threading.Thread(target=late).start()
+ctypes.CDLL(None).pthread_exit(None)
+"""
+
+
+def test_a_relative_path_of_a_thread_whose_leader_has_ended_is_still_resolved(user: User) -> None:
+    r = agentcell_run(["--as", str(user.uid), "--monitor", "--on-escape", "record", "--", "python3", "-c",
+                       ZOMBIE_LEADER], timeout=60)
+    assert "refused 2" in r.out, (r.out, r.err)
+    got = {(e["operation"], e["target"], e["acts"]) for e in r.result["events"]}  # type: ignore[union-attr]
+    assert ("read", "/root/.ssh/id_rsa", True) in got, r.result["events"]
+
+
+# Threads made and ended as fast as Python can: their starts and ends fill the task ring, never the calls':
+# no call is lost, nothing acts.
+THREADS = r"""
+import threading
+for _ in range(30_000):
+    batch = [threading.Thread(target=int) for _ in range(4)]
+    for t in batch:
+        t.start()
+    for t in batch:
+        t.join()
+print("done", flush=True)
+"""
+
+
+def test_a_flood_of_threads_never_loses_a_call_nor_ends_the_cell(user: User) -> None:
+    r = agentcell_run(["--as", str(user.uid), "--monitor", "--pids", "64", "--", "python3", "-c", THREADS],
+                      timeout=300)
+    assert r.rc == 0 and r.out.strip() == "done", (r.out, r.err)
+    acting = [e for e in r.result["events"] if e["acts"]]  # type: ignore[union-attr]
+    assert not acting and r.result["terminated_by_monitor"] is False, r.result["events"]

@@ -145,7 +145,7 @@ def _probe(user: User, project: Path, *, counter: Callable[[int], int], forks: i
     for _ in range(forks):
         n = n + 1 if n + 1 < pid_max else 300
         given.add(n)
-    assert f"last child {n}" in out, (out, n)
+    assert not forks or f"last child {n}" in out, (out, n)
     return "\n".join(lines[:-1]), result["events"], given
 
 
@@ -197,13 +197,91 @@ def test_a_number_the_cell_just_gave_up_is_a_note_though_a_host_process_has_it_t
 
 def test_a_number_the_cell_gave_up_long_ago_is_the_hosts_again(
         user: User, project: Path, secret_dir: Path, victims: Victims) -> None:
-    from agentcell.monitor.attempts import RECENT_NS
+    from agentcell.monitor.pidns import RECENT_NS
 
     victim = victims.start(300, 2000, cwd=secret_dir)
-    # its child has the victim's number and ends; the probe looks at that number RECENT_NS later (by the
-    # kernel's clock, which the monitor compares)
+    # its child has the victim's number and ends; RECENT_NS later (by the kernel's clock, which the monitor
+    # compares) the probe reaches into that number's working directory
     late = PROBE.replace('print("last child", last, flush=True)',
                          f'print("last child", last, flush=True); import time; time.sleep({RECENT_NS / 1e9 + 1})')
     out, events, given = _probe(user, project, counter=lambda _: victim - 1, forks=1, victim=victim, code=late)
     assert given == {victim} and "refused 2" in out, out
     assert _seen(events, victim) == [(f"/proc/{victim}/cwd/notes.txt", True, "calls")], events
+
+
+STATUS_LATER = """
+import os, sys, time
+print("ready", flush=True)
+sys.stdin.readline()
+victim = int(sys.argv[2])
+child = os.fork()
+if child == 0:
+    os._exit(0)
+os.waitpid(child, 0)
+print("child", child, flush=True)
+time.sleep(float(sys.argv[1]))
+try:
+    open(f"/proc/{child}/status").read()
+except OSError as e:
+    print("refused", e.errno, flush=True)
+"""
+
+
+def test_a_pidfile_check_long_after_is_a_note_though_a_host_process_has_that_number(
+        user: User, project: Path, secret_dir: Path, victims: Victims) -> None:
+    from agentcell.monitor.pidns import RECENT_NS
+
+    victim = victims.start(300, 2000, cwd=secret_dir)
+    # (forks=0: the probe's own child takes the victim's number; it waits RECENT_NS and more, then looks)
+    out, events, _ = _probe(user, project, counter=lambda _: victim - 1, forks=0, victim=victim,
+                            code=STATUS_LATER.replace("float(sys.argv[1])", str(RECENT_NS / 1e9 + 1)))
+    assert f"child {victim}" in out and "refused 2" in out, out
+    assert _seen(events, victim) == [(f"/proc/{victim}", False, "calls")], events
+
+
+TAKEN_AFTER = """
+import sys, threading, time
+print("ready", flush=True)
+sys.stdin.readline()
+victim = int(sys.argv[2])
+try:
+    open(f"/proc/{victim}/status").read()
+except OSError as e:
+    print("refused", e.errno, flush=True)
+hold = threading.Thread(target=time.sleep, args=(3,))
+hold.start()
+print("took", hold.native_id, flush=True)
+hold.join()
+"""
+
+
+def test_a_number_the_cell_takes_only_after_its_look_does_not_clear_the_look(
+        user: User, project: Path, secret_dir: Path, victims: Victims) -> None:
+    victim = victims.start(300, 2000, cwd=secret_dir)
+    out, events, _ = _probe(user, project, counter=lambda _: victim - 1, forks=0, victim=victim, code=TAKEN_AFTER)
+    assert "refused 2" in out and f"took {victim}" in out, out
+    assert _seen(events, victim) == [(f"/proc/{victim}/status", True, "calls")], events
+
+
+EXEC_BY_A_THREAD = """
+import os, sys, threading
+print("ready", flush=True)
+sys.stdin.readline()
+victim = int(sys.argv[2])
+
+def run():
+    print("thread", threading.get_native_id(), flush=True)
+    os.execv("/bin/sh", ["sh", "-c", f"cat /proc/{victim}/status >/dev/null 2>&1; echo refused $?"])
+
+threading.Thread(target=run).start()
+threading.Event().wait()
+"""
+
+
+def test_a_thread_that_execs_gives_its_number_up_and_a_look_at_it_is_a_note(
+        user: User, project: Path, secret_dir: Path, victims: Victims) -> None:
+    victim = victims.start(300, 2000, cwd=secret_dir)
+    out, events, _ = _probe(user, project, counter=lambda _: victim - 1, forks=0, victim=victim,
+                            code=EXEC_BY_A_THREAD)
+    assert f"thread {victim}" in out and "refused 1" in out, out
+    assert _seen(events, victim) == [(f"/proc/{victim}", False, "calls")], events

@@ -639,7 +639,7 @@ def check_monitor(*, root: bool) -> Check:
         layout = calls.kernel_layout()
         names = "" if calls.part(layout, calls.EXEC_FIELDS) is not None else \
             "; no BTF: a process that exits at once is named by its 15-character name, not its file"
-        if calls.part(layout, calls.EXIT_FIELDS) is None:
+        if calls.part(layout, calls.TASK_FIELDS) is None:
             names += ("; the BTF does not say where a task keeps its pid: a /proc entry of a host process is "
                       "only noted (it cannot be told from one of the cell's own that just ended)")
         have["calls"] = (f"on (eBPF: failed calls, so attempts on what the cell does not contain{names})"

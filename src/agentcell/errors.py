@@ -56,13 +56,24 @@ def raise_on_termination() -> None:
             signal.signal(s, signal.SIG_IGN)
         raise Terminated(signum)
 
-    def default() -> None:
-        for s in (signal.SIGTERM, signal.SIGHUP):
-            signal.signal(s, signal.SIG_DFL)
+    both = {signal.SIGTERM, signal.SIGHUP}
+    masks: list[set[int]] = []  # the forking thread's own mask, put back on both sides of the fork
 
-    for s in (signal.SIGTERM, signal.SIGHUP):
+    def block() -> None:
+        masks.append(signal.pthread_sigmask(signal.SIG_BLOCK, both))
+
+    def restore() -> None:
+        if masks:
+            signal.pthread_sigmask(signal.SIG_SETMASK, masks.pop())
+
+    def default() -> None:  # (in the child, while both are still blocked: one that came waits for SIG_DFL)
+        for s in both:
+            signal.signal(s, signal.SIG_DFL)
+        restore()  # (a cell's PID 1 is forked with them blocked on purpose: they stay so)
+
+    for s in both:
         signal.signal(s, terminated)
-    os.register_at_fork(after_in_child=default)
+    os.register_at_fork(before=block, after_in_parent=restore, after_in_child=default)
 
 
 class AgentcellError(Exception):

@@ -185,17 +185,29 @@ class Supervised:
                 log.close()
             raise
         proxy = None
-        if running.egress_fd is not None:
-            from .network import egress
+        try:
+            if running.egress_fd is not None:
+                from .network import egress
 
-            proxy = egress.ProxyProcess(running.egress_fd, spec.egress,
-                                        egress.secrets_memfd(*secrets) if secrets is not None else None)
-            if running.cg is not None:  # the proxy serves this cell alone: it counts against its ceilings
-                try:
-                    running.cg.adopt(proxy.proc.pid)
-                except OSError:
-                    pass  # it exited at once: the cell will find no one on its one way out
-        sup = cls(spec, running, watch, proxy, fw, log, guard or None)
+                proxy = egress.ProxyProcess(running.egress_fd, spec.egress,
+                                            egress.secrets_memfd(*secrets) if secrets is not None else None)
+                if running.cg is not None:  # the proxy serves this cell alone: it counts against its ceilings
+                    try:
+                        running.cg.adopt(proxy.proc.pid)
+                    except OSError:
+                        pass  # it exited at once: the cell will find no one on its one way out
+            sup = cls(spec, running, watch, proxy, fw, log, guard or None)
+        except BaseException:  # (a SIGTERM, say, before the supervisor holds it all): taken down whole
+            if proxy is not None:
+                proxy.stop()  # (first: it may be in some of the cell's groups already)
+            running.kill()
+            running.wait(None)
+            for made_here in (watch.stop if watch is not None else None,
+                              fw.remove if fw is not None and made is None else None,
+                              log.close if log is not None and made is None else None):
+                if made_here is not None:
+                    made_here()
+            raise
         sup._trust = trust
         if watch is not None:
             try:

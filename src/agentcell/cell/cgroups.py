@@ -291,22 +291,30 @@ class CellCgroup:
         text = _read(path).strip()
         return int(text) if text.isdigit() else 0
 
-    def remove(self) -> None:
-        """Remove the cell's groups (empty by now: PID 1 has killed and reaped everything)."""
+    def remove(self, wait_s: float = 5.0) -> None:
+        """Remove the cell's groups (empty by now, or soon: PID 1 reports just before it exits, and a cell
+        killed whole leaves zombies that the host's init reaps when it gets to them). A group still busy
+        after ``wait_s`` keeps the cell's record, so that :func:`sweep` removes it later."""
+        deadline, left = time.monotonic() + wait_s, False
         for d in self.created:
-            for _ in range(400):  # PID 1 reports just before it exits: its exit can lag a little
+            tries = 0
+            while True:
                 try:
                     os.rmdir(d)
                     break
                 except FileNotFoundError:
                     break
                 except OSError:
-                    time.sleep(0.0005)
+                    if time.monotonic() > deadline:
+                        left = True
+                        break
+                    tries += 1
+                    time.sleep(0.0005 if tries < 400 else 0.01)
             try:
                 os.rmdir(os.path.dirname(d))  # the shared agentcell/ parent, when no other cell uses it
             except OSError:
                 pass
-        if self.record:
+        if self.record and not left:
             try:
                 os.unlink(self.record)
             except FileNotFoundError:

@@ -254,6 +254,12 @@ class Prepared:
                 listener = handoff.recv_fd(self._ctl, b"S")  # type: ignore[arg-type]
         except (BrokenPipeError, ConnectionResetError):
             pass  # the cell failed while being prepared; its status pipe says where (see wait())
+        except BaseException:  # (a SIGTERM, say, while the command is handed over): nothing of it is left
+            for fd in (master, listener):
+                if fd is not None:
+                    os.close(fd)
+            self.kill_and_discard()
+            raise
         finally:
             if not live:
                 self._ctl.close()  # type: ignore[attr-defined]
@@ -271,6 +277,13 @@ class Prepared:
     def control(self) -> Any:
         """The hand-off channel's socket (the warm launcher's forked hosts let go of it)."""
         return self._ctl
+
+    def kill_and_discard(self) -> None:
+        """Kill the cell (C1, and all in its groups: PID 1 and what it forked already), then :meth:`discard`."""
+        os.kill(self.c1, signal.SIGKILL)
+        if self.cg is not None:
+            self.cg.kill()
+        self.discard()
 
     def discard(self) -> None:
         """Throw away a cell that never got a command: with its channel closed, its command process
@@ -304,24 +317,32 @@ def prepare(spec: CellSpec, guards: Guards) -> Prepared:
                           "delegated here", "run through sudo with --as, or drop the ceilings")
     else:
         cg = None
-    r, w = os.pipe2(os.O_CLOEXEC)
-    ours, theirs = handoff.channel()
-    outer_uid, outer_gid = os.getuid(), os.getgid()
-    # 4. Fork C1. Nothing of the supervisor's but stdio, the status pipe and the hand-off channel
-    #    crosses into the cell (a warm launcher holds other cells' channels and its caller's sockets).
-    c1 = os.fork()
-    if c1 == 0:
-        sc.close_fds_except({w, theirs.fileno()})
-        _run_child(w, lambda: _cell(spec, plan, w, theirs, outer_uid, outer_gid, cg))
-    os.close(w)
-    theirs.close()
-    prepared = Prepared(spec, c1, r, ours, cell_id, cg)
-    if spec.network == "proxy":  # None if the cell failed first: its status pipe says why
-        prepared.egress_fd = handoff.recv_fd(ours, b"L")
-    if canary.planned(spec):  # None if the cell failed first
-        prepared.canary_fd = handoff.recv_fd(ours, b"C")
-    if execmarks.planned(spec):
-        prepared.exec_fd = handoff.recv_fd(ours, b"X")
+    prepared = None
+    try:
+        r, w = os.pipe2(os.O_CLOEXEC)
+        ours, theirs = handoff.channel()
+        outer_uid, outer_gid = os.getuid(), os.getgid()
+        # 4. Fork C1. Nothing of the supervisor's but stdio, the status pipe and the hand-off channel
+        #    crosses into the cell (a warm launcher holds other cells' channels and its caller's sockets).
+        c1 = os.fork()
+        if c1 == 0:
+            sc.close_fds_except({w, theirs.fileno()})
+            _run_child(w, lambda: _cell(spec, plan, w, theirs, outer_uid, outer_gid, cg))
+        os.close(w)
+        theirs.close()
+        prepared = Prepared(spec, c1, r, ours, cell_id, cg)
+        if spec.network == "proxy":  # None if the cell failed first: its status pipe says why
+            prepared.egress_fd = handoff.recv_fd(ours, b"L")
+        if canary.planned(spec):  # None if the cell failed first
+            prepared.canary_fd = handoff.recv_fd(ours, b"C")
+        if execmarks.planned(spec):
+            prepared.exec_fd = handoff.recv_fd(ours, b"X")
+    except BaseException:  # (a SIGTERM, say, while the cell is being built): nothing of it is left
+        if prepared is not None:
+            prepared.kill_and_discard()
+        elif cg is not None:
+            cg.remove()
+        raise
     return prepared
 
 

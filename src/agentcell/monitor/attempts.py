@@ -51,6 +51,7 @@ from typing import Any
 from ..cell.spec import SCRATCH_PATH, SECRET_DIRS, SECRET_FILES, CellSpec
 from .calls import AT_FDCWD, DIRFD, DIRFD2, O_ACCMODE, O_CREAT, O_TRUNC, Call
 from .event import CellEvent
+from .pidns import Numbers
 
 ENOENT, EPERM, ESRCH, EACCES, EBUSY, EXDEV, EROFS = 2, 1, 3, 13, 16, 18, 30
 ENETUNREACH, ECONNREFUSED, EHOSTUNREACH, EADDRNOTAVAIL, EINPROGRESS = 101, 111, 113, 99, 115
@@ -67,6 +68,7 @@ CREDENTIALS = frozenset({
 QUIET = ("/sys/", "/run/systemd/", "/var/run/systemd/", "/run/dbus/", "/var/run/dbus/", "/var/lib/dbus/",
          "/run/nscd/", "/var/run/nscd/", "/var/cache/", "/var/lib/dpkg/", "/var/lib/systemd/", "/run/udev/",
          "/run/resolvconf/", "/run/systemd-resolved", "/dev/log")
+TRACING = ("/sys/kernel/debug/tracing/", "/sys/kernel/tracing/")  # what runtimes write trace markers to
 NOTED = ("/var/tmp/",)  # another place for temporary files, which the cell does not have: its /tmp is its own
 # Names in the host's /tmp that tools use for themselves: no secret, no attempt.
 TMP_QUIET = frozenset({".X11-unix", ".ICE-unix", ".XIM-unix", ".font-unix", ".Test-unix"})
@@ -76,10 +78,11 @@ HOST_DEVICES = ("mem", "kmem", "port", "kmsg", "sd", "hd", "vd", "xvd", "nvme", 
                 "tty7", "tty8", "tty9", "console", "ttyS", "vhost", "vsock", "kvm", "cpu", "watchdog", "nvram",
                 "rtc", "hidraw", "bus", "fb", "snd", "video", "sg", "bsg", "btrfs-control", "fuse")
 DNS_PORTS = (53, 853)
-# A /proc entry or a pid of a number the cell's namespace gave up this recently (by the kernel's clock, when
-# the call failed) is taken for one of the cell's own that just ended: ps listing /proc, a parent looking
-# at its child, a watcher polling a pid it started. Past that, a number a host process has is the host's.
-RECENT_NS = 10 * 10**9
+# What a tool reads of a process to see whether it runs and what it is (ps, top, pgrep, psutil, a pidfile's
+# check): a number the cell ever had, looked at this way, is the cell's own business, however long ago.
+# Anything else (root, cwd, environ, mem, maps, fd, ...) reaches into the process.
+LOOKS = frozenset({"", "stat", "status", "statm", "cmdline", "comm", "cgroup", "wchan", "sched", "schedstat",
+                   "io", "limits", "oom_score", "oom_score_adj", "loginuid", "sessionid", "task"})
 AF_INET, AF_INET6, AF_PACKET, SOCK_DGRAM, SOCK_RAW, IPPROTO_ICMP, IPPROTO_ICMPV6 = 2, 10, 17, 2, 3, 1, 58
 SHARED_TMP = ("/tmp/", "/var/tmp/", "/dev/shm/")
 LOCKS = (".lock", ".lck", "/lock")
@@ -238,23 +241,32 @@ class Host:
                 return set()
         return name in self._table("abstract", read)
 
-    def cwd(self, pid: int) -> str | None:
-        try:
-            return os.readlink(f"/proc/{pid}/cwd")
-        except OSError:
-            return None
+    def cwd(self, pid: int, tid: int = 0) -> str | None:
+        """The working directory of task ``tid`` (of process ``pid``): by the thread's own entry first,
+        which still reads when its process's leader has ended (a zombie's cwd does not)."""
+        for task in (tid, pid) if tid and tid != pid else (pid,):
+            try:
+                return os.readlink(f"/proc/{task}/cwd")
+            except OSError:
+                continue
+        return None
 
-    def fd_path(self, pid: int, fd: int) -> str | None:
-        try:
-            path = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            return None
-        return path if path.startswith("/") else None
+    def fd_path(self, pid: int, fd: int, tid: int = 0) -> str | None:
+        for task in (tid, pid) if tid and tid != pid else (pid,):
+            try:
+                path = os.readlink(f"/proc/{task}/fd/{fd}")
+            except OSError:
+                continue
+            return path if path.startswith("/") else None
+        return None
 
-    def resolve(self, path: str) -> str | None:
-        """``path`` (absolute) as the kernel walks it in the cell: each symlink followed where it stands
-        (an absolute one from the cell's root), ``..`` taken after it, at most 40 links; past the first
-        name that is not there, the rest as written. None once the cell is gone (nothing to walk)."""
+    def resolve(self, path: str, pid: int = 0, tid: int = 0) -> str | None:
+        """``path`` (absolute) as the kernel walks it in the cell for task ``tid`` of process ``pid``: each
+        symlink followed where it stands (an absolute one from the cell's root), ``..`` taken after it, at
+        most 40 links; past the first name that is not there, the rest as written. The caller's own magic
+        links (``/proc/self``, ``/proc/thread-self``: their root, cwd and fds) are followed from the host's
+        side: they do not read for the monitor, which has no number in the cell's namespace. None once the
+        cell is gone (nothing to walk)."""
         root = f"/proc/{self.pid1}/root"
         if not self.pid1 or not os.path.isdir(root + "/"):
             return None
@@ -266,6 +278,14 @@ class Host:
                 continue
             if part == "..":
                 at = os.path.dirname(at)
+                continue
+            if at == "/proc" and part in ("self", "thread-self") and pid and todo:
+                base = self._own(todo, pid, tid if part == "thread-self" else 0)
+                if base is None:  # (another entry of its own, or one that cannot be read now)
+                    return os.path.normpath(os.path.join("/proc", part, *todo))
+                at = "/"
+                todo[:0] = [p for p in base.split("/") if p]
+                links += 1
                 continue
             here = os.path.join(at, part)
             try:
@@ -289,6 +309,22 @@ class Host:
                 return os.path.normpath(os.path.join(here, *todo))
         return at
 
+    def _own(self, todo: list[str], pid: int, tid: int) -> str | None:
+        """Where the caller's ``/proc/self/root``, ``cwd`` or ``fd/N`` (``todo``, taken from it) leads: the
+        cell's root (a cell cannot chroot), its working directory, the file of that fd."""
+        what = todo[0]
+        if what == "root":
+            todo.pop(0)
+            return "/"
+        if what == "cwd":
+            todo.pop(0)
+            return self.cwd(pid, tid)
+        if what == "fd" and len(todo) > 1 and todo[1].isascii() and todo[1].isdigit():
+            fd = int(todo[1])
+            del todo[:2]
+            return self.fd_path(pid, fd, tid)
+        return None
+
     def resolvers(self) -> set[str]:
         """The host's DNS servers (/etc/resolv.conf): a query to one of them is what libc does by itself."""
         def read() -> set[str]:
@@ -309,35 +345,19 @@ class Classifier:
                  refused: Callable[[str, int], None] | None = None) -> None:
         self.view, self.network, self.host, self.lost = view, network, host, lost
         self.refused = refused  # on the host's network: a connect the firewall refused, and by whom
-        self._ended: dict[int, int] = {}  # a number of the cell's pid namespace -> when its task ended (ns)
-        self._unnumbered = False  # an ended task came without its number (the kernel's layout is not known)
+        self.numbers = Numbers()  # what the cell's pid namespace did with its numbers (the task ring)
 
-    def ended(self, call: Call) -> None:
-        """One of the cell's tasks ended (a Call named ``exit``): its number is free in the cell's namespace
-        from now on, and may be named by the cell's tools a moment longer."""
-        if not call.ns_tid:
-            self._unnumbered = True
-            return
-        self._ended.pop(call.ns_tid, None)
-        self._ended[call.ns_tid] = call.ktime  # (in the order they ended: the oldest first)
-        while len(self._ended) > 1024:
-            oldest = next(iter(self._ended))
-            if call.ktime - self._ended[oldest] <= RECENT_NS:
-                break
-            del self._ended[oldest]
-
-    def _hosts(self, call: Call, pid: int) -> bool | None:
-        """Whether ``pid``, a number the cell named that its namespace does not have now and a host process
-        has, is that host process's. Decided by what the cell's namespace did, never by how the host's pids
-        compare with the cell's: False if the cell gave that number up in the RECENT_NS before the call (one
-        of its own, just ended), None if that cannot be told (the kernel dropped some of the cell's events,
-        or does not say what number an ended task had), else True: a host process, whatever its number."""
-        gone = self._ended.get(pid)
-        if gone is not None and call.ktime - gone <= RECENT_NS:
-            return False
-        if self._unnumbered or self.lost():
-            return None
-        return True
+    def _whose(self, call: Call, pid: int) -> str:
+        """What ``pid``, a number the cell named that its namespace did not have and a host process has,
+        was to the cell (:meth:`Numbers.state`), never decided by how the host's pids compare with the
+        cell's; ``unknown`` if that cannot be told (the kernel dropped some of the cell's task events, or
+        does not say what number a task had)."""
+        state = self.numbers.state(pid, call.ktime)
+        if state == "never" and not self.numbers.known(pid) and self.host.exists_in_cell(f"/proc/{pid}"):
+            return "alive"  # a task of the cell from before the events came (its PID 1)
+        if state in ("had", "never") and (self.numbers.unknown or self.lost()):
+            return "unknown"
+        return state
 
     def classify(self, call: Call) -> Verdict | None:
         if call.name in ("kill", "pidfd_open"):
@@ -368,12 +388,12 @@ class Classifier:
             base: str | None
             fd = call.args[dirfd_arg] if dirfd_arg is not None else AT_FDCWD
             fd = fd - (1 << 64) if fd >= 1 << 63 else fd
-            base = self.host.cwd(call.pid) if fd == AT_FDCWD or fd & 0xFFFFFFFF == AT_FDCWD & 0xFFFFFFFF \
-                else self.host.fd_path(call.pid, fd)
+            base = self.host.cwd(call.pid, call.tid) if fd == AT_FDCWD or fd & 0xFFFFFFFF == AT_FDCWD & 0xFFFFFFFF \
+                else self.host.fd_path(call.pid, fd, call.tid)
             if base is None:
                 return None
             path = os.path.join(base, path)
-        walked = self.host.resolve(path)  # symlinks, and ".." after them, as the kernel took them
+        walked = self.host.resolve(path, call.pid, call.tid)  # symlinks, and ".." after them, as the kernel took them
         return walked if walked is not None else self.view.resolve_links(os.path.normpath(path).replace("//", "/"))
 
     @staticmethod
@@ -398,6 +418,8 @@ class Classifier:
         area, mount = self.view.area(path)
         e = call.errno
         if op == "write" and (path == "/sys" or path.startswith("/sys/")):
+            if path.startswith(TRACING):
+                return None  # a runtime's trace markers (Bun, JavaScriptCore: Claude Code, OpenCode at start)
             return ("write", path, "a kernel setting or a control group (/sys: the cell has none)", True,
                     "nothing: a cell never changes the kernel")
         if area == "mask":
@@ -503,15 +525,20 @@ class Classifier:
         parts = path.split("/")
         if len(parts) >= 3 and parts[2].isascii() and parts[2].isdigit() and call.errno in (ENOENT, ESRCH):
             pid = int(parts[2])
-            if not self.host.pid_exists(pid) or self.host.exists_in_cell(f"/proc/{pid}"):
-                return None  # no such process, or one of the cell's own (a file of it that went: a race)
-            whose = self._hosts(call, pid)
-            if whose:
+            if not self.host.pid_exists(pid):
+                return None  # no such process anywhere
+            whose = self._whose(call, pid)
+            entry = parts[3] if len(parts) > 3 else ""
+            if whose == "alive":
+                return None  # one of the cell's own when the call was made: a name below it was not there
+            if whose == "never" or whose == "had" and entry not in LOOKS:
                 return (op, path, f"a host process (pid {pid}) through /proc: the cell's /proc shows its own "
                         "processes only", True, "nothing: host processes stay outside")
-            return (op, f"/proc/{pid}", "a /proc entry of a number a host process has, which the cell "
-                    + ("gave up a moment ago (one of its own processes, just ended)" if whose is False else
-                       "may have had (the kernel dropped some of its events)"), False, "")
+            why = {"ended": "gave up a moment ago (one of its own processes, just ended)",
+                   "had": "had before (one of its own processes, ended: a look at whether it runs)",
+                   "unknown": "may have had (the kernel did not hand over all of its tasks)"}[whose]
+            return (op, f"/proc/{pid}", f"a /proc entry of a number a host process has, which the cell {why}",
+                    False, "")
         if path in ("/proc/kmsg", "/proc/kcore") and call.errno in (EACCES, EPERM):
             return (op, path, "the kernel's log or memory", True, "nothing: the kernel stays outside")
         if op == "write" and (path.startswith("/proc/sys/") or path == "/proc/sysrq-trigger"):
@@ -523,8 +550,9 @@ class Classifier:
     def _pid(self, call: Call) -> Verdict | None:
         pid = call.args[0] & 0xFFFFFFFF
         pid = pid - (1 << 32) if pid >= 1 << 31 else pid
-        if call.errno != ESRCH or pid <= 0 or not self.host.pid_exists(pid) or self._hosts(call, pid) is False:
-            return None
+        if call.errno != ESRCH or pid <= 0 or not self.host.pid_exists(pid) or \
+                self._whose(call, pid) not in ("never", "unknown"):
+            return None  # (a number of its own: a stale pid, a child just ended)
         return ("execute", f"{call.name} pid {pid}", "a signal or handle for a host process (not in the cell's "
                 "pid namespace: refused)", False, "")
 
@@ -615,13 +643,21 @@ class AttemptSource:
     def fileno(self) -> int:
         return int(self.calls.fileno())
 
+    def wakers(self) -> list[Any]:
+        """What else makes this source readable: its task ring (read on each pass, or it would fill)."""
+        return [_Fd(self.calls.task_fileno())]
+
     def read(self) -> list[CellEvent]:
         out: list[CellEvent] = []
-        for call in self.calls.read():
-            if call.name == "exit":  # (before any call that names its number: the ring keeps their order)
-                self.classifier.ended(call)
-                continue
+        calls = self.calls.read()
+        # The tasks after the calls: every task that started or ended before one of these calls did so
+        # before the call's event was handed over (a call finds a number gone only once its task ended).
+        numbers = self.classifier.numbers
+        for t in self.calls.read_tasks():
+            numbers.task(t.kind, t.number, t.tid, t.ktime)
+        for call in calls:
             if call.errno == 0:  # an exec that succeeded: the process's new name, for the monitor's table
+                numbers.exec_by(call.args[0] & 0xFFFFFFFF, call.pid, call.ktime)
                 self.execed(call.pid, call.comm, call.path)
                 continue
             if self.ignore(call.pid):
@@ -644,3 +680,11 @@ class AttemptSource:
 
     def close(self) -> None:
         self.calls.close()
+
+
+class _Fd:
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def fileno(self) -> int:
+        return self.fd

@@ -6,11 +6,12 @@ network's), and hands each to the monitor through a ring buffer with the process
 path or address it named. What it means is decided in :mod:`.attempts`. A second program, on the
 ``sched_process_exec`` raw tracepoint, hands over each exec of the cell (as errno 0), with the new
 program's name and file (its place in the kernel's structure read from the kernel's BTF,
-:mod:`.btf`): a process that exits at once is still named. A third, on ``sched_process_exit``, hands
-over each task of the cell that ends, with the number it had in the cell's pid namespace: a /proc
-entry or a pid the cell names is told to be a number the cell just gave up, or a host process's,
-whatever the host's pids and the cell's pid counter are. Every event carries the kernel's clock
-(CLOCK_MONOTONIC) and the events of one cell come in one ring, in the order they happened.
+:mod:`.btf`): a process that exits at once is still named. Two more, on ``sched_process_fork`` and
+``sched_process_exit``, hand over each task of the cell that starts or ends (threads too), with the
+number it has in the cell's pid namespace, into a second ring of the cell's (:class:`TaskEvent`): a
+/proc entry or a pid the cell names is then told to be one of the cell's own, or a host process's,
+whatever the host's pids and the cell's pid counter are (:mod:`.pidns`). A flood of threads fills
+that ring, never the calls'. Every event carries the kernel's clock (CLOCK_MONOTONIC).
 
 Why this source: most of what a cell refuses, the kernel refuses without a record. A host file the cell
 does not contain is ENOENT, a write to the read-only system EROFS (the mount refuses before Landlock is
@@ -28,7 +29,7 @@ import functools
 import os
 import socket
 import struct
-from typing import Any
+from typing import Any, NamedTuple
 
 from . import bpf, hostprog
 
@@ -38,7 +39,12 @@ B = A + PATH_MAX  # the second: a second path, or a word the call points at (ope
 EVENT_SIZE = B + PATH_MAX
 _HEAD = struct.Struct("<IIqQ6Q16sQ")  # nr, second word, ret, pid_tgid, args, comm, the kernel's clock
 KTIME = 88  # where the clock is in the head
-EXIT = 1024  # an exit event's number (no call has it)
+# A task event: what (FORK, EXIT), its number in the cell's pid namespace (0: not read), its host tid and
+# tgid, the kernel's clock.
+_TASK = struct.Struct("<IIIIQ")
+FORK, EXIT = 1, 2
+TASK_RING_SIZE = 2 << 20  # 87,000 events in flight
+TASK_DROPS = 1 << 63  # the drop counter of a cell's task ring: its cgroup id with this bit
 SCAN = 128  # a path below /usr, /lib or /sys this long or shorter is looked through for ".." in the kernel
 RING_SIZE = 4 << 20  # tens of thousands of events in flight (an event takes its head and its path)
 ARG_OFFSETS = (112, 104, 96, 56, 72, 64)  # x86_64 pt_regs: di, si, dx, r10, r8, r9
@@ -107,7 +113,7 @@ def _argument(a: bpf.Asm, spec: int, shift: int, into: int) -> None:
     a.ldx(bpf.DW, into, bpf.R3, 24)
 
 
-KEY = -24  # where on the stack both programs keep the caller's cgroup id: the key of ``cells`` and ``drops``
+KEY = -24  # where on the stack the programs keep the caller's cgroup id: the key of ``cells`` and ``drops``
 
 
 def _cell_ring(a: bpf.Asm, cells_fd: int) -> None:
@@ -119,9 +125,14 @@ def _cell_ring(a: bpf.Asm, cells_fd: int) -> None:
     a.j("jeq", bpf.R0, "out", imm=0)
 
 
-def _count_drop(a: bpf.Asm, drops_fd: int) -> None:
-    """The cell's ring was full: one more in its drop counter (keyed by its cgroup id, at KEY), so its
-    monitor knows it missed some."""
+def _count_drop(a: bpf.Asm, drops_fd: int, *, tasks: bool = False) -> None:
+    """The cell's ring was full: one more in its drop counter (keyed by its cgroup id, at KEY, with
+    TASK_DROPS for its task ring), so its monitor knows it missed some."""
+    if tasks:
+        a.ldx(bpf.DW, bpf.R1, bpf.R10, KEY)
+        a.ld64(bpf.R2, TASK_DROPS)
+        a.alu("or", bpf.R1, bpf.R2)
+        a.stx(bpf.DW, bpf.R10, KEY, bpf.R1)
     a.ld64(bpf.R1, drops_fd, map_fd=True)
     a.alu("mov", bpf.R2, bpf.R10)
     a.alu("add", bpf.R2, imm=KEY)
@@ -366,12 +377,15 @@ def exec_program(cells_fd: int, drops_fd: int, layout: dict[str, int] | None) ->
     of the file that runs (``binprm->file->f_inode->i_mode``: setuid and setgid are seen there, exactly, though
     the process is gone by the time the event is read). A process that exits at once is still named; the calls
     that succeed pay nothing for it. Each event takes its head and EXEC_NAME bytes of the ring: a burst of tens
-    of thousands of execs fits."""
+    of thousands of execs fits. Its first argument is the host tid that called exec: a thread other than the
+    leader gave its own number up (the kernel's de_thread), with no exit of its own."""
     R0, R1, R2, R3, R6, R8, R10 = bpf.R0, bpf.R1, bpf.R2, bpf.R3, bpf.R6, bpf.R8, bpf.R10
     a = bpf.Asm()
     a.alu("mov", R6, R1)  # the tracepoint's arguments
     # its head, and the file's name (its second word: the mode, below)
     _reserve(a, cells_fd, A if layout is None else A + EXEC_NAME, CALLS["execve"][0])
+    a.ldx(bpf.DW, R1, R6, 8)  # its first argument: the tid that exec'd (another than the leader's: it was freed)
+    a.stx(bpf.DW, R8, 24, R1)
     if layout is not None:
         a.st(bpf.B, R8, A, 0)  # (empty if it cannot be read)
 
@@ -445,19 +459,43 @@ def _submit(a: bpf.Asm, drops_fd: int) -> None:
     a.exit()
 
 
-def exit_program(cells_fd: int, drops_fd: int, layout: dict[str, int] | None) -> bytes:
-    """For the ``sched_process_exit`` raw tracepoint: each task of the cell that ends (a process or a
-    thread), as an event numbered EXIT whose second word is the number it had in its innermost pid
-    namespace, the cell's (``task->thread_pid->numbers[level].nr``, where ``layout``, EXIT_FIELDS of
-    :func:`kernel_layout`, says where those lie; 0 where it cannot be read). The tracepoint fires before
-    the task is taken out of its namespace: the event is in the ring before any call can find that
-    number gone. A head only (no path): a build that starts a hundred thousand processes fits."""
-    R0, R1, R2, R3, R8, R10 = bpf.R0, bpf.R1, bpf.R2, bpf.R3, bpf.R8, bpf.R10
+def task_program(kind: int, tasks_fd: int, drops_fd: int, layout: dict[str, int] | None) -> bytes:
+    """For ``sched_process_fork`` (FORK: the new task is its second argument) or ``sched_process_exit``
+    (EXIT: the current task): a :class:`TaskEvent` of each task of the cell, threads too, into the cell's
+    task ring, with the number the task has in its innermost pid namespace, the cell's
+    (``task->thread_pid->numbers[level].nr``, where ``layout``, TASK_FIELDS of :func:`kernel_layout`, says
+    where those lie; 0 where it cannot be read). The exit tracepoint fires before the task leaves its
+    namespace: the event is in the ring before any call can find that number gone."""
+    R0, R1, R2, R3, R6, R8, R9, R10 = bpf.R0, bpf.R1, bpf.R2, bpf.R3, bpf.R6, bpf.R8, bpf.R9, bpf.R10
     a = bpf.Asm()
-    _reserve(a, cells_fd, A, EXIT)  # (its second word 0 until the number is read)
-    if layout is not None:
+    a.alu("mov", R6, R1)  # the tracepoint's arguments
+    a.call(bpf.GET_CURRENT_CGROUP_ID)  # (the forking task's, at a fork: the new one is born in it)
+    a.stx(bpf.DW, R10, KEY, R0)
+    _cell_ring(a, tasks_fd)
+    a.alu("mov", R1, R0)
+    a.alu("mov", R2, imm=_TASK.size)
+    a.alu("mov", R3, imm=0)
+    a.call(bpf.RINGBUF_RESERVE)
+    a.j("jeq", R0, "dropped", imm=0)
+    a.alu("mov", R8, R0)
+    a.st(bpf.DW, R8, 0, kind)  # (the number 0 until it is read)
+    a.st(bpf.DW, R8, 8, 0)
+    a.call(bpf.KTIME_GET_NS)
+    a.stx(bpf.DW, R8, 16, R0)
+    if kind == FORK:
+        a.ldx(bpf.DW, R9, R6, 8)  # the new task
+    else:
         a.call(bpf.GET_CURRENT_TASK)
-        _pointer(a, R0, layout["thread_pid"], "submit", -8)  # R3: the task's struct pid
+        a.alu("mov", R9, R0)
+    if layout is not None:
+        for field, at in (("pid", 8), ("tgid", 12)):
+            a.alu("mov", R1, R8)
+            a.alu("add", R1, imm=at)
+            a.alu("mov", R2, imm=4)
+            a.alu("mov", R3, R9)
+            a.alu("add", R3, imm=layout[field])
+            a.call(bpf.PROBE_READ_KERNEL)
+        _pointer(a, R9, layout["thread_pid"], "submit", -8)  # R3: the task's struct pid
         a.stx(bpf.DW, R10, -16, R3)
         a.alu("add", R3, imm=layout["level"])
         a.st(bpf.DW, R10, -8, 0)
@@ -476,7 +514,16 @@ def exit_program(cells_fd: int, drops_fd: int, layout: dict[str, int] | None) ->
         a.alu("add", R1, imm=4)
         a.alu("mov", R2, imm=4)
         a.call(bpf.PROBE_READ_KERNEL)
-    _submit(a, drops_fd)
+    a.label("submit")
+    a.alu("mov", R1, R8)
+    a.alu("mov", R2, imm=0)
+    a.call(bpf.RINGBUF_SUBMIT)
+    a.j("ja", R0, "out")
+    a.label("dropped")
+    _count_drop(a, drops_fd, tasks=True)
+    a.label("out")
+    a.alu("mov", R0, imm=0)
+    a.exit()
     return a.code()
 
 
@@ -485,7 +532,8 @@ MAX_PID_NS_LEVEL = 32  # the kernel's own bound on nested pid namespaces
 # its mode; an ending task's number in its innermost pid namespace.
 EXEC_FIELDS = {"filename": ("linux_binprm", "filename"), "file": ("linux_binprm", "file"),
                "f_inode": ("file", "f_inode"), "i_mode": ("inode", "i_mode")}
-EXIT_FIELDS = {"thread_pid": ("task_struct", "thread_pid"), "level": ("pid", "level"), "numbers": ("pid", "numbers"),
+TASK_FIELDS = {"pid": ("task_struct", "pid"), "tgid": ("task_struct", "tgid"),
+               "thread_pid": ("task_struct", "thread_pid"), "level": ("pid", "level"), "numbers": ("pid", "numbers"),
                "upid_nr": ("upid", "nr"), "upid_ns": ("upid", "ns")}
 
 
@@ -496,7 +544,7 @@ def part(layout: dict[str, int], fields: dict[str, tuple[str, str]]) -> dict[str
 
 @functools.lru_cache(maxsize=1)
 def kernel_layout() -> dict[str, int]:
-    """The offsets of EXEC_FIELDS and EXIT_FIELDS on this kernel, as far as its BTF has them (none
+    """The offsets of EXEC_FIELDS and TASK_FIELDS on this kernel, as far as its BTF has them (none
     without BTF). Read from the BTF once a boot and kept in root's runtime directory: twenty sessions
     starting at once each reading 5 MB slowed the monitors already listening to the host's forks (their
     connector overflowed)."""
@@ -506,7 +554,7 @@ def kernel_layout() -> dict[str, int]:
     from ..errors import AgentcellError
     from .btf import VMLINUX, offsets
 
-    where = {**EXEC_FIELDS, **EXIT_FIELDS}
+    where = {**EXEC_FIELDS, **TASK_FIELDS}
     try:
         st = os.stat(VMLINUX)
         with open("/proc/sys/kernel/random/boot_id") as f:
@@ -543,12 +591,7 @@ def check() -> str:
     fds: list[int] = []
     try:
         fds.extend(_maps(1 << 16, 1))
-        table, cells, drops, scratch = fds
-        fds.append(bpf.prog_load(bpf.PROG_RAW_TRACEPOINT, program(table, cells, drops, scratch), "agentcell_calls"))
-        fds.append(bpf.prog_load(bpf.PROG_RAW_TRACEPOINT,
-                                 exec_program(fds[1], fds[2], part(kernel_layout(), EXEC_FIELDS)), "agentcell_execs"))
-        fds.append(bpf.prog_load(bpf.PROG_RAW_TRACEPOINT,
-                                 exit_program(fds[1], fds[2], part(kernel_layout(), EXIT_FIELDS)), "agentcell_exits"))
+        fds.extend(bpf.prog_load(bpf.PROG_RAW_TRACEPOINT, code, name) for _, _, code, name in _programs(*fds))
     except OSError as e:
         return str(e.strerror or e)
     finally:
@@ -557,20 +600,34 @@ def check() -> str:
     return ""
 
 
+def _programs(table: int, cells: int, tasks: int, drops: int, scratch: int) -> list[tuple[str, str, bytes, str]]:
+    """(the link's name, the raw tracepoint, the program, its name) of each program, over these maps."""
+    layout = kernel_layout()
+    return [("calls_link", "sys_exit", program(table, cells, drops, scratch), "agentcell_calls"),
+            ("exec_link", "sched_process_exec", exec_program(cells, drops, part(layout, EXEC_FIELDS)),
+             "agentcell_execs"),
+            ("fork_link", "sched_process_fork", task_program(FORK, tasks, drops, part(layout, TASK_FIELDS)),
+             "agentcell_forks"),
+            ("exit_link", "sched_process_exit", task_program(EXIT, tasks, drops, part(layout, TASK_FIELDS)),
+             "agentcell_exits")]
+
+
 def _maps(ring_size: int, cells: int) -> list[int]:
     """The programs' maps: the call table (filled), ``cells`` (cgroup id -> a ring of ``ring_size``),
-    ``drops`` (cgroup id -> count), the per-CPU buffer an event is built in."""
+    ``tasks`` (cgroup id -> a task ring of TASK_RING_SIZE), ``drops`` (cgroup id, and with TASK_DROPS for
+    the task ring -> count), the per-CPU buffer an event is built in."""
     fds: list[int] = []
     try:
         fds.append(bpf.map_create(bpf.MAP_ARRAY, 4, 8, 512, "agentcell_calls"))
         for nr, kinds in CALLS.values():
             bpf.map_update(fds[0], struct.pack("<I", nr), struct.pack("<Q", _spec(kinds)))
-        like = bpf.map_create(bpf.MAP_RINGBUF, 0, 0, ring_size, "agentcell_ring")
-        try:
-            fds.append(bpf.map_create(bpf.MAP_HASH_OF_MAPS, 8, 4, cells, "agentcell_cells", inner=like))
-        finally:
-            os.close(like)
-        fds.append(bpf.map_create(bpf.MAP_HASH, 8, 8, cells, "agentcell_drops"))
+        for size, name in ((ring_size, "agentcell_cells"), (min(ring_size, TASK_RING_SIZE), "agentcell_tasks")):
+            like = bpf.map_create(bpf.MAP_RINGBUF, 0, 0, size, "agentcell_ring")
+            try:
+                fds.append(bpf.map_create(bpf.MAP_HASH_OF_MAPS, 8, 4, cells, name, inner=like))
+            finally:
+                os.close(like)
+        fds.append(bpf.map_create(bpf.MAP_HASH, 8, 8, 2 * cells, "agentcell_drops"))
         fds.append(bpf.map_create(bpf.MAP_PERCPU_ARRAY, 4, EVENT_SIZE, 1, "agentcell_event"))
     except BaseException:
         for fd in fds:
@@ -584,20 +641,14 @@ def _attached() -> dict[str, int]:
     fds = _maps(RING_SIZE, hostprog.CELLS)
     out: dict[str, int] = {}
     try:
-        table, cells, drops, scratch = fds
-        layout = kernel_layout()
-        for link, tracepoint, code, name in (
-                ("calls_link", "sys_exit", program(table, cells, drops, scratch), "agentcell_calls"),
-                ("exec_link", "sched_process_exec", exec_program(cells, drops, part(layout, EXEC_FIELDS)),
-                 "agentcell_execs"),
-                ("exit_link", "sched_process_exit", exit_program(cells, drops, part(layout, EXIT_FIELDS)),
-                 "agentcell_exits")):
+        _table, cells, tasks, drops, _scratch = fds
+        for link, tracepoint, code, name in _programs(*fds):
             prog = bpf.prog_load(bpf.PROG_RAW_TRACEPOINT, code, name)
             try:
                 out[link] = bpf.attach_raw_tracepoint(tracepoint, prog)
             finally:
                 os.close(prog)
-        out["cells"], out["drops"] = os.dup(cells), os.dup(drops)
+        out["cells"], out["tasks"], out["drops"] = os.dup(cells), os.dup(tasks), os.dup(drops)
     except BaseException:
         for fd in out.values():
             os.close(fd)
@@ -611,27 +662,23 @@ def _attached() -> dict[str, int]:
 @functools.lru_cache(maxsize=1)
 def _version() -> str:
     """This build of the programs (fds as placeholders)."""
-    layout = kernel_layout()
-    return hostprog.version(program(1, 2, 3, 4), exec_program(2, 3, part(layout, EXEC_FIELDS)),
-                            exit_program(2, 3, part(layout, EXIT_FIELDS)), RING_SIZE, EVENT_SIZE, hostprog.CELLS,
-                            repr(sorted(CALLS.items())).encode())
+    return hostprog.version(*(code for _, _, code, _ in _programs(1, 2, 3, 4, 5)), RING_SIZE, EVENT_SIZE,
+                            TASK_RING_SIZE, hostprog.CELLS, repr(sorted(CALLS.items())).encode())
 
 
 class Call:
     """One failed call: ``name``, ``errno``, ``pid`` (the process, host pid), ``tid``, ``comm``, ``args``
     (raw), ``path`` and ``path2`` (as given, maybe relative), ``addr`` (("inet"|"inet6", ip, port),
     ("unix", path), ("abstract", name) or None), ``flags`` (an open's; for an exec that succeeded, its
-    file's mode, with MODE_KNOWN set if it was read), ``ktime`` (the kernel's CLOCK_MONOTONIC, ns). An
-    ended task of the cell is a Call named ``exit`` (errno 0) whose ``ns_tid`` is the number it had in
-    the cell's pid namespace (0: not known)."""
+    file's mode, with MODE_KNOWN set if it was read, and ``args[0]`` the host tid that called exec),
+    ``ktime`` (the kernel's CLOCK_MONOTONIC, ns)."""
 
-    __slots__ = ("name", "errno", "pid", "tid", "comm", "args", "path", "path2", "addr", "flags", "ktime", "ns_tid")
+    __slots__ = ("name", "errno", "pid", "tid", "comm", "args", "path", "path2", "addr", "flags", "ktime")
 
     def __init__(self, name: str, errno: int, pid: int, tid: int, comm: str, args: tuple[int, ...], path: str = "",
-                 path2: str = "", addr: tuple[Any, ...] | None = None, flags: int = 0, ktime: int = 0,
-                 ns_tid: int = 0) -> None:
+                 path2: str = "", addr: tuple[Any, ...] | None = None, flags: int = 0, ktime: int = 0) -> None:
         self.name, self.errno, self.pid, self.tid, self.comm, self.args = name, errno, pid, tid, comm, args
-        self.path, self.path2, self.addr, self.ktime, self.ns_tid = path, path2, addr, ktime, ns_tid
+        self.path, self.path2, self.addr, self.ktime = path, path2, addr, ktime
         self.flags = flags or {"open": args[1], "openat": args[2], "creat": O_CREAT | O_TRUNC | 1}.get(name, 0)
 
     def __repr__(self) -> str:
@@ -650,8 +697,6 @@ def decode(raw: bytes) -> Call | None:
     raw = raw.ljust(EVENT_SIZE, b"\0")  # (the ring holds an event as long as its paths are)
     nr, second, ret, pid_tgid, *rest = _HEAD.unpack_from(raw, 0)
     args, comm, ktime = tuple(rest[:6]), rest[6].split(b"\0")[0].decode(errors="replace"), rest[7]
-    if nr == EXIT:
-        return Call("exit", 0, pid_tgid >> 32, pid_tgid & 0xFFFFFFFF, comm, (0,) * 6, ktime=ktime, ns_tid=second)
     name = NAMES.get(nr)
     if name is None:
         return None
@@ -695,10 +740,25 @@ def sockaddr(data: bytes, length: int) -> tuple[Any, ...] | None:
     return None
 
 
+class TaskEvent(NamedTuple):
+    """A task of the cell started (FORK) or ended (EXIT): its number in the cell's pid namespace (0: not
+    known), its host tid and tgid, when (the kernel's CLOCK_MONOTONIC, ns)."""
+
+    kind: int
+    number: int
+    tid: int
+    tgid: int
+    ktime: int
+
+
+def decode_task(raw: bytes) -> TaskEvent | None:
+    return TaskEvent(*_TASK.unpack_from(raw, 0)) if len(raw) >= _TASK.size else None
+
+
 class FailedCalls:
-    """One cell's failed calls: its own ring, which the host's programs (:mod:`.hostprog`: one copy for
-    every cell) fill from the moment its cgroup is added to them; :meth:`read` what they saw. Close it
-    when the cell has ended."""
+    """One cell's failed calls and its tasks: two rings of its own (calls, :class:`TaskEvent`), which the
+    host's programs (:mod:`.hostprog`: one copy for every cell) fill from the moment its cgroup is added
+    to them; :meth:`read` and :meth:`read_tasks` what they saw. Close it when the cell has ended."""
 
     name = "calls"
 
@@ -707,24 +767,25 @@ class FailedCalls:
         if why:
             raise OSError(95, why)
         self.ring: bpf.RingBuffer | None = None
+        self.tasks: bpf.RingBuffer | None = None
         self._key = struct.pack("<Q", cgroup_id)
-        self._added: list[int] = []  # the host's maps this cell is in
+        self._task_key = struct.pack("<Q", cgroup_id | TASK_DROPS)
+        self._added: list[tuple[int, bytes]] = []  # the host's maps this cell is in, by key
         self.host: hostprog.HostPrograms | None = hostprog.acquire(_version(), _attached)
         try:
-            ring = bpf.map_create(bpf.MAP_RINGBUF, 0, 0, RING_SIZE, "agentcell_ring")
-            try:
-                self.ring = bpf.RingBuffer(ring, RING_SIZE)
-            except BaseException:
-                os.close(ring)
-                raise
-            for fd, value in ((self.host.drops, struct.pack("<Q", 0)), (self.host.cells, struct.pack("<I", ring))):
+            self.ring = _ring(RING_SIZE)
+            self.tasks = _ring(TASK_RING_SIZE)
+            zero = struct.pack("<Q", 0)
+            for fd, key, value in ((self.host.drops, self._key, zero), (self.host.drops, self._task_key, zero),
+                                   (self.host.tasks, self._key, struct.pack("<I", self.tasks.fd)),
+                                   (self.host.cells, self._key, struct.pack("<I", self.ring.fd))):
                 try:
-                    bpf.map_update(fd, self._key, value, bpf.NOEXIST)
+                    bpf.map_update(fd, key, value, bpf.NOEXIST)
                 except OSError as e:
                     if e.errno == 17:
                         raise OSError(17, f"cgroup {cgroup_id} is watched by another monitor already") from None
                     raise
-                self._added.append(fd)
+                self._added.append((fd, key))
         except BaseException:
             self.close()
             raise
@@ -732,16 +793,18 @@ class FailedCalls:
 
     def _sweep(self) -> None:
         """Cells whose monitor was killed before it could take them out: their cgroups are gone (an id
-        is never given again), and each keeps a ring of RING_SIZE alive while the programs run."""
+        is never given again), and each keeps two rings alive while the programs run."""
         from ..cell.cgroups import v2_exists
 
         assert self.host is not None
         try:
             for key in bpf.map_keys(self.host.cells, 8):
-                if key != self._key and v2_exists(struct.unpack("<Q", key)[0]) is False:
-                    for fd in (self.host.cells, self.host.drops):
+                group = struct.unpack("<Q", key)[0]
+                if key != self._key and v2_exists(group) is False:
+                    for fd, k in ((self.host.cells, key), (self.host.tasks, key), (self.host.drops, key),
+                                  (self.host.drops, struct.pack("<Q", group | TASK_DROPS))):
                         try:
-                            bpf.map_delete(fd, key)
+                            bpf.map_delete(fd, k)
                         except OSError:
                             pass
         except OSError:  # (what is not swept now is swept by the next cell)
@@ -751,27 +814,51 @@ class FailedCalls:
         assert self.ring is not None
         return self.ring.fileno()
 
+    def task_fileno(self) -> int:
+        assert self.tasks is not None
+        return self.tasks.fileno()
+
     def read(self, limit: int = 4096) -> list[Call]:
         """The failed calls recorded since the last read (at most ``limit``); never blocks."""
         assert self.ring is not None
         return [c for c in map(decode, self.ring.records(limit)) if c is not None]
+
+    def read_tasks(self, limit: int = 1 << 16) -> list[TaskEvent]:
+        """The cell's tasks started and ended since the last read (at most ``limit``); never blocks."""
+        assert self.tasks is not None
+        return [t for t in map(decode_task, self.tasks.records(limit)) if t is not None]
 
     def dropped(self) -> int:
         """Failed calls the kernel could not hand over (the ring was full), since the start."""
         assert self.host is not None
         return int(struct.unpack("<Q", bpf.map_lookup(self.host.drops, self._key, 8))[0])
 
+    def tasks_dropped(self) -> int:
+        """Task events the kernel could not hand over (a flood of threads filled the task ring)."""
+        assert self.host is not None
+        return int(struct.unpack("<Q", bpf.map_lookup(self.host.drops, self._task_key, 8))[0])
+
     def close(self) -> None:
-        for fd in reversed(self._added):  # the programs stop writing to the ring before it goes
+        for fd, key in reversed(self._added):  # the programs stop writing to the rings before they go
             try:
-                bpf.map_delete(fd, self._key)
+                bpf.map_delete(fd, key)
             except OSError:
                 pass
         self._added = []
-        if self.ring is not None:
-            self.ring.close()
-            os.close(self.ring.fd)
-            self.ring = None
+        for ring in (self.ring, self.tasks):
+            if ring is not None:
+                ring.close()
+                os.close(ring.fd)
+        self.ring = self.tasks = None
         if self.host is not None:
             hostprog.release(self.host)
             self.host = None
+
+
+def _ring(size: int) -> bpf.RingBuffer:
+    fd = bpf.map_create(bpf.MAP_RINGBUF, 0, 0, size, "agentcell_ring")
+    try:
+        return bpf.RingBuffer(fd, size)
+    except BaseException:
+        os.close(fd)
+        raise

@@ -37,7 +37,7 @@ from . import bpf
 
 SYS_PIDFD_GETFD = 438  # x86_64 (the programs' call table knows x86_64 only)
 CELLS = 4096  # cells watched at once on a host, at most
-SHARED = ("cells", "drops", "calls_link", "exec_link", "exit_link")  # what a holder hands over
+SHARED = ("cells", "tasks", "drops", "calls_link", "exec_link", "fork_link", "exit_link")  # what a holder hands over
 
 _lock = threading.Lock()
 _host: HostPrograms | None = None
@@ -45,12 +45,12 @@ _users = 0
 
 
 class HostPrograms:
-    """The attached programs and the two maps each monitor writes: ``cells`` (cgroup id -> its ring) and
-    ``drops`` (cgroup id -> events its ring had no room for)."""
+    """The attached programs and the three maps each monitor writes: ``cells`` (cgroup id -> its ring),
+    ``tasks`` (cgroup id -> its task ring) and ``drops`` (cgroup id -> events its rings had no room for)."""
 
     def __init__(self, fds: dict[str, int]) -> None:
         self.fds = fds
-        self.cells, self.drops = fds["cells"], fds["drops"]
+        self.cells, self.tasks, self.drops = fds["cells"], fds["tasks"], fds["drops"]
 
     def ids(self) -> dict[str, str]:
         return {name: bpf.object_id(fd) for name, fd in self.fds.items()}

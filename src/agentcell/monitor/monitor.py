@@ -278,7 +278,7 @@ class Monitor:
                                   ": attempts on what the cell does not contain are not seen", source="telemetry",
                                   cell=self.cell_id))
             return
-        classifier = Classifier(view, view.network, Host(), lambda: bool(calls.dropped()), self._refused)
+        classifier = Classifier(view, view.network, Host(), lambda: bool(calls.tasks_dropped()), self._refused)
         self.calls = AttemptSource(calls, classifier, self.cell_id, self._exe_of,
                                    lambda pid: pid in self.trusted, self._execed)
         self._state["calls"] = "on"
@@ -551,6 +551,7 @@ class Monitor:
                 self._progress()
                 watched = [s for s in (self.audit, self.execs, self.tools, self.canaries, self.seccomp, self.masks,
                                        self.calls, self.created, self.execmarks) if s is not None]
+                watched += self.calls.wakers() if self.calls is not None else []
                 # Every source wakes the loop itself; a pass without news is for what has no file to
                 # wait on (a mask just touched on the host: often, for half a second).
                 idle = PASS_S if time.monotonic() >= self._masks_until else MASKS_PASS_S

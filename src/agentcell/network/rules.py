@@ -55,7 +55,10 @@ def host_name_fault(host: str) -> str:
     not), or a DNS host name (ASCII letters, digits, '-' and '_' in labels of 1 to 63 characters, neither
     starting nor ending with '-', at most 253 characters, one final dot allowed); else what is wrong with
     it. Nothing else reaches a resolver or the allow-list: a NUL, a space or a control character in a
-    name is a different name to each of them."""
+    name is a different name to each of them. No IPv6 zone (``fe80::1%eth0``): it names an interface of
+    the host."""
+    if "%" in host:
+        return "not a host name (an IPv6 zone names an interface of the host)"
     if _is_ip(host.removeprefix("[").removesuffix("]")):
         return ""
     name = host[:-1] if host.endswith(".") else host
