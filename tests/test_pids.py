@@ -195,21 +195,7 @@ def test_a_number_the_cell_just_gave_up_is_a_note_though_a_host_process_has_it_t
     assert _seen(events, victim) == [(f"/proc/{victim}", False, "calls")], events
 
 
-def test_a_number_the_cell_gave_up_long_ago_is_the_hosts_again(
-        user: User, project: Path, secret_dir: Path, victims: Victims) -> None:
-    from agentcell.monitor.pidns import RECENT_NS
-
-    victim = victims.start(300, 2000, cwd=secret_dir)
-    # its child has the victim's number and ends; RECENT_NS later (by the kernel's clock, which the monitor
-    # compares) the probe reaches into that number's working directory
-    late = PROBE.replace('print("last child", last, flush=True)',
-                         f'print("last child", last, flush=True); import time; time.sleep({RECENT_NS / 1e9 + 1})')
-    out, events, given = _probe(user, project, counter=lambda _: victim - 1, forks=1, victim=victim, code=late)
-    assert given == {victim} and "refused 2" in out, out
-    assert _seen(events, victim) == [(f"/proc/{victim}/cwd/notes.txt", True, "calls")], events
-
-
-STATUS_LATER = """
+STATUS_THEN_CWD_LATER = """
 import os, sys, time
 print("ready", flush=True)
 sys.stdin.readline()
@@ -220,23 +206,26 @@ if child == 0:
 os.waitpid(child, 0)
 print("child", child, flush=True)
 time.sleep(float(sys.argv[1]))
-try:
-    open(f"/proc/{child}/status").read()
-except OSError as e:
-    print("refused", e.errno, flush=True)
+for entry in ("status", "cwd/notes.txt"):
+    try:
+        open(f"/proc/{child}/{entry}").read()
+    except OSError as e:
+        print("refused", e.errno, flush=True)
 """
 
 
-def test_a_pidfile_check_long_after_is_a_note_though_a_host_process_has_that_number(
+def test_long_after_the_cell_gave_a_number_up_a_look_at_it_is_its_own_and_a_reach_is_the_hosts(
         user: User, project: Path, secret_dir: Path, victims: Victims) -> None:
     from agentcell.monitor.pidns import RECENT_NS
 
     victim = victims.start(300, 2000, cwd=secret_dir)
-    # (forks=0: the probe's own child takes the victim's number; it waits RECENT_NS and more, then looks)
+    # the probe's own child takes the victim's number and ends; RECENT_NS later (by the kernel's clock, which
+    # the monitor compares) the probe looks at that number as a pidfile's check would, then reaches into it
     out, events, _ = _probe(user, project, counter=lambda _: victim - 1, forks=0, victim=victim,
-                            code=STATUS_LATER.replace("float(sys.argv[1])", str(RECENT_NS / 1e9 + 1)))
-    assert f"child {victim}" in out and "refused 2" in out, out
-    assert _seen(events, victim) == [(f"/proc/{victim}", False, "calls")], events
+                            code=STATUS_THEN_CWD_LATER.replace("float(sys.argv[1])", str(RECENT_NS / 1e9 + 1)))
+    assert f"child {victim}" in out and out.count("refused 2") == 2, out
+    assert sorted(_seen(events, victim)) == [(f"/proc/{victim}", False, "calls"),
+                                             (f"/proc/{victim}/cwd/notes.txt", True, "calls")], events
 
 
 TAKEN_AFTER = """

@@ -212,14 +212,7 @@ def program(table_fd: int, cells_fd: int, drops_fd: int, scratch_fd: int) -> byt
     a.ldx(bpf.DW, R1, R10, -8)
     a.stx(bpf.DW, R8, 0, R1)
     a.stx(bpf.DW, R8, 8, R7)
-    a.call(bpf.GET_CURRENT_PID_TGID)
-    a.stx(bpf.DW, R8, 16, R0)
-    a.alu("mov", R1, R8)
-    a.alu("add", R1, imm=72)
-    a.alu("mov", R2, imm=16)
-    a.call(bpf.GET_CURRENT_COMM)
-    a.call(bpf.KTIME_GET_NS)
-    a.stx(bpf.DW, R8, KTIME, R0)
+    _process(a)
     a.alu("mov", R1, R8)  # the registers, into the first buffer for a moment: the six arguments from there
     a.alu("add", R1, imm=A)
     a.alu("mov", R2, imm=168)
@@ -435,17 +428,22 @@ def _reserve(a: bpf.Asm, cells_fd: int, size: int, nr: int) -> None:
     a.st(bpf.DW, R8, 0, nr)
     for off in range(8, 72, 8):  # the result, the process (below), the arguments
         a.st(bpf.DW, R8, off, 0)
+    _process(a)
+
+
+def _process(a: bpf.Asm) -> None:
+    """Into the head at R8: the current process and thread, its name, the kernel's clock."""
     a.call(bpf.GET_CURRENT_PID_TGID)
-    a.stx(bpf.DW, R8, 16, R0)
-    a.alu("mov", R1, R8)
-    a.alu("add", R1, imm=72)
-    a.alu("mov", R2, imm=16)
+    a.stx(bpf.DW, bpf.R8, 16, bpf.R0)
+    a.alu("mov", bpf.R1, bpf.R8)
+    a.alu("add", bpf.R1, imm=72)
+    a.alu("mov", bpf.R2, imm=16)
     a.call(bpf.GET_CURRENT_COMM)
     a.call(bpf.KTIME_GET_NS)
-    a.stx(bpf.DW, R8, KTIME, R0)
+    a.stx(bpf.DW, bpf.R8, KTIME, bpf.R0)
 
 
-def _submit(a: bpf.Asm, drops_fd: int) -> None:
+def _submit(a: bpf.Asm, drops_fd: int, *, tasks: bool = False) -> None:
     """The record at R8 handed over (``submit``), or counted as dropped (``dropped``); the program's end."""
     a.label("submit")
     a.alu("mov", bpf.R1, bpf.R8)
@@ -453,7 +451,7 @@ def _submit(a: bpf.Asm, drops_fd: int) -> None:
     a.call(bpf.RINGBUF_SUBMIT)
     a.j("ja", bpf.R0, "out")
     a.label("dropped")
-    _count_drop(a, drops_fd)
+    _count_drop(a, drops_fd, tasks=tasks)
     a.label("out")
     a.alu("mov", bpf.R0, imm=0)
     a.exit()
@@ -514,16 +512,7 @@ def task_program(kind: int, tasks_fd: int, drops_fd: int, layout: dict[str, int]
         a.alu("add", R1, imm=4)
         a.alu("mov", R2, imm=4)
         a.call(bpf.PROBE_READ_KERNEL)
-    a.label("submit")
-    a.alu("mov", R1, R8)
-    a.alu("mov", R2, imm=0)
-    a.call(bpf.RINGBUF_SUBMIT)
-    a.j("ja", R0, "out")
-    a.label("dropped")
-    _count_drop(a, drops_fd, tasks=True)
-    a.label("out")
-    a.alu("mov", R0, imm=0)
-    a.exit()
+    _submit(a, drops_fd, tasks=True)
     return a.code()
 
 
