@@ -80,6 +80,7 @@ class Scan:
         self.repos: list[str] = []
         self.bare: list[str] = []  # directories git would take for a bare repository
         self.named: list[str] = []  # harness or shell entries found at any depth (nested CLAUDE.md, …)
+        self.attributes: list[str] = []  # .gitattributes at any depth: compared, never bound (work files)
         # The repository each root lies in, when it is above the root: its config may point inside
         # the root (core.hooksPath = .github/hooks with .github declared), which a scan starting at
         # the root would never read.
@@ -107,6 +108,8 @@ class Scan:
                 if "HEAD" in names and ("objects" in names or "refs" in names):
                     self.bare.append(d)
                 self.named += [e.path for e in entries if e.name in _NAMES]
+                if ".gitattributes" in names:
+                    self.attributes.append(os.path.join(d, ".gitattributes"))
                 for e in entries:
                     if not e.is_dir(follow_symlinks=False):
                         continue
@@ -213,6 +216,11 @@ def _kind(path: str) -> int | None:
         return stat.S_IFMT(os.lstat(path).st_mode)
     except (OSError, ValueError):  # ValueError: a NUL in a name a config gave
         return None
+
+
+def repositories(writable: tuple[str, ...]) -> list[str]:
+    """The repositories below the writable roots (each a work tree with a ``.git``), as far as the scan goes."""
+    return list(dict.fromkeys(Scan(writable).repos))
 
 
 def pinned_paths(scan: Scan) -> tuple[str, ...]:
@@ -425,7 +433,7 @@ def surface(writable: tuple[str, ...]) -> tuple[dict[str, tuple[int, int, int, i
     """The control surface as (type, inode, size, mtime) per existing entry — compare two of these to
     see what a run created, replaced, changed or removed — and whether the scan was truncated."""
     scan = Scan(writable)
-    paths = _candidates(scan)
+    paths = _candidates(scan) + scan.attributes
     for repo in scan.repos:
         paths.append(os.path.join(repo, ".git"))
         for gd in _git_dirs(repo):
@@ -445,12 +453,105 @@ def surface(writable: tuple[str, ...]) -> tuple[dict[str, tuple[int, int, int, i
             st = os.lstat(p)
         except (OSError, ValueError):
             continue
-        out[p] = (stat.S_IFMT(st.st_mode), st.st_ino, st.st_size, st.st_mtime_ns)
+        kind = stat.S_IFMT(st.st_mode)
+        if kind == stat.S_IFDIR and os.path.basename(p) == ".git":  # git's own work changes it all the time:
+            out[p] = (kind, st.st_ino, 0, 0)  # what counts is that it is the same directory
+        else:
+            out[p] = (kind, st.st_ino, st.st_size, st.st_mtime_ns)
     return out, scan.truncated
 
 
-def changes(before: dict[str, tuple[int, int, int, int]], after: dict[str, tuple[int, int, int, int]]) -> list[str]:
-    return sorted(p for p in {*before, *after} if before.get(p) != after.get(p))
+def changes(before: dict[str, tuple[int, int, int, int]], after: dict[str, tuple[int, int, int, int]],
+            meant_before: dict[str, str] | None = None) -> list[str]:
+    """What differs between two surfaces; with ``meant_before`` (:func:`meanings` of the first), a file
+    whose :func:`meaning` did not change is left out (a rewrite that decides nothing new: a
+    ``.gitattributes`` line that names no driver, a config written back the same)."""
+    meant = meant_before or {}
+
+    def meant_something(p: str) -> bool:
+        if _attributes(p):  # (one that names no driver, made or removed, is as good as none)
+            return (meaning(p) or "") != meant.get(p, "")
+        return p not in before or p not in after or p not in meant or meaning(p) != meant[p]
+
+    changed = [p for p in {*before, *after} if before.get(p) != after.get(p)]
+    return sorted(p for p in changed if meant_before is None or meant_something(p))
+
+
+def _attributes(path: str) -> bool:
+    return os.path.basename(path) in (".gitattributes", "attributes")
+
+
+# ---- what a change on the control surface means ----------------------------------------------------
+
+DRIVERS = ("filter", "diff", "merge")  # attributes that name a command git's config defines
+
+
+def meanings(surface_: dict[str, tuple[int, int, int, int]]) -> dict[str, str]:
+    """:func:`meaning` of each entry of a surface that has one."""
+    return {p: m for p in surface_ if (m := meaning(p)) is not None}
+
+
+def meaning(path: str) -> str | None:
+    """What in ``path`` decides what runs, as text to compare and to show: a git config file's entries
+    (``section.key=value``, one a line, sorted), the lines of an attributes file that name a driver
+    (filter, diff, merge), a hooks directory's files (name, size, mode); any other regular file's
+    SHA-256. None for what is not there, or not a file this knows."""
+    import hashlib
+    import json
+
+    name, parent = os.path.basename(path), os.path.dirname(path)
+    kind = _kind(path)
+    if kind == stat.S_IFDIR and name == "hooks":
+        listing = {}
+        for entry in _listdir(path):
+            try:
+                st = os.lstat(os.path.join(path, entry))
+            except OSError:
+                continue
+            listing[entry] = [st.st_size, oct(st.st_mode)]
+        return json.dumps(listing, sort_keys=True)
+    if kind != stat.S_IFREG:
+        return None
+    if name in ("config", "config.worktree") and os.path.lexists(os.path.join(parent, "HEAD")):
+        return "\n".join(sorted(f"{s}.{k}={v}" for s, k, v in _parse_config(_read_small(parent, name, MAX_CONFIG))))
+    if name in (".gitattributes", "attributes"):
+        lines = (line.split() for line in _read_small(parent, name, MAX_CONFIG).splitlines())
+        return "\n".join(sorted({" ".join(words) for words in lines if words and not words[0].startswith("#")
+                                  and any(w.startswith(tuple(f"{d}=" for d in DRIVERS)) for w in words[1:])}))
+    data = _read_small(parent, name, MAX_CONFIG)
+    return "sha256:" + hashlib.sha256(data.encode()).hexdigest()
+
+
+def describe(path: str, before: str | None, after: str | None) -> str:
+    """What changed in ``path``, said as the human reads it (from two :func:`meaning` texts)."""
+    import json
+
+    name = os.path.basename(path)
+    if before is None and after is None:
+        return "changed"
+    if after is None:
+        return "removed"
+    if name == "hooks":
+        old, new = json.loads(before or "{}"), json.loads(after)
+        said = [f"hook {h} created" for h in sorted(set(new) - set(old))]
+        said += [f"hook {h} removed" for h in sorted(set(old) - set(new))]
+        said += [f"hook {h} changed" for h in sorted(set(old) & set(new)) if old[h] != new[h]]
+        return "; ".join(said) or "changed"
+    if after.startswith("sha256:") or (before or "").startswith("sha256:"):
+        return "created" if before is None else "its content changed"
+    old_lines, new_lines = set((before or "").splitlines()) - {""}, set(after.splitlines()) - {""}
+    added, gone = sorted(new_lines - old_lines), sorted(old_lines - new_lines)
+    what = "driver lines" if name in (".gitattributes", "attributes") else "settings"
+    said = [f"{what} added: " + ", ".join(_shown(x) for x in added[:8])] if added else []
+    said += [f"{what} removed: " + ", ".join(_shown(x) for x in gone[:8])] if gone else []
+    return "; ".join(said) or "changed"
+
+
+def _shown(text: str) -> str:
+    from .errors import printable
+
+    text = printable(text)
+    return repr(text if len(text) <= 120 else text[:120] + "...")
 
 
 def quarantine(before: dict[str, tuple[int, int, int, int]], after: dict[str, tuple[int, int, int, int]],
@@ -508,6 +609,44 @@ def quarantine(before: dict[str, tuple[int, int, int, int]], after: dict[str, tu
                 continue  # not the cell's: left where it is (and reported as a change)
             moved.append((path, os.path.join(root, new)))
             gone.add(path)
+    finally:
+        for fd, _name in boxes.values():
+            os.close(fd)
+    return moved, failed
+
+
+def set_aside(paths: list[str], cell_id: str, writable: tuple[str, ...], *, owner_uid: int | None, since_ns: int,
+              give_to: tuple[int, int] | None = None) -> tuple[list[tuple[str, str]], list[str]]:
+    """Move ``paths`` (files a run created that the next run or the human's tools would load: an env
+    file, a session's config) into the run's quarantine box, as :func:`quarantine` moves structure: only
+    what came into being during the run (ctime), owned by ``owner_uid`` when given, by a rename that
+    follows no link. ([(path, new path)], [not moved])."""
+    moved: list[tuple[str, str]] = []
+    failed: list[str] = []
+    boxes: dict[str, tuple[int, str]] = {}
+    try:
+        for path in paths:
+            root = next((r for r in writable if path.startswith(r.rstrip("/") + "/")), None)
+            try:
+                st = os.lstat(path)
+            except OSError:
+                continue
+            if root is None:
+                failed.append(path)
+                continue
+
+            def box(root: str = root) -> tuple[int, str]:
+                if root not in boxes:
+                    boxes[root] = _quarantine_box(root, cell_id, give_to)
+                return boxes[root]
+            seen = (stat.S_IFMT(st.st_mode), st.st_ino, st.st_size, st.st_mtime_ns)
+            try:
+                new = _move(path, seen, owner_uid, since_ns, box, os.path.relpath(path, root))
+            except (OSError, LaunchError, ValueError):
+                failed.append(path)
+                continue
+            if new is not None:
+                moved.append((path, os.path.join(root, new)))
     finally:
         for fd, _name in boxes.values():
             os.close(fd)

@@ -6,7 +6,7 @@ import sys
 
 from ..cell import terminal
 from ..cell.spec import NETWORK_MODES, TYPE_CHECKING, CellSpec, new_cell_id
-from ..errors import EXIT_CODES_HELP, AgentcellError, printable, report
+from ..errors import EXIT_CODES_HELP, AgentcellError, report
 from ..policy import resolve as rs
 
 if TYPE_CHECKING:
@@ -399,15 +399,9 @@ FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signa
 
 def protected_lines(result: dict[str, Any]) -> list[str]:
     """What a result's protected-path step found, as warnings (the CLI's and a live cell's stop)."""
-    out = [f"the command created {printable(old)}, which decides what git, your shell or your agent runs; it was "
-           f"moved to {printable(new)} (do not run git or your agent inside it; to let a command create it, use "
-           f"--allow-write {printable(old)})" for old, new in (result.get("quarantined") or {}).items()]
-    gone = set(result.get("quarantined") or {})
-    created = set(result.get("protected_created") or ())
-    out += [f"the command {'created' if p in created else 'changed'} {printable(p)}, which decides what git, your "
-            "shell or your agent runs (hooks, git or harness config); review it before you use the project"
-            for p in result.get("protected_changes") or () if p not in gone and not any(
-                p.startswith(g + "/") for g in gone)]
+    from ..guard import lines
+
+    out = lines(result, "the command", lift_hint=True)
     if result.get("scan_truncated"):
         from .. import protect
 

@@ -92,6 +92,8 @@ def parser() -> Parser:
         sp.add_argument(flag, metavar=metavar, help=help_)
     sp.add_argument("--home-from", metavar="DIR", help="start the cell's fresh home as a copy of DIR (a home you "
                     "prepared once: logins, settings)")
+    sp.add_argument("--git-identity", metavar='"NAME <EMAIL>"', help="who the agent commits as (default: you, as "
+                    "git knows you, marked as the agent's: NAME (agent: HARNESS))")
     sp.add_argument("--explain", action="store_true", help="print the plan and the policy; start nothing")
     sp.add_argument("--json", action="store_true", help="print the summary as one JSON object, last on stdout")
     sp.add_argument("--summary-file", metavar="FILE", help="also write the summary there, as JSON (a new file: "
@@ -150,7 +152,7 @@ def _start(ns: Any, harness_args: list[str]) -> int:
     flags = {k: getattr(ns, k) for k in ("harness", "agent", "declared_paths", "project_root", "wall_clock_limit_s",
                                          "backup_dir", "audit_log_path", "firewall_enabled", "network",
                                          *config.EGRESS_KEYS, "resolver", "api_base", "model", "env", "keep_env",
-                                         "risk", "memory", "cpu", "pids", "limits", "home_from")}
+                                         "risk", "memory", "cpu", "pids", "limits", "home_from", "git_identity")}
     flags["harness_args"] = harness_args
     summary_fd = _new_file(ns.summary_file, "--summary-file") if ns.summary_file else None
     cfg = config.load(flags, dotenv=ns.env_file)

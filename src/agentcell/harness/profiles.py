@@ -97,7 +97,6 @@ CLAUDE_KEY = "AGENTCELL_ANTHROPIC_API_KEY"
 
 # Commits the agent makes name it (the human's identity is not in the cell); without one, git refuses to
 # commit and aider writes one into .git/config, which is read-only in a cell (it then stops).
-GITCONFIG = SeedFile(".gitconfig", "[user]\n\tname = agentcell agent\n\temail = agent@agentcell.invalid\n")
 AIDER_SWITCHES = ("--no-check-update", "--no-analytics", "--no-show-release-notes", "--no-show-model-warnings",
                   "--no-gitignore", "--no-detect-urls")
 # A model aider does not know: its size (no price-table download) and an edit format in which a fenced
@@ -153,8 +152,7 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
             key_helper=f"printenv {CLAUDE_KEY}",
             egress_preset="claude_code", api="anthropic", api_base_env=("ANTHROPIC_BASE_URL",),
             api_key_env="ANTHROPIC_API_KEY", model_env="ANTHROPIC_MODEL",
-            files=(SeedFile(".claude.json", CLAUDE_JSON), SeedFile(".claude/settings.json", CLAUDE_SETTINGS),
-                   GITCONFIG),
+            files=(SeedFile(".claude.json", CLAUDE_JSON), SeedFile(".claude/settings.json", CLAUDE_SETTINGS)),
             protected=(".claude", ".mcp.json", "CLAUDE.md")),
     Profile("codex", "Codex CLI", "codex",
             interactive=("--dangerously-bypass-approvals-and-sandbox", "--disable", "plugins",
@@ -169,7 +167,7 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
                            'env_key="OPENAI_API_KEY",wire_api="responses",supports_websockets=false}'),
             # Its default model through a provider of another name is sent with no tools at all: a model is named.
             api_key_env="OPENAI_API_KEY", model_args=("-m", "{model}"), needs_model=True, stdin_null=True,
-            files=(GITCONFIG,), protected=(".codex", "AGENTS.md")),
+            protected=(".codex", "AGENTS.md")),
     Profile("opencode", "OpenCode", "opencode", interactive=(), prompt=("run", "{prompt}"),
             install="npm install -g opencode-ai",
             home_dirs=(".local/share/opencode", ".config/opencode/node_modules", ".cache/opencode"),
@@ -179,7 +177,7 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
             secret_env=("OPENAI_API_KEY", "ANTHROPIC_API_KEY", "OPENROUTER_API_KEY"), egress_preset="opencode",
             api="chat", api_base_env=("OPENCODE_CONFIG_CONTENT=" + OPENCODE_CONFIG,), api_key_env="OPENAI_API_KEY",
             model_args=("-m", "agentcell/{model}"), needs_model=True, stdin_null=True, needs=("rg",),
-            files=(SeedFile(".config/opencode/package-lock.json", OPENCODE_LOCK), GITCONFIG),
+            files=(SeedFile(".config/opencode/package-lock.json", OPENCODE_LOCK),),
             protected=(".opencode", "opencode.json", "opencode.jsonc", "AGENTS.md")),
     Profile("cursor", "Cursor CLI", "cursor-agent", interactive=("--force",), prompt=("--print", "--force",
                                                                                         "{prompt}"),
@@ -197,7 +195,7 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
             secret_env=("OPENAI_API_KEY", "ANTHROPIC_API_KEY"), egress_preset="aider",
             api="chat", api_base_args=("--openai-api-base", "{api_base_v1}"), api_key_env="OPENAI_API_KEY",
             model_args=("--model", "openai/{model}"), needs_model=True, fenced=True, stdin_null=True,
-            files=(GITCONFIG, SeedFile(".aider.model.metadata.json", AIDER_METADATA, needs_api_base=True),
+            files=(SeedFile(".aider.model.metadata.json", AIDER_METADATA, needs_api_base=True),
                    SeedFile(".aider.model.settings.yml", AIDER_SETTINGS, needs_api_base=True)),
             protected=(".aider.conf.yml", ".aider.model.settings.yml", ".aider.model.metadata.json")),
     # API-key auth chosen in its settings (a base URL alone selects a "gateway" auth that -p refuses), usage
@@ -208,7 +206,7 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
             env={"GEMINI_CLI_NO_RELAUNCH": "true"},
             secret_env=("GEMINI_API_KEY", "GOOGLE_API_KEY"), egress_preset="gemini",
             api="gemini", api_base_env=("GOOGLE_GEMINI_BASE_URL",), api_key_env="GEMINI_API_KEY",
-            model_args=("-m", "{model}"), files=(SeedFile(".gemini/settings.json", GEMINI_SETTINGS), GITCONFIG),
+            model_args=("-m", "{model}"), files=(SeedFile(".gemini/settings.json", GEMINI_SETTINGS),),
             protected=(".gemini", "GEMINI.md")),
     # Its own provider mode (COPILOT_PROVIDER_*, offline: no GitHub at all) with --api-base; without, its GitHub
     # login. The update check and client telemetry go to api.github.com unless switched off.
@@ -220,7 +218,7 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
             secret_env=("COPILOT_GITHUB_TOKEN", "COPILOT_PROVIDER_API_KEY"),
             egress_preset="copilot", api="chat",
             api_base_env=("COPILOT_PROVIDER_BASE_URL={api_base_v1}", "COPILOT_OFFLINE=true"),
-            model_env="COPILOT_MODEL", needs_model=True, files=(GITCONFIG,),
+            model_env="COPILOT_MODEL", needs_model=True,
             protected=(".github/copilot-instructions.md", ".copilot", "AGENTS.md")),
     Profile("shell", "a command", None, network="none"),
     Profile("scripted", "the bundled scripted agent", "python3", prompt=("-I", "-S", "-c"), network="none",

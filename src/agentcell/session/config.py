@@ -54,7 +54,8 @@ FLAGS = {"harness": "--harness", "project_root": "--project", "declared_paths": 
          "firewall_enabled": "--firewall", "network": "--net", "allow_domains": "--allow-domain",
          "deny_domains": "--deny-domain", "allow_presets": "--allow-preset", "allow_ranges": "--allow-range",
          "resolver": "--resolver", "api_base": "--api-base", "model": "--model", "risk": "--risk", "env": "--env",
-         "keep_env": "--keep-env", "home_from": "--home-from", "memory": "--memory", "cpu": "--cpu",
+         "keep_env": "--keep-env", "home_from": "--home-from", "git_identity": "--git-identity", "memory": "--memory",
+         "cpu": "--cpu",
          "pids": "--pids", "limits": "--limits"}
 EGRESS_KEYS = ("allow_domains", "deny_domains", "allow_presets", "allow_ranges")  # lists; resolver: one value
 DEFAULT_WALL_CLOCK_S = 3600
@@ -87,6 +88,7 @@ class SessionConfig:
     env: tuple[tuple[str, str], ...] = ()  # set in the cell (--env, [session] env)
     keep_env: tuple[str, ...] = ()  # passed through (--keep-env): values in ``secrets``, never checkpointed
     home_from: str | None = None  # an ephemeral home starts as a copy of this directory (--home-from)
+    git_identity: str | None = None  # "Name <email>" the agent commits as (--git-identity); None: the human's, marked
     harness_args: tuple[str, ...] = ()
     config_files: tuple[str, ...] = ()  # the .env and agentcell.toml read (or looked for): see nodes.plan
     secrets: dict[str, str] = field(default_factory=dict)  # API-key variables found (env or .env), by name
@@ -102,6 +104,7 @@ class SessionConfig:
                 **{k: list(getattr(self, k)) for k in EGRESS_KEYS}, "resolver": self.resolver,
                 "api_base": self.api_base, "model": self.model, "risk": self.risk, "limits": list(self.limits),
                 "env": [list(kv) for kv in self.env], "keep_env": list(self.keep_env), "home_from": self.home_from,
+                "git_identity": self.git_identity,
                 "harness_args": list(self.harness_args), "config_files": list(self.config_files),
                 "secret_names": sorted(self.secrets),
                 "sources": dict(self.sources)}
@@ -404,6 +407,10 @@ def load(flags: Mapping[str, Any], *, environ: Mapping[str, str] | None = None, 
             values[key], sources[key] = os.path.abspath(os.path.join(root, os.path.expanduser(value))), where
     if (got := pick("wall_clock_limit_s", "WALL_CLOCK_LIMIT_S")) is not None:
         values["wall_clock_limit_s"], sources["wall_clock_limit_s"] = _seconds(*got), got[1]
+        if _project_file(got[1], toml_where, dot_ours) and values["wall_clock_limit_s"] > DEFAULT_WALL_CLOCK_S:
+            raise PolicyError(got[1], f"a file in the project may shorten the session's wall clock, never lengthen "
+                              f"it past {DEFAULT_WALL_CLOCK_S} s (an agent can write that file)",
+                              f"give --wall-clock {values['wall_clock_limit_s']} on the command line")
     if (got := pick("firewall_enabled", "FIREWALL_ENABLED")) is not None:
         values["firewall_enabled"], sources["firewall_enabled"] = _bool(*got), got[1]
     if (got := pick("network", None)) is not None:
@@ -420,7 +427,7 @@ def load(flags: Mapping[str, Any], *, environ: Mapping[str, str] | None = None, 
     from ..harness.profiles import PROFILES
 
     def by_file(where: str) -> bool:
-        return where.startswith(toml_where) or (" (in " in where and not dot_ours)
+        return _project_file(where, toml_where, dot_ours)
 
     harness = str(values.get("harness", cfg.harness))
     harness_by_file = by_file(sources.get("harness", ""))
@@ -474,6 +481,12 @@ def load(flags: Mapping[str, Any], *, environ: Mapping[str, str] | None = None, 
         notes.append(f"{dot_path}: {', '.join(left)} {'is' if len(left) == 1 else 'are'} not passed to the agent "
                      f"(only {cfg.harness}'s API keys are); --keep-env NAME passes one")
     return replace(cfg, secrets={k: env_view[k] for k in wanted if env_view.get(k)}, notes=tuple(notes))
+
+
+def _project_file(where: str, toml_where: str, dot_ours: bool) -> bool:
+    """Whether a value came from a file in the project (its ``agentcell.toml``, a ``.env`` that is not
+    yours alone): the agent may have written it."""
+    return where.startswith(toml_where) or (" (in " in where and not dot_ours)
 
 
 # What configures a harness or the programs it runs, by the prefixes their variables share: a file in
@@ -576,3 +589,8 @@ def _harness_knobs(values: dict[str, Any], sources: dict[str, str], flags: Mappi
             raise PolicyError("--home-from", "a persistent agent keeps its own home",
                               "leave out --agent or --home-from")
         values["home_from"], sources["home_from"] = home_from, "--home-from"
+    if flags.get("git_identity"):
+        from .gitcell import parse_identity
+
+        name, email = parse_identity(str(flags["git_identity"]))
+        values["git_identity"], sources["git_identity"] = f"{name} <{email}>", "--git-identity"

@@ -24,7 +24,7 @@ from langgraph.types import Command
 from ..audit.trail import AuditLog, AuditWriteError
 from ..cell import cgroups
 from ..errors import AgentcellError, PolicyError
-from . import envfiles
+from . import envfiles, gitcell
 from .state import FINAL, SECRET_PLACEHOLDER, Runtime, SessionState
 
 if TYPE_CHECKING:
@@ -284,9 +284,14 @@ class Nodes:
         # moves aside what the agent creates there, as agentcell run does.
         since_ns = time.time_ns() - 100_000_000  # file times are coarse: some slack
         before, truncated = protect.surface(spec.rw_paths)
-        seed_dir, seed_notes = self._seed(state, policy.identity.uid, policy.identity.gid)
+        env_files = envfiles.dotenv_files(list(spec.rw_paths))[0]  # (what exists is hidden in the cell; see cleanup)
+        git = self._git(state, spec.rw_paths)
+        seed_dir, seed_notes = self._seed(state, policy.identity.uid, policy.identity.gid,
+                                          (("gitconfig", git["config"], False),))
         if seed_dir is not None:
-            spec = spec.replace(ro_paths=(*spec.ro_paths, seed_dir))
+            spec = spec.replace(ro_paths=(*spec.ro_paths, seed_dir),
+                                env=(*spec.env, *gitcell.environment(os.path.join(seed_dir, "gitconfig"),
+                                                                     git["name"], git["email"]).items()))
         made = self.rt.firewalls.get(sid)
         try:
             cell = spawn.start(spec, list(state["argv"]), stdio=self.rt.stdio, firewall=made,
@@ -301,20 +306,38 @@ class Nodes:
         now = time.time()
         self._crash("spawn")
         self._audit(state, "spawn", "session.spawn", cell_id=cell.cell_id, pid1=pid1, argv0=state["argv"][0],
-                    uid=policy.identity.uid, seed=seed_dir, home_from=state["config"].get("home_from"))
+                    uid=policy.identity.uid, seed=seed_dir, home_from=state["config"].get("home_from"),
+                    git_identity=f"{git['name']} <{git['email']}>", git_identity_from=git["from"],
+                    git_safe_directories=git["safe"])
         return {"harness_pid": pid1, "cell_id": cell.cell_id, "started_at": now,
                 "deadline": now + policy.wall_clock_limit_s, "seed_notes": seed_notes,
-                "protect": {"before": before, "truncated": truncated, "since_ns": since_ns}}
+                "protect": {"before": before, "truncated": truncated, "since_ns": since_ns,
+                            "meanings": protect.meanings(before), "env_files": env_files}}
 
     @staticmethod
-    def _seed(state: SessionState, uid: int, gid: int) -> tuple[str | None, list[str]]:
+    def _git(state: SessionState, rw_paths: tuple[str, ...]) -> dict[str, Any]:
+        """The cell's own git configuration (:mod:`.gitcell`): the declared paths and the repositories in
+        them as safe directories, the identity the agent commits under."""
+        from .. import protect
+
+        repos = protect.repositories(rw_paths)
+        human = state.get("human")
+        name, email, where = gitcell.identity(state["config"].get("git_identity"), human[0] if human else None,
+                                              repos, state["config"]["harness"])
+        safe = list(dict.fromkeys((*rw_paths, *repos)))
+        return {"config": gitcell.system_config(safe, name, email), "name": name, "email": email, "from": where,
+                "safe": safe}
+
+    @staticmethod
+    def _seed(state: SessionState, uid: int, gid: int, more: tuple[tuple[str, str, bool], ...] = ()
+              ) -> tuple[str | None, list[str]]:
         """The seed directory (:mod:`agentcell.harness.seed`): the harness's settings files and the
-        home it starts from, the account's, bound read-only into the cell. A retried spawn starts it
-        again."""
+        home it starts from, the account's, bound read-only into the cell; ``more`` files of the
+        session's own (its git configuration). A retried spawn starts it again."""
         from ..harness import seed
 
         launch = state.get("launch") or {}
-        files = [(f["path"], f["content"], f["home"]) for f in launch.get("files", [])]
+        files = [(f["path"], f["content"], f["home"]) for f in launch.get("files", [])] + list(more)
         home_from = state["config"].get("home_from")
         if not files and not home_from:
             return None, []
@@ -527,7 +550,7 @@ class Nodes:
         """Move aside what the agent created on the control surface (the run protocol's step,
         :func:`agentcell.guard.compare`, from the scan spawn checkpointed); say what it changed there.
         Before the account is deleted: what moves must be the account's."""
-        from ..guard import compare
+        from ..guard import compare, lines
 
         guard, policy = state.get("protect"), state.get("policy") or {}
         if not guard:
@@ -539,16 +562,12 @@ class Nodes:
                 state.get("cell_id", ""), tuple(policy.get("rw_paths", ())), tuple(policy.get("allow_write", ())),
                 (*policy.get("ro_paths", ()), *policy.get("masked_paths", ())),
                 (account or {}).get("uid") if (account or {}).get("kind") != "self" else None,
-                (human[0], human[1]) if human else None)
+                (human[0], human[1]) if human else None, guard.get("meanings"))
         except Exception as e:  # noqa: BLE001 - a teardown that stops here leaves the account behind
             return [f"the protected paths could not be checked ({type(e).__name__}: {_line(e)}): review "
                     "repositories and agent config in the declared paths before you use them"]
-        gone = set(found["quarantined"])
-        out = [f"the agent created {old}, which decides what git, your shell or your agent runs; it was moved to "
-               f"{new}" for old, new in found["quarantined"].items()]
-        out += [f"the agent {'created' if p in found['protected_created'] else 'changed'} {p}, which decides what "
-                "git, your shell or your agent runs: review it before you use the project"
-                for p in found["protected_changes"] if p not in gone and not any(p.startswith(g + "/") for g in gone)]
+        out = lines(found, "the agent", lift_hint=False)
+        out += _set_aside_config(state, guard, account, (human[0], human[1]) if human else None)
         if found["scan_truncated"]:
             out.append("the declared paths hold more than the protected-path scan covers: review repositories and "
                        "agent config in them before you use them")
@@ -715,6 +734,36 @@ def _config_files(files: list[str], declared: list[str]) -> tuple[list[str], lis
                           "the agent",
                           "declare narrower paths with --rw, or remove what fills them")
     return ro, masked, marks
+
+
+def _set_aside_config(state: SessionState, guard: dict[str, Any], account: dict[str, Any] | None,
+                      give_to: tuple[int, int] | None) -> list[str]:
+    """Env files and session configuration the agent created in the declared paths: the next session and
+    the human's tools load them (a ``.env`` setting ``CODEX_HOME=./.codex`` runs the project's config the
+    next time the human starts Codex; ``WALL_CLOCK_LIMIT_S``), so they are the human's to accept: moved
+    into the quarantine box, as created git hooks and harness config are. The ones that existed were
+    hidden (env files) or read-only (``agentcell.toml``) in the cell."""
+    from .. import protect
+
+    policy = state.get("policy") or {}
+    rw = tuple(policy.get("rw_paths", ()))
+    before = set(guard.get("env_files") or ())
+    now, _ = envfiles.dotenv_files(list(rw))
+    # (an example file documents the variables: no tool loads it)
+    created = [f for f in now if f not in before and not f.endswith((".example", ".sample", ".template", ".dist"))
+               and f"/{protect.QUARANTINE_DIR}" not in f]  # (nor what was just moved aside)
+    created += [f for f, was in (state.get("config_marks") or {}).items()
+                if was is None and os.path.basename(f) == "agentcell.toml" and os.path.lexists(f)]
+    if not created:
+        return []
+    owner = (account or {}).get("uid") if (account or {}).get("kind") != "self" else None
+    moved, failed = protect.set_aside(sorted(set(created)), state.get("cell_id", ""), rw, owner_uid=owner,
+                                      since_ns=guard["since_ns"], give_to=give_to)
+    out = [f"the agent created {old}, which the next session or your tools load (an env file, the session's "
+           f"configuration); it was moved to {new}: move it back if you accept it" for old, new in moved]
+    out += [f"the agent created {f}, which the next session or your tools load, and it could not be moved aside: "
+            "review it before you use the project" for f in failed]
+    return out
 
 
 # ---- teardown from the state alone (the supervisor may be gone) ------------------------------------
