@@ -465,15 +465,6 @@ def _own_unified_cgroup(unified: str) -> str:
     return unified
 
 
-def _own_v1_cgroup(mountpoint: str, controller: str) -> str:
-    for line in (read_text("/proc/self/cgroup") or "").splitlines():
-        _, _, rest = line.partition(":")
-        names, _, path = rest.partition(":")
-        if controller in names.split(","):
-            return os.path.join(mountpoint, path.lstrip("/"))
-    return mountpoint
-
-
 def check_cgroups(mountinfo: str | None = None, *, root: bool) -> list[Check]:
     if mountinfo is None:
         mountinfo = read_text("/proc/self/mountinfo") or ""
@@ -504,17 +495,18 @@ def check_cgroups(mountinfo: str | None = None, *, root: bool) -> list[Check]:
     else:
         checks.append(Check("cgroups", "ok", detail, data=data))
     if not root:
-        if cg.layout == "v2":
-            own = _own_unified_cgroup(cg.unified or "/sys/fs/cgroup")
-            fix = ("run under a delegated scope: systemd-run --user --scope -p MemoryMax=… -p TasksMax=… "
-                   "agentcell …")
+        from .cell import cgroups
+
+        given = cgroups.delegated()
+        if given is None:
+            checks.append(Check("cgroup delegation", "warn", "no cgroup is delegated to this user: a session "
+                                "without root needs --ceilings off (said in its trail and summary), and agentcell "
+                                "run takes no --memory/--cpu/--pids", cgroups.how_to_delegate(),
+                                {"delegated": None}))
         else:
-            own = _own_v1_cgroup(cg.v1.get("memory", "/sys/fs/cgroup/memory"), "memory")
-            fix = "cgroup v1 cannot be delegated safely: cell ceilings need root (sudo) on this host"
-        if not os.access(own, os.W_OK):
-            checks.append(Check("cgroup delegation", "warn",
-                                f"{own} is not writable by this user: no memory/cpu/pids ceilings", fix,
-                                {"cgroup": own}))
+            checks.append(Check("cgroup delegation", "ok", "delegated to this user: " + ", ".join(
+                f"{k} {v}" for k, v in sorted(given.items())) + "; cells get their ceilings below them",
+                data={"delegated": given}))
     if root:
         checks.append(check_cgroup_migration(cg))
     if cg.unified:

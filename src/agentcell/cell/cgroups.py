@@ -5,6 +5,12 @@ parent's ``cgroup.subtree_control``; processes only in leaves) and hybrid/v1 hos
 pids and freezer hierarchies, plus a cgroup2 mounted at /sys/fs/cgroup/unified whose
 ``cgroup.kill`` and ``cgroup.freeze`` work). A cell's groups are ``agentcell/<cell id>`` in each.
 
+As root the groups live under ``agentcell/`` at the top of each hierarchy. An unprivileged caller has
+groups only where some were delegated to it (:func:`delegated`: its own cgroup in each hierarchy, owned
+by its uid: what systemd's ``Delegate=yes`` gives a user's manager or a ``systemd-run --user --scope``,
+or root's ``chown`` of a group): the cell's groups are made below those, and its records kept in the
+caller's own runtime directory.
+
 Defaults protect the host without breaking builds: at most 4096 tasks (a fork bomb stops there, a
 parallel build does not) and 75 % of RAM (the host keeps a quarter); CPU is not capped unless asked.
 OPS-1's profile (``--limits ops1``): 2 GiB, 50 % of one core, 64 tasks.
@@ -99,17 +105,67 @@ def _count(text: str, key: str) -> int:
     return 0
 
 
+def records_dir() -> str:
+    """Where the records of live cell groups are: root's runtime directory, or the caller's own."""
+    return RECORDS if os.geteuid() == 0 else os.path.join(hostfs.socket_dir(), "cgroups")
+
+
+def _own_cgroups() -> dict[str, str]:
+    """The caller's own cgroup in each hierarchy (``/proc/self/cgroup``): a v1 controller, or
+    ``unified`` (cgroup v2), to its directory."""
+    out: dict[str, str] = {}
+    for line in _read("/proc/self/cgroup").splitlines():
+        _, controllers, path = line.split(":", 2)
+        if not controllers:
+            out["unified"] = (ROOT if layout() == "v2" else f"{ROOT}/unified") + path.rstrip("/")
+        for c in controllers.split(","):
+            if c in V1_CONTROLLERS:
+                out[c] = f"{ROOT}/{c}" + path.rstrip("/")
+    return out
+
+
+def _ours(path: str) -> bool:
+    try:
+        return os.stat(path).st_uid == os.geteuid() and os.access(path, os.W_OK) and \
+            os.access(f"{path}/cgroup.procs", os.W_OK)
+    except OSError:
+        return False
+
+
+def delegated() -> dict[str, str] | None:
+    """For an unprivileged caller: the groups delegated to it, by hierarchy (its own cgroup in each, when
+    its uid owns it and may write its ``cgroup.procs``), or None when one that ceilings need is not: on
+    cgroup v2 the unified one; on v1 and hybrid hosts memory, cpu and pids (the freezer, cpuacct and the
+    unified tree of a hybrid host are used when they are delegated too)."""
+    kind = layout()
+    own = _own_cgroups()
+    needed = ("unified",) if kind == "v2" else ("memory", "cpu", "pids") if kind in ("v1", "hybrid") else ()
+    if not needed or not all(k in own and _ours(own[k]) for k in needed):
+        return None
+    return {k: d for k, d in own.items() if _ours(d)}
+
+
+def how_to_delegate() -> str:
+    """What gives an unprivileged user cgroups of their own here (for ``doctor`` and refusals)."""
+    if layout() == "v2":
+        return ("run it in a delegated scope: systemd-run --user --scope -p Delegate=yes agentcell ... (the user's "
+                "systemd manager, with memory, cpu and pids delegated: systemctl edit user@.service, Delegate=yes)")
+    return ("ask root to delegate a group in each of the memory, cpu and pids hierarchies: mkdir "
+            f"{ROOT}/{{memory,cpu,pids}}/USER, chown it to you, and start your shell inside it")
+
+
 def sweep() -> list[str]:
     """Remove the groups of cells whose supervisor died (SIGKILL) before it could: a record older
     than STALE_S whose groups hold no process. Returns the records removed."""
     removed: list[str] = []
+    records = records_dir()
     try:
-        names = os.listdir(RECORDS)
+        names = os.listdir(records)
     except OSError:
         return removed
     now = time.time()
     for name in names:
-        record = os.path.join(RECORDS, name)
+        record = os.path.join(records, name)
         try:
             if now - os.lstat(record).st_mtime < STALE_S:
                 continue
@@ -123,6 +179,23 @@ def sweep() -> list[str]:
         stale.remove()
         removed.append(record)
     return removed
+
+
+def _leave_room(top: str, wanted: set[str]) -> set[str]:
+    """cgroup v2 lets a group enable controllers for its children only while it holds no process itself;
+    a delegated group holds the caller (and its shell, maybe). Those of its processes that are the
+    caller's own move to a leaf of it, ``agentcell-here``; then the controllers it can enable are
+    returned (none if another's process stays: then the cell gets no ceilings from this tree)."""
+    procs = [p for p in _read(f"{top}/cgroup.procs").split() if p.isdigit()]
+    if procs:
+        here = f"{top}/agentcell-here"
+        os.makedirs(here, exist_ok=True)
+        for p in procs:
+            try:
+                _write(f"{here}/cgroup.procs", p)
+            except OSError:
+                return set()
+    return wanted & set(_read(f"{top}/cgroup.controllers").split())
 
 
 class Limits:
@@ -140,29 +213,41 @@ class CellCgroup:
         self.record = ""
 
     @classmethod
-    def create(cls, cell_id: str, limits: Limits) -> CellCgroup:
+    def create(cls, cell_id: str, limits: Limits, delegated_to_us: dict[str, str] | None = None) -> CellCgroup:
+        """The cell's groups, as root at the top of each hierarchy, or below the groups delegated to an
+        unprivileged caller (:func:`delegated`)."""
         kind = layout()
         if kind == "none":
             raise LaunchError("cgroup", "no cgroup filesystem is mounted", "see 'agentcell doctor'")
         dirs: dict[str, str] = {}
         cg = cls(kind, dirs)
-        cg.record = os.path.join(RECORDS, cell_id)
+        cg.record = os.path.join(records_dir(), cell_id)
         sweep()
+        if delegated_to_us is not None:
+            tops = dict(delegated_to_us)
+        elif kind == "v2":
+            tops = {"unified": ROOT}
+        else:
+            tops = {c: f"{ROOT}/{c}" for c in (*V1_CONTROLLERS, "unified")}
         try:
             # Recorded before it exists, so a crash's leftovers can always be found and removed.
-            hostfs.run_dir("cgroups")
-            planned = [f"{ROOT}/{PARENT}/{cell_id}"] if kind == "v2" else [
-                f"{ROOT}/{c}/{PARENT}/{cell_id}" for c in (*V1_CONTROLLERS, "unified")]
-            _write_new(cg.record, "\n".join(planned) + "\n")
+            if delegated_to_us is None:
+                hostfs.run_dir("cgroups")
+            else:
+                hostfs.private_dir(records_dir())
+            _write_new(cg.record, "\n".join(f"{top}/{PARENT}/{cell_id}" for top in tops.values()) + "\n")
             if kind == "v2":
+                top = tops["unified"]
                 # Only controllers this tree has (on a hybrid host a v2 tree may have none of them).
-                have = set(_read(f"{ROOT}/cgroup.controllers").split()) & {"memory", "cpu", "pids"}
+                have = set(_read(f"{top}/cgroup.controllers").split()) & {"memory", "cpu", "pids"}
+                if have and delegated_to_us is not None:
+                    have &= _leave_room(top, have)
                 cg.controllers = have
-                os.makedirs(f"{ROOT}/{PARENT}", exist_ok=True)
-                for d in (ROOT, f"{ROOT}/{PARENT}"):
+                os.makedirs(f"{top}/{PARENT}", exist_ok=True)
+                for d in (top, f"{top}/{PARENT}"):
                     if have:
                         _write(f"{d}/cgroup.subtree_control", " ".join(f"+{c}" for c in sorted(have)))
-                d = dirs["unified"] = cg._mkdir(f"{ROOT}/{PARENT}/{cell_id}")
+                d = dirs["unified"] = cg._mkdir(f"{top}/{PARENT}/{cell_id}")
                 if limits.memory and "memory" in have:
                     _write(f"{d}/memory.max", str(limits.memory))
                     if os.path.exists(f"{d}/memory.swap.max"):
@@ -173,10 +258,10 @@ class CellCgroup:
                     _write(f"{d}/pids.max", str(limits.pids))
                 return cg
             for ctrl in V1_CONTROLLERS:
-                if os.path.exists(f"{ROOT}/{ctrl}/tasks"):
-                    dirs[ctrl] = cg._mkdir(f"{ROOT}/{ctrl}/{PARENT}/{cell_id}")
-            if kind == "hybrid":
-                dirs["unified"] = cg._mkdir(f"{ROOT}/unified/{PARENT}/{cell_id}")
+                if ctrl in tops and os.path.exists(f"{ROOT}/{ctrl}/tasks"):
+                    dirs[ctrl] = cg._mkdir(f"{tops[ctrl]}/{PARENT}/{cell_id}")
+            if kind == "hybrid" and "unified" in tops:
+                dirs["unified"] = cg._mkdir(f"{tops['unified']}/{PARENT}/{cell_id}")
             if limits.memory and "memory" in dirs:
                 _write(f"{dirs['memory']}/memory.limit_in_bytes", str(limits.memory))
             if limits.cpu_percent and "cpu" in dirs:

@@ -308,13 +308,14 @@ def prepare(spec: CellSpec, guards: Guards) -> Prepared:
     plan = mounts.plan(spec, *guards)
     # 2. The seccomp filter, compiled (or read from root's cache) here, once, not in every cell.
     seccomp.program(spec.watch)
-    # 3. The cell's own cgroup (limits; freeze and kill as a whole). Root only: unprivileged users
-    #    have no delegated cgroup on hybrid hosts (doctor says so).
-    if os.geteuid() == 0:
-        cg = cgroups.CellCgroup.create(cell_id, cell_limits(spec))
+    # 3. The cell's own cgroup (limits; freeze and kill as a whole). An unprivileged caller has one only
+    #    where groups were delegated to it (doctor says how); without, a cell with ceilings is refused.
+    delegated = cgroups.delegated() if os.geteuid() != 0 else None
+    if os.geteuid() == 0 or delegated is not None:
+        cg = cgroups.CellCgroup.create(cell_id, cell_limits(spec), delegated)
     elif spec.memory_max or spec.cpu_percent or spec.pids_max:
-        raise PolicyError("--memory/--cpu/--pids", "ceilings need a cgroup, and unprivileged users have none "
-                          "delegated here", "run through sudo with --as, or drop the ceilings")
+        raise PolicyError("--memory/--cpu/--pids", "ceilings need a cgroup, and none is delegated to you here",
+                          f"run through sudo with --as, drop the ceilings, or {cgroups.how_to_delegate()}")
     else:
         cg = None
     prepared = None

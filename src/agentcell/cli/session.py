@@ -92,6 +92,8 @@ def parser() -> Parser:
         sp.add_argument(flag, metavar=metavar, help=help_)
     sp.add_argument("--home-from", metavar="DIR", help="start the cell's fresh home as a copy of DIR (a home you "
                     "prepared once: logins, settings)")
+    sp.add_argument("--ceilings", choices=("on", "off"), help="off: no memory, CPU or task ceilings at all (said in "
+                    "the audit trail and the summary); without root they need a cgroup delegated to you")
     sp.add_argument("--git-identity", metavar='"NAME <EMAIL>"', help="who the agent commits as (default: you, as "
                     "git knows you, marked as the agent's: NAME (agent: HARNESS))")
     sp.add_argument("--explain", action="store_true", help="print the plan and the policy; start nothing")
@@ -152,10 +154,12 @@ def _start(ns: Any, harness_args: list[str]) -> int:
     flags = {k: getattr(ns, k) for k in ("harness", "agent", "declared_paths", "project_root", "wall_clock_limit_s",
                                          "backup_dir", "audit_log_path", "firewall_enabled", "network",
                                          *config.EGRESS_KEYS, "resolver", "api_base", "model", "env", "keep_env",
-                                         "risk", "memory", "cpu", "pids", "limits", "home_from", "git_identity")}
+                                         "risk", "memory", "cpu", "pids", "limits", "home_from", "git_identity",
+                                         "ceilings")}
     flags["harness_args"] = harness_args
     summary_fd = _new_file(ns.summary_file, "--summary-file") if ns.summary_file else None
     cfg = config.load(flags, dotenv=ns.env_file)
+    _check_ceilings(cfg)
     sid = _checked_id(ns.session_id, "--id") if ns.session_id is not None else graph.new_session_id()
     from ..session.nodes import compile_policy, make_plan, session_network
 
@@ -216,6 +220,18 @@ def _start(ns: Any, harness_args: list[str]) -> int:
         return EXIT_TERMINATED
     code = summary.get("exit_status")
     return 0 if summary["reason"] == "timeout" or not isinstance(code, int) else code
+
+
+def _check_ceilings(cfg: Any) -> None:
+    """Fail closed: a session without root gets its ceilings from a cgroup delegated to its user, or runs
+    without them only when told (--ceilings off); never a silent demotion."""
+    from ..cell import cgroups
+
+    if os.geteuid() == 0 or not any(cfg.limits) or cgroups.delegated() is not None:
+        return
+    raise AgentcellError("--ceilings", f"the session's ceilings ({cfg.sources.get('limits')}) need a cgroup, and none "
+                         "is delegated to you here", "give --ceilings off to run without them (the audit trail and "
+                         f"the summary say so), or {cgroups.how_to_delegate()}")
 
 
 def _credentials(ns: Any, cfg: Any, launch: Any, policy: dict[str, Any]) -> tuple[Any, str | None, Any]:
@@ -329,6 +345,7 @@ def _summary(st: dict[str, Any]) -> dict[str, Any]:
         "escape": escape,
         "harness": (st.get("config") or {}).get("harness"),
         "declared_paths": (st.get("policy") or {}).get("rw_paths", []),
+        "ceilings": _ceilings(st),
         "os_user": (st.get("account") or {}).get("name"),
         "backup_id": st.get("backup_id"),
         "cell_id": st.get("cell_id"),
@@ -341,11 +358,22 @@ def _summary(st: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _ceilings(st: dict[str, Any]) -> str:
+    from .. import limits
+
+    cfg = st.get("config") or {}
+    if cfg.get("ceilings") is False:
+        return "off (--ceilings off)"
+    return limits.describe(*(cfg.get("limits") or (None, None, None)))
+
+
 def _print_end(s: dict[str, Any]) -> None:
     line = f"{PROG}: session {s['session']} {s['status']}"
     if s["reason"]:
         line += f" ({s['reason']})"
     sys.stderr.write(_shown(line) + "\n")
+    if str(s.get("ceilings", "")).startswith("off"):
+        sys.stderr.write(f"{PROG}: it ran without ceilings (--ceilings off): no memory, CPU or task limit held it\n")
     if s["backup_id"]:
         sys.stderr.write(f"{PROG}: backup {s['backup_id']}: 'agentcell session diff {s['session']}' shows the "
                          f"changes, 'agentcell session restore {s['session']}' undoes them\n")

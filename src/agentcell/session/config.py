@@ -54,7 +54,8 @@ FLAGS = {"harness": "--harness", "project_root": "--project", "declared_paths": 
          "firewall_enabled": "--firewall", "network": "--net", "allow_domains": "--allow-domain",
          "deny_domains": "--deny-domain", "allow_presets": "--allow-preset", "allow_ranges": "--allow-range",
          "resolver": "--resolver", "api_base": "--api-base", "model": "--model", "risk": "--risk", "env": "--env",
-         "keep_env": "--keep-env", "home_from": "--home-from", "git_identity": "--git-identity", "memory": "--memory",
+         "keep_env": "--keep-env", "home_from": "--home-from", "git_identity": "--git-identity",
+         "ceilings": "--ceilings", "memory": "--memory",
          "cpu": "--cpu",
          "pids": "--pids", "limits": "--limits"}
 EGRESS_KEYS = ("allow_domains", "deny_domains", "allow_presets", "allow_ranges")  # lists; resolver: one value
@@ -85,6 +86,7 @@ class SessionConfig:
     model: str | None = None
     risk: str = "medium"  # the default ceilings (agentcell.limits); a project file may raise it
     limits: tuple[int | None, int | None, int | None] = (None, None, None)  # memory, cpu, pids: resolved
+    ceilings: bool = True  # False: --ceilings off (no cgroup limits at all: recorded, shown in the summary)
     env: tuple[tuple[str, str], ...] = ()  # set in the cell (--env, [session] env)
     keep_env: tuple[str, ...] = ()  # passed through (--keep-env): values in ``secrets``, never checkpointed
     home_from: str | None = None  # an ephemeral home starts as a copy of this directory (--home-from)
@@ -103,6 +105,7 @@ class SessionConfig:
                 "firewall_enabled": self.firewall_enabled, "network": self.network,
                 **{k: list(getattr(self, k)) for k in EGRESS_KEYS}, "resolver": self.resolver,
                 "api_base": self.api_base, "model": self.model, "risk": self.risk, "limits": list(self.limits),
+                "ceilings": self.ceilings,
                 "env": [list(kv) for kv in self.env], "keep_env": list(self.keep_env), "home_from": self.home_from,
                 "git_identity": self.git_identity,
                 "harness_args": list(self.harness_args), "config_files": list(self.config_files),
@@ -551,6 +554,13 @@ def _harness_knobs(values: dict[str, Any], sources: dict[str, str], flags: Mappi
         raise PolicyError(e.field, e.problem, e.fix) from None
     given = [FLAGS[k] for k in ("limits", "memory", "cpu", "pids") if flags.get(k)]
     sources["limits"] = ", ".join(given) + f" over risk {risk}" if given else f"risk {risk}"
+    if flags.get("ceilings") not in (None, "on", "off"):
+        raise PolicyError("--ceilings", f"'{flags['ceilings']}' is neither on nor off", "--ceilings off runs without "
+                          "any (said in the audit trail and the summary)")
+    if flags.get("ceilings") == "off":  # (a flag only: no file in the project weakens them)
+        if given:
+            raise PolicyError("--ceilings", f"off contradicts {', '.join(given)}", "drop one of them")
+        values["limits"], values["ceilings"], sources["limits"] = (None, None, None), False, "--ceilings off"
     env: dict[str, str] = {}
     if "env" in toml:
         table = toml["env"]

@@ -139,7 +139,8 @@ class Nodes:
         self._audit(state, "policy", "session.policy", os_user=policy["os_user"], write_paths=policy["write_paths"],
                     read_paths=policy["read_paths"], env_allowlist=policy["env_allowlist"],
                     firewall_rule=policy["firewall_rule"], risk=state["plan"].get("risk"), limits=policy["limits"],
-                    limits_from=state["config"].get("sources", {}).get("limits"), home=policy["home_dir"] or "tmpfs")
+                    limits_from=state["config"].get("sources", {}).get("limits"), home=policy["home_dir"] or "tmpfs",
+                    ceilings="on" if state["config"].get("ceilings", True) else "off")
         return {"policy": policy}
 
     def preflight(self, state: SessionState) -> dict[str, Any]:
