@@ -96,8 +96,8 @@ def test_without_root_a_session_runs_as_you_with_ceilings_off_and_says_so(
 
 def test_without_root_the_ceilings_hold_in_a_cgroup_delegated_to_you(
         user: User, home: Path, project: Path, delegated: list[Path]) -> None:
-    bomb = "import os\nn = 0\ntry:\n    while True:\n        if os.fork() == 0:\n            import time; time.sleep(30)\n" \
-           "        n += 1\nexcept OSError as e:\n    print('stopped at', n, e.errno)\n"
+    bomb = ("import os, time\nn = 0\ntry:\n    while True:\n        if os.fork() == 0:\n            time.sleep(30)\n"
+            "        n += 1\nexcept OSError as e:\n    print('stopped at', n, e.errno)\n")
     rc, out, summary = session(user, home, project, ["--pids", "40", "--memory", "256M", "--", "python3", "-c", bomb],
                                into=delegated)
     assert summary.get("status") == "completed", out

@@ -584,35 +584,7 @@ def quarantine(before: dict[str, tuple[int, int, int, int]], after: dict[str, tu
     created = sorted(p for p in after if (p not in before or before_truncated) and os.path.basename(p) in _STRUCTURE
                      and not any(p == a or p.startswith(a + "/") for a in lifted)
                      and not any(p == k or p.startswith(k + "/") for k in fences))
-    moved: list[tuple[str, str]] = []
-    gone: set[str] = set()
-    failed: list[str] = []
-    boxes: dict[str, tuple[int, str]] = {}
-    try:
-        for path in created:
-            if any(a in gone for a in _ancestors(path)):
-                continue
-            root = next((r for r in writable if path.startswith(r.rstrip("/") + "/")), None)
-            if root is None or len(moved) >= MAX_QUARANTINE:
-                failed.append(path)
-                continue
-            def box(root: str = root) -> tuple[int, str]:
-                if root not in boxes:
-                    boxes[root] = _quarantine_box(root, cell_id, give_to)
-                return boxes[root]
-            try:
-                new = _move(path, after[path], owner_uid, since_ns, box, os.path.relpath(path, root))
-            except (OSError, LaunchError, ValueError):
-                failed.append(path)
-                continue
-            if new is None:
-                continue  # not the cell's: left where it is (and reported as a change)
-            moved.append((path, os.path.join(root, new)))
-            gone.add(path)
-    finally:
-        for fd, _name in boxes.values():
-            os.close(fd)
-    return moved, failed
+    return _move_all([(p, after[p]) for p in created], cell_id, writable, owner_uid, since_ns, give_to)
 
 
 def set_aside(paths: list[str], cell_id: str, writable: tuple[str, ...], *, owner_uid: int | None, since_ns: int,
@@ -621,17 +593,31 @@ def set_aside(paths: list[str], cell_id: str, writable: tuple[str, ...], *, owne
     file, a session's config) into the run's quarantine box, as :func:`quarantine` moves structure: only
     what came into being during the run (ctime), owned by ``owner_uid`` when given, by a rename that
     follows no link. ([(path, new path)], [not moved])."""
+    seen = []
+    for path in paths:
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        seen.append((path, (stat.S_IFMT(st.st_mode), st.st_ino, st.st_size, st.st_mtime_ns)))
+    return _move_all(seen, cell_id, writable, owner_uid, since_ns, give_to)
+
+
+def _move_all(entries: list[tuple[str, tuple[int, int, int, int]]], cell_id: str, writable: tuple[str, ...],
+              owner_uid: int | None, since_ns: int, give_to: tuple[int, int] | None
+              ) -> tuple[list[tuple[str, str]], list[str]]:
+    """Each (path, what the scan saw of it) into the quarantine box of its writable root (made when a
+    first one moves); an entry below one already moved went with it."""
     moved: list[tuple[str, str]] = []
+    gone: set[str] = set()
     failed: list[str] = []
     boxes: dict[str, tuple[int, str]] = {}
     try:
-        for path in paths:
-            root = next((r for r in writable if path.startswith(r.rstrip("/") + "/")), None)
-            try:
-                st = os.lstat(path)
-            except OSError:
+        for path, seen in entries:
+            if any(a in gone for a in _ancestors(path)):
                 continue
-            if root is None:
+            root = next((r for r in writable if path.startswith(r.rstrip("/") + "/")), None)
+            if root is None or len(moved) >= MAX_QUARANTINE:
                 failed.append(path)
                 continue
 
@@ -639,14 +625,15 @@ def set_aside(paths: list[str], cell_id: str, writable: tuple[str, ...], *, owne
                 if root not in boxes:
                     boxes[root] = _quarantine_box(root, cell_id, give_to)
                 return boxes[root]
-            seen = (stat.S_IFMT(st.st_mode), st.st_ino, st.st_size, st.st_mtime_ns)
             try:
                 new = _move(path, seen, owner_uid, since_ns, box, os.path.relpath(path, root))
             except (OSError, LaunchError, ValueError):
                 failed.append(path)
                 continue
-            if new is not None:
-                moved.append((path, os.path.join(root, new)))
+            if new is None:
+                continue  # not the cell's: left where it is (and reported as a change)
+            moved.append((path, os.path.join(root, new)))
+            gone.add(path)
     finally:
         for fd, _name in boxes.values():
             os.close(fd)
