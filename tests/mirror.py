@@ -2,7 +2,7 @@
 files (a package registry's mirror: npm's packuments and tarballs, pip's simple index and wheels).
 
     python tests/mirror.py ADDR PORT git REPO_ROOT CERT KEY [TOKEN]
-    python tests/mirror.py ADDR PORT files ROOT
+    python tests/mirror.py ADDR PORT files ROOT [CERT KEY]
 
 With TOKEN, git asks for it as a GitHub-style host does: HTTP Basic (any user, the token as password);
 a request without it gets 401 and a Basic challenge, one with another gets 403 (its digest on stderr).
@@ -84,6 +84,16 @@ class Git(http.server.BaseHTTPRequestHandler):
     do_GET = do_POST = _serve
 
 
+class Files(http.server.SimpleHTTPRequestHandler):
+    """Static files, with what the real registries say of a release's files (PyPI's wheels, npm's
+    tarballs): they never change, so a client may keep them (pip's and npm's caches do)."""
+
+    def end_headers(self) -> None:
+        if self.path.startswith(("/packages/", "/tarballs/")):
+            self.send_header("Cache-Control", "max-age=365000000, immutable, public")
+        super().end_headers()
+
+
 class Server(http.server.ThreadingHTTPServer):
     def server_bind(self) -> None:  # without HTTPServer's reverse lookup of its own address (no DNS here)
         import socketserver
@@ -102,7 +112,11 @@ def main() -> None:
         ctx.load_cert_chain(sys.argv[5], sys.argv[6])
         server.socket = ctx.wrap_socket(server.socket, server_side=True)
     else:
-        server = Server((addr, port), partial(http.server.SimpleHTTPRequestHandler, directory=root))
+        server = Server((addr, port), partial(Files, directory=root))
+        if len(sys.argv) > 6:  # a registry over HTTPS, as the real ones are (a test CA's leaf)
+            ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            ctx.load_cert_chain(sys.argv[5], sys.argv[6])
+            server.socket = ctx.wrap_socket(server.socket, server_side=True)
     print("ready", flush=True)
     os.environ.clear()
     server.serve_forever()

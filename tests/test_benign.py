@@ -32,6 +32,7 @@ from typing import Any
 
 import pytest
 
+from agentcell.accounts.ephemeral import UID_FIRST
 from agentcell.harness.check import Rig
 from conftest import AGENTCELL, User, _drop_user, _make_user, needs_root
 from harnesses import Unavailable, bin_dir
@@ -82,8 +83,8 @@ def _git(where: Path, *args: str) -> None:
     subprocess.run(["git", "-C", str(where), "-c", "user.name=t", "-c", "user.email=t@t", *args], check=True)
 
 
-def _certificates(work: Path, name: str) -> None:
-    """A test CA (standing in for the public ones) and a leaf for ``name`` signed by it."""
+def _certificates(work: Path, *names: str) -> None:
+    """A test CA (standing in for the public ones) and a leaf for ``names`` signed by it."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
@@ -96,10 +97,10 @@ def _certificates(work: Path, name: str) -> None:
           .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(hours=1))
           .not_valid_after(now + datetime.timedelta(days=1))
           .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True).sign(ca_key, hashes.SHA256()))
-    leaf = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
+    leaf = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, names[0])]))
             .issuer_name(ca_name).public_key(leaf_key.public_key()).serial_number(x509.random_serial_number())
             .not_valid_before(now - datetime.timedelta(hours=1)).not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName([x509.DNSName(name)]), critical=False)
+            .add_extension(x509.SubjectAlternativeName([x509.DNSName(n) for n in names]), critical=False)
             .sign(ca_key, hashes.SHA256()))
     pem = serialization.Encoding.PEM
     (work / "ca.pem").write_bytes(ca.public_bytes(pem))
@@ -232,6 +233,66 @@ def test_npm_and_pip_install_through_the_proxy_from_mirrors_with_nothing_acting(
     summary, events, out = shell(env, script, *net.flags("registry.test:80", "pypi.test:80"))
     nothing_acts(summary, events, out)
     assert out.count("from the mirror") == 2, out[-2000:]
+
+
+def test_a_second_session_installs_from_the_projects_cache_and_another_project_has_none(
+        env: Env, net: Net, user: User) -> None:
+    """The toolchain caches (issue 26): the first session's pip and npm fill the project's cache at
+    /cache (its account owns it then; root between sessions); with the wheel and the tarball gone from
+    the registries, the next session of that project installs them from there, and a session of another
+    project (same human) cannot."""
+    try:
+        pip = bin_dir("pytest") / "pip"
+    except Unavailable as e:
+        pytest.skip(str(e))
+    (env.project / "package.json").write_text(json.dumps({"name": "app", "version": "1.0.0", "private": True}))
+    _given(env, env.project / "package.json")
+    install = (f"rm -rf node_modules lib; npm install --no-audit --no-fund --no-update-notifier "
+               f"--registry http://registry.test/ {PKG} && node -e \"console.log(require('{PKG}'))\" && "
+               f"{pip} install --disable-pip-version-check --index-url http://pypi.test/simple/ "
+               f"--trusted-host pypi.test --target lib {PKG} && "
+               "PYTHONPATH=lib python3 -c 'import agentcell_probe_pkg as p; print(p.WHERE)'")
+    owner = "echo cache-owner=$(stat -c %u /cache/pip)/$(id -u) PIP_CACHE_DIR=$PIP_CACHE_DIR"
+    flags = net.flags("registry.test:80", "pypi.test:80")
+    summary, events, out = shell(env, f"set -e; {owner}; {install}", *flags)
+    nothing_acts(summary, events, out)
+    assert out.count("from the mirror") == 2, out[-2000:]
+    mine = [ln for ln in out.splitlines() if ln.startswith("cache-owner=")]
+    uid = mine[0].removeprefix("cache-owner=").split()[0].split("/")
+    assert uid[0] == uid[1] and int(uid[0]) >= UID_FIRST and "PIP_CACHE_DIR=/cache/pip" in mine[0], mine
+    listed = json.loads(subprocess.run([AGENTCELL, "cache", "list", "--json"], env=session_environ(env),
+                                       capture_output=True, text=True, check=True).stdout)
+    assert [e["project"] for e in listed] == [str(env.project)] and {"npm", "pip"} <= set(listed[0]["tools"]), listed
+    tree = Path(listed[0]["path"])
+    assert tree.is_relative_to(env.state) and (tree.stat().st_uid, tree.stat().st_mode & 0o777) == (0, 0o700)
+    assert all(p.lstat().st_uid == 0 for p in tree.rglob("*")), "what the account made went back to root"
+    gone = [net.work / "pypi" / "packages" / WHEEL, net.work / "npm" / "tarballs" / f"{PKG}-{VERSION}.tgz"]
+    kept = [(p, p.read_bytes()) for p in gone]
+    for p in gone:
+        p.unlink()
+    try:
+        summary, events, out = shell(env, f"set -e; {install}", *flags)
+        nothing_acts(summary, events, out)
+        assert out.count("from the mirror") == 2 and f"Using cached http://pypi.test/packages/{WHEEL}" in out, out[-2000:]
+        other = env.state.parent / f"agentcell-test-other-{os.getpid()}"
+        other.mkdir()
+        try:
+            shutil.copy(env.project / "package.json", other / "package.json")
+            for p in (other, other / "package.json"):
+                os.chown(p, user.uid, user.gid)
+            s = session(env, ["start", "--harness", "shell", "--json", "--project", str(other), *flags, "--", "sh",
+                              "-c", f"ls -A /cache/pip /cache/npm; {install}"], timeout=300)
+            assert s.summary["status"] == "completed" and s.summary["exit_status"] != 0, (s.out, s.err)
+            assert "from the mirror" not in s.out and "Using cached" not in s.out, s.out[-2000:]
+        finally:
+            shutil.rmtree(other, ignore_errors=True)
+    finally:
+        for p, data in kept:
+            p.write_bytes(data)
+            p.chmod(0o644)
+    off, _, out = shell(env, "test -e /cache && echo has-cache || echo no-cache; echo ${PIP_CACHE_DIR:-unset}",
+                        "--cache", "off")
+    assert off["exit_status"] == 0 and "no-cache\nunset" in out, out
 
 
 def test_pytest_and_make_with_cc_with_nothing_acting(env: Env) -> None:

@@ -106,3 +106,29 @@ def test_without_root_the_ceilings_hold_in_a_cgroup_delegated_to_you(
     assert summary["ceilings"].startswith("memory 256 MiB") and "tasks 40" in summary["ceilings"], summary
     left = [d for d in delegated for child in d.iterdir() if child.is_dir()]  # its groups went with it
     assert not left, left
+
+
+def test_without_root_the_projects_caches_are_yours_kept_between_sessions_and_cleared(
+        user: User, home: Path, project: Path) -> None:
+    """The toolchain caches of a rootless session: in the user's own state, owned by them, at /cache in
+    the next session of the project too; 'agentcell cache clear' removes them, read-only module
+    directories (go's) included."""
+    fill = ("stat -c owner=%u /cache/pip; echo kept > /cache/pip/mark; mkdir -p /cache/go/mod/m@v1 && "
+            "echo x > /cache/go/mod/m@v1/f && chmod -R a-w /cache/go/mod")
+    rc, out, summary = session(user, home, project, ["--ceilings", "off", "--", "sh", "-c", fill])
+    assert rc == 0 and summary["status"] == "completed" and f"owner={user.uid}" in out, out
+    rc, out, summary = session(user, home, project, ["--ceilings", "off", "--", "cat", "/cache/pip/mark"])
+    assert rc == 0 and "kept" in out, out
+
+    def cache(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([*user.prefix(), "env", "-i", f"HOME={home}", "PATH=/usr/bin:/bin", AGENTCELL,
+                               "cache", *args], capture_output=True, text=True, timeout=60)
+
+    listed = json.loads(cache("list", "--json").stdout)
+    tree = Path(listed[0]["path"])
+    assert [e["project"] for e in listed] == [str(project)] and listed[0]["owner"] == f"{user.uid}:{user.gid}"
+    assert tree.is_relative_to(home / ".local/state/agentcell/caches") and (tree / "pip/mark").exists(), listed
+    p = cache("clear", "--project", str(project))
+    assert p.returncode == 0 and not tree.exists() and not tree.parent.exists(), p.stdout + p.stderr
+    p = cache("clear", "--project", str(project))
+    assert p.returncode != 0 and p.stderr.count("\n") == 1 and "has no cache" in p.stderr, p.stderr

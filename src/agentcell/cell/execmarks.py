@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 
 from . import fanotify
-from .spec import SCRATCH_PATH, CellSpec
+from .spec import CACHE_PATH, SCRATCH_PATH, CellSpec
 
 FAN_MARK_MOUNT = 0x10
 
@@ -28,7 +28,8 @@ def planned(spec: CellSpec) -> tuple[str, ...]:
         return ()
     system = set(spec.system_paths)
     return tuple(dict.fromkeys((*spec.rw_paths, *(p for p in spec.ro_paths if p not in system),
-                                spec.identity.home, "/tmp", "/dev/shm", SCRATCH_PATH)))
+                                spec.identity.home, "/tmp", "/dev/shm", SCRATCH_PATH,
+                                *((CACHE_PATH,) if spec.cache_dir else ()))))
 
 
 def mark_and_send(spec: CellSpec, ctl: object) -> None:

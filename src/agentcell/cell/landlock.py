@@ -15,7 +15,7 @@ import stat
 import struct
 
 from ..errors import LaunchError
-from .spec import SCRATCH_PATH, CellSpec
+from .spec import CACHE_PATH, SCRATCH_PATH, CellSpec
 
 SYS_create_ruleset, SYS_add_rule, SYS_restrict_self = 444, 445, 446
 CREATE_RULESET_VERSION = 1
@@ -57,7 +57,8 @@ def rules_for(spec: CellSpec) -> list[tuple[str, int]]:
                                     and not os.path.islink(p)]
     rules += [("/", READ_DIR), ("/proc", READ_FILE | READ_DIR), ("/dev", DEVICES)]  # /proc: read only
     rules += [(p, READ_EXEC) for p in spec.ro_paths]
-    rules += [(p, WRITE_ALL) for p in ("/tmp", "/dev/shm", SCRATCH_PATH, spec.identity.home, *spec.rw_paths)]
+    rules += [(p, WRITE_ALL) for p in ("/tmp", "/dev/shm", SCRATCH_PATH, spec.identity.home, *spec.rw_paths,
+                                       *((CACHE_PATH,) if spec.cache_dir else ()))]
     return rules
 
 

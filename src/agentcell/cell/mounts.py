@@ -13,7 +13,7 @@ from ..errors import LaunchError
 from . import syscalls as sc
 from .cgroups import default_memory
 from .paths import fd_path, open_nofollow
-from .spec import SCRATCH_PATH, SECRET_DIRS, SECRET_FILES, TYPE_CHECKING, CellSpec
+from .spec import CACHE_PATH, SCRATCH_PATH, SECRET_DIRS, SECRET_FILES, TYPE_CHECKING, CellSpec
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -178,6 +178,8 @@ def plan(spec: CellSpec, guarded: Sequence[tuple[str, bool]], hidden: Sequence[s
         mine.append(bind(spec.scratch_dir, SCRATCH_PATH, False))
     else:
         mine.append(Step("tmpfs", SCRATCH_PATH, "tmpfs", readonly=False, data=owner))
+    if spec.cache_dir:
+        mine.append(bind(spec.cache_dir, CACHE_PATH, False))
     for p in spec.rw_paths:
         mine.append(bind(p, p, False))
     system = {s.dest for s in steps if s.kind == "bind"}

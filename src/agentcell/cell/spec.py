@@ -45,6 +45,7 @@ SECRET_FILES: tuple[str, ...] = (
 SECRET_DIRS: tuple[str, ...] = ("/etc/sudoers.d", "/etc/ssl/private", "/etc/NetworkManager/system-connections")
 
 SCRATCH_PATH = "/scratch"
+CACHE_PATH = "/cache"  # a session's toolchain caches (agentcell.caches), when it has them
 CELL_HOSTNAME = "agentcell"
 DEFAULT_PATH = "/usr/local/bin:/usr/bin:/bin:/usr/local/sbin:/usr/sbin:/sbin"
 
@@ -109,8 +110,8 @@ class CellSpec(_Frozen):
     """Everything the launcher needs for one cell, spelled out; paths absolute and resolved."""
 
     __slots__ = ("identity", "rw_paths", "ro_paths", "masked_paths", "system_paths", "scratch_dir", "home_dir",
-                 "network", "env", "cwd", "hostname", "landlock", "landlock_min_abi", "memory_max", "cpu_percent",
-                 "pids_max", "allow_write", "egress", "watch", "cell_id")
+                 "cache_dir", "network", "env", "cwd", "hostname", "landlock", "landlock_min_abi", "memory_max",
+                 "cpu_percent", "pids_max", "allow_write", "egress", "watch", "cell_id")
     identity: Identity
     rw_paths: tuple[str, ...]
     ro_paths: tuple[str, ...]
@@ -118,6 +119,7 @@ class CellSpec(_Frozen):
     system_paths: tuple[str, ...]
     scratch_dir: str | None  # host dir behind /scratch; None = a private tmpfs
     home_dir: str | None  # host dir behind $HOME; None = a private tmpfs
+    cache_dir: str | None  # host dir behind /cache (agentcell.caches); None = no /cache at all
     network: NetworkMode
     env: tuple[tuple[str, str], ...]
     cwd: str | None
@@ -136,14 +138,16 @@ class CellSpec(_Frozen):
 
     def __init__(self, identity: Identity, *, rw_paths: tuple[str, ...] = (), ro_paths: tuple[str, ...] = (),
                  masked_paths: tuple[str, ...] = (), system_paths: tuple[str, ...] = SYSTEM_RO_PATHS,
-                 scratch_dir: str | None = None, home_dir: str | None = None, network: NetworkMode = "none",
+                 scratch_dir: str | None = None, home_dir: str | None = None, cache_dir: str | None = None,
+                 network: NetworkMode = "none",
                  env: tuple[tuple[str, str], ...] = (), cwd: str | None = None, hostname: str = CELL_HOSTNAME,
                  landlock: LandlockMode = "required", landlock_min_abi: int = 1, memory_max: int | None = None,
                  cpu_percent: int | None = None, pids_max: int | None = None, allow_write: tuple[str, ...] = (),
                  egress: tuple[str, ...] = (), watch: bool = False, cell_id: str = "") -> None:
         self._init(identity=identity, rw_paths=tuple(rw_paths), ro_paths=tuple(ro_paths),
                    masked_paths=tuple(masked_paths), system_paths=tuple(system_paths), scratch_dir=scratch_dir,
-                   home_dir=home_dir, network=network, env=tuple((str(k), str(v)) for k, v in env), cwd=cwd,
+                   home_dir=home_dir, cache_dir=cache_dir, network=network,
+                   env=tuple((str(k), str(v)) for k, v in env), cwd=cwd,
                    hostname=hostname, landlock=landlock, landlock_min_abi=landlock_min_abi, memory_max=memory_max,
                    cpu_percent=cpu_percent, pids_max=pids_max, allow_write=tuple(allow_write), egress=tuple(egress),
                    watch=bool(watch), cell_id=cell_id)

@@ -14,6 +14,7 @@ COMMANDS = {
     "doctor": ("agentcell.cli.doctor", "report what this machine supports"),
     "check": ("agentcell.cli.check", "prove a harness works in a session here (a scripted model, a fake internet)"),
     "session": ("agentcell.cli.session", "run an agent in a planned, backed-up, watched and audited session"),
+    "cache": ("agentcell.cli.cache", "list and clear the toolchain caches a project's sessions keep"),
     "snapshot": ("agentcell.cli.snapshot", "take, verify, restore and diff snapshots of a project"),
     "warm": ("agentcell.cli.warm", "start/stop the warm launcher that makes agentcell run fast"),
     "cell": ("agentcell.cli.cell", "a live cell: start it once, exec many commands in it, stop it"),

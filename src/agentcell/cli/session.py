@@ -94,6 +94,9 @@ def parser() -> Parser:
                     "prepared once: logins, settings)")
     sp.add_argument("--ceilings", choices=("on", "off"), help="off: no memory, CPU or task ceilings at all (said in "
                     "the audit trail and the summary); without root they need a cgroup delegated to you")
+    sp.add_argument("--cache", choices=("on", "off"), help="the project's pip, uv, npm, pnpm, yarn, cargo and go "
+                    "caches at /cache, kept between its sessions in agentcell's store (default on; "
+                    "'agentcell cache list')")
     sp.add_argument("--git-identity", metavar='"NAME <EMAIL>"', help="who the agent commits as (default: you, as "
                     "git knows you, marked as the agent's: NAME (agent: HARNESS))")
     sp.add_argument("--explain", action="store_true", help="print the plan and the policy; start nothing")
@@ -155,7 +158,7 @@ def _start(ns: Any, harness_args: list[str]) -> int:
                                          "backup_dir", "audit_log_path", "firewall_enabled", "network",
                                          *config.EGRESS_KEYS, "resolver", "api_base", "model", "env", "keep_env",
                                          "risk", "memory", "cpu", "pids", "limits", "home_from", "git_identity",
-                                         "ceilings")}
+                                         "ceilings", "cache")}
     flags["harness_args"] = harness_args
     summary_fd = _new_file(ns.summary_file, "--summary-file") if ns.summary_file else None
     cfg = config.load(flags, dotenv=ns.env_file)
@@ -327,11 +330,18 @@ def _explain(cfg: Any, plan: Any, policy: dict[str, Any], launch: Any, credentia
             ("injected", "; ".join(f"{s.name} -> {','.join(s.hosts)} ({','.join(s.headers) or 'any header'})"
                                    for s in credentials.secrets.values()) if credentials else "-"),
             ("settings", " ".join(("~/" if f.home else "seed/") + f.path for f in launch.files) or "-"),
-            ("home from", cfg.home_from or "-")]
+            ("home from", cfg.home_from or "-"),
+            ("caches", "at /cache, the project's own in " + _cache_place(cfg) if cfg.cache else "off (--cache off)")]
     width = max(len(k) for k, _ in rows)
     head = "".join(f"{k:>{width}}: {v}\n" for k, v in rows)
     return head + explain(SandboxPolicy.model_validate(policy)) + "".join(f"note: {n}\n" for n in
                                                                        (*cfg.notes, *launch.notes))
+
+
+def _cache_place(cfg: Any) -> str:
+    from .. import caches
+
+    return caches.store() + "/" + caches.key(cfg.project_root, cfg.agent)
 
 
 def _summary(st: dict[str, Any]) -> dict[str, Any]:

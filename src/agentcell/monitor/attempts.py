@@ -48,7 +48,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..cell.spec import SCRATCH_PATH, SECRET_DIRS, SECRET_FILES, CellSpec
+from ..cell.spec import CACHE_PATH, SCRATCH_PATH, SECRET_DIRS, SECRET_FILES, CellSpec
 from .calls import AT_FDCWD, DIRFD, DIRFD2, O_ACCMODE, O_CREAT, O_TRUNC, Call
 from .event import CellEvent
 from .pidns import Numbers
@@ -106,6 +106,8 @@ class View:
     def __init__(self, spec: CellSpec, guarded: Sequence[tuple[str, bool]], hidden: Sequence[str]) -> None:
         self.areas: dict[str, str] = {"/proc": "proc", "/dev": "dev", "/dev/pts": "dev", "/dev/shm": "private",
                                       "/tmp": "private", SCRATCH_PATH: "private"}
+        if spec.cache_dir:
+            self.areas[CACHE_PATH] = "private"
         self.links: dict[str, str] = {}  # top-level symlinks of the system (/bin -> /usr/bin)
         for p in spec.system_paths:
             if os.path.islink(p):

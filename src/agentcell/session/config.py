@@ -55,7 +55,7 @@ FLAGS = {"harness": "--harness", "project_root": "--project", "declared_paths": 
          "deny_domains": "--deny-domain", "allow_presets": "--allow-preset", "allow_ranges": "--allow-range",
          "resolver": "--resolver", "api_base": "--api-base", "model": "--model", "risk": "--risk", "env": "--env",
          "keep_env": "--keep-env", "home_from": "--home-from", "git_identity": "--git-identity",
-         "ceilings": "--ceilings", "memory": "--memory",
+         "ceilings": "--ceilings", "cache": "--cache", "memory": "--memory",
          "cpu": "--cpu",
          "pids": "--pids", "limits": "--limits"}
 EGRESS_KEYS = ("allow_domains", "deny_domains", "allow_presets", "allow_ranges")  # lists; resolver: one value
@@ -87,6 +87,7 @@ class SessionConfig:
     risk: str = "medium"  # the default ceilings (agentcell.limits); a project file may raise it
     limits: tuple[int | None, int | None, int | None] = (None, None, None)  # memory, cpu, pids: resolved
     ceilings: bool = True  # False: --ceilings off (no cgroup limits at all: recorded, shown in the summary)
+    cache: bool = True  # the project's toolchain caches at /cache (agentcell.caches); False: --cache off
     env: tuple[tuple[str, str], ...] = ()  # set in the cell (--env, [session] env)
     keep_env: tuple[str, ...] = ()  # passed through (--keep-env): values in ``secrets``, never checkpointed
     home_from: str | None = None  # an ephemeral home starts as a copy of this directory (--home-from)
@@ -105,7 +106,7 @@ class SessionConfig:
                 "firewall_enabled": self.firewall_enabled, "network": self.network,
                 **{k: list(getattr(self, k)) for k in EGRESS_KEYS}, "resolver": self.resolver,
                 "api_base": self.api_base, "model": self.model, "risk": self.risk, "limits": list(self.limits),
-                "ceilings": self.ceilings,
+                "ceilings": self.ceilings, "cache": self.cache,
                 "env": [list(kv) for kv in self.env], "keep_env": list(self.keep_env), "home_from": self.home_from,
                 "git_identity": self.git_identity,
                 "harness_args": list(self.harness_args), "config_files": list(self.config_files),
@@ -561,6 +562,11 @@ def _harness_knobs(values: dict[str, Any], sources: dict[str, str], flags: Mappi
         if given:
             raise PolicyError("--ceilings", f"off contradicts {', '.join(given)}", "drop one of them")
         values["limits"], values["ceilings"], sources["limits"] = (None, None, None), False, "--ceilings off"
+    if flags.get("cache") not in (None, "on", "off"):
+        raise PolicyError("--cache", f"'{flags['cache']}' is neither on nor off", "--cache off starts the "
+                          "toolchains with empty caches")
+    if flags.get("cache") == "off":  # a flag only: the project's files do not decide what persists
+        values["cache"], sources["cache"] = False, "--cache off"
     env: dict[str, str] = {}
     if "env" in toml:
         table = toml["env"]

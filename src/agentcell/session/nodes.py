@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from langgraph.errors import NodeError
 from langgraph.types import Command
 
+from .. import caches
 from ..audit.trail import AuditLog, AuditWriteError
 from ..cell import cgroups
 from ..errors import AgentcellError, PolicyError
@@ -293,6 +294,10 @@ class Nodes:
             spec = spec.replace(ro_paths=(*spec.ro_paths, seed_dir),
                                 env=(*spec.env, *gitcell.environment(os.path.join(seed_dir, "gitconfig"),
                                                                      git["name"], git["email"]).items()))
+        cache_dir, cache_notes = self._cache(state, policy.identity.uid, policy.identity.gid)
+        if cache_dir is not None:
+            spec = spec.replace(cache_dir=cache_dir,
+                                env=(*spec.env, *caches.environment(dict(spec.env)).items()))
         made = self.rt.firewalls.get(sid)
         try:
             cell = spawn.start(spec, list(state["argv"]), stdio=self.rt.stdio, firewall=made,
@@ -309,11 +314,24 @@ class Nodes:
         self._audit(state, "spawn", "session.spawn", cell_id=cell.cell_id, pid1=pid1, argv0=state["argv"][0],
                     uid=policy.identity.uid, seed=seed_dir, home_from=state["config"].get("home_from"),
                     git_identity=f"{git['name']} <{git['email']}>", git_identity_from=git["from"],
-                    git_safe_directories=git["safe"])
-        return {"harness_pid": pid1, "cell_id": cell.cell_id, "started_at": now,
-                "deadline": now + policy.wall_clock_limit_s, "seed_notes": seed_notes,
+                    git_safe_directories=git["safe"], cache=cache_dir)
+        return {"harness_pid": pid1, "cell_id": cell.cell_id, "started_at": now, "cache_dir": cache_dir,
+                "deadline": now + policy.wall_clock_limit_s, "seed_notes": [*seed_notes, *cache_notes],
                 "protect": {"before": before, "truncated": truncated, "since_ns": since_ns,
                             "meanings": protect.meanings(before), "env_files": env_files}}
+
+    @staticmethod
+    def _cache(state: SessionState, uid: int, gid: int) -> tuple[str | None, list[str]]:
+        """The project's toolchain caches (:mod:`agentcell.caches`), handed to the session's account;
+        none with --cache off. A store that cannot be used is said, and the session runs cold."""
+        cfg = state["config"]
+        if cfg.get("cache") is False:
+            return None, []
+        try:
+            tree, left = caches.prepare(cfg["project_root"], cfg.get("agent"), (uid, gid))
+        except (OSError, AgentcellError) as e:
+            return None, [f"toolchain caches: none this session ({_line(e)})"]
+        return tree, left
 
     @staticmethod
     def _git(state: SessionState, rw_paths: tuple[str, ...]) -> dict[str, Any]:
@@ -516,6 +534,10 @@ class Nodes:
             give_to = (human[0], human[1]) if human else None
             paths = [g["path"] for g in grants]
             try:
+                cache = state.get("cache_dir") or _cache_left(state)
+                if account["kind"] == "ephemeral" and cache:
+                    # what it made in the cache goes back to root before its number is freed
+                    problems += acl.reassign(cmds, account["uid"], account["gid"], 0, 0, cache)
                 if account["kind"] == "ephemeral":
                     ephemeral.delete(ephemeral.Account(account["name"], account["uid"], account["gid"], sid), cmds,
                                      paths=paths, give_to=give_to or (0, 0))
@@ -599,6 +621,15 @@ def _ids(paths: list[str]) -> list[list[int]]:
             continue
         out.append([st.st_dev, st.st_ino])
     return out
+
+
+def _cache_left(state: SessionState) -> str | None:
+    """The cache a session that crashed before its spawn returned may have handed to its account."""
+    cfg = state.get("config") or {}
+    if cfg.get("cache") is False or not cfg.get("project_root"):
+        return None
+    tree = caches.tree_of(cfg["project_root"], cfg.get("agent"))
+    return tree if os.path.isdir(tree) and not os.path.islink(tree) else None
 
 
 def session_human(project_root: str) -> list[int]:

@@ -40,6 +40,7 @@ class SessionState(TypedDict, total=False):
     grants: list[dict[str, Any]]  # ACL grants made for this session: path, prior (acl.prior_acl)
     firewall_table: str | None
     cell_id: str
+    cache_dir: str | None  # the project's toolchain caches behind /cache (agentcell.caches)
     protect: dict[str, Any] | None  # the control surface of the declared paths before the cell (protect.py)
     harness_pid: int | None
     started_at: float

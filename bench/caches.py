@@ -1,0 +1,154 @@
+"""Toolchain caches benchmark (issue 26): a project's second session installs the same dependencies from
+its cache at /cache, against the first session's install from the registries, and against the same two
+installs on the host (its own pip and npm, a fresh cache then the warm one): the peer.
+
+    .venv/bin/python bench/caches.py [--rounds N] [--json]
+
+Real pip and npm against the real registries (PyPI, the npm registry), through the session's proxy
+(``--allow-preset pypi --allow-preset npm``): the only traffic that leaves this machine. Each round uses a
+new project (so a new cache) owned by a throwaway user; the session is ``agentcell session start
+--harness shell`` as root (a per-session account). What is timed is the install command inside the cell
+(``date +%s%N`` around it), not the session's set-up. The project's ``lib/`` and ``node_modules`` are
+removed between the two sessions, so the second one installs again, from the cache. Everything made is
+removed at the end.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pwd
+import re
+import secrets
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+AGENTCELL = str(Path(sys.executable).parent / "agentcell")
+PIP_PKGS = ["requests==2.32.3", "rich==13.9.4", "pydantic==2.10.4", "attrs==24.3.0"]
+NPM_PKGS = ["express@4.21.2", "lodash@4.17.21", "typescript@5.7.2", "chalk@5.4.1"]
+
+
+def pip_binary() -> str:
+    """A pip the cell can run: a venv of the system's Python under /opt (the harness tests' own, or made)."""
+    cands = ["/opt/agentcell-test/harnesses/pytest/bin/pip", "/opt/agentcell-bench/pip-venv/bin/pip"]
+    for c in cands:
+        if os.access(c, os.X_OK):
+            return c
+    subprocess.run(["/usr/bin/python3", "-m", "venv",
+                    "/opt/agentcell-bench/pip-venv"], check=True)
+    return cands[1]
+
+
+def script(pip: str, what: str) -> str:
+    if what == "pip":
+        cmd = f"{pip} install -q --disable-pip-version-check --target lib {' '.join(PIP_PKGS)}"
+    else:
+        cmd = f"npm install -q --no-audit --no-fund --no-update-notifier {' '.join(NPM_PKGS)} >/dev/null"
+    return f"set -e; a=$(date +%s%N); {cmd}; b=$(date +%s%N); echo TOOK=$(( (b - a) / 1000000 ))"
+
+
+def in_session(project: Path, state: Path, what: str, pip: str) -> float:
+    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "AGENTCELL_STATE_DIR": str(state)}
+    p = subprocess.run([AGENTCELL, "session", "start", "--harness", "shell", "--project", str(project),
+                        "--allow-preset", "pypi", "--allow-preset", "npm", "--wall-clock", "900", "--json", "--",
+                        "sh", "-c", script(pip, what)], capture_output=True, text=True, env=env, cwd=project,
+                       timeout=1200, stdin=subprocess.DEVNULL)
+    m = re.search(r"TOOK=(\d+)", p.stdout)
+    if p.returncode != 0 or not m:
+        raise SystemExit(f"session failed ({p.returncode}): {p.stdout[-1500:]} {p.stderr[-1500:]}")
+    return int(m.group(1)) / 1000
+
+
+def on_host(project: Path, cache: Path, what: str, pip: str) -> float:
+    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(project), "PIP_CACHE_DIR": str(cache / "pip"),
+           "npm_config_cache": str(cache / "npm")}
+    p = subprocess.run(["sh", "-c", script(pip, what)], capture_output=True, text=True, env=env, cwd=project,
+                       timeout=1200)
+    m = re.search(r"TOOK=(\d+)", p.stdout)
+    if p.returncode != 0 or not m:
+        raise SystemExit(f"host install failed: {p.stdout[-1500:]} {p.stderr[-1500:]}")
+    return int(m.group(1)) / 1000
+
+
+def fresh_project(base: Path, uid: int, gid: int) -> Path:
+    d = base / ("p" + secrets.token_hex(3))
+    d.mkdir()
+    (d / "package.json").write_text(json.dumps({"name": "bench", "version": "1.0.0", "private": True}))
+    for p in (d, d / "package.json"):
+        os.chown(p, uid, gid)
+    return d
+
+
+def clean(project: Path) -> None:
+    for name in ("lib", "node_modules", "package-lock.json"):
+        p = project / name
+        if p.is_dir():
+            shutil.rmtree(p)
+        elif p.exists():
+            p.unlink()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    if os.geteuid() != 0:
+        raise SystemExit("run as root (a session makes a per-session account; the project is a throwaway user's)")
+    pip = pip_binary()
+    user = "ac-tbench" + secrets.token_hex(2)
+    subprocess.run(["useradd", "-M", "-d", "/nonexistent", "-s", "/usr/sbin/nologin", user], check=True)
+    pw = pwd.getpwnam(user)
+    base = Path(tempfile.mkdtemp(prefix="agentcell-bench-caches-"))
+    os.chmod(base, 0o755)
+    state = base / "state"
+    state.mkdir(mode=0o700)
+    rows: dict[str, list[float]] = {k: [] for k in ("pip cold", "pip warm", "npm cold", "npm warm",
+                                                     "host pip cold", "host pip warm", "host npm cold",
+                                                     "host npm warm")}
+    cache_info = {}
+    try:
+        for _ in range(args.rounds):
+            for what in ("pip", "npm"):
+                project = fresh_project(base, pw.pw_uid, pw.pw_gid)
+                rows[f"{what} cold"].append(in_session(project, state, what, pip))
+                clean(project)
+                rows[f"{what} warm"].append(in_session(project, state, what, pip))
+                listed = json.loads(subprocess.run([AGENTCELL, "cache", "list", "--json"], capture_output=True,
+                                                   text=True, env={"AGENTCELL_STATE_DIR": str(state)}).stdout)
+                cache_info = next(e for e in listed if e["project"] == str(project))
+                host = fresh_project(base, 0, 0)
+                cache = base / ("hostcache" + secrets.token_hex(2))
+                rows[f"host {what} cold"].append(on_host(host, cache, what, pip))
+                clean(host)
+                rows[f"host {what} warm"].append(on_host(host, cache, what, pip))
+    finally:
+        subprocess.run([AGENTCELL, "session", "recover"], env={"AGENTCELL_STATE_DIR": str(state),
+                                                              "PATH": "/usr/bin:/bin"}, capture_output=True)
+        shutil.rmtree(base, ignore_errors=True)
+        subprocess.run(["userdel", user], capture_output=True)
+    med = {k: statistics.median(v) for k, v in rows.items()}
+    out = {"seconds": med, "rounds": args.rounds, "pip": PIP_PKGS, "npm": NPM_PKGS,
+           "session_warm_over_cold": {w: round(med[f"{w} warm"] / med[f"{w} cold"], 3) for w in ("pip", "npm")},
+           "host_warm_over_cold": {w: round(med[f"host {w} warm"] / med[f"host {w} cold"], 3)
+                                   for w in ("pip", "npm")},
+           "cache": {k: cache_info.get(k) for k in ("path", "owner", "bytes", "tools")}}
+    if args.json:
+        print(json.dumps(out))
+    else:
+        for k, v in med.items():
+            print(f"{k:<16} {v:7.2f} s")
+        for w in ("pip", "npm"):
+            print(f"{w}: second session / first = {out['session_warm_over_cold'][w]:.2f} "
+                  f"(the host's own warm / cold: {out['host_warm_over_cold'][w]:.2f})")
+        print(f"cache: {cache_info.get('path')} owner {cache_info.get('owner')}, {cache_info.get('bytes')} bytes, "
+              f"{', '.join(cache_info.get('tools') or [])}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
