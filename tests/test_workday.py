@@ -73,7 +73,7 @@ class Day:
     def flags(self, ca: Path) -> list[str]:
         return [*self.rig.flags(), "--allow-domain", "git.test:443", "--allow-preset", "pypi",
                 "--secret", "GH_TOKEN", "--secret-host", "GH_TOKEN=git.test:authorization",
-                "--upstream-ca", str(ca), "--env", f"PIP_CERT={ca}"]
+                "--upstream-ca", str(ca)]  # the gateway's CA, as the way out is signed: the cell trusts it too
 
 
 @pytest.fixture(scope="module")
@@ -92,9 +92,11 @@ def day() -> Iterator[Day]:
 
 
 def steps(pip: Path, remote: str) -> list[dict[str, str]]:
+    """(Files are named by globs: aider takes a path in an answer for a file to add to its chat, and a reply
+    that adds one runs none of its commands.)"""
     return [{"shell": "git log --oneline"},
-            {"shell": "sed -i 's/a-b/a+b/' src/calc.py && python3 src/test_calc.py && echo TESTS-OK"},
-            {"shell": "git add src/calc.py && git commit -qm 'fix add()' && git checkout -q -b feature && "
+            {"shell": "sed -i 's/a-b/a+b/' src/calc*.py && python3 src/test_c*.py && echo TESTS-OK"},
+            {"shell": "git add -u && git commit -qm 'fix add()' && git checkout -q -b feature && "
                       "git log -1 --format='%an|%s'"},
             {"shell": f"{pip} install -q --disable-pip-version-check --target lib {PKG} && "
                       "PYTHONPATH=lib python3 -c 'import agentcell_probe_pkg as p; print(p.WHERE)'"},
@@ -135,7 +137,7 @@ def check_day(day: Day, name: str, seen: dict[str, Any], project: Path, remote: 
             assert what in results, (what, results[-3000:])
         assert "dubious ownership" not in results and TOKEN not in results
     # the host: the fix, the package, the pushed branch with the agent's commit, the human's git after
-    assert "a+b" in (project / "src" / "calc.py").read_text()
+    assert "a+b" in (project / "src" / "calc.py").read_text(), summary.get("output")
     assert (project / "lib" / "agentcell_probe_pkg" / "__init__.py").exists()
     pushed = subprocess.run(["git", "-C", str(remote), "log", "--format=%an|%s", "feature"], capture_output=True,
                             text=True)
@@ -157,7 +159,8 @@ def _ignore_lib(project: Path, user: User) -> None:
 
 def as_root(env: Env) -> Any:
     def run(args: list[str], extra: dict[str, str]) -> dict[str, Any]:
-        return session(env, args, extra=extra, timeout=300).summary
+        s = session(env, args, extra=extra, timeout=300)
+        return {**s.summary, "output": (s.out + s.err)[-4000:]}
     return run
 
 

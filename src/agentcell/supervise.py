@@ -99,7 +99,7 @@ class Supervised:
             spec = spec.replace(env=(*env, *placeholders.items()))
             if credentials.hosts():  # (bound over plain HTTP alone: nothing to terminate, no CA)
                 ca = SessionCA(spec.cell_id, credentials.hosts())
-                trust = CellTrust(spec.cell_id, ca)
+                trust = CellTrust(spec.cell_id, ca, upstream_ca)
                 env = tuple((k, v) for k, v in spec.env if k not in dict(trust.env()))
                 spec = spec.replace(env=(*env, *trust.env()), ro_paths=(*spec.ro_paths, trust.dir))
             secrets = (credentials, ca, upstream_ca)

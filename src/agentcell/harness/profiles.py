@@ -81,6 +81,10 @@ class Profile:
     fenced: bool = False  # it declares no tools: the scripted endpoint plays shell steps as fenced blocks
     stdin_null: bool = False  # a prompt-mode turn reads stdin to its end: given /dev/null
     tested: bool = True  # False: not in any registry these machines reach (cursor): from its documentation
+    # Its shell runs git with no system or global configuration (Gemini CLI: GIT_CONFIG_SYSTEM=/dev/null,
+    # GIT_CONFIG_NOSYSTEM, its own GIT_CONFIG_COUNT): the session's safe directories go on git's command
+    # line instead, through a git of the seed's first on PATH (agentcell.session.gitcell.wrapper)
+    git_config_isolated: bool = False
     # programs it downloads from the internet when they are missing (OpenCode: ripgrep, from github.com)
     needs: tuple[str, ...] = ()
 
@@ -207,7 +211,7 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
             secret_env=("GEMINI_API_KEY", "GOOGLE_API_KEY"), egress_preset="gemini",
             api="gemini", api_base_env=("GOOGLE_GEMINI_BASE_URL",), api_key_env="GEMINI_API_KEY",
             model_args=("-m", "{model}"), files=(SeedFile(".gemini/settings.json", GEMINI_SETTINGS),),
-            protected=(".gemini", "GEMINI.md")),
+            protected=(".gemini", "GEMINI.md"), git_config_isolated=True),
     # Its own provider mode (COPILOT_PROVIDER_*, offline: no GitHub at all) with --api-base; without, its GitHub
     # login. The update check and client telemetry go to api.github.com unless switched off.
     Profile("copilot", "GitHub Copilot CLI", "copilot",

@@ -51,7 +51,8 @@ def create(session_id: str, files: list[tuple[str, str, bool]], home_from: str |
     for rel, content, in_home in files:
         dest = os.path.join(top, "home", rel) if in_home else os.path.join(top, rel)
         os.makedirs(os.path.dirname(dest), mode=0o755, exist_ok=True)
-        fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        mode = 0o755 if rel.startswith("bin/") and not in_home else 0o644  # the seed's own programs (bin/git)
+        fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
         # surrogateescape: a path the host named in bytes (a project's non-UTF-8 name in the git
         # configuration's safe directories) is written back as those bytes
         with os.fdopen(fd, "w", encoding="utf-8", errors="surrogateescape") as f:

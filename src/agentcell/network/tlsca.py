@@ -144,15 +144,23 @@ CA_KNOBS = ("NODE_EXTRA_CA_CERTS",)
 
 class CellTrust:
     """The session CA's certificate, and a bundle of it with the host's CAs, in a directory the cell
-    gets read-only (``/run/agentcell/trust/CELL``: the host's side stays root's; the cell sees the path
-    it is bound at); :meth:`env` points every runtime's knob at them. Public certificates only."""
+    gets read-only (``/run/agentcell/trust/CELL``, a user's ``<state dir>/trust/CELL``: the host's side
+    stays the supervisor's; the cell sees the path it is bound at); :meth:`env` points every runtime's
+    knob at them. Public certificates only.
 
-    def __init__(self, cell_id: str, ca: SessionCA) -> None:
+    ``upstream``: the CAs given with ``--upstream-ca`` (a TLS-inspecting gateway's, which signs every
+    host the cell reaches through it, not only those the proxy terminates) are trusted in the cell too,
+    in both files: the user named them as the ones the way out is signed by."""
+
+    def __init__(self, cell_id: str, ca: SessionCA, upstream: str | None = None) -> None:
         from .. import hostfs
 
         if not cell_id or "/" in cell_id or cell_id.startswith("."):
             raise ValueError(f"a cell id names a directory: {cell_id!r}")
-        self.dir = os.path.join(hostfs.run_dir("trust"), cell_id)
+        # root's in /run/agentcell; a user's (a rootless session's) in their own state, as its seed is
+        top = hostfs.run_dir("trust") if os.geteuid() == 0 else \
+            hostfs.private_dir(os.path.join(hostfs.private_dir(hostfs.state_dir()), "trust"))
+        self.dir = os.path.join(top, cell_id)
         os.mkdir(self.dir, 0o755)
         try:
             self.ca = os.path.join(self.dir, "agentcell-session-ca.pem")
@@ -162,7 +170,8 @@ class CellTrust:
                     system = f.read()
             except OSError:
                 system = b""
-            for path, data in ((self.ca, ca.pem), (self.bundle, system.rstrip(b"\n") + b"\n" + ca.pem)):
+            extra = upstream.encode("ascii").rstrip(b"\n") + b"\n" if upstream else b""
+            for path, data in ((self.ca, extra + ca.pem), (self.bundle, system.rstrip(b"\n") + b"\n" + extra + ca.pem)):
                 with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644),
                           "wb") as f:
                     f.write(data)

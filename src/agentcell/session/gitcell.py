@@ -16,6 +16,11 @@ made by the supervisor, bound read-only into the cell), named by ``GIT_CONFIG_SY
   another ``user.name`` does not decide it;
 * ``include.path = /etc/gitconfig``: the host's own system configuration still applies.
 
+A harness whose shell runs git with no system configuration (Gemini CLI sets ``GIT_CONFIG_SYSTEM=/dev/null``
+and a ``GIT_CONFIG_COUNT`` of its own) gets :func:`wrapper` too: a ``git`` in the seed's ``bin/``, first
+on PATH, that runs the real one with each safe directory as ``-c safe.directory=…`` (command-line scope,
+which no repository can override); the identity still comes from ``GIT_AUTHOR_*``/``GIT_COMMITTER_*``.
+
 The agent's own ``~/.gitconfig`` stays its own to write; the repository's ``.git/config`` stays
 read-only in the cell (:mod:`agentcell.protect`).
 """
@@ -108,6 +113,17 @@ def system_config(safe: list[str], name: str, email: str) -> str:
     lines += [f"\tdirectory = {_quoted(p)}" for p in dict.fromkeys(safe)]
     lines += ["[user]", f"\tname = {_quoted(name)}", f"\temail = {_quoted(email)}"]
     return "\n".join(lines) + "\n"
+
+
+def _sh(value: str) -> str:
+    return "'" + value.replace("'", "'\\''") + "'"
+
+
+def wrapper(real_git: str, safe: list[str]) -> str:
+    """The seed's ``bin/git`` for a harness that isolates git from its configuration (see the module)."""
+    args = " ".join(f"-c safe.directory={_sh(p)}" for p in dict.fromkeys(safe))
+    return ("#!/bin/sh\n# agentcell: this harness runs git without the session's configuration; its safe "
+            f"directories on the command line instead\nexec {_sh(real_git)} {args} \"$@\"\n")
 
 
 def environment(config_path: str, name: str, email: str) -> dict[str, str]:

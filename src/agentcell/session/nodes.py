@@ -15,6 +15,7 @@ and ``kill@NODE`` (the supervisor is killed with SIGKILL after that node's work,
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +25,7 @@ from langgraph.types import Command
 from .. import caches
 from ..audit.trail import AuditLog, AuditWriteError
 from ..cell import cgroups
+from ..cell.spec import DEFAULT_PATH
 from ..errors import AgentcellError, PolicyError
 from . import envfiles, gitcell
 from .state import FINAL, SECRET_PLACEHOLDER, Runtime, SessionState
@@ -288,12 +290,16 @@ class Nodes:
         before, truncated = protect.surface(spec.rw_paths)
         env_files = envfiles.dotenv_files(list(spec.rw_paths))[0]  # (what exists is hidden in the cell; see cleanup)
         git = self._git(state, spec.rw_paths)
-        seed_dir, seed_notes = self._seed(state, policy.identity.uid, policy.identity.gid,
-                                          (("gitconfig", git["config"], False),))
+        ours = [("gitconfig", git["config"], False)]
+        if git.get("wrapper"):
+            ours.append(("bin/git", git["wrapper"], False))
+        seed_dir, seed_notes = self._seed(state, policy.identity.uid, policy.identity.gid, tuple(ours))
         if seed_dir is not None:
-            spec = spec.replace(ro_paths=(*spec.ro_paths, seed_dir),
-                                env=(*spec.env, *gitcell.environment(os.path.join(seed_dir, "gitconfig"),
-                                                                     git["name"], git["email"]).items()))
+            cell_env = dict(spec.env)
+            if git.get("wrapper"):  # the seed's git first (gitcell.wrapper)
+                cell_env["PATH"] = os.path.join(seed_dir, "bin") + ":" + cell_env.get("PATH", DEFAULT_PATH)
+            cell_env.update(gitcell.environment(os.path.join(seed_dir, "gitconfig"), git["name"], git["email"]))
+            spec = spec.replace(ro_paths=(*spec.ro_paths, seed_dir), env=tuple(cell_env.items()))
         cache_dir, cache_notes = self._cache(state, policy.identity.uid, policy.identity.gid)
         if cache_dir is not None:
             spec = spec.replace(cache_dir=cache_dir,
@@ -341,11 +347,18 @@ class Nodes:
 
         repos = protect.repositories(rw_paths)
         human = state.get("human")
-        name, email, where = gitcell.identity(state["config"].get("git_identity"), human[0] if human else None,
-                                              repos, state["config"]["harness"])
+        uid = human[0] if human else None if os.geteuid() == 0 else os.getuid()  # rootless: the user is the human
+        name, email, where = gitcell.identity(state["config"].get("git_identity"), uid, repos,
+                                              state["config"]["harness"])
         safe = list(dict.fromkeys((*rw_paths, *repos)))
-        return {"config": gitcell.system_config(safe, name, email), "name": name, "email": email, "from": where,
-                "safe": safe}
+        out = {"config": gitcell.system_config(safe, name, email), "name": name, "email": email, "from": where,
+               "safe": safe}
+        from ..harness import profiles
+
+        real = shutil.which("git", path=DEFAULT_PATH)
+        if profiles.get(state["config"]["harness"]).git_config_isolated and real:
+            out["wrapper"] = gitcell.wrapper(os.path.realpath(real), safe)
+        return out
 
     @staticmethod
     def _seed(state: SessionState, uid: int, gid: int, more: tuple[tuple[str, str, bool], ...] = ()
