@@ -8,6 +8,8 @@ source scripts/setup.sh
 need=()
 command -v npm >/dev/null || need+=(npm)
 command -v rg >/dev/null || need+=(ripgrep)
+# tests/test_workday.py drives Claude Code's TUI in tmux, as a person's terminal.
+command -v tmux >/dev/null || need+=(tmux)
 # tests/test_k8s.py runs kubectl's client-side validation (against a stand-in of the API server's documents).
 command -v kubectl >/dev/null || need+=(kubernetes-client)
 if [ ${#need[@]} -gt 0 ]; then

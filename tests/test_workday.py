@@ -28,7 +28,7 @@ from agentcell.harness.check import Rig
 from agentcell.harness.profiles import PROFILES
 from conftest import AGENTCELL, User, needs_root
 from harnesses import Unavailable, bin_dir, session_env
-from sessionkit import Env, account_gone, session
+from sessionkit import Env, account_gone, session, session_environ
 from sessionkit import agent as agent  # noqa: F401 - the fixture, under its own name
 from sessionkit import env as env  # the fixture, under its own name
 from test_benign import PKG, _certificates, _registries
@@ -205,3 +205,72 @@ def test_a_day_without_root(name: str, day: Day, env: Env, user: User, repo: tup
     seen = start(day, name, project, day.work / "ca.pem", remote, [], run=run)
     check_day(day, name, seen, project, remote, user, home, name)
     assert seen["summary"]["os_user"] == user.name
+
+
+def test_claude_codes_tui_in_tmux_does_the_day_and_ctrl_c_gives_the_terminal_back(
+        day: Day, env: Env, user: User, repo: tuple[Path, Path]) -> None:
+    """A person's terminal: tmux (its own server, a shell in a 120x40 window) runs the session; the prompt
+    is typed into Claude Code's TUI, which does the day's work; two Ctrl-C end it, the session ends clean
+    (its summary in the pane), and the shell gets the terminal back as it was (not on the alternate
+    screen, canonical mode and echo on)."""
+    import time
+
+    project, home = repo
+    _ignore_lib(project, user)
+    remote = day.remote()
+    if shutil.which("tmux") is None:
+        pytest.skip("tmux is not installed (test.sh installs it)")
+    bindir = installed("claude_code")
+    pip = installed("pytest") / "pip"
+    day.rig.serve(steps(pip, f"https://git.test/{remote.name}"))
+    sock = env.state / "tmux.sock"
+    environ = {**{k: v for k, v in session_environ(env).items() if k != "PATH"},
+               "PATH": f"{bindir}:/usr/local/bin:/usr/bin:/bin", **KEYS, "GH_TOKEN": TOKEN, "HOME": "/root",
+               "PS1": "$ "}
+
+    def tmux(*args: str) -> str:
+        return subprocess.run(["tmux", "-S", str(sock), *args], capture_output=True, text=True, check=True,
+                              timeout=30).stdout
+
+    def pane() -> str:
+        return tmux("capture-pane", "-p", "-J", "-S", "-", "-t", "day")
+
+    def until(needle: str, limit_s: float = 90) -> str:
+        end = time.monotonic() + limit_s
+        while time.monotonic() < end:
+            shown = pane()
+            if needle in shown:
+                return shown
+            time.sleep(0.3)
+        raise AssertionError(f"{needle!r} never showed:\n{pane()}")
+
+    subprocess.run(["tmux", "-S", str(sock), "-f", "/dev/null", "new-session", "-d", "-s", "day", "-x", "120",
+                    "-y", "40", "-c", str(project), "env", "-i", *(f"{k}={v}" for k, v in environ.items()),
+                    "sh"], check=True, timeout=30)
+    try:
+        tmux("set-option", "-t", "day", "history-limit", "20000")
+        command = " ".join([AGENTCELL, "session", "start", "--harness", "claude_code", "--project", str(project),
+                            *day.flags(day.work / "ca.pem"), "--json"])
+        tmux("send-keys", "-t", "day", "-l", command)
+        tmux("send-keys", "-t", "day", "Enter")
+        until("bypass permissions on")
+        tmux("send-keys", "-t", "day", "-l", "Fix the failing test, commit on a branch, push it.")
+        tmux("send-keys", "-t", "day", "Enter")
+        until("pushed.")  # its closing words: the day's shell steps ran before them
+        tmux("send-keys", "-t", "day", "C-c")
+        time.sleep(0.2)
+        tmux("send-keys", "-t", "day", "C-c")  # twice within 800 ms: Claude Code's own way out
+        shown = until('"status": "completed"')
+        summary = json.loads(next(line for line in reversed(shown.splitlines()) if line.startswith('{"session"')))
+        assert summary["exit_status"] == 0 and summary["problems"] == [] and summary["warnings"] == [], summary
+        assert account_gone(summary["os_user"])
+        tmux("send-keys", "-t", "day", "-l", "stty -a | tr ';' '\\n' | grep -wE -- '-?icanon|-?echo'; echo END")
+        tmux("send-keys", "-t", "day", "Enter")
+        after = until("\nEND")
+        assert tmux("display-message", "-p", "-t", "day", "#{alternate_on}").strip() == "0"
+        modes = after.rsplit("stty -a", 1)[1].split()
+        assert "icanon" in modes and "echo" in modes and "-icanon" not in modes and "-echo" not in modes, modes
+    finally:
+        subprocess.run(["tmux", "-S", str(sock), "kill-server"], capture_output=True, timeout=30)
+    seen = {"summary": {**summary, "escape": None}, "requests": day.rig.requests()}
+    check_day(day, "claude_code", seen, project, remote, user, home, "claude_code")
