@@ -4,15 +4,19 @@ from the registries' stand-ins, a second session from the cache, another project
 test_rootless_session.py (a user's own)."""
 from __future__ import annotations
 
+import json
 import os
 import stat
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from agentcell import caches
-from conftest import User, needs_root
+from conftest import AGENTCELL, User, needs_root
+from sessionkit import Env, session, session_environ
+from sessionkit import env as env  # noqa: F401 - the fixture, under its own name
 
 
 @pytest.fixture
@@ -56,6 +60,8 @@ def test_what_is_handed_to_the_account_and_what_is_not(state: Path, user: User) 
     assert (t / "go" / "mod").is_dir() and stat.S_IMODE(Path(os.path.dirname(tree)).stat().st_mode) == 0o700
     (t / "pip" / "suid").write_text("x")
     os.chmod(t / "pip" / "suid", 0o4777)
+    (t / "pip" / "acl").write_text("z")
+    subprocess.run(["setfacl", "-m", "u:4242:rwx", str(t / "pip" / "acl"), str(t / "pip")], check=True)
     (t / "pip" / "linked").write_text("y")
     os.link(t / "pip" / "linked", state / "second-name")
     (t / "pip" / "out").symlink_to(outside)
@@ -67,5 +73,46 @@ def test_what_is_handed_to_the_account_and_what_is_not(state: Path, user: User) 
     assert (suid.st_uid, stat.S_IMODE(suid.st_mode)) == (user.uid + 1, 0o775)
     assert (t / "pip" / "linked").stat().st_uid == 0 and outside.stat().st_uid == 0
     assert (t / "pip" / "out").lstat().st_uid == user.uid + 1
+    for p in (t / "pip" / "acl", t / "pip"):  # no one else's way in, whoever granted it
+        assert "4242" not in subprocess.run(["getfacl", "-n", str(p)], capture_output=True, text=True).stdout
     assert [e["project"] for e in caches.entries()] == [str(project)]
     assert caches.clear(caches.entries()) == [os.path.dirname(tree)] and not os.path.exists(tree)
+
+
+@needs_root
+def test_a_tree_too_deep_for_recursion_is_listed_and_cleared(state: Path, user: User) -> None:
+    project = state / "deep"
+    project.mkdir()
+    tree, _ = caches.prepare(str(project), None, (user.uid, user.gid))
+    fd = os.open(os.path.join(tree, "pip"), os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for _ in range(1500):  # deeper than Python's recursion limit
+            os.mkdir("d", dir_fd=fd)
+            nfd = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd = nfd
+        with open(os.open("f", os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=fd), "w") as f:
+            f.write("x" * 10000)
+    finally:
+        os.close(fd)
+    (listed,) = caches.entries()
+    assert listed["bytes"] is not None and listed["bytes"] >= 10000 and listed["tools"] == ["pip"]
+    assert caches.clear([listed]) == [os.path.dirname(tree)] and not os.path.exists(os.path.dirname(tree))
+
+
+@needs_root
+def test_a_session_ended_at_an_escape_leaves_no_cache_for_the_next_one(env: Env) -> None:
+    """What an agent wrote in /cache before it was ended (a cargo config that would wrap the next
+    build) is not there for the next session: the cache is emptied and the summary says so."""
+    plant = ("mkdir -p /cache/cargo && echo '[build]' > /cache/cargo/config.toml && "
+             "echo 'rustc-wrapper = \"/cache/cargo/w.sh\"' >> /cache/cargo/config.toml && "
+             "cat ~/.ssh/id_ed25519; sleep 5")
+    s = session(env, ["start", "--harness", "shell", "--json", "--", "sh", "-c", plant])
+    assert s.summary["status"] == "terminated", (s.out, s.err)
+    assert any("toolchain cache was emptied" in w for w in s.summary["warnings"]), s.summary
+    listed = json.loads(subprocess.run([AGENTCELL, "cache", "list", "--json"], env=session_environ(env),
+                                       capture_output=True, text=True, check=True).stdout)
+    assert listed == [], listed
+    s = session(env, ["start", "--harness", "shell", "--json", "--", "sh", "-c",
+                      "ls -A /cache/cargo; test ! -e /cache/cargo/config.toml && echo clean"])
+    assert s.summary["status"] == "completed" and "clean" in s.out, (s.out, s.err)

@@ -121,3 +121,20 @@ def test_what_decides_execution_is_warned_about_and_named_and_ordinary_work_is_n
                             "'*.py filter=evil')") for w in warnings), warnings
     assert any(w.startswith(f"the agent created {project}/.git/hooks, which decides what git") for w in warnings)
     assert not (project / ".git" / "hooks").exists()
+
+
+def test_a_directory_name_with_a_newline_quote_or_tab_is_one_safe_directory_git_reads_back(tmp_path: Path) -> None:
+    """The session's configuration spells such a name with git's escapes: a raw newline would end the
+    line (and git would refuse the whole file in every later session); nothing of it becomes a setting."""
+    from agentcell.session import gitcell
+
+    odd = '/p/inj"\n[core]\n\tfsmonitor = "touch /tmp/x\\'
+    conf = tmp_path / "gitconfig"
+    conf.write_text(gitcell.system_config([odd, "/p/plain"], "Ada (agent: x)", "ada@example.com"))
+    env = {"GIT_CONFIG_SYSTEM": str(conf), "GIT_CONFIG_GLOBAL": "/dev/null", "PATH": "/usr/bin:/bin"}
+    got = subprocess.run(["git", "config", "--system", "-z", "--get-all", "safe.directory"], env=env,
+                         capture_output=True, text=True)
+    assert got.returncode == 0 and got.stdout.split("\0")[:-1] == [odd, "/p/plain"], got
+    fsmonitor = subprocess.run(["git", "config", "--system", "--get", "core.fsmonitor"], env=env,
+                               capture_output=True, text=True)
+    assert fsmonitor.returncode == 1 and fsmonitor.stdout == "", fsmonitor

@@ -10,6 +10,7 @@ this hybrid host), which the user's shell is put into before it starts agentcell
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -39,15 +40,14 @@ def home(user: User) -> Iterator[Path]:
         shutil.rmtree(h, ignore_errors=True)
 
 
-@pytest.fixture
-def delegated(user: User) -> Iterator[list[Path]]:
-    """A group of the user's own in each hierarchy the ceilings need (and the unified one), as an
-    administrator delegates it: made and chowned by root, removed after (empty by then)."""
+@contextlib.contextmanager
+def _delegate(user: User, controllers: tuple[str, ...]) -> Iterator[list[Path]]:
+    """A group of the user's own in each of ``controllers``' hierarchies, as an administrator delegates
+    it: made and chowned by root, removed after (empty by then)."""
     if cgroups.layout() not in ("hybrid", "v1"):
         pytest.skip(f"made for v1/hybrid hierarchies; this host's cgroups are {cgroups.layout()}")
     name = f"agentcell-deleg-{secrets.token_hex(3)}"
-    made = [Path(f"/sys/fs/cgroup/{c}/{name}") for c in ("memory", "cpu", "pids", "unified")
-            if Path(f"/sys/fs/cgroup/{c}").is_dir()]
+    made = [Path(f"/sys/fs/cgroup/{c}/{name}") for c in controllers if Path(f"/sys/fs/cgroup/{c}").is_dir()]
     try:
         for d in made:
             d.mkdir()
@@ -64,6 +64,13 @@ def delegated(user: User) -> Iterator[list[Path]]:
                     break
                 except OSError:
                     time.sleep(0.05)
+
+
+@pytest.fixture
+def delegated(user: User) -> Iterator[list[Path]]:
+    """The hierarchies the ceilings need (memory, cpu, pids) and the unified one, delegated to the user."""
+    with _delegate(user, ("memory", "cpu", "pids", "unified")) as made:
+        yield made
 
 
 def session(user: User, home: Path, project: Path, args: list[str], *, into: list[Path] | None = None,
@@ -132,3 +139,25 @@ def test_without_root_the_projects_caches_are_yours_kept_between_sessions_and_cl
     assert p.returncode == 0 and not tree.exists() and not tree.parent.exists(), p.stdout + p.stderr
     p = cache("clear", "--project", str(project))
     assert p.returncode != 0 and p.stderr.count("\n") == 1 and "has no cache" in p.stderr, p.stderr
+
+
+def test_without_root_a_ceiling_the_delegated_group_cannot_hold_is_refused_not_dropped(
+        user: User, home: Path, project: Path) -> None:
+    """A delegation without the cpu hierarchy: a session whose ceilings include CPU (every risk level's
+    do) is refused in one line that says how to go on, and nothing runs. On cgroup v2 the same holds
+    for a controller the delegated group does not give (CellCgroup._held, below)."""
+    with _delegate(user, ("memory", "pids", "unified")) as made:
+        rc, out, summary = session(user, home, project, ["--cpu", "20", "--", "sh", "-c", "echo ran > ran.txt"],
+                                   into=made)
+        assert rc == 125 and "cpu" in out and "--ceilings off" in out and out.count("\n") == 1, out
+        assert not (project / "ran.txt").exists()
+
+
+def test_a_delegated_v2_group_without_a_controller_a_ceiling_needs_refuses_the_launch() -> None:
+    from agentcell.errors import LaunchError
+
+    cg = cgroups.CellCgroup("v2", {})
+    assert cg._held(cgroups.Limits(None, None, 64), {"pids"}) is cg
+    with pytest.raises(LaunchError, match="memory, cpu controllers") as e:
+        cg._held(cgroups.Limits(256 << 20, 50, 64), {"pids"})
+    assert "--ceilings off" in str(e.value)

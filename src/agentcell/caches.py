@@ -32,7 +32,6 @@ import hashlib
 import json
 import os
 import re
-import shutil
 import stat
 import time
 from collections.abc import Callable
@@ -147,9 +146,10 @@ def _mkdirs(top: int, rel: str, owner: tuple[int, int]) -> None:
 
 def hand_over(tree: str, uid: int, gid: int) -> list[str]:
     """Give every entry of ``tree`` not already ``uid:gid``'s to it, as reassign does (no
-    setuid/setgid bit, not writable by others); regular files with other links stay as they are.
+    setuid/setgid bit, not writable by others, no ACL entry naming anyone); regular files with other
+    links stay as they are.
     Returns what was left (a few, described)."""
-    from .accounts.acl import Walk
+    from .accounts.acl import NAMED, Walk, strip
     from .cell import syscalls
 
     linked = []
@@ -163,6 +163,8 @@ def hand_over(tree: str, uid: int, gid: int) -> list[str]:
         if not stat.S_ISLNK(n.st.st_mode) and n.st.st_mode & (stat.S_ISUID | stat.S_ISGID | stat.S_IWOTH):
             os.chmod(f"/proc/self/fd/{n.fd}",
                      stat.S_IMODE(n.st.st_mode) & ~(stat.S_ISUID | stat.S_ISGID | stat.S_IWOTH))
+        if stat.S_ISDIR(n.st.st_mode) or stat.S_ISREG(n.st.st_mode):
+            strip(n, lambda e: e[0] in NAMED)  # no one else's way in, whoever wrote it there
     return [f"{os.path.join(tree, r)} has other links: not handed to the session" for r in linked[:3]] + \
         ([f"... and {len(linked) - 3} more"] if len(linked) > 3 else [])
 
@@ -176,15 +178,14 @@ def read_meta(entry: str) -> dict[str, Any]:
         return {}
 
 
-def _size(tree: str) -> int:
-    total = 0
-    for dirpath, _dirnames, filenames in os.walk(tree):
-        for name in filenames:
-            try:
-                total += os.lstat(os.path.join(dirpath, name)).st_blocks * 512
-            except OSError:
-                pass
-    return total
+def _size(tree: str) -> int | None:
+    """Bytes on disk below ``tree`` (None: it could not be walked); iterative, never a link followed."""
+    from .accounts.acl import Walk
+
+    try:
+        return sum(n.st.st_blocks * 512 for n in Walk(tree, links=True) if stat.S_ISREG(n.st.st_mode))
+    except (OSError, AgentcellError):
+        return None
 
 
 def entries() -> list[dict[str, Any]]:
@@ -225,19 +226,27 @@ def clear(which: list[dict[str, Any]]) -> list[str]:
     removed = []
     for e in which:
         entry = os.path.dirname(e["path"])
-        _rmtree(entry)
+        _remove(entry)
         removed.append(entry)
     return removed
 
 
-def _rmtree(path: str) -> None:
-    """shutil.rmtree, also through directories a toolchain made read-only (go's module cache), as a
-    user who is not root must: each directory made ours to change first, no link followed."""
-    if os.geteuid() != 0:
-        os.chmod(path, 0o700)
-        for dirpath, dirnames, _ in os.walk(path):  # top-down: a directory is opened after its chmod
-            for d in dirnames:
-                p = os.path.join(dirpath, d)
-                if not os.path.islink(p):
-                    os.chmod(p, 0o700)
-    shutil.rmtree(path)
+def discard(tree: str) -> None:
+    """Remove the entry of ``tree`` (a session ended at an escape wrote there)."""
+    _remove(os.path.dirname(tree))
+
+
+def _remove(path: str) -> None:
+    """Remove a store entry, however deep or read-only the toolchains made it (go's module cache is
+    0555): coreutils' rm and chmod walk iteratively, stay on one file system and follow no link."""
+    import subprocess
+
+    if not os.path.lexists(path):
+        return
+    if os.geteuid() != 0:  # root needs no write permission to remove; a user does
+        subprocess.run(["chmod", "-R", "u+rwX", "--", path], capture_output=True, check=False)
+    p = subprocess.run(["rm", "-rf", "--one-file-system", "--", path], capture_output=True, text=True)
+    if p.returncode != 0 or os.path.lexists(path):
+        raise AgentcellError("cache", f"{hostfs.shown(path)} could not be removed: "
+                             f"{p.stderr.strip().splitlines()[-1] if p.stderr.strip() else 'still there'}",
+                             "remove it by hand (as root for root's sessions)")

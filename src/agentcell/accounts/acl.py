@@ -166,14 +166,25 @@ class Walk:
                 is_dir, is_link = stat.S_ISDIR(st.st_mode), stat.S_ISLNK(st.st_mode)
                 if is_link and not self.links:
                     continue
-                mode = os.O_RDONLY | os.O_DIRECTORY if is_dir else os.O_PATH
-                try:
-                    fd = os.open(name, mode | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
-                except OSError as e:
-                    if e.errno in self.SKIPPED:
-                        continue  # gone, or swapped for a symlink since the stat: skipped, never followed
-                    raise
-                st = os.fstat(fd)
+                fd = -1
+                for _ in range(3):  # a name swapped between the stat and the open is opened as what it is now
+                    mode = os.O_RDONLY | os.O_DIRECTORY if is_dir else os.O_PATH
+                    try:
+                        fd = os.open(name, mode | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+                    except OSError as e:
+                        if e.errno == errno.ENOTDIR and is_dir:
+                            is_dir = False
+                            continue
+                        if e.errno in self.SKIPPED:
+                            break  # gone, or swapped for a symlink since the stat: skipped, never followed
+                        raise
+                    st = os.fstat(fd)
+                    if stat.S_ISDIR(st.st_mode) == is_dir:
+                        break
+                    os.close(fd)
+                    fd, is_dir = -1, stat.S_ISDIR(st.st_mode)
+                if fd < 0:
+                    continue
                 if stat.S_ISLNK(st.st_mode) and not self.links:
                     os.close(fd)
                     continue

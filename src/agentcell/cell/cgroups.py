@@ -256,7 +256,7 @@ class CellCgroup:
                     _write(f"{d}/cpu.max", f"{limits.cpu_percent * CPU_PERIOD_US // 100} {CPU_PERIOD_US}")
                 if limits.pids and "pids" in have:
                     _write(f"{d}/pids.max", str(limits.pids))
-                return cg
+                return cg._held(limits, have) if delegated_to_us is not None else cg
             for ctrl in V1_CONTROLLERS:
                 if ctrl in tops and os.path.exists(f"{ROOT}/{ctrl}/tasks"):
                     dirs[ctrl] = cg._mkdir(f"{tops[ctrl]}/{PARENT}/{cell_id}")
@@ -269,10 +269,25 @@ class CellCgroup:
                 _write(f"{dirs['cpu']}/cpu.cfs_quota_us", str(limits.cpu_percent * CPU_PERIOD_US // 100))
             if limits.pids and "pids" in dirs:
                 _write(f"{dirs['pids']}/pids.max", str(limits.pids))
-            return cg
+            return cg._held(limits, set(dirs)) if delegated_to_us is not None else cg
         except OSError as e:
             cg.remove()
             raise LaunchError("cgroup", f"{e.filename or ''}: {e.strerror}", "see 'agentcell doctor'") from None
+
+    def _held(self, limits: Limits, have: set[str]) -> CellCgroup:
+        """Fail closed, below a group delegated to the caller: a ceiling asked for whose controller it
+        does not give (a v2 group with only pids delegated, one that still holds another's process) is a
+        launch refused, never a cell run without it while the summary names it. (Root's own trees give
+        every controller the host has; a hybrid host's v2 tree gives none, and v1 holds them.)"""
+        missing = [c for c, want in (("memory", limits.memory), ("cpu", limits.cpu_percent),
+                                     ("pids", limits.pids)) if want and c not in have]
+        if missing:
+            self.remove()
+            raise LaunchError("cgroup", f"the ceilings need the {', '.join(missing)} controller"
+                              f"{'s' if len(missing) > 1 else ''}, and the cgroup tree here does not give "
+                              f"{'them' if len(missing) > 1 else 'it'}",
+                              "delegate them (systemd's Delegate=yes), or run without ceilings (--ceilings off)")
+        return self
 
     def _mkdir(self, path: str) -> str:
         for attempt in range(3):  # another cell's cleanup may remove the shared parent in between

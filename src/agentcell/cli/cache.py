@@ -53,7 +53,8 @@ def main(argv: list[str]) -> int:
             for e in found:
                 used = time.strftime("%Y-%m-%d %H:%M", time.localtime(e["last_used"])) if e["last_used"] else "-"
                 who = f" (agent {e['agent']})" if e["agent"] else ""
-                print(f"{printable(str(e['project']))}{printable(who)}: {_size(e['bytes'])}, "
+                size = "size unknown" if e["bytes"] is None else _size(e["bytes"])
+                print(f"{printable(str(e['project']))}{printable(who)}: {size}, "
                       f"{', '.join(e['tools']) or 'empty'}; last used {used}\n"
                       f"    {printable(e['path'])} (owner {e['owner']})")
             return 0

@@ -79,7 +79,8 @@ def human_identity(home: str | None, repo_git_dirs: list[str]) -> tuple[str, str
             where.append(place)
     for git_dir in repo_git_dirs:
         values = _read(git_dir, "config")
-        if ("user", "name") in values and ("user", "email") in values:
+        if ("user", "name") in values and ("user", "email") in values and not (
+                _BAD.search(values[("user", "name")]) or _BAD.search(values[("user", "email")])):
             return values[("user", "name")], values[("user", "email")], f"{git_dir}/config"
     if name and email and not (_BAD.search(name) or _BAD.search(email)):
         return name, email, where[-1]
@@ -104,7 +105,11 @@ def identity(given: str | None, human_uid: int | None, repos: list[str], harness
 
 
 def _quoted(value: str) -> str:
-    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    """A git config value in double quotes, with git's escapes: a backslash, a quote, and the control
+    characters git can spell (a newline, a tab, a backspace: a directory name may hold them; a raw one
+    would end the line, and git would refuse the whole file)."""
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n").replace(
+        "\t", "\\t").replace("\b", "\\b") + '"'
 
 
 def system_config(safe: list[str], name: str, email: str) -> str:

@@ -540,17 +540,28 @@ class Nodes:
                 human = self._human(state["config"]["project_root"])
             except (OSError, AgentcellError) as e:
                 problems.append(f"the agent's files are left to root: {_line(e)}")
+        cache = state.get("cache_dir") or _cache_left(state)
+        if cache and state.get("escape"):  # nothing an agent ended at an escape wrote is built with next time
+            try:
+                caches.discard(cache)
+                warnings.append("the project's toolchain cache was emptied: the session ended at an escape, and "
+                                "what it wrote there would be the next session's build tools")
+                cache = None
+            except (OSError, AgentcellError) as e:
+                problems.append(f"toolchain cache: not emptied after the escape ({_line(e)}): "
+                                "'agentcell cache clear --project' removes it")
         if account is not None and account.get("kind") in ("ephemeral", "agent"):
             if grants is None:  # crashed while granting: revoke wherever it may have granted
                 grants = [{"path": p, "prior": []} for p in rw]
             problems += _revoke(cmds, account, grants)
             give_to = (human[0], human[1]) if human else None
             paths = [g["path"] for g in grants]
-            try:
-                cache = state.get("cache_dir") or _cache_left(state)
-                if account["kind"] == "ephemeral" and cache:
-                    # what it made in the cache goes back to root before its number is freed
+            if account["kind"] == "ephemeral" and cache:
+                try:  # what it made in the cache goes back to root before its number is freed
                     problems += acl.reassign(cmds, account["uid"], account["gid"], 0, 0, cache)
+                except (OSError, AgentcellError) as e:  # (the account is deleted all the same)
+                    problems.append(f"toolchain cache: {_line(e)}")
+            try:
                 if account["kind"] == "ephemeral":
                     ephemeral.delete(ephemeral.Account(account["name"], account["uid"], account["gid"], sid), cmds,
                                      paths=paths, give_to=give_to or (0, 0))
