@@ -8,9 +8,11 @@ Real pip and npm against the real registries (PyPI, the npm registry), through t
 (``--allow-preset pypi --allow-preset npm``): the only traffic that leaves this machine. Each round uses a
 new project (so a new cache) owned by a throwaway user; the session is ``agentcell session start
 --harness shell`` as root (a per-session account). What is timed is the install command inside the cell
-(``date +%s%N`` around it), not the session's set-up. The project's ``lib/`` and ``node_modules`` are
-removed between the two sessions, so the second one installs again, from the cache. Everything made is
-removed at the end.
+(``date +%s%N`` around it), not the session's set-up; npm installs with ``npm ci`` from a lockfile resolved
+once on the host. The project's ``lib/`` and ``node_modules`` are removed between the two sessions, so the
+second one installs again, from the cache. Where this machine reaches the registries through a gateway at
+an address that is not public, that address is allowed with --allow-range (the proxy refuses it otherwise).
+Everything made is removed at the end.
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ from pathlib import Path
 
 AGENTCELL = str(Path(sys.executable).parent / "agentcell")
 PIP_PKGS = ["requests==2.32.3", "rich==13.9.4", "pydantic==2.10.4", "attrs==24.3.0"]
-NPM_PKGS = ["express@4.21.2", "lodash@4.17.21", "typescript@5.7.2", "chalk@5.4.1"]
+NPM_PKGS = ["express@4.21.2", "lodash@4.17.21", "typescript@5.7.2", "chalk@5.4.1", "webpack@5.97.1"]
 
 
 def pip_binary() -> str:
@@ -46,15 +48,35 @@ def pip_binary() -> str:
 def script(pip: str, what: str) -> str:
     if what == "pip":
         cmd = f"{pip} install -q --disable-pip-version-check --target lib {' '.join(PIP_PKGS)}"
-    else:
-        cmd = f"npm install -q --no-audit --no-fund --no-update-notifier {' '.join(NPM_PKGS)} >/dev/null"
+    else:  # from the project's lockfile, as an agent's "npm ci" is
+        cmd = "npm ci -q --no-audit --no-fund --no-update-notifier >/dev/null"
     return f"set -e; a=$(date +%s%N); {cmd}; b=$(date +%s%N); echo TOOK=$(( (b - a) / 1000000 ))"
+
+
+def gateway_ranges() -> list[str]:
+    """Where this machine reaches the registries at an address that is not public (a gateway: the
+    proxy refuses such addresses unless a range allows them), that address, as --allow-range flags."""
+    import ipaddress
+    import socket
+
+    out: list[str] = []
+    for host in ("pypi.org", "files.pythonhosted.org", "registry.npmjs.org"):
+        try:
+            addrs = {ai[4][0] for ai in socket.getaddrinfo(host, 443, proto=socket.IPPROTO_TCP)}
+        except OSError:
+            continue
+        for a in sorted(addrs):
+            ip = ipaddress.ip_address(a)
+            if not ip.is_global and f"{a}/{ip.max_prefixlen}" not in out:
+                out += ["--allow-range", f"{a}/{ip.max_prefixlen}"]
+    return out
 
 
 def in_session(project: Path, state: Path, what: str, pip: str) -> float:
     env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "AGENTCELL_STATE_DIR": str(state)}
     p = subprocess.run([AGENTCELL, "session", "start", "--harness", "shell", "--project", str(project),
-                        "--allow-preset", "pypi", "--allow-preset", "npm", "--wall-clock", "900", "--json", "--",
+                        "--allow-preset", "pypi", "--allow-preset", "npm", *gateway_ranges(), "--wall-clock", "900",
+                        "--json", "--",
                         "sh", "-c", script(pip, what)], capture_output=True, text=True, env=env, cwd=project,
                        timeout=1200, stdin=subprocess.DEVNULL)
     m = re.search(r"TOOK=(\d+)", p.stdout)
@@ -74,17 +96,30 @@ def on_host(project: Path, cache: Path, what: str, pip: str) -> float:
     return int(m.group(1)) / 1000
 
 
-def fresh_project(base: Path, uid: int, gid: int) -> Path:
+def fresh_project(base: Path, uid: int, gid: int, lock: Path) -> Path:
     d = base / ("p" + secrets.token_hex(3))
     d.mkdir()
+    for name in ("package.json", "package-lock.json"):
+        shutil.copy(lock / name, d / name)
+        os.chown(d / name, uid, gid)
+    os.chown(d, uid, gid)
+    return d
+
+
+def lockfile(base: Path) -> Path:
+    """package.json and its package-lock.json for NPM_PKGS, resolved once on the host (no install)."""
+    d = base / "lock"
+    d.mkdir()
     (d / "package.json").write_text(json.dumps({"name": "bench", "version": "1.0.0", "private": True}))
-    for p in (d, d / "package.json"):
-        os.chown(p, uid, gid)
+    subprocess.run(["npm", "install", "-q", "--package-lock-only", "--no-audit", "--no-fund", *NPM_PKGS], cwd=d,
+                   env={"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(d), "npm_config_cache": str(d / "c")},
+                   check=True, capture_output=True, timeout=600)
+    shutil.rmtree(d / "c", ignore_errors=True)
     return d
 
 
 def clean(project: Path) -> None:
-    for name in ("lib", "node_modules", "package-lock.json"):
+    for name in ("lib", "node_modules"):
         p = project / name
         if p.is_dir():
             shutil.rmtree(p)
@@ -112,16 +147,17 @@ def main() -> int:
                                                      "host npm warm")}
     cache_info = {}
     try:
+        lock = lockfile(base)
         for _ in range(args.rounds):
             for what in ("pip", "npm"):
-                project = fresh_project(base, pw.pw_uid, pw.pw_gid)
+                project = fresh_project(base, pw.pw_uid, pw.pw_gid, lock)
                 rows[f"{what} cold"].append(in_session(project, state, what, pip))
                 clean(project)
                 rows[f"{what} warm"].append(in_session(project, state, what, pip))
                 listed = json.loads(subprocess.run([AGENTCELL, "cache", "list", "--json"], capture_output=True,
                                                    text=True, env={"AGENTCELL_STATE_DIR": str(state)}).stdout)
                 cache_info = next(e for e in listed if e["project"] == str(project))
-                host = fresh_project(base, 0, 0)
+                host = fresh_project(base, 0, 0, lock)
                 cache = base / ("hostcache" + secrets.token_hex(2))
                 rows[f"host {what} cold"].append(on_host(host, cache, what, pip))
                 clean(host)
