@@ -161,3 +161,13 @@ def test_a_delegated_v2_group_without_a_controller_a_ceiling_needs_refuses_the_l
     with pytest.raises(LaunchError, match="memory, cpu controllers") as e:
         cg._held(cgroups.Limits(256 << 20, 50, 64), {"pids"})
     assert "--ceilings off" in str(e.value)
+
+
+def test_without_root_the_explain_says_what_the_monitor_can_see_and_where_the_caches_are(
+        user: User, home: Path, project: Path) -> None:
+    rc, out, _ = session(user, home, project, ["--ceilings", "off", "--explain", "--", "true"])
+    assert rc == 0, out
+    monitor = next(line for line in out.splitlines() if line.strip().startswith("monitor:"))
+    assert "without root" in monitor and "seccomp" in monitor and "not seen" in monitor, monitor
+    caches = next(line for line in out.splitlines() if line.strip().startswith("caches:"))
+    assert str(home / ".local/state/agentcell/caches") in caches, caches

@@ -331,11 +331,24 @@ def _explain(cfg: Any, plan: Any, policy: dict[str, Any], launch: Any, credentia
                                    for s in credentials.secrets.values()) if credentials else "-"),
             ("settings", " ".join(("~/" if f.home else "seed/") + f.path for f in launch.files) or "-"),
             ("home from", cfg.home_from or "-"),
-            ("caches", "at /cache, the project's own in " + _cache_place(cfg) if cfg.cache else "off (--cache off)")]
+            ("caches", "at /cache, the project's own in " + _cache_place(cfg) if cfg.cache else "off (--cache off)"),
+            ("monitor", _monitor_sees())]
     width = max(len(k) for k, _ in rows)
     head = "".join(f"{k:>{width}}: {v}\n" for k, v in rows)
     return head + explain(SandboxPolicy.model_validate(policy)) + "".join(f"note: {n}\n" for n in
                                                                        (*cfg.notes, *launch.notes))
+
+
+def _monitor_sees() -> str:
+    """What the escape monitor of this session can see, as plainly as the user needs it."""
+    if os.geteuid() == 0:
+        return ("every source: failed calls (eBPF), Landlock denials (the audit stream), execs (the proc "
+                "connector), created files (fanotify), seccomp refusals, the decoys, the proxy ('agentcell "
+                "doctor' says which this host has)")
+    return ("without root, only what the cell reports itself: seccomp refusals, a read of a decoy credential "
+            "(inotify), each connection (the proxy); what the mounts and Landlock refuse inside the cell (a "
+            "read of a path it does not have, a write outside the project, an exec) is contained but not seen: "
+            "eBPF, the audit stream, the proc connector and fanotify need root")
 
 
 def _cache_place(cfg: Any) -> str:
