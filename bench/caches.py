@@ -13,10 +13,18 @@ once on the host. The project's ``lib/`` and ``node_modules`` are removed betwee
 second one installs again, from the cache. Where this machine reaches the registries through a gateway at
 an address that is not public, that address is allowed with --allow-range (the proxy refuses it otherwise).
 Everything made is removed at the end.
+
+``--link MBIT``: the same installs from registry stand-ins on a fake internet of the bench's own (a mock
+of the internet), behind a link of MBIT Mbit/s and 20 ms each way (netem on its veth): the wheels and
+tarballs the real registries gave are fetched once on the host (``pip download``, ``npm pack``) and served
+there (a PEP 503 index; npm's tarball paths, which ``npm ci`` asks for by the lockfile's names and
+versions). That is a machine whose installs wait on the network, as a laptop's or an office's do; the host's
+own installs go over the same link.
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import pwd
@@ -28,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 AGENTCELL = str(Path(sys.executable).parent / "agentcell")
 PIP_PKGS = ["requests==2.32.3", "rich==13.9.4", "pydantic==2.10.4", "attrs==24.3.0"]
@@ -45,11 +54,12 @@ def pip_binary() -> str:
     return cands[1]
 
 
-def script(pip: str, what: str) -> str:
+def script(pip: str, what: str, link: Link) -> str:
     if what == "pip":
-        cmd = f"{pip} install -q --disable-pip-version-check --target lib {' '.join(PIP_PKGS)}"
+        cmd = f"{pip} install -q --disable-pip-version-check {' '.join(link.pip_args)} --target lib " \
+              f"{' '.join(PIP_PKGS)}"
     else:  # from the project's lockfile, as an agent's "npm ci" is
-        cmd = "npm ci -q --no-audit --no-fund --no-update-notifier >/dev/null"
+        cmd = f"npm ci -q --no-audit --no-fund --no-update-notifier {' '.join(link.npm_args)} >/dev/null"
     return f"set -e; a=$(date +%s%N); {cmd}; b=$(date +%s%N); echo TOOK=$(( (b - a) / 1000000 ))"
 
 
@@ -72,12 +82,71 @@ def gateway_ranges() -> list[str]:
     return out
 
 
-def in_session(project: Path, state: Path, what: str, pip: str) -> float:
+class Link:
+    """Where the installs fetch from: the real registries, or stand-ins behind an emulated link."""
+
+    def __init__(self) -> None:
+        self.flags = ["--allow-preset", "pypi", "--allow-preset", "npm", *gateway_ranges()]
+        self.pip_args: list[str] = []
+        self.npm_args: list[str] = []
+        self.rig: Any = None
+
+    def emulate(self, base: Path, mbit: int, pip: str, lock: Path) -> None:
+        from agentcell.harness.check import Rig
+
+        files = base / "registries"
+        wheels = files / "pypi" / "packages"
+        wheels.mkdir(parents=True)
+        subprocess.run([pip, "download", "-q", "--disable-pip-version-check", "-d", str(wheels), *PIP_PKGS],
+                       check=True, env={"PATH": "/usr/bin:/bin", "HOME": str(base)}, timeout=900)
+        for whl in sorted(wheels.iterdir()):
+            name = re.sub(r"[-_.]+", "-", whl.name.split("-")[0]).lower()
+            page = files / "pypi" / "simple" / name
+            page.mkdir(parents=True, exist_ok=True)
+            digest = hashlib.sha256(whl.read_bytes()).hexdigest()
+            with open(page / "index.html", "a") as f:
+                f.write(f'<a href="/packages/{whl.name}#sha256={digest}">{whl.name}</a>\n')
+        packed = files / "packed"
+        packed.mkdir()
+        locked = json.loads((lock / "package-lock.json").read_text())["packages"]
+        specs = sorted({f"{v.get('name') or k.rsplit('node_modules/', 1)[1]}@{v['version']}"
+                        for k, v in locked.items() if k})
+        subprocess.run(["npm", "pack", "-q", "--pack-destination", str(packed), *specs], check=True, cwd=packed,
+                       env={"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(base),
+                            "npm_config_cache": str(base / "npm-pack-cache")}, capture_output=True, timeout=900)
+        for spec in specs:
+            name, version = spec.rsplit("@", 1)
+            short = name.rsplit("/", 1)[-1]
+            tgz = packed / f"{name.replace('@', '').replace('/', '-')}-{version}.tgz"
+            dest = files / "npm" / name / "-" / f"{short}-{version}.tgz"
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.move(tgz, dest)
+        subprocess.run(["chmod", "-R", "a+rX", str(base)], check=True)
+        self.rig = Rig(str(base), hosts={"registry.test": 91, "pypi.test": 92})
+        mirror = [sys.executable, str(Path(__file__).resolve().parent.parent / "tests" / "mirror.py")]
+        self.rig.net.start([*mirror, self.rig.hosts["registry.test"], "80", "files", str(files / "npm")],
+                           ready=b"ready")
+        self.rig.net.start([*mirror, self.rig.hosts["pypi.test"], "80", "files", str(files / "pypi")],
+                           ready=b"ready")
+        subprocess.run(["ip", "netns", "exec", self.rig.net.ns, "tc", "qdisc", "add", "dev", self.rig.net.ns_if,
+                        "root", "netem", "delay", "20ms", "rate", f"{mbit}mbit"], check=True)
+        subprocess.run(["tc", "qdisc", "add", "dev", self.rig.net.host_if, "root", "netem", "delay", "20ms"],
+                       check=True)
+        self.flags = ["--resolver", self.rig.dns, "--allow-range", self.rig.net_range,
+                      "--allow-domain", "pypi.test:80", "--allow-domain", "registry.test:80"]
+        self.pip_args = ["--index-url", "http://pypi.test/simple/", "--trusted-host", "pypi.test"]
+        self.npm_args = ["--registry", "http://registry.test/"]
+
+    def close(self) -> None:
+        if self.rig is not None:
+            self.rig.close()
+
+
+def in_session(project: Path, state: Path, what: str, pip: str, link: Link) -> float:
     env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "AGENTCELL_STATE_DIR": str(state)}
     p = subprocess.run([AGENTCELL, "session", "start", "--harness", "shell", "--project", str(project),
-                        "--allow-preset", "pypi", "--allow-preset", "npm", *gateway_ranges(), "--wall-clock", "900",
-                        "--json", "--",
-                        "sh", "-c", script(pip, what)], capture_output=True, text=True, env=env, cwd=project,
+                        *link.flags, "--wall-clock", "900", "--json", "--",
+                        "sh", "-c", script(pip, what, link)], capture_output=True, text=True, env=env, cwd=project,
                        timeout=1200, stdin=subprocess.DEVNULL)
     m = re.search(r"TOOK=(\d+)", p.stdout)
     if p.returncode != 0 or not m:
@@ -85,10 +154,10 @@ def in_session(project: Path, state: Path, what: str, pip: str) -> float:
     return int(m.group(1)) / 1000
 
 
-def on_host(project: Path, cache: Path, what: str, pip: str) -> float:
+def on_host(project: Path, cache: Path, what: str, pip: str, link: Link) -> float:
     env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(project), "PIP_CACHE_DIR": str(cache / "pip"),
            "npm_config_cache": str(cache / "npm")}
-    p = subprocess.run(["sh", "-c", script(pip, what)], capture_output=True, text=True, env=env, cwd=project,
+    p = subprocess.run(["sh", "-c", script(pip, what, link)], capture_output=True, text=True, env=env, cwd=project,
                        timeout=1200)
     m = re.search(r"TOOK=(\d+)", p.stdout)
     if p.returncode != 0 or not m:
@@ -131,6 +200,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--link", type=int, metavar="MBIT", help="registry stand-ins behind an emulated link")
     args = ap.parse_args()
     if os.geteuid() != 0:
         raise SystemExit("run as root (a session makes a per-session account; the project is a throwaway user's)")
@@ -146,29 +216,34 @@ def main() -> int:
                                                      "host pip cold", "host pip warm", "host npm cold",
                                                      "host npm warm")}
     cache_info = {}
+    link = Link()
     try:
         lock = lockfile(base)
+        if args.link:
+            link.emulate(base, args.link, pip, lock)
         for _ in range(args.rounds):
             for what in ("pip", "npm"):
                 project = fresh_project(base, pw.pw_uid, pw.pw_gid, lock)
-                rows[f"{what} cold"].append(in_session(project, state, what, pip))
+                rows[f"{what} cold"].append(in_session(project, state, what, pip, link))
                 clean(project)
-                rows[f"{what} warm"].append(in_session(project, state, what, pip))
+                rows[f"{what} warm"].append(in_session(project, state, what, pip, link))
                 listed = json.loads(subprocess.run([AGENTCELL, "cache", "list", "--json"], capture_output=True,
                                                    text=True, env={"AGENTCELL_STATE_DIR": str(state)}).stdout)
                 cache_info = next(e for e in listed if e["project"] == str(project))
                 host = fresh_project(base, 0, 0, lock)
                 cache = base / ("hostcache" + secrets.token_hex(2))
-                rows[f"host {what} cold"].append(on_host(host, cache, what, pip))
+                rows[f"host {what} cold"].append(on_host(host, cache, what, pip, link))
                 clean(host)
-                rows[f"host {what} warm"].append(on_host(host, cache, what, pip))
+                rows[f"host {what} warm"].append(on_host(host, cache, what, pip, link))
     finally:
+        link.close()
         subprocess.run([AGENTCELL, "session", "recover"], env={"AGENTCELL_STATE_DIR": str(state),
                                                               "PATH": "/usr/bin:/bin"}, capture_output=True)
         shutil.rmtree(base, ignore_errors=True)
         subprocess.run(["userdel", user], capture_output=True)
     med = {k: statistics.median(v) for k, v in rows.items()}
-    out = {"seconds": med, "rounds": args.rounds, "pip": PIP_PKGS, "npm": NPM_PKGS,
+    out = {"seconds": med, "rounds": args.rounds, "link": f"{args.link} Mbit/s, 20 ms each way (stand-ins)"
+           if args.link else "the real registries", "pip": PIP_PKGS, "npm": NPM_PKGS,
            "session_warm_over_cold": {w: round(med[f"{w} warm"] / med[f"{w} cold"], 3) for w in ("pip", "npm")},
            "host_warm_over_cold": {w: round(med[f"host {w} warm"] / med[f"host {w} cold"], 3)
                                    for w in ("pip", "npm")},

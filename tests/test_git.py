@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from conftest import User, needs_root
-from sessionkit import Env, Session, scripted
+from sessionkit import Env, Session, scripted, session
 from sessionkit import agent as agent  # noqa: F401 - the fixture, under its own name
 from sessionkit import env as env  # the fixture, under its own name
 
@@ -121,6 +121,18 @@ def test_what_decides_execution_is_warned_about_and_named_and_ordinary_work_is_n
                             "'*.py filter=evil')") for w in warnings), warnings
     assert any(w.startswith(f"the agent created {project}/.git/hooks, which decides what git") for w in warnings)
     assert not (project / ".git" / "hooks").exists()
+
+
+def test_core_fsmonitor_cannot_be_set_in_the_repositorys_config_and_the_try_is_recorded_naming_it(
+        env: Env, repo: tuple[Path, Path]) -> None:
+    """The repository's config is read-only in a session: ``git config core.fsmonitor`` fails there, the
+    file is as it was, and the session's events name the file it tried."""
+    project, _home = repo
+    before = (project / ".git" / "config").read_bytes()
+    s = scripted(env, "run git config core.fsmonitor 'touch /tmp/agentcell-fsmonitor'\nrun git status --short\n")
+    assert (project / ".git" / "config").read_bytes() == before and not Path("/tmp/agentcell-fsmonitor").exists()
+    events = session(env, ["show", s.summary["session"], "--json"]).summary.get("events") or []
+    assert any(e["target"].startswith(f"{project}/.git/config") for e in events), (s.summary, events)
 
 
 def test_a_directory_name_with_a_newline_quote_or_tab_is_one_safe_directory_git_reads_back(tmp_path: Path) -> None:

@@ -249,7 +249,7 @@ def test_a_number_the_cell_takes_only_after_its_look_does_not_clear_the_look(
     victim = victims.start(300, 2000, cwd=secret_dir)
     out, events, _ = _probe(user, project, counter=lambda _: victim - 1, forks=0, victim=victim, code=TAKEN_AFTER)
     assert "refused 2" in out and f"took {victim}" in out, out
-    assert _seen(events, victim) == [(f"/proc/{victim}/status", True, "calls")], events
+    assert _seen(events, victim) == [(f"/proc/{victim}/status", True, "calls")], (events, out)
 
 
 EXEC_BY_A_THREAD = """

@@ -348,6 +348,9 @@ class Classifier:
         self.view, self.network, self.host, self.lost = view, network, host, lost
         self.refused = refused  # on the host's network: a connect the firewall refused, and by whom
         self.numbers = Numbers()  # what the cell's pid namespace did with its numbers (the task ring)
+        # reads what the task ring holds by now (set by the source that feeds both): a task the cell
+        # started since the ring was last read is in it, never taken for one from before the events
+        self.catch_up: Callable[[], None] = lambda: None
 
     def _whose(self, call: Call, pid: int) -> str:
         """What ``pid``, a number the cell named that its namespace did not have and a host process has,
@@ -356,7 +359,10 @@ class Classifier:
         does not say what number a task had)."""
         state = self.numbers.state(pid, call.ktime)
         if state == "never" and not self.numbers.known(pid) and self.host.exists_in_cell(f"/proc/{pid}"):
-            return "alive"  # a task of the cell from before the events came (its PID 1)
+            self.catch_up()  # (the cell may have given the number to a task since the ring was read)
+            state = self.numbers.state(pid, call.ktime)
+            if state == "never" and not self.numbers.known(pid):
+                return "alive"  # a task of the cell from before the events came (its PID 1)
         if state in ("had", "never") and (self.numbers.unknown or self.lost()):
             return "unknown"
         return state
@@ -641,6 +647,7 @@ class AttemptSource:
                  ignore: Callable[[int], bool], execed: Callable[[int, str, str], None]) -> None:
         self.calls, self.classifier, self.cell = calls, classifier, cell
         self.exe_of, self.ignore, self.execed = exe_of, ignore, execed
+        classifier.catch_up = self._tasks
 
     def fileno(self) -> int:
         return int(self.calls.fileno())
@@ -655,8 +662,7 @@ class AttemptSource:
         # The tasks after the calls: every task that started or ended before one of these calls did so
         # before the call's event was handed over (a call finds a number gone only once its task ended).
         numbers = self.classifier.numbers
-        for t in self.calls.read_tasks():
-            numbers.task(t.kind, t.number, t.tid, t.ktime)
+        self._tasks()
         for call in calls:
             if call.errno == 0:  # an exec that succeeded: the process's new name, for the monitor's table
                 numbers.exec_by(call.args[0] & 0xFFFFFFFF, call.pid, call.ktime)
@@ -676,6 +682,11 @@ class AttemptSource:
                                  f"{errno.errorcode.get(call.errno, call.errno)})", source="calls", cell=self.cell,
                                  pid=call.pid, exe=self.exe_of(call.pid) or call.comm, allow=allow, acts=acts))
         return out
+
+    def _tasks(self) -> None:
+        numbers = self.classifier.numbers
+        for t in self.calls.read_tasks():
+            numbers.task(t.kind, t.number, t.tid, t.ktime)
 
     def dropped(self) -> int:
         return int(self.calls.dropped())
