@@ -15,7 +15,7 @@ an address that is not public, that address is allowed with --allow-range (the p
 Everything made is removed at the end.
 
 ``--link MBIT``: the same installs from registry stand-ins on a fake internet of the bench's own (a mock
-of the internet), behind a link of MBIT Mbit/s and 20 ms each way (netem on its veth): the wheels and
+of the internet), behind a link of MBIT Mbit/s (a token bucket on its veth): the wheels and
 tarballs the real registries gave are fetched once on the host (``pip download``, ``npm pack``) and served
 there (a PEP 503 index; npm's tarball paths, which ``npm ci`` asks for by the lockfile's names and
 versions). That is a machine whose installs wait on the network, as a laptop's or an office's do; the host's
@@ -54,12 +54,13 @@ def pip_binary() -> str:
     return cands[1]
 
 
-def script(pip: str, what: str, link: Link) -> str:
+def script(pip: str, what: str, link: Link, host: bool = False) -> str:
     if what == "pip":
-        cmd = f"{pip} install -q --disable-pip-version-check {' '.join(link.pip_args)} --target lib " \
-              f"{' '.join(PIP_PKGS)}"
+        args = link.host_pip_args if host else link.pip_args
+        cmd = f"{pip} install -q --disable-pip-version-check {' '.join(args)} --target lib {' '.join(PIP_PKGS)}"
     else:  # from the project's lockfile, as an agent's "npm ci" is
-        cmd = f"npm ci -q --no-audit --no-fund --no-update-notifier {' '.join(link.npm_args)} >/dev/null"
+        args = link.host_npm_args if host else link.npm_args
+        cmd = f"npm ci -q --no-audit --no-fund --no-update-notifier {' '.join(args)} >/dev/null"
     return f"set -e; a=$(date +%s%N); {cmd}; b=$(date +%s%N); echo TOOK=$(( (b - a) / 1000000 ))"
 
 
@@ -89,6 +90,8 @@ class Link:
         self.flags = ["--allow-preset", "pypi", "--allow-preset", "npm", *gateway_ranges()]
         self.pip_args: list[str] = []
         self.npm_args: list[str] = []
+        self.host_pip_args: list[str] = []  # (the host resolves no name of the fake internet: its addresses)
+        self.host_npm_args: list[str] = []
         self.rig: Any = None
 
     def emulate(self, base: Path, mbit: int, pip: str, lock: Path) -> None:
@@ -128,14 +131,16 @@ class Link:
                            ready=b"ready")
         self.rig.net.start([*mirror, self.rig.hosts["pypi.test"], "80", "files", str(files / "pypi")],
                            ready=b"ready")
+        # (a token bucket: these kernels have tbf, not netem, so the link has a rate and no added delay)
         subprocess.run(["ip", "netns", "exec", self.rig.net.ns, "tc", "qdisc", "add", "dev", self.rig.net.ns_if,
-                        "root", "netem", "delay", "20ms", "rate", f"{mbit}mbit"], check=True)
-        subprocess.run(["tc", "qdisc", "add", "dev", self.rig.net.host_if, "root", "netem", "delay", "20ms"],
-                       check=True)
+                        "root", "tbf", "rate", f"{mbit}mbit", "burst", "64kb", "latency", "400ms"], check=True)
         self.flags = ["--resolver", self.rig.dns, "--allow-range", self.rig.net_range,
                       "--allow-domain", "pypi.test:80", "--allow-domain", "registry.test:80"]
         self.pip_args = ["--index-url", "http://pypi.test/simple/", "--trusted-host", "pypi.test"]
         self.npm_args = ["--registry", "http://registry.test/"]
+        pypi, npm = self.rig.hosts["pypi.test"], self.rig.hosts["registry.test"]
+        self.host_pip_args = ["--index-url", f"http://{pypi}/simple/", "--trusted-host", pypi]
+        self.host_npm_args = ["--registry", f"http://{npm}/"]
 
     def close(self) -> None:
         if self.rig is not None:
@@ -157,8 +162,8 @@ def in_session(project: Path, state: Path, what: str, pip: str, link: Link) -> f
 def on_host(project: Path, cache: Path, what: str, pip: str, link: Link) -> float:
     env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(project), "PIP_CACHE_DIR": str(cache / "pip"),
            "npm_config_cache": str(cache / "npm")}
-    p = subprocess.run(["sh", "-c", script(pip, what, link)], capture_output=True, text=True, env=env, cwd=project,
-                       timeout=1200)
+    p = subprocess.run(["sh", "-c", script(pip, what, link, host=True)], capture_output=True, text=True, env=env,
+                       cwd=project, timeout=1200)
     m = re.search(r"TOOK=(\d+)", p.stdout)
     if p.returncode != 0 or not m:
         raise SystemExit(f"host install failed: {p.stdout[-1500:]} {p.stderr[-1500:]}")
@@ -242,7 +247,7 @@ def main() -> int:
         shutil.rmtree(base, ignore_errors=True)
         subprocess.run(["userdel", user], capture_output=True)
     med = {k: statistics.median(v) for k, v in rows.items()}
-    out = {"seconds": med, "rounds": args.rounds, "link": f"{args.link} Mbit/s, 20 ms each way (stand-ins)"
+    out = {"seconds": med, "rounds": args.rounds, "link": f"{args.link} Mbit/s (stand-ins)"
            if args.link else "the real registries", "pip": PIP_PKGS, "npm": NPM_PKGS,
            "session_warm_over_cold": {w: round(med[f"{w} warm"] / med[f"{w} cold"], 3) for w in ("pip", "npm")},
            "host_warm_over_cold": {w: round(med[f"host {w} warm"] / med[f"host {w} cold"], 3)
