@@ -7,7 +7,8 @@ installs on the host (its own pip and npm, a fresh cache then the warm one): the
 Real pip and npm against the real registries (PyPI, the npm registry), through the session's proxy
 (``--allow-preset pypi --allow-preset npm``): the only traffic that leaves this machine. Each round uses a
 new project (so a new cache) owned by a throwaway user; the session is ``agentcell session start
---harness shell`` as root (a per-session account). What is timed is the install command inside the cell
+--harness shell`` as root (a per-session account), given the machine's CPUs (``--cpu``), as the host's own
+install has them. What is timed is the install command inside the cell
 (``date +%s%N`` around it), not the session's set-up; npm installs with ``npm ci`` from a lockfile resolved
 once on the host. The project's ``lib/`` and ``node_modules`` are removed between the two sessions, so the
 second one installs again, from the cache. Where this machine reaches the registries through a gateway at
@@ -150,7 +151,7 @@ class Link:
 def in_session(project: Path, state: Path, what: str, pip: str, link: Link) -> float:
     env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "AGENTCELL_STATE_DIR": str(state)}
     p = subprocess.run([AGENTCELL, "session", "start", "--harness", "shell", "--project", str(project),
-                        *link.flags, "--wall-clock", "900", "--json", "--",
+                        *link.flags, "--cpu", str(100 * (os.cpu_count() or 1)), "--wall-clock", "900", "--json", "--",
                         "sh", "-c", script(pip, what, link)], capture_output=True, text=True, env=env, cwd=project,
                        timeout=1200, stdin=subprocess.DEVNULL)
     m = re.search(r"TOOK=(\d+)", p.stdout)

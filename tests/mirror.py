@@ -86,11 +86,14 @@ class Git(http.server.BaseHTTPRequestHandler):
 
 class Files(http.server.SimpleHTTPRequestHandler):
     """Static files, with what the real registries say of a release's files (PyPI's wheels, npm's
-    tarballs): they never change, so a client may keep them (pip's and npm's caches do)."""
+    tarballs, at /tarballs/ or at npm's own /NAME/-/FILE.tgz): they never change, so a client may keep them
+    (pip's and npm's caches do)."""
 
     def end_headers(self) -> None:
-        if self.path.startswith(("/packages/", "/tarballs/")):
+        if self.path.startswith(("/packages/", "/tarballs/")) or ("/-/" in self.path and self.path.endswith(".tgz")):
             self.send_header("Cache-Control", "max-age=365000000, immutable, public")
+        elif self.path.startswith("/simple/"):  # PyPI's index pages: fresh for ten minutes
+            self.send_header("Cache-Control", "max-age=600, public")
         super().end_headers()
 
 
