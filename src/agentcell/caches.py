@@ -149,8 +149,7 @@ def hand_over(tree: str, uid: int, gid: int) -> list[str]:
     setuid/setgid bit, not writable by others, no ACL entry naming anyone); regular files with other
     links stay as they are.
     Returns what was left (a few, described)."""
-    from .accounts.acl import NAMED, Walk, strip
-    from .cell import syscalls
+    from .accounts.acl import Walk, give
 
     linked = []
     for n in Walk(tree, links=True):
@@ -159,12 +158,7 @@ def hand_over(tree: str, uid: int, gid: int) -> list[str]:
         if stat.S_ISREG(n.st.st_mode) and n.st.st_nlink > 1:
             linked.append(n.rel)
             continue
-        syscalls.fchown_fd(n.fd, uid, gid)
-        if not stat.S_ISLNK(n.st.st_mode) and n.st.st_mode & (stat.S_ISUID | stat.S_ISGID | stat.S_IWOTH):
-            os.chmod(f"/proc/self/fd/{n.fd}",
-                     stat.S_IMODE(n.st.st_mode) & ~(stat.S_ISUID | stat.S_ISGID | stat.S_IWOTH))
-        if stat.S_ISDIR(n.st.st_mode) or stat.S_ISREG(n.st.st_mode):
-            strip(n, lambda e: e[0] in NAMED)  # no one else's way in, whoever wrote it there
+        give(n, uid, gid)  # no one else's way in, whoever wrote it there
     return [f"{os.path.join(tree, r)} has other links: not handed to the session" for r in linked[:3]] + \
         ([f"... and {len(linked) - 3} more"] if len(linked) > 3 else [])
 

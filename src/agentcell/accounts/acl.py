@@ -318,27 +318,32 @@ def reassign(cmds: Commands, uid: int, gid: int, to_uid: int, to_gid: int, place
     """Give every entry owned by ``uid`` or group ``gid`` to ``to_uid:to_gid``, as the human would
     want to receive it: no setuid/setgid bit, not writable by others, no ACL entry naming anyone but
     the human (the agent chose those). Returns what is left (empty when all moved)."""
-    from ..cell import syscalls
-
     cmds.show(["find", place, "-xdev", "(", "-uid", str(uid), "-o", "-gid", str(gid), ")", "-exec", "chown",
                "--no-dereference", f"{to_uid}:{to_gid}", "--", "{}", "+"])
     if cmds.dry_run:
         return []
-    walk = Walk(place, links=True)
-    for n in walk:
-        if n.st.st_uid != uid and n.st.st_gid != gid:
-            continue
-        syscalls.fchown_fd(n.fd, to_uid, to_gid)  # the file opened, not a name that could be swapped
-        if stat.S_ISLNK(n.st.st_mode):
-            continue
-        if n.st.st_mode & (stat.S_ISUID | stat.S_ISGID | stat.S_IWOTH):
-            os.chmod(_proc(n.fd), stat.S_IMODE(n.st.st_mode) & ~(stat.S_ISUID | stat.S_ISGID | stat.S_IWOTH))
-        if stat.S_ISDIR(n.st.st_mode) or stat.S_ISREG(n.st.st_mode):
-            strip(n, lambda e: e[0] in NAMED and not (e[0] == USER and e[2] == to_uid))
-            default = get(n.fd, DEFAULT) if stat.S_ISDIR(n.st.st_mode) else None
-            if default is not None and any(t == OTHER and p & 2 for t, p, _ in default):
-                put(n.fd, DEFAULT, [(t, p & ~2 if t == OTHER else p, i) for t, p, i in default])
+    for n in Walk(place, links=True):
+        if n.st.st_uid == uid or n.st.st_gid == gid:
+            give(n, to_uid, to_gid, keep=lambda e: e[0] == USER and e[2] == to_uid)
     return owned_by(uid, gid, place)
+
+
+def give(n: Node, to_uid: int, to_gid: int, keep: Callable[[Entry], bool] = lambda e: False) -> None:
+    """Make one walked entry ``to_uid:to_gid``'s as its receiver wants it: chowned (the file opened, not a
+    name that could be swapped), no setuid/setgid bit, not writable by others, no named ACL entry but
+    those ``keep`` selects (the rest were someone else's choice)."""
+    from ..cell import syscalls
+
+    syscalls.fchown_fd(n.fd, to_uid, to_gid)
+    if stat.S_ISLNK(n.st.st_mode):
+        return
+    if n.st.st_mode & (stat.S_ISUID | stat.S_ISGID | stat.S_IWOTH):
+        os.chmod(_proc(n.fd), stat.S_IMODE(n.st.st_mode) & ~(stat.S_ISUID | stat.S_ISGID | stat.S_IWOTH))
+    if stat.S_ISDIR(n.st.st_mode) or stat.S_ISREG(n.st.st_mode):
+        strip(n, lambda e: e[0] in NAMED and not keep(e))
+        default = get(n.fd, DEFAULT) if stat.S_ISDIR(n.st.st_mode) else None
+        if default is not None and any(t == OTHER and p & 2 for t, p, _ in default):
+            put(n.fd, DEFAULT, [(t, p & ~2 if t == OTHER else p, i) for t, p, i in default])
 
 
 def owned_by(uid: int, gid: int, place: str) -> list[str]:

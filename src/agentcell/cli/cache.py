@@ -30,11 +30,14 @@ def parser() -> Parser:
 
 
 def _size(n: int) -> str:
-    for unit in ("B", "K", "M", "G"):
-        if n < 1024 or unit == "G":
-            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
-        n /= 1024  # type: ignore[assignment]
-    return str(n)
+    if n < 1024:
+        return f"{n}B"
+    size, unit = n / 1024, "K"
+    for bigger in ("M", "G"):
+        if size < 1024:
+            break
+        size, unit = size / 1024, bigger
+    return f"{size:.1f}{unit}"
 
 
 def main(argv: list[str]) -> int:
