@@ -255,6 +255,8 @@ def test_claude_codes_tui_in_tmux_does_the_day_and_ctrl_c_gives_the_terminal_bac
         tmux("send-keys", "-t", "day", "Enter")
         until("bypass permissions on")
         tmux("send-keys", "-t", "day", "-l", "Fix the failing test, commit on a branch, push it.")
+        until("push it.")  # typed, as a person types: then Enter (one sent with the text is taken as pasted)
+        time.sleep(1)
         tmux("send-keys", "-t", "day", "Enter")
         until("pushed.")  # its closing words: the day's shell steps ran before them
         tmux("send-keys", "-t", "day", "C-c")
@@ -271,6 +273,19 @@ def test_claude_codes_tui_in_tmux_does_the_day_and_ctrl_c_gives_the_terminal_bac
         modes = after.rsplit("stty -a", 1)[1].split()
         assert "icanon" in modes and "echo" in modes and "-icanon" not in modes and "-echo" not in modes, modes
     finally:
+        def ended() -> bool:
+            try:
+                return '"status": ' in pane()
+            except subprocess.CalledProcessError:  # (no server: nothing runs in it)
+                return True
+
+        if not ended():  # the session still runs (a failure above): end it as a person would,
+            for _ in range(2):            # and let it clean up before its terminal goes
+                subprocess.run(["tmux", "-S", str(sock), "send-keys", "-t", "day", "C-c"], capture_output=True)
+                time.sleep(0.2)
+            end = time.monotonic() + 60
+            while not ended() and time.monotonic() < end:
+                time.sleep(0.5)
         subprocess.run(["tmux", "-S", str(sock), "kill-server"], capture_output=True, timeout=30)
     seen = {"summary": {**summary, "escape": None}, "requests": day.rig.requests()}
     check_day(day, "claude_code", seen, project, remote, user, home, "claude_code")
