@@ -468,6 +468,25 @@ def test_a_flood_of_notes_never_pushes_out_an_event_that_acts() -> None:
         m.stop()
 
 
+def test_an_attempt_found_after_the_cell_ended_still_ends_the_run_at_an_escape() -> None:
+    """The monitor's last look, after the cell is over (a rootless watch learns of a decoy's open only
+    after it; the proxy's last refusals are read after the monitor stops): nothing is left to freeze or
+    kill, but the run ended at an escape attempt and says so. A source failing at teardown is a note."""
+    from agentcell.monitor.event import CellEvent
+    from agentcell.monitor.monitor import Monitor
+
+    m = Monitor("agentcell-test-late", None, "terminate", rootless=True)
+    m.stop()
+    m._event(CellEvent("telemetry", "monitor", "a source failed: gone", source="telemetry", cell=m.cell_id))
+    assert not m.terminated
+    m.record_egress([{"target": "evil.example:443", "reason": "not on the allow-list", "source": "proxy"}])
+    assert m.terminated and "evil.example:443" in m.reason and m.frozen_at is None
+    r = Monitor("agentcell-test-late-record", None, "terminate,network=record", rootless=True)
+    r.stop()
+    r.record_egress([{"target": "evil.example:443", "reason": "not on the allow-list", "source": "proxy"}])
+    assert not r.terminated and [e.target for e in r.events] == ["evil.example:443"]
+
+
 def test_a_mask_whose_name_cannot_be_looked_up_does_not_blind_the_others(tmp_path: Path) -> None:
     from agentcell.monitor.masks import MaskWatch
 

@@ -206,7 +206,7 @@ class Monitor:
         self._exited: collections.deque[tuple[float, int]] = collections.deque()  # members gone, forgotten after 5 s
         self._leftover: list[tuple[int, str]] = []  # what ran on when the command ended (named later)
         self._index: dict[tuple[str, str, str, bool], CellEvent] = {}
-        self._final = False  # the cell has ended: events are recorded, no verdict acts any more
+        self._final = False  # the cell has ended: nothing is frozen or killed any more (an attempt still counts)
         self._pidfd: int | None = None
         self._audit_lost: int | None = None
         self._seed = 0  # the cell's PID 1
@@ -497,7 +497,7 @@ class Monitor:
 
     def stop(self) -> list[CellEvent]:
         self._stop.set()
-        self._final = True  # what is drained from here on happened; the cell is over: record only
+        self._final = True  # what is drained from here on happened; the cell is over: nothing to freeze or kill
         try:
             os.write(self._wake_w, b"x")
         except OSError:
@@ -894,8 +894,15 @@ class Monitor:
                 seen.count += 1  # a duplicate: counted, the first one stands (and has acted already)
                 return
             # The verdict first: a cap on what is kept must never decide what is acted on.
-            if ev.acts and not self._final and self.verdicts.get(ev.operation) == "terminate" and not self.terminated:
-                self.terminate(ev.line())
+            if ev.acts and self.verdicts.get(ev.operation) == "terminate" and not self.terminated:
+                if not self._final:
+                    self.terminate(ev.line())
+                elif ev.operation != "telemetry":
+                    # Found after the cell ended (its command ran on past the attempt before the loop
+                    # looked: a rootless watch learns of a decoy's open after it; the proxy's last
+                    # refusals): nothing is left to freeze or kill, but the run ended at an escape
+                    # attempt and says so. A source failing at teardown is only noted.
+                    self.terminated, self.reason = True, ev.line()
             # Notes and acting events are capped apart: a flood of notes never pushes an attempt out.
             if self._kept[ev.acts] >= MAX_EVENTS:
                 kind = "events" if ev.acts else "notes"
