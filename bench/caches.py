@@ -41,6 +41,8 @@ from typing import Any
 
 AGENTCELL = str(Path(sys.executable).parent / "agentcell")
 PIP_PKGS = ["requests==2.32.3", "rich==13.9.4", "pydantic==2.10.4", "attrs==24.3.0"]
+UV_PKG = "uv==0.13.9"
+TOOLS = ("pip", "uv", "npm")
 NPM_PKGS = ["express@4.21.2", "lodash@4.17.21", "typescript@5.7.2", "chalk@5.4.1", "webpack@5.97.1"]
 
 
@@ -55,10 +57,25 @@ def pip_binary() -> str:
     return cands[1]
 
 
+def uv_binary(pip: str) -> str:
+    """uv, installed with pip into the same venv (from PyPI)."""
+    uv = str(Path(pip).parent / "uv")
+    if not os.access(uv, os.X_OK):
+        subprocess.run([pip, "install", "-q", "--disable-pip-version-check", UV_PKG], check=True, timeout=900)
+    return uv
+
+
 def script(pip: str, what: str, link: Link, host: bool = False) -> str:
     if what == "pip":
         args = link.host_pip_args if host else link.pip_args
         cmd = f"{pip} install -q --disable-pip-version-check {' '.join(args)} --target lib {' '.join(PIP_PKGS)}"
+    elif what == "uv":  # the same dependencies; uv keeps them unpacked in its cache and copies them out
+        args = link.host_uv_args if host else link.uv_args
+        cmd = (f"{Path(pip).parent / 'uv'} pip install -q --python /usr/bin/python3 {' '.join(args)} --target lib "
+               f"{' '.join(PIP_PKGS)}")
+    elif what == "pip-offline":
+        cmd = (f"{pip} install -q --disable-pip-version-check --no-index --find-links {link.wheels} --target lib "
+               f"{' '.join(PIP_PKGS)}")
     else:  # from the project's lockfile, as an agent's "npm ci" is
         args = link.host_npm_args if host else link.npm_args
         cmd = f"npm ci -q --no-audit --no-fund --no-update-notifier {' '.join(args)} >/dev/null"
@@ -90,10 +107,15 @@ class Link:
     def __init__(self) -> None:
         self.flags = ["--allow-preset", "pypi", "--allow-preset", "npm", *gateway_ranges()]
         self.pip_args: list[str] = []
+        # uv trusts its own bundled roots unless told: the system's store is the one a registry gateway's
+        # certificate authority (as this machine has) is added to, for pip and npm as well
+        self.uv_args: list[str] = ["--system-certs"]
+        self.host_uv_args: list[str] = ["--system-certs"]
         self.npm_args: list[str] = []
         self.host_pip_args: list[str] = []  # (the host resolves no name of the fake internet: its addresses)
         self.host_npm_args: list[str] = []
         self.rig: Any = None
+        self.wheels: Path | None = None  # (emulated) the wheels themselves, for pip's own floor
 
     def emulate(self, base: Path, mbit: int, pip: str, lock: Path) -> None:
         from agentcell.harness.check import Rig
@@ -101,6 +123,7 @@ class Link:
         files = base / "registries"
         wheels = files / "pypi" / "packages"
         wheels.mkdir(parents=True)
+        self.wheels = wheels
         subprocess.run([pip, "download", "-q", "--disable-pip-version-check", "-d", str(wheels), *PIP_PKGS],
                        check=True, env={"PATH": "/usr/bin:/bin", "HOME": str(base)}, timeout=900)
         for whl in sorted(wheels.iterdir()):
@@ -138,9 +161,11 @@ class Link:
         self.flags = ["--resolver", self.rig.dns, "--allow-range", self.rig.net_range,
                       "--allow-domain", "pypi.test:80", "--allow-domain", "registry.test:80"]
         self.pip_args = ["--index-url", "http://pypi.test/simple/", "--trusted-host", "pypi.test"]
+        self.uv_args = ["--index-url", "http://pypi.test/simple/"]
         self.npm_args = ["--registry", "http://registry.test/"]
         pypi, npm = self.rig.hosts["pypi.test"], self.rig.hosts["registry.test"]
         self.host_pip_args = ["--index-url", f"http://{pypi}/simple/", "--trusted-host", pypi]
+        self.host_uv_args = ["--index-url", f"http://{pypi}/simple/"]
         self.host_npm_args = ["--registry", f"http://{npm}/"]
 
     def close(self) -> None:
@@ -162,7 +187,7 @@ def in_session(project: Path, state: Path, what: str, pip: str, link: Link) -> f
 
 def on_host(project: Path, cache: Path, what: str, pip: str, link: Link) -> float:
     env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(project), "PIP_CACHE_DIR": str(cache / "pip"),
-           "npm_config_cache": str(cache / "npm")}
+           "UV_CACHE_DIR": str(cache / "uv"), "npm_config_cache": str(cache / "npm")}
     p = subprocess.run(["sh", "-c", script(pip, what, link, host=True)], capture_output=True, text=True, env=env,
                        cwd=project, timeout=1200)
     m = re.search(r"TOOK=(\d+)", p.stdout)
@@ -211,6 +236,7 @@ def main() -> int:
     if os.geteuid() != 0:
         raise SystemExit("run as root (a session makes a per-session account; the project is a throwaway user's)")
     pip = pip_binary()
+    uv_binary(pip)
     user = "ac-tbench" + secrets.token_hex(2)
     subprocess.run(["useradd", "-M", "-d", "/nonexistent", "-s", "/usr/sbin/nologin", user], check=True)
     pw = pwd.getpwnam(user)
@@ -218,29 +244,31 @@ def main() -> int:
     os.chmod(base, 0o755)
     state = base / "state"
     state.mkdir(mode=0o700)
-    rows: dict[str, list[float]] = {k: [] for k in ("pip cold", "pip warm", "npm cold", "npm warm",
-                                                     "host pip cold", "host pip warm", "host npm cold",
-                                                     "host npm warm")}
-    cache_info = {}
+    rows: dict[str, list[float]] = {f"{where}{what} {t}": [] for where in ("", "host ") for what in TOOLS
+                                    for t in ("cold", "warm")}
+    cache_info: dict[str, dict[str, Any]] = {}
     link = Link()
     try:
         lock = lockfile(base)
         if args.link:
             link.emulate(base, args.link, pip, lock)
         for _ in range(args.rounds):
-            for what in ("pip", "npm"):
+            for what in TOOLS:
                 project = fresh_project(base, pw.pw_uid, pw.pw_gid, lock)
                 rows[f"{what} cold"].append(in_session(project, state, what, pip, link))
                 clean(project)
                 rows[f"{what} warm"].append(in_session(project, state, what, pip, link))
                 listed = json.loads(subprocess.run([AGENTCELL, "cache", "list", "--json"], capture_output=True,
                                                    text=True, env={"AGENTCELL_STATE_DIR": str(state)}).stdout)
-                cache_info = next(e for e in listed if e["project"] == str(project))
+                cache_info[what] = next(e for e in listed if e["project"] == str(project))
                 host = fresh_project(base, 0, 0, lock)
                 cache = base / ("hostcache" + secrets.token_hex(2))
                 rows[f"host {what} cold"].append(on_host(host, cache, what, pip, link))
                 clean(host)
                 rows[f"host {what} warm"].append(on_host(host, cache, what, pip, link))
+                if what == "pip" and link.wheels is not None:  # pip's own work, with no network at all
+                    clean(host)
+                    rows.setdefault("host pip offline", []).append(on_host(host, cache, "pip-offline", pip, link))
     finally:
         link.close()
         subprocess.run([AGENTCELL, "session", "recover"], env={"AGENTCELL_STATE_DIR": str(state),
@@ -249,21 +277,25 @@ def main() -> int:
         subprocess.run(["userdel", user], capture_output=True)
     med = {k: statistics.median(v) for k, v in rows.items()}
     out = {"seconds": med, "rounds": args.rounds, "link": f"{args.link} Mbit/s (stand-ins)"
-           if args.link else "the real registries", "pip": PIP_PKGS, "npm": NPM_PKGS,
-           "session_warm_over_cold": {w: round(med[f"{w} warm"] / med[f"{w} cold"], 3) for w in ("pip", "npm")},
+           if args.link else "the real registries", "pip": PIP_PKGS, "uv": UV_PKG, "npm": NPM_PKGS,
+           "session_warm_over_cold": {w: round(med[f"{w} warm"] / med[f"{w} cold"], 3) for w in TOOLS},
            "host_warm_over_cold": {w: round(med[f"host {w} warm"] / med[f"host {w} cold"], 3)
-                                   for w in ("pip", "npm")},
-           "cache": {k: cache_info.get(k) for k in ("path", "owner", "bytes", "tools")}}
+                                   for w in TOOLS},
+           "cache": {w: {k: c.get(k) for k in ("path", "owner", "bytes", "tools")} for w, c in cache_info.items()}}
     if args.json:
         print(json.dumps(out))
     else:
         for k, v in med.items():
             print(f"{k:<16} {v:7.2f} s")
-        for w in ("pip", "npm"):
+        for w in TOOLS:
             print(f"{w}: second session / first = {out['session_warm_over_cold'][w]:.2f} "
                   f"(the host's own warm / cold: {out['host_warm_over_cold'][w]:.2f})")
-        print(f"cache: {cache_info.get('path')} owner {cache_info.get('owner')}, {cache_info.get('bytes')} bytes, "
-              f"{', '.join(cache_info.get('tools') or [])}")
+        if "host pip offline" in med:
+            off = med["host pip offline"]
+            print(f"pip with no network at all (--no-index, its own unpacking and compiling): {off:.2f} s, "
+                  f"{off / med['host pip cold']:.2f} of a cold install")
+        for w, c in cache_info.items():
+            print(f"{w}'s cache (between sessions): {c.get('path')}, owner {c.get('owner')}, {c.get('bytes')} bytes")
     return 0
 
 

@@ -25,7 +25,8 @@ PINS: dict[str, tuple[str, str, str, str]] = {
 }
 REAL = tuple(PINS)
 # Tools the benign corpus runs in a cell (tests/test_benign.py), kept the same way.
-TOOLS: dict[str, tuple[str, str, str, str]] = {"pytest": ("pypi", "pytest", "8.3.4", "pytest")}
+TOOLS: dict[str, tuple[str, str, str, str]] = {"pytest": ("pypi", "pytest", "8.3.4", "pytest"),
+                                               "uv": ("pypi", "uv", "0.13.9", "uv")}
 
 
 class Unavailable(Exception):

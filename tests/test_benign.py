@@ -237,12 +237,13 @@ def test_npm_and_pip_install_through_the_proxy_from_mirrors_with_nothing_acting(
 
 def test_a_second_session_installs_from_the_projects_cache_and_another_project_has_none(
         env: Env, net: Net, user: User) -> None:
-    """The toolchain caches (issue 26): the first session's pip and npm fill the project's cache at
+    """The toolchain caches (issue 26): the first session's pip, uv and npm fill the project's cache at
     /cache (its account owns it then; root between sessions); with the wheel and the tarball gone from
-    the registries, the next session of that project installs them from there, and a session of another
-    project (same human) cannot."""
+    the registries, the next session of that project installs them from there (uv copies out of its
+    cache without a warning: /cache is a mount of its own), and a session of another project (same
+    human) cannot."""
     try:
-        pip = bin_dir("pytest") / "pip"
+        pip, uv = bin_dir("pytest") / "pip", bin_dir("uv") / "uv"
     except Unavailable as e:
         pytest.skip(str(e))
     (env.project / "package.json").write_text(json.dumps({"name": "app", "version": "1.0.0", "private": True}))
@@ -251,18 +252,21 @@ def test_a_second_session_installs_from_the_projects_cache_and_another_project_h
                f"--registry http://registry.test/ {PKG} && node -e \"console.log(require('{PKG}'))\" && "
                f"{pip} install --disable-pip-version-check --index-url http://pypi.test/simple/ "
                f"--trusted-host pypi.test --target lib {PKG} && "
-               "PYTHONPATH=lib python3 -c 'import agentcell_probe_pkg as p; print(p.WHERE)'")
+               "PYTHONPATH=lib python3 -c 'import agentcell_probe_pkg as p; print(p.WHERE)' && "
+               f"rm -rf lib && {uv} pip install --python /usr/bin/python3 --index-url http://pypi.test/simple/ "
+               f"--target lib {PKG} && PYTHONPATH=lib python3 -c 'import agentcell_probe_pkg as p; print(p.WHERE)'")
     owner = "echo cache-owner=$(stat -c %u /cache/pip)/$(id -u) PIP_CACHE_DIR=$PIP_CACHE_DIR"
     flags = net.flags("registry.test:80", "pypi.test:80")
     summary, events, out = shell(env, f"set -e; {owner}; {install}", *flags)
     nothing_acts(summary, events, out)
-    assert out.count("from the mirror") == 2, out[-2000:]
+    assert out.count("from the mirror") == 3 and "hardlink" not in out, out[-2000:]
     mine = [ln for ln in out.splitlines() if ln.startswith("cache-owner=")]
     uid = mine[0].removeprefix("cache-owner=").split()[0].split("/")
     assert uid[0] == uid[1] and int(uid[0]) >= UID_FIRST and "PIP_CACHE_DIR=/cache/pip" in mine[0], mine
     listed = json.loads(subprocess.run([AGENTCELL, "cache", "list", "--json"], env=session_environ(env),
                                        capture_output=True, text=True, check=True).stdout)
-    assert [e["project"] for e in listed] == [str(env.project)] and {"npm", "pip"} <= set(listed[0]["tools"]), listed
+    assert [e["project"] for e in listed] == [str(env.project)] and {"npm", "pip", "uv"} <= set(listed[0]["tools"]), \
+        listed
     tree = Path(listed[0]["path"])
     assert tree.is_relative_to(env.state) and (tree.stat().st_uid, tree.stat().st_mode & 0o777) == (0, 0o700)
     assert all(p.lstat().st_uid == 0 for p in tree.rglob("*")), "what the account made went back to root"
@@ -274,7 +278,7 @@ def test_a_second_session_installs_from_the_projects_cache_and_another_project_h
         summary, events, out = shell(env, f"set -e; {install}", *flags)
         nothing_acts(summary, events, out)
         cached = f"Using cached http://pypi.test/packages/{WHEEL}"
-        assert out.count("from the mirror") == 2 and cached in out, out[-2000:]
+        assert out.count("from the mirror") == 3 and cached in out and "hardlink" not in out, out[-2000:]
         other = env.state.parent / f"agentcell-test-other-{os.getpid()}"
         other.mkdir()
         try:

@@ -43,6 +43,7 @@ def test_the_session_sets_only_what_it_does_not_set_itself() -> None:
     env = caches.environment({"PIP_CACHE_DIR": "/mine"})
     assert "PIP_CACHE_DIR" not in env and env["npm_config_cache"] == "/cache/npm"
     assert env["GOMODCACHE"] == "/cache/go/mod" and env["CARGO_HOME"] == "/cache/cargo"
+    assert env["UV_LINK_MODE"] == "copy" and "UV_LINK_MODE" not in caches.environment({"UV_LINK_MODE": "symlink"})
 
 
 @needs_root

@@ -52,6 +52,11 @@ TOOLS: dict[str, tuple[str, tuple[str, ...]]] = {
     "go-mod": ("go/mod", ("GOMODCACHE",)),
     "go-build": ("go/build", ("GOCACHE",)),
 }
+# Settings the toolchains need beside the path: /cache is a mount of its own, so uv's default (hard
+# links from its cache into the project) fails on every install (EXDEV) and warns before it copies. A
+# copy is also what keeps the cache apart from the project: a file linked into both would carry an
+# edit of the project's copy back into the cache the next session installs from.
+SETTINGS = {"UV_LINK_MODE": "copy"}
 META = "meta.json"
 TREE = "tree"
 
@@ -90,6 +95,7 @@ def environment(given: dict[str, str] | None = None) -> dict[str, str]:
         for name in names:
             if name not in given:
                 out[name] = f"{CACHE_PATH}/{sub}"
+    out.update({k: v for k, v in SETTINGS.items() if k not in given})
     return out
 
 
