@@ -327,8 +327,9 @@ def prepare(spec: CellSpec, guards: Guards) -> Prepared:
         #    crosses into the cell (a warm launcher holds other cells' channels and its caller's sockets).
         c1 = os.fork()
         if c1 == 0:
-            sc.close_fds_except({w, theirs.fileno()})
+            sc.close_fds_except({w, theirs.fileno(), *plan.kept_fds()})
             _run_child(w, lambda: _cell(spec, plan, w, theirs, outer_uid, outer_gid, cg))
+        plan.release()
         os.close(w)
         theirs.close()
         prepared = Prepared(spec, c1, r, ours, cell_id, cg)
@@ -339,6 +340,7 @@ def prepare(spec: CellSpec, guards: Guards) -> Prepared:
         if execmarks.planned(spec):
             prepared.exec_fd = handoff.recv_fd(ours, b"X")
     except BaseException:  # (a SIGTERM, say, while the cell is being built): nothing of it is left
+        plan.release()
         if prepared is not None:
             prepared.kill_and_discard()
         elif cg is not None:

@@ -13,7 +13,7 @@ from ..errors import LaunchError
 from . import syscalls as sc
 from .cgroups import default_memory
 from .paths import fd_path, open_nofollow
-from .spec import CACHE_PATH, SCRATCH_PATH, SECRET_DIRS, SECRET_FILES, TYPE_CHECKING, CellSpec
+from .spec import CACHE_PATH, SCRATCH_PATH, SECRET_DIRS, SECRET_FILES, TYPE_CHECKING, CellSpec, Workspace
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -37,7 +37,8 @@ ATTR_MASK = ATTR_RO | sc.MOUNT_ATTR_NOEXEC
 class Step:
     """One mount-tree operation. ``dest`` is the path inside the cell.
 
-    kind: tmpfs | bind | devnode | symlink | proc | devpts | mask. ``source`` is the host path (bind),
+    kind: tmpfs | bind | devnode | symlink | proc | devpts | mask | overlay. ``source`` is the host path (bind,
+    overlay: its read-only lower layer),
     the link target (symlink) or a label. ``dest_id``: the (st_dev, st_ino) the supervisor saw at
     ``dest`` on the host (for a bind at its own path, and a mask); the mount is attached only to
     that very file, never to whatever a racing rename put under the name.
@@ -51,8 +52,17 @@ class Step:
         self.src_fd = -1
         self.src_id = (0, 0)
         self.dest_id: tuple[int, int] | None = None
+        self.workspace: Workspace | None = None  # overlay: its layers
+        self.layer_fds: list[int] = []  # overlay: upper, work (and hide), opened in the cell
+        self.userns_fd = -1  # overlay with an idmap: the mapping's user namespace (made on the supervisor's side)
 
     def describe(self) -> str:
+        if self.kind == "overlay" and self.workspace is not None:
+            ws = self.workspace
+            idmap = f", owner {ws.idmap[0]}:{ws.idmap[1]} shown as the cell's account" if ws.idmap else ""
+            hide = f", what git ignores hidden ({ws.hide})" if ws.hide else ""
+            return (f"overlay nosuid,nodev {self.dest}: copy-on-write over {self.source} (read-only{idmap}{hide}), "
+                    f"writes to {ws.upper}")
         if self.kind == "bind":
             mode = "ro" if self.readonly else "rw"
             return f"bind {mode},nosuid,nodev {self.source} -> {self.dest}"
@@ -77,9 +87,12 @@ class MountPlan:
         the caller's namespace), never following a symlink, and refuse if it is no longer the very
         file the supervisor resolved."""
         for s in self.steps:
-            if s.kind != "bind":
+            if s.kind not in ("bind", "overlay"):
                 continue
             s.src_fd = open_nofollow(s.source)
+            if s.workspace is not None:
+                ws = s.workspace
+                s.layer_fds = [open_nofollow(p) for p in (ws.upper, ws.work, *((ws.hide,) if ws.hide else ()))]
             st = os.fstat(s.src_fd)
             if (st.st_dev, st.st_ino) != s.src_id:
                 raise LaunchError("resolve", f"{s.source} was replaced after it was resolved; refusing to bind it")
@@ -89,9 +102,24 @@ class MountPlan:
             if s.src_fd >= 0:
                 os.close(s.src_fd)
                 s.src_fd = -1
+            for fd in s.layer_fds:
+                os.close(fd)
+            s.layer_fds = []
+        self.release()
 
     def describe(self) -> list[str]:
         return [s.describe() for s in self.steps]
+
+    def kept_fds(self) -> set[int]:
+        """What the plan holds open from the supervisor's side into the cell (idmaps' namespaces)."""
+        return {s.userns_fd for s in self.steps if s.userns_fd >= 0}
+
+    def release(self) -> None:
+        """The supervisor's copies of :meth:`kept_fds`, once the cell has its own (or failed)."""
+        for s in self.steps:
+            if s.userns_fd >= 0:
+                os.close(s.userns_fd)
+                s.userns_fd = -1
 
 
 def _only_root_renames_in(d: str) -> bool:
@@ -181,7 +209,17 @@ def plan(spec: CellSpec, guarded: Sequence[tuple[str, bool]], hidden: Sequence[s
     if spec.cache_dir:
         mine.append(bind(spec.cache_dir, CACHE_PATH, False))
     for p in spec.rw_paths:
-        mine.append(bind(p, p, False))
+        if spec.workspace is not None and p == spec.workspace.project:
+            step = bind(p, p, False)
+            step.kind, step.workspace = "overlay", spec.workspace
+            if spec.workspace.idmap:  # here, in the host's PID namespace, whose /proc the maps are written to
+                from . import idmap
+
+                ws = spec.workspace
+                step.userns_fd = idmap.userns_fd((ws.idmap[0], ws.idmap[2]), (ws.idmap[1], ws.idmap[3]))
+            mine.append(step)
+        else:
+            mine.append(bind(p, p, False))
     system = {s.dest for s in steps if s.kind == "bind"}
     for p in spec.ro_paths:
         if p not in system:  # --ro /etc: the system bind already is that, read-only
@@ -275,6 +313,43 @@ def _bind(src_dirfd: int, src_path: str, dest: str, is_dir: bool, attrs: int, ro
         os.close(tree)
 
 
+def _overlay(s: Step, root_fd: int, owned: set[int]) -> None:
+    """The project as a copy-on-write view: its tree cloned (only its own mount: overlayfs does not
+    cross into submounts), idmapped to the cell's account where the project is someone else's, held
+    at a staging name while overlayfs takes it as its read-only lower layer, then let go of there
+    (overlayfs keeps private clones of its layers). Upper, work and hide are given by file
+    descriptor: no name in the store is looked up again."""
+    ws = s.workspace
+    assert ws is not None
+    tree = sc.open_tree(s.src_fd, "", sc.OPEN_TREE_CLONE | sc.AT_EMPTY_PATH)
+    try:
+        if ws.idmap:
+            sc.mount_setattr(tree, 0, ATTR_RO | sc.MOUNT_ATTR_IDMAP, s.userns_fd)
+        else:
+            sc.mount_setattr(tree, 0, ATTR_RO)
+        stage = os.path.join(_STAGE, "workspace-lower")
+        os.mkdir(stage, 0o700)
+        target = os.open(stage, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            sc.move_mount(tree, target)
+        finally:
+            os.close(target)
+    finally:
+        os.close(tree)
+    upper, work, *hide = (fd_path(fd) for fd in s.layer_fds)
+    opts = f"lowerdir={':'.join((*hide, stage))},upperdir={upper},workdir={work}" + (",userxattr" if ws.userxattr
+                                                                                     else "")
+    dest = _target(s.dest, True, root_fd, owned)
+    try:
+        st = os.fstat(dest)
+        if st.st_dev not in owned and s.dest_id is not None and (st.st_dev, st.st_ino) != s.dest_id:
+            raise LaunchError("mount", f"{s.dest} was replaced while the cell was built; refusing to mount on it")
+        sc.mount("overlay", fd_path(dest), "overlay", SAFE, opts)
+    finally:
+        os.close(dest)
+        sc.umount2(stage, sc.MNT_DETACH)
+
+
 def apply(plan_: MountPlan) -> None:
     """Build the tree under NEWROOT. Runs in the cell's mount namespace, before pivot_root."""
     sc.mount(None, "/", None, sc.MS_REC | sc.MS_PRIVATE)
@@ -305,6 +380,8 @@ def _apply_one(s: Step, root_fd: int, owned: set[int]) -> None:
             os.close(parent)
     elif s.kind == "bind":
         _bind(s.src_fd, "", s.dest, s.is_dir, ATTR_RO if s.readonly else ATTR_RW, root_fd, owned, s.dest_id)
+    elif s.kind == "overlay":
+        _overlay(s, root_fd, owned)
     elif s.kind == "devnode":
         _bind(sc.AT_FDCWD, s.source, s.dest, False, ATTR_DEVNODE, root_fd, owned)
     elif s.kind == "mask":

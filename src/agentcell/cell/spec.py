@@ -106,12 +106,35 @@ class Identity(_Frozen):
         return self.mode == "self"
 
 
+class Workspace(_Frozen):
+    """A copy-on-write view of a project (``session start --workspace copy``): the cell sees ``project``
+    at its own path as an overlay whose writes land in ``upper`` (``work`` is overlayfs's scratch, on
+    the same file system); the project itself is a read-only lower layer, never written. ``hide``: a
+    layer above it of whiteouts for what the view leaves out (files git ignores, masked paths), or "".
+    ``idmap``: (owner uid, owner gid, account uid, account gid): the project's owner shown in the view as
+    the cell's account (an idmapped mount: the account can edit its copy of files it could not write on
+    the host), or () where the cell runs as the owner.
+    ``userxattr``: overlayfs keeps its marks in user.* xattrs (a rootless cell cannot set trusted.*)."""
+
+    __slots__ = ("project", "upper", "work", "hide", "idmap", "userxattr")
+    project: str
+    upper: str
+    work: str
+    hide: str
+    idmap: tuple[int, ...]
+    userxattr: bool
+
+    def __init__(self, project: str, upper: str, work: str, hide: str = "", idmap: tuple[int, ...] = (),
+                 userxattr: bool = False) -> None:
+        self._init(project=project, upper=upper, work=work, hide=hide, idmap=tuple(idmap), userxattr=bool(userxattr))
+
+
 class CellSpec(_Frozen):
     """Everything the launcher needs for one cell, spelled out; paths absolute and resolved."""
 
     __slots__ = ("identity", "rw_paths", "ro_paths", "masked_paths", "system_paths", "scratch_dir", "home_dir",
                  "cache_dir", "network", "env", "cwd", "hostname", "landlock", "landlock_min_abi", "memory_max",
-                 "cpu_percent", "pids_max", "allow_write", "egress", "watch", "cell_id")
+                 "cpu_percent", "pids_max", "allow_write", "egress", "watch", "workspace", "cell_id")
     identity: Identity
     rw_paths: tuple[str, ...]
     ro_paths: tuple[str, ...]
@@ -134,6 +157,7 @@ class CellSpec(_Frozen):
     # Under the escape monitor: canary credentials in the home, and seccomp refusals of escape calls
     # reported to the supervisor (a listener it must serve: only a monitor launches such a cell).
     watch: bool
+    workspace: Workspace | None  # one of rw_paths seen copy-on-write (see Workspace); None: all bound as they are
     cell_id: str  # a label for reports; two specs that differ only here launch identical cells
 
     def __init__(self, identity: Identity, *, rw_paths: tuple[str, ...] = (), ro_paths: tuple[str, ...] = (),
@@ -143,14 +167,15 @@ class CellSpec(_Frozen):
                  env: tuple[tuple[str, str], ...] = (), cwd: str | None = None, hostname: str = CELL_HOSTNAME,
                  landlock: LandlockMode = "required", landlock_min_abi: int = 1, memory_max: int | None = None,
                  cpu_percent: int | None = None, pids_max: int | None = None, allow_write: tuple[str, ...] = (),
-                 egress: tuple[str, ...] = (), watch: bool = False, cell_id: str = "") -> None:
+                 egress: tuple[str, ...] = (), watch: bool = False, workspace: Workspace | None = None,
+                 cell_id: str = "") -> None:
         self._init(identity=identity, rw_paths=tuple(rw_paths), ro_paths=tuple(ro_paths),
                    masked_paths=tuple(masked_paths), system_paths=tuple(system_paths), scratch_dir=scratch_dir,
                    home_dir=home_dir, cache_dir=cache_dir, network=network,
                    env=tuple((str(k), str(v)) for k, v in env), cwd=cwd,
                    hostname=hostname, landlock=landlock, landlock_min_abi=landlock_min_abi, memory_max=memory_max,
                    cpu_percent=cpu_percent, pids_max=pids_max, allow_write=tuple(allow_write), egress=tuple(egress),
-                   watch=bool(watch), cell_id=cell_id)
+                   watch=bool(watch), workspace=workspace, cell_id=cell_id)
 
     def _key(self) -> tuple[object, ...]:
         return tuple(getattr(self, k) for k in self.__slots__ if k != "cell_id")
@@ -188,10 +213,14 @@ def spec_to_dict(spec: CellSpec) -> dict[str, object]:
     """JSON-ready form (the warm launcher receives specs over a socket)."""
     d = spec.asdict()
     d["identity"] = spec.identity.asdict()
+    if spec.workspace is not None:
+        d["workspace"] = spec.workspace.asdict()
     return d
 
 
 def spec_from_dict(d: dict[str, object]) -> CellSpec:
     values = dict(d)
     ident = Identity(**values.pop("identity"))  # type: ignore[arg-type]
+    if values.get("workspace") is not None:
+        values["workspace"] = Workspace(**values["workspace"])  # type: ignore[arg-type]
     return CellSpec(ident, **values)  # type: ignore[arg-type]

@@ -44,6 +44,7 @@ MOUNT_ATTR_RDONLY = 0x1
 MOUNT_ATTR_NOSUID = 0x2
 MOUNT_ATTR_NODEV = 0x4
 MOUNT_ATTR_NOEXEC = 0x8
+MOUNT_ATTR_IDMAP = 0x00100000
 
 PR_SET_PDEATHSIG = 1
 PR_SET_DUMPABLE = 4
@@ -87,8 +88,8 @@ def open_tree(dirfd: int, path: str, flags: int) -> int:
     return _check(_libc.syscall(_L(SYS_open_tree), _L(dirfd), _b(path), _L(flags | os.O_CLOEXEC)), f"open_tree {path}")
 
 
-def mount_setattr(fd: int, flags: int, attr_set: int) -> None:
-    attr = struct.pack("QQQQ", attr_set, 0, 0, 0)  # struct mount_attr, MOUNT_ATTR_SIZE_VER0
+def mount_setattr(fd: int, flags: int, attr_set: int, userns_fd: int = 0) -> None:
+    attr = struct.pack("QQQQ", attr_set, 0, 0, userns_fd)  # struct mount_attr, MOUNT_ATTR_SIZE_VER0
     _check(_libc.syscall(_L(SYS_mount_setattr), _L(fd), b"", _L(flags | AT_EMPTY_PATH), attr, _L(len(attr))),
            "mount_setattr")
 

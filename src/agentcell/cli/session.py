@@ -97,6 +97,10 @@ def parser() -> Parser:
     sp.add_argument("--cache", choices=("on", "off"), help="the project's pip, uv, npm, pnpm, yarn, cargo and go "
                     "caches at /cache, kept between its sessions in agentcell's store (default on; "
                     "'agentcell cache list')")
+    sp.add_argument("--workspace", choices=("direct", "copy"), help="copy: the agent works in a copy-on-write view "
+                    "of the project (your tree and .git are not written until 'session apply'); default direct")
+    sp.add_argument("--workspace-include", metavar="PATH", action="append", dest="workspace_include",
+                    help="with --workspace copy: show this ignored path in the copy too (e.g. .env); repeatable")
     sp.add_argument("--git-identity", metavar='"NAME <EMAIL>"', help="who the agent commits as (default: you, as "
                     "git knows you, marked as the agent's: NAME (agent: HARNESS))")
     sp.add_argument("--explain", action="store_true", help="print the plan and the policy; start nothing")
@@ -109,6 +113,23 @@ def parser() -> Parser:
                                                                    "supervisor died")):
         sp = sub.add_parser(name, help=help_)
         sp.add_argument("--json", action="store_true")
+        if name == "list":
+            sp.add_argument("--unapplied", action="store_true", help="only the copy-on-write workspaces whose "
+                            "change set waits for review, apply or discard")
+    sp = sub.add_parser("review", help="a --workspace copy session's change set: every path it added, modified, "
+                        "deleted or renamed, its commits, and what would conflict")
+    sp.add_argument("id", metavar="ID")
+    sp.add_argument("--json", action="store_true")
+    sp.add_argument("--diff", action="store_true", help="text diffs too")
+    sp = sub.add_parser("apply", help="land a --workspace copy session's change set in the project as it is now "
+                        "(all of it or nothing; its commits as the branch agentcell/ID)")
+    sp.add_argument("id", metavar="ID")
+    sp.add_argument("--ours", metavar="PATH", action="append", default=[], help="keep your version of PATH")
+    sp.add_argument("--theirs", metavar="PATH", action="append", default=[], help="take the agent's version of PATH")
+    sp.add_argument("--json", action="store_true")
+    sp = sub.add_parser("discard", help="remove a --workspace copy session's change set (what was not applied is "
+                        "lost)")
+    sp.add_argument("id", metavar="ID")
     for name, help_ in (("show", "a session's state"), ("stop", "stop a running session (terminated)"),
                         ("restore", "put the declared paths back as the preflight backup has them"),
                         ("diff", "what changed in the declared paths since the preflight backup")):
@@ -158,7 +179,7 @@ def _start(ns: Any, harness_args: list[str]) -> int:
                                          "backup_dir", "audit_log_path", "firewall_enabled", "network",
                                          *config.EGRESS_KEYS, "resolver", "api_base", "model", "env", "keep_env",
                                          "risk", "memory", "cpu", "pids", "limits", "home_from", "git_identity",
-                                         "ceilings", "cache")}
+                                         "ceilings", "cache", "workspace", "workspace_include")}
     flags["harness_args"] = harness_args
     summary_fd = _new_file(ns.summary_file, "--summary-file") if ns.summary_file else None
     cfg = config.load(flags, dotenv=ns.env_file)
@@ -371,6 +392,7 @@ def _summary(st: dict[str, Any]) -> dict[str, Any]:
         "ceilings": _ceilings(st),
         "os_user": (st.get("account") or {}).get("name"),
         "backup_id": st.get("backup_id"),
+        "workspace": st.get("workspace_dir"),
         "cell_id": st.get("cell_id"),
         "exit_status": result.get("exit_status"),
         "duration_s": result.get("duration_s"),
@@ -400,6 +422,10 @@ def _print_end(s: dict[str, Any]) -> None:
     if s["backup_id"]:
         sys.stderr.write(f"{PROG}: backup {s['backup_id']}: 'agentcell session diff {s['session']}' shows the "
                          f"changes, 'agentcell session restore {s['session']}' undoes them\n")
+    if s["workspace"]:
+        sys.stderr.write(f"{PROG}: your project was not written: 'agentcell session review {s['session']}' shows "
+                         f"the agent's changes, 'agentcell session apply {s['session']}' lands them, "
+                         f"'agentcell session discard {s['session']}' drops them\n")
     for w in s["warnings"]:
         sys.stderr.write(_shown(f"{PROG}: warning: {w}") + "\n")
     for p in s["problems"]:
@@ -485,6 +511,16 @@ def _check_env_file_untouched(path: str) -> None:
 
 def _list(ns: Any) -> int:
     from ..session import graph
+
+    if ns.unapplied:
+        from .. import workspace
+
+        waiting = workspace.listing(unapplied_only=True)
+        if ns.json:
+            sys.stdout.write(json.dumps(waiting) + "\n")
+        for w in [] if ns.json else waiting:
+            sys.stdout.write(_shown(f"{w['session']}  {w['project']}  (review, apply or discard it)") + "\n")
+        return 0
 
     g, conn = _graph()
     rows = []
@@ -577,6 +613,77 @@ def _diff(ns: Any) -> int:
         text = store.text_diff(st["backup_id"], path)
         if text:
             sys.stdout.write(printable(text, keep="\n\t"))
+    return 0
+
+
+def _review(ns: Any) -> int:
+    from .. import workspace
+
+    r = workspace.review(_checked_id(ns.id))
+    workspace.record_review(r)
+    if ns.diff or ns.json:
+        for c in r["changes"]:
+            if c["change"] in ("modified", "added", "renamed"):
+                c["diff"] = workspace.diff_text(ns.id, c["path"])
+    if ns.json:
+        sys.stdout.write(json.dumps(r) + "\n")
+        return 0
+    marks = {"added": "A", "modified": "M", "deleted": "D", "renamed": "R", "mode": "m", "type": "T"}
+    base = r["base"]["commit"] or "the project's files"
+    sys.stdout.write(_shown(f"session {r['session']} ({r['state']}) on {r['project']}, from {base}") + "\n")
+    for c in r["changes"]:
+        what = f"{c['from']} -> {c['path']}" if c["change"] == "renamed" else c["path"]
+        note = " (committed: in the branch)" if c.get("committed") else \
+            " (CONFLICT: you changed it too since the session began)" if c["conflict"] else ""
+        sys.stdout.write(_shown(f"{marks[c['change']]} {what}{note}") + "\n")
+    if not r["changes"]:
+        sys.stdout.write("no change to the files\n")
+    for cm in r["commits"]:
+        sys.stdout.write(_shown(f"commit {cm['commit'][:12]} {cm['subject']} ({cm['author']})") + "\n")
+    if r["branch"]:
+        sys.stdout.write(_shown(f"apply brings the commits as the branch {r['branch']}") + "\n")
+    if ns.diff:
+        for c in r["changes"]:
+            if c.get("diff"):
+                sys.stdout.write(printable(c["diff"], keep="\n\t"))
+    return 0
+
+
+def _workspace_ended(sid: str) -> None:
+    """Apply and discard wait for the session's end (its agent may still be writing the change set)."""
+    from ..session import graph, state
+
+    try:
+        g, _conn = _graph()
+        st = graph.load(g, sid)
+    except AgentcellError:
+        return
+    if st is not None and not st.get("finished") and state.supervisor_alive(st):
+        raise AgentcellError("ID", f"session {sid} is still running", f"stop it first: agentcell session stop {sid}")
+
+
+def _apply(ns: Any) -> int:
+    from .. import workspace
+
+    _workspace_ended(_checked_id(ns.id))
+    r = workspace.apply(ns.id, ours=ns.ours, theirs=ns.theirs)
+    if ns.json:
+        sys.stdout.write(json.dumps(r) + "\n")
+        return 0
+    sys.stdout.write(_shown(f"applied {len(r['landed'])} path(s) of session {ns.id}") + "\n")
+    for p in r["landed"]:
+        sys.stdout.write(_shown(f"  {p}") + "\n")
+    if r["branch"]:
+        sys.stdout.write(_shown(f"its commits: branch {r['branch']} (git merge or cherry-pick it)") + "\n")
+    return 0
+
+
+def _discard(ns: Any) -> int:
+    from .. import workspace
+
+    _workspace_ended(_checked_id(ns.id))
+    workspace.discard(ns.id)
+    sys.stdout.write(_shown(f"discarded session {ns.id}'s workspace") + "\n")
     return 0
 
 

@@ -20,15 +20,22 @@ if TYPE_CHECKING:
 Guards = tuple[tuple[tuple[str, bool], ...], tuple[str, ...]]
 
 
+def _scanned(spec: CellSpec) -> tuple[str, ...]:
+    """The writable paths whose protected entries are bound: not a copy-on-write workspace, whose
+    writes never reach the project (what the agent changed there is reviewed before it is applied)."""
+    ws = spec.workspace
+    return tuple(p for p in spec.rw_paths if ws is None or p != ws.project)
+
+
 def for_cell(spec: CellSpec) -> Guards:
     """(guarded, hidden) for ``spec``: the arguments :func:`agentcell.cell.mounts.plan` takes."""
-    return _for_scan(spec, protect.Scan(spec.rw_paths))
+    return _for_scan(spec, protect.Scan(_scanned(spec)))
 
 
 def for_watched_cell(spec: CellSpec) -> tuple[Guards, tuple[str, ...]]:
     """:func:`for_cell`'s, and the protected entries that do not exist yet (the monitor watches their
     directories: what the command creates there is reported as it happens), from one scan."""
-    scan = protect.Scan(spec.rw_paths)
+    scan = protect.Scan(_scanned(spec))
     return _for_scan(spec, scan), protect.creatable(scan, spec.allow_write)
 
 

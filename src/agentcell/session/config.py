@@ -55,7 +55,8 @@ FLAGS = {"harness": "--harness", "project_root": "--project", "declared_paths": 
          "deny_domains": "--deny-domain", "allow_presets": "--allow-preset", "allow_ranges": "--allow-range",
          "resolver": "--resolver", "api_base": "--api-base", "model": "--model", "risk": "--risk", "env": "--env",
          "keep_env": "--keep-env", "home_from": "--home-from", "git_identity": "--git-identity",
-         "ceilings": "--ceilings", "cache": "--cache", "memory": "--memory",
+         "ceilings": "--ceilings", "cache": "--cache", "workspace": "--workspace",
+         "workspace_include": "--workspace-include", "memory": "--memory",
          "cpu": "--cpu",
          "pids": "--pids", "limits": "--limits"}
 EGRESS_KEYS = ("allow_domains", "deny_domains", "allow_presets", "allow_ranges")  # lists; resolver: one value
@@ -88,6 +89,8 @@ class SessionConfig:
     limits: tuple[int | None, int | None, int | None] = (None, None, None)  # memory, cpu, pids: resolved
     ceilings: bool = True  # False: --ceilings off (no cgroup limits at all: recorded, shown in the summary)
     cache: bool = True  # the project's toolchain caches at /cache (agentcell.caches); False: --cache off
+    workspace: str = "direct"  # direct: the project itself; copy: a copy-on-write view (agentcell.workspace)
+    workspace_include: tuple[str, ...] = ()  # ignored paths the copy shows all the same (relative to the project)
     env: tuple[tuple[str, str], ...] = ()  # set in the cell (--env, [session] env)
     keep_env: tuple[str, ...] = ()  # passed through (--keep-env): values in ``secrets``, never checkpointed
     home_from: str | None = None  # an ephemeral home starts as a copy of this directory (--home-from)
@@ -106,7 +109,8 @@ class SessionConfig:
                 "firewall_enabled": self.firewall_enabled, "network": self.network,
                 **{k: list(getattr(self, k)) for k in EGRESS_KEYS}, "resolver": self.resolver,
                 "api_base": self.api_base, "model": self.model, "risk": self.risk, "limits": list(self.limits),
-                "ceilings": self.ceilings, "cache": self.cache,
+                "ceilings": self.ceilings, "cache": self.cache, "workspace": self.workspace,
+                "workspace_include": list(self.workspace_include),
                 "env": [list(kv) for kv in self.env], "keep_env": list(self.keep_env), "home_from": self.home_from,
                 "git_identity": self.git_identity,
                 "harness_args": list(self.harness_args), "config_files": list(self.config_files),
@@ -567,6 +571,21 @@ def _harness_knobs(values: dict[str, Any], sources: dict[str, str], flags: Mappi
                           "toolchains with empty caches")
     if flags.get("cache") == "off":  # a flag only: the project's files do not decide what persists
         values["cache"], sources["cache"] = False, "--cache off"
+    if flags.get("workspace") not in (None, "direct", "copy"):
+        raise PolicyError("--workspace", f"'{flags['workspace']}' is neither direct nor copy", "--workspace copy "
+                          "gives the agent a copy-on-write view; 'session apply' lands its work")
+    if flags.get("workspace") == "copy":  # a flag only
+        values["workspace"], sources["workspace"] = "copy", "--workspace copy"
+    include = list(flags.get("workspace_include") or [])
+    for inc in include:
+        parts = inc.strip("/").split("/")
+        if not inc.strip("/") or inc.startswith("/") or ".." in parts or parts[0] == ".git" or "\0" in inc:
+            raise PolicyError("--workspace-include", f"'{inc}' is not a path inside the project",
+                              "name it relative to the project, e.g. --workspace-include .env")
+    if include:
+        if values.get("workspace") != "copy":
+            raise PolicyError("--workspace-include", "applies to --workspace copy only", "add --workspace copy")
+        values["workspace_include"] = tuple(i.strip("/") for i in include)
     env: dict[str, str] = {}
     if "env" in toml:
         table = toml["env"]

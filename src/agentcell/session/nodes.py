@@ -152,10 +152,13 @@ class Nodes:
 
         self._inject("preflight", SnapshotError)
         store = Store(state["config"].get("backup_dir"))
-        backup = store.take(list(state["policy"]["rw_paths"]))
+        paths = _written(state)
+        # A copy-on-write workspace is never written: its change set is on disk from the start, so
+        # the project needs no backup (the other declared paths still get theirs).
+        backup = store.take(paths) if paths else None
         self._crash("preflight")
-        self._audit(state, "preflight", "session.preflight", backup_id=backup, store=store.path,
-                    paths=state["policy"]["rw_paths"])
+        self._audit(state, "preflight", "session.preflight", backup_id=backup, store=store.path, paths=paths,
+                    workspace=state["config"].get("workspace", "direct"))
         return {"backup_id": backup}
 
     def abort(self, state: SessionState) -> dict[str, Any]:
@@ -182,7 +185,7 @@ class Nodes:
                        "group": ""}
             grants: list[dict[str, Any]] = []
         elif cfg.get("agent"):
-            account, human, wanted = self._persistent(cfg["agent"], policy["rw_paths"])
+            account, human, wanted = self._persistent(cfg["agent"], _written(state))
             update["human"] = human
             grants = self._grant(cmds, account, wanted)
         else:
@@ -193,7 +196,7 @@ class Nodes:
             grants = []
             try:
                 update["human"] = state.get("human") or self._human(cfg["project_root"])
-                grants = self._grant(cmds, account, list(policy["rw_paths"]))
+                grants = self._grant(cmds, account, _written(state))
                 update["policy"] = self._compile(state, identity=str(made.uid))
             except BaseException:  # undone here, so that the retry starts clean
                 _revoke(cmds, account, grants)
@@ -287,8 +290,12 @@ class Nodes:
         # What is there now of what git, shells and harnesses read (hooks, .envrc, CLAUDE.md, …): cleanup
         # moves aside what the agent creates there, as agentcell run does.
         since_ns = time.time_ns() - 100_000_000  # file times are coarse: some slack
-        before, truncated = protect.surface(spec.rw_paths)
-        env_files = envfiles.dotenv_files(list(spec.rw_paths))[0]  # (what exists is hidden in the cell; see cleanup)
+        written = tuple(_written(state))
+        before, truncated = protect.surface(written)
+        env_files = envfiles.dotenv_files(list(written))[0]  # (what exists is hidden in the cell; see cleanup)
+        ws_dir = None
+        if state["config"].get("workspace") == "copy":
+            spec, ws_dir = self._workspace(state, spec)
         git = self._git(state, spec.rw_paths)
         ours = [("gitconfig", git["config"], False)]
         if git.get("wrapper"):
@@ -320,11 +327,29 @@ class Nodes:
         self._audit(state, "spawn", "session.spawn", cell_id=cell.cell_id, pid1=pid1, argv0=state["argv"][0],
                     uid=policy.identity.uid, seed=seed_dir, home_from=state["config"].get("home_from"),
                     git_identity=f"{git['name']} <{git['email']}>", git_identity_from=git["from"],
-                    git_safe_directories=git["safe"], cache=cache_dir)
+                    git_safe_directories=git["safe"], cache=cache_dir, workspace=ws_dir)
         return {"harness_pid": pid1, "cell_id": cell.cell_id, "started_at": now, "cache_dir": cache_dir,
+                "workspace_dir": ws_dir,
                 "deadline": now + policy.wall_clock_limit_s, "seed_notes": [*seed_notes, *cache_notes],
                 "protect": {"before": before, "truncated": truncated, "since_ns": since_ns,
                             "meanings": protect.meanings(before), "env_files": env_files}}
+
+    @staticmethod
+    def _workspace(state: SessionState, spec: Any) -> tuple[Any, str]:
+        """The project as a copy-on-write view (agentcell.workspace): made once; a retried spawn finds it."""
+        from .. import workspace
+
+        cfg, sid = state["config"], state["session_id"]
+        project = os.path.realpath(cfg["project_root"])
+        st = os.stat(project)
+        human = state.get("human") or [st.st_uid, st.st_gid]
+        inside = [m for m in spec.masked_paths if m.startswith(project.rstrip("/") + "/")]
+        ws = workspace.create(sid, project, owner=(int(human[0]), int(human[1])),
+                              account=(spec.identity.uid, spec.identity.gid), include=list(cfg.get("workspace_include")
+                                                                                        or []),
+                              masked=inside, trail=cfg.get("audit_log_path"))
+        spec = spec.replace(workspace=ws, masked_paths=tuple(m for m in spec.masked_paths if m not in inside))
+        return spec, workspace.path_of(sid)
 
     @staticmethod
     def _cache(state: SessionState, uid: int, gid: int) -> tuple[str | None, list[str]]:
@@ -556,6 +581,13 @@ class Nodes:
             problems += _revoke(cmds, account, grants)
             give_to = (human[0], human[1]) if human else None
             paths = [g["path"] for g in grants]
+            if account["kind"] == "ephemeral" and (state.get("config") or {}).get("workspace") == "copy":
+                try:  # the change set too: root's until applied (its files then become the human's)
+                    from .. import workspace
+
+                    problems += workspace.give_back(sid, account["uid"], account["gid"])
+                except (OSError, AgentcellError) as e:
+                    problems.append(f"workspace: {_line(e)}")
             if account["kind"] == "ephemeral" and cache:
                 try:  # what it made in the cache goes back to root before its number is freed
                     problems += acl.reassign(cmds, account["uid"], account["gid"], 0, 0, cache)
@@ -606,7 +638,7 @@ class Nodes:
         try:  # whatever the agent left for the scan to read, teardown goes on
             found = compare(
                 {k: tuple(v) for k, v in guard["before"].items()}, guard["truncated"], guard["since_ns"],
-                state.get("cell_id", ""), tuple(policy.get("rw_paths", ())), tuple(policy.get("allow_write", ())),
+                state.get("cell_id", ""), tuple(_written(state)), tuple(policy.get("allow_write", ())),
                 (*policy.get("ro_paths", ()), *policy.get("masked_paths", ())),
                 (account or {}).get("uid") if (account or {}).get("kind") != "self" else None,
                 (human[0], human[1]) if human else None, guard.get("meanings"))
@@ -634,6 +666,17 @@ class Nodes:
 
 
 # ---- plan and policy (pure: the CLI runs them too, to refuse bad input before a session exists) --------
+
+def _written(state: SessionState) -> list[str]:
+    """The declared paths the agent writes on the host: all of them, but the project in a copy-on-write
+    workspace (its writes go to the change set)."""
+    rw = list((state.get("policy") or {}).get("rw_paths", []))
+    cfg = state.get("config") or {}
+    if cfg.get("workspace") == "copy":
+        project = os.path.realpath(cfg["project_root"])
+        return [p for p in rw if os.path.realpath(p) != project]
+    return rw
+
 
 def _ids(paths: list[str]) -> list[list[int]]:
     """Device and inode of each path that exists: a directory renamed since is still recognised."""

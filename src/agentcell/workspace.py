@@ -1,0 +1,711 @@
+"""Copy-on-write workspaces (``session start --workspace copy``): the agent works on a view of the
+project whose writes land in the session's own change set; the human's tree and ``.git`` are never
+written until ``apply``.
+
+Store (agentcell's state directory; root's for root's sessions, the user's XDG state for a user's)::
+
+    <state dir>/workspaces/                0700
+    <state dir>/workspaces/<session>/      0700: meta.json, the journal of an apply in progress
+        upper/   the change set: overlayfs's upper layer (the account's while the session runs)
+        work/    overlayfs's scratch (same file system as upper)
+        hide/    whiteouts for what the view leaves out: files git ignores (unless named with
+                 --workspace-include) and the masked paths
+
+What the kernel does (:class:`agentcell.cell.spec.Workspace`, :mod:`agentcell.cell.mounts`): the
+project is the read-only lower layer, idmapped so that its owner shows as the session's account. Start-up
+costs the same for any number of files: nothing is copied or scanned but git's list of ignored paths.
+
+**The base.** A session starts from the project as it is at ``base_ns`` (the kernel's coarse clock, the
+one file times are taken from) and, for git, from the commit HEAD names then. Nothing is copied: a file
+whose change time (ctime, which no one but root can set back) is before ``base_ns`` is still the base;
+one changed since is the human's change. ``apply`` is a three-way merge by file: what only the agent
+changed lands; what only the human changed stays; what both changed is a conflict, refused and named
+(unless both made it the same), nothing written. ``--ours PATH`` keeps the human's, ``--theirs PATH``
+takes the agent's.
+
+**Git.** The agent's commits come as a branch, ``agentcell/<session>``, packed from the change set and
+indexed into the human's repository by git's plumbing run as the human (no hook, no configuration of the
+agent's runs); what the agent left uncommitted lands in the tree as above. Nothing of the agent's
+``.git`` (its config, hooks, index) is copied.
+
+**Nothing is lost until discard.** The change set is on disk from the start: a supervisor killed
+mid-session, or a reboot, leaves it reviewable and applicable; ``recover`` never removes one; only
+``discard`` does.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import stat
+import subprocess
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from . import hostfs
+from .cell.spec import Workspace
+from .errors import AgentcellError
+
+META = "meta.json"
+JOURNAL = "apply.json"
+WHITEOUT = os.makedev(0, 0)
+CLOCK_REALTIME_COARSE = 5  # <linux/time.h>; not in Python's time module
+GIT_SAFE = ["-c", "core.fsmonitor=false", "-c", "core.hooksPath=/dev/null", "-c", "core.untrackedCache=false"]
+
+
+class WorkspaceError(AgentcellError):
+    pass
+
+
+def store() -> str:
+    return os.path.join(hostfs.state_dir(), "workspaces")
+
+
+def path_of(session: str) -> str:
+    if not session or "/" in session or session.startswith("."):
+        raise WorkspaceError("SESSION", f"{session!r} is not a session id", "'agentcell session list' names them")
+    return os.path.join(store(), session)
+
+
+def load(session: str) -> dict[str, Any]:
+    d = path_of(session)
+    try:
+        with open(os.path.join(d, META)) as f:
+            meta: dict[str, Any] = json.load(f)
+    except FileNotFoundError:
+        raise WorkspaceError("SESSION", f"session {session} has no workspace (it ran in the project itself, or "
+                             "it was discarded)", "'agentcell session list --unapplied' names those that "
+                             "wait") from None
+    meta["dir"] = d
+    return meta
+
+
+def _save(meta: dict[str, Any]) -> None:
+    d = meta["dir"]
+    tmp = os.path.join(d, META + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump({k: v for k, v in meta.items() if k != "dir"}, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(d, META))
+
+
+def base_now() -> int:
+    """The base's time: the coarse clock file times come from (a write after this has a ctime at or
+    after it; one at the same tick counts as after: a false conflict, never a missed one)."""
+    return time.clock_gettime_ns(CLOCK_REALTIME_COARSE)
+
+
+# ---- create -------------------------------------------------------------------------------------------
+
+def create(session: str, project: str, *, owner: tuple[int, int], account: tuple[int, int],
+           include: list[str], masked: list[str], trail: str | None) -> Workspace:
+    """The session's workspace: its store entry, and the layers for the cell (a
+    :class:`~agentcell.cell.spec.Workspace`)."""
+    base = base_now()
+    hostfs.private_dir(store(), "workspace")
+    d = path_of(session)
+    project = os.path.realpath(project)
+    rootless = os.geteuid() != 0
+    idmap = () if rootless or (owner[0], owner[1]) == (account[0], account[1]) else (*owner, *account)
+    if os.path.exists(os.path.join(d, META)):  # a retried spawn: the same workspace, whatever it holds already
+        meta = load(session)
+        return Workspace(project, os.path.join(d, "upper"), os.path.join(d, "work"),
+                         os.path.join(d, "hide") if meta["hidden"] else "", idmap, rootless)
+    os.mkdir(d, 0o700)
+    st = os.stat(project)
+    upper, work, hide = (os.path.join(d, n) for n in ("upper", "work", "hide"))
+    os.mkdir(upper, stat.S_IMODE(st.st_mode))
+    os.mkdir(work, 0o700)
+    os.mkdir(hide, 0o755)
+    if not rootless:
+        os.chown(upper, account[0], account[1])  # the view's root is upper's: the account's, as the project is shown
+    git = _git_base(project, owner)
+    hidden = sorted(set(_ignored(project, owner, include) if git else []) | {_rel(project, m) for m in masked})
+    for rel in hidden:
+        _whiteout(hide, rel)
+    meta = {"session": session, "project": project, "owner": list(owner), "account": list(account),
+            "base_ns": base, "git": git, "hidden": hidden, "include": include, "userxattr": rootless,
+            "state": "open", "trail": trail, "created": time.time()}
+    meta["dir"] = d
+    _save(meta)
+    return Workspace(project, upper, work, hide if hidden else "", idmap, rootless)
+
+
+def _rel(project: str, path: str) -> str:
+    return os.path.relpath(path, project)
+
+
+def _whiteout(top: str, rel: str) -> None:
+    parent = os.path.join(top, os.path.dirname(rel))
+    os.makedirs(parent, 0o755, exist_ok=True)
+    os.mknod(os.path.join(top, rel), stat.S_IFCHR | 0o000, WHITEOUT)
+
+
+def _as_owner(owner: tuple[int, int]) -> list[str]:
+    """A command run as the project's owner (git reads and writes the human's repository as them)."""
+    if os.geteuid() != 0 or owner[0] == 0:
+        return []
+    return ["setpriv", f"--reuid={owner[0]}", f"--regid={owner[1]}", "--clear-groups", "--"]
+
+
+def _git(project: str, owner: tuple[int, int], *args: str, input: bytes | None = None) -> bytes:
+    env = {"PATH": "/usr/bin:/bin", "LANG": "C", "GIT_OPTIONAL_LOCKS": "0", "GIT_CONFIG_NOSYSTEM": "1",
+           "HOME": "/nonexistent", "GIT_TERMINAL_PROMPT": "0"}
+    p = subprocess.run([*_as_owner(owner), "git", *GIT_SAFE, "-c", f"safe.directory={project}", "-C", project,
+                        *args], capture_output=True, input=input, env=env, timeout=600)
+    if p.returncode != 0:
+        raise WorkspaceError("git", f"git {args[0]} in {hostfs.shown(project)} failed: "
+                             f"{p.stderr.decode(errors='replace').strip()[-300:]}", "")
+    return p.stdout
+
+
+def _git_base(project: str, owner: tuple[int, int]) -> dict[str, Any] | None:
+    """The commit the session starts from (HEAD, as the human's git names it), or None: no repository."""
+    if not os.path.isdir(os.path.join(project, ".git")):
+        return None
+    try:
+        head = _git(project, owner, "rev-parse", "--verify", "-q", "HEAD").decode().strip()
+    except WorkspaceError:
+        head = ""  # a repository without a commit yet
+    fmt = _git(project, owner, "rev-parse", "--show-object-format").decode().strip() or "sha1"
+    return {"head": head, "object_format": fmt}
+
+
+def _ignored(project: str, owner: tuple[int, int], include: list[str]) -> list[str]:
+    """What git ignores in the project (a directory as one entry), less what ``include`` names."""
+    out = _git(project, owner, "ls-files", "-z", "--others", "--ignored", "--exclude-standard", "--directory")
+    wanted = [i.strip("/") for i in include]
+    paths = []
+    for raw in out.split(b"\0"):
+        if not raw:
+            continue
+        rel = os.fsdecode(raw).rstrip("/")
+        if rel == ".git" or rel.startswith(".git/"):
+            continue
+        if any(rel == w or w.startswith(rel + "/") or rel.startswith(w + "/") for w in wanted):
+            if any(w.startswith(rel + "/") for w in wanted):  # a directory holding an included file: its rest stays
+                paths += _ignored_inside(project, rel, wanted)
+            continue
+        paths.append(rel)
+    return paths
+
+
+def _ignored_inside(project: str, rel: str, wanted: list[str]) -> list[str]:
+    """Entries of an ignored directory that hold no included path (so those stay hidden)."""
+    out = []
+    try:
+        names = os.listdir(os.path.join(project, rel))
+    except OSError:
+        return []
+    for n in names:
+        sub = f"{rel}/{n}"
+        if any(sub == w or sub.startswith(w + "/") for w in wanted):
+            continue
+        if any(w.startswith(sub + "/") for w in wanted):
+            out += _ignored_inside(project, sub, wanted)
+        else:
+            out.append(sub)
+    return out
+
+
+# ---- the change set -----------------------------------------------------------------------------------
+
+def _opaque(path: str, userxattr: bool) -> bool:
+    name = "user.overlay.opaque" if userxattr else "trusted.overlay.opaque"
+    try:
+        return os.getxattr(path, name, follow_symlinks=False) == b"y"
+    except OSError:
+        return False
+
+
+def _is_whiteout(st: os.stat_result) -> bool:
+    return stat.S_ISCHR(st.st_mode) and st.st_rdev == WHITEOUT
+
+
+def _lstat(path: str) -> os.stat_result | None:
+    try:
+        return os.lstat(path)
+    except FileNotFoundError:
+        return None
+
+
+def _walk_files(top: str, rel: str = "") -> Iterator[str]:
+    """Every non-directory below ``top/rel`` (relative names), iteratively, never following a link."""
+    stack = [rel]
+    while stack:
+        r = stack.pop()
+        try:
+            entries = list(os.scandir(os.path.join(top, r) if r else top))
+        except OSError:
+            continue
+        for e in entries:
+            sub = f"{r}/{e.name}" if r else e.name
+            if e.is_dir(follow_symlinks=False):
+                stack.append(sub)
+            else:
+                yield sub
+
+
+def _digest(path: str, st: os.stat_result) -> str:
+    if stat.S_ISLNK(st.st_mode):
+        return "link:" + os.readlink(path)
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _kind(st: os.stat_result) -> str:
+    return "symlink" if stat.S_ISLNK(st.st_mode) else "file" if stat.S_ISREG(st.st_mode) else "other"
+
+
+def changes(meta: dict[str, Any]) -> list[dict[str, Any]]:
+    """What the agent changed, outside ``.git``: one entry per path, {"path", "change" (added | modified |
+    deleted | renamed | mode | type), "from" (renamed), "human_changed" (the project's path is not the
+    base any more), "same" (the human's is what the agent's is)}."""
+    upper, project, base_ns = os.path.join(meta["dir"], "upper"), meta["project"], int(meta["base_ns"])
+    hidden = set(meta.get("hidden") or [])
+    git = meta.get("git") is not None
+    out: list[dict[str, Any]] = []
+    deleted: list[str] = []
+    stack = [""]
+    while stack:
+        r = stack.pop()
+        here = os.path.join(upper, r) if r else upper
+        try:
+            entries = list(os.scandir(here))
+        except OSError:
+            continue
+        for e in entries:
+            rel = f"{r}/{e.name}" if r else e.name
+            if git and rel == ".git":
+                continue
+            st = e.stat(follow_symlinks=False)
+            low = os.path.join(project, rel)
+            lst = None if _under_hidden(rel, hidden) else _lstat(low)
+            if _is_whiteout(st):
+                if lst is not None:
+                    deleted += [rel] if not stat.S_ISDIR(lst.st_mode) else \
+                        [f"{rel}/{f}" for f in _walk_files(project, rel)]
+                continue
+            if stat.S_ISDIR(st.st_mode):
+                if lst is not None and stat.S_ISDIR(lst.st_mode) and _opaque(e.path, meta.get("userxattr", False)):
+                    gone = {f for f in _walk_files(project, rel)} - {f for f in _walk_files(upper, rel)}
+                    deleted += sorted(gone)
+                elif lst is not None and not stat.S_ISDIR(lst.st_mode):
+                    out.append(_entry(rel, "type", lst, base_ns, low, None))
+                stack.append(rel)
+                continue
+            if lst is None:
+                out.append(_entry(rel, "added", _lstat(low), base_ns, low, (e.path, st)))
+            elif stat.S_ISDIR(lst.st_mode) or _kind(lst) != _kind(st):
+                out.append(_entry(rel, "type", lst, base_ns, low, (e.path, st)))
+            else:
+                same = _digest(e.path, st) == _digest(low, lst)
+                if same and stat.S_IMODE(st.st_mode) == stat.S_IMODE(lst.st_mode):
+                    continue  # copied up, not changed (opened for writing, touched)
+                out.append(_entry(rel, "mode" if same else "modified", lst, base_ns, low, (e.path, st)))
+    for rel in deleted:
+        lst = _lstat(os.path.join(project, rel))
+        out.append({"path": rel, "change": "deleted", "human_changed": lst is not None and lst.st_ctime_ns >= base_ns,
+                    "same": lst is None})
+    _pair_renames(out, meta)
+    return sorted(out, key=lambda c: c["path"])
+
+
+def _under_hidden(rel: str, hidden: set[str]) -> bool:
+    return any(rel == h or rel.startswith(h + "/") for h in hidden)
+
+
+def _entry(rel: str, change: str, lst: os.stat_result | None, base_ns: int, low: str,
+           agent: tuple[str, os.stat_result] | None) -> dict[str, Any]:
+    """One change, and whether the human changed the same path since the base (then it is theirs too)."""
+    # Added: the base had nothing the agent could see there, so anything there now is the human's.
+    human = lst is not None if change == "added" else lst is None or lst.st_ctime_ns >= base_ns
+    same = False
+    if human and agent is not None and lst is not None and _kind(lst) == _kind(agent[1]):
+        same = (_digest(agent[0], agent[1]) == _digest(low, lst)
+                and stat.S_IMODE(agent[1].st_mode) == stat.S_IMODE(lst.st_mode))
+    return {"path": rel, "change": change, "human_changed": human, "same": same}
+
+
+def _pair_renames(out: list[dict[str, Any]], meta: dict[str, Any]) -> None:
+    """A deletion and an addition of the same content are a rename (reported so; applied as both)."""
+    upper = os.path.join(meta["dir"], "upper")
+    gone: dict[str, dict[str, Any]] = {}
+    for c in out:
+        if c["change"] == "deleted":
+            p = os.path.join(meta["project"], c["path"])
+            st = _lstat(p)
+            if st is not None and stat.S_ISREG(st.st_mode):
+                gone.setdefault(_digest(p, st), c)
+    if not gone:
+        return
+    for c in out:
+        if c["change"] == "added":
+            p = os.path.join(upper, c["path"])
+            st = os.lstat(p)
+            d = _digest(p, st) if stat.S_ISREG(st.st_mode) else None
+            if d in gone:
+                was = gone.pop(d)
+                c["change"], c["from"] = "renamed", was["path"]
+                c["human_changed"] = c["human_changed"] or was["human_changed"]
+                out.remove(was)
+
+
+# ---- git: the agent's commits -------------------------------------------------------------------------
+
+def agent_head(meta: dict[str, Any]) -> str | None:
+    """The commit the agent's HEAD names at the end (its ``.git`` as the view shows it: the change set
+    over the project's), or None where it made none."""
+    if meta.get("git") is None:
+        return None
+    ref = _read_view(meta, ".git/HEAD").strip()
+    if ref.startswith("ref: "):
+        name = ref[5:].strip()
+        if not name.startswith("refs/") or ".." in name:
+            return None
+        sha = _read_view(meta, f".git/{name}").strip()
+        if not sha:
+            for line in _read_view(meta, ".git/packed-refs").splitlines():
+                parts = line.split()
+                if len(parts) == 2 and parts[1] == name:
+                    sha = parts[0]
+    else:
+        sha = ref
+    if not sha or not all(c in "0123456789abcdef" for c in sha) or sha == meta["git"].get("head"):
+        return None
+    return sha
+
+
+def _read_view(meta: dict[str, Any], rel: str) -> str:
+    """A small file as the agent's view has it: the change set's, unless it is not there (or a whiteout)."""
+    for top in (os.path.join(meta["dir"], "upper"), meta["project"]):
+        p = os.path.join(top, rel)
+        st = _lstat(p)
+        if st is None:
+            continue
+        if _is_whiteout(st) or not stat.S_ISREG(st.st_mode) or st.st_size > 1 << 20:
+            return ""
+        with open(p, errors="replace") as f:
+            return f.read()
+    return ""
+
+
+def _objects_repo(meta: dict[str, Any]) -> str:
+    """A repository of our own whose objects are the change set's and the project's (alternates): the
+    agent's commits are read through it, never through the agent's configuration."""
+    d = os.path.join(meta["dir"], "objects.git")
+    if not os.path.isdir(d):
+        os.makedirs(os.path.join(d, "objects", "info"), 0o700)
+        os.makedirs(os.path.join(d, "refs"), 0o700)
+        with open(os.path.join(d, "HEAD"), "w") as f:
+            f.write("ref: refs/heads/none\n")
+        fmt = (meta.get("git") or {}).get("object_format", "sha1")
+        with open(os.path.join(d, "config"), "w") as f:
+            f.write("[core]\n\trepositoryformatversion = 1\n\tbare = true\n"
+                    f"[extensions]\n\tobjectformat = {fmt}\n")
+    with open(os.path.join(d, "objects", "info", "alternates"), "w") as f:
+        f.write(os.path.join(meta["dir"], "upper", ".git", "objects") + "\n")
+        f.write(os.path.join(meta["project"], ".git", "objects") + "\n")
+    return d
+
+
+def _ours_git(repo: str, *args: str) -> bytes:
+    env = {"PATH": "/usr/bin:/bin", "LANG": "C", "GIT_CONFIG_NOSYSTEM": "1", "HOME": "/nonexistent"}
+    p = subprocess.run(["git", *GIT_SAFE, "--git-dir", repo, *args], capture_output=True, env=env, timeout=600)
+    if p.returncode != 0:
+        raise WorkspaceError("git", f"git {args[0]} on the change set failed: "
+                             f"{p.stderr.decode(errors='replace').strip()[-300:]}", "")
+    return p.stdout
+
+
+def commits(meta: dict[str, Any]) -> list[dict[str, str]]:
+    head = agent_head(meta)
+    if head is None:
+        return []
+    repo = _objects_repo(meta)
+    base = meta["git"].get("head")
+    rng = [head, f"^{base}"] if base else [head]
+    out = _ours_git(repo, "log", "--format=%H%x00%an <%ae>%x00%s", *rng, "--")
+    res = []
+    for line in out.decode(errors="replace").splitlines():
+        sha, author, subject = (line.split("\0") + ["", ""])[:3]
+        res.append({"commit": sha, "author": author, "subject": subject})
+    return res
+
+
+def _committed(meta: dict[str, Any], head: str | None) -> dict[str, str]:
+    """path -> blob id in the agent's last commit (its tree), for telling committed work from the rest."""
+    if head is None:
+        return {}
+    out = _ours_git(_objects_repo(meta), "ls-tree", "-r", "-z", head)
+    res = {}
+    for item in out.split(b"\0"):
+        if not item:
+            continue
+        info, _, path = item.partition(b"\t")
+        res[os.fsdecode(path)] = info.split()[2].decode()
+    return res
+
+
+def _blob_id(path: str, fmt: str) -> str:
+    if stat.S_ISLNK(os.lstat(path).st_mode):
+        data = os.fsencode(os.readlink(path))
+    else:
+        with open(path, "rb") as f:
+            data = f.read()
+    h = hashlib.sha256() if fmt == "sha256" else hashlib.sha1()
+    h.update(b"blob %d\0" % len(data))
+    h.update(data)
+    return h.hexdigest()
+
+
+# ---- review -------------------------------------------------------------------------------------------
+
+def review(session: str) -> dict[str, Any]:
+    meta = load(session)
+    found = changes(meta)
+    head = agent_head(meta)
+    committed = _committed(meta, head)
+    fmt = (meta.get("git") or {}).get("object_format", "sha1")
+    upper = os.path.join(meta["dir"], "upper")
+    for c in found:
+        if head is None:
+            c["committed"] = False
+        elif c["change"] == "deleted":
+            c["committed"] = c["path"] not in committed
+        else:
+            c["committed"] = committed.get(c["path"]) == _blob_id(os.path.join(upper, c["path"]), fmt)
+        c["conflict"] = c["human_changed"] and not c["same"] and not c["committed"]
+    return {"session": session, "project": meta["project"], "state": meta["state"],
+            "base": {"time_ns": meta["base_ns"], "commit": (meta.get("git") or {}).get("head")},
+            "branch": f"agentcell/{session}" if head else None, "head": head, "commits": commits(meta),
+            "changes": found, "hidden": meta.get("hidden", [])}
+
+
+def record_review(r: dict[str, Any]) -> None:
+    """The audit trail's record of a review: what the human was shown."""
+    meta = load(r["session"])
+    _record(meta, "session.review", state=r["state"], changes=len(r["changes"]), commits=len(r["commits"]),
+            conflicts=[c["path"] for c in r["changes"] if c["conflict"]], base=r["base"])
+
+
+def diff_text(session: str, rel: str) -> str:
+    """A unified diff of one changed path (the project's now against the agent's)."""
+    meta = load(session)
+    a, b = os.path.join(meta["project"], rel), os.path.join(meta["dir"], "upper", rel)
+    p = subprocess.run(["diff", "-u", "--label", f"a/{rel}", "--label", f"b/{rel}",
+                        a if os.path.lexists(a) else "/dev/null", b if os.path.lexists(b) else "/dev/null"],
+                       capture_output=True, timeout=60)
+    return p.stdout.decode(errors="replace")
+
+
+# ---- apply --------------------------------------------------------------------------------------------
+
+def apply(session: str, ours: list[str] = (), theirs: list[str] = ()) -> dict[str, Any]:  # type: ignore[assignment]
+    """Land the change set in the project as it is now: all of it or nothing. Returns what landed."""
+    meta = load(session)
+    if meta["state"] != "open":
+        raise WorkspaceError("SESSION", f"session {session}'s workspace is {meta['state']}",
+                             "'agentcell session review' shows what it held")
+    if os.path.exists(os.path.join(meta["dir"], JOURNAL)):
+        roll_back(meta)
+    r = review(session)
+    ours_s, theirs_s = set(ours), set(theirs)
+    unknown = (ours_s | theirs_s) - {c["path"] for c in r["changes"]}
+    if unknown:
+        raise WorkspaceError("--ours/--theirs", f"{sorted(unknown)[0]} is not among the session's changes",
+                             f"'agentcell session review {session}' lists them")
+    todo = [c for c in r["changes"] if not c["committed"] and c["path"] not in ours_s and not c["same"]]
+    conflicts = [c["path"] for c in todo if c["conflict"] and c["path"] not in theirs_s]
+    if conflicts:
+        raise WorkspaceError("apply", f"{len(conflicts)} path(s) changed in the project since the session began, "
+                             f"and by the agent too: {', '.join(conflicts[:10])}{' …' if len(conflicts) > 10 else ''};"
+                             " nothing was written",
+                             "keep yours with --ours PATH or take the agent's with --theirs PATH, per path")
+    owner = (int(meta["owner"][0]), int(meta["owner"][1]))
+    landed = _land(meta, todo, owner)
+    branch = None
+    if r["head"]:
+        branch = _fetch_branch(meta, r["head"], session, owner)
+    meta["state"], meta["applied"] = "applied", {"at": time.time(), "paths": landed, "branch": branch,
+                                                 "head": r["head"], "base": r["base"]}
+    _save(meta)
+    _record(meta, "session.apply", paths=landed, branch=branch, head=r["head"], base=r["base"],
+            kept_ours=sorted(ours_s), took_theirs=sorted(theirs_s))
+    return {"session": session, "landed": landed, "branch": branch, "head": r["head"]}
+
+
+def _land(meta: dict[str, Any], todo: list[dict[str, Any]], owner: tuple[int, int]) -> list[str]:
+    """Write the agent's version of each path into the project, behind a journal: every original is
+    moved aside first, so a failure (or a crash: the next apply or discard rolls back) leaves the
+    project as it was."""
+    project, upper = meta["project"], os.path.join(meta["dir"], "upper")
+    aside = os.path.join(meta["dir"], "aside")
+    os.makedirs(aside, 0o700, exist_ok=True)
+    ops: list[tuple[str, str]] = []  # (path in project, where its original went, "" if none)
+    journal = {"ops": ops}
+    jpath = os.path.join(meta["dir"], JOURNAL)
+    writes: list[tuple[str, str]] = []
+    for c in todo:
+        if c["change"] == "renamed":
+            writes.append(("delete", c["from"]))
+            writes.append(("write", c["path"]))
+        elif c["change"] == "deleted":
+            writes.append(("delete", c["path"]))
+        else:
+            writes.append(("write", c["path"]))
+    try:
+        for i, (what, rel) in enumerate(writes):
+            dest = os.path.join(project, rel)
+            _inside(project, dest)
+            moved = ""
+            if os.path.lexists(dest):
+                moved = os.path.join(aside, str(i))
+                ops.append((dest, moved))
+                _write_journal(jpath, journal)
+                os.rename(dest, moved)
+            else:
+                ops.append((dest, ""))
+                _write_journal(jpath, journal)
+            if what == "write":
+                _copy_in(os.path.join(upper, rel), dest, project, owner)
+        os.unlink(jpath)
+    except BaseException:
+        roll_back(meta)
+        raise
+    return [rel for _, rel in writes]
+
+
+def _inside(project: str, dest: str) -> None:
+    """Every directory between the project and ``dest`` is a real directory (no link planted since)."""
+    rel = os.path.relpath(os.path.dirname(dest), project)
+    cur = project
+    for part in ([] if rel == "." else rel.split("/")):
+        cur = os.path.join(cur, part)
+        st = _lstat(cur)
+        if st is not None and not stat.S_ISDIR(st.st_mode):
+            raise WorkspaceError("apply", f"{hostfs.shown(cur)} is not a directory in the project", "")
+
+
+def _copy_in(src: str, dest: str, project: str, owner: tuple[int, int]) -> None:
+    parent = os.path.dirname(dest)
+    made = []
+    cur = parent
+    while not os.path.lexists(cur):
+        made.append(cur)
+        cur = os.path.dirname(cur)
+    for d in reversed(made):
+        os.mkdir(d, 0o755)
+        os.lchown(d, *owner) if os.geteuid() == 0 else None
+    st = os.lstat(src)
+    if stat.S_ISLNK(st.st_mode):
+        os.symlink(os.readlink(src), dest)
+    else:
+        fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            with open(src, "rb") as f:
+                while chunk := f.read(1 << 20):
+                    os.write(fd, chunk)
+            os.fchmod(fd, stat.S_IMODE(st.st_mode) & 0o777)  # no setuid/setgid from the agent
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    if os.geteuid() == 0:
+        os.lchown(dest, *owner)
+
+
+def _write_journal(path: str, journal: dict[str, Any]) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(journal, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def roll_back(meta: dict[str, Any]) -> None:
+    """Undo an apply cut short (by an error, or a crash: its journal is still there)."""
+    jpath = os.path.join(meta["dir"], JOURNAL)
+    try:
+        with open(jpath) as f:
+            ops = json.load(f)["ops"]
+    except FileNotFoundError:
+        return
+    for dest, moved in reversed(ops):
+        if os.path.lexists(dest) and (not moved or os.path.lexists(moved)):
+            if os.path.isdir(dest) and not os.path.islink(dest):
+                continue
+            os.unlink(dest)
+        if moved and os.path.lexists(moved):
+            os.rename(moved, dest)
+    os.unlink(jpath)
+
+
+def _fetch_branch(meta: dict[str, Any], head: str, session: str, owner: tuple[int, int]) -> str:
+    """The agent's commits into the human's repository as ``agentcell/<session>``: a pack of what the
+    base does not have, made from our own repository, indexed and named by the human's git as them."""
+    repo = _objects_repo(meta)
+    base = meta["git"].get("head")
+    pack = _ours_git_in(repo, f"{head}\n" + (f"^{base}\n" if base else ""), "pack-objects", "--revs", "--stdout")
+    _git(meta["project"], owner, "index-pack", "--stdin", "--fix-thin", input=pack)
+    branch = f"agentcell/{session}"
+    _git(meta["project"], owner, "update-ref", f"refs/heads/{branch}", head, "")
+    return branch
+
+
+def _ours_git_in(repo: str, stdin: str, *args: str) -> bytes:
+    env = {"PATH": "/usr/bin:/bin", "LANG": "C", "GIT_CONFIG_NOSYSTEM": "1", "HOME": "/nonexistent"}
+    p = subprocess.run(["git", *GIT_SAFE, "--git-dir", repo, *args], capture_output=True, env=env, timeout=600,
+                       input=stdin.encode())
+    if p.returncode != 0:
+        raise WorkspaceError("git", f"git {args[0]} on the change set failed: "
+                             f"{p.stderr.decode(errors='replace').strip()[-300:]}", "")
+    return p.stdout
+
+
+# ---- discard, list ------------------------------------------------------------------------------------
+
+def discard(session: str) -> None:
+    meta = load(session)
+    roll_back(meta)
+    from .caches import _remove
+
+    _record(meta, "session.discard", state=meta["state"])
+    _remove(meta["dir"])
+
+
+def listing(unapplied_only: bool = False) -> list[dict[str, Any]]:
+    out = []
+    try:
+        names = sorted(os.listdir(store()))
+    except FileNotFoundError:
+        return []
+    for n in names:
+        try:
+            meta = load(n)
+        except (WorkspaceError, OSError, ValueError):
+            continue
+        if unapplied_only and meta["state"] != "open":
+            continue
+        out.append({"session": n, "project": meta["project"], "state": meta["state"], "created": meta["created"]})
+    return out
+
+
+def give_back(session: str, uid: int, gid: int) -> list[str]:
+    """At the end of a session whose account goes: what it made in the change set becomes root's
+    (before its number is freed). What could not be handed over."""
+    from .accounts import acl
+    from .accounts.commands import Commands
+
+    return acl.reassign(Commands(), uid, gid, 0, 0, os.path.join(path_of(session), "upper"))
+
+
+def _record(meta: dict[str, Any], event: str, **details: Any) -> None:
+    from .audit.trail import AuditLog
+
+    AuditLog(meta.get("trail")).append(event, session=meta["session"], project=meta["project"], **details)
