@@ -4,12 +4,19 @@ written until ``apply``.
 
 Store (agentcell's state directory; root's for root's sessions, the user's XDG state for a user's)::
 
-    <state dir>/workspaces/                0700
-    <state dir>/workspaces/<session>/      0700: meta.json, the journal of an apply in progress
-        upper/   the change set: overlayfs's upper layer (the account's while the session runs)
+    <state dir>/workspaces/                 0711 (entered by name, not listed)
+    <state dir>/workspaces/<session>/       0711, agentcell's: meta.json (the base, the state)
+    <state dir>/workspaces/<session>/cs/    0700, the project owner's: the change set
+        upper/   overlayfs's upper layer (the session's account's while it runs, the owner's after)
         work/    overlayfs's scratch (same file system as upper)
         hide/    whiteouts for what the view leaves out: files git ignores (unless named with
                  --workspace-include) and the masked paths
+        apply.json   the journal of an apply in progress
+
+**Who does what.** Review and apply run as the project's owner (root forks and drops to them): what
+they read and write in the project, the owner could read and write themselves, so a link planted in
+the project by anyone leads nowhere the owner could not go. Only the records (meta.json, the audit
+trail) are written by agentcell itself.
 
 What the kernel does (:class:`agentcell.cell.spec.Workspace`, :mod:`agentcell.cell.mounts`): the
 project is the read-only lower layer, idmapped so that its owner shows as the session's account. Start-up
@@ -68,6 +75,32 @@ def path_of(session: str) -> str:
     return os.path.join(store(), session)
 
 
+def _cs(meta: dict[str, Any]) -> str:
+    """The change set's directory: as the owner, through the descriptor root opened for them (the state
+    directory above it need not be theirs to enter)."""
+    return str(meta.get("cs") or os.path.join(meta["dir"], "cs"))
+
+
+def _upper(meta: dict[str, Any]) -> str:
+    return os.path.join(_cs(meta), "upper")
+
+
+_PASS_FDS: tuple[int, ...] = ()  # as the owner: the change set's descriptor, which git must see too
+
+
+def _made_dir(path: str, mode: int) -> None:
+    """``path``, a directory of ours with ``mode``: made, or found as a real directory of ours."""
+    try:
+        os.mkdir(path, mode)
+    except FileExistsError:
+        pass
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+        raise WorkspaceError("workspace", f"{hostfs.shown(path)} is not a directory of agentcell's",
+                             "remove it (it was not made by agentcell)")
+    os.chmod(path, mode)
+
+
 def load(session: str) -> dict[str, Any]:
     d = path_of(session)
     try:
@@ -104,22 +137,25 @@ def create(session: str, project: str, *, owner: tuple[int, int], account: tuple
     """The session's workspace: its store entry, and the layers for the cell (a
     :class:`~agentcell.cell.spec.Workspace`)."""
     base = base_now()
-    hostfs.private_dir(store(), "workspace")
+    os.makedirs(os.path.dirname(store()), 0o700, exist_ok=True)
+    _made_dir(store(), 0o711)
     d = path_of(session)
     project = os.path.realpath(project)
     rootless = os.geteuid() != 0
     idmap = () if rootless or (owner[0], owner[1]) == (account[0], account[1]) else (*owner, *account)
+    cs = os.path.join(d, "cs")
+    upper, work, hide = (os.path.join(cs, n) for n in ("upper", "work", "hide"))
     if os.path.exists(os.path.join(d, META)):  # a retried spawn: the same workspace, whatever it holds already
         meta = load(session)
-        return Workspace(project, os.path.join(d, "upper"), os.path.join(d, "work"),
-                         os.path.join(d, "hide") if meta["hidden"] else "", idmap, rootless)
-    os.mkdir(d, 0o700)
+        return Workspace(project, upper, work, hide if meta["hidden"] else "", idmap, rootless)
+    os.mkdir(d, 0o711)
+    os.mkdir(cs, 0o700)
     st = os.stat(project)
-    upper, work, hide = (os.path.join(d, n) for n in ("upper", "work", "hide"))
     os.mkdir(upper, stat.S_IMODE(st.st_mode))
     os.mkdir(work, 0o700)
     os.mkdir(hide, 0o755)
     if not rootless:
+        os.chown(cs, owner[0], owner[1])  # the change set is the owner's to review (upper: see give_back)
         os.chown(upper, account[0], account[1])  # the view's root is upper's: the account's, as the project is shown
     git = _git_base(project, owner)
     hidden = sorted(set(_ignored(project, owner, include) if git else []) | {_rel(project, m) for m in masked})
@@ -154,7 +190,7 @@ def _git(project: str, owner: tuple[int, int], *args: str, input: bytes | None =
     env = {"PATH": "/usr/bin:/bin", "LANG": "C", "GIT_OPTIONAL_LOCKS": "0", "GIT_CONFIG_NOSYSTEM": "1",
            "HOME": "/nonexistent", "GIT_TERMINAL_PROMPT": "0"}
     p = subprocess.run([*_as_owner(owner), "git", *GIT_SAFE, "-c", f"safe.directory={project}", "-C", project,
-                        *args], capture_output=True, input=input, env=env, timeout=600)
+                        *args], capture_output=True, input=input, env=env, timeout=600, pass_fds=_PASS_FDS)
     if p.returncode != 0:
         raise WorkspaceError("git", f"git {args[0]} in {hostfs.shown(project)} failed: "
                              f"{p.stderr.decode(errors='replace').strip()[-300:]}", "")
@@ -266,7 +302,7 @@ def changes(meta: dict[str, Any]) -> list[dict[str, Any]]:
     """What the agent changed, outside ``.git``: one entry per path, {"path", "change" (added | modified |
     deleted | renamed | mode | type), "from" (renamed), "human_changed" (the project's path is not the
     base any more), "same" (the human's is what the agent's is)}."""
-    upper, project, base_ns = os.path.join(meta["dir"], "upper"), meta["project"], int(meta["base_ns"])
+    upper, project, base_ns = _upper(meta), meta["project"], int(meta["base_ns"])
     hidden = set(meta.get("hidden") or [])
     git = meta.get("git") is not None
     out: list[dict[str, Any]] = []
@@ -299,7 +335,10 @@ def changes(meta: dict[str, Any]) -> list[dict[str, Any]]:
                     out.append(_entry(rel, "type", lst, base_ns, low, None))
                 stack.append(rel)
                 continue
-            if lst is None:
+            if _kind(st) == "other":  # a fifo, a socket, a device: shown, never applied
+                out.append({"path": rel, "change": "added" if lst is None else "type", "human_changed": False,
+                            "same": False, "special": True})
+            elif lst is None:
                 out.append(_entry(rel, "added", _lstat(low), base_ns, low, (e.path, st)))
             elif stat.S_ISDIR(lst.st_mode) or _kind(lst) != _kind(st):
                 out.append(_entry(rel, "type", lst, base_ns, low, (e.path, st)))
@@ -334,7 +373,7 @@ def _entry(rel: str, change: str, lst: os.stat_result | None, base_ns: int, low:
 
 def _pair_renames(out: list[dict[str, Any]], meta: dict[str, Any]) -> None:
     """A deletion and an addition of the same content are a rename (reported so; applied as both)."""
-    upper = os.path.join(meta["dir"], "upper")
+    upper = _upper(meta)
     gone: dict[str, dict[str, Any]] = {}
     for c in out:
         if c["change"] == "deleted":
@@ -383,7 +422,7 @@ def agent_head(meta: dict[str, Any]) -> str | None:
 
 def _read_view(meta: dict[str, Any], rel: str) -> str:
     """A small file as the agent's view has it: the change set's, unless it is not there (or a whiteout)."""
-    for top in (os.path.join(meta["dir"], "upper"), meta["project"]):
+    for top in (_upper(meta), meta["project"]):
         p = os.path.join(top, rel)
         st = _lstat(p)
         if st is None:
@@ -398,7 +437,7 @@ def _read_view(meta: dict[str, Any], rel: str) -> str:
 def _objects_repo(meta: dict[str, Any]) -> str:
     """A repository of our own whose objects are the change set's and the project's (alternates): the
     agent's commits are read through it, never through the agent's configuration."""
-    d = os.path.join(meta["dir"], "objects.git")
+    d = os.path.join(_cs(meta), "objects.git")
     if not os.path.isdir(d):
         os.makedirs(os.path.join(d, "objects", "info"), 0o700)
         os.makedirs(os.path.join(d, "refs"), 0o700)
@@ -409,14 +448,15 @@ def _objects_repo(meta: dict[str, Any]) -> str:
             f.write("[core]\n\trepositoryformatversion = 1\n\tbare = true\n"
                     f"[extensions]\n\tobjectformat = {fmt}\n")
     with open(os.path.join(d, "objects", "info", "alternates"), "w") as f:
-        f.write(os.path.join(meta["dir"], "upper", ".git", "objects") + "\n")
+        f.write(os.path.join(_upper(meta), ".git", "objects") + "\n")
         f.write(os.path.join(meta["project"], ".git", "objects") + "\n")
     return d
 
 
-def _ours_git(repo: str, *args: str) -> bytes:
+def _ours_git(repo: str, *args: str, input: bytes | None = None) -> bytes:
     env = {"PATH": "/usr/bin:/bin", "LANG": "C", "GIT_CONFIG_NOSYSTEM": "1", "HOME": "/nonexistent"}
-    p = subprocess.run(["git", *GIT_SAFE, "--git-dir", repo, *args], capture_output=True, env=env, timeout=600)
+    p = subprocess.run(["git", *GIT_SAFE, "--git-dir", repo, *args], capture_output=True, env=env, timeout=600,
+                       input=input, pass_fds=_PASS_FDS)
     if p.returncode != 0:
         raise WorkspaceError("git", f"git {args[0]} on the change set failed: "
                              f"{p.stderr.decode(errors='replace').strip()[-300:]}", "")
@@ -466,24 +506,33 @@ def _blob_id(path: str, fmt: str) -> str:
 
 # ---- review -------------------------------------------------------------------------------------------
 
-def review(session: str) -> dict[str, Any]:
+def review(session: str, diffs: bool = False) -> dict[str, Any]:
+    """The change set against the session's base (as the project's owner): every path, the agent's
+    commits, what would conflict; ``diffs``: a unified diff of each changed text."""
     meta = load(session)
+    out: dict[str, Any] = as_owner(meta, _review, meta, diffs)
+    return out
+
+
+def _review(meta: dict[str, Any], diffs: bool = False) -> dict[str, Any]:
     found = changes(meta)
     head = agent_head(meta)
     committed = _committed(meta, head)
     fmt = (meta.get("git") or {}).get("object_format", "sha1")
-    upper = os.path.join(meta["dir"], "upper")
+    upper = _upper(meta)
     for c in found:
-        if head is None:
+        if head is None or c.get("special"):
             c["committed"] = False
         elif c["change"] == "deleted":
             c["committed"] = c["path"] not in committed
         else:
             c["committed"] = committed.get(c["path"]) == _blob_id(os.path.join(upper, c["path"]), fmt)
         c["conflict"] = c["human_changed"] and not c["same"] and not c["committed"]
-    return {"session": session, "project": meta["project"], "state": meta["state"],
+        if diffs and c["change"] in ("modified", "added", "renamed") and not c.get("special"):
+            c["diff"] = _diff_text(meta, c["path"], c.get("from"))
+    return {"session": meta["session"], "project": meta["project"], "state": meta["state"],
             "base": {"time_ns": meta["base_ns"], "commit": (meta.get("git") or {}).get("head")},
-            "branch": f"agentcell/{session}" if head else None, "head": head, "commits": commits(meta),
+            "branch": f"agentcell/{meta['session']}" if head else None, "head": head, "commits": commits(meta),
             "changes": found, "hidden": meta.get("hidden", [])}
 
 
@@ -494,32 +543,46 @@ def record_review(r: dict[str, Any]) -> None:
             conflicts=[c["path"] for c in r["changes"] if c["conflict"]], base=r["base"])
 
 
-def diff_text(session: str, rel: str) -> str:
-    """A unified diff of one changed path (the project's now against the agent's)."""
-    meta = load(session)
-    a, b = os.path.join(meta["project"], rel), os.path.join(meta["dir"], "upper", rel)
-    p = subprocess.run(["diff", "-u", "--label", f"a/{rel}", "--label", f"b/{rel}",
-                        a if os.path.lexists(a) else "/dev/null", b if os.path.lexists(b) else "/dev/null"],
-                       capture_output=True, timeout=60)
+def _diff_text(meta: dict[str, Any], rel: str, was: str | None = None) -> str:
+    """A unified diff of one changed path: the project's (``was``: the renamed path's) against the agent's."""
+    a, b = os.path.join(meta["project"], was or rel), os.path.join(_upper(meta), rel)
+    p = subprocess.run(["diff", "-u", "--label", f"a/{was or rel}", "--label", f"b/{rel}",
+                        a if os.path.isfile(a) and not os.path.islink(a) else "/dev/null",
+                        b if os.path.isfile(b) and not os.path.islink(b) else "/dev/null"],
+                       capture_output=True, timeout=60, pass_fds=_PASS_FDS)
     return p.stdout.decode(errors="replace")
 
 
-# ---- apply --------------------------------------------------------------------------------------------
+# ---- apply ----------------------------------------------------------------------------------------------
 
-def apply(session: str, ours: list[str] = (), theirs: list[str] = ()) -> dict[str, Any]:  # type: ignore[assignment]
+def apply(session: str, ours: tuple[str, ...] | list[str] = (), theirs: tuple[str, ...] | list[str] = ()
+          ) -> dict[str, Any]:
     """Land the change set in the project as it is now: all of it or nothing. Returns what landed."""
     meta = load(session)
     if meta["state"] != "open":
         raise WorkspaceError("SESSION", f"session {session}'s workspace is {meta['state']}",
                              "'agentcell session review' shows what it held")
-    if os.path.exists(os.path.join(meta["dir"], JOURNAL)):
-        roll_back(meta)
-    r = review(session)
+    out = as_owner(meta, _apply_as_owner, meta, list(ours), list(theirs))
+    meta["state"], meta["applied"] = "applied", {"at": time.time(), **out}
+    _save(meta)
+    _record(meta, "session.apply", paths=out["landed"], branch=out["branch"], head=out["head"], base=out["base"],
+            kept_ours=sorted(ours), took_theirs=sorted(theirs))
+    return {"session": session, **out}
+
+
+def _apply_as_owner(meta: dict[str, Any], ours: list[str], theirs: list[str]) -> dict[str, Any]:
+    roll_back(meta)  # an apply cut short before (a crash): its journal puts the project back first
+    r = _review(meta)
     ours_s, theirs_s = set(ours), set(theirs)
     unknown = (ours_s | theirs_s) - {c["path"] for c in r["changes"]}
     if unknown:
         raise WorkspaceError("--ours/--theirs", f"{sorted(unknown)[0]} is not among the session's changes",
-                             f"'agentcell session review {session}' lists them")
+                             f"'agentcell session review {meta['session']}' lists them")
+    special = [c["path"] for c in r["changes"] if c.get("special") and c["path"] not in ours_s]
+    if special:
+        raise WorkspaceError("apply", f"the agent made {special[0]}, which is neither a file, a link nor a "
+                             "directory; nothing was written", f"discard the session, or keep yours: --ours "
+                             f"{special[0]}")
     todo = [c for c in r["changes"] if not c["committed"] and c["path"] not in ours_s and not c["same"]]
     conflicts = [c["path"] for c in todo if c["conflict"] and c["path"] not in theirs_s]
     if conflicts:
@@ -527,101 +590,132 @@ def apply(session: str, ours: list[str] = (), theirs: list[str] = ()) -> dict[st
                              f"and by the agent too: {', '.join(conflicts[:10])}{' …' if len(conflicts) > 10 else ''};"
                              " nothing was written",
                              "keep yours with --ours PATH or take the agent's with --theirs PATH, per path")
-    owner = (int(meta["owner"][0]), int(meta["owner"][1]))
-    landed = _land(meta, todo, owner)
-    branch = None
-    if r["head"]:
-        branch = _fetch_branch(meta, r["head"], session, owner)
-    meta["state"], meta["applied"] = "applied", {"at": time.time(), "paths": landed, "branch": branch,
-                                                 "head": r["head"], "base": r["base"]}
-    _save(meta)
-    _record(meta, "session.apply", paths=landed, branch=branch, head=r["head"], base=r["base"],
-            kept_ours=sorted(ours_s), took_theirs=sorted(theirs_s))
-    return {"session": session, "landed": landed, "branch": branch, "head": r["head"]}
+    landed = _land(meta, todo)
+    branch = _fetch_branch(meta, r["head"]) if r["head"] else None
+    return {"landed": landed, "branch": branch, "head": r["head"], "base": r["base"]}
 
 
-def _land(meta: dict[str, Any], todo: list[dict[str, Any]], owner: tuple[int, int]) -> list[str]:
-    """Write the agent's version of each path into the project, behind a journal: every original is
-    moved aside first, so a failure (or a crash: the next apply or discard rolls back) leaves the
-    project as it was."""
-    project, upper = meta["project"], os.path.join(meta["dir"], "upper")
-    aside = os.path.join(meta["dir"], "aside")
-    os.makedirs(aside, 0o700, exist_ok=True)
-    ops: list[tuple[str, str]] = []  # (path in project, where its original went, "" if none)
-    journal = {"ops": ops}
-    jpath = os.path.join(meta["dir"], JOURNAL)
+def _land(meta: dict[str, Any], todo: list[dict[str, Any]]) -> list[str]:
+    """Write the agent's version of each path into the project, behind a journal: each original is
+    renamed aside next to itself first, so a failure (or a crash: the next apply or discard rolls
+    back) leaves the project as it was. Every directory is walked by descriptor, never through a link."""
+    upper = _upper(meta)
     writes: list[tuple[str, str]] = []
     for c in todo:
         if c["change"] == "renamed":
-            writes.append(("delete", c["from"]))
-            writes.append(("write", c["path"]))
+            writes += [("delete", c["from"]), ("write", c["path"])]
         elif c["change"] == "deleted":
             writes.append(("delete", c["path"]))
         else:
             writes.append(("write", c["path"]))
+    journal: dict[str, Any] = {"ops": [], "dirs": []}
+    jpath = os.path.join(_cs(meta), JOURNAL)
+    top = os.open(meta["project"], os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
         for i, (what, rel) in enumerate(writes):
-            dest = os.path.join(project, rel)
-            _inside(project, dest)
-            moved = ""
-            if os.path.lexists(dest):
-                moved = os.path.join(aside, str(i))
-                ops.append((dest, moved))
+            dfd = _dir_fd(top, os.path.dirname(rel), what == "write", journal, jpath)
+            try:
+                name, aside = os.path.basename(rel), f".agentcell-aside-{meta['session']}-{i}"
+                exists = _lstat_at(name, dfd) is not None
+                journal["ops"].append([rel, aside if exists else "", what == "write"])
                 _write_journal(jpath, journal)
-                os.rename(dest, moved)
-            else:
-                ops.append((dest, ""))
-                _write_journal(jpath, journal)
-            if what == "write":
-                _copy_in(os.path.join(upper, rel), dest, project, owner)
-        os.unlink(jpath)
+                if exists:
+                    os.rename(name, aside, src_dir_fd=dfd, dst_dir_fd=dfd)
+                if what == "write":
+                    _copy_in(os.path.join(upper, rel), name, dfd)
+            finally:
+                os.close(dfd)
+        for rel, aside, _ in journal["ops"]:  # all landed: the originals go
+            if aside:
+                dfd = _dir_fd(top, os.path.dirname(rel), False, None, "")
+                try:
+                    _remove_at(aside, dfd)
+                finally:
+                    os.close(dfd)
+        if os.path.exists(jpath):
+            os.unlink(jpath)
     except BaseException:
         roll_back(meta)
         raise
+    finally:
+        os.close(top)
     return [rel for _, rel in writes]
 
 
-def _inside(project: str, dest: str) -> None:
-    """Every directory between the project and ``dest`` is a real directory (no link planted since)."""
-    rel = os.path.relpath(os.path.dirname(dest), project)
-    cur = project
-    for part in ([] if rel == "." else rel.split("/")):
-        cur = os.path.join(cur, part)
-        st = _lstat(cur)
-        if st is not None and not stat.S_ISDIR(st.st_mode):
-            raise WorkspaceError("apply", f"{hostfs.shown(cur)} is not a directory in the project", "")
+def _lstat_at(name: str, dfd: int) -> os.stat_result | None:
+    try:
+        return os.lstat(name, dir_fd=dfd)
+    except FileNotFoundError:
+        return None
 
 
-def _copy_in(src: str, dest: str, project: str, owner: tuple[int, int]) -> None:
-    parent = os.path.dirname(dest)
-    made = []
-    cur = parent
-    while not os.path.lexists(cur):
-        made.append(cur)
-        cur = os.path.dirname(cur)
-    for d in reversed(made):
-        os.mkdir(d, 0o755)
-        os.lchown(d, *owner) if os.geteuid() == 0 else None
+def _dir_fd(top: int, rel: str, create: bool, journal: dict[str, Any] | None, jpath: str) -> int:
+    """The directory ``rel`` below ``top``, opened component by component without following a link;
+    missing ones made (and journaled) when ``create``."""
+    fd = os.dup(top)
+    done = ""
+    try:
+        for part in [p for p in rel.split("/") if p]:
+            done = f"{done}/{part}" if done else part
+            try:
+                nfd = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            except FileNotFoundError:
+                if not create or journal is None:
+                    raise
+                journal["dirs"].append(done)
+                _write_journal(jpath, journal)
+                os.mkdir(part, 0o755, dir_fd=fd)
+                nfd = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            except NotADirectoryError:
+                raise WorkspaceError("apply", f"{done} is not a directory in the project (a link or a file); "
+                                     "nothing was written", "") from None
+            os.close(fd)
+            fd = nfd
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _copy_in(src: str, name: str, dfd: int) -> None:
     st = os.lstat(src)
     if stat.S_ISLNK(st.st_mode):
-        os.symlink(os.readlink(src), dest)
-    else:
-        fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        os.symlink(os.readlink(src), name, dir_fd=dfd)
+        return
+    fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dfd)
+    try:
+        sfd = os.open(src, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
-            with open(src, "rb") as f:
-                while chunk := f.read(1 << 20):
-                    os.write(fd, chunk)
-            os.fchmod(fd, stat.S_IMODE(st.st_mode) & 0o777)  # no setuid/setgid from the agent
-            os.fsync(fd)
+            while chunk := os.read(sfd, 1 << 20):
+                os.write(fd, chunk)
         finally:
-            os.close(fd)
-    if os.geteuid() == 0:
-        os.lchown(dest, *owner)
+            os.close(sfd)
+        os.fchmod(fd, stat.S_IMODE(st.st_mode) & 0o777)  # no setuid/setgid from the agent
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _remove_at(name: str, dfd: int) -> None:
+    st = _lstat_at(name, dfd)
+    if st is None:
+        return
+    if stat.S_ISDIR(st.st_mode):
+        sub = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+        try:
+            for n in os.listdir(sub):
+                _remove_at(n, sub)
+        finally:
+            os.close(sub)
+        os.rmdir(name, dir_fd=dfd)
+    else:
+        os.unlink(name, dir_fd=dfd)
 
 
 def _write_journal(path: str, journal: dict[str, Any]) -> None:
     tmp = path + ".tmp"
-    with open(tmp, "w") as f:
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "w") as f:
         json.dump(journal, f)
         f.flush()
         os.fsync(f.fileno())
@@ -629,50 +723,105 @@ def _write_journal(path: str, journal: dict[str, Any]) -> None:
 
 
 def roll_back(meta: dict[str, Any]) -> None:
-    """Undo an apply cut short (by an error, or a crash: its journal is still there)."""
-    jpath = os.path.join(meta["dir"], JOURNAL)
+    """Undo an apply cut short (by an error, or a crash: its journal is still there). As the owner."""
+    jpath = os.path.join(_cs(meta), JOURNAL)
     try:
         with open(jpath) as f:
-            ops = json.load(f)["ops"]
+            journal = json.load(f)
     except FileNotFoundError:
         return
-    for dest, moved in reversed(ops):
-        if os.path.lexists(dest) and (not moved or os.path.lexists(moved)):
-            if os.path.isdir(dest) and not os.path.islink(dest):
+    top = os.open(meta["project"], os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        for rel, aside, written in reversed(journal["ops"]):
+            try:
+                dfd = _dir_fd(top, os.path.dirname(rel), False, None, "")
+            except FileNotFoundError:
                 continue
-            os.unlink(dest)
-        if moved and os.path.lexists(moved):
-            os.rename(moved, dest)
+            try:
+                name = os.path.basename(rel)
+                if aside and _lstat_at(aside, dfd) is not None:
+                    if _lstat_at(name, dfd) is not None:
+                        _remove_at(name, dfd)
+                    os.rename(aside, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+                elif written and not aside:
+                    _remove_at(name, dfd)
+            finally:
+                os.close(dfd)
+        for rel in reversed(journal["dirs"]):
+            try:
+                os.rmdir(rel, dir_fd=top)
+            except OSError:
+                pass
+    finally:
+        os.close(top)
     os.unlink(jpath)
 
 
-def _fetch_branch(meta: dict[str, Any], head: str, session: str, owner: tuple[int, int]) -> str:
+def _fetch_branch(meta: dict[str, Any], head: str) -> str:
     """The agent's commits into the human's repository as ``agentcell/<session>``: a pack of what the
-    base does not have, made from our own repository, indexed and named by the human's git as them."""
+    base does not have, made from our own repository, indexed and named by the human's git (plumbing:
+    no hook runs, and nothing of the agent's configuration is read)."""
     repo = _objects_repo(meta)
     base = meta["git"].get("head")
-    pack = _ours_git_in(repo, f"{head}\n" + (f"^{base}\n" if base else ""), "pack-objects", "--revs", "--stdout")
+    pack = _ours_git(repo, "pack-objects", "--revs", "--stdout",
+                     input=(f"{head}\n" + (f"^{base}\n" if base else "")).encode())
+    owner = (os.geteuid(), os.getegid())
     _git(meta["project"], owner, "index-pack", "--stdin", "--fix-thin", input=pack)
-    branch = f"agentcell/{session}"
+    branch = f"agentcell/{meta['session']}"
     _git(meta["project"], owner, "update-ref", f"refs/heads/{branch}", head, "")
     return branch
 
 
-def _ours_git_in(repo: str, stdin: str, *args: str) -> bytes:
-    env = {"PATH": "/usr/bin:/bin", "LANG": "C", "GIT_CONFIG_NOSYSTEM": "1", "HOME": "/nonexistent"}
-    p = subprocess.run(["git", *GIT_SAFE, "--git-dir", repo, *args], capture_output=True, env=env, timeout=600,
-                       input=stdin.encode())
-    if p.returncode != 0:
-        raise WorkspaceError("git", f"git {args[0]} on the change set failed: "
-                             f"{p.stderr.decode(errors='replace').strip()[-300:]}", "")
-    return p.stdout
+# ---- as the owner ---------------------------------------------------------------------------------------
+
+def as_owner(meta: dict[str, Any], fn: Any, *args: Any) -> Any:
+    """``fn(*args)`` as the project's owner: in a child that root forks and drops to the owner (no
+    supplementary group), its result (JSON) or its error handed back. Run directly when we are them."""
+    global _PASS_FDS
+    uid, gid = int(meta["owner"][0]), int(meta["owner"][1])
+    if os.geteuid() != 0 or uid == 0:
+        return fn(*args)
+    cs = os.open(_cs(meta), os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    r, w = os.pipe2(os.O_CLOEXEC)
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        code = 1
+        try:
+            os.close(r)
+            meta["cs"], _PASS_FDS = f"/proc/self/fd/{cs}", (cs,)
+            os.setgroups([])
+            os.setresgid(gid, gid, gid)
+            os.setresuid(uid, uid, uid)
+            try:
+                out = {"ok": fn(*args)}
+            except AgentcellError as e:
+                out = {"error": [e.field, e.problem, e.fix]}
+            except OSError as e:
+                out = {"error": ["workspace", f"{e.filename or ''}: {e.strerror}; nothing was written (what had "
+                                 "been was put back)", "fix the cause and try again"]}
+            with os.fdopen(w, "w") as f:
+                json.dump(out, f)
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(w)
+    os.close(cs)
+    with os.fdopen(r) as f:
+        text = f.read()
+    os.waitpid(pid, 0)
+    if not text:
+        raise WorkspaceError("workspace", "the step run as the project's owner ended without a word", "")
+    got = json.loads(text)
+    if "error" in got:
+        raise WorkspaceError(*got["error"])
+    return got["ok"]
 
 
-# ---- discard, list ------------------------------------------------------------------------------------
+# ---- discard, list --------------------------------------------------------------------------------------
 
 def discard(session: str) -> None:
     meta = load(session)
-    roll_back(meta)
+    as_owner(meta, roll_back, meta)
     from .caches import _remove
 
     _record(meta, "session.discard", state=meta["state"])
@@ -697,12 +846,17 @@ def listing(unapplied_only: bool = False) -> list[dict[str, Any]]:
 
 
 def give_back(session: str, uid: int, gid: int) -> list[str]:
-    """At the end of a session whose account goes: what it made in the change set becomes root's
-    (before its number is freed). What could not be handed over."""
+    """At the end of a session: what its account made in the change set becomes the project owner's
+    (before an ephemeral account's number is freed), as it would be had the agent worked in the project
+    itself. What could not be handed over."""
     from .accounts import acl
     from .accounts.commands import Commands
 
-    return acl.reassign(Commands(), uid, gid, 0, 0, os.path.join(path_of(session), "upper"))
+    meta = load(session)
+    owner = (int(meta["owner"][0]), int(meta["owner"][1]))
+    if (uid, gid) == owner:
+        return []
+    return acl.reassign(Commands(), uid, gid, owner[0], owner[1], _upper(meta))
 
 
 def _record(meta: dict[str, Any], event: str, **details: Any) -> None:

@@ -619,12 +619,8 @@ def _diff(ns: Any) -> int:
 def _review(ns: Any) -> int:
     from .. import workspace
 
-    r = workspace.review(_checked_id(ns.id))
+    r = workspace.review(_checked_id(ns.id), diffs=ns.diff or ns.json)
     workspace.record_review(r)
-    if ns.diff or ns.json:
-        for c in r["changes"]:
-            if c["change"] in ("modified", "added", "renamed"):
-                c["diff"] = workspace.diff_text(ns.id, c["path"])
     if ns.json:
         sys.stdout.write(json.dumps(r) + "\n")
         return 0
@@ -633,7 +629,8 @@ def _review(ns: Any) -> int:
     sys.stdout.write(_shown(f"session {r['session']} ({r['state']}) on {r['project']}, from {base}") + "\n")
     for c in r["changes"]:
         what = f"{c['from']} -> {c['path']}" if c["change"] == "renamed" else c["path"]
-        note = " (committed: in the branch)" if c.get("committed") else \
+        note = " (not a file, a link or a directory: never applied)" if c.get("special") else \
+            " (committed: in the branch)" if c.get("committed") else \
             " (CONFLICT: you changed it too since the session began)" if c["conflict"] else ""
         sys.stdout.write(_shown(f"{marks[c['change']]} {what}{note}") + "\n")
     if not r["changes"]:
@@ -666,7 +663,11 @@ def _apply(ns: Any) -> int:
     from .. import workspace
 
     _workspace_ended(_checked_id(ns.id))
-    r = workspace.apply(ns.id, ours=ns.ours, theirs=ns.theirs)
+    try:
+        r = workspace.apply(ns.id, ours=ns.ours, theirs=ns.theirs)
+    except OSError as e:  # rolled back already (workspace._land)
+        raise AgentcellError("apply", f"{e.filename or ''}: {e.strerror}; nothing was written (what had been was "
+                             "put back)", "fix the cause and apply again") from None
     if ns.json:
         sys.stdout.write(json.dumps(r) + "\n")
         return 0
@@ -682,7 +683,11 @@ def _discard(ns: Any) -> int:
     from .. import workspace
 
     _workspace_ended(_checked_id(ns.id))
-    workspace.discard(ns.id)
+    try:
+        workspace.discard(ns.id)
+    except OSError as e:
+        raise AgentcellError("discard", f"{e.filename or ''}: {e.strerror}",
+                             "fix the cause and discard again") from None
     sys.stdout.write(_shown(f"discarded session {ns.id}'s workspace") + "\n")
     return 0
 

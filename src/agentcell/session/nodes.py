@@ -348,7 +348,10 @@ class Nodes:
                               account=(spec.identity.uid, spec.identity.gid), include=list(cfg.get("workspace_include")
                                                                                         or []),
                               masked=inside, trail=cfg.get("audit_log_path"))
-        spec = spec.replace(workspace=ws, masked_paths=tuple(m for m in spec.masked_paths if m not in inside))
+        # The copy is the whole project: declared paths inside it are in it; those outside stay as they are.
+        rw = (project, *(p for p in spec.rw_paths if not _within(p, project)))
+        spec = spec.replace(workspace=ws, rw_paths=rw, masked_paths=tuple(m for m in spec.masked_paths
+                                                                          if m not in inside))
         return spec, workspace.path_of(sid)
 
     @staticmethod
@@ -581,8 +584,8 @@ class Nodes:
             problems += _revoke(cmds, account, grants)
             give_to = (human[0], human[1]) if human else None
             paths = [g["path"] for g in grants]
-            if account["kind"] == "ephemeral" and (state.get("config") or {}).get("workspace") == "copy":
-                try:  # the change set too: root's until applied (its files then become the human's)
+            if (state.get("config") or {}).get("workspace") == "copy":
+                try:  # the change set becomes the project owner's, as the agent's work in the project would
                     from .. import workspace
 
                     problems += workspace.give_back(sid, account["uid"], account["gid"])
@@ -674,8 +677,12 @@ def _written(state: SessionState) -> list[str]:
     cfg = state.get("config") or {}
     if cfg.get("workspace") == "copy":
         project = os.path.realpath(cfg["project_root"])
-        return [p for p in rw if os.path.realpath(p) != project]
+        return [p for p in rw if not _within(os.path.realpath(p), project)]
     return rw
+
+
+def _within(path: str, top: str) -> bool:
+    return path == top or path.startswith(top.rstrip("/") + "/")
 
 
 def _ids(paths: list[str]) -> list[list[int]]:
