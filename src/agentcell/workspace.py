@@ -58,6 +58,7 @@ META = "meta.json"
 JOURNAL = "apply.json"
 WHITEOUT = os.makedev(0, 0)
 CLOCK_REALTIME_COARSE = 5  # <linux/time.h>; not in Python's time module
+OWNER_VIEW = "/run/agentcell-ws"  # where review and apply, run as the owner, see the change set (as_owner)
 GIT_SAFE = ["-c", "core.fsmonitor=false", "-c", "core.hooksPath=/dev/null", "-c", "core.untrackedCache=false"]
 
 
@@ -76,16 +77,12 @@ def path_of(session: str) -> str:
 
 
 def _cs(meta: dict[str, Any]) -> str:
-    """The change set's directory: as the owner, through the descriptor root opened for them (the state
-    directory above it need not be theirs to enter)."""
+    """The change set's directory (as the owner: where root bound it for them, see :func:`as_owner`)."""
     return str(meta.get("cs") or os.path.join(meta["dir"], "cs"))
 
 
 def _upper(meta: dict[str, Any]) -> str:
     return os.path.join(_cs(meta), "upper")
-
-
-_PASS_FDS: tuple[int, ...] = ()  # as the owner: the change set's descriptor, which git must see too
 
 
 def _made_dir(path: str, mode: int) -> None:
@@ -190,7 +187,7 @@ def _git(project: str, owner: tuple[int, int], *args: str, input: bytes | None =
     env = {"PATH": "/usr/bin:/bin", "LANG": "C", "GIT_OPTIONAL_LOCKS": "0", "GIT_CONFIG_NOSYSTEM": "1",
            "HOME": "/nonexistent", "GIT_TERMINAL_PROMPT": "0"}
     p = subprocess.run([*_as_owner(owner), "git", *GIT_SAFE, "-c", f"safe.directory={project}", "-C", project,
-                        *args], capture_output=True, input=input, env=env, timeout=600, pass_fds=_PASS_FDS)
+                        *args], capture_output=True, input=input, env=env, timeout=600)
     if p.returncode != 0:
         raise WorkspaceError("git", f"git {args[0]} in {hostfs.shown(project)} failed: "
                              f"{p.stderr.decode(errors='replace').strip()[-300:]}", "")
@@ -256,6 +253,17 @@ def _opaque(path: str, userxattr: bool) -> bool:
         return False
 
 
+def _copied_up(path: str, userxattr: bool) -> bool:
+    """Whether overlayfs copied this entry up from the project (it records where from: the origin
+    xattr), rather than the agent making it anew."""
+    name = "user.overlay.origin" if userxattr else "trusted.overlay.origin"
+    try:
+        os.getxattr(path, name, follow_symlinks=False)
+        return True
+    except OSError:
+        return False
+
+
 def _is_whiteout(st: os.stat_result) -> bool:
     return stat.S_ISCHR(st.st_mode) and st.st_rdev == WHITEOUT
 
@@ -305,6 +313,7 @@ def changes(meta: dict[str, Any]) -> list[dict[str, Any]]:
     upper, project, base_ns = _upper(meta), meta["project"], int(meta["base_ns"])
     hidden = set(meta.get("hidden") or [])
     git = meta.get("git") is not None
+    base_files = _base_tree(meta)  # where overlayfs records no origin (a file system without file handles)
     out: list[dict[str, Any]] = []
     deleted: list[str] = []
     stack = [""]
@@ -338,6 +347,9 @@ def changes(meta: dict[str, Any]) -> list[dict[str, Any]]:
             if _kind(st) == "other":  # a fifo, a socket, a device: shown, never applied
                 out.append({"path": rel, "change": "added" if lst is None else "type", "human_changed": False,
                             "same": False, "special": True})
+            elif lst is None and (_copied_up(e.path, meta.get("userxattr", False)) or rel in base_files):
+                # It was in the project when the agent took it up, and is not now: the human deleted it.
+                out.append({"path": rel, "change": "modified", "human_changed": True, "same": False})
             elif lst is None:
                 out.append(_entry(rel, "added", _lstat(low), base_ns, low, (e.path, st)))
             elif stat.S_ISDIR(lst.st_mode) or _kind(lst) != _kind(st):
@@ -353,6 +365,15 @@ def changes(meta: dict[str, Any]) -> list[dict[str, Any]]:
                     "same": lst is None})
     _pair_renames(out, meta)
     return sorted(out, key=lambda c: c["path"])
+
+
+def _base_tree(meta: dict[str, Any]) -> set[str]:
+    """The paths the base commit holds (a git project's), or none."""
+    base = (meta.get("git") or {}).get("head")
+    if not base:
+        return set()
+    out = _ours_git(_objects_repo(meta), "ls-tree", "-r", "-z", "--name-only", base)
+    return {os.fsdecode(p) for p in out.split(b"\0") if p}
 
 
 def _under_hidden(rel: str, hidden: set[str]) -> bool:
@@ -456,7 +477,7 @@ def _objects_repo(meta: dict[str, Any]) -> str:
 def _ours_git(repo: str, *args: str, input: bytes | None = None) -> bytes:
     env = {"PATH": "/usr/bin:/bin", "LANG": "C", "GIT_CONFIG_NOSYSTEM": "1", "HOME": "/nonexistent"}
     p = subprocess.run(["git", *GIT_SAFE, "--git-dir", repo, *args], capture_output=True, env=env, timeout=600,
-                       input=input, pass_fds=_PASS_FDS)
+                       input=input)
     if p.returncode != 0:
         raise WorkspaceError("git", f"git {args[0]} on the change set failed: "
                              f"{p.stderr.decode(errors='replace').strip()[-300:]}", "")
@@ -549,7 +570,7 @@ def _diff_text(meta: dict[str, Any], rel: str, was: str | None = None) -> str:
     p = subprocess.run(["diff", "-u", "--label", f"a/{was or rel}", "--label", f"b/{rel}",
                         a if os.path.isfile(a) and not os.path.islink(a) else "/dev/null",
                         b if os.path.isfile(b) and not os.path.islink(b) else "/dev/null"],
-                       capture_output=True, timeout=60, pass_fds=_PASS_FDS)
+                       capture_output=True, timeout=60)
     return p.stdout.decode(errors="replace")
 
 
@@ -777,35 +798,44 @@ def _fetch_branch(meta: dict[str, Any], head: str) -> str:
 def as_owner(meta: dict[str, Any], fn: Any, *args: Any) -> Any:
     """``fn(*args)`` as the project's owner: in a child that root forks and drops to the owner (no
     supplementary group), its result (JSON) or its error handed back. Run directly when we are them."""
-    global _PASS_FDS
     uid, gid = int(meta["owner"][0]), int(meta["owner"][1])
     if os.geteuid() != 0 or uid == 0:
         return fn(*args)
-    cs = os.open(_cs(meta), os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    _made_dir(OWNER_VIEW, 0o755)
+    cs = _cs(meta)  # (in agentcell's own directory: its name cannot be swapped by the owner)
     r, w = os.pipe2(os.O_CLOEXEC)
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child
         code = 1
         try:
             os.close(r)
-            meta["cs"], _PASS_FDS = f"/proc/self/fd/{cs}", (cs,)
-            os.setgroups([])
-            os.setresgid(gid, gid, gid)
-            os.setresuid(uid, uid, uid)
+            # The state directory above the change set need not be the owner's to enter (and git
+            # resolves every path to its real one): in a mount namespace of the child's own, the
+            # change set is bound at OWNER_VIEW, which anyone may enter; nowhere else sees it.
+            from .cell import syscalls as sc
+
             try:
+                sc.unshare(sc.CLONE_NEWNS)
+                sc.mount(None, "/", None, sc.MS_REC | sc.MS_PRIVATE)
+                sc.mount(cs, OWNER_VIEW, None, sc.MS_BIND)
+                meta["cs"] = OWNER_VIEW
+                os.setgroups([])
+                os.setresgid(gid, gid, gid)
+                os.setresuid(uid, uid, uid)
                 out = {"ok": fn(*args)}
             except AgentcellError as e:
                 out = {"error": [e.field, e.problem, e.fix]}
             except OSError as e:
                 out = {"error": ["workspace", f"{e.filename or ''}: {e.strerror}; nothing was written (what had "
                                  "been was put back)", "fix the cause and try again"]}
+            except Exception as e:  # noqa: BLE001 - said, not lost with the child
+                out = {"error": ["workspace", f"{type(e).__name__}: {e}", "report this as a bug"]}
             with os.fdopen(w, "w") as f:
                 json.dump(out, f)
             code = 0
         finally:
             os._exit(code)
     os.close(w)
-    os.close(cs)
     with os.fdopen(r) as f:
         text = f.read()
     os.waitpid(pid, 0)

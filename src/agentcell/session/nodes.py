@@ -343,15 +343,18 @@ class Nodes:
         project = os.path.realpath(cfg["project_root"])
         st = os.stat(project)
         human = state.get("human") or [st.st_uid, st.st_gid]
-        inside = [m for m in spec.masked_paths if m.startswith(project.rstrip("/") + "/")]
+        include = list(cfg.get("workspace_include") or [])
+        # What the cell masks in the project is left out of the copy, but what the human names with
+        # --workspace-include (their .env, say): that is theirs to give.
+        inside = [m for m in spec.masked_paths if _within(m, project) and m != project
+                  and os.path.relpath(m, project) not in include]
         ws = workspace.create(sid, project, owner=(int(human[0]), int(human[1])),
-                              account=(spec.identity.uid, spec.identity.gid), include=list(cfg.get("workspace_include")
-                                                                                        or []),
-                              masked=inside, trail=cfg.get("audit_log_path"))
+                              account=(spec.identity.uid, spec.identity.gid), include=include, masked=inside,
+                              trail=cfg.get("audit_log_path"))
         # The copy is the whole project: declared paths inside it are in it; those outside stay as they are.
         rw = (project, *(p for p in spec.rw_paths if not _within(p, project)))
         spec = spec.replace(workspace=ws, rw_paths=rw, masked_paths=tuple(m for m in spec.masked_paths
-                                                                          if m not in inside))
+                                                                          if not _within(m, project)))
         return spec, workspace.path_of(sid)
 
     @staticmethod

@@ -1,0 +1,306 @@
+"""Copy-on-write workspaces (issue 27, :mod:`agentcell.workspace`): several sessions at once on one
+project, each in its own view whose writes land in its change set; the human's tree and ``.git`` are not
+written until ``session apply``, which lands a session's work on the tree as it is then, refuses what
+the human changed too, and brings the agent's commits as a branch.
+
+Every session here is real: the CLI as root (a per-session account each) or as the throwaway user
+(rootless), the real overlayfs and idmapped mounts, the real git as the human afterwards.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import secrets
+import signal
+import stat
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import AGENTCELL, User, needs_root
+from sessionkit import Env, account_gone, records, session, session_environ
+from sessionkit import env as env  # noqa: F401 - the fixture, under its own name
+
+pytestmark = needs_root
+
+
+def as_user(user: User, *argv: str, cwd: Path, check: bool = True) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*user.prefix(), "env", "-i", "PATH=/usr/bin:/bin", "HOME=/nonexistent", "LANG=C.UTF-8",
+                           *argv], cwd=cwd, capture_output=True, text=True, check=check, timeout=120)
+
+
+def git(user: User, project: Path, *args: str) -> str:
+    return as_user(user, "git", "-c", "user.name=Human", "-c", "user.email=human@example.test", *args,
+                   cwd=project).stdout
+
+
+def write(user: User, path: Path, text: str) -> None:
+    as_user(user, "sh", "-c", 'mkdir -p "$(dirname "$1")" && printf %s "$2" > "$1"', "sh", str(path), text,
+            cwd=path.parent if path.parent.exists() else Path("/"))
+
+
+def digest(top: Path, skip: tuple[str, ...] = ()) -> dict[str, tuple[int, str]]:
+    """Every entry below ``top`` (.git included): its mode and its bytes (or a link's target)."""
+    out: dict[str, tuple[int, str]] = {}
+    for dirpath, dirnames, filenames in os.walk(top):
+        for n in dirnames + filenames:
+            p = Path(dirpath) / n
+            rel = str(p.relative_to(top))
+            if rel in skip:
+                continue
+            st = p.lstat()
+            if stat.S_ISLNK(st.st_mode):
+                out[rel] = (st.st_mode, os.readlink(p))
+            elif stat.S_ISREG(st.st_mode):
+                out[rel] = (st.st_mode, hashlib.sha256(p.read_bytes()).hexdigest())
+            else:
+                out[rel] = (st.st_mode, "")
+    return out
+
+
+def cli(env: Env, *args: str) -> subprocess.CompletedProcess[str]:
+    p = subprocess.run([AGENTCELL, "session", *args], capture_output=True, text=True, env=session_environ(env),
+                       cwd=env.project, timeout=300, stdin=subprocess.DEVNULL)
+    assert "Traceback" not in p.stderr, p.stderr
+    return p
+
+
+def review(env: Env, sid: str) -> dict[str, Any]:
+    p = cli(env, "review", sid, "--json")
+    assert p.returncode == 0, p.stderr
+    r: dict[str, Any] = json.loads(p.stdout)
+    return r
+
+
+def changes(r: dict[str, Any]) -> set[tuple[str, ...]]:
+    return {(c["change"], c["path"], *([c["from"]] if "from" in c else [])) for c in r["changes"]}
+
+
+def upper(env: Env, sid: str) -> Path:
+    return env.state / "workspaces" / sid / "cs" / "upper"
+
+
+def start_waiting(env: Env, sid: str, script: str, *flags: str) -> subprocess.Popen[str]:
+    """A --workspace copy session that does ``script``, says it is ready (a file in its own change set)
+    and waits until the project's ``barrier/`` holds something. (It lists the directory: overlayfs keeps a
+    name looked up before the lower layer had it as absent, while a directory only the lower layer has
+    is read from it each time. The human's changes to the project while a view is mounted are not the
+    view's to follow: overlayfs leaves that undefined; the base is what the session started from.)"""
+    body = f"set -e; {script}; : > ready; while [ -z \"$(ls -A barrier)\" ]; do sleep 0.05; done; rm ready"
+    return subprocess.Popen([AGENTCELL, "session", "start", "--workspace", "copy", "--harness", "shell", "--id", sid,
+                             "--json", *flags, "--", "sh", "-c", body], env=session_environ(env), cwd=env.project,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
+
+
+def wait_ready(env: Env, procs: dict[str, subprocess.Popen[str]]) -> None:
+    for _ in range(2400):
+        if all((upper(env, sid) / "ready").exists() for sid in procs):
+            return
+        done = {sid: p for sid, p in procs.items() if p.poll() is not None}
+        if done:
+            sid, p = next(iter(done.items()))
+            raise AssertionError(f"session {sid} ended before the others were up: {p.communicate()}")
+        time.sleep(0.05)
+    raise AssertionError("the sessions did not come up")
+
+
+def finish(procs: dict[str, subprocess.Popen[str]]) -> dict[str, dict[str, Any]]:
+    out = {}
+    for sid, p in procs.items():
+        stdout, stderr = p.communicate(timeout=120)
+        assert p.returncode == 0, (sid, stdout, stderr)
+        out[sid] = json.loads(stdout.strip().splitlines()[-1])
+    return out
+
+
+@pytest.fixture
+def repo(env: Env, user: User) -> Path:
+    """The env's project as a git repository of the user's, with ignored files (.env, build/)."""
+    p = env.project
+    for rel, text in (("a.txt", "a\n"), ("b.txt", "b\n"), ("c.txt", "c\n"), ("keep.txt", "keep\n"),
+                      ("d/x.txt", "x\n"), (".gitignore", ".env\nbuild/\n"), (".env", "TOKEN=human-secret\n"),
+                      ("build/out.o", "object\n")):
+        write(user, p / rel, text)
+    git(user, p, "init", "-q", "-b", "main")
+    git(user, p, "add", "-A")
+    git(user, p, "commit", "-qm", "base")
+    barrier(user, p)
+    return p
+
+
+def barrier(user: User, project: Path) -> None:
+    """start_waiting's barrier/, empty (untracked: the human's)."""
+    write(user, project / "barrier" / "go", "")
+    (project / "barrier" / "go").unlink()
+
+
+def test_four_sessions_at_once_on_one_git_project_review_and_apply(env: Env, user: User, repo: Path) -> None:
+    before = digest(repo)
+    tag = secrets.token_hex(3)
+    ids = {k: f"ws-{k}-{tag}" for k in ("deletes", "renames", "commits", "edits")}
+    scripts = {
+        "deletes": "rm b.txt d/x.txt",
+        "renames": "mv c.txt c-renamed.txt",
+        "commits": "echo more >> keep.txt && git commit -qam one && echo new > new.txt && git add new.txt && "
+                   "git commit -qm two",
+        "edits": "test ! -e .env && test ! -e build && echo agent >> b.txt",  # b.txt: what 'deletes' deletes
+    }
+    procs = {ids[k]: start_waiting(env, ids[k], s) for k, s in scripts.items()}
+    try:
+        wait_ready(env, procs)
+        # Meanwhile the human edits a file none of them touches, and leaves it uncommitted.
+        write(user, repo / "a.txt", "a\nthe human's own edit\n")
+        write(user, repo / "barrier" / "go", "")
+        summaries = finish(procs)
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        (repo / "barrier" / "go").unlink(missing_ok=True)
+    assert all(s["status"] == "completed" for s in summaries.values()), summaries
+    # Four sessions, four accounts, four change sets; the human's tree and .git untouched byte for byte.
+    assert len({s["os_user"] for s in summaries.values()}) == 4, summaries
+    assert digest(repo, skip=("a.txt", "barrier")) == {k: v for k, v in before.items()
+                                                        if k not in ("a.txt", "barrier")}
+
+    r = {k: review(env, sid) for k, sid in ids.items()}
+    assert changes(r["deletes"]) == {("deleted", "b.txt"), ("deleted", "d/x.txt")}, r["deletes"]
+    assert changes(r["renames"]) == {("renamed", "c-renamed.txt", "c.txt")}, r["renames"]
+    assert changes(r["edits"]) == {("modified", "b.txt")}, r["edits"]
+    assert "+agent" in r["edits"]["changes"][0]["diff"]
+    assert [c["subject"] for c in r["commits"]["commits"]] == ["two", "one"], r["commits"]
+    assert all(c["committed"] for c in r["commits"]["changes"]) and r["commits"]["branch"] == \
+        f"agentcell/{ids['commits']}", r["commits"]
+    p = cli(env, "list", "--unapplied", "--json")
+    assert {w["session"] for w in json.loads(p.stdout)} == set(ids.values()), p.stdout
+
+    assert cli(env, "apply", ids["deletes"]).returncode == 0
+    assert cli(env, "apply", ids["renames"]).returncode == 0
+    assert not (repo / "b.txt").exists() and not (repo / "d" / "x.txt").exists()
+    assert (repo / "c-renamed.txt").read_text() == "c\n" and not (repo / "c.txt").exists()
+    # The one that edited what another deleted: refused, the path named, nothing written.
+    now = digest(repo)
+    p = cli(env, "apply", ids["edits"])
+    assert p.returncode == 125 and "b.txt" in p.stderr and "nothing was written" in p.stderr, p.stderr
+    assert digest(repo) == now
+    # The committer: its commits arrive as a branch, in the human's own repository, as the human's.
+    assert cli(env, "apply", ids["commits"]).returncode == 0
+    log = git(user, repo, "log", "--format=%s", f"agentcell/{ids['commits']}").split()
+    assert log == ["two", "one", "base"], log
+    assert (repo / "a.txt").read_text() == "a\nthe human's own edit\n"  # survived every apply
+    assert not (repo / "new.txt").exists()  # committed work comes with the branch, not into the tree
+    git(user, repo, "merge", "-q", "--ff-only", f"agentcell/{ids['commits']}")
+    assert (repo / "keep.txt").read_text() == "keep\nmore\n" and (repo / "new.txt").read_text() == "new\n"
+    status = git(user, repo, "status", "--porcelain")
+    assert " M a.txt" in status and " D b.txt" in status, status
+    git(user, repo, "gc", "-q")
+    owners = {(p.lstat().st_uid, p.lstat().st_gid) for p in repo.rglob("*")}
+    assert owners == {(user.uid, user.gid)}, owners  # nothing the human cannot work with
+
+    for sid in ids.values():
+        assert cli(env, "discard", sid).returncode == 0
+        assert not (env.state / "workspaces" / sid).exists()
+    events = {(r["session"], r["event"]) for sid in ids.values() for r in records(env, sid)}
+    for sid in ids.values():
+        assert {(sid, "session.review"), (sid, "session.discard")} <= events
+    applied = [r for r in records(env, ids["deletes"]) if r["event"] == "session.apply"]
+    assert applied and sorted(applied[0]["details"]["paths"]) == ["b.txt", "d/x.txt"], applied
+    assert applied[0]["details"]["base"]["commit"] == git(user, repo, "rev-parse", "HEAD~2").strip()
+
+
+def test_a_plain_directory_the_human_edits_meanwhile(env: Env, user: User) -> None:
+    """No git: the same file-level three-way apply; --theirs takes the agent's where asked."""
+    p = env.project
+    barrier(user, p)
+    sid = f"ws-plain-{secrets.token_hex(3)}"
+    procs = {sid: start_waiting(env, sid, "rm docs/notes.md; echo y = 2 >> src/app.py; echo new > src/new.py; "
+                                          "ln -s app.py src/link.py")}
+    try:
+        wait_ready(env, procs)
+        write(user, p / "src" / "app.py", "x = 1\nhuman = True\n")
+        write(user, p / "README", "hello, edited\n")
+        write(user, p / "barrier" / "go", "")
+        finish(procs)
+    finally:
+        (p / "barrier" / "go").unlink(missing_ok=True)
+    r = review(env, sid)
+    assert changes(r) == {("deleted", "docs/notes.md"), ("modified", "src/app.py"), ("added", "src/new.py"),
+                          ("added", "src/link.py")}, r
+    assert [c["path"] for c in r["changes"] if c["conflict"]] == ["src/app.py"]
+    before = digest(p)
+    res = cli(env, "apply", sid)
+    assert res.returncode == 125 and "src/app.py" in res.stderr and digest(p) == before, res.stderr
+    assert cli(env, "apply", sid, "--theirs", "src/app.py").returncode == 0
+    assert (p / "src" / "app.py").read_text() == "x = 1\ny = 2\n" and (p / "src" / "new.py").read_text() == "new\n"
+    assert os.readlink(p / "src" / "link.py") == "app.py" and not (p / "docs" / "notes.md").exists()
+    assert (p / "README").read_text() == "hello, edited\n"  # the human's own change stays
+    assert not list(p.rglob(".agentcell-aside-*"))
+    assert cli(env, "apply", sid).returncode == 125  # once
+    assert cli(env, "discard", sid).returncode == 0
+
+
+def test_an_ignored_file_is_hidden_unless_included_and_bad_input_is_refused(env: Env, user: User, repo: Path) -> None:
+    s = session(env, ["start", "--workspace", "copy", "--workspace-include", ".env", "--harness", "shell", "--json",
+                      "--", "sh", "-c", "cat .env; test ! -e build && echo build-hidden"])
+    assert s.summary["status"] == "completed" and "TOKEN=human-secret" in s.out and "build-hidden" in s.out, s.out
+    assert cli(env, "discard", s.summary["session"]).returncode == 0
+    for flags, field in ((["--workspace", "copy", "--workspace-include", "../x"], "--workspace-include"),
+                         (["--workspace-include", ".env"], "--workspace-include"),
+                         (["--workspace", "cow"], "--workspace")):
+        s = session(env, ["start", *flags, "--harness", "shell", "--", "true"])
+        assert s.rc != 0 and field in s.err and len(s.err.strip().splitlines()) == 1, s.err
+    p = cli(env, "apply", "no-such-session")
+    assert p.returncode == 125 and "no workspace" in p.stderr, p.stderr
+
+
+def test_a_change_set_survives_a_killed_supervisor_and_recover(env: Env, user: User, repo: Path) -> None:
+    sid = f"ws-crash-{secrets.token_hex(3)}"
+    procs = {sid: start_waiting(env, sid, "echo changed > a.txt")}
+    wait_ready(env, procs)
+    proc = procs[sid]
+    os.kill(proc.pid, signal.SIGKILL)  # the supervisor we started, by its pid
+    proc.communicate(timeout=60)
+    p = cli(env, "recover")
+    assert p.returncode == 0, p.stderr
+    st = json.loads(cli(env, "show", sid, "--json").stdout)
+    assert st["finished"] and account_gone((st.get("account") or {}).get("name")), st
+    r = review(env, sid)
+    assert ("modified", "a.txt") in changes(r), r
+    assert cli(env, "apply", sid).returncode == 0
+    assert (repo / "a.txt").read_text() == "changed\n" and (repo / "a.txt").stat().st_uid == user.uid
+    assert cli(env, "discard", sid).returncode == 0
+
+
+def test_without_root_a_workspace_is_yours(env: Env, user: User, tmp_path: Path) -> None:
+    """A user's own session: the view in a user namespace, the change set in their XDG state."""
+    home = Path(f"/home/{user.name}")
+    home.mkdir(mode=0o700)
+    os.chown(home, user.uid, user.gid)
+    try:
+        project = home / "proj"
+        write(user, project / "f.txt", "one\n")
+        git(user, project, "init", "-q", "-b", "main")
+        git(user, project, "add", "-A")
+        git(user, project, "commit", "-qm", "base")
+        base = ["env", "-i", f"HOME={home}", "PATH=/usr/bin:/bin", "LANG=C.UTF-8", AGENTCELL, "session"]
+        p = subprocess.run([*user.prefix(), *base, "start", "--ceilings", "off", "--workspace", "copy", "--json",
+                            "--", "sh", "-c", "echo two >> f.txt; echo n > n.txt; id -u"], cwd=project,
+                           capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+        assert p.returncode == 0 and f"{user.uid}\n" in p.stdout, (p.stdout, p.stderr)
+        sid = json.loads(p.stdout.strip().splitlines()[-1])["session"]
+        assert (project / "f.txt").read_text() == "one\n" and not (project / "n.txt").exists()
+        assert (home / ".local/state/agentcell/workspaces" / sid / "cs" / "upper" / "n.txt").exists()
+        p = subprocess.run([*user.prefix(), *base, "apply", sid], cwd=project, capture_output=True, text=True,
+                           timeout=120)
+        assert p.returncode == 0, p.stderr
+        assert (project / "f.txt").read_text() == "one\ntwo\n" and (project / "n.txt").read_text() == "n\n"
+        p = subprocess.run([*user.prefix(), *base, "discard", sid], cwd=project, capture_output=True, text=True,
+                           timeout=120)
+        assert p.returncode == 0, p.stderr
+    finally:
+        subprocess.run(["rm", "-rf", "--one-file-system", str(home)], check=False)
