@@ -84,15 +84,25 @@ def upper(env: Env, sid: str) -> Path:
     return env.state / "workspaces" / sid / "cs" / "upper"
 
 
-def start_waiting(env: Env, sid: str, script: str, *flags: str) -> subprocess.Popen[str]:
-    """A --workspace copy session that does ``script``, says it is ready (a file in its own change set)
-    and waits until the project's ``barrier/`` holds something. (It lists the directory: overlayfs keeps a
-    name looked up before the lower layer had it as absent, while a directory only the lower layer has
-    is read from it each time. The human's changes to the project while a view is mounted are not the
-    view's to follow: overlayfs leaves that undefined; the base is what the session started from.)"""
-    body = f"set -e; {script}; : > ready; while [ -z \"$(ls -A barrier)\" ]; do sleep 0.05; done; rm ready"
-    return subprocess.Popen([AGENTCELL, "session", "start", "--workspace", "copy", "--harness", "shell", "--id", sid,
-                             "--json", *flags, "--", "sh", "-c", body], env=session_environ(env), cwd=env.project,
+BARRIER = 'run sh -c "while [ -z \\"$(ls -A barrier)\\" ]; do sleep 0.05; done"'
+
+
+def start_waiting(env: Env, sid: str, steps: str, *flags: str, harness: str = "scripted") -> subprocess.Popen[str]:
+    """A --workspace copy session whose agent does ``steps``, says it is ready (a file in its own change
+    set) and waits until the project's ``barrier/`` holds something. (It lists the directory: overlayfs
+    keeps a name looked up before the lower layer had it as absent, while a directory only the lower
+    layer has is read from it each time. The human's changes to the project while a view is mounted are
+    not the view's to follow: overlayfs leaves that undefined; the base is what the session started from.)
+    ``harness`` shell: ``steps`` is a shell script."""
+    if harness == "scripted":
+        script = env.state / f"steps-{sid}.txt"
+        script.write_text(f"{steps}\nwrite ready yes\n{BARRIER}\nrun rm ready\n")
+        argv = [str(script)]
+    else:
+        argv = ["sh", "-c", f"set -e; {steps}; : > ready; while [ -z \"$(ls -A barrier)\" ]; do sleep 0.05; done; "
+                "rm ready"]
+    return subprocess.Popen([AGENTCELL, "session", "start", "--workspace", "copy", "--harness", harness, "--id", sid,
+                             "--json", *flags, "--", *argv], env=session_environ(env), cwd=env.project,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
 
 
@@ -112,24 +122,30 @@ def finish(procs: dict[str, subprocess.Popen[str]]) -> dict[str, dict[str, Any]]
     out = {}
     for sid, p in procs.items():
         stdout, stderr = p.communicate(timeout=120)
-        assert p.returncode == 0, (sid, stdout, stderr)
+        assert p.returncode == 0 and "DENIED" not in stdout, (sid, stdout, stderr)
         out[sid] = json.loads(stdout.strip().splitlines()[-1])
     return out
 
 
-@pytest.fixture
-def repo(env: Env, user: User) -> Path:
-    """The env's project as a git repository of the user's, with ignored files (.env, build/)."""
+def make_project(env: Env, user: User, with_git: bool) -> Path:
+    """The env's project with files, ignored ones (.env, build/) and start_waiting's empty barrier/; as
+    a git repository of the user's (committed) when ``with_git``."""
     p = env.project
     for rel, text in (("a.txt", "a\n"), ("b.txt", "b\n"), ("c.txt", "c\n"), ("keep.txt", "keep\n"),
                       ("d/x.txt", "x\n"), (".gitignore", ".env\nbuild/\n"), (".env", "TOKEN=human-secret\n"),
-                      ("build/out.o", "object\n")):
+                      ("build/out.o", "object\n"), ("barrier/go", "")):
         write(user, p / rel, text)
-    git(user, p, "init", "-q", "-b", "main")
-    git(user, p, "add", "-A")
-    git(user, p, "commit", "-qm", "base")
-    barrier(user, p)
+    (p / "barrier" / "go").unlink()
+    if with_git:
+        git(user, p, "init", "-q", "-b", "main")
+        git(user, p, "add", "-A")
+        git(user, p, "commit", "-qm", "base")
     return p
+
+
+@pytest.fixture
+def repo(env: Env, user: User) -> Path:
+    return make_project(env, user, True)
 
 
 def barrier(user: User, project: Path) -> None:
@@ -138,18 +154,23 @@ def barrier(user: User, project: Path) -> None:
     (project / "barrier" / "go").unlink()
 
 
-def test_four_sessions_at_once_on_one_git_project_review_and_apply(env: Env, user: User, repo: Path) -> None:
+@pytest.mark.parametrize("kind", ["git", "plain"])
+def test_four_sessions_at_once_on_one_project_review_and_apply(env: Env, user: User, kind: str) -> None:
+    """One deletes files, one renames, one commits twice (without git: edits twice), one edits what
+    another deletes; the human edits another file meanwhile."""
+    repo = make_project(env, user, kind == "git")
     before = digest(repo)
     tag = secrets.token_hex(3)
     ids = {k: f"ws-{k}-{tag}" for k in ("deletes", "renames", "commits", "edits")}
-    scripts = {
-        "deletes": "rm b.txt d/x.txt",
-        "renames": "mv c.txt c-renamed.txt",
-        "commits": "echo more >> keep.txt && git commit -qam one && echo new > new.txt && git add new.txt && "
-                   "git commit -qm two",
-        "edits": "test ! -e .env && test ! -e build && echo agent >> b.txt",  # b.txt: what 'deletes' deletes
+    steps = {
+        "deletes": "run rm b.txt d/x.txt",
+        "renames": "run mv c.txt c-renamed.txt",
+        "commits": ("append keep.txt more\nrun git commit -qam one\nwrite new.txt new\nrun git add new.txt\n"
+                    "run git commit -qm two") if kind == "git" else "append keep.txt more\nwrite new.txt new",
+        # b.txt: what 'deletes' deletes. The .env is masked as in any cell; build/ is what git ignores.
+        "edits": f"run sh -c \"test ! -e .env && test {'!' if kind == 'git' else ''} -e build\"\nappend b.txt agent",
     }
-    procs = {ids[k]: start_waiting(env, ids[k], s) for k, s in scripts.items()}
+    procs = {ids[k]: start_waiting(env, ids[k], s) for k, s in steps.items()}
     try:
         wait_ready(env, procs)
         # Meanwhile the human edits a file none of them touches, and leaves it uncommitted.
@@ -173,9 +194,13 @@ def test_four_sessions_at_once_on_one_git_project_review_and_apply(env: Env, use
     assert changes(r["renames"]) == {("renamed", "c-renamed.txt", "c.txt")}, r["renames"]
     assert changes(r["edits"]) == {("modified", "b.txt")}, r["edits"]
     assert "+agent" in r["edits"]["changes"][0]["diff"]
-    assert [c["subject"] for c in r["commits"]["commits"]] == ["two", "one"], r["commits"]
-    assert all(c["committed"] for c in r["commits"]["changes"]) and r["commits"]["branch"] == \
-        f"agentcell/{ids['commits']}", r["commits"]
+    if kind == "git":
+        assert [c["subject"] for c in r["commits"]["commits"]] == ["two", "one"], r["commits"]
+        assert all(c["committed"] for c in r["commits"]["changes"]) and r["commits"]["branch"] == \
+            f"agentcell/{ids['commits']}", r["commits"]
+    else:
+        assert changes(r["commits"]) == {("modified", "keep.txt"), ("added", "new.txt")}, r["commits"]
+        assert r["commits"]["branch"] is None and r["commits"]["commits"] == []
     p = cli(env, "list", "--unapplied", "--json")
     assert {w["session"] for w in json.loads(p.stdout)} == set(ids.values()), p.stdout
 
@@ -188,17 +213,18 @@ def test_four_sessions_at_once_on_one_git_project_review_and_apply(env: Env, use
     p = cli(env, "apply", ids["edits"])
     assert p.returncode == 125 and "b.txt" in p.stderr and "nothing was written" in p.stderr, p.stderr
     assert digest(repo) == now
-    # The committer: its commits arrive as a branch, in the human's own repository, as the human's.
     assert cli(env, "apply", ids["commits"]).returncode == 0
-    log = git(user, repo, "log", "--format=%s", f"agentcell/{ids['commits']}").split()
-    assert log == ["two", "one", "base"], log
     assert (repo / "a.txt").read_text() == "a\nthe human's own edit\n"  # survived every apply
-    assert not (repo / "new.txt").exists()  # committed work comes with the branch, not into the tree
-    git(user, repo, "merge", "-q", "--ff-only", f"agentcell/{ids['commits']}")
+    if kind == "git":
+        # The committer's commits arrive as a branch, in the human's own repository, as the human's.
+        log = git(user, repo, "log", "--format=%s", f"agentcell/{ids['commits']}").split()
+        assert log == ["two", "one", "base"], log
+        assert not (repo / "new.txt").exists()  # committed work comes with the branch, not into the tree
+        git(user, repo, "merge", "-q", "--ff-only", f"agentcell/{ids['commits']}")
+        status = git(user, repo, "status", "--porcelain")
+        assert " M a.txt" in status and " D b.txt" in status, status
+        git(user, repo, "gc", "-q")
     assert (repo / "keep.txt").read_text() == "keep\nmore\n" and (repo / "new.txt").read_text() == "new\n"
-    status = git(user, repo, "status", "--porcelain")
-    assert " M a.txt" in status and " D b.txt" in status, status
-    git(user, repo, "gc", "-q")
     owners = {(p.lstat().st_uid, p.lstat().st_gid) for p in repo.rglob("*")}
     assert owners == {(user.uid, user.gid)}, owners  # nothing the human cannot work with
 
@@ -210,16 +236,17 @@ def test_four_sessions_at_once_on_one_git_project_review_and_apply(env: Env, use
         assert {(sid, "session.review"), (sid, "session.discard")} <= events
     applied = [r for r in records(env, ids["deletes"]) if r["event"] == "session.apply"]
     assert applied and sorted(applied[0]["details"]["paths"]) == ["b.txt", "d/x.txt"], applied
-    assert applied[0]["details"]["base"]["commit"] == git(user, repo, "rev-parse", "HEAD~2").strip()
+    if kind == "git":
+        assert applied[0]["details"]["base"]["commit"] == git(user, repo, "rev-parse", "HEAD~2").strip()
 
 
-def test_a_plain_directory_the_human_edits_meanwhile(env: Env, user: User) -> None:
-    """No git: the same file-level three-way apply; --theirs takes the agent's where asked."""
+def test_a_human_edit_of_what_the_agent_edited_is_taken_only_when_asked(env: Env, user: User) -> None:
+    """--theirs takes the agent's where asked; a link the agent made lands as a link."""
     p = env.project
     barrier(user, p)
     sid = f"ws-plain-{secrets.token_hex(3)}"
     procs = {sid: start_waiting(env, sid, "rm docs/notes.md; echo y = 2 >> src/app.py; echo new > src/new.py; "
-                                          "ln -s app.py src/link.py")}
+                                          "ln -s app.py src/link.py", harness="shell")}
     try:
         wait_ready(env, procs)
         write(user, p / "src" / "app.py", "x = 1\nhuman = True\n")
@@ -260,7 +287,7 @@ def test_an_ignored_file_is_hidden_unless_included_and_bad_input_is_refused(env:
 
 def test_a_change_set_survives_a_killed_supervisor_and_recover(env: Env, user: User, repo: Path) -> None:
     sid = f"ws-crash-{secrets.token_hex(3)}"
-    procs = {sid: start_waiting(env, sid, "echo changed > a.txt")}
+    procs = {sid: start_waiting(env, sid, "echo changed > a.txt", harness="shell")}
     wait_ready(env, procs)
     proc = procs[sid]
     os.kill(proc.pid, signal.SIGKILL)  # the supervisor we started, by its pid
