@@ -16,6 +16,8 @@ import signal
 import stat
 import subprocess
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -62,8 +64,28 @@ def digest(top: Path, skip: tuple[str, ...] = ()) -> dict[str, tuple[int, str]]:
     return out
 
 
+@dataclass
+class UserEnv(Env):
+    """A rootless user's sessions on the same project: the CLI run as them, their XDG state."""
+    prefix: list[str] = field(default_factory=list)
+    home: Path = Path("/nonexistent")
+
+    @property
+    def audit(self) -> Path:
+        return self.state / "audit" / "audit.jsonl"
+
+
+def _how(env: Env) -> tuple[list[str], dict[str, str] | None, list[str]]:
+    """(argv prefix, environment, flags) the CLI runs with for ``env``."""
+    if isinstance(env, UserEnv):
+        return ([*env.prefix, "env", "-i", f"HOME={env.home}", "PATH=/usr/bin:/bin", "LANG=C.UTF-8"], None,
+                ["--ceilings", "off"])
+    return [], session_environ(env), []
+
+
 def cli(env: Env, *args: str) -> subprocess.CompletedProcess[str]:
-    p = subprocess.run([AGENTCELL, "session", *args], capture_output=True, text=True, env=session_environ(env),
+    prefix, environ, _ = _how(env)
+    p = subprocess.run([*prefix, AGENTCELL, "session", *args], capture_output=True, text=True, env=environ,
                        cwd=env.project, timeout=300, stdin=subprocess.DEVNULL)
     assert "Traceback" not in p.stderr, p.stderr
     return p
@@ -95,15 +117,21 @@ def start_waiting(env: Env, sid: str, steps: str, *flags: str, harness: str = "s
     not the view's to follow: overlayfs leaves that undefined; the base is what the session started from.)
     ``harness`` shell: ``steps`` is a shell script."""
     if harness == "scripted":
-        script = env.state / f"steps-{sid}.txt"
+        script = steps_file(sid)
         script.write_text(f"{steps}\nwrite ready yes\n{BARRIER}\nrun rm ready\n")
         argv = [str(script)]
     else:
         argv = ["sh", "-c", f"set -e; {steps}; : > ready; while [ -z \"$(ls -A barrier)\" ]; do sleep 0.05; done; "
                 "rm ready"]
-    return subprocess.Popen([AGENTCELL, "session", "start", "--workspace", "copy", "--harness", harness, "--id", sid,
-                             "--json", *flags, "--", *argv], env=session_environ(env), cwd=env.project,
+    prefix, environ, more = _how(env)
+    return subprocess.Popen([*prefix, AGENTCELL, "session", "start", "--workspace", "copy", "--harness", harness,
+                             "--id", sid, "--json", *more, *flags, "--", *argv], env=environ, cwd=env.project,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
+
+
+def steps_file(sid: str) -> Path:
+    """The scripted agent's steps: where a rootless user can read them too (removed by :func:`finish`)."""
+    return Path("/tmp") / f"agentcell-test-steps-{sid}.txt"
 
 
 def wait_ready(env: Env, procs: dict[str, subprocess.Popen[str]]) -> None:
@@ -121,7 +149,10 @@ def wait_ready(env: Env, procs: dict[str, subprocess.Popen[str]]) -> None:
 def finish(procs: dict[str, subprocess.Popen[str]]) -> dict[str, dict[str, Any]]:
     out = {}
     for sid, p in procs.items():
-        stdout, stderr = p.communicate(timeout=120)
+        try:
+            stdout, stderr = p.communicate(timeout=120)
+        finally:
+            steps_file(sid).unlink(missing_ok=True)
         assert p.returncode == 0 and "DENIED" not in stdout, (sid, stdout, stderr)
         out[sid] = json.loads(stdout.strip().splitlines()[-1])
     return out
@@ -154,11 +185,27 @@ def barrier(user: User, project: Path) -> None:
     (project / "barrier" / "go").unlink()
 
 
-@pytest.mark.parametrize("kind", ["git", "plain"])
-def test_four_sessions_at_once_on_one_project_review_and_apply(env: Env, user: User, kind: str) -> None:
+@pytest.fixture
+def user_env(env: Env, user: User) -> Iterator[UserEnv]:
+    """The env's project, for the user's own (rootless) sessions: a home of theirs, removed after."""
+    home = Path(f"/home/{user.name}")
+    home.mkdir(mode=0o700)
+    os.chown(home, user.uid, user.gid)
+    try:
+        yield UserEnv(home / ".local/state/agentcell", env.project, prefix=user.prefix(), home=home)
+    finally:
+        subprocess.run(["rm", "-rf", "--one-file-system", str(home)], check=False)
+
+
+@pytest.mark.parametrize("kind", ["git", "plain", "git-rootless"])
+def test_four_sessions_at_once_on_one_project_review_and_apply(env: Env, user: User, kind: str,
+                                                                request: pytest.FixtureRequest) -> None:
     """One deletes files, one renames, one commits twice (without git: edits twice), one edits what
-    another deletes; the human edits another file meanwhile."""
-    repo = make_project(env, user, kind == "git")
+    another deletes; the human edits another file meanwhile. As root (a per-session account each) and
+    as the user (rootless: the user's own sessions)."""
+    if kind.endswith("rootless"):
+        env = request.getfixturevalue("user_env")
+    repo = make_project(env, user, kind.startswith("git"))
     before = digest(repo)
     tag = secrets.token_hex(3)
     ids = {k: f"ws-{k}-{tag}" for k in ("deletes", "renames", "commits", "edits")}
@@ -166,9 +213,10 @@ def test_four_sessions_at_once_on_one_project_review_and_apply(env: Env, user: U
         "deletes": "run rm b.txt d/x.txt",
         "renames": "run mv c.txt c-renamed.txt",
         "commits": ("append keep.txt more\nrun git commit -qam one\nwrite new.txt new\nrun git add new.txt\n"
-                    "run git commit -qm two") if kind == "git" else "append keep.txt more\nwrite new.txt new",
+                    "run git commit -qm two") if kind.startswith("git") else "append keep.txt more\nwrite new.txt new",
         # b.txt: what 'deletes' deletes. The .env is masked as in any cell; build/ is what git ignores.
-        "edits": f"run sh -c \"test ! -e .env && test {'!' if kind == 'git' else ''} -e build\"\nappend b.txt agent",
+        "edits": f"run sh -c \"test ! -e .env && test {'!' if kind != 'plain' else ''} -e build\"\n"
+                 "append b.txt agent",
     }
     procs = {ids[k]: start_waiting(env, ids[k], s) for k, s in steps.items()}
     try:
@@ -178,14 +226,15 @@ def test_four_sessions_at_once_on_one_project_review_and_apply(env: Env, user: U
         write(user, repo / "barrier" / "go", "")
         summaries = finish(procs)
     finally:
-        for p in procs.values():
+        for sid, p in procs.items():
             if p.poll() is None:
                 p.kill()
                 p.wait()
+            steps_file(sid).unlink(missing_ok=True)
         (repo / "barrier" / "go").unlink(missing_ok=True)
     assert all(s["status"] == "completed" for s in summaries.values()), summaries
     # Four sessions, four accounts, four change sets; the human's tree and .git untouched byte for byte.
-    assert len({s["os_user"] for s in summaries.values()}) == 4, summaries
+    assert len({s["os_user"] for s in summaries.values()}) == (1 if isinstance(env, UserEnv) else 4), summaries
     assert digest(repo, skip=("a.txt", "barrier")) == {k: v for k, v in before.items()
                                                         if k not in ("a.txt", "barrier")}
 
@@ -194,7 +243,7 @@ def test_four_sessions_at_once_on_one_project_review_and_apply(env: Env, user: U
     assert changes(r["renames"]) == {("renamed", "c-renamed.txt", "c.txt")}, r["renames"]
     assert changes(r["edits"]) == {("modified", "b.txt")}, r["edits"]
     assert "+agent" in r["edits"]["changes"][0]["diff"]
-    if kind == "git":
+    if kind != "plain":
         assert [c["subject"] for c in r["commits"]["commits"]] == ["two", "one"], r["commits"]
         assert all(c["committed"] for c in r["commits"]["changes"]) and r["commits"]["branch"] == \
             f"agentcell/{ids['commits']}", r["commits"]
@@ -215,7 +264,7 @@ def test_four_sessions_at_once_on_one_project_review_and_apply(env: Env, user: U
     assert digest(repo) == now
     assert cli(env, "apply", ids["commits"]).returncode == 0
     assert (repo / "a.txt").read_text() == "a\nthe human's own edit\n"  # survived every apply
-    if kind == "git":
+    if kind != "plain":
         # The committer's commits arrive as a branch, in the human's own repository, as the human's.
         log = git(user, repo, "log", "--format=%s", f"agentcell/{ids['commits']}").split()
         assert log == ["two", "one", "base"], log
@@ -236,7 +285,7 @@ def test_four_sessions_at_once_on_one_project_review_and_apply(env: Env, user: U
         assert {(sid, "session.review"), (sid, "session.discard")} <= events
     applied = [r for r in records(env, ids["deletes"]) if r["event"] == "session.apply"]
     assert applied and sorted(applied[0]["details"]["paths"]) == ["b.txt", "d/x.txt"], applied
-    if kind == "git":
+    if kind != "plain":
         assert applied[0]["details"]["base"]["commit"] == git(user, repo, "rev-parse", "HEAD~2").strip()
 
 
@@ -276,11 +325,11 @@ def test_an_ignored_file_is_hidden_unless_included_and_bad_input_is_refused(env:
                       "--", "sh", "-c", "cat .env; test ! -e build && echo build-hidden"])
     assert s.summary["status"] == "completed" and "TOKEN=human-secret" in s.out and "build-hidden" in s.out, s.out
     assert cli(env, "discard", s.summary["session"]).returncode == 0
-    for flags, field in ((["--workspace", "copy", "--workspace-include", "../x"], "--workspace-include"),
-                         (["--workspace-include", ".env"], "--workspace-include"),
-                         (["--workspace", "cow"], "--workspace")):
+    for flags, name in ((["--workspace", "copy", "--workspace-include", "../x"], "--workspace-include"),
+                        (["--workspace-include", ".env"], "--workspace-include"),
+                        (["--workspace", "cow"], "--workspace")):
         s = session(env, ["start", *flags, "--harness", "shell", "--", "true"])
-        assert s.rc != 0 and field in s.err and len(s.err.strip().splitlines()) == 1, s.err
+        assert s.rc != 0 and name in s.err and len(s.err.strip().splitlines()) == 1, s.err
     p = cli(env, "apply", "no-such-session")
     assert p.returncode == 125 and "no workspace" in p.stderr, p.stderr
 
@@ -301,33 +350,3 @@ def test_a_change_set_survives_a_killed_supervisor_and_recover(env: Env, user: U
     assert cli(env, "apply", sid).returncode == 0
     assert (repo / "a.txt").read_text() == "changed\n" and (repo / "a.txt").stat().st_uid == user.uid
     assert cli(env, "discard", sid).returncode == 0
-
-
-def test_without_root_a_workspace_is_yours(env: Env, user: User, tmp_path: Path) -> None:
-    """A user's own session: the view in a user namespace, the change set in their XDG state."""
-    home = Path(f"/home/{user.name}")
-    home.mkdir(mode=0o700)
-    os.chown(home, user.uid, user.gid)
-    try:
-        project = home / "proj"
-        write(user, project / "f.txt", "one\n")
-        git(user, project, "init", "-q", "-b", "main")
-        git(user, project, "add", "-A")
-        git(user, project, "commit", "-qm", "base")
-        base = ["env", "-i", f"HOME={home}", "PATH=/usr/bin:/bin", "LANG=C.UTF-8", AGENTCELL, "session"]
-        p = subprocess.run([*user.prefix(), *base, "start", "--ceilings", "off", "--workspace", "copy", "--json",
-                            "--", "sh", "-c", "echo two >> f.txt; echo n > n.txt; id -u"], cwd=project,
-                           capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
-        assert p.returncode == 0 and f"{user.uid}\n" in p.stdout, (p.stdout, p.stderr)
-        sid = json.loads(p.stdout.strip().splitlines()[-1])["session"]
-        assert (project / "f.txt").read_text() == "one\n" and not (project / "n.txt").exists()
-        assert (home / ".local/state/agentcell/workspaces" / sid / "cs" / "upper" / "n.txt").exists()
-        p = subprocess.run([*user.prefix(), *base, "apply", sid], cwd=project, capture_output=True, text=True,
-                           timeout=120)
-        assert p.returncode == 0, p.stderr
-        assert (project / "f.txt").read_text() == "one\ntwo\n" and (project / "n.txt").read_text() == "n\n"
-        p = subprocess.run([*user.prefix(), *base, "discard", sid], cwd=project, capture_output=True, text=True,
-                           timeout=120)
-        assert p.returncode == 0, p.stderr
-    finally:
-        subprocess.run(["rm", "-rf", "--one-file-system", str(home)], check=False)
