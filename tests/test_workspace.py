@@ -92,7 +92,7 @@ def cli(env: Env, *args: str) -> subprocess.CompletedProcess[str]:
 
 
 def review(env: Env, sid: str) -> dict[str, Any]:
-    p = cli(env, "review", sid, "--json")
+    p = cli(env, "review", sid, "--json", "--diff")
     assert p.returncode == 0, p.stderr
     r: dict[str, Any] = json.loads(p.stdout)
     return r
@@ -349,4 +349,100 @@ def test_a_change_set_survives_a_killed_supervisor_and_recover(env: Env, user: U
     assert ("modified", "a.txt") in changes(r), r
     assert cli(env, "apply", sid).returncode == 0
     assert (repo / "a.txt").read_text() == "changed\n" and (repo / "a.txt").stat().st_uid == user.uid
+    assert cli(env, "discard", sid).returncode == 0
+
+
+def shell_session(env: Env, script: str, *flags: str) -> str:
+    """A --workspace copy session of the shell harness running ``script``; its id."""
+    s = session(env, ["start", "--workspace", "copy", "--harness", "shell", "--json", *flags, "--", "sh", "-c",
+                      script])
+    assert s.summary.get("status") == "completed", (s.out, s.err)
+    return str(s.summary["session"])
+
+
+def test_a_repository_the_agent_could_not_see_never_comes_in(env: Env, user: User, repo: Path) -> None:
+    """The agent points its .git at the human's private repository (a link, or alternates): its
+    'commits' are refused, and nothing of that repository reaches the project's."""
+    private = env.project.parent / f"agentcell-test-private-{secrets.token_hex(3)}"
+    try:
+        write(user, private / "creds.txt", "AWS_SECRET=hunter2\n")
+        git(user, private, "init", "-q", "-b", "main")
+        git(user, private, "add", "-A")
+        git(user, private, "commit", "-qm", "private")
+        os.chmod(private, 0o700)
+        secret = git(user, private, "rev-parse", "HEAD").strip()
+        for script in (f"rm -rf .git && ln -s {private}/.git .git",
+                       f"echo {private}/.git/objects > .git/objects/info/alternates && echo {secret} > "
+                       ".git/refs/heads/main"):
+            sid = shell_session(env, script + "; true")
+            r = review(env, sid)
+            assert r["branch"] is None and r["commits"] == [] and r["git_problem"], r
+            p = cli(env, "apply", sid)
+            assert p.returncode == 0 and "commits were not taken" in p.stderr, p.stderr
+            assert as_user(user, "git", "cat-file", "-e", secret, cwd=repo, check=False).returncode != 0
+            assert cli(env, "discard", sid).returncode == 0
+    finally:
+        subprocess.run(["rm", "-rf", "--one-file-system", str(private)], check=False)
+
+
+def test_what_decides_execution_lands_only_when_named(env: Env, user: User, repo: Path) -> None:
+    """A hook's worth of change (.envrc; a nested repository with its own config) is flagged in review
+    and refused by apply until --theirs names it; a commit that adds one is named when it lands."""
+    sid = shell_session(env, "echo 'export X=1' > .envrc; mkdir sub && cd sub && git init -q && "
+                             "git config core.fsmonitor 'touch /tmp/pwned; false'; cd ..; echo fine >> a.txt; "
+                             "echo 'curl x | sh' > .husky-like && git add .husky-like && git commit -qm 'tidy'; "
+                             "printf '[filter \"x\"]\\n' > /dev/null; echo '* filter=x' > .gitattributes; "
+                             "git add .gitattributes && git commit -qm attrs")
+    r = review(env, sid)
+    control = {c["path"]: c["control"] for c in r["changes"] if c["control"]}
+    assert control.get(".envrc") == ".envrc" and any(v == "sub/.git" for v in control.values()), r["changes"]
+    assert any(".gitattributes" in cm["control"] for cm in r["commits"]), r["commits"]
+    before = digest(repo)
+    p = cli(env, "apply", sid)
+    assert p.returncode == 125 and ".envrc" in p.stderr and "nothing was written" in p.stderr, p.stderr
+    assert digest(repo) == before
+    subs = sorted(c["path"] for c in r["changes"] if c["control"] == "sub/.git")
+    p = cli(env, "apply", sid, "--theirs", ".envrc", *(a for s in subs for a in ("--ours", s)))
+    assert p.returncode == 0 and ".gitattributes" in p.stderr, p.stderr  # the commit's, named when it lands
+    assert (repo / ".envrc").exists() and not (repo / "sub" / ".git").exists() and (repo / "a.txt").read_text() \
+        == "a\nfine\n"
+    assert not Path("/tmp/pwned").exists()
+    assert cli(env, "discard", sid).returncode == 0
+
+
+def test_replaced_directories_a_failed_apply_and_what_the_view_hides(env: Env, user: User, repo: Path) -> None:
+    """A directory the agent replaced by a file while the human added to it; a directory the agent
+    deleted; a failed apply puts everything back; what the view hides is never diffed against the
+    project's, and a directory holding a hidden entry stays writable."""
+    write(user, repo / "lib" / "core.py", "core\n")
+    write(user, repo / "vend" / "k" / "f", "f\n")
+    write(user, repo / "src" / "__pycache__" / "x.pyc", "pyc\n")
+    write(user, repo / ".gitignore", ".env\nbuild/\n__pycache__/\n")
+    as_user(user, "chmod", "0555", str(repo / "vend" / "k"), cwd=repo)
+    sid = shell_session(env, "set -e; rm -rf lib && echo x > lib; chmod -R u+w vend && rm -rf d vend; "
+                             "echo agent-env > .env; echo new > src/new.py; echo y >> a.txt; "
+                             "mkdir -p newdir && echo n > newdir/f.txt")
+    r = review(env, sid)
+    got = changes(r)
+    assert {("deleted", "d"), ("deleted", "vend"), ("type", "lib"), ("added", "src/new.py")} <= got, got
+    assert next(c for c in r["changes"] if c["path"] == "vend")["removes"] == ["vend/k/f"]
+    env_change = next(c for c in r["changes"] if c["path"] == ".env")
+    assert "human-secret" not in json.dumps(r) and env_change["conflict"], env_change
+    # Meanwhile the human adds to the directory the agent replaced, and puts a file where the agent
+    # made a directory: a conflict, and a failed apply.
+    write(user, repo / "lib" / "mine.py", "mine\n")
+    lib = next(c for c in r["changes"] if c["path"] == "lib")
+    assert not lib["conflict"] and lib["removes"] == ["lib/core.py"]
+    assert review(env, sid)["changes"][[c["path"] for c in review(env, sid)["changes"]].index("lib")]["conflict"]
+    write(user, repo / "newdir", "a file of the human's\n")
+    before = digest(repo)
+    p = cli(env, "apply", sid, "--ours", ".env", "--theirs", "lib")
+    assert p.returncode == 125 and "nothing was written" in p.stderr, p.stderr
+    assert digest(repo) == before and not list(repo.rglob(".agentcell-aside-*"))
+    (repo / "newdir").unlink()
+    p = cli(env, "apply", sid, "--ours", ".env", "--theirs", "lib")
+    assert p.returncode == 0, p.stderr
+    assert (repo / "lib").read_text() == "x\n" and not (repo / "vend").exists() and not (repo / "d").exists()
+    assert (repo / "src" / "new.py").read_text() == "new\n" and (repo / ".env").read_text() == "TOKEN=human-secret\n"
+    assert not list(repo.rglob(".agentcell-aside-*"))
     assert cli(env, "discard", sid).returncode == 0

@@ -20,21 +20,26 @@ trail) are written by agentcell itself.
 
 What the kernel does (:class:`agentcell.cell.spec.Workspace`, :mod:`agentcell.cell.mounts`): the
 project is the read-only lower layer, idmapped so that its owner shows as the session's account. Start-up
-costs the same for any number of files: nothing is copied or scanned but git's list of ignored paths.
+costs nearly the same for any number of files: no content is copied.
 
 **The base.** A session starts from the project as it is at ``base_ns`` (the kernel's coarse clock, the
 one file times are taken from) and, for git, from the commit HEAD names then. No content is copied: the
-names of its files are listed (``base.names``: what the base held, so a file the human deleted since is
-told from one the agent made), and a file whose change time (ctime, which no one but root can set back)
-is before ``base_ns`` is still the base; one changed since is the human's change. ``apply`` is a three-way merge by file: what only the agent
-changed lands; what only the human changed stays; what both changed is a conflict, refused and named
-(unless both made it the same), nothing written. ``--ours PATH`` keeps the human's, ``--theirs PATH``
-takes the agent's.
+names of its files and their inode numbers are listed from the directories (``base.names``), and a path
+is still the base's while it is the same inode with a change time (ctime, which no one but root can set
+back) before ``base_ns``; otherwise the human changed, replaced, deleted or made it since. ``apply`` is
+a three-way merge by file: what only the agent changed lands; what only the human changed stays; what
+both changed is a conflict, refused and named (unless both made it the same), nothing written.
+``--ours PATH`` keeps the human's, ``--theirs PATH`` takes the agent's.
+
+**What decides execution** (a ``.git`` anywhere but a repository's own, hooks, ``.envrc``, harness and
+editor config, ``.gitattributes``: :func:`agentcell.protect.protected_part`) is flagged in review and
+never applied unless named with ``--theirs``: the quarantine of a direct session, by consent.
 
 **Git.** The agent's commits come as a branch, ``agentcell/<session>``, packed from the change set and
 indexed into the human's repository by git's plumbing run as the human (no hook, no configuration of the
 agent's runs); what the agent left uncommitted lands in the tree as above. Nothing of the agent's
-``.git`` (its config, hooks, index) is copied.
+``.git`` (its config, hooks, index) is copied. A ``.git`` the agent replaced by a link, or whose objects
+it points elsewhere (alternates, links), gives no branch: its commits are refused.
 
 **Nothing is lost until discard.** The change set is on disk from the start: a supervisor killed
 mid-session, or a reboot, leaves it reviewable and applicable; ``recover`` never removes one; only
@@ -42,6 +47,8 @@ mid-session, or a reboot, leaves it reviewable and applicable; ``recover`` never
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -56,12 +63,15 @@ from .cell.spec import Workspace
 from .errors import AgentcellError
 
 META = "meta.json"
-BASE_NAMES = "base.names"  # every file's name at the start (NUL-separated): what the base held
+BASE_NAMES = "base.names"  # every file's inode and name at the start (NUL-separated): what the base held
 JOURNAL = "apply.json"
 WHITEOUT = os.makedev(0, 0)
 CLOCK_REALTIME_COARSE = 5  # <linux/time.h>; not in Python's time module
-OWNER_VIEW = "/run/agentcell-ws"  # where review and apply, run as the owner, see the change set (as_owner)
-GIT_SAFE = ["-c", "core.fsmonitor=false", "-c", "core.hooksPath=/dev/null", "-c", "core.untrackedCache=false"]
+VIEW_OVER = ("/run", "/mnt", "/media", "/srv")  # (as_owner: where the owner's view of the change set goes)
+GIT_SAFE = ["-c", "core.fsmonitor=false", "-c", "core.hooksPath=/dev/null", "-c", "core.untrackedCache=false",
+            "-c", "core.commitGraph=false", "-c", "core.multiPackIndex=false"]
+# In an agent's .git: what would make git read objects or config from elsewhere.
+BORROWED = ("objects/info/alternates", "objects/info/http-alternates", "commondir", "config.worktree")
 
 
 class WorkspaceError(AgentcellError):
@@ -85,6 +95,10 @@ def _cs(meta: dict[str, Any]) -> str:
 
 def _upper(meta: dict[str, Any]) -> str:
     return os.path.join(_cs(meta), "upper")
+
+
+def _within(path: str, top: str) -> bool:
+    return path == top or path.startswith(top.rstrip("/") + "/")
 
 
 def _made_dir(path: str, mode: int) -> None:
@@ -159,7 +173,7 @@ def create(session: str, project: str, *, owner: tuple[int, int], account: tuple
     git = _git_base(project, owner)
     hidden = sorted(set(_ignored(project, owner, include) if git else []) | {_rel(project, m) for m in masked})
     for rel in hidden:
-        _whiteout(hide, rel)
+        _whiteout(hide, rel, project, None if rootless else account)
     _write_names(os.path.join(d, BASE_NAMES), _listing(project, set(hidden)))
     meta = {"session": session, "project": project, "owner": list(owner), "account": list(account),
             "base_ns": base, "git": git, "hidden": hidden, "include": include, "userxattr": rootless,
@@ -169,10 +183,13 @@ def create(session: str, project: str, *, owner: tuple[int, int], account: tuple
     return Workspace(project, upper, work, hide if hidden else "", idmap, rootless)
 
 
-def _listing(project: str, hidden: set[str]) -> list[str]:
-    """The name of every non-directory in the project (not .git, not what the view hides): what the
-    base held. Names only, from the directories (no stat of a file): 20,000 files in about 12 ms."""
-    out: list[str] = []
+def _listing(project: str, hidden: set[str]) -> dict[str, int]:
+    """Every non-directory in the project (not .git, not what the view hides, not past a mount) and its
+    inode number: what the base held. From the directories alone (readdir gives the inode; no file is
+    stat'ed): 20,000 files in about 12 ms. A file replaced since (a rename over it, a directory moved
+    in its place) has another inode."""
+    out: dict[str, int] = {}
+    dev = os.lstat(project).st_dev
     stack = [""]
     while stack:
         r = stack.pop()
@@ -186,35 +203,49 @@ def _listing(project: str, hidden: set[str]) -> list[str]:
                 if rel in hidden or (not r and e.name == ".git"):
                     continue
                 if e.is_dir(follow_symlinks=False):
-                    stack.append(rel)
+                    if e.stat(follow_symlinks=False).st_dev == dev:  # (the view does not cross mounts either)
+                        stack.append(rel)
                 else:
-                    out.append(rel)
+                    out[rel] = e.inode()
     return out
 
 
-def _write_names(path: str, names: list[str]) -> None:
+def _write_names(path: str, names: dict[str, int]) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     with os.fdopen(fd, "wb") as f:
-        f.write(b"\0".join(os.fsencode(n) for n in names))
+        f.write(b"\0".join(b"%d\0%s" % (ino, os.fsencode(n)) for n, ino in names.items()))
 
 
-def _base_names(meta: dict[str, Any]) -> set[str]:
+def _base_names(meta: dict[str, Any]) -> dict[str, int]:
+    """What the base held: path -> inode number."""
     if "base_names" in meta:  # (read by agentcell for the owner: see as_owner)
-        return set(meta["base_names"])
+        return dict(meta["base_names"])
     try:
         with open(os.path.join(meta["dir"], BASE_NAMES), "rb") as f:
-            return {os.fsdecode(n) for n in f.read().split(b"\0") if n}
+            parts = f.read().split(b"\0")
     except FileNotFoundError:
-        return set()
+        return {}
+    return {os.fsdecode(parts[i + 1]): int(parts[i]) for i in range(0, len(parts) - 1, 2)}
 
 
 def _rel(project: str, path: str) -> str:
     return os.path.relpath(path, project)
 
 
-def _whiteout(top: str, rel: str) -> None:
-    parent = os.path.join(top, os.path.dirname(rel))
-    os.makedirs(parent, 0o755, exist_ok=True)
+def _whiteout(top: str, rel: str, project: str, account: tuple[int, int] | None) -> None:
+    """A whiteout at ``rel`` in the hide layer. Its directories are what the view shows for the project's
+    (the topmost layer that has a directory gives its owner and mode): the project's mode, the account's
+    as the idmapped project shows them, so the agent can still write in a directory that holds a hidden
+    entry."""
+    cur = top
+    for part in [p for p in os.path.dirname(rel).split("/") if p]:
+        cur = os.path.join(cur, part)
+        if not os.path.isdir(cur):
+            there = os.lstat(os.path.join(project, os.path.relpath(cur, top)))
+            os.mkdir(cur, 0o700)
+            if account is not None:
+                os.chown(cur, account[0], account[1])
+            os.chmod(cur, stat.S_IMODE(there.st_mode) & 0o7777)
     os.mknod(os.path.join(top, rel), stat.S_IFCHR | 0o000, WHITEOUT)
 
 
@@ -288,32 +319,36 @@ def _ignored_inside(project: str, rel: str, wanted: list[str]) -> list[str]:
 # ---- the change set -----------------------------------------------------------------------------------
 
 def marks(meta: dict[str, Any]) -> dict[str, list[str]]:
-    """What overlayfs marked in the change set: directories it made opaque (the agent removed the
-    project's and made its own) and entries it copied up from the project (origin: the same file, or
-    one the agent renamed), as paths. Read by agentcell itself: as root they are trusted.* xattrs,
-    which the owner cannot read (review and apply run as them); rootless, the user's own user.* ones."""
-    prefix = "user.overlay." if meta.get("userxattr") else "trusted.overlay."
-    out: dict[str, list[str]] = {"opaque": [], "origin": []}
-    stack = [""]
-    upper = _upper(meta)
+    """The directories overlayfs made opaque in the change set (the agent removed the project's and made
+    its own), as paths. Read by agentcell itself: as root the mark is a trusted.* xattr, which the owner
+    cannot read (review and apply run as them); rootless, the user's own user.* one. Walked by
+    descriptor, never through a link (the change set is the owner's to rearrange)."""
+    name = ("user." if meta.get("userxattr") else "trusted.") + "overlay.opaque"
+    out: dict[str, list[str]] = {"opaque": []}
+    try:
+        top = os.open(_upper(meta), os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return out
+    stack: list[tuple[int, str]] = [(top, "")]
     while stack:
-        r = stack.pop()
+        fd, r = stack.pop()
         try:
-            entries = list(os.scandir(os.path.join(upper, r) if r else upper))
-        except OSError:
-            continue
-        for e in entries:
-            rel = f"{r}/{e.name}" if r else e.name
-            try:
-                names = os.listxattr(e.path, follow_symlinks=False)
-            except OSError:
-                names = []
-            if prefix + "origin" in names:
-                out["origin"].append(rel)
-            if prefix + "opaque" in names and os.getxattr(e.path, prefix + "opaque", follow_symlinks=False) == b"y":
-                out["opaque"].append(rel)
-            if e.is_dir(follow_symlinks=False):
-                stack.append(rel)
+            for e in os.scandir(fd):
+                if not e.is_dir(follow_symlinks=False):
+                    continue
+                try:
+                    sub = os.open(e.name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+                except OSError:
+                    continue
+                rel = f"{r}/{e.name}" if r else e.name
+                try:
+                    if os.getxattr(sub, name) == b"y":
+                        out["opaque"].append(rel)
+                except OSError:
+                    pass
+                stack.append((sub, rel))
+        finally:
+            os.close(fd)
     return out
 
 
@@ -324,12 +359,17 @@ def _is_whiteout(st: os.stat_result) -> bool:
 def _lstat(path: str) -> os.stat_result | None:
     try:
         return os.lstat(path)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return None
 
 
 def _walk_files(top: str, rel: str = "") -> Iterator[str]:
-    """Every non-directory below ``top/rel`` (relative names), iteratively, never following a link."""
+    """Every non-directory below ``top/rel`` (paths relative to ``top``), iteratively, never following a
+    link nor crossing into another mount."""
+    try:
+        dev = os.lstat(top).st_dev
+    except OSError:
+        return
     stack = [rel]
     while stack:
         r = stack.pop()
@@ -340,7 +380,8 @@ def _walk_files(top: str, rel: str = "") -> Iterator[str]:
         for e in entries:
             sub = f"{r}/{e.name}" if r else e.name
             if e.is_dir(follow_symlinks=False):
-                stack.append(sub)
+                if e.stat(follow_symlinks=False).st_dev == dev:
+                    stack.append(sub)
             else:
                 yield sub
 
@@ -360,22 +401,35 @@ def _kind(st: os.stat_result) -> str:
 
 
 def changes(meta: dict[str, Any]) -> list[dict[str, Any]]:
-    """What the agent changed, outside ``.git``: one entry per path, {"path", "change" (added | modified |
-    deleted | renamed | mode | type), "from" (renamed), "human_changed" (the project's path is not the
-    base any more), "same" (the human's is what the agent's is)}."""
+    """What the agent changed, outside a git project's own ``.git``: one entry per path, {"path",
+    "change" (added | modified | deleted | renamed | mode | type), "from" (renamed), "human_changed" (the
+    project's path is not what the base had: changed, replaced, deleted or made since), "same" (the
+    human's is what the agent's is), "hidden" (the view left it out: never diffed against the
+    project's), "removes" (a directory the agent replaced: the files that go with it), "link" (a
+    symlink's target), "mode"}."""
     upper, project, base_ns = _upper(meta), meta["project"], int(meta["base_ns"])
     hidden = set(meta.get("hidden") or [])
     git = meta.get("git") is not None
-    base_files = _base_names(meta)
+    base = _base_names(meta)
     opaque = set((meta.get("marks") or marks(meta))["opaque"])
+
+    def theirs(rel: str, lst: os.stat_result | None) -> bool:
+        ino = base.get(rel)
+        if ino is None:  # not in the base (or hidden from the view): anything there now is the human's
+            return lst is not None
+        return lst is None or lst.st_ino != ino or lst.st_ctime_ns >= base_ns
+
+    def below(rel: str) -> list[str]:
+        """The files under ``rel`` in the base and in the project now."""
+        return sorted({f for f in base if f.startswith(rel + "/")} | set(_walk_files(project, rel)))
+
     out: list[dict[str, Any]] = []
     deleted: list[str] = []
     stack = [""]
     while stack:
         r = stack.pop()
-        here = os.path.join(upper, r) if r else upper
         try:
-            entries = list(os.scandir(here))
+            entries = list(os.scandir(os.path.join(upper, r) if r else upper))
         except OSError:
             continue
         for e in entries:
@@ -384,57 +438,55 @@ def changes(meta: dict[str, Any]) -> list[dict[str, Any]]:
                 continue
             st = e.stat(follow_symlinks=False)
             low = os.path.join(project, rel)
-            lst = None if _under_hidden(rel, hidden) else _lstat(low)
+            lst = _lstat(low)
             if _is_whiteout(st):
-                if lst is not None:
-                    deleted += [rel] if not stat.S_ISDIR(lst.st_mode) else \
-                        [f"{rel}/{f}" for f in _walk_files(project, rel)]
+                if lst is not None and stat.S_ISDIR(lst.st_mode):  # a directory, as one: it goes whole
+                    files = below(rel)
+                    out.append({"path": rel, "change": "deleted", "dir": True, "removes": files, "same": False,
+                                "hidden": _under_hidden(rel, hidden),
+                                "human_changed": any(theirs(f, _lstat(os.path.join(project, f))) for f in files)})
+                else:
+                    deleted.append(rel)
                 continue
             if stat.S_ISDIR(st.st_mode):
-                if lst is not None and stat.S_ISDIR(lst.st_mode) and rel in opaque:
-                    gone = {f for f in _walk_files(project, rel)} - {f for f in _walk_files(upper, rel)}
-                    deleted += sorted(gone)
-                elif lst is not None and not stat.S_ISDIR(lst.st_mode):
-                    out.append(_entry(rel, "type", lst, base_ns, low, None))
+                if lst is not None and stat.S_ISDIR(lst.st_mode):
+                    if rel in opaque:  # the agent removed the directory and made its own
+                        deleted += sorted(set(below(rel)) - set(_walk_files(upper, rel)))
+                elif lst is not None or rel in base:  # a file the agent replaced by a directory
+                    deleted.append(rel)
                 stack.append(rel)
                 continue
+            c: dict[str, Any] = {"path": rel, "hidden": _under_hidden(rel, hidden), "mode": stat.S_IMODE(st.st_mode)}
+            if stat.S_ISLNK(st.st_mode):
+                c["link"] = os.readlink(e.path)
             if _kind(st) == "other":  # a fifo, a socket, a device: shown, never applied
-                out.append({"path": rel, "change": "added" if lst is None else "type", "human_changed": False,
-                            "same": False, "special": True})
-            elif lst is None and rel in base_files:
-                # It was in the project when the agent took it up, and is not now: the human deleted it.
-                out.append({"path": rel, "change": "modified", "human_changed": True, "same": False})
+                c.update(change="added" if lst is None else "type", human_changed=False, same=False, special=True)
+            elif lst is not None and stat.S_ISDIR(lst.st_mode):  # a directory the agent replaced by a file
+                files = below(rel)
+                c.update(change="type", removes=files, same=False,
+                         human_changed=any(theirs(f, _lstat(os.path.join(project, f))) for f in files))
             elif lst is None:
-                out.append(_entry(rel, "added", _lstat(low), base_ns, low, (e.path, st)))
-            elif stat.S_ISDIR(lst.st_mode) or _kind(lst) != _kind(st):
-                out.append(_entry(rel, "type", lst, base_ns, low, (e.path, st)))
+                c.update(change="modified" if rel in base else "added", human_changed=rel in base, same=False)
             else:
-                same = _digest(e.path, st) == _digest(low, lst)
-                if same and stat.S_IMODE(st.st_mode) == stat.S_IMODE(lst.st_mode):
+                same = _kind(lst) == _kind(st) and _digest(e.path, st) == _digest(low, lst)
+                if same and stat.S_IMODE(st.st_mode) == stat.S_IMODE(lst.st_mode) and not theirs(rel, lst):
                     continue  # copied up, not changed (opened for writing, touched)
-                out.append(_entry(rel, "mode" if same else "modified", lst, base_ns, low, (e.path, st)))
-    for rel in deleted:
+                change = "type" if _kind(lst) != _kind(st) else "mode" if same else "modified"
+                c.update(change=change if rel in base else "added", human_changed=theirs(rel, lst),
+                         same=same and stat.S_IMODE(st.st_mode) == stat.S_IMODE(lst.st_mode))
+            out.append(c)
+    for rel in dict.fromkeys(deleted):
         lst = _lstat(os.path.join(project, rel))
-        out.append({"path": rel, "change": "deleted", "human_changed": lst is not None and lst.st_ctime_ns >= base_ns,
-                    "same": lst is None})
+        if lst is None and rel not in base:
+            continue
+        out.append({"path": rel, "change": "deleted", "human_changed": theirs(rel, lst), "same": lst is None,
+                    "hidden": _under_hidden(rel, hidden)})
     _pair_renames(out, meta)
     return sorted(out, key=lambda c: c["path"])
 
 
 def _under_hidden(rel: str, hidden: set[str]) -> bool:
     return any(rel == h or rel.startswith(h + "/") for h in hidden)
-
-
-def _entry(rel: str, change: str, lst: os.stat_result | None, base_ns: int, low: str,
-           agent: tuple[str, os.stat_result] | None) -> dict[str, Any]:
-    """One change, and whether the human changed the same path since the base (then it is theirs too)."""
-    # Added: the base had nothing the agent could see there, so anything there now is the human's.
-    human = lst is not None if change == "added" else lst is None or lst.st_ctime_ns >= base_ns
-    same = False
-    if human and agent is not None and lst is not None and _kind(lst) == _kind(agent[1]):
-        same = (_digest(agent[0], agent[1]) == _digest(low, lst)
-                and stat.S_IMODE(agent[1].st_mode) == stat.S_IMODE(lst.st_mode))
-    return {"path": rel, "change": change, "human_changed": human, "same": same}
 
 
 def _pair_renames(out: list[dict[str, Any]], meta: dict[str, Any]) -> None:
@@ -463,10 +515,39 @@ def _pair_renames(out: list[dict[str, Any]], meta: dict[str, Any]) -> None:
 
 # ---- git: the agent's commits -------------------------------------------------------------------------
 
+def git_problem(meta: dict[str, Any]) -> str | None:
+    """Why the agent's ``.git`` cannot be read for its commits, or None. Its objects must be its own and
+    the project's: a ``.git`` replaced by a link or a file, a link anywhere in it, or a pointer to other
+    object stores (alternates, commondir) would bring in a repository the agent could not see."""
+    top = os.path.join(_upper(meta), ".git")
+    st = _lstat(top)
+    if st is None:
+        return None
+    if _is_whiteout(st):
+        return "the agent removed the repository's .git"
+    if not stat.S_ISDIR(st.st_mode):
+        return "the agent replaced .git by a link or a file"
+    if any(os.path.lexists(os.path.join(top, r)) for r in BORROWED):
+        return "the agent's .git borrows objects or config from elsewhere (alternates, commondir)"
+    stack = [top]
+    while stack:
+        d = stack.pop()
+        try:
+            entries = list(os.scandir(d))
+        except OSError:
+            return f"{os.path.relpath(d, _upper(meta))} cannot be read"
+        for e in entries:
+            if e.is_symlink():
+                return f"the agent's .git holds a link ({os.path.relpath(e.path, _upper(meta))})"
+            if e.is_dir(follow_symlinks=False):
+                stack.append(e.path)
+    return None
+
+
 def agent_head(meta: dict[str, Any]) -> str | None:
     """The commit the agent's HEAD names at the end (its ``.git`` as the view shows it: the change set
-    over the project's), or None where it made none."""
-    if meta.get("git") is None:
+    over the project's), or None where it made none or its ``.git`` cannot be trusted (:func:`git_problem`)."""
+    if meta.get("git") is None or git_problem(meta) is not None:
         return None
     ref = _read_view(meta, ".git/HEAD").strip()
     if ref.startswith("ref: "):
@@ -529,7 +610,7 @@ def _ours_git(repo: str, *args: str, input: bytes | None = None) -> bytes:
     return p.stdout
 
 
-def commits(meta: dict[str, Any]) -> list[dict[str, str]]:
+def commits(meta: dict[str, Any]) -> list[dict[str, Any]]:
     head = agent_head(meta)
     if head is None:
         return []
@@ -537,7 +618,7 @@ def commits(meta: dict[str, Any]) -> list[dict[str, str]]:
     base = meta["git"].get("head")
     rng = [head, f"^{base}"] if base else [head]
     out = _ours_git(repo, "log", "--format=%H%x00%an <%ae>%x00%s", *rng, "--")
-    res = []
+    res: list[dict[str, Any]] = []
     for line in out.decode(errors="replace").splitlines():
         sha, author, subject = (line.split("\0") + ["", ""])[:3]
         res.append({"commit": sha, "author": author, "subject": subject})
@@ -594,12 +675,36 @@ def _review(meta: dict[str, Any], diffs: bool = False) -> dict[str, Any]:
         else:
             c["committed"] = committed.get(c["path"]) == _blob_id(os.path.join(upper, c["path"]), fmt)
         c["conflict"] = c["human_changed"] and not c["same"] and not c["committed"]
-        if diffs and c["change"] in ("modified", "added", "renamed") and not c.get("special"):
-            c["diff"] = _diff_text(meta, c["path"], c.get("from"))
+        c["control"] = control(meta["project"], c["path"]) or (control(meta["project"], c["from"])
+                                                               if c.get("from") else None)
+        if diffs and c["change"] in ("modified", "added", "renamed", "type") and not c.get("special"):
+            c["diff"] = _diff_text(meta, c["path"], c.get("from"), c.get("hidden", False))
+    found_commits = commits(meta)
+    for cm in found_commits:
+        cm["files"] = _commit_files(meta, cm["commit"])
+        cm["control"] = sorted({p for f in cm["files"] if (p := control(meta["project"], f))})
     return {"session": meta["session"], "project": meta["project"], "state": meta["state"],
             "base": {"time_ns": meta["base_ns"], "commit": (meta.get("git") or {}).get("head")},
-            "branch": f"agentcell/{meta['session']}" if head else None, "head": head, "commits": commits(meta),
+            "branch": f"agentcell/{meta['session']}" if head else None, "head": head, "commits": found_commits,
+            "git_problem": git_problem(meta) if meta.get("git") is not None else None,
             "changes": found, "hidden": meta.get("hidden", [])}
+
+
+def control(project: str, rel: str) -> str | None:
+    """The entry of ``rel`` that decides what git, a shell or an agent runs (a ``.git`` anywhere, hooks,
+    ``.envrc``, harness and editor config: :func:`agentcell.protect.protected_part`; a ``.gitattributes``,
+    which can name filters), relative to the project, or None."""
+    from .protect import protected_part
+
+    part = protected_part(os.path.join(project, rel), project)
+    if part is not None:
+        return os.path.relpath(part, project)
+    return rel if os.path.basename(rel) == ".gitattributes" else None
+
+
+def _commit_files(meta: dict[str, Any], sha: str) -> list[str]:
+    out = _ours_git(_objects_repo(meta), "diff-tree", "--no-commit-id", "-r", "-z", "--name-only", "--root", sha)
+    return [os.fsdecode(p) for p in out.split(b"\0") if p]
 
 
 def record_review(r: dict[str, Any]) -> None:
@@ -609,14 +714,20 @@ def record_review(r: dict[str, Any]) -> None:
             conflicts=[c["path"] for c in r["changes"] if c["conflict"]], base=r["base"])
 
 
-def _diff_text(meta: dict[str, Any], rel: str, was: str | None = None) -> str:
-    """A unified diff of one changed path: the project's (``was``: the renamed path's) against the agent's."""
+def _diff_text(meta: dict[str, Any], rel: str, was: str | None = None, hidden: bool = False) -> str:
+    """A unified diff of one changed path: the project's (``was``: the renamed path's) against the agent's.
+    A path the view hid is shown against nothing: the project's file there is not the agent's to see,
+    nor the review's to print."""
     a, b = os.path.join(meta["project"], was or rel), os.path.join(_upper(meta), rel)
     p = subprocess.run(["diff", "-u", "--label", f"a/{was or rel}", "--label", f"b/{rel}",
-                        a if os.path.isfile(a) and not os.path.islink(a) else "/dev/null",
-                        b if os.path.isfile(b) and not os.path.islink(b) else "/dev/null"],
+                        a if not hidden and _regular(a) else "/dev/null", b if _regular(b) else "/dev/null"],
                        capture_output=True, timeout=60)
     return p.stdout.decode(errors="replace")
+
+
+def _regular(path: str) -> bool:
+    st = _lstat(path)
+    return st is not None and stat.S_ISREG(st.st_mode)
 
 
 # ---- apply ----------------------------------------------------------------------------------------------
@@ -628,7 +739,11 @@ def apply(session: str, ours: tuple[str, ...] | list[str] = (), theirs: tuple[st
     if meta["state"] != "open":
         raise WorkspaceError("SESSION", f"session {session}'s workspace is {meta['state']}",
                              "'agentcell session review' shows what it held")
-    out = as_owner(meta, _apply_as_owner, meta, list(ours), list(theirs))
+    with _locked():
+        meta = load(session)  # (again: another apply may have finished while this one waited)
+        if meta["state"] != "open":
+            raise WorkspaceError("SESSION", f"session {session}'s workspace is {meta['state']}", "")
+        out = as_owner(meta, _apply_as_owner, meta, list(ours), list(theirs))
     meta["state"], meta["applied"] = "applied", {"at": time.time(), **out}
     _save(meta)
     _record(meta, "session.apply", paths=out["landed"], branch=out["branch"], head=out["head"], base=out["base"],
@@ -656,15 +771,33 @@ def _apply_as_owner(meta: dict[str, Any], ours: list[str], theirs: list[str]) ->
                              f"and by the agent too: {', '.join(conflicts[:10])}{' …' if len(conflicts) > 10 else ''};"
                              " nothing was written",
                              "keep yours with --ours PATH or take the agent's with --theirs PATH, per path")
-    landed = _land(meta, todo)
+    # What decides execution lands only by consent: the quarantine of a direct session, asked first.
+    controls = [c["path"] for c in todo if c.get("control") and c["path"] not in theirs_s]
+    if controls:
+        raise WorkspaceError("apply", f"the agent changed {', '.join(controls[:5])}"
+                             f"{' …' if len(controls) > 5 else ''}, which decides what git, your shell or your agent "
+                             "runs; nothing was written",
+                             f"read it (agentcell session review {meta['session']} --diff), then take it with "
+                             f"--theirs {controls[0]} or leave it with --ours {controls[0]}")
+    landed, left = _land(meta, todo)
     branch = _fetch_branch(meta, r["head"]) if r["head"] else None
-    return {"landed": landed, "branch": branch, "head": r["head"], "base": r["base"]}
+    warnings = [f"{a} was left behind (remove it by hand)" for a in left]
+    for cm in r["commits"]:
+        if cm["control"]:
+            warnings.append(f"commit {cm['commit'][:12]} changes {', '.join(cm['control'])}, which decides what git, "
+                            f"your shell or your agent runs: read it before you merge {branch}")
+    if r.get("git_problem"):
+        warnings.append(f"the agent's commits were not taken: {r['git_problem']}")
+    return {"landed": landed, "branch": branch, "head": r["head"], "base": r["base"], "warnings": warnings}
 
 
-def _land(meta: dict[str, Any], todo: list[dict[str, Any]]) -> list[str]:
+def _land(meta: dict[str, Any], todo: list[dict[str, Any]]) -> tuple[list[str], list[str]]:
     """Write the agent's version of each path into the project, behind a journal: each original is
     renamed aside next to itself first, so a failure (or a crash: the next apply or discard rolls
-    back) leaves the project as it was. Every directory is walked by descriptor, never through a link."""
+    back) leaves the project as it was. Once every write is done the journal says so (committed): from
+    then on the originals only go, and one that cannot is left and named, never put back over the
+    new. Every directory is walked by descriptor, never through a link. Returns (what landed, what
+    was left behind)."""
     upper = _upper(meta)
     writes: list[tuple[str, str]] = []
     for c in todo:
@@ -691,27 +824,45 @@ def _land(meta: dict[str, Any], todo: list[dict[str, Any]]) -> list[str]:
                     _copy_in(os.path.join(upper, rel), name, dfd)
             finally:
                 os.close(dfd)
-        for rel, aside, _ in journal["ops"]:  # all landed: the originals go
-            if aside:
+        journal["committed"] = True
+        _write_journal(jpath, journal)
+    except BaseException:
+        os.close(top)
+        roll_back(meta)
+        raise
+    os.close(top)
+    left = _finish(meta, journal)
+    if os.path.exists(jpath):
+        os.unlink(jpath)
+    return [rel for _, rel in writes], left
+
+
+def _finish(meta: dict[str, Any], journal: dict[str, Any]) -> list[str]:
+    """After a committed apply: remove the originals set aside. What cannot be removed is named."""
+    left = []
+    top = os.open(meta["project"], os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        for rel, aside, _ in journal["ops"]:
+            if not aside:
+                continue
+            where = os.path.join(os.path.dirname(rel), aside)
+            try:
                 dfd = _dir_fd(top, os.path.dirname(rel), False, None, "")
                 try:
                     _remove_at(aside, dfd)
                 finally:
                     os.close(dfd)
-        if os.path.exists(jpath):
-            os.unlink(jpath)
-    except BaseException:
-        roll_back(meta)
-        raise
+            except (OSError, WorkspaceError):
+                left.append(where)
     finally:
         os.close(top)
-    return [rel for _, rel in writes]
+    return left
 
 
 def _lstat_at(name: str, dfd: int) -> os.stat_result | None:
     try:
         return os.lstat(name, dir_fd=dfd)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return None
 
 
@@ -756,7 +907,7 @@ def _copy_in(src: str, name: str, dfd: int) -> None:
                 os.write(fd, chunk)
         finally:
             os.close(sfd)
-        os.fchmod(fd, stat.S_IMODE(st.st_mode) & 0o777)  # no setuid/setgid from the agent
+        os.fchmod(fd, stat.S_IMODE(st.st_mode) & 0o775)  # no setuid/setgid, nor write for others, from the agent
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -767,7 +918,13 @@ def _remove_at(name: str, dfd: int) -> None:
     if st is None:
         return
     if stat.S_ISDIR(st.st_mode):
-        sub = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+        pfd = os.open(name, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+        try:  # a read-only directory (go's module cache is 0555) is the owner's to open up first
+            if stat.S_IMODE(st.st_mode) & 0o700 != 0o700:
+                os.chmod(f"/proc/self/fd/{pfd}", stat.S_IMODE(st.st_mode) | 0o700)
+            sub = os.open(f"/proc/self/fd/{pfd}", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        finally:
+            os.close(pfd)
         try:
             for n in os.listdir(sub):
                 _remove_at(n, sub)
@@ -795,6 +952,10 @@ def roll_back(meta: dict[str, Any]) -> None:
         with open(jpath) as f:
             journal = json.load(f)
     except FileNotFoundError:
+        return
+    if journal.get("committed"):  # everything had landed: only the originals' removal was cut short
+        _finish(meta, journal)
+        os.unlink(jpath)
         return
     top = os.open(meta["project"], os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
@@ -838,6 +999,19 @@ def _fetch_branch(meta: dict[str, Any], head: str) -> str:
     return branch
 
 
+@contextlib.contextmanager
+def _locked() -> Iterator[None]:
+    """One apply (or discard) at a time: two landing on one project at once would each check its
+    conflicts against a tree the other is changing."""
+    _made_dir(store(), 0o711)
+    fd = os.open(os.path.join(store(), ".apply.lock"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
 # ---- as the owner ---------------------------------------------------------------------------------------
 
 def as_owner(meta: dict[str, Any], fn: Any, *args: Any) -> Any:
@@ -847,8 +1021,11 @@ def as_owner(meta: dict[str, Any], fn: Any, *args: Any) -> Any:
     if os.geteuid() != 0 or uid == 0:
         return fn(*args)
     meta["marks"] = marks(meta)  # (trusted.* xattrs: root reads them for the owner)
-    meta["base_names"] = sorted(_base_names(meta))  # (in agentcell's directory, which the owner cannot enter)
-    _made_dir(OWNER_VIEW, 0o755)
+    meta["base_names"] = _base_names(meta)  # (in agentcell's directory, which the owner cannot enter)
+    over = next((d for d in VIEW_OVER if os.path.isdir(d) and not _within(meta["project"], d)), None)
+    if over is None:
+        raise WorkspaceError("workspace", f"no place to show the change set to its owner (none of "
+                             f"{', '.join(VIEW_OVER)} is a directory outside the project)", "")
     cs = _cs(meta)  # (in agentcell's own directory: its name cannot be swapped by the owner)
     r, w = os.pipe2(os.O_CLOEXEC)
     pid = os.fork()
@@ -857,15 +1034,19 @@ def as_owner(meta: dict[str, Any], fn: Any, *args: Any) -> Any:
         try:
             os.close(r)
             # The state directory above the change set need not be the owner's to enter (and git
-            # resolves every path to its real one): in a mount namespace of the child's own, the
-            # change set is bound at OWNER_VIEW, which anyone may enter; nowhere else sees it.
+            # resolves every path to its real one): in a mount namespace of the child's own, a tmpfs
+            # over a directory the project is not in (/run, say) holds the change set, bound there;
+            # nothing outside the child sees either, and nothing is left on the host.
             from .cell import syscalls as sc
 
             try:
                 sc.unshare(sc.CLONE_NEWNS)
                 sc.mount(None, "/", None, sc.MS_REC | sc.MS_PRIVATE)
-                sc.mount(cs, OWNER_VIEW, None, sc.MS_BIND)
-                meta["cs"] = OWNER_VIEW
+                sc.mount("tmpfs", over, "tmpfs", sc.MS_NOSUID | sc.MS_NODEV, "mode=0755,size=64k")
+                view = os.path.join(over, "agentcell-change-set")
+                os.mkdir(view, 0o755)
+                sc.mount(cs, view, None, sc.MS_BIND)
+                meta["cs"] = view
                 os.setgroups([])
                 os.setresgid(gid, gid, gid)
                 os.setresuid(uid, uid, uid)
@@ -897,8 +1078,9 @@ def as_owner(meta: dict[str, Any], fn: Any, *args: Any) -> Any:
 # ---- discard, list --------------------------------------------------------------------------------------
 
 def discard(session: str) -> None:
-    meta = load(session)
-    as_owner(meta, roll_back, meta)
+    with _locked():
+        meta = load(session)
+        as_owner(meta, roll_back, meta)
     from .caches import _remove
 
     _record(meta, "session.discard", state=meta["state"])

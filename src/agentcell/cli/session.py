@@ -619,7 +619,8 @@ def _diff(ns: Any) -> int:
 def _review(ns: Any) -> int:
     from .. import workspace
 
-    r = workspace.review(_checked_id(ns.id), diffs=ns.diff or ns.json)
+    _workspace_ended(_checked_id(ns.id))
+    r = workspace.review(ns.id, diffs=ns.diff)
     workspace.record_review(r)
     if ns.json:
         sys.stdout.write(json.dumps(r) + "\n")
@@ -629,16 +630,33 @@ def _review(ns: Any) -> int:
     sys.stdout.write(_shown(f"session {r['session']} ({r['state']}) on {r['project']}, from {base}") + "\n")
     for c in r["changes"]:
         what = f"{c['from']} -> {c['path']}" if c["change"] == "renamed" else c["path"]
-        note = " (not a file, a link or a directory: never applied)" if c.get("special") else \
-            " (committed: in the branch)" if c.get("committed") else \
-            " (CONFLICT: you changed it too since the session began)" if c["conflict"] else ""
-        sys.stdout.write(_shown(f"{marks[c['change']]} {what}{note}") + "\n")
+        if c.get("link") is not None:
+            what += f" (a link to {c['link']})"
+        if c["change"] in ("mode", "added", "type") and c.get("mode") is not None and c.get("link") is None:
+            what += f" (mode {c['mode']:o})"
+        notes = [n for n, on in (
+            ("not a file, a link or a directory: never applied", c.get("special")),
+            ("committed: in the branch", c.get("committed")),
+            ("CONFLICT: you changed it too since the session began", c["conflict"]),
+            (f"decides what runs ({c['control']}): applied only with --theirs", c.get("control")),
+            (f"replaces {len(c.get('removes') or [])} file(s) of yours", c.get("removes") and not c.get("dir")))
+            if on]
+        if c.get("dir"):
+            what += "/ (a directory)"
+        sys.stdout.write(_shown(f"{marks[c['change']]} {what}" + "".join(f" ({n})" for n in notes)) + "\n")
+        for f in (c.get("removes") or []) if c.get("dir") else []:
+            sys.stdout.write(_shown(f"  D {f}") + "\n")
     if not r["changes"]:
         sys.stdout.write("no change to the files\n")
     for cm in r["commits"]:
-        sys.stdout.write(_shown(f"commit {cm['commit'][:12]} {cm['subject']} ({cm['author']})") + "\n")
+        sys.stdout.write(_shown(f"commit {cm['commit'][:12]} {cm['subject']} ({cm['author']}), "
+                                f"{len(cm['files'])} file(s)") + "\n")
+        for f in cm["control"]:
+            sys.stdout.write(_shown(f"  changes {f}, which decides what git, your shell or your agent runs") + "\n")
     if r["branch"]:
         sys.stdout.write(_shown(f"apply brings the commits as the branch {r['branch']}") + "\n")
+    if r.get("git_problem"):
+        sys.stdout.write(_shown(f"the agent's commits are not taken: {r['git_problem']}") + "\n")
     if ns.diff:
         for c in r["changes"]:
             if c.get("diff"):
@@ -647,7 +665,8 @@ def _review(ns: Any) -> int:
 
 
 def _workspace_ended(sid: str) -> None:
-    """Apply and discard wait for the session's end (its agent may still be writing the change set)."""
+    """Review, apply and discard wait for the session's end (its agent may still be writing the change
+    set, which is walked as root)."""
     from ..session import graph, state
 
     try:
@@ -676,6 +695,8 @@ def _apply(ns: Any) -> int:
         sys.stdout.write(_shown(f"  {p}") + "\n")
     if r["branch"]:
         sys.stdout.write(_shown(f"its commits: branch {r['branch']} (git merge or cherry-pick it)") + "\n")
+    for w in r.get("warnings") or []:
+        sys.stderr.write(_shown(f"{PROG}: warning: {w}") + "\n")
     return 0
 
 
