@@ -421,11 +421,13 @@ def test_replaced_directories_a_failed_apply_and_what_the_view_hides(env: Env, u
     as_user(user, "chmod", "0555", str(repo / "vend" / "k"), cwd=repo)
     sid = shell_session(env, "set -e; rm -rf lib && echo x > lib; chmod -R u+w vend && rm -rf d vend; "
                              "echo agent-env > .env; echo new > src/new.py; echo y >> a.txt; "
+                             "mkdir -p src/__pycache__ && echo built > src/__pycache__/y.pyc; "
                              "mkdir -p newdir && echo n > newdir/f.txt")
     r = review(env, sid)
     got = changes(r)
     assert {("deleted", "d"), ("deleted", "vend"), ("type", "lib"), ("added", "src/new.py")} <= got, got
     assert next(c for c in r["changes"] if c["path"] == "vend")["removes"] == ["vend/k/f"]
+    assert next(c for c in r["changes"] if c["path"] == "src/__pycache__/y.pyc")["ignored"]  # build output
     env_change = next(c for c in r["changes"] if c["path"] == ".env")
     assert "human-secret" not in json.dumps(r) and env_change["conflict"], env_change
     # Meanwhile the human adds to the directory the agent replaced, and puts a file where the agent
@@ -445,4 +447,5 @@ def test_replaced_directories_a_failed_apply_and_what_the_view_hides(env: Env, u
     assert (repo / "lib").read_text() == "x\n" and not (repo / "vend").exists() and not (repo / "d").exists()
     assert (repo / "src" / "new.py").read_text() == "new\n" and (repo / ".env").read_text() == "TOKEN=human-secret\n"
     assert not list(repo.rglob(".agentcell-aside-*"))
+    assert not (repo / "src" / "__pycache__" / "y.pyc").exists() and (repo / "src" / "__pycache__" / "x.pyc").exists()
     assert cli(env, "discard", sid).returncode == 0

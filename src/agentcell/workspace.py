@@ -256,12 +256,13 @@ def _as_owner(owner: tuple[int, int]) -> list[str]:
     return ["setpriv", f"--reuid={owner[0]}", f"--regid={owner[1]}", "--clear-groups", "--"]
 
 
-def _git(project: str, owner: tuple[int, int], *args: str, input: bytes | None = None) -> bytes:
+def _git(project: str, owner: tuple[int, int], *args: str, input: bytes | None = None,
+         ok: tuple[int, ...] = (0,)) -> bytes:
     env = {"PATH": "/usr/bin:/bin", "LANG": "C", "GIT_OPTIONAL_LOCKS": "0", "GIT_CONFIG_NOSYSTEM": "1",
            "HOME": "/nonexistent", "GIT_TERMINAL_PROMPT": "0"}
     p = subprocess.run([*_as_owner(owner), "git", *GIT_SAFE, "-c", f"safe.directory={project}", "-C", project,
                         *args], capture_output=True, input=input, env=env, timeout=600)
-    if p.returncode != 0:
+    if p.returncode not in ok:
         raise WorkspaceError("git", f"git {args[0]} in {hostfs.shown(project)} failed: "
                              f"{p.stderr.decode(errors='replace').strip()[-300:]}", "")
     return p.stdout
@@ -679,6 +680,16 @@ def _review(meta: dict[str, Any], diffs: bool = False) -> dict[str, Any]:
                                                                if c.get("from") else None)
         if diffs and c["change"] in ("modified", "added", "renamed", "type") and not c.get("special"):
             c["diff"] = _diff_text(meta, c["path"], c.get("from"), c.get("hidden", False))
+    if meta.get("git") is not None:  # what the agent made that the project's git ignores (build output)
+        for c in found:
+            c["ignored"] = False
+        made = [c for c in found if c["change"] == "added"]
+        if made:
+            out = _git(meta["project"], (os.geteuid(), os.getegid()), "check-ignore", "-z", "--stdin",
+                       input=b"\0".join(os.fsencode(c["path"]) for c in made) + b"\0", ok=(0, 1))
+            ignored = {os.fsdecode(p) for p in out.split(b"\0") if p}
+            for c in made:
+                c["ignored"] = c["path"] in ignored
     found_commits = commits(meta)
     for cm in found_commits:
         cm["files"] = _commit_files(meta, cm["commit"])
@@ -764,7 +775,9 @@ def _apply_as_owner(meta: dict[str, Any], ours: list[str], theirs: list[str]) ->
         raise WorkspaceError("apply", f"the agent made {special[0]}, which is neither a file, a link nor a "
                              "directory; nothing was written", f"discard the session, or keep yours: --ours "
                              f"{special[0]}")
-    todo = [c for c in r["changes"] if not c["committed"] and c["path"] not in ours_s and not c["same"]]
+    # What git ignores that the agent made (a __pycache__, node_modules) stays in the change set unless asked for.
+    todo = [c for c in r["changes"] if not c["committed"] and c["path"] not in ours_s and not c["same"]
+            and (not c.get("ignored") or c["path"] in theirs_s)]
     conflicts = [c["path"] for c in todo if c["conflict"] and c["path"] not in theirs_s]
     if conflicts:
         raise WorkspaceError("apply", f"{len(conflicts)} path(s) changed in the project since the session began, "

@@ -637,6 +637,7 @@ def _review(ns: Any) -> int:
         notes = [n for n, on in (
             ("not a file, a link or a directory: never applied", c.get("special")),
             ("committed: in the branch", c.get("committed")),
+            ("ignored by git: left out unless --theirs names it", c.get("ignored")),
             ("CONFLICT: you changed it too since the session began", c["conflict"]),
             (f"decides what runs ({c['control']}): applied only with --theirs", c.get("control")),
             (f"replaces {len(c.get('removes') or [])} file(s) of yours", c.get("removes") and not c.get("dir")))
