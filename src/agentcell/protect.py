@@ -267,6 +267,11 @@ def _config_value(git_dir: str, section: str, key: str) -> str | None:
     return next((v for s, k, v in reversed(_config_entries(git_dir)) if s == section and k == key), None)
 
 
+def config_targets(git_dir: str, worktree: str) -> list[str]:
+    """What the config of ``git_dir`` points git at for code (see :func:`_config_targets`)."""
+    return _config_targets(git_dir, worktree)
+
+
 def _config_targets(git_dir: str, worktree: str) -> list[str]:
     """Paths the config git reads for this git dir points at for code: core.hooksPath (husky,
     lefthook: often in the work tree; relative to the work tree, a submodule's or a linked

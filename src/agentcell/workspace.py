@@ -47,6 +47,7 @@ mid-session, or a reboot, leaves it reviewable and applicable; ``recover`` never
 """
 from __future__ import annotations
 
+import bisect
 import contextlib
 import fcntl
 import hashlib
@@ -420,9 +421,13 @@ def changes(meta: dict[str, Any]) -> list[dict[str, Any]]:
             return lst is not None
         return lst is None or lst.st_ino != ino or lst.st_ctime_ns >= base_ns
 
+    ordered = sorted(base)
+
     def below(rel: str) -> list[str]:
         """The files under ``rel`` in the base and in the project now."""
-        return sorted({f for f in base if f.startswith(rel + "/")} | set(_walk_files(project, rel)))
+        i = bisect.bisect_left(ordered, rel + "/")
+        j = bisect.bisect_left(ordered, rel + "0")  # ("0" follows "/")
+        return sorted(set(ordered[i:j]) | set(_walk_files(project, rel)))
 
     out: list[dict[str, Any]] = []
     deleted: list[str] = []
@@ -444,6 +449,7 @@ def changes(meta: dict[str, Any]) -> list[dict[str, Any]]:
                 if lst is not None and stat.S_ISDIR(lst.st_mode):  # a directory, as one: it goes whole
                     files = below(rel)
                     out.append({"path": rel, "change": "deleted", "dir": True, "removes": files, "same": False,
+                                "seen": _seen(lst),
                                 "hidden": _under_hidden(rel, hidden),
                                 "human_changed": any(theirs(f, _lstat(os.path.join(project, f))) for f in files)})
                 else:
@@ -457,7 +463,8 @@ def changes(meta: dict[str, Any]) -> list[dict[str, Any]]:
                     deleted.append(rel)
                 stack.append(rel)
                 continue
-            c: dict[str, Any] = {"path": rel, "hidden": _under_hidden(rel, hidden), "mode": stat.S_IMODE(st.st_mode)}
+            c: dict[str, Any] = {"path": rel, "hidden": _under_hidden(rel, hidden), "mode": stat.S_IMODE(st.st_mode),
+                                 "seen": _seen(lst)}
             if stat.S_ISLNK(st.st_mode):
                 c["link"] = os.readlink(e.path)
             if _kind(st) == "other":  # a fifo, a socket, a device: shown, never applied
@@ -481,9 +488,18 @@ def changes(meta: dict[str, Any]) -> list[dict[str, Any]]:
         if lst is None and rel not in base:
             continue
         out.append({"path": rel, "change": "deleted", "human_changed": theirs(rel, lst), "same": lst is None,
-                    "hidden": _under_hidden(rel, hidden)})
+                    "hidden": _under_hidden(rel, hidden), "seen": _seen(lst)})
+    # A directory the agent replaced by a file takes its files with it: no deletion of them on their own.
+    covered = [c["path"] for c in out if c.get("removes") and not c.get("dir")]
+    out = [c for c in out if not (c["change"] == "deleted" and any(_within(c["path"], p) and c["path"] != p
+                                                                     for p in covered))]
     _pair_renames(out, meta)
     return sorted(out, key=lambda c: c["path"])
+
+
+def _seen(lst: os.stat_result | None) -> list[int] | None:
+    """What the project's entry was when the change set was read: apply lands only on that very one."""
+    return None if lst is None else [lst.st_ino, lst.st_ctime_ns]
 
 
 def _under_hidden(rel: str, hidden: set[str]) -> bool:
@@ -509,7 +525,7 @@ def _pair_renames(out: list[dict[str, Any]], meta: dict[str, Any]) -> None:
             d = _digest(p, st) if stat.S_ISREG(st.st_mode) else None
             if d in gone:
                 was = gone.pop(d)
-                c["change"], c["from"] = "renamed", was["path"]
+                c["change"], c["from"], c["from_seen"] = "renamed", was["path"], was.get("seen")
                 c["human_changed"] = c["human_changed"] or was["human_changed"]
                 out.remove(was)
 
@@ -564,6 +580,11 @@ def agent_head(meta: dict[str, Any]) -> str | None:
     else:
         sha = ref
     if not sha or not all(c in "0123456789abcdef" for c in sha) or sha == meta["git"].get("head"):
+        return None
+    try:  # a commit, not a tag or a tree that git's log would see through and its refs refuse
+        if _ours_git(_objects_repo(meta), "cat-file", "-t", sha).strip() != b"commit":
+            return None
+    except WorkspaceError:
         return None
     return sha
 
@@ -665,6 +686,17 @@ def review(session: str, diffs: bool = False) -> dict[str, Any]:
 def _review(meta: dict[str, Any], diffs: bool = False) -> dict[str, Any]:
     found = changes(meta)
     head = agent_head(meta)
+    targets = _targets(meta)
+    upper = _upper(meta)
+    files = [p for p in _walk_files(upper) if not p.startswith(".git/")]
+
+    def bare(head: str) -> bool:  # (objects/ and refs/ may be empty directories: no file says so)
+        d = os.path.join(upper, os.path.dirname(head))
+        return any(os.path.isdir(os.path.join(d, s)) and not os.path.islink(os.path.join(d, s))
+                   for s in ("objects", "refs"))
+
+    repos = tuple(sorted({*_bare_shaped(files), *(os.path.dirname(p) or "." for p in files
+                                                   if os.path.basename(p) == "HEAD" and bare(p))}))
     committed = _committed(meta, head)
     fmt = (meta.get("git") or {}).get("object_format", "sha1")
     upper = _upper(meta)
@@ -676,8 +708,8 @@ def _review(meta: dict[str, Any], diffs: bool = False) -> dict[str, Any]:
         else:
             c["committed"] = committed.get(c["path"]) == _blob_id(os.path.join(upper, c["path"]), fmt)
         c["conflict"] = c["human_changed"] and not c["same"] and not c["committed"]
-        c["control"] = control(meta["project"], c["path"]) or (control(meta["project"], c["from"])
-                                                               if c.get("from") else None)
+        c["control"] = control(meta["project"], c["path"], targets, repos) or (
+            control(meta["project"], c["from"], targets, repos) if c.get("from") else None)
         if diffs and c["change"] in ("modified", "added", "renamed", "type") and not c.get("special"):
             c["diff"] = _diff_text(meta, c["path"], c.get("from"), c.get("hidden", False))
     if meta.get("git") is not None:  # what the agent made that the project's git ignores (build output)
@@ -685,15 +717,14 @@ def _review(meta: dict[str, Any], diffs: bool = False) -> dict[str, Any]:
             c["ignored"] = False
         made = [c for c in found if c["change"] == "added"]
         if made:
-            out = _git(meta["project"], (os.geteuid(), os.getegid()), "check-ignore", "-z", "--stdin",
-                       input=b"\0".join(os.fsencode(c["path"]) for c in made) + b"\0", ok=(0, 1))
-            ignored = {os.fsdecode(p) for p in out.split(b"\0") if p}
+            ignored = _ignored_paths(meta["project"], [c["path"] for c in made])
             for c in made:
                 c["ignored"] = c["path"] in ignored
     found_commits = commits(meta)
     for cm in found_commits:
         cm["files"] = _commit_files(meta, cm["commit"])
-        cm["control"] = sorted({p for f in cm["files"] if (p := control(meta["project"], f))})
+        shaped = _bare_shaped(cm["files"])
+        cm["control"] = sorted({p for f in cm["files"] if (p := control(meta["project"], f, targets, shaped))})
     return {"session": meta["session"], "project": meta["project"], "state": meta["state"],
             "base": {"time_ns": meta["base_ns"], "commit": (meta.get("git") or {}).get("head")},
             "branch": f"agentcell/{meta['session']}" if head else None, "head": head, "commits": found_commits,
@@ -701,16 +732,64 @@ def _review(meta: dict[str, Any], diffs: bool = False) -> dict[str, Any]:
             "changes": found, "hidden": meta.get("hidden", [])}
 
 
-def control(project: str, rel: str) -> str | None:
-    """The entry of ``rel`` that decides what git, a shell or an agent runs (a ``.git`` anywhere, hooks,
-    ``.envrc``, harness and editor config: :func:`agentcell.protect.protected_part`; a ``.gitattributes``,
-    which can name filters), relative to the project, or None."""
+def _ignored_paths(project: str, paths: list[str]) -> set[str]:
+    """Which of ``paths`` the project's git ignores. A path git will not judge (beyond a link in the
+    project, inside a submodule) is asked about alone, and counts as not ignored if git still refuses."""
+    me = (os.geteuid(), os.getegid())
+    try:
+        out = _git(project, me, "check-ignore", "-z", "--stdin", input=b"\0".join(os.fsencode(p) for p in paths)
+                   + b"\0", ok=(0, 1))
+        return {os.fsdecode(p) for p in out.split(b"\0") if p}
+    except WorkspaceError:
+        pass
+    return {p for p in paths if _git_rc(project, "check-ignore", "-q", "--", p) == 0}
+
+
+def _git_rc(project: str, *args: str) -> int:
+    env = {"PATH": "/usr/bin:/bin", "LANG": "C", "GIT_OPTIONAL_LOCKS": "0", "GIT_CONFIG_NOSYSTEM": "1",
+           "HOME": "/nonexistent"}
+    return subprocess.run(["git", *GIT_SAFE, "-c", f"safe.directory={project}", "-C", project, *args],
+                          capture_output=True, env=env, timeout=60).returncode
+
+
+def control(project: str, rel: str, targets: tuple[str, ...] = (), repos: tuple[str, ...] = ()) -> str | None:
+    """The entry of ``rel`` that decides what git, a shell or an agent runs, relative to the project, or
+    None: a ``.git`` anywhere, hooks, ``.envrc``, harness and editor config
+    (:func:`agentcell.protect.protected_part`); a ``.gitattributes``, which can name filters; what the
+    project's git config points git at for code (``targets``: core.hooksPath, include.path); a
+    directory shaped like a bare repository (``repos``), whose config git would read there."""
     from .protect import protected_part
 
     part = protected_part(os.path.join(project, rel), project)
     if part is not None:
         return os.path.relpath(part, project)
+    for t in (*targets, *repos):
+        if _within(rel, t):
+            return t
     return rel if os.path.basename(rel) == ".gitattributes" else None
+
+
+def _targets(meta: dict[str, Any]) -> tuple[str, ...]:
+    """What the project's own git config (the human's) points git at for code, inside the project."""
+    from .protect import config_targets
+
+    project = meta["project"]
+    git_dir = os.path.join(project, ".git")
+    if not os.path.isdir(git_dir):
+        return ()
+    return tuple(os.path.relpath(t, project) for t in config_targets(git_dir, project) if _within(t, project))
+
+
+def _bare_shaped(paths: list[str]) -> tuple[str, ...]:
+    """Directories among ``paths``' parents that hold a HEAD and objects/ or refs/: git takes such a
+    directory for a bare repository and reads its config."""
+    heads = {os.path.dirname(p) for p in paths if os.path.basename(p) == "HEAD"}
+    out = set()
+    for d in heads:
+        pre = f"{d}/" if d else ""
+        if any(p.startswith(pre + "objects/") or p.startswith(pre + "refs/") for p in paths):
+            out.add(d or ".")
+    return tuple(sorted(out))
 
 
 def _commit_files(meta: dict[str, Any], sha: str) -> list[str]:
@@ -730,10 +809,15 @@ def _diff_text(meta: dict[str, Any], rel: str, was: str | None = None, hidden: b
     A path the view hid is shown against nothing: the project's file there is not the agent's to see,
     nor the review's to print."""
     a, b = os.path.join(meta["project"], was or rel), os.path.join(_upper(meta), rel)
-    p = subprocess.run(["diff", "-u", "--label", f"a/{was or rel}", "--label", f"b/{rel}",
+    p = subprocess.run(["diff", "-u", "--label", f"a/{_label(was or rel)}", "--label", f"b/{_label(rel)}",
                         a if not hidden and _regular(a) else "/dev/null", b if _regular(b) else "/dev/null"],
                        capture_output=True, timeout=60)
     return p.stdout.decode(errors="replace")
+
+
+def _label(rel: str) -> str:
+    """A path as a diff's header may show it: no line break or control character the agent put in a name."""
+    return "".join(ch if ch.isprintable() else f"\\x{ord(ch):02x}" for ch in rel)
 
 
 def _regular(path: str) -> bool:
@@ -792,8 +876,10 @@ def _apply_as_owner(meta: dict[str, Any], ours: list[str], theirs: list[str]) ->
                              "runs; nothing was written",
                              f"read it (agentcell session review {meta['session']} --diff), then take it with "
                              f"--theirs {controls[0]} or leave it with --ours {controls[0]}")
-    landed, left = _land(meta, todo)
+    # The branch first: it does not touch the tree, and a repository git's plumbing refuses must fail
+    # the apply before anything of it lands.
     branch = _fetch_branch(meta, r["head"]) if r["head"] else None
+    landed, left = _land(meta, todo)
     warnings = [f"{a} was left behind (remove it by hand)" for a in left]
     for cm in r["commits"]:
         if cm["control"]:
@@ -813,13 +899,16 @@ def _land(meta: dict[str, Any], todo: list[dict[str, Any]]) -> tuple[list[str], 
     was left behind)."""
     upper = _upper(meta)
     writes: list[tuple[str, str]] = []
+    seen: dict[str, list[int] | None] = {}
     for c in todo:
         if c["change"] == "renamed":
             writes += [("delete", c["from"]), ("write", c["path"])]
+            seen[c["from"]] = c.get("from_seen")
         elif c["change"] == "deleted":
             writes.append(("delete", c["path"]))
         else:
             writes.append(("write", c["path"]))
+        seen.setdefault(c["path"], c.get("seen"))
     journal: dict[str, Any] = {"ops": [], "dirs": []}
     jpath = os.path.join(_cs(meta), JOURNAL)
     top = os.open(meta["project"], os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -828,13 +917,18 @@ def _land(meta: dict[str, Any], todo: list[dict[str, Any]]) -> tuple[list[str], 
             dfd = _dir_fd(top, os.path.dirname(rel), what == "write", journal, jpath)
             try:
                 name, aside = os.path.basename(rel), f".agentcell-aside-{meta['session']}-{i}"
-                exists = _lstat_at(name, dfd) is not None
-                journal["ops"].append([rel, aside if exists else "", what == "write"])
+                now = _lstat_at(name, dfd)
+                if _seen(now) != seen.get(rel):  # the human changed it since the review of the change set
+                    raise WorkspaceError("apply", f"{rel} changed while the apply ran; nothing was written",
+                                         "apply again")
+                journal["ops"].append([rel, aside if now is not None else "", what == "write", None])
                 _write_journal(jpath, journal)
-                if exists:
+                if now is not None:
                     os.rename(name, aside, src_dir_fd=dfd, dst_dir_fd=dfd)
                 if what == "write":
                     _copy_in(os.path.join(upper, rel), name, dfd)
+                    journal["ops"][-1][3] = os.lstat(name, dir_fd=dfd).st_ino
+                    _write_journal(jpath, journal)
             finally:
                 os.close(dfd)
         journal["committed"] = True
@@ -855,7 +949,7 @@ def _finish(meta: dict[str, Any], journal: dict[str, Any]) -> list[str]:
     left = []
     top = os.open(meta["project"], os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
-        for rel, aside, _ in journal["ops"]:
+        for rel, aside, *_ in journal["ops"]:
             if not aside:
                 continue
             where = os.path.join(os.path.dirname(rel), aside)
@@ -972,19 +1066,20 @@ def roll_back(meta: dict[str, Any]) -> None:
         return
     top = os.open(meta["project"], os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
-        for rel, aside, written in reversed(journal["ops"]):
+        for rel, aside, written, ino in reversed(journal["ops"]):
             try:
                 dfd = _dir_fd(top, os.path.dirname(rel), False, None, "")
-            except FileNotFoundError:
+            except (FileNotFoundError, WorkspaceError):
                 continue
             try:
                 name = os.path.basename(rel)
-                if aside and _lstat_at(aside, dfd) is not None:
-                    if _lstat_at(name, dfd) is not None:
-                        _remove_at(name, dfd)
-                    os.rename(aside, name, src_dir_fd=dfd, dst_dir_fd=dfd)
-                elif written and not aside:
+                now = _lstat_at(name, dfd)
+                if now is not None and (not written or now.st_ino != ino):
+                    continue  # not what this apply wrote (the human's, made since a crash): left as it is
+                if now is not None:
                     _remove_at(name, dfd)
+                if aside and _lstat_at(aside, dfd) is not None:
+                    os.rename(aside, name, src_dir_fd=dfd, dst_dir_fd=dfd)
             finally:
                 os.close(dfd)
         for rel in reversed(journal["dirs"]):
@@ -1006,7 +1101,7 @@ def _fetch_branch(meta: dict[str, Any], head: str) -> str:
     pack = _ours_git(repo, "pack-objects", "--revs", "--stdout",
                      input=(f"{head}\n" + (f"^{base}\n" if base else "")).encode())
     owner = (os.geteuid(), os.getegid())
-    _git(meta["project"], owner, "index-pack", "--stdin", "--fix-thin", input=pack)
+    _git(meta["project"], owner, "index-pack", "--strict", "--stdin", "--fix-thin", input=pack)
     branch = f"agentcell/{meta['session']}"
     _git(meta["project"], owner, "update-ref", f"refs/heads/{branch}", head, "")
     return branch
@@ -1035,10 +1130,11 @@ def as_owner(meta: dict[str, Any], fn: Any, *args: Any) -> Any:
         return fn(*args)
     meta["marks"] = marks(meta)  # (trusted.* xattrs: root reads them for the owner)
     meta["base_names"] = _base_names(meta)  # (in agentcell's directory, which the owner cannot enter)
-    over = next((d for d in VIEW_OVER if os.path.isdir(d) and not _within(meta["project"], d)), None)
+    over = next((d for d in VIEW_OVER if os.path.isdir(d) and not _within(meta["project"], d)
+                 and not _within(os.path.realpath(_cs(meta)), d)), None)
     if over is None:
         raise WorkspaceError("workspace", f"no place to show the change set to its owner (none of "
-                             f"{', '.join(VIEW_OVER)} is a directory outside the project)", "")
+                             f"{', '.join(VIEW_OVER)} is a directory outside the project and the state)", "")
     cs = _cs(meta)  # (in agentcell's own directory: its name cannot be swapped by the owner)
     r, w = os.pipe2(os.O_CLOEXEC)
     pid = os.fork()
