@@ -34,8 +34,8 @@ if [ ! -x .venv/bin/python ] || [ "$(readlink -f .venv/bin/python)" != "$(readli
   "$PY" -m venv .venv
 fi
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-  echo "+ .venv/bin/pip install -e '.[dev,mcp,langchain,ray]'"
-  .venv/bin/pip install -q --disable-pip-version-check -e '.[dev,mcp,langchain,ray]'
+  echo "+ .venv/bin/pip install -e '.[dev,mcp,langchain,ray,docs]'"
+  .venv/bin/pip install -q --disable-pip-version-check -e '.[dev,mcp,langchain,ray,docs]'
   echo "$want" > "$stamp"
 fi
 

@@ -514,3 +514,12 @@ def test_the_agent_cannot_claim_root_as_its_audit_login_uid(user: User) -> None:
     r = agentcell_run([*as_uid(user), "--", "python3", "-c", code])
     lines = r.out.split()
     assert lines[0] == "REFUSED" and lines[-1] != "0", r.out + r.err
+
+
+def test_the_version_is_one_line_and_an_unknown_command_names_the_known_ones() -> None:
+    from importlib.metadata import version
+
+    p = subprocess.run([AGENTCELL, "--version"], capture_output=True, text=True)
+    assert p.returncode == 0 and p.stdout == f"agentcell {version('agentcell')}\n", p
+    p = subprocess.run([AGENTCELL, "--versoin"], capture_output=True, text=True)
+    assert p.returncode != 0 and "one of: run," in p.stderr and len(p.stderr.splitlines()) == 1, p.stderr

@@ -23,7 +23,7 @@ COMMANDS = {
     "k8s": ("agentcell.cli.k8s", "session plans as Kubernetes agent-sandbox resources, and their image"),
 }
 
-USAGE = "usage: agentcell COMMAND [ARGS...]\n\ncommands:\n" + "".join(
+USAGE = "usage: agentcell [--version] COMMAND [ARGS...]\n\ncommands:\n" + "".join(
     f"  {name:<10}{help_}\n" for name, (_, help_) in COMMANDS.items()
 ) + "\n'agentcell COMMAND --help' for a command's options.\n"
 
@@ -32,6 +32,14 @@ def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if not args or args[0] in ("-h", "--help", "help"):
         sys.stdout.write(USAGE)
+        return 0
+    if args[0] in ("--version", "-V"):
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            sys.stdout.write(f"agentcell {version('agentcell')}\n")
+        except PackageNotFoundError:  # (run from a checkout that was never installed)
+            sys.stdout.write("agentcell (not installed: no version recorded)\n")
         return 0
     entry = COMMANDS.get(args[0])
     if entry is None:
