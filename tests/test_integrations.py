@@ -85,6 +85,22 @@ def test_an_escape_through_mcp_ends_the_cell_and_the_client_sees_why(user: User,
     assert after.is_error and "has ended" in _text(after)
 
 
+def test_mcp_watches_its_cell_unless_told_not_to(user: User, project: Path) -> None:
+    """Watched by default, as Cell.open and the LangChain tool are: an escape attempt ends the cell.
+    --no-monitor: the kernel still refuses it, and the cell carries on."""
+    async def steps(s: Any) -> list[Any]:
+        tried = await s.call_tool("run_command", {"command": "cat /etc/shadow; sleep 5; echo carried-on"})
+        after = await s.call_tool("run_command", {"command": "echo still-here"})
+        return [tried, after]
+
+    tried, after = _mcp_session(["--as", str(user.uid), "--rw", str(project)], steps)
+    assert tried.is_error and "escape attempt" in _text(tried) and "carried-on" not in _text(tried), _text(tried)
+    assert after.is_error, _text(after)
+    tried, after = _mcp_session(["--as", str(user.uid), "--rw", str(project), "--no-monitor"], steps)
+    assert "Permission denied" in _text(tried) and "carried-on" in _text(tried), _text(tried)
+    assert not after.is_error and "still-here" in _text(after), _text(after)
+
+
 def test_mcp_bad_flag_is_one_line() -> None:
     import subprocess
 

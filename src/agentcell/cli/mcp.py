@@ -12,10 +12,16 @@ PROG = "agentcell mcp"
 
 def main(argv: list[str]) -> int:
     if argv[:1] in (["-h"], ["--help"]):
-        sys.stdout.write(f"usage: {PROG} [--as WHO] [--rw PATH]... [--net MODE] [--monitor] [RUN OPTIONS]\n\n"
-                         f"{__doc__}\nAdd it to a client, e.g. Claude Code: claude mcp add agentcell -- agentcell mcp "
-                         "--rw $PWD --monitor\n")
+        sys.stdout.write(f"usage: {PROG} [--as WHO] [--rw PATH]... [--net MODE] [--no-monitor] [RUN OPTIONS]\n\n"
+                         f"{__doc__}\n"
+                         "The cell is watched, as every live cell's face is (Cell.open, the LangChain tool): the "
+                         "first escape\nattempt ends it and the client is told why. --no-monitor runs it unwatched "
+                         "(the kernel still\nrefuses the attempt; the cell carries on). --on-escape record keeps it "
+                         "watched but running.\nThe rest are 'agentcell run' options ('agentcell run --help').\n\n"
+                         "Add it to a client, e.g. Claude Code: claude mcp add agentcell -- agentcell mcp --rw $PWD\n")
         return 0
+    watched = "--no-monitor" not in argv  # (a face of a live cell is watched unless told otherwise)
+    argv = [a for a in argv if a != "--no-monitor"]
     from . import run
 
     try:
@@ -32,7 +38,9 @@ def main(argv: list[str]) -> int:
             raise AgentcellError("--timeout", "is per command here", "the run_command tool takes timeout_s")
         from ..api import LiveCell
 
-        cell = LiveCell.open(run.build_spec(ns), monitor=ns.on_escape or "terminate" if ns.monitor else None)
+        if not watched and (ns.monitor or ns.on_escape):
+            raise AgentcellError("--no-monitor", "contradicts --monitor/--on-escape", "drop one of them")
+        cell = LiveCell.open(run.build_spec(ns), monitor=(ns.on_escape or "terminate") if watched else None)
     except AgentcellError as e:
         return report(PROG, e)
     try:
