@@ -391,10 +391,14 @@ def test_what_decides_execution_lands_only_when_named(env: Env, user: User, repo
     review and refused by apply until --theirs names it; a commit that adds one is named when it lands.
     A name with a line break cannot forge a diff's header."""
     write(user, repo / "githooks" / "pre-commit", "#!/bin/sh\nexit 0\n")
+    for rel, text in (("tools/bare/HEAD", "ref: refs/heads/main\n"), ("tools/bare/objects/keep", ""),
+                      ("tools/bare/config", "[core]\n")):  # a bare repository of the human's, in the project
+        write(user, repo / rel, text)
     git(user, repo, "config", "core.hooksPath", "githooks")
     git(user, repo, "add", "githooks")
     git(user, repo, "commit", "-qm", "hooks")
-    sid = shell_session(env, "echo 'touch /tmp/pwned' >> githooks/pre-commit; mkdir -p vendor/bare/objects "
+    sid = shell_session(env, "echo 'touch /tmp/pwned' >> githooks/pre-commit; "
+                             "echo '\tfsmonitor = touch /tmp/pwned' >> tools/bare/config; mkdir -p vendor/bare/objects "
                              "vendor/bare/refs && echo 'ref: refs/heads/main' > vendor/bare/HEAD && printf "
                              "'[core]\\n\\tfsmonitor = touch /tmp/pwned\\n' > vendor/bare/config; "
                              "printf 'evil\\n' > \"$(printf 'zz\\n+++ README.md')\"; "
@@ -407,6 +411,7 @@ def test_what_decides_execution_lands_only_when_named(env: Env, user: User, repo
     control = {c["path"]: c["control"] for c in r["changes"] if c["control"]}
     assert control.get(".envrc") == ".envrc" and any(v == "sub/.git" for v in control.values()), r["changes"]
     assert control.get("githooks/pre-commit") == "githooks" and control.get("vendor/bare/config") == "vendor/bare"
+    assert control.get("tools/bare/config") == "tools/bare", control  # the human's own, edited by the agent
     forged = next(c for c in r["changes"] if c["path"].startswith("zz"))
     assert "\n+++ README.md" not in forged["diff"] and "zz\\x0a+++ README.md" in forged["diff"], forged
     assert any(".gitattributes" in cm["control"] for cm in r["commits"]), r["commits"]
@@ -414,7 +419,8 @@ def test_what_decides_execution_lands_only_when_named(env: Env, user: User, repo
     p = cli(env, "apply", sid)
     assert p.returncode == 125 and ".envrc" in p.stderr and "nothing was written" in p.stderr, p.stderr
     assert digest(repo) == before
-    subs = sorted(c["path"] for c in r["changes"] if c["control"] in ("sub/.git", "githooks", "vendor/bare"))
+    subs = sorted(c["path"] for c in r["changes"] if c["control"] in ("sub/.git", "githooks", "vendor/bare",
+                                                                      "tools/bare"))
     p = cli(env, "apply", sid, "--theirs", ".envrc", *(a for s in subs for a in ("--ours", s)))
     assert p.returncode == 0 and ".gitattributes" in p.stderr, p.stderr  # the commit's, named when it lands
     assert (repo / ".envrc").exists() and not (repo / "sub" / ".git").exists() and (repo / "a.txt").read_text() \

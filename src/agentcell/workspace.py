@@ -56,7 +56,7 @@ import os
 import stat
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from . import hostfs
@@ -189,26 +189,8 @@ def _listing(project: str, hidden: set[str]) -> dict[str, int]:
     inode number: what the base held. From the directories alone (readdir gives the inode; no file is
     stat'ed): 20,000 files in about 12 ms. A file replaced since (a rename over it, a directory moved
     in its place) has another inode."""
-    out: dict[str, int] = {}
-    dev = os.lstat(project).st_dev
-    stack = [""]
-    while stack:
-        r = stack.pop()
-        try:
-            it = os.scandir(os.path.join(project, r) if r else project)
-        except OSError:
-            continue
-        with it:
-            for e in it:
-                rel = f"{r}/{e.name}" if r else e.name
-                if rel in hidden or (not r and e.name == ".git"):
-                    continue
-                if e.is_dir(follow_symlinks=False):
-                    if e.stat(follow_symlinks=False).st_dev == dev:  # (the view does not cross mounts either)
-                        stack.append(rel)
-                else:
-                    out[rel] = e.inode()
-    return out
+    return {rel: e.inode() for rel, e in _walk(project, skip=lambda rel, e: rel in hidden or rel == ".git")
+            if not e.is_dir(follow_symlinks=False)}
 
 
 def _write_names(path: str, names: dict[str, int]) -> None:
@@ -365,27 +347,39 @@ def _lstat(path: str) -> os.stat_result | None:
         return None
 
 
-def _walk_files(top: str, rel: str = "") -> Iterator[str]:
-    """Every non-directory below ``top/rel`` (paths relative to ``top``), iteratively, never following a
-    link nor crossing into another mount."""
+def _walk(top: str, start: str = "", skip: Callable[[str, os.DirEntry[str]], bool] | None = None,
+          strict: bool = False) -> Iterator[tuple[str, os.DirEntry[str]]]:
+    """Every entry below ``top/start``: (its path relative to ``top``, its entry), iteratively, never
+    following a link nor entering a directory on another file system (the view does not cross mounts
+    either). ``skip``: entries left out, and not entered. A directory that cannot be read is passed
+    over, or with ``strict`` its error raised."""
     try:
         dev = os.lstat(top).st_dev
     except OSError:
+        if strict:
+            raise
         return
-    stack = [rel]
+    stack = [start]
     while stack:
         r = stack.pop()
         try:
             entries = list(os.scandir(os.path.join(top, r) if r else top))
         except OSError:
+            if strict:
+                raise
             continue
         for e in entries:
-            sub = f"{r}/{e.name}" if r else e.name
-            if e.is_dir(follow_symlinks=False):
-                if e.stat(follow_symlinks=False).st_dev == dev:
-                    stack.append(sub)
-            else:
-                yield sub
+            rel = f"{r}/{e.name}" if r else e.name
+            if skip is not None and skip(rel, e):
+                continue
+            yield rel, e
+            if e.is_dir(follow_symlinks=False) and e.stat(follow_symlinks=False).st_dev == dev:
+                stack.append(rel)
+
+
+def _walk_files(top: str, rel: str = "") -> Iterator[str]:
+    """Every non-directory below ``top/rel`` (paths relative to ``top``)."""
+    return (r for r, e in _walk(top, rel) if not e.is_dir(follow_symlinks=False))
 
 
 def _digest(path: str, st: os.stat_result) -> str:
@@ -431,58 +425,47 @@ def changes(meta: dict[str, Any]) -> list[dict[str, Any]]:
 
     out: list[dict[str, Any]] = []
     deleted: list[str] = []
-    stack = [""]
-    while stack:
-        r = stack.pop()
-        try:
-            entries = list(os.scandir(os.path.join(upper, r) if r else upper))
-        except OSError:
-            continue
-        for e in entries:
-            rel = f"{r}/{e.name}" if r else e.name
-            if git and rel == ".git":
-                continue
-            st = e.stat(follow_symlinks=False)
-            low = os.path.join(project, rel)
-            lst = _lstat(low)
-            if _is_whiteout(st):
-                if lst is not None and stat.S_ISDIR(lst.st_mode):  # a directory, as one: it goes whole
-                    files = below(rel)
-                    out.append({"path": rel, "change": "deleted", "dir": True, "removes": files, "same": False,
-                                "seen": _seen(lst),
-                                "hidden": _under_hidden(rel, hidden),
-                                "human_changed": any(theirs(f, _lstat(os.path.join(project, f))) for f in files)})
-                else:
-                    deleted.append(rel)
-                continue
-            if stat.S_ISDIR(st.st_mode):
-                if lst is not None and stat.S_ISDIR(lst.st_mode):
-                    if rel in opaque:  # the agent removed the directory and made its own
-                        deleted += sorted(set(below(rel)) - set(_walk_files(upper, rel)))
-                elif lst is not None or rel in base:  # a file the agent replaced by a directory
-                    deleted.append(rel)
-                stack.append(rel)
-                continue
-            c: dict[str, Any] = {"path": rel, "hidden": _under_hidden(rel, hidden), "mode": stat.S_IMODE(st.st_mode),
-                                 "seen": _seen(lst)}
-            if stat.S_ISLNK(st.st_mode):
-                c["link"] = os.readlink(e.path)
-            if _kind(st) == "other":  # a fifo, a socket, a device: shown, never applied
-                c.update(change="added" if lst is None else "type", human_changed=False, same=False, special=True)
-            elif lst is not None and stat.S_ISDIR(lst.st_mode):  # a directory the agent replaced by a file
+    for rel, e in _walk(upper, skip=lambda rel, e: git and rel == ".git"):
+        st = e.stat(follow_symlinks=False)
+        low = os.path.join(project, rel)
+        lst = _lstat(low)
+        if _is_whiteout(st):
+            if lst is not None and stat.S_ISDIR(lst.st_mode):  # a directory, as one: it goes whole
                 files = below(rel)
-                c.update(change="type", removes=files, same=False,
-                         human_changed=any(theirs(f, _lstat(os.path.join(project, f))) for f in files))
-            elif lst is None:
-                c.update(change="modified" if rel in base else "added", human_changed=rel in base, same=False)
+                out.append({"path": rel, "change": "deleted", "dir": True, "removes": files, "same": False,
+                            "seen": _seen(lst),
+                            "hidden": _under_hidden(rel, hidden),
+                            "human_changed": any(theirs(f, _lstat(os.path.join(project, f))) for f in files)})
             else:
-                same = _kind(lst) == _kind(st) and _digest(e.path, st) == _digest(low, lst)
-                if same and stat.S_IMODE(st.st_mode) == stat.S_IMODE(lst.st_mode) and not theirs(rel, lst):
-                    continue  # copied up, not changed (opened for writing, touched)
-                change = "type" if _kind(lst) != _kind(st) else "mode" if same else "modified"
-                c.update(change=change if rel in base else "added", human_changed=theirs(rel, lst),
-                         same=same and stat.S_IMODE(st.st_mode) == stat.S_IMODE(lst.st_mode))
-            out.append(c)
+                deleted.append(rel)
+            continue
+        if stat.S_ISDIR(st.st_mode):
+            if lst is not None and stat.S_ISDIR(lst.st_mode):
+                if rel in opaque:  # the agent removed the directory and made its own
+                    deleted += sorted(set(below(rel)) - set(_walk_files(upper, rel)))
+            elif lst is not None or rel in base:  # a file the agent replaced by a directory
+                deleted.append(rel)
+            continue
+        c: dict[str, Any] = {"path": rel, "hidden": _under_hidden(rel, hidden), "mode": stat.S_IMODE(st.st_mode),
+                             "seen": _seen(lst)}
+        if stat.S_ISLNK(st.st_mode):
+            c["link"] = os.readlink(e.path)
+        if _kind(st) == "other":  # a fifo, a socket, a device: shown, never applied
+            c.update(change="added" if lst is None else "type", human_changed=False, same=False, special=True)
+        elif lst is not None and stat.S_ISDIR(lst.st_mode):  # a directory the agent replaced by a file
+            files = below(rel)
+            c.update(change="type", removes=files, same=False,
+                     human_changed=any(theirs(f, _lstat(os.path.join(project, f))) for f in files))
+        elif lst is None:
+            c.update(change="modified" if rel in base else "added", human_changed=rel in base, same=False)
+        else:
+            same = _kind(lst) == _kind(st) and _digest(e.path, st) == _digest(low, lst)
+            if same and stat.S_IMODE(st.st_mode) == stat.S_IMODE(lst.st_mode) and not theirs(rel, lst):
+                continue  # copied up, not changed (opened for writing, touched)
+            change = "type" if _kind(lst) != _kind(st) else "mode" if same else "modified"
+            c.update(change=change if rel in base else "added", human_changed=theirs(rel, lst),
+                     same=same and stat.S_IMODE(st.st_mode) == stat.S_IMODE(lst.st_mode))
+        out.append(c)
     for rel in dict.fromkeys(deleted):
         lst = _lstat(os.path.join(project, rel))
         if lst is None and rel not in base:
@@ -546,25 +529,20 @@ def git_problem(meta: dict[str, Any]) -> str | None:
         return "the agent replaced .git by a link or a file"
     if any(os.path.lexists(os.path.join(top, r)) for r in BORROWED):
         return "the agent's .git borrows objects or config from elsewhere (alternates, commondir)"
-    stack = [top]
-    while stack:
-        d = stack.pop()
-        try:
-            entries = list(os.scandir(d))
-        except OSError:
-            return f"{os.path.relpath(d, _upper(meta))} cannot be read"
-        for e in entries:
+    try:
+        for rel, e in _walk(top, strict=True):
             if e.is_symlink():
-                return f"the agent's .git holds a link ({os.path.relpath(e.path, _upper(meta))})"
-            if e.is_dir(follow_symlinks=False):
-                stack.append(e.path)
+                return f"the agent's .git holds a link (.git/{rel})"
+    except OSError as e:
+        return f"{os.path.relpath(str(e.filename), _upper(meta))} cannot be read"
     return None
 
 
-def agent_head(meta: dict[str, Any]) -> str | None:
+def agent_head(meta: dict[str, Any], problem: str | None) -> str | None:
     """The commit the agent's HEAD names at the end (its ``.git`` as the view shows it: the change set
-    over the project's), or None where it made none or its ``.git`` cannot be trusted (:func:`git_problem`)."""
-    if meta.get("git") is None or git_problem(meta) is not None:
+    over the project's), or None where it made none or its ``.git`` cannot be trusted (``problem``:
+    :func:`git_problem`'s answer)."""
+    if meta.get("git") is None or problem is not None:
         return None
     ref = _read_view(meta, ".git/HEAD").strip()
     if ref.startswith("ref: "):
@@ -632,8 +610,8 @@ def _ours_git(repo: str, *args: str, input: bytes | None = None) -> bytes:
     return p.stdout
 
 
-def commits(meta: dict[str, Any]) -> list[dict[str, Any]]:
-    head = agent_head(meta)
+def commits(meta: dict[str, Any], head: str | None) -> list[dict[str, Any]]:
+    """The agent's commits from the base to ``head`` (:func:`agent_head`), newest first."""
     if head is None:
         return []
     repo = _objects_repo(meta)
@@ -685,18 +663,10 @@ def review(session: str, diffs: bool = False) -> dict[str, Any]:
 
 def _review(meta: dict[str, Any], diffs: bool = False) -> dict[str, Any]:
     found = changes(meta)
-    head = agent_head(meta)
+    problem = git_problem(meta) if meta.get("git") is not None else None
+    head = agent_head(meta, problem)
     targets = _targets(meta)
-    upper = _upper(meta)
-    files = [p for p in _walk_files(upper) if not p.startswith(".git/")]
-
-    def bare(head: str) -> bool:  # (objects/ and refs/ may be empty directories: no file says so)
-        d = os.path.join(upper, os.path.dirname(head))
-        return any(os.path.isdir(os.path.join(d, s)) and not os.path.islink(os.path.join(d, s))
-                   for s in ("objects", "refs"))
-
-    repos = tuple(sorted({*_bare_shaped(files), *(os.path.dirname(p) or "." for p in files
-                                                   if os.path.basename(p) == "HEAD" and bare(p))}))
+    repos = _bare_in_view(meta, [p for c in found for p in (c["path"], c.get("from")) if p])
     committed = _committed(meta, head)
     fmt = (meta.get("git") or {}).get("object_format", "sha1")
     upper = _upper(meta)
@@ -720,7 +690,7 @@ def _review(meta: dict[str, Any], diffs: bool = False) -> dict[str, Any]:
             ignored = _ignored_paths(meta["project"], [c["path"] for c in made])
             for c in made:
                 c["ignored"] = c["path"] in ignored
-    found_commits = commits(meta)
+    found_commits = commits(meta, head)
     for cm in found_commits:
         cm["files"] = _commit_files(meta, cm["commit"])
         shaped = _bare_shaped(cm["files"])
@@ -728,7 +698,7 @@ def _review(meta: dict[str, Any], diffs: bool = False) -> dict[str, Any]:
     return {"session": meta["session"], "project": meta["project"], "state": meta["state"],
             "base": {"time_ns": meta["base_ns"], "commit": (meta.get("git") or {}).get("head")},
             "branch": f"agentcell/{meta['session']}" if head else None, "head": head, "commits": found_commits,
-            "git_problem": git_problem(meta) if meta.get("git") is not None else None,
+            "git_problem": problem,
             "changes": found, "hidden": meta.get("hidden", [])}
 
 
@@ -778,6 +748,28 @@ def _targets(meta: dict[str, Any]) -> tuple[str, ...]:
     if not os.path.isdir(git_dir):
         return ()
     return tuple(os.path.relpath(t, project) for t in config_targets(git_dir, project) if _within(t, project))
+
+
+def _bare_in_view(meta: dict[str, Any], paths: list[str]) -> tuple[str, ...]:
+    """The directories above ``paths`` that the agent's view shows shaped like a bare repository (a HEAD
+    file, and an objects/ or refs/ directory, in the change set or in the project beneath it: a bare
+    repository of the human's whose config the agent edited counts too). A layer's entry is enough:
+    when unsure, the path is flagged."""
+    def has(rel: str, is_dir: bool) -> bool:
+        for top in (_upper(meta), meta["project"]):
+            st = _lstat(os.path.join(top, rel))
+            if st is not None and not _is_whiteout(st) and (stat.S_ISDIR(st.st_mode) if is_dir
+                                                            else stat.S_ISREG(st.st_mode)):
+                return True
+        return False
+
+    seen: dict[str, bool] = {}
+    for p in paths:
+        d = os.path.dirname(p)
+        while d and d not in seen:
+            seen[d] = has(f"{d}/HEAD", False) and (has(f"{d}/objects", True) or has(f"{d}/refs", True))
+            d = os.path.dirname(d)
+    return tuple(sorted(d for d, bare in seen.items() if bare))
 
 
 def _bare_shaped(paths: list[str]) -> tuple[str, ...]:
