@@ -28,18 +28,17 @@ import argparse
 import hashlib
 import json
 import os
-import pwd
 import re
 import secrets
 import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
-AGENTCELL = str(Path(sys.executable).parent / "agentcell")
+from rig import AGENTCELL, throwaway  # (bench/rig.py, beside this file)
+
 PIP_PKGS = ["requests==2.32.3", "rich==13.9.4", "pydantic==2.10.4", "attrs==24.3.0"]
 UV_PKG = "uv==0.13.9"
 TOOLS = ("pip", "uv", "npm")
@@ -237,44 +236,34 @@ def main() -> int:
         raise SystemExit("run as root (a session makes a per-session account; the project is a throwaway user's)")
     pip = pip_binary()
     uv_binary(pip)
-    user = "ac-tbench" + secrets.token_hex(2)
-    subprocess.run(["useradd", "-M", "-d", "/nonexistent", "-s", "/usr/sbin/nologin", user], check=True)
-    pw = pwd.getpwnam(user)
-    base = Path(tempfile.mkdtemp(prefix="agentcell-bench-caches-"))
-    os.chmod(base, 0o755)
-    state = base / "state"
-    state.mkdir(mode=0o700)
     rows: dict[str, list[float]] = {f"{where}{what} {t}": [] for where in ("", "host ") for what in TOOLS
                                     for t in ("cold", "warm")}
     cache_info: dict[str, dict[str, Any]] = {}
-    link = Link()
-    try:
-        lock = lockfile(base)
-        if args.link:
-            link.emulate(base, args.link, pip, lock)
-        for _ in range(args.rounds):
-            for what in TOOLS:
-                project = fresh_project(base, pw.pw_uid, pw.pw_gid, lock)
-                rows[f"{what} cold"].append(in_session(project, state, what, pip, link))
-                clean(project)
-                rows[f"{what} warm"].append(in_session(project, state, what, pip, link))
-                listed = json.loads(subprocess.run([AGENTCELL, "cache", "list", "--json"], capture_output=True,
-                                                   text=True, env={"AGENTCELL_STATE_DIR": str(state)}).stdout)
-                cache_info[what] = next(e for e in listed if e["project"] == str(project))
-                host = fresh_project(base, 0, 0, lock)
-                cache = base / ("hostcache" + secrets.token_hex(2))
-                rows[f"host {what} cold"].append(on_host(host, cache, what, pip, link))
-                clean(host)
-                rows[f"host {what} warm"].append(on_host(host, cache, what, pip, link))
-                if what == "pip" and link.wheels is not None:  # pip's own work, with no network at all
+    with throwaway("ac-tbench", "caches") as (pw, base, state):
+        link = Link()
+        try:
+            lock = lockfile(base)
+            if args.link:
+                link.emulate(base, args.link, pip, lock)
+            for _ in range(args.rounds):
+                for what in TOOLS:
+                    project = fresh_project(base, pw.pw_uid, pw.pw_gid, lock)
+                    rows[f"{what} cold"].append(in_session(project, state, what, pip, link))
+                    clean(project)
+                    rows[f"{what} warm"].append(in_session(project, state, what, pip, link))
+                    listed = json.loads(subprocess.run([AGENTCELL, "cache", "list", "--json"], capture_output=True,
+                                                       text=True, env={"AGENTCELL_STATE_DIR": str(state)}).stdout)
+                    cache_info[what] = next(e for e in listed if e["project"] == str(project))
+                    host = fresh_project(base, 0, 0, lock)
+                    cache = base / ("hostcache" + secrets.token_hex(2))
+                    rows[f"host {what} cold"].append(on_host(host, cache, what, pip, link))
                     clean(host)
-                    rows.setdefault("host pip offline", []).append(on_host(host, cache, "pip-offline", pip, link))
-    finally:
-        link.close()
-        subprocess.run([AGENTCELL, "session", "recover"], env={"AGENTCELL_STATE_DIR": str(state),
-                                                              "PATH": "/usr/bin:/bin"}, capture_output=True)
-        shutil.rmtree(base, ignore_errors=True)
-        subprocess.run(["userdel", user], capture_output=True)
+                    rows[f"host {what} warm"].append(on_host(host, cache, what, pip, link))
+                    if what == "pip" and link.wheels is not None:  # pip's own work, with no network at all
+                        clean(host)
+                        rows.setdefault("host pip offline", []).append(on_host(host, cache, "pip-offline", pip, link))
+        finally:
+            link.close()
     med = {k: statistics.median(v) for k, v in rows.items()}
     out = {"seconds": med, "rounds": args.rounds, "link": f"{args.link} Mbit/s (stand-ins)"
            if args.link else "the real registries", "pip": PIP_PKGS, "uv": UV_PKG, "npm": NPM_PKGS,

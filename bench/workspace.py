@@ -17,17 +17,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import pwd
 import secrets
-import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-AGENTCELL = str(Path(sys.executable).parent / "agentcell")
+from rig import AGENTCELL, throwaway  # (bench/rig.py, beside this file)
 
 
 def make_project(base: Path, files: int, uid: int, gid: int) -> Path:
@@ -92,16 +89,9 @@ def main() -> int:
     args = ap.parse_args()
     if os.geteuid() != 0:
         raise SystemExit("run as root (sessions make per-session accounts; the projects are a throwaway user's)")
-    user = "ac-wbench" + secrets.token_hex(2)
-    subprocess.run(["useradd", "-M", "-d", "/nonexistent", "-s", "/usr/sbin/nologin", user], check=True)
-    pw = pwd.getpwnam(user)
-    base = Path(tempfile.mkdtemp(prefix="agentcell-bench-workspace-"))
-    os.chmod(base, 0o755)
-    state = base / "state"
-    state.mkdir(mode=0o700)
     sizes = (10, args.files)
     rows: dict[str, list[float]] = {f"{what} {n}": [] for what in ("copy", "direct", "worktree") for n in sizes}
-    try:
+    with throwaway("ac-wbench", "workspace") as (pw, base, state):
         projects = {n: make_project(base, n, pw.pw_uid, pw.pw_gid) for n in sizes}
         for n in sizes:  # one untimed round each: the page cache holds both trees alike
             session(projects[n], state, "copy")
@@ -110,11 +100,6 @@ def main() -> int:
                 rows[f"copy {n}"].append(session(projects[n], state, "copy"))
                 rows[f"direct {n}"].append(session(projects[n], state, "direct"))
                 rows[f"worktree {n}"].append(worktree(projects[n], pw.pw_uid, pw.pw_gid))
-    finally:
-        subprocess.run([AGENTCELL, "session", "recover"], env={"AGENTCELL_STATE_DIR": str(state),
-                                                              "PATH": "/usr/bin:/bin"}, capture_output=True)
-        shutil.rmtree(base, ignore_errors=True)
-        subprocess.run(["userdel", user], capture_output=True)
     med = {k: statistics.median(v) * 1000 for k, v in rows.items()}
     big, small = sizes[1], sizes[0]
     out = {"ms": med, "rounds": args.rounds, "files": list(sizes),
