@@ -18,6 +18,11 @@ from .errors import AgentcellError, printable
 MAX_FILE = 1 << 20  # a configuration file, a script
 
 
+def within(path: str, top: str) -> bool:
+    """``path`` is ``top`` or lies below it (as written: neither is resolved)."""
+    return path == top or path.startswith(top.rstrip("/") + "/")
+
+
 def shown(path: str, limit: int = 200) -> str:
     """A path (or any value) as an error line may show it: printable, and at most ``limit`` characters."""
     text = printable(path)

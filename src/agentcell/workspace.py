@@ -98,10 +98,6 @@ def _upper(meta: dict[str, Any]) -> str:
     return os.path.join(_cs(meta), "upper")
 
 
-def _within(path: str, top: str) -> bool:
-    return path == top or path.startswith(top.rstrip("/") + "/")
-
-
 def _made_dir(path: str, mode: int) -> None:
     """``path``, a directory of ours with ``mode``: made, or found as a real directory of ours."""
     try:
@@ -474,7 +470,7 @@ def changes(meta: dict[str, Any]) -> list[dict[str, Any]]:
                     "hidden": _under_hidden(rel, hidden), "seen": _seen(lst)})
     # A directory the agent replaced by a file takes its files with it: no deletion of them on their own.
     covered = [c["path"] for c in out if c.get("removes") and not c.get("dir")]
-    out = [c for c in out if not (c["change"] == "deleted" and any(_within(c["path"], p) and c["path"] != p
+    out = [c for c in out if not (c["change"] == "deleted" and any(hostfs.within(c["path"], p) and c["path"] != p
                                                                      for p in covered))]
     _pair_renames(out, meta)
     return sorted(out, key=lambda c: c["path"])
@@ -486,7 +482,7 @@ def _seen(lst: os.stat_result | None) -> list[int] | None:
 
 
 def _under_hidden(rel: str, hidden: set[str]) -> bool:
-    return any(rel == h or rel.startswith(h + "/") for h in hidden)
+    return any(hostfs.within(rel, h) for h in hidden)
 
 
 def _pair_renames(out: list[dict[str, Any]], meta: dict[str, Any]) -> None:
@@ -734,7 +730,7 @@ def control(project: str, rel: str, targets: tuple[str, ...] = (), repos: tuple[
     if part is not None:
         return os.path.relpath(part, project)
     for t in (*targets, *repos):
-        if _within(rel, t):
+        if hostfs.within(rel, t):
             return t
     return rel if os.path.basename(rel) == ".gitattributes" else None
 
@@ -747,7 +743,7 @@ def _targets(meta: dict[str, Any]) -> tuple[str, ...]:
     git_dir = os.path.join(project, ".git")
     if not os.path.isdir(git_dir):
         return ()
-    return tuple(os.path.relpath(t, project) for t in config_targets(git_dir, project) if _within(t, project))
+    return tuple(os.path.relpath(t, project) for t in config_targets(git_dir, project) if hostfs.within(t, project))
 
 
 def _bare_in_view(meta: dict[str, Any], paths: list[str]) -> tuple[str, ...]:
@@ -1122,8 +1118,8 @@ def as_owner(meta: dict[str, Any], fn: Any, *args: Any) -> Any:
         return fn(*args)
     meta["marks"] = marks(meta)  # (trusted.* xattrs: root reads them for the owner)
     meta["base_names"] = _base_names(meta)  # (in agentcell's directory, which the owner cannot enter)
-    over = next((d for d in VIEW_OVER if os.path.isdir(d) and not _within(meta["project"], d)
-                 and not _within(os.path.realpath(_cs(meta)), d)), None)
+    over = next((d for d in VIEW_OVER if os.path.isdir(d) and not hostfs.within(meta["project"], d)
+                 and not hostfs.within(os.path.realpath(_cs(meta)), d)), None)
     if over is None:
         raise WorkspaceError("workspace", f"no place to show the change set to its owner (none of "
                              f"{', '.join(VIEW_OVER)} is a directory outside the project and the state)", "")

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from langgraph.errors import NodeError
 from langgraph.types import Command
 
-from .. import caches
+from .. import caches, hostfs
 from ..audit.trail import AuditLog, AuditWriteError
 from ..cell import cgroups
 from ..cell.spec import DEFAULT_PATH
@@ -346,15 +346,15 @@ class Nodes:
         include = list(cfg.get("workspace_include") or [])
         # What the cell masks in the project is left out of the copy, but what the human names with
         # --workspace-include (their .env, say): that is theirs to give.
-        inside = [m for m in spec.masked_paths if _within(m, project) and m != project
+        inside = [m for m in spec.masked_paths if hostfs.within(m, project) and m != project
                   and os.path.relpath(m, project) not in include]
         ws = workspace.create(sid, project, owner=(int(human[0]), int(human[1])),
                               account=(spec.identity.uid, spec.identity.gid), include=include, masked=inside,
                               trail=cfg.get("audit_log_path"))
         # The copy is the whole project: declared paths inside it are in it; those outside stay as they are.
-        rw = (project, *(p for p in spec.rw_paths if not _within(p, project)))
+        rw = (project, *(p for p in spec.rw_paths if not hostfs.within(p, project)))
         spec = spec.replace(workspace=ws, rw_paths=rw, masked_paths=tuple(m for m in spec.masked_paths
-                                                                          if not _within(m, project)))
+                                                                          if not hostfs.within(m, project)))
         return spec, workspace.path_of(sid)
 
     @staticmethod
@@ -680,12 +680,9 @@ def _written(state: SessionState) -> list[str]:
     cfg = state.get("config") or {}
     if cfg.get("workspace") == "copy":
         project = os.path.realpath(cfg["project_root"])
-        return [p for p in rw if not _within(os.path.realpath(p), project)]
+        return [p for p in rw if not hostfs.within(os.path.realpath(p), project)]
     return rw
 
-
-def _within(path: str, top: str) -> bool:
-    return path == top or path.startswith(top.rstrip("/") + "/")
 
 
 def _ids(paths: list[str]) -> list[list[int]]:
