@@ -468,3 +468,16 @@ def test_replaced_directories_a_failed_apply_and_what_the_view_hides(env: Env, u
     assert not list(repo.rglob(".agentcell-aside-*"))
     assert not (repo / "src" / "__pycache__" / "y.pyc").exists() and (repo / "src" / "__pycache__" / "x.pyc").exists()
     assert cli(env, "discard", sid).returncode == 0
+
+
+def test_what_git_ignores_is_judged_even_beside_a_path_git_refuses(tmp_path: Path) -> None:
+    """check-ignore refuses a whole batch for one path beyond a link (exit 128); the rest are still
+    judged one by one, and the refused one counts as not ignored."""
+    from agentcell import workspace
+
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    (tmp_path / ".gitignore").write_text("*.pyc\n")
+    (tmp_path / "d").mkdir()
+    (tmp_path / "lnk").symlink_to("d")
+    assert workspace._ignored_paths(str(tmp_path), ["a.pyc", "b.py", "lnk/f.pyc"]) == {"a.pyc"}
+    assert workspace._ignored_paths(str(tmp_path), ["a.pyc", "b.py"]) == {"a.pyc"}
