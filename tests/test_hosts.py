@@ -41,7 +41,7 @@ def _script(spec: CellSpec, argv: list[str]) -> FakeRun:
 IN_PROCESS = r'''
 import json, os, sys
 from agentcell.cell.spec import spec_from_dict
-from agentcell.host.base import InProcess
+from agentcell.host.inprocess import InProcess
 spec = spec_from_dict(json.loads(sys.argv[1]))
 out = os.open(sys.argv[2], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
 cell = InProcess().start(spec, ["sh", "-c", "echo hello; exit 3"], stdio=(0, out, 2), monitor=sys.argv[3] or None)

@@ -96,6 +96,16 @@ class PolicyError(AgentcellError):
     """The request or policy is refused before anything is created."""
 
 
+class CellEnded(AgentcellError):
+    """The live cell has ended (an escape, a stop, its host gone); ``reason`` says which."""
+
+    exit_code = 137
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+        super().__init__("cell", reason, "open a new cell")
+
+
 class LaunchError(AgentcellError):
     """A kernel step of the launch failed; ``field`` names the step."""
 

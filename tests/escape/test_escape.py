@@ -33,7 +33,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import AGENTCELL, User, _drop_user, _make_user, agentcell_run, needs_root
+from conftest import AGENTCELL, VENV_BIN, User, _drop_user, _make_user, agentcell_run, needs_root
 
 pytestmark = needs_root
 
@@ -203,9 +203,11 @@ def warm_launcher() -> Iterator[None]:
         _gone_or_killed(pid, b"agentcell.host.zygote")
 
 
-def run_live(a: Attempt, user: User, project: Path) -> Outcome:
+def run_live(a: Attempt, user: User, project: Path, watched: bool = False) -> Outcome:
     """The probe as one command of a live cell (``agentcell cell start``, ``exec``, ``stop``): the cell's
-    result (limits, CPU, events) is the whole cell's, from ``stop``; a ``--timeout`` is the command's."""
+    result (limits, CPU, events) is the whole cell's, from ``stop``; a ``--timeout`` is the command's.
+    Unwatched (``--no-monitor``) unless ``watched``: the corpus is about the walls, which must hold
+    with nothing watching; watched, as a live cell is by default, its monitor may end it first."""
     who = a.as_user or user
     flags, timeout = list(a.flags), []
     if "--timeout" in flags:
@@ -214,8 +216,8 @@ def run_live(a: Attempt, user: User, project: Path) -> Outcome:
     name = "e" + secrets.token_hex(6)
     env = dict(PROBE_USER_ENV, **a.env)
     started = subprocess.run([AGENTCELL, "cell", "start", "--name", name, "--json", "--as", str(who.uid), "--rw",
-                              str(project), *flags], capture_output=True, text=True, env=env, timeout=60,
-                             stdin=subprocess.DEVNULL)
+                              str(project), *([] if watched else ["--no-monitor"]), *flags], capture_output=True,
+                             text=True, env=env, timeout=60, stdin=subprocess.DEVNULL)
     assert started.returncode == 0, started.stderr
     host_pid = int(json.loads(started.stdout)["host_pid"])
     try:
@@ -225,6 +227,32 @@ def run_live(a: Attempt, user: User, project: Path) -> Outcome:
                                  text=True, timeout=60)
         _gone_or_killed(host_pid, b"agentcell.host.server")
     o.result = json.loads(stopped.stdout) if stopped.returncode == 0 else {}
+    o.rusage = None
+    return o
+
+
+# The probe in a cell of the Python API (agentcell.Cell: its private launcher, or a cell host the
+# launcher forks for a watched or proxied spec), compiled from the same flags as agentcell run's.
+API_RUNNER = """
+import json, sys
+from agentcell import Cell
+from agentcell.cli import run
+ns = run.parse(sys.argv[1:])
+with Cell(run.build_spec(ns), prewarm=False) as cell:
+    p = cell.spawn(ns.command)
+    p.wait(ns.timeout)
+sys.stdout.write("\\n" + json.dumps(p.result) + "\\n")
+"""
+
+
+def run_api(a: Attempt, user: User, project: Path) -> Outcome:
+    who = a.as_user or user
+    argv = [str(VENV_BIN / "python"), "-c", API_RUNNER, "--as", str(who.uid), "--rw", str(project), *a.flags, "--",
+            *a.argv]
+    o = _execute(argv, a, dict(PROBE_USER_ENV, **a.env))
+    head, _, last = o.out.rstrip("\n").rpartition("\n")  # the runner's last line: the cell's result
+    if last.startswith("{"):
+        o.result, o.out = json.loads(last), head
     o.rusage = None
     return o
 
@@ -1656,21 +1684,28 @@ def test_there_are_enough_probes() -> None:
     assert len(PROBES) >= 40
 
 
-@pytest.mark.parametrize("host", ["run", "warm", "live"])
+@pytest.mark.parametrize("host", ["run", "warm", "live", "live-watched", "api"])
 @pytest.mark.parametrize("name", sorted(PROBES))
 def test_probe_is_contained(name: str, host: str, world: World, request: pytest.FixtureRequest) -> None:
-    """Through ``agentcell run`` (a cell per command, built by the CLI), through the warm launcher
-    (its cells, and cell hosts it forks for supervised ones) and as a command of a live cell
-    (``agentcell cell``)."""
+    """Through ``agentcell run`` (a cell per command, built by the CLI: the in-process host), through the
+    warm launcher (its cells, and cell hosts it forks for supervised ones), as a command of a live cell
+    (``agentcell cell``; unwatched, and watched as by default) and through the Python API's remote
+    host (``agentcell.Cell``)."""
     attempt = PROBES[name](world)
     if name in XFAIL:
         request.node.add_marker(pytest.mark.xfail(strict=True, reason=XFAIL[name]))
     if host == "warm":
         request.getfixturevalue("warm_launcher")
         o = run_contained(attempt, world.user, world.project, warm=True)
+    elif host == "run":
+        o = run_contained(attempt, world.user, world.project)
+    elif host == "api":
+        o = run_api(attempt, world.user, world.project)
     else:
-        o = (run_contained if host == "run" else run_live)(attempt, world.user, world.project)
-    if attempt.hold is not None and not attempt.may_stop_early:
+        o = run_live(attempt, world.user, world.project, watched=host == "live-watched")
+    # Watched, the monitor may end the cell at the probe's first refused step, before it holds.
+    ended_by_monitor = host == "live-watched" and "terminated at an escape attempt" in o.err
+    if attempt.hold is not None and not attempt.may_stop_early and not ended_by_monitor:
         assert o.held is not None, f"{name} never reached the point where the host looks\nerr: {o.err[-2000:]}"
     evidence = attempt.judge(o)
     assert evidence is None, f"{name} escaped the cell: {evidence}\nout: {o.out[-2000:]}\nerr: {o.err[-2000:]}"

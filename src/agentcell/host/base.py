@@ -1,7 +1,8 @@
 """``CellHost``: the one interface through which a cell is started, whoever serves it.
 
-Three hosts implement it: :class:`InProcess` (:class:`agentcell.supervise.Supervised` in this process:
-for single-threaded callers, ``agentcell run``'s cold path and the cell host itself),
+Three hosts implement it: :class:`agentcell.host.inprocess.InProcess` (the supervisor,
+:class:`agentcell.supervise.Supervised`, in this process: for single-threaded callers, ``agentcell
+run``'s cold path and the cell host itself),
 :class:`agentcell.host.remote.RemoteHost` (a launcher or a cell host of ours, over the wire: for
 threaded programs, ``agentcell run``'s warm path and the session) and
 :class:`agentcell.host.fake.FakeHost` (no kernel: a script says what each command does, for tests of
@@ -14,23 +15,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from ..errors import AgentcellError
+from ..errors import CellEnded
 
 if TYPE_CHECKING:
     import queue
 
     from ..cell.spec import CellSpec
-    from ..supervise import Supervised
-
-
-class CellEnded(AgentcellError):
-    """The live cell has ended (an escape, a stop, its host gone); ``reason`` says which."""
-
-    exit_code = 137
-
-    def __init__(self, reason: str) -> None:
-        self.reason = reason
-        super().__init__("cell", reason, "open a new cell")
 
 
 @dataclass(frozen=True)
@@ -120,52 +110,4 @@ class CellHost(Protocol):
     def close(self) -> None: ...
 
 
-class InProcessCell:
-    """:class:`Supervised` as a :class:`CellHandle` (its events as dicts)."""
-
-    def __init__(self, sup: Supervised) -> None:
-        self.sup = sup
-        self.cell_id, self.pid1 = sup.cell_id, sup.pid1
-        self.lost = False
-
-    def events(self) -> list[dict[str, Any]]:
-        return [e.as_dict() for e in self.sup.events()]
-
-    def stats(self) -> dict[str, Any]:
-        return dict(self.sup.stats())
-
-    def poll(self) -> dict[str, Any] | None:
-        return self.sup.poll()
-
-    def wait(self, timeout: float | None = None) -> dict[str, Any]:
-        return self.sup.wait(timeout)
-
-    def signal(self, sig: int) -> None:
-        self.sup.running.forward(sig)
-
-    def terminate(self, reason: str) -> None:
-        self.sup.terminate(reason)
-
-
-class InProcess:
-    """Cells supervised in this process. For a single-threaded caller only: the launcher forks, and a
-    fork from a threaded process may leave the child a lock that is never released. A live cell needs
-    a loop serving its commands: that loop is the cell host's (:mod:`agentcell.host.server`), which is
-    this host's ``open``; a threaded program opens one through :class:`RemoteHost`."""
-
-    def start(self, spec: CellSpec, argv: Sequence[str], *, stdio: Sequence[int] = (0, 1, 2),
-              monitor: str | None = None, options: StartOptions | None = None) -> InProcessCell:
-        from ..supervise import Supervised
-
-        o = options or StartOptions(guard=True)
-        return InProcessCell(Supervised.start(spec, argv, monitor=monitor, stdio=stdio, dedicated=o.dedicated,
-                                              guard=o.guard, adopt=o.firewall, credentials=o.credentials,
-                                              upstream_ca=o.upstream_ca))
-
-    def open(self, spec: CellSpec, *, monitor: str | None = "terminate") -> LiveHandle:
-        from .remote import RemoteHost
-
-        return RemoteHost(None).open(spec, monitor=monitor)
-
-    def close(self) -> None:
-        pass
+__all__ = ["CellEnded", "CellHandle", "CellHost", "LiveHandle", "StartOptions"]

@@ -22,8 +22,10 @@ from __future__ import annotations
 import _socket
 import os
 import select
+import stat
 import time
 
+from .. import hostfs
 from ..cell.spec import TYPE_CHECKING, CellSpec, spec_to_dict
 from ..errors import EXIT_TIMEOUT, AgentcellError, LaunchError
 from . import wire
@@ -38,6 +40,33 @@ if TYPE_CHECKING:
 SIGKILL = 9
 SIGTERM = 15
 SBIN_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+WARM_SOCKET = "launcher.sock"  # in hostfs.socket_dir()
+
+
+def _private_dir(d: str) -> bool:
+    try:
+        st = os.lstat(d)
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and st.st_mode & 0o077 == 0
+
+
+def connect_warm() -> _socket.socket | None:
+    """A connection to our own running warm launcher (``agentcell warm``), or None."""
+    d = hostfs.socket_dir()
+    if not _private_dir(d):
+        return None
+    s = _socket.socket(_socket.AF_UNIX, _socket.SOCK_SEQPACKET | _socket.SOCK_CLOEXEC)
+    try:
+        s.connect(os.path.join(d, WARM_SOCKET))
+        if wire.peer_is_ours(s):  # our uid, and not a cell's impostor (a rootless cell has our uid)
+            return s
+    except OSError:
+        pass
+    s.close()
+    return None
 
 
 class HostUnavailable(LaunchError):
@@ -246,9 +275,7 @@ class RemoteHost:
         """A new connection to our launcher: the user's warm one, or our private one (started the first
         time) through its control socket."""
         if self.launcher == "warm":
-            from . import warm
-
-            s = warm.connect()
+            s = connect_warm()
             if s is None:
                 raise HostUnavailable("warm", "no warm launcher of yours runs", "start one: agentcell warm start")
             return s
@@ -390,7 +417,7 @@ class RemoteLive:
     @classmethod
     def connect(cls, sock: _socket.socket) -> RemoteLive:
         """A client of a named cell's host (``agentcell cell``), already open."""
-        from .base import CellEnded
+        from ..errors import CellEnded
 
         wire.send(sock, {"op": "status"})
         msg, _ = wire.recv(sock)
@@ -436,7 +463,7 @@ class RemoteLive:
              timeout: float | None) -> tuple[int, Any]:
         """Start ``argv`` on ``fds`` (stdin, stdout, stderr); (its id, the queue its messages come to:
         ``exit``, ``error``, or ``lost`` once the cell has ended)."""
-        from .base import CellEnded
+        from ..errors import CellEnded
 
         with self._lock:
             self._next += 1
@@ -454,7 +481,7 @@ class RemoteLive:
         return cid, waiting
 
     def signal(self, cid: int, sig: int) -> None:
-        from .base import CellEnded
+        from ..errors import CellEnded
 
         try:
             wire.send(self._sock, {"op": "signal", "id": cid, "sig": int(sig)})

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import _socket
 import os
-import stat
 import time
 
 from .. import hostfs
 from ..cell.spec import TYPE_CHECKING, CellSpec
 from . import wire
+from .remote import WARM_SOCKET, HostUnavailable, RemoteHost, connect_warm
 
 if TYPE_CHECKING:
     import signal
@@ -30,35 +30,10 @@ if TYPE_CHECKING:
 else:  # see launch.py
     import _signal as signal
 
-SOCKET_NAME = "launcher.sock"
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 
 
 socket_dir = hostfs.socket_dir
-
-
-def _private_dir(d: str) -> bool:
-    try:
-        st = os.lstat(d)
-    except OSError:
-        return False
-    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and st.st_mode & 0o077 == 0
-
-
-def connect() -> _socket.socket | None:
-    """A connection to our own running launcher, or None (then the caller launches cold)."""
-    d = socket_dir()
-    if not _private_dir(d):
-        return None
-    s = _socket.socket(_socket.AF_UNIX, _socket.SOCK_SEQPACKET | _socket.SOCK_CLOEXEC)
-    try:
-        s.connect(os.path.join(d, SOCKET_NAME))
-        if wire.peer_is_ours(s):  # our uid, and not a cell's impostor (a rootless cell has our uid)
-            return s
-    except OSError:
-        pass
-    s.close()
-    return None
 
 
 def run(spec: CellSpec, argv: list[str], timeout: float | None, monitor: str | None = None) -> dict[str, Any] | None:
@@ -67,7 +42,6 @@ def run(spec: CellSpec, argv: list[str], timeout: float | None, monitor: str | N
     its result is final. A supervised cell (proxy, host-firewall table, ``monitor``) runs in a cell host
     the launcher forks, whose result is as complete as the cold path's (the protected-path step stays
     with the caller)."""
-    from .remote import HostUnavailable, RemoteHost
 
     try:
         cell = RemoteHost("warm").start(spec, argv, stdio=(0, 1, 2), monitor=monitor)
@@ -88,7 +62,7 @@ def run(spec: CellSpec, argv: list[str], timeout: float | None, monitor: str | N
 
 def _ask(*ops: str) -> list[dict[str, Any] | None] | None:
     """Send each op to our launcher and collect the replies; None if no launcher runs."""
-    s = connect()
+    s = connect_warm()
     if s is None:
         return None
     try:
@@ -114,7 +88,7 @@ def start(idle_s: float) -> tuple[int, bool]:
     if running is not None:
         return int(running["pid"]), False
 
-    path = os.path.join(hostfs.private_dir(socket_dir(), "warm"), SOCKET_NAME)
+    path = os.path.join(hostfs.private_dir(socket_dir(), "warm"), WARM_SOCKET)
     proc = serve_detached(path, lambda fd: zygote.launcher_command("--listen", str(fd), "--path", path, "--idle",
                                                                     str(idle_s)), 64)
     for _ in range(200):  # until it answers as itself (its own listen(): see wire.peer_is_ours)
