@@ -80,7 +80,7 @@ class Supervised:
         ``adopt``: a host-firewall table and its log reader made before (the session's firewall step,
         so that a host that cannot have one fails before anything runs): adopted, and removed with the
         cell; if the cell cannot start, they are left to their maker.
-        ``credentials`` (:class:`agentcell.policy.credentials.CredentialSet`, ``--net proxy`` only): the
+        ``credentials`` (:class:`agentcell.network.credentials.CredentialSet`, ``--net proxy`` only): the
         cell's environment gets their placeholders and trusts a CA made for this cell alone, whose leaves
         let the proxy put the real values in the requests to their hosts (verified upstream against the
         host's trust store, or ``upstream_ca``, a PEM: a test's CA standing in for the public ones)."""

@@ -296,8 +296,8 @@ def _credentials(ns: Args | Namespace, spec: CellSpec) -> tuple[Any, str | None]
         return None, None
     if spec.network != "proxy":
         raise AgentcellError("--secret", "credentials are injected by the egress proxy", "add --net proxy")
+    from ..network.credentials import CredentialSet, off_the_list, parse_bindings, read_values
     from ..network.rules import Policy
-    from ..policy.credentials import CredentialSet, off_the_list, parse_bindings, read_values
 
     creds = CredentialSet.build(read_values(ns.secret), parse_bindings(ns.secret_host))
     rules = Policy.from_rules(spec.egress)

@@ -233,7 +233,7 @@ HARNESSES = tuple(n for n in PROFILES if n not in ("shell", "scripted"))
 
 # Where each API key goes at its own provider, and in which request header: a session with the proxy
 # binds it there (and to --api-base's host, in any of the headers keys travel in) and the cell holds a
-# placeholder (agentcell.policy.credentials). A key not listed here enters the cell as it is.
+# placeholder (agentcell.network.credentials). A key not listed here enters the cell as it is.
 KEY_HOSTS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "ANTHROPIC_API_KEY": (("api.anthropic.com",), ("x-api-key", "authorization")),
     "ANTHROPIC_AUTH_TOKEN": (("api.anthropic.com",), ("authorization",)),

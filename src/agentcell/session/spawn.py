@@ -34,7 +34,7 @@ class HostedCell:
               upstream_ca: str | None = None) -> HostedCell:
         """``firewall``: the session's host-firewall table and log reader, handed to the host (which
         removes them with the cell); the caller closes its copy of the reader once this returns.
-        ``credentials`` (:class:`agentcell.policy.credentials.CredentialSet`): injected by the cell's
+        ``credentials`` (:class:`agentcell.network.credentials.CredentialSet`): injected by the cell's
         proxy (:meth:`agentcell.supervise.Supervised.start`), handed to the host over the socket."""
         from ..host import server
 

@@ -67,7 +67,7 @@ class Runtime:
     stdio: tuple[int, int, int] = (0, 1, 2)
     faults: dict[str, int] = field(default_factory=dict)  # point -> failures still to inject
     secrets: dict[str, str] = field(default_factory=dict)
-    # The keys the proxy injects (policy.credentials.CredentialSet), and the CA their hosts are verified
+    # The keys the proxy injects (network.credentials.CredentialSet), and the CA their hosts are verified
     # against (None: the host's trust store): in memory only, never checkpointed.
     credentials: Any = None
     upstream_ca: str | None = None
