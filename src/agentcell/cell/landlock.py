@@ -105,7 +105,7 @@ class Ruleset:
 
 
 def prepare(spec: CellSpec) -> Ruleset | None:
-    """Step 8, first half: the cell's ruleset; None only when the policy accepts running without
+    """Step 14 (enforced at 19): the cell's ruleset; None only when the policy accepts running without
     (``--landlock best-effort``) on a kernel below its minimum ABI, else fail closed."""
     version = abi()
     if version >= max(spec.landlock_min_abi, 1):
