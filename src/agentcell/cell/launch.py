@@ -431,8 +431,9 @@ def _cell(spec: CellSpec, plan: mounts.MountPlan, w: int, ctl: object, outer_uid
     for fd in way_out:
         os.close(fd)
     sc.prctl(sc.PR_SET_PDEATHSIG, signal.SIGKILL)
-    # 8. Mount tree: private propagation, tmpfs root, nosuid/nodev binds, masks, protected re-binds,
-    #    /proc, /dev; pivot_root, the old root detached.
+    # 8. Mount tree: private propagation, tmpfs root, nosuid/nodev system binds, /proc, /dev; the cell's
+    #    own paths by depth (masks last at each), protected re-binds among them; the host's secrets
+    #    masked last; pivot_root, the old root detached.
     _step("mount", mounts.apply, plan)
     _step("pivot_root", mounts.pivot)
     plan.close()
