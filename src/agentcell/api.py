@@ -351,7 +351,7 @@ class LiveCell:
     @classmethod
     def _handshake(cls, sock: socket.socket, proc: subprocess.Popen[bytes] | None, spec: CellSpec,
                    monitor: str | None) -> LiveCell:
-        from .guard import human
+        from .protect.check import human
 
         wire.send(sock, {"op": "open", "spec": spec_to_dict(spec), "monitor": monitor, "give_to": human()})
         msg, _ = wire.recv(sock)

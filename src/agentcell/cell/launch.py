@@ -300,7 +300,7 @@ class Prepared:
 
 def prepare(spec: CellSpec, guards: Guards) -> Prepared:
     """Build a cell for ``spec`` up to the point where it needs its command. Supervisor-side steps.
-    ``guards``: what the policy adds to the mount plan (:func:`agentcell.policy.guards.for_cell`)."""
+    ``guards``: what the policy adds to the mount plan (:func:`agentcell.protect.binds.for_cell`)."""
     cell_id = spec.cell_id or new_cell_id()
     # 1. Plan the mounts: resolve every path once without following symlinks and record its identity
     #    (dev, ino); the child re-opens each in its mount namespace the same way and refuses one that

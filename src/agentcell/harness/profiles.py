@@ -77,7 +77,7 @@ class Profile:
     model_args: tuple[str, ...] = ()  # added with --model (templates)
     needs_model: bool = False  # with --api-base a model must be named (its provider config lists one)
     files: tuple[SeedFile, ...] = ()
-    protected: tuple[str, ...] = ()  # project entries it reads as configuration (protect.py's names cover them)
+    protected: tuple[str, ...] = ()  # project entries it reads as configuration (protect/surface.py's names cover them)
     fenced: bool = False  # it declares no tools: the scripted endpoint plays shell steps as fenced blocks
     stdin_null: bool = False  # a prompt-mode turn reads stdin to its end: given /dev/null
     tested: bool = True  # False: not in any registry these machines reach (cursor): from its documentation

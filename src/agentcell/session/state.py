@@ -42,7 +42,7 @@ class SessionState(TypedDict, total=False):
     cell_id: str
     cache_dir: str | None  # the project's toolchain caches behind /cache (agentcell.caches)
     workspace_dir: str | None  # --workspace copy: the change set's store entry (agentcell.workspace)
-    protect: dict[str, Any] | None  # the control surface of the declared paths before the cell (protect.py)
+    protect: dict[str, Any] | None  # the control surface of the declared paths before the cell (protect/surface.py)
     harness_pid: int | None
     started_at: float
     deadline: float  # wall-clock time (time.time()) at which the session ends, reason timeout
