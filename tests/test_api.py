@@ -79,7 +79,7 @@ def test_launcher_process_goes_away_on_close(user: User) -> None:
     ident = resolve_identity(str(user.uid), euid=0)
     c = Cell(CellSpec(identity=ident, env=build_env({}, ident)))
     c.run(["true"])
-    proc = c._proc
+    proc = c.host._proc  # type: ignore[attr-defined]  # (the default host, a RemoteHost)
     assert proc is not None and proc.poll() is None
     c.close()
     assert proc.poll() is not None

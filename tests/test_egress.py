@@ -174,15 +174,19 @@ def test_a_rootless_cell_gets_the_proxy_too(user: User, inet: FakeInternet) -> N
     assert r.out.split("\n") == ["HTTP/1.1 200 Connection established", f"hello from {GOOD4} port 443"], r.err
 
 
-def test_the_python_api_refuses_a_proxy_cell_it_cannot_serve(user: User) -> None:
-    from agentcell import Cell, CellSpec
-    from agentcell.errors import AgentcellError
-    from agentcell.policy.resolve import build_env, resolve_identity
+def test_the_python_api_runs_a_proxy_cell(user: User, inet: FakeInternet) -> None:
+    """``Cell(spec).run`` runs every spec: one with a proxy goes to a cell host the launcher forks (the
+    proxy lives beside the cell there), and its allow-list holds as agentcell run's does."""
+    from agentcell import Cell
+    from agentcell.cli import run
 
-    ident = resolve_identity(str(user.uid), euid=0)
-    spec = CellSpec(ident, env=build_env({}, ident), network="proxy")
-    with Cell(spec, prewarm=False) as cell, pytest.raises(AgentcellError, match="agentcell run"):
-        cell.run(["true"])
+    spec = run.build_spec(run.parse(["--as", str(user.uid), *BASE, "--allow-domain", "good.test", "--", "true"]))
+    with Cell(spec, prewarm=False) as cell:
+        good = cell.run(["python3", "-c", PY_CONNECT, "good.test", "443", "/api"], text=True, timeout=60)
+        bad = cell.run(["python3", "-c", PY_CONNECT, "bad.test", "443", "/api"], text=True, timeout=60)
+    assert good.returncode == 0 and str(good.stdout).split("\n")[:2] == [
+        "HTTP/1.1 200 Connection established", f"hello from {GOOD4} port 443"], good.stderr
+    assert bad.returncode == 0 and str(bad.stdout).startswith("HTTP/1.1 403"), (bad.stdout, bad.stderr)
 
 
 # ---- --net host-firewall -------------------------------------------------------------------------

@@ -118,7 +118,7 @@ def test_an_escape_by_one_command_ends_the_cell_for_every_caller(user: User) -> 
 def test_close_takes_everything_down(user: User) -> None:
     cell = Cell.open(_spec(user))
     cell.exec(["sh", "-c", "setsid sleep 300 &"])
-    pid1, host = cell.pid1, cell._proc
+    pid1, host = cell.pid1, cell.live._proc
     assert host is not None
     result = cell.close()
     assert result is not None and result["exit_status"] == 0 and not result["terminated_by_monitor"]
@@ -129,8 +129,8 @@ def test_close_takes_everything_down(user: User) -> None:
 def test_a_dead_host_takes_its_cell_with_it(user: User) -> None:
     cell = Cell.open(_spec(user))
     waiting = cell.spawn(["sleep", "60"], stdout=os.open(os.devnull, os.O_WRONLY))
-    assert cell._proc is not None
-    os.kill(cell._proc.pid, signal.SIGKILL)
+    assert cell.live._proc is not None
+    os.kill(cell.live._proc.pid, signal.SIGKILL)
     assert waiting.wait(timeout=20) == 137
     cell.close()
     for _ in range(200):
@@ -174,7 +174,7 @@ def test_malformed_wire_requests_from_a_client_do_not_end_the_cell(user: User) -
         for msg in ({"op": "exec", "id": "abc", "argv": ["true"]}, {"op": "exec", "id": 7, "env": [1, 2]},
                     {"op": "exec", "id": 8, "argv": ["true"], "timeout": "x"}, {"op": "signal", "id": 1, "sig": "x"},
                     {"op": "signal", "id": 1, "sig": 10**12}, {"op": "nonsense"}, {"id": 3}):
-            wire.send(cell._sock, msg, [null, null, null])
+            wire.send(cell.live._sock, msg, [null, null, null])
         time.sleep(0.5)
         assert cell.ended is None and cell.exec(["true"]).returncode == 0
 

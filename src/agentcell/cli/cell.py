@@ -1,7 +1,7 @@
 """``agentcell cell start|exec|list|stop``: a live cell for the shell. One cell (namespaces, mounts,
 Landlock domain, monitor, proxy) stays up and runs each ``exec`` at the cost of a fork and exec; its
 host (:mod:`agentcell.host.server`) listens on a socket only its owner can reach and leaves after
-``stop`` or ``--idle`` seconds without a command."""
+``stop`` or ``--idle`` seconds without a command. Watched by default, as every live cell's face is."""
 from __future__ import annotations
 
 import json
@@ -9,22 +9,49 @@ import os
 import re
 import socket
 import sys
+from argparse import REMAINDER, Namespace, RawDescriptionHelpFormatter
 from typing import Any
 
 from .. import hostfs
 from ..errors import EXIT_USAGE, AgentcellError, printable, report
 from ..host import wire
+from .common import Parser
 
 PROG = "agentcell cell"
 NAME = re.compile(r"[a-z0-9][a-z0-9_.-]{0,31}")
-USAGE = f"""usage: {PROG} start [--name NAME] [--idle S] [RUN OPTIONS]   start a live cell (options of agentcell run)
-       {PROG} exec [--name NAME] [--timeout S] [--env K=V]... [--cwd DIR] -- CMD [ARGS...]
-       {PROG} list [--json]
-       {PROG} stop [--name NAME] [--json]
+ACTIONS = ("start", "exec", "list", "stop")
 
-NAME defaults to 'default'. 'exec' exits with the command's status (124 on --timeout; 137 when the
-cell ended under it, e.g. at an escape attempt, with the reason on stderr).
-"""
+
+def parser() -> Parser:
+    from . import run
+
+    p = Parser(prog=PROG, description="A live cell: start it once, exec many commands in it, stop it. NAME "
+               "defaults to 'default'.", epilog="'exec' exits with the command's status (124 on --timeout; 137 "
+               "when the cell ended under it, e.g. at an escape attempt, with the reason on stderr).")
+    sub = p.add_subparsers(dest="action", required=True, metavar="ACTION", parser_class=Parser)
+    start = sub.add_parser("start", parents=[run.parser(f"{PROG} start")], conflict_handler="resolve",
+                           formatter_class=RawDescriptionHelpFormatter, usage="%(prog)s [--name NAME] [--idle S] "
+                           "[--no-monitor] [RUN OPTIONS]", help="start a live cell (the options of agentcell run)",
+                           description="Start a live cell with agentcell run's options. It is watched: its first "
+                           "escape attempt ends it (--on-escape changes the verdict, --no-monitor opts out).")
+    start.add_argument("--name", default="default", help="the cell's name (default: default)")
+    start.add_argument("--idle", default="3600", metavar="S", help="leave after S seconds without a command "
+                       "(default: 3600)")
+    start.add_argument("--no-monitor", action="store_true", help="no escape monitor: the kernel still refuses "
+                       "what the policy denies, and the cell carries on")
+    ex = sub.add_parser("exec", help="run a command in a live cell", usage="%(prog)s [--name NAME] "
+                        "[--timeout S] [--env K=V]... [--cwd DIR] -- CMD [ARGS...]")
+    ex.add_argument("--name", default="default", help="the cell's name (default: default)")
+    ex.add_argument("--timeout", metavar="S", help="kill the command after S seconds (status 124)")
+    ex.add_argument("--env", action="append", default=[], metavar="K=V", help="add K=V to the command's environment")
+    ex.add_argument("--cwd", metavar="DIR", help="the command's working directory in the cell")
+    ex.add_argument("command", nargs=REMAINDER, metavar="-- CMD", help="the command and its arguments")
+    ls = sub.add_parser("list", help="list the live cells that run")
+    ls.add_argument("--json", action="store_true", help="print JSON")
+    stop = sub.add_parser("stop", help="stop a live cell and print its result")
+    stop.add_argument("--name", default="default", help="the cell's name (default: default)")
+    stop.add_argument("--json", action="store_true", help="print the result as JSON")
+    return p
 
 
 def cells_dir(make: bool = False) -> str:
@@ -42,17 +69,14 @@ def _name(value: str) -> str:
     return value
 
 
-def _take(argv: list[str], flag: str, default: str | None = None) -> tuple[str | None, list[str]]:
-    """``flag VALUE`` (or ``flag=VALUE``) out of ``argv`` before its ``--``."""
-    end = argv.index("--") if "--" in argv else len(argv)
-    for i, a in enumerate(argv[:end]):
-        if a == flag:
-            if i + 1 >= end:
-                raise AgentcellError(flag, "needs a value")
-            return argv[i + 1], argv[:i] + argv[i + 2:]
-        if a.startswith(flag + "="):
-            return a[len(flag) + 1:], argv[:i] + argv[i + 1:]
-    return default, argv
+def _seconds(flag: str, value: str, example: str) -> float:
+    try:
+        s = float(value)
+    except ValueError:
+        s = -1.0
+    if not 0 < s < float("inf"):
+        raise AgentcellError(flag, f"{printable(value)} is not a positive number of seconds", f"e.g. {flag} {example}")
+    return s
 
 
 def _connect(name: str) -> socket.socket:
@@ -79,44 +103,36 @@ def _ask(s: socket.socket, op: str) -> dict[str, Any] | None:
             return msg
 
 
-def start(argv: list[str]) -> int:
-    from ..api import LiveCell
-    from ..host import server
+def start(ns: Namespace) -> int:
+    from ..host import server, warm
+    from ..host.remote import RemoteLive
     from . import run
 
-    name_arg, argv = _take(argv, "--name", "default")
-    idle_arg, argv = _take(argv, "--idle", "3600")
-    name = _name(str(name_arg))
-    try:
-        idle = float(str(idle_arg))
-    except ValueError:
-        idle = -1.0
-    if not 0 < idle < float("inf"):
-        raise AgentcellError("--idle", f"{printable(str(idle_arg))} is not a positive number of seconds",
-                             "e.g. --idle 600")
-    ns = run.parse(argv, f"{PROG} start")
+    name, idle = _name(ns.name), _seconds("--idle", ns.idle, "600")
+    if ns.command[:1] == ["--"]:
+        ns.command = ns.command[1:]
     if ns.command:
         raise AgentcellError("command", "a live cell is started without one", f"run it: {PROG} exec -- CMD")
     if ns.timeout is not None:
         raise AgentcellError("--timeout", "is per command here", f"give it to '{PROG} exec', or --idle S")
+    if ns.no_monitor and (ns.monitor or ns.on_escape):
+        raise AgentcellError("--no-monitor", "contradicts --monitor and --on-escape", "give one or the other")
+    ns.monitor = not ns.no_monitor
     spec = run.build_spec(ns)
-    monitor = ns.on_escape or "terminate" if ns.monitor else None
-    d = cells_dir(make=True)
-    path = os.path.join(d, f"{name}.sock")
+    monitor = (ns.on_escape or "terminate") if ns.monitor else None
+    path = os.path.join(cells_dir(make=True), f"{name}.sock")
     try:
         _connect(name).close()
     except AgentcellError:
         pass  # none runs: the name is free
     else:
         raise AgentcellError("--name", f"a live cell named {name} runs already", f"stop it: {PROG} stop --name {name}")
-    from ..host import warm
-
     proc = warm.serve_detached(path, lambda fd: server.command("--listen", str(fd), "--path", path, "--name", name,
                                                                "--idle", str(idle)), 16)
     s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
     s.connect(path)
     try:
-        live = LiveCell._handshake(s, None, spec, monitor)
+        live = RemoteLive.handshake(s, None, spec, monitor)
     except AgentcellError:
         os.waitpid(proc.pid, 0)  # it refused the cell and leaves: ours to reap
         raise
@@ -132,45 +148,30 @@ def start(argv: list[str]) -> int:
     if ns.json:
         print(json.dumps(info))
     else:
-        print(f"live cell {name} started: {live.cell_id} (host pid {proc.pid}); run commands with "
+        watched = "watched" if monitor else "unwatched"
+        print(f"live cell {name} started: {live.cell_id} (host pid {proc.pid}, {watched}); run commands with "
               f"'{PROG} exec --name {name} -- CMD', stop it with '{PROG} stop --name {name}'")
     s.close()
     return 0
 
 
-def exec_(argv: list[str]) -> int:
+def exec_(ns: Namespace) -> int:
     from ..api import CellEnded, LiveCell
+    from ..host.remote import RemoteLive
 
-    name_arg, argv = _take(argv, "--name", "default")
-    timeout_arg, argv = _take(argv, "--timeout")
-    cwd, argv = _take(argv, "--cwd")
     env: dict[str, str] = {}
-    while True:
-        kv, argv = _take(argv, "--env")
-        if kv is None:
-            break
+    for kv in ns.env:
         k, eq, v = kv.partition("=")
         if not eq or not k:
             raise AgentcellError("--env", f"'{printable(kv)}' is not K=V", "e.g. --env LANG=C.UTF-8")
         env[k] = v
-    if argv[:1] == ["--"]:
-        argv = argv[1:]
-    elif argv and argv[0].startswith("-"):
-        raise AgentcellError(argv[0], "is not an option of exec", f"see '{PROG} --help'")
-    if not argv:
+    command = ns.command[1:] if ns.command[:1] == ["--"] else ns.command
+    if not command:
         raise AgentcellError("command", "no command given", f"put it after --, e.g. {PROG} exec -- make test")
-    timeout = None
-    if timeout_arg is not None:
-        try:
-            timeout = float(timeout_arg)
-        except ValueError:
-            timeout = -1.0
-        if not 0 < timeout < float("inf"):
-            raise AgentcellError("--timeout", f"{printable(timeout_arg)} is not a positive number of seconds",
-                                 "e.g. --timeout 30")
+    timeout = None if ns.timeout is None else _seconds("--timeout", ns.timeout, "30")
     try:
-        live = LiveCell.connect(_connect(_name(str(name_arg))))
-        proc = live.spawn(argv, env=env, cwd=cwd, timeout=timeout)
+        live = LiveCell(RemoteLive.connect(_connect(_name(ns.name))))
+        proc = live.spawn(command, env=env, cwd=ns.cwd, timeout=timeout)
     except CellEnded as e:
         sys.stderr.write(f"{PROG}: the cell has ended: {printable(e.reason)}\n")
         return 137
@@ -183,11 +184,10 @@ def exec_(argv: list[str]) -> int:
     return code
 
 
-def list_(argv: list[str]) -> int:
-    d = cells_dir()
+def list_(ns: Namespace) -> int:
     rows = []
     try:
-        names = sorted(n[:-5] for n in os.listdir(d) if n.endswith(".sock"))
+        names = sorted(n[:-5] for n in os.listdir(cells_dir()) if n.endswith(".sock"))
     except OSError:
         names = []
     for name in names:
@@ -201,49 +201,48 @@ def list_(argv: list[str]) -> int:
             s.close()
         if info is not None:
             rows.append(info)
-    if "--json" in argv:
+    if ns.json:
         print(json.dumps(rows))
-    elif not rows:
+        return 0
+    if not rows:
         print(f"no live cells (start one: {PROG} start)")
-    for r in rows if "--json" not in argv else []:
+    for r in rows:
         state = f"ended: {printable(str(r['ended']))}" if r.get("ended") else f"{r['execs']} running"
         print(f"{r['name']:<16} {r['cell_id']}  host pid {r['pid']}  {state}  {r['events']} events  "
               f"up {r['uptime_s']:.0f} s")
     return 0
 
 
-def stop(argv: list[str]) -> int:
-    name_arg, argv = _take(argv, "--name", "default")
-    s = _connect(_name(str(name_arg)))
+def stop(ns: Namespace) -> int:
+    from .run import protected_lines
+
+    s = _connect(_name(ns.name))
     try:
         msg = _ask(s, "stop")
     finally:
         s.close()
     result = (msg or {}).get("result") or {}
-    if "--json" in argv:
-        print(json.dumps({"name": name_arg, "reason": (msg or {}).get("reason"), **result}))
+    if ns.json:
+        print(json.dumps({"name": ns.name, "reason": (msg or {}).get("reason"), **result}))
         return 0
-    print(f"live cell {name_arg} {printable(str((msg or {}).get('reason') or 'stopped'))}")
+    print(f"live cell {ns.name} {printable(str((msg or {}).get('reason') or 'stopped'))}")
     for ev in result.get("events") or []:
         print(f"  {'escape' if ev.get('acts') else 'note'}: {printable(str(ev.get('operation')))} "
               f"{printable(str(ev.get('target')))}: {printable(str(ev.get('reason')))}")
-    from .run import protected_lines
-
     for line in protected_lines(result):
         sys.stderr.write(f"{PROG}: warning: {line}\n")
     return 0
 
 
 def main(argv: list[str]) -> int:
-    if not argv or argv[0] in ("-h", "--help", "help"):
-        sys.stdout.write(USAGE)
-        return 0 if argv else EXIT_USAGE
-    action, rest = argv[0], argv[1:]
-    actions = {"start": start, "exec": exec_, "list": list_, "stop": stop}
-    if action not in actions:
-        sys.stderr.write(f"{PROG}: unknown action '{printable(action)}' (one of: {', '.join(actions)})\n")
+    if argv and argv[0] not in (*ACTIONS, "-h", "--help", "help"):
+        sys.stderr.write(f"{PROG}: unknown action '{printable(argv[0])}' (one of: {', '.join(ACTIONS)})\n")
         return EXIT_USAGE
+    if not argv or argv[0] == "help":
+        sys.stdout.write(parser().format_help())
+        return 0 if argv else EXIT_USAGE
+    ns = parser().parse_args(argv)
     try:
-        return actions[action](rest)
+        return {"start": start, "exec": exec_, "list": list_, "stop": stop}[ns.action](ns)
     except AgentcellError as e:
-        return report(f"{PROG} {action}", e)
+        return report(f"{PROG} {ns.action}", e)

@@ -15,13 +15,11 @@ from __future__ import annotations
 
 import _socket
 import os
-import select
 import stat
 import time
 
 from .. import hostfs
-from ..cell.spec import TYPE_CHECKING, CellSpec, spec_to_dict
-from ..errors import AgentcellError
+from ..cell.spec import TYPE_CHECKING, CellSpec
 from . import wire
 
 if TYPE_CHECKING:
@@ -64,68 +62,25 @@ def connect() -> _socket.socket | None:
 
 
 def run(spec: CellSpec, argv: list[str], timeout: float | None, monitor: str | None = None) -> dict[str, Any] | None:
-    """Run through the warm launcher. None means it is not running (or refused the request before
-    anything ran): launch cold instead. Once it has started the command, its result is final.
+    """Run through the warm launcher, on our stdio, forwarding our signals. None means it is not
+    running (or went away before anything ran): launch cold instead. Once it has started the command,
+    its result is final. A supervised cell (proxy, host-firewall table, ``monitor``) runs in a cell host
+    the launcher forks, whose result is as complete as the cold path's (the protected-path step stays
+    with the caller)."""
+    from .remote import HostUnavailable, RemoteHost
 
-    A cell with a proxy, a host-firewall table or a ``monitor`` (its verdict) is supervised: the
-    launcher forks it a cell host (:func:`agentcell.host.server.serve_private`) that runs it as
-    :class:`agentcell.supervise.Supervised` and answers with its events and, last, ``ended`` and
-    the result, as complete as the cold path's (the protected-path step stays with the caller)."""
-    s = connect()
-    if s is None:
-        return None
-    supervised = monitor is not None or spec.network in ("proxy", "host-firewall")
-    request: dict[str, object] = {"op": "spawn", "id": 1, "spec": spec_to_dict(spec), "argv": argv}
-    if supervised:
-        request = {"op": "run", "spec": request["spec"], "argv": argv, "monitor": monitor, "guard": False}
-    done = "ended" if supervised else "exit"
     try:
-        wire.send(s, request, [0, 1, 2])
-        msg, _ = wire.recv(s)
-    except (OSError, wire.WireError):
-        s.close()
+        cell = RemoteHost("warm").start(spec, argv, stdio=(0, 1, 2), monitor=monitor)
+    except HostUnavailable:
         return None
-    if msg is None:
-        s.close()
-        return None
-    if msg.get("event") == "error":
-        s.close()
-        err = AgentcellError(str(msg["field"]), str(msg["message"]).removeprefix(f"{msg['field']}: "))
-        err.exit_code = int(msg["code"])
-        raise err
-
-    def forward(sig: int, _frame: object) -> None:
-        try:
-            wire.send(s, {"op": "signal", "id": 1, "sig": sig})
-        except OSError:
-            pass
-
     for sig in FORWARDED:
-        signal.signal(sig, forward)
-    cell_id = str(msg.get("cell_id") or "")
-    started = time.monotonic()
-    deadline = None if timeout is None else started + timeout
-    timed_out = False
-    try:
-        while True:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if not select.select([s], [], [], left)[0]:
-                timed_out, deadline = True, None
-                forward(signal.SIGKILL, None)
-                continue
-            msg, _ = wire.recv(s)
-            if msg is None:  # its cell died with it (PID 1's parent-death signal); the caller's checks still run
-                return {"exit_status": 125, "signal": None, "timed_out": timed_out, "cell_id": cell_id,
-                        "duration_s": round(time.monotonic() - started, 6),
-                        "error": "warm launcher: it went away while the command ran (see 'agentcell warm "
-                                 "status'; --no-warm launches cold)"}
-            if msg.get("event") == done:  # before it, a supervised cell's events and stats: its result has them
-                result: dict[str, Any] = msg["result"]
-                if timed_out:
-                    result.update(exit_status=124, signal=signal.SIGKILL, timed_out=True)
-                return result
-    finally:
-        s.close()
+        signal.signal(sig, lambda sig, _frame: cell.signal(sig))
+    result = cell.wait(timeout)
+    if cell.was_lost:  # its cell died with it (PID 1's parent-death signal); the caller's checks still run
+        result.update(exit_status=125, timed_out=cell.timed_out, cell_id=cell.cell_id,
+                      error="warm launcher: it went away while the command ran (see 'agentcell warm status'; "
+                            "--no-warm launches cold)")
+    return result
 
 
 # ---- managing the launcher (not on the hot path) --------------------------------------------------
@@ -172,10 +127,10 @@ def start(idle_s: float) -> tuple[int, bool]:
 def serve_detached(path: str, argv: Callable[[int], list[str]], backlog: int) -> subprocess.Popen[bytes]:
     """Start ``argv(listening fd)``, a server of ours that outlives us (init reaps it), listening on
     ``path``: a SOCK_SEQPACKET socket of mode 0600 in a directory only we may enter (a stale socket
-    of a server that is gone is replaced). Its environment is the launcher's (:func:`zygote.launcher_env`)."""
+    of a server that is gone is replaced). Its environment is a host's (:func:`.remote.host_env`)."""
     import subprocess
 
-    from . import zygote
+    from . import remote
 
     try:
         os.unlink(path)
@@ -188,7 +143,7 @@ def serve_detached(path: str, argv: Callable[[int], list[str]], backlog: int) ->
         listener.listen(backlog)
         proc = subprocess.Popen(argv(listener.fileno()), pass_fds=[listener.fileno()], start_new_session=True,
                                 cwd="/", close_fds=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL, env=zygote.launcher_env())
+                                stderr=subprocess.DEVNULL, env=remote.host_env())
     finally:
         listener.close()
     proc.returncode = 0  # it outlives us on purpose; init reaps it

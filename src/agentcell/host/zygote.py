@@ -46,16 +46,6 @@ def launcher_command(*args: str) -> list[str]:
     return [sys.executable, "-I", "-c", code, pkg_parent, *args]
 
 
-def launcher_env() -> dict[str, str]:
-    """The launcher needs almost nothing of its caller's environment (each cell's comes with its
-    policy): where its socket lives (so cells can be kept from it), a language, a PATH."""
-    # sbin: a supervised cell's host runs nft (host-firewall)
-    env = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-           "LANG": os.environ.get("LANG", "C.UTF-8")}
-    env.update({k: os.environ[k] for k in ("HOME", "XDG_RUNTIME_DIR", "XDG_STATE_HOME") if k in os.environ})
-    return env
-
-
 def _prepare(spec: CellSpec) -> launch.Prepared:
     spec = spec.replace(cell_id="")  # every cell gets its own id
     return launch.prepare(spec, binds.for_cell(spec))
@@ -98,6 +88,7 @@ class Server:
                  idle_s: float = 0.0) -> None:
         self.listener = listener
         self.conns: list[Sock] = [conn] if conn is not None else []
+        self.control = conn  # a private client's first connection: its end is the launcher's
         self.cells: dict[tuple[int, int], launch.Running] = {}  # (conn fd, request id) -> cell
         self.hosts: dict[int, int] = {}  # pidfd -> pid of a cell host forked for a supervised cell
         self.warm = _Warm(prewarm)
@@ -157,6 +148,8 @@ class Server:
                 os.close(fd)
 
     def _drop_conn(self, conn: Sock) -> None:
+        if conn is self.control:
+            self.stopping = True  # (the cells of its other connections are killed as the launcher stops)
         for key in [k for k in self.cells if k[0] == conn.fileno()]:
             self._kill(key)  # a client that went away takes its cells with it
         self.conns.remove(conn)
@@ -175,6 +168,11 @@ class Server:
 
     def _handle(self, conn: Sock, msg: dict[str, Any], fds: list[int]) -> None:
         op = msg.get("op")
+        if op == "attach" and self.control is conn and len(fds) == 1:
+            # Another connection of our private client's (a cell of its own each: see host.remote).
+            # Only there: the user's warm launcher takes connections by listen(), each peer checked.
+            self.conns.append(_socket.socket(fileno=os.dup(fds[0])))
+            return
         if op in ("run", "open"):  # a supervised cell: a host of its own takes this client over
             self.last_work = time.monotonic()
             self._host(conn, msg, fds)
@@ -208,8 +206,11 @@ class Server:
                 raise AgentcellError("op", f"a {'watched' if spec.watch else spec.network} cell is served by a cell "
                                      "host: ask with op 'run'", "update the client (agentcell run does so)")
             argv = [str(a) for a in msg["argv"]]
-            self.cells[key] = self.warm.take(spec).go(argv, stdio=fds)
-            self._reply(conn, {"id": rid, "event": "started", "cell_id": self.cells[key].cell_id})
+            self.cells[key] = running = self.warm.take(spec).go(argv, stdio=fds)
+            while not running.pid1 and not running.finished_reading():  # (said by the cell while it was prepared)
+                running.poll_messages(0.05)
+            self._reply(conn, {"id": rid, "event": "started", "cell_id": self.cells[key].cell_id,
+                               "pid1": running.pid1})
         except AgentcellError as e:
             self._reply(conn, {"id": rid, "event": "error", "field": e.field, "message": e.line(),
                                "code": e.exit_code})

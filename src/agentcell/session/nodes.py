@@ -314,7 +314,7 @@ class Nodes:
         made = self.rt.firewalls.get(sid)
         try:
             cell = spawn.start(spec, list(state["argv"]), stdio=self.rt.stdio, firewall=made,
-                               credentials=self.rt.credentials, upstream_ca=self.rt.upstream_ca)
+                               credentials=self.rt.credentials, upstream_ca=self.rt.upstream_ca, host=self.rt.host)
         except (OSError, AgentcellError) as e:  # the table stays ours: a retry hands it over again, cleanup removes it
             raise SpawnCrash("", _line(e)) from None
         if made is not None:  # the cell's host owns the table now, and removes it with the cell

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, TypedDict
 
 if TYPE_CHECKING:
-    from .spawn import HostedCell
+    from ..host.base import CellHandle, CellHost
 
 Status = Literal["running", "completed", "terminated", "aborted"]
 FINAL: tuple[str, ...] = ("completed", "terminated", "aborted")
@@ -72,7 +72,8 @@ class Runtime:
     credentials: Any = None
     upstream_ca: str | None = None
     environ: dict[str, str] = field(default_factory=dict)  # the invoking user's (LANG, TERM, SUDO_UID)
-    cells: dict[str, HostedCell] = field(default_factory=dict)
+    cells: dict[str, CellHandle] = field(default_factory=dict)
+    host: CellHost | None = None  # where cells start (None: a cell host of their own, host.remote.RemoteHost)
     firewalls: dict[str, tuple[Any, Any]] = field(default_factory=dict)  # session -> (HostFirewall, log)
     stop_requested: dict[str, str] = field(default_factory=dict)  # session -> why
     status_line: bool = False

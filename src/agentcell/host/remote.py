@@ -1,0 +1,499 @@
+"""The remote host: cells in processes of their own, spoken to over the host protocol (:mod:`.wire`).
+
+This module alone starts a launcher (:mod:`.zygote`) or a cell host (:mod:`.server`), speaks the wire,
+decodes the errors that come back and chooses the op, so that :class:`agentcell.Cell`,
+:class:`agentcell.LiveCell`, the session and ``agentcell run``'s warm path are short callers of one
+client. The op follows from what lives beside the cell:
+
+* a cell with nothing beside it (no proxy, no host-firewall table, no monitor) is a launcher's
+  ``spawn``: the launcher forks it from a cell it prepared while idle;
+* a cell with a proxy, a table or a monitor is a cell host's ``run``: the launcher forks that host
+  (:func:`.server.serve_private`) and hands it the connection, or, with no launcher at hand, a cell
+  host is started for it (the session's harness, whose stdio are the host's own);
+* a live cell is a cell host's ``open`` (:class:`RemoteLive`).
+
+Each cell has a connection of its own, so a handle reads only its own messages and needs no thread;
+a private launcher gives out connections through its control socket (op ``attach``). Importing this
+module costs what the warm path of ``agentcell run`` already pays (no subprocess, threading or
+typing until a launcher or a live cell is started).
+"""
+from __future__ import annotations
+
+import _socket
+import os
+import select
+import time
+
+from ..cell.spec import TYPE_CHECKING, CellSpec, spec_to_dict
+from ..errors import EXIT_TIMEOUT, AgentcellError, LaunchError
+from . import wire
+
+if TYPE_CHECKING:
+    import subprocess
+    from collections.abc import Sequence
+    from typing import Any
+
+    from .base import StartOptions
+
+SIGKILL = 9
+SIGTERM = 15
+SBIN_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+class HostUnavailable(LaunchError):
+    """The launcher asked for is not there, or went away before the cell started: nothing ran."""
+
+
+def supervised(spec: CellSpec, monitor: str | None) -> bool:
+    """Whether the cell needs a cell host: something lives beside it (proxy, table, monitor)."""
+    return monitor is not None or spec.watch or spec.network in ("proxy", "host-firewall")
+
+
+def error_from(msg: dict[str, Any]) -> AgentcellError:
+    """The host's ``{"event": "error", "field", "message", "code"}`` as the error it reports."""
+    field = str(msg.get("field") or "")
+    err = AgentcellError(field, str(msg.get("message") or "").removeprefix(f"{field}: "))
+    err.exit_code = int(msg.get("code") or 125)
+    return err
+
+
+def host_env() -> dict[str, str]:
+    """A launcher's or cell host's environment: almost nothing of its caller's (each cell's comes with its
+    policy): a PATH with sbin (a cell host runs nft), a language, and where its sockets live."""
+    env = {"PATH": SBIN_PATH, "LANG": os.environ.get("LANG", "C.UTF-8")}
+    env.update({k: os.environ[k] for k in ("HOME", "XDG_RUNTIME_DIR", "XDG_STATE_HOME") if k in os.environ})
+    return env
+
+
+def _popen(argv: list[str], stdio: Sequence[int | None], pass_fds: Sequence[int],
+           new_session: bool = True) -> subprocess.Popen[bytes]:
+    """A launcher or cell host of ours, as a fresh interpreter (fork+exec: safe from threaded callers),
+    started in /; ``new_session``: it never shares our terminal's job control (a cell host that runs a
+    command on our stdio stays in our session: a terminal there is the command's)."""
+    import subprocess
+
+    try:
+        return subprocess.Popen(argv, stdin=stdio[0], stdout=stdio[1], stderr=stdio[2], pass_fds=tuple(pass_fds),
+                                close_fds=True, cwd="/", start_new_session=new_session, env=host_env())
+    except OSError as e:
+        raise LaunchError("host", f"cannot start the cell's host: {e.strerror}") from None
+
+
+def _pair() -> tuple[_socket.socket, _socket.socket]:
+    a, b = _socket.socketpair(_socket.AF_UNIX, _socket.SOCK_SEQPACKET | _socket.SOCK_CLOEXEC)
+    return a, b
+
+
+class RemoteCell:
+    """One command in a cell served over a connection of its own: a launcher's ``spawn`` (its end is
+    ``exit``) or a cell host's ``run`` (its monitor's events, stats about once a second, ``ended``)."""
+
+    def __init__(self, sock: _socket.socket, proc: subprocess.Popen[bytes] | None, supervised: bool) -> None:
+        self._sock, self._proc, self.supervised = sock, proc, supervised
+        self._last = "ended" if supervised else "exit"
+        self._events: list[dict[str, Any]] = []
+        self._stats: dict[str, Any] = {}
+        self._result: dict[str, Any] | None = None
+        self._eof = False
+        self.cell_id, self.pid1 = "", 0
+        self.timed_out = self.was_lost = False
+
+    def _begin(self, request: dict[str, Any], fds: Sequence[int]) -> RemoteCell:
+        """Send the request, read up to the cell's start; an error reply is raised as the host said it."""
+        try:
+            wire.send(self._sock, request, list(fds))
+        except OSError:
+            pass  # the host has ended: it says why below (or nothing: it ended before the cell started)
+        except wire.WireError as e:
+            self.close()
+            raise AgentcellError("argv", str(e), "pass a shorter command line") from None
+        while True:
+            msg = self._next(None)
+            if msg is None:
+                self.close()
+                raise HostUnavailable("cell", "the cell's host ended before the cell started")
+            if msg.get("event") == "error":
+                self.close()
+                raise error_from(msg)
+            if msg.get("event") == "started":
+                self.cell_id, self.pid1 = str(msg.get("cell_id") or ""), int(msg.get("pid1") or 0)
+                return self
+            self._take(msg)
+
+    def fileno(self) -> int:
+        return self._sock.fileno()
+
+    # ---- the connection --------------------------------------------------------------------------------
+
+    def _next(self, timeout: float | None) -> dict[str, Any] | None:
+        if self._eof or not select.select([self._sock], [], [], timeout)[0]:
+            return None
+        msg, fds = wire.recv_or_gone(self._sock)
+        for fd in fds:
+            os.close(fd)
+        if msg is None:
+            self._eof = True
+        return msg
+
+    def _take(self, msg: dict[str, Any]) -> None:
+        event = msg.get("event")
+        if event in ("escape", "note"):
+            self._events.append(msg["data"])
+        elif event == "stats":
+            self._stats = msg["stats"]
+        elif event == self._last:
+            self._result = dict(msg["result"])
+
+    def _drain(self, timeout: float | None = 0) -> None:
+        while self._result is None:
+            msg = self._next(timeout)
+            if msg is None:
+                return
+            self._take(msg)
+            timeout = 0 if timeout is not None else None
+
+    def _send(self, msg: dict[str, Any]) -> None:
+        try:
+            wire.send(self._sock, msg)
+        except OSError:
+            pass  # the host has ended: its last word is on the connection
+
+    # ---- the handle --------------------------------------------------------------------------------------
+
+    def events(self) -> list[dict[str, Any]]:
+        self._drain()
+        return list(self._events)
+
+    def stats(self) -> dict[str, Any]:
+        self._drain()
+        return dict(self._stats)
+
+    @property
+    def lost(self) -> bool:
+        """The host ended without reporting the cell's end (its cell dies with it: PID 1's parent-death
+        signal)."""
+        self._drain()
+        return self._result is None and self._eof
+
+    def poll(self) -> dict[str, Any] | None:
+        """The result once the cell has ended, else None (also when its host was lost: see :attr:`lost`)."""
+        self._drain()
+        if self._result is not None:
+            if self.timed_out:
+                self._result.update(exit_status=EXIT_TIMEOUT, signal=SIGKILL, timed_out=True)
+            self.close()
+        return self._result
+
+    def wait(self, timeout: float | None = None) -> dict[str, Any]:
+        """The result; at ``timeout`` seconds the command is killed and its status is 124. A host lost
+        before it reported the end gives ``exit_status`` None and says so in ``error`` (:attr:`was_lost`)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while (result := self.poll()) is None:
+            if self.lost:
+                self.was_lost = True
+                self._result = {"exit_status": None, "signal": None, "error": "the cell's host ended unexpectedly",
+                                "events": list(self._events)}
+                self.close()
+                return self._result
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                self.timed_out, deadline = True, None
+                self.signal(SIGKILL)
+                continue
+            self._drain(left)
+        return result
+
+    def signal(self, sig: int) -> None:
+        """Forwarded to the command (a cell host's ``run``) or the cell (a launcher's ``spawn``)."""
+        if self._result is None:
+            self._send({"op": "signal", "id": 1, "sig": int(sig)})
+
+    def terminate(self, reason: str) -> None:
+        """A supervised cell is frozen, then killed, for ``reason`` (as its monitor would); a launcher's
+        plain cell is killed."""
+        if self.supervised:
+            self._send({"op": "terminate", "reason": reason})
+        else:
+            self.signal(SIGKILL)
+
+    def close(self) -> None:
+        """Let go of the connection: a cell still running is ended by its host (its client has gone)."""
+        if not self._eof:
+            self._eof = True
+            self._sock.close()
+        if self._proc is not None and self._proc.returncode is None:
+            self._proc.wait()
+
+
+class RemoteHost:
+    """Cells served by processes of ours. ``launcher``: ``"private"`` (a launcher started for this host on
+    first use, and stopped by :meth:`close`), ``"warm"`` (the user's ``agentcell warm`` launcher; a
+    :class:`HostUnavailable` when none runs, and nothing ran) or ``None`` (a cell host started per cell:
+    plain cells need a launcher)."""
+
+    def __init__(self, launcher: str | None = "private", *, prewarm: bool = True) -> None:
+        if launcher not in ("private", "warm", None):
+            raise ValueError(f"launcher: {launcher!r} is not private, warm or None")
+        self.launcher, self.prewarm = launcher, prewarm
+        self._control: _socket.socket | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._open: list[RemoteCell] = []
+        self._lock: Any = None
+
+    # ---- connections ---------------------------------------------------------------------------------
+
+    def _connection(self) -> _socket.socket:
+        """A new connection to our launcher: the user's warm one, or our private one (started the first
+        time) through its control socket."""
+        if self.launcher == "warm":
+            from . import warm
+
+            s = warm.connect()
+            if s is None:
+                raise HostUnavailable("warm", "no warm launcher of yours runs", "start one: agentcell warm start")
+            return s
+        import _thread
+
+        if self._lock is None:
+            self._lock = _thread.allocate_lock()
+        with self._lock:
+            if self._control is None:
+                from . import zygote
+
+                ours, theirs = _pair()
+                try:
+                    args = ("--conn", str(theirs.fileno()), *([] if self.prewarm else ["--no-prewarm"]))
+                    self._proc = _popen(zygote.launcher_command(*args), (_DEVNULL, None, None), [theirs.fileno()])
+                except BaseException:
+                    ours.close()
+                    raise
+                finally:
+                    theirs.close()
+                self._control = ours
+            mine, its = _pair()
+            try:
+                wire.send(self._control, {"op": "attach"}, [its.fileno()])
+            except OSError:
+                mine.close()
+                raise HostUnavailable("launcher", "the warm launcher process died") from None
+            finally:
+                its.close()
+            self._open = [c for c in self._open if not c._eof]
+            return mine
+
+    # ---- the CellHost interface -----------------------------------------------------------------------
+
+    def start(self, spec: CellSpec, argv: Sequence[str], *, stdio: Sequence[int] = (0, 1, 2),
+              monitor: str | None = None, options: StartOptions | None = None) -> RemoteCell:
+        """``argv`` in a new cell for ``spec``, on the fds ``stdio`` (ours are not closed). ``monitor``
+        (its verdict, or None) and what else lives beside the cell choose the op (see the module)."""
+        args = [os.fspath(a) for a in argv]
+        watched = supervised(spec, monitor) or options is not None
+        if not watched:
+            if self.launcher is None:
+                raise ValueError("a plain cell is a launcher's: RemoteHost('private') or RemoteHost('warm')")
+            cell = RemoteCell(self._connection(), None, False)
+            self._open.append(cell)
+            return cell._begin({"op": "spawn", "id": 1, "spec": spec_to_dict(spec), "argv": args}, stdio)
+        request: dict[str, Any] = {"op": "run", "spec": spec_to_dict(spec), "argv": args, "monitor": monitor,
+                                   "guard": False}
+        extra: list[int] = []
+        if options is not None:
+            request.update(options.wire())
+            extra = options.fds()
+        if self.launcher is not None and not extra:  # the launcher forks the cell's host, on these stdio
+            cell = RemoteCell(self._connection(), None, True)
+            self._open.append(cell)
+            return cell._begin(request, stdio)
+        from . import server
+
+        ours, theirs = _pair()
+        try:
+            proc = _popen(server.command("--conn", str(theirs.fileno())), stdio, (theirs.fileno(), *extra), False)
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        cell = RemoteCell(ours, proc, True)
+        return cell._begin(request, extra)
+
+    def open(self, spec: CellSpec, *, monitor: str | None = "terminate") -> RemoteLive:
+        """A live cell of its own cell host, tied to this process (its end ends the cell)."""
+        from . import server
+
+        ours, theirs = _pair()
+        try:
+            # Not our stdout: it may be a protocol's channel (agentcell mcp).
+            proc = _popen(server.command("--conn", str(theirs.fileno())), (_DEVNULL, _DEVNULL, None),
+                          [theirs.fileno()])
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        try:
+            return RemoteLive.handshake(ours, proc, spec, monitor)
+        except BaseException:
+            ours.close()
+            proc.wait()
+            raise
+
+    def close(self) -> None:
+        """Stop a private launcher (its cells are killed) and let go of every cell started here."""
+        for cell in self._open:
+            cell.close()
+        self._open = []
+        control, proc, self._control, self._proc = self._control, self._proc, None, None
+        if control is not None:
+            control.close()
+        if proc is not None:
+            proc.wait()
+
+
+_DEVNULL = -3  # subprocess.DEVNULL, without importing subprocess on the warm path
+
+
+class RemoteLive:
+    """The client of a live cell's host (:mod:`.server`): one connection, a reader thread that hands each
+    command's messages to its waiter, the monitor's events, the cell's end. Thread-safe."""
+
+    def __init__(self, sock: _socket.socket, proc: subprocess.Popen[bytes] | None, cell_id: str, pid1: int) -> None:
+        import queue
+        import threading
+
+        self._sock, self._proc, self.cell_id, self.pid1 = sock, proc, cell_id, pid1
+        self._queue = queue.Queue
+        self._lock = threading.Lock()
+        self._pending: dict[int, Any] = {}
+        self._next = 0
+        self._events: list[dict[str, Any]] = []
+        self.ended: str | None = None
+        self.result: dict[str, Any] | None = None
+        self._done = threading.Event()
+        threading.Thread(target=self._reader, name="agentcell-live-reader", daemon=True).start()
+
+    @classmethod
+    def handshake(cls, sock: _socket.socket, proc: subprocess.Popen[bytes] | None, spec: CellSpec,
+                  monitor: str | None) -> RemoteLive:
+        """Open the cell on a connection to its host (a fresh one, or a named cell's listener)."""
+        from ..protect.check import human
+
+        wire.send(sock, {"op": "open", "spec": spec_to_dict(spec), "monitor": monitor, "give_to": human()})
+        msg, _ = wire.recv(sock)
+        if msg is None:
+            raise LaunchError("cell", "the cell's host ended before the cell started")
+        if msg.get("event") == "error":
+            raise error_from(msg)
+        return cls(sock, proc, str(msg["cell_id"]), int(msg["pid1"]))
+
+    @classmethod
+    def connect(cls, sock: _socket.socket) -> RemoteLive:
+        """A client of a named cell's host (``agentcell cell``), already open."""
+        from .base import CellEnded
+
+        wire.send(sock, {"op": "status"})
+        msg, _ = wire.recv(sock)
+        if msg is None or msg.get("event") != "status":
+            raise CellEnded("the cell's host did not answer")
+        if msg.get("ended"):
+            raise CellEnded(str(msg["ended"]))
+        return cls(sock, None, str(msg["cell_id"]), int(msg["pid1"]))
+
+    def _reader(self) -> None:
+        while True:
+            msg, fds = wire.recv_or_gone(self._sock)
+            for fd in fds:
+                os.close(fd)
+            if msg is None or msg.get("event") == "ended":
+                if msg is not None:
+                    self.result = msg.get("result")
+                self.ended = str(msg["reason"]) if msg is not None else self.ended or "the cell's host died"
+                with self._lock:
+                    waiting = list(self._pending.values())
+                for q in waiting:
+                    q.put({"event": "lost"})
+                self._done.set()
+                if msg is None:
+                    return
+                continue
+            if msg.get("event") in ("escape", "note"):
+                self._events.append(msg["data"])
+                continue
+            cid = msg.get("id")
+            if msg.get("event") == "exit" and msg.get("ended") and self.ended is None:
+                # The cell's end cut this command short: said before the command's own end is delivered,
+                # for whoever looks at the cell once its command has returned.
+                self.ended = str(msg["ended"])
+            one = self._pending.get(cid) if isinstance(cid, int) else None
+            if one is not None and msg.get("event") != "started":
+                one.put(msg)
+
+    def events(self) -> list[dict[str, Any]]:
+        return list(self._events)
+
+    def exec(self, argv: list[str], fds: Sequence[int], *, env: dict[str, str], cwd: str | None,
+             timeout: float | None) -> tuple[int, Any]:
+        """Start ``argv`` on ``fds`` (stdin, stdout, stderr); (its id, the queue its messages come to:
+        ``exit``, ``error``, or ``lost`` once the cell has ended)."""
+        from .base import CellEnded
+
+        with self._lock:
+            self._next += 1
+            cid = self._next
+            waiting = self._pending[cid] = self._queue()
+        try:
+            wire.send(self._sock, {"op": "exec", "id": cid, "argv": argv, "env": env, "cwd": cwd,
+                                   "timeout": timeout}, list(fds))
+        except OSError:
+            self.forget(cid)
+            raise CellEnded(self.ended or "the cell's host has gone") from None
+        except BaseException:
+            self.forget(cid)
+            raise
+        return cid, waiting
+
+    def signal(self, cid: int, sig: int) -> None:
+        from .base import CellEnded
+
+        try:
+            wire.send(self._sock, {"op": "signal", "id": cid, "sig": int(sig)})
+        except OSError:
+            raise CellEnded(self.ended or "the cell's host has gone") from None
+
+    def forget(self, cid: int) -> None:
+        with self._lock:
+            self._pending.pop(cid, None)
+
+    def poll(self) -> dict[str, Any] | None:
+        return self.result if self._done.is_set() else None
+
+    def wait(self, timeout: float | None = None) -> dict[str, Any] | None:
+        self._done.wait(timeout)
+        return self.result
+
+    def terminate(self, reason: str) -> None:
+        """End the cell (commands still running are killed); its host reports ``stopped (asked to stop)``."""
+        if self.ended is None:
+            try:
+                wire.send(self._sock, {"op": "stop"})
+            except OSError:
+                pass
+
+    def close(self, timeout: float | None = 30.0) -> dict[str, Any] | None:
+        self.terminate("closed")
+        self._done.wait(timeout)
+        try:
+            self._sock.shutdown(_socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._sock.close()
+        if self._proc is not None:
+            import subprocess
+
+            try:
+                self._proc.wait(timeout)
+            except subprocess.TimeoutExpired:  # our own child: its cell dies with it
+                self._proc.kill()
+                self._proc.wait()
+        return self.result
