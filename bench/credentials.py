@@ -29,8 +29,8 @@ import time
 
 from agentcell.harness.fakenet import FakeInternet
 from agentcell.network import egress
+from agentcell.network.credentials import CredentialSet, parse_bindings
 from agentcell.network.tlsca import SessionCA
-from agentcell.policy.credentials import CredentialSet, parse_bindings
 
 INJECT, TUNNEL = "198.18.7.10", "198.18.7.20"
 DNS = "198.18.7.53"

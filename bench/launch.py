@@ -102,7 +102,7 @@ def layer_costs(spec: object, runs: int) -> dict[str, float]:
     with each one switched off in turn — by replacing it here, for the benchmark only (forked cells
     inherit the replacement). The difference is that layer's cost per launch."""
     from agentcell.cell import cgroups, landlock, launch, seccomp
-    from agentcell.policy.guards import for_cell
+    from agentcell.protect.binds import for_cell
 
     guarded = for_cell(spec)  # type: ignore[arg-type]
 

@@ -74,7 +74,7 @@ V2_HARNESS = """
 import sys
 from agentcell.cell import cgroups, launch
 from agentcell.cell.spec import CellSpec
-from agentcell.policy.guards import for_cell
+from agentcell.protect.binds import for_cell
 from agentcell.policy.resolve import build_env, resolve_identity
 cgroups.ROOT = sys.argv[1]
 assert cgroups.layout() == "v2", cgroups.layout()

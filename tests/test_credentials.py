@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from agentcell.errors import PolicyError
-from agentcell.policy.credentials import CredentialSet, parse_bindings, placeholder, read_value, read_values
+from agentcell.network.credentials import CredentialSet, parse_bindings, placeholder, read_value, read_values
 
 ANTHROPIC = "sk-ant-api03-" + "Ab9_xYz-" * 11 + "QQ"
 GITHUB = "ghp_" + "a1B2c3D4e5" * 3 + "F6g7h8"

@@ -16,6 +16,9 @@ from typing import Any
 import pytest
 
 from agentcell import doctor
+from agentcell.cell import landlock
+from agentcell.doctor import cgroupfs, checks, namespaces, report
+from agentcell.monitor import audit as kernel_audit
 
 AGENTCELL = str(Path(sys.executable).parent / "agentcell")
 SRC = str(Path(__file__).resolve().parent.parent / "src")
@@ -118,7 +121,7 @@ def test_landlock_abi_found() -> None:
     lsm = Path("/sys/kernel/security/lsm")
     if lsm.exists() and "landlock" not in lsm.read_text().split(","):
         pytest.skip(f"Landlock is not an active LSM here ({lsm}: {lsm.read_text().strip()})")
-    abi = doctor.landlock_abi()
+    abi = landlock.version()
     assert isinstance(abi, int), f"landlock_create_ruleset version probe failed: {abi}"
     assert abi >= 1
     _, rep = doctor_json()
@@ -161,20 +164,20 @@ V1_ONLY = """\
 
 
 def test_the_cgroup_migration_wait_is_named_with_the_mount_option_that_removes_it() -> None:
-    slow = doctor.check_cgroup_migration(doctor.parse_cgroup_mounts(HYBRID))
+    slow = cgroupfs.check_cgroup_migration(cgroupfs.parse_cgroup_mounts(HYBRID))
     assert slow.status == "warn" and "remount,favordynmods /sys/fs/cgroup/unified" in slow.fix, slow
     fast_info = HYBRID.replace("cgroup2 cgroup2 rw\n", "cgroup2 cgroup2 rw,favordynmods\n")
-    fast = doctor.check_cgroup_migration(doctor.parse_cgroup_mounts(fast_info))
+    fast = cgroupfs.check_cgroup_migration(cgroupfs.parse_cgroup_mounts(fast_info))
     assert (fast.status, fast.data["favordynmods"]) == ("ok", ["/sys/fs/cgroup/unified"]), fast
 
 
 def test_cgroup_layout_v2_only() -> None:
-    cg = doctor.parse_cgroup_mounts(V2_ONLY)
+    cg = cgroupfs.parse_cgroup_mounts(V2_ONLY)
     assert (cg.layout, cg.unified, cg.v1) == ("v2", "/sys/fs/cgroup", {})
 
 
 def test_cgroup_layout_hybrid() -> None:
-    cg = doctor.parse_cgroup_mounts(HYBRID)
+    cg = cgroupfs.parse_cgroup_mounts(HYBRID)
     assert cg.layout == "hybrid"
     assert cg.unified == "/sys/fs/cgroup/unified"
     assert cg.v1 == {"cpu": "/sys/fs/cgroup/cpu,cpuacct", "cpuacct": "/sys/fs/cgroup/cpu,cpuacct",
@@ -183,13 +186,13 @@ def test_cgroup_layout_hybrid() -> None:
 
 
 def test_cgroup_layout_v1_only() -> None:
-    cg = doctor.parse_cgroup_mounts(V1_ONLY)
+    cg = cgroupfs.parse_cgroup_mounts(V1_ONLY)
     assert cg.layout == "v1" and cg.unified is None
     assert cg.v1 == {"memory": "/sys/fs/cgroup/memory", "pids": "/sys/fs/cgroup/my pids"}
 
 
 def test_cgroup_layout_none() -> None:
-    assert doctor.parse_cgroup_mounts("22 1 259:1 / / rw - ext4 /dev/root rw\n").layout == "none"
+    assert cgroupfs.parse_cgroup_mounts("22 1 259:1 / / rw - ext4 /dev/root rw\n").layout == "none"
 
 
 def _fs_type(path: str) -> str:
@@ -205,7 +208,7 @@ def test_cgroup_layout_of_this_machine() -> None:
         v1 = any(_fs_type(f"/sys/fs/cgroup/{c}") == "cgroupfs" for c in ("memory", "cpu", "pids", "freezer"))
         v2 = _fs_type("/sys/fs/cgroup/unified") == "cgroup2fs"
         expected = ("hybrid" if v2 else "v1") if v1 else ("v2" if v2 else "none")
-    cg = doctor.parse_cgroup_mounts(Path("/proc/self/mountinfo").read_text())
+    cg = cgroupfs.parse_cgroup_mounts(Path("/proc/self/mountinfo").read_text())
     assert cg.layout == expected
     _, rep = doctor_json()
     data = by_name(rep["checks"], "cgroups")["data"]
@@ -235,8 +238,8 @@ def test_userns_probe_agrees_with_a_direct_probe() -> None:
     assert check["data"]["probe_ok"] == direct
     restricted = check["data"]["apparmor_restrict_unprivileged_userns"] == 1
     assert (check["status"] == "ok") == (direct and not restricted)
-    assert threading.active_count() == 1 and doctor.thread_count() == 1, "pytest must be single-threaded here"
-    assert doctor.probe_userns().ok == direct
+    assert threading.active_count() == 1 and namespaces.thread_count() == 1, "pytest must be single-threaded here"
+    assert namespaces.probe_userns().ok == direct
 
 
 def test_probes_refuse_to_fork_from_a_threaded_process() -> None:
@@ -244,7 +247,7 @@ def test_probes_refuse_to_fork_from_a_threaded_process() -> None:
     t = threading.Thread(target=stop.wait)
     t.start()
     try:
-        res = doctor.probe_userns()
+        res = namespaces.probe_userns()
     finally:
         stop.set()
         t.join()
@@ -255,23 +258,23 @@ def test_probes_refuse_to_fork_from_a_threaded_process() -> None:
 def test_root_namespaces_probe() -> None:
     direct = subprocess.run(["unshare", "--mount", "--pid", "--ipc", "--uts", "--net", "--fork", "true"],
                             capture_output=True, cwd="/").returncode == 0
-    assert doctor.probe_cell_namespaces(rootless=False).ok == direct
+    assert namespaces.probe_cell_namespaces(rootless=False).ok == direct
     _, rep = doctor_json()
     assert by_name(rep["checks"], "namespaces")["status"] == ("ok" if direct else "missing")
 
 
 def test_modes_follow_the_probes() -> None:
-    ok, bad = doctor.ProbeResult(True), doctor.ProbeResult(False, "EPERM: Operation not permitted", errno=1)
-    user = {m.name: m for m in doctor.evaluate_modes(root=False, userns_ok=True, userns_fix="",
+    ok, bad = namespaces.ProbeResult(True), namespaces.ProbeResult(False, "EPERM: Operation not permitted", errno=1)
+    user = {m.name: m for m in report.evaluate_modes(root=False, userns_ok=True, userns_fix="",
                                                      ns_root=None, ns_rootless=ok)}
     assert user["self"].works and user["none"].works and user["loopback"].works
     assert not user["agent"].works and "needs root" in user["agent"].detail
     assert not user["uid"].works and "needs root" in user["uid"].detail
-    blocked = {m.name: m for m in doctor.evaluate_modes(root=False, userns_ok=False, userns_fix="sysctl …",
+    blocked = {m.name: m for m in report.evaluate_modes(root=False, userns_ok=False, userns_fix="sysctl …",
                                                         ns_root=None, ns_rootless=bad)}
     assert not blocked["self"].works and blocked["self"].fix == "sysctl …"
     assert not blocked["none"].works and blocked["none"].status == "missing"
-    root = {m.name: m for m in doctor.evaluate_modes(root=True, userns_ok=False, userns_fix="x",
+    root = {m.name: m for m in report.evaluate_modes(root=True, userns_ok=False, userns_fix="x",
                                                      ns_root=ok, ns_rootless=bad)}
     assert root["agent"].works and root["uid"].works and root["none"].works
     assert not root["self"].works
@@ -285,12 +288,12 @@ def test_modes_follow_the_probes() -> None:
 def test_audit_status_is_read_and_left_alone() -> None:
     if not os.path.exists("/proc/self/loginuid"):
         pytest.skip("kernel without audit")
-    before = doctor.read_audit_status()
+    before = dict(zip(kernel_audit.STATUS_FIELDS, kernel_audit.audit_status(), strict=False))
     assert before["enabled"] in (0, 1, 2)
     _, rep = doctor_json()
     audit = by_name(rep["checks"], "audit")
     assert audit["data"]["enabled"] == before["enabled"]
-    assert doctor.read_audit_status()["enabled"] == before["enabled"]
+    assert kernel_audit.audit_enabled() == before["enabled"]
     if shutil.which("auditctl"):
         out = subprocess.run(["auditctl", "-s"], capture_output=True, text=True).stdout
         assert f"enabled {before['enabled']}" in out
@@ -351,9 +354,9 @@ def test_doctor_as_a_non_root_user(doc_user: pwd.struct_passwd) -> None:
 
 def test_acl_support_is_read_from_the_file_system() -> None:
     # /proc keeps no POSIX ACLs on any kernel: the negative case is real, not simulated.
-    assert doctor.check_acl_fs("/proc").status == "warn"
-    assert doctor.check_acl_fs("/proc").fix
-    assert doctor.check_acl_fs("/tmp").status == ("ok" if _tmp_keeps_acls() else "warn")
+    assert checks.check_acl_fs("/proc").status == "warn"
+    assert checks.check_acl_fs("/proc").fix
+    assert checks.check_acl_fs("/tmp").status == ("ok" if _tmp_keeps_acls() else "warn")
 
 
 def _tmp_keeps_acls() -> bool:
@@ -375,8 +378,8 @@ def test_doctor_says_which_monitor_sources_a_user_has(user: Any) -> None:
 
 
 def test_the_extras_are_reported_installed_or_with_their_install_line(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(doctor, "EXTRAS", (*doctor.EXTRAS, ("nothing", "agentcell-no-such-dist", "nothing at all")))
-    got = {c.name: c for c in doctor.check_extras()}
+    monkeypatch.setattr(checks, "EXTRAS", (*checks.EXTRAS, ("nothing", "agentcell-no-such-dist", "nothing at all")))
+    got = {c.name: c for c in checks.check_extras()}
     assert got["extra ray"].status == "ok" and got["extra ray"].data["version"], got["extra ray"]  # test.sh installs it
     missing = got["extra nothing"]
     assert missing.status == "warn" and missing.fix.startswith("pip install 'agentcell[nothing]'"), missing

@@ -513,11 +513,11 @@ def test_an_allowed_name_that_does_not_resolve_is_refused_and_noted_never_an_esc
 
 
 def test_every_project_file_a_harness_reads_as_configuration_is_protected() -> None:
-    from agentcell import protect
+    from agentcell.protect import surface
 
     for prof in PROFILES.values():
         for entry in prof.protected:
-            assert os.path.basename(entry) in protect.AT_REPO_ROOT, (prof.name, entry)
+            assert os.path.basename(entry) in surface.AT_REPO_ROOT, (prof.name, entry)
 
 
 def test_a_persistent_agent_cannot_leave_a_way_in_for_the_hosts_services(env: Env, agent: str) -> None:

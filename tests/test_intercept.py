@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
+from agentcell.network.credentials import CredentialSet, parse_bindings
 from agentcell.network.intercept import Interceptor, server_context, upstream_context
 from agentcell.network.tlsca import SessionCA
-from agentcell.policy.credentials import CredentialSet, parse_bindings
 
 KEY = "sk-ant-api03-" + "Zq7_w-" * 12 + "AA"
 HOST = "api.example.test"

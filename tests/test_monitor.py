@@ -169,8 +169,8 @@ def test_a_source_that_stops_is_a_telemetry_event_and_ends_the_cell(user: User) 
     from agentcell import CellSpec
     from agentcell.cell import launch
     from agentcell.monitor.monitor import Monitor
-    from agentcell.policy.guards import for_cell
     from agentcell.policy.resolve import build_env, resolve_identity
+    from agentcell.protect.binds import for_cell
 
     ident = resolve_identity(str(user.uid), euid=0)
     spec = CellSpec(ident, env=build_env({}, ident), cell_id="agentcell-montest" + os.urandom(3).hex())

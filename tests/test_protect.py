@@ -263,21 +263,21 @@ def test_warnings_do_not_carry_terminal_escapes(user: User, project: Path) -> No
 def test_quarantine_follows_no_symlink_and_moves_only_what_was_scanned(tmp_path: Path) -> None:
     # The after-run step may run as root: a parent swapped for a symlink, or an entry replaced since
     # the scan, must move nothing (here, outside's .envrc stands for a file of somebody else's).
-    from agentcell import protect
+    from agentcell.protect import check, surface
 
     project, outside = tmp_path / "p", tmp_path / "outside"
     (project / "sub").mkdir(parents=True)
     outside.mkdir()
-    before, _ = protect.surface((str(project),))
+    before, _ = surface.surface((str(project),))
     for d in (project, project / "sub", outside):
         (d / ".envrc").write_text("x\n")
-    after, _ = protect.surface((str(project),))
+    after, _ = surface.surface((str(project),))
     assert {f"{project}/.envrc", f"{project}/sub/.envrc"} <= set(after)
     (project / ".envrc").unlink()
     (project / ".envrc").write_text("replaced\n")  # a new inode under the same name
     shutil.rmtree(project / "sub")
     (project / "sub").symlink_to(outside)
-    moved, failed = protect.quarantine(before, after, "c1", (str(project),))
+    moved, failed = check.quarantine(before, after, "c1", (str(project),))
     assert moved == [] and sorted(failed) == [f"{project}/.envrc", f"{project}/sub/.envrc"]
     assert (outside / ".envrc").read_text() == "x\n" and (project / ".envrc").read_text() == "replaced\n"
 

@@ -298,7 +298,7 @@ def test_run_path_imports_nothing_heavy() -> None:
     # parses arguments, resolves the policy and launches with the standard library's cheap parts.
     code = ("import sys; sys.argv = ['agentcell', 'run', '--as', '65534', '--', 'true']\n"
             "import agentcell.cli.main, agentcell.cli.run, agentcell.cell.launch, agentcell.host.warm\n"
-            "import agentcell.supervise, agentcell.guard  # the cold path's protocol and protected-path step\n"
+            "import agentcell.supervise, agentcell.protect.check  # the cold path's protocol and protected-path step\n"
             "bad = ('pydantic', 'langgraph', 'rich', 'pyroute2', 're', 'typing', 'dataclasses', 'json', 'enum',"
             " 'socket', 'argparse', 'uuid', 'inspect', 'array', 'collections', 'threading', 'mcp', 'langchain_core',"
             " 'anyio', 'ray')\n"
@@ -306,7 +306,7 @@ def test_run_path_imports_nothing_heavy() -> None:
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert p.stdout.strip() == "[]", p.stdout + p.stderr
     # Through a warm launcher, agentcell run does not even need the launcher's own modules.
-    code = ("import sys; import agentcell.cli.main, agentcell.cli.run, agentcell.host.warm, agentcell.guard\n"
+    code = ("import sys; import agentcell.cli.main, agentcell.cli.run, agentcell.host.warm, agentcell.protect.check\n"
             "print(sorted(m for m in sys.modules if m in ('ctypes', 'importlib', 'agentcell.cell.launch',"
             " 'agentcell.cell.mounts', 'agentcell.supervise')))")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
@@ -374,7 +374,7 @@ SWAP_DURING_BUILD = """
 import ctypes, os, sys
 from agentcell.cell import launch, mounts
 from agentcell.cell.spec import CellSpec
-from agentcell.policy.guards import for_cell
+from agentcell.protect.binds import for_cell
 from agentcell.policy.resolve import build_env, resolve_identity
 project, uid = sys.argv[1], sys.argv[2]
 ro = project + "/b"

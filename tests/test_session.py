@@ -792,14 +792,14 @@ def test_a_hooks_path_directory_the_agent_creates_is_reported(env: Env, user: Us
 
 
 def test_the_config_reader_never_reads_pseudo_files_nor_fails_the_teardown(tmp_path: Path) -> None:
-    from agentcell import protect
+    from agentcell.protect import surface
 
     repo = _repo(tmp_path / "sub" / ".git")
     (repo / "config").write_text("[include]\n" + "\tpath = /proc/self/status\n" * 6 + "\tpath = ../big\n" * 19)
     (tmp_path / "sub" / "big").write_text("[core]\n" + "# filler\n" * 100_000)
-    assert protect._read_small("/proc/self", "status", 4096) == ""  # size 0: /proc/kmsg would be consumed
-    assert protect._config_targets(str(repo), str(tmp_path / "sub")).count(str(tmp_path / "sub" / "big")) == 19
-    after, _ = protect.surface((str(tmp_path),))
+    assert surface._read_small("/proc/self", "status", 4096) == ""  # size 0: /proc/kmsg would be consumed
+    assert surface._config_targets(str(repo), str(tmp_path / "sub")).count(str(tmp_path / "sub" / "big")) == 19
+    after, _ = surface.surface((str(tmp_path),))
     assert str(repo / "config") in after
 
 

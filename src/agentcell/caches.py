@@ -1,7 +1,7 @@
 """Toolchain caches that outlive a session without opening the human's home.
 
-Every session used to start cold: pip, npm, cargo and go found empty caches in the cell's fresh home
-and fetched every dependency again through the proxy. Now each project (and, for a persistent agent,
+Without them every session starts cold: pip, npm, cargo and go find empty caches in the cell's fresh home
+and fetch every dependency again through the proxy. So each project (and, for a persistent agent,
 each agent on each project) has a cache tree in agentcell's own store, bound read-write at ``/cache``
 in the cell, with each toolchain pointed into it (:data:`TOOLS`)::
 

@@ -5,8 +5,8 @@ the field and the fix; a path that is not text (bytes that are not UTF-8) is ref
 
 It also decides "only you or root can change this" (:func:`changeable_only_by` by mode,
 :func:`only_ours` with the ACL and the link count), owns the state directories (:func:`private_dir`,
-:func:`run_dir`, :func:`state_dir`) and reads ACLs (:func:`acl_entries`). Not yet here: the
-descriptor walk of a tree (``accounts/acl.Walk``).
+:func:`run_dir`, :func:`state_dir`) and reads ACLs (:func:`acl_entries`). The descriptor walk of a tree
+is ``accounts/acl.Walk``, beside the ACL grants it was written for (snapshots and seeding use it too).
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ host firewall's table and the reader of what it rejects, the egress proxy, and t
 cells through :class:`Supervised`, so the order below is written once:
 
 0. the control surface (hooks, git and harness config in the writable paths) is scanned: what the
-   agent creates there is moved aside at the end (:class:`Guard`);
+   agent creates there is moved aside at the end (:class:`SurfaceCheck`);
 1. host-firewall: the nftables table and its log reader exist before the agent's first packet;
 2. the monitor's sources are open before the command can run (nothing it does is missed);
 3. the cell is launched; the proxy serves its one way out from inside its cgroup;
@@ -22,7 +22,7 @@ import _thread
 from .cell import launch
 from .cell.spec import TYPE_CHECKING, CellSpec
 from .errors import AgentcellError
-from .guard import Guard
+from .protect.check import SurfaceCheck
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -41,7 +41,7 @@ class Supervised:
     returns the same result dict as ``agentcell run --json``."""
 
     def __init__(self, spec: CellSpec, running: launch.Running, monitor: Monitor | None, proxy: Any,
-                 firewall: Any, log: Any, guard: Guard | None = None) -> None:
+                 firewall: Any, log: Any, guard: SurfaceCheck | None = None) -> None:
         self.spec, self.running, self.monitor, self.guard = spec, running, monitor, guard
         self._proxy, self._fw, self._log = proxy, firewall, log
         self._blocked: dict[tuple[str, str, str], dict[str, Any]] = {}  # refusals, one per target, counted
@@ -67,7 +67,7 @@ class Supervised:
     def start(cls, spec: CellSpec, argv: Sequence[str], *, monitor: str | None = "terminate",
               callback: Callable[[CellEvent], None] | None = None, stdio: Sequence[int] = (0, 1, 2),
               tty_fds: Sequence[int] = (), dedicated: bool | None = None, live: bool = False,
-              guard: Guard | None | bool = True, give_to: tuple[int, int] | None = None,
+              guard: SurfaceCheck | None | bool = True, give_to: tuple[int, int] | None = None,
               adopt: tuple[Any, Any] | None = None, credentials: Any = None,
               upstream_ca: str | None = None) -> Supervised:
         """Launch ``argv`` in a cell for ``spec`` (``live``: no argv; the cell serves commands through
@@ -75,12 +75,12 @@ class Supervised:
         record | ``CLASS=VERDICT,…`` (:func:`agentcell.monitor.monitor.parse_verdicts`) | None (no monitor).
         ``dedicated``: the cell's account exists for agents alone (default: an ``agent:NAME`` identity),
         so what its uid does on the host's network is the cell's (a session's own account is).
-        ``guard``: the protected-path step (:class:`Guard`, made here when True, with ``give_to`` as the
+        ``guard``: the protected-path step (:class:`SurfaceCheck`, made here when True, with ``give_to`` as the
         owner of what is moved aside; False: the caller checks the control surface itself).
         ``adopt``: a host-firewall table and its log reader made before (the session's firewall step,
         so that a host that cannot have one fails before anything runs): adopted, and removed with the
         cell; if the cell cannot start, they are left to their maker.
-        ``credentials`` (:class:`agentcell.policy.credentials.CredentialSet`, ``--net proxy`` only): the
+        ``credentials`` (:class:`agentcell.network.credentials.CredentialSet`, ``--net proxy`` only): the
         cell's environment gets their placeholders and trusts a CA made for this cell alone, whose leaves
         let the proxy put the real values in the requests to their hosts (verified upstream against the
         host's trust store, or ``upstream_ca``, a PEM: a test's CA standing in for the public ones)."""
@@ -115,12 +115,12 @@ class Supervised:
     @classmethod
     def _start(cls, spec: CellSpec, argv: Sequence[str], *, monitor: str | None, callback: Callable[[CellEvent], None]
                | None, stdio: Sequence[int], tty_fds: Sequence[int], dedicated: bool | None, live: bool,
-               guard: Guard | None | bool, give_to: tuple[int, int] | None, adopt: tuple[Any, Any] | None,
+               guard: SurfaceCheck | None | bool, give_to: tuple[int, int] | None, adopt: tuple[Any, Any] | None,
                secrets: tuple[Any, Any, str | None] | None, trust: Any) -> Supervised:
         if spec.watch and monitor is None:  # its canaries and seccomp listener wait on a monitor
             raise AgentcellError("watch", "a watched cell needs its monitor", "pass monitor='terminate' or 'record'")
         if guard is True:
-            guard = Guard(spec, give_to)
+            guard = SurfaceCheck(spec, give_to)
         fw = log = None
         made = adopt if spec.network == "host-firewall" else None
         if made is not None:
@@ -157,17 +157,17 @@ class Supervised:
                                          "see 'agentcell doctor', or --on-escape record to run without that source")
                 if not spec.watch:
                     spec = spec.replace(watch=True)  # canaries and seccomp reports: only a monitor serves them
-            from .policy import guards
+            from .protect import binds
 
             if not argv and not live:
                 raise AgentcellError("command", "no command given", "put it after --")
-            cell_guards, creatable = guards.for_watched_cell(spec) if watch is not None else (guards.for_cell(spec), ())
-            prepared = launch.prepare(spec, cell_guards)
+            cell_binds, creatable = binds.for_watched_cell(spec) if watch is not None else (binds.for_cell(spec), ())
+            prepared = launch.prepare(spec, cell_binds)
             if watch is not None:  # its failed calls and the protected entries it creates, before its command
                 try:
                     from .monitor.attempts import View
 
-                    watch.watch_calls(prepared.cg, View(spec, *cell_guards))
+                    watch.watch_calls(prepared.cg, View(spec, *cell_binds))
                     watch.watch_created(creatable)
                     if watch.terminated:
                         raise AgentcellError("--monitor", f"the monitor cannot see: {watch.reason}", "see "

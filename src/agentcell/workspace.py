@@ -32,7 +32,7 @@ both changed is a conflict, refused and named (unless both made it the same), no
 ``--ours PATH`` keeps the human's, ``--theirs PATH`` takes the agent's.
 
 **What decides execution** (a ``.git`` anywhere but a repository's own, hooks, ``.envrc``, harness and
-editor config, ``.gitattributes``: :func:`agentcell.protect.protected_part`) is flagged in review and
+editor config, ``.gitattributes``: :func:`agentcell.protect.surface.protected_part`) is flagged in review and
 never applied unless named with ``--theirs``: the quarantine of a direct session, by consent.
 
 **Git.** The agent's commits come as a branch, ``agentcell/<session>``, packed from the change set and
@@ -715,10 +715,10 @@ def _ignored_paths(project: str, paths: list[str]) -> set[str]:
 def control(project: str, rel: str, targets: tuple[str, ...] = (), repos: tuple[str, ...] = ()) -> str | None:
     """The entry of ``rel`` that decides what git, a shell or an agent runs, relative to the project, or
     None: a ``.git`` anywhere, hooks, ``.envrc``, harness and editor config
-    (:func:`agentcell.protect.protected_part`); a ``.gitattributes``, which can name filters; what the
+    (:func:`agentcell.protect.surface.protected_part`); a ``.gitattributes``, which can name filters; what the
     project's git config points git at for code (``targets``: core.hooksPath, include.path); a
     directory shaped like a bare repository (``repos``), whose config git would read there."""
-    from .protect import protected_part
+    from .protect.surface import protected_part
 
     part = protected_part(os.path.join(project, rel), project)
     if part is not None:
@@ -731,7 +731,7 @@ def control(project: str, rel: str, targets: tuple[str, ...] = (), repos: tuple[
 
 def _targets(meta: dict[str, Any]) -> tuple[str, ...]:
     """What the project's own git config (the human's) points git at for code, inside the project."""
-    from .protect import config_targets
+    from .protect.surface import config_targets
 
     project = meta["project"]
     git_dir = os.path.join(project, ".git")

@@ -41,10 +41,21 @@ _libc.syscall.restype = ctypes.c_long
 _L = ctypes.c_long
 
 
+def version() -> int | OSError:
+    """The kernel's Landlock ABI version, or why there is none: ENOSYS when the kernel lacks Landlock,
+    EOPNOTSUPP when it has it but not among its active LSMs (``agentcell doctor`` tells the two apart)."""
+    ctypes.set_errno(0)
+    n = _libc.syscall(_L(SYS_create_ruleset), None, _L(0), _L(CREATE_RULESET_VERSION))
+    if n < 0:
+        err = ctypes.get_errno()
+        return OSError(err, os.strerror(err))
+    return int(n)
+
+
 def abi() -> int:
     """The kernel's Landlock ABI version; 0 when Landlock is missing or disabled."""
-    n = _libc.syscall(_L(SYS_create_ruleset), None, _L(0), _L(CREATE_RULESET_VERSION))
-    return max(int(n), 0)
+    found = version()
+    return 0 if isinstance(found, OSError) else found
 
 
 def fs_rights(version: int) -> int:
@@ -94,7 +105,7 @@ class Ruleset:
 
 
 def prepare(spec: CellSpec) -> Ruleset | None:
-    """Step 8, first half: the cell's ruleset; None only when the policy accepts running without
+    """Step 14 (enforced at 19): the cell's ruleset; None only when the policy accepts running without
     (``--landlock best-effort``) on a kernel below its minimum ABI, else fail closed."""
     version = abi()
     if version >= max(spec.landlock_min_abi, 1):

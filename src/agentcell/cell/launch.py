@@ -300,7 +300,7 @@ class Prepared:
 
 def prepare(spec: CellSpec, guards: Guards) -> Prepared:
     """Build a cell for ``spec`` up to the point where it needs its command. Supervisor-side steps.
-    ``guards``: what the policy adds to the mount plan (:func:`agentcell.policy.guards.for_cell`)."""
+    ``guards``: what the policy adds to the mount plan (:func:`agentcell.protect.binds.for_cell`)."""
     cell_id = spec.cell_id or new_cell_id()
     # 1. Plan the mounts: resolve every path once without following symlinks and record its identity
     #    (dev, ino); the child re-opens each in its mount namespace the same way and refuses one that
@@ -431,8 +431,9 @@ def _cell(spec: CellSpec, plan: mounts.MountPlan, w: int, ctl: object, outer_uid
     for fd in way_out:
         os.close(fd)
     sc.prctl(sc.PR_SET_PDEATHSIG, signal.SIGKILL)
-    # 8. Mount tree: private propagation, tmpfs root, nosuid/nodev binds, masks, protected re-binds,
-    #    /proc, /dev; pivot_root, the old root detached.
+    # 8. Mount tree: private propagation, tmpfs root, nosuid/nodev system binds, /proc, /dev; the cell's
+    #    own paths by depth (masks last at each), protected re-binds among them; the host's secrets
+    #    masked last; pivot_root, the old root detached.
     _step("mount", mounts.apply, plan)
     _step("pivot_root", mounts.pivot)
     plan.close()

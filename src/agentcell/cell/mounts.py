@@ -137,7 +137,7 @@ def _depth(p: str) -> int:
 def plan(spec: CellSpec, guarded: Sequence[tuple[str, bool]], hidden: Sequence[str]) -> MountPlan:
     """Build the ordered mount steps for ``spec``; every bind source is opened (no symlinks) and its
     identity recorded now, and checked again in the cell. What policy adds comes from its caller
-    (:func:`agentcell.policy.guards.for_cell`): ``guarded``, entries inside the writable paths bound
+    (:func:`agentcell.protect.binds.for_cell`): ``guarded``, entries inside the writable paths bound
     onto themselves, (path, read-only); ``hidden``, more host paths masked like the secrets."""
     steps: list[Step] = []
     mine: list[Step] = []  # user-declared paths, ordered by depth below

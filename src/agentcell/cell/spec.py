@@ -152,7 +152,7 @@ class CellSpec(_Frozen):
     memory_max: int | None  # bytes; None: the default (75 % of RAM)
     cpu_percent: int | None  # of one core; None: not capped
     pids_max: int | None  # tasks; None: the default (4096)
-    allow_write: tuple[str, ...]  # protected paths (protect.py) the policy lets the command write
+    allow_write: tuple[str, ...]  # protected paths (protect/) the policy lets the command write
     egress: tuple[str, ...]  # "proxy": its rules (agentcell.network.rules); "host-firewall": its (network.firewall)
     # Under the escape monitor: canary credentials in the home, and seccomp refusals of escape calls
     # reported to the supervisor (a listener it must serve: only a monitor launches such a cell).

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from typing import Any
 
     from ..cell.launch import Running
-    from ..guard import Guard
+    from ..protect.check import SurfaceCheck
     from .common import Parser
 else:  # see cell/launch.py
     import _signal as signal
@@ -296,8 +296,8 @@ def _credentials(ns: Args | Namespace, spec: CellSpec) -> tuple[Any, str | None]
         return None, None
     if spec.network != "proxy":
         raise AgentcellError("--secret", "credentials are injected by the egress proxy", "add --net proxy")
+    from ..network.credentials import CredentialSet, off_the_list, parse_bindings, read_values
     from ..network.rules import Policy
-    from ..policy.credentials import CredentialSet, off_the_list, parse_bindings, read_values
 
     creds = CredentialSet.build(read_values(ns.secret), parse_bindings(ns.secret_host))
     rules = Policy.from_rules(spec.egress)
@@ -321,10 +321,10 @@ def _limits(ns: Args | Namespace) -> tuple[int | None, int | None, int | None]:
 
 def explain(spec: CellSpec, command: list[str]) -> dict[str, object]:
     from ..cell import landlock, mounts, namespaces
-    from ..policy import guards
+    from ..protect import binds
 
     ident = spec.identity
-    plan = mounts.plan(spec, *guards.for_cell(spec))
+    plan = mounts.plan(spec, *binds.for_cell(spec))
     ns_names = ["mount", "pid", "ipc", "uts", "net"] + (["user"] if ident.userns else [])
     steps = []
     if os.geteuid() == 0:
@@ -399,20 +399,20 @@ FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signa
 
 def protected_lines(result: dict[str, Any]) -> list[str]:
     """What a result's protected-path step found, as warnings (the CLI's and a live cell's stop)."""
-    from ..guard import lines
+    from ..protect.check import lines
 
     out = lines(result, "the command", lift_hint=True)
     if result.get("scan_truncated"):
-        from .. import protect
+        from ..protect import surface
 
-        out.append(f"the writable paths hold more than the protected-path scan covers ({protect.MAX_DEPTH} levels, "
-                   f"{protect.MAX_DIRS} directories): repositories and agent config past that were neither protected "
+        out.append(f"the writable paths hold more than the protected-path scan covers ({surface.MAX_DEPTH} levels, "
+                   f"{surface.MAX_DIRS} directories): repositories and agent config past that were neither protected "
                    "nor checked; review them before you use them")
     return out
 
 
 def _run_here(spec: CellSpec, command: list[str], timeout: float | None, ttys: tuple[int, ...],
-              interactive: bool, guard: Guard, monitor: str | None = None, credentials: Any = None,
+              interactive: bool, guard: SurfaceCheck, monitor: str | None = None, credentials: Any = None,
               upstream_ca: str | None = None) -> dict[str, Any]:
     """The cold path: build the cell in this process. Where our 0, 1, 2 are terminals the cell gets a
     pty of its own, relayed; stdin only when the run is interactive (else /dev/null)."""
@@ -492,9 +492,9 @@ def execute(ns: Args | Namespace) -> int:
             raise AgentcellError("command", "no command given", "put it after --, e.g. agentcell run -- true")
         credentials, upstream_ca = _credentials(ns, spec)
         ttys, interactive = terminal.tty_fds(), terminal.is_ours()
-        from ..guard import Guard, human
+        from ..protect.check import SurfaceCheck, human
 
-        guard = Guard(spec, human())  # the protected-path step, on either path
+        guard = SurfaceCheck(spec, human())  # the protected-path step, on either path
         result = None
         monitor = ns.on_escape or "terminate" if ns.monitor else None
         # A terminal stays here (job control needs the cell in its session); so do credentials (the warm

@@ -285,8 +285,8 @@ def _credentials(ns: Any, cfg: Any, launch: Any, policy: dict[str, Any]) -> tupl
                      "(--net proxy)")
             cfg = replace(cfg, notes=notes)
         return None, pem, cfg
+    from ..network.credentials import CredentialSet
     from ..network.rules import Policy
-    from ..policy.credentials import CredentialSet
 
     rules = Policy.from_rules(policy.get("egress") or ())
     gateway = launch.api_host.rsplit(":", 1)[0] if launch.api_host else None  # (on the allow-list at its port)
@@ -309,8 +309,8 @@ def _given_secrets(ns: Any, policy: dict[str, Any]) -> dict[str, tuple[str, tupl
         return {}
     if policy.get("network") != "proxy":
         raise AgentcellError("--secret", "credentials are injected by the egress proxy", "use --net proxy")
+    from ..network.credentials import off_the_list, parse_bindings, read_values
     from ..network.rules import Policy
-    from ..policy.credentials import off_the_list, parse_bindings, read_values
 
     uid, gid = os.environ.get("SUDO_UID", ""), os.environ.get("SUDO_GID", "")
     person = (int(uid), int(gid or uid)) if uid.isdigit() and uid != "0" and (gid or uid).isdigit() else None

@@ -1,4 +1,4 @@
-"""A session plan: one session as plain data (issue 17), the unit of ``agentcell fleet`` and ``agentcell k8s``.
+"""A session plan: one session as plain data, the unit of ``agentcell fleet`` and ``agentcell k8s``.
 
 One JSON object per line of a plans file::
 

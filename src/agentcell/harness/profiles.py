@@ -77,7 +77,7 @@ class Profile:
     model_args: tuple[str, ...] = ()  # added with --model (templates)
     needs_model: bool = False  # with --api-base a model must be named (its provider config lists one)
     files: tuple[SeedFile, ...] = ()
-    protected: tuple[str, ...] = ()  # project entries it reads as configuration (protect.py's names cover them)
+    protected: tuple[str, ...] = ()  # project entries it reads as configuration (protect/surface.py's names cover them)
     fenced: bool = False  # it declares no tools: the scripted endpoint plays shell steps as fenced blocks
     stdin_null: bool = False  # a prompt-mode turn reads stdin to its end: given /dev/null
     tested: bool = True  # False: not in any registry these machines reach (cursor): from its documentation
@@ -233,7 +233,7 @@ HARNESSES = tuple(n for n in PROFILES if n not in ("shell", "scripted"))
 
 # Where each API key goes at its own provider, and in which request header: a session with the proxy
 # binds it there (and to --api-base's host, in any of the headers keys travel in) and the cell holds a
-# placeholder (agentcell.policy.credentials). A key not listed here enters the cell as it is.
+# placeholder (agentcell.network.credentials). A key not listed here enters the cell as it is.
 KEY_HOSTS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "ANTHROPIC_API_KEY": (("api.anthropic.com",), ("x-api-key", "authorization")),
     "ANTHROPIC_AUTH_TOKEN": (("api.anthropic.com",), ("authorization",)),

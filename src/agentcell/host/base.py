@@ -29,7 +29,7 @@ class StartOptions:
     agents alone (None: as :meth:`Supervised.start` decides); ``guard``: the host runs the protected-path
     step (else the caller does); ``firewall``: a host-firewall table and its log reader made before, which
     the host adopts and removes with the cell (the caller closes its copy of the reader once the cell has
-    started); ``credentials`` (:class:`agentcell.policy.credentials.CredentialSet`): injected by the
+    started); ``credentials`` (:class:`agentcell.network.credentials.CredentialSet`): injected by the
     cell's proxy; ``upstream_ca``: a PEM the proxy trusts upstream (a test's stand-in for public CAs)."""
 
     dedicated: bool | None = None

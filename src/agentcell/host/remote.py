@@ -404,7 +404,7 @@ class RemoteLive:
     def handshake(cls, sock: _socket.socket, proc: subprocess.Popen[bytes] | None, spec: CellSpec,
                   monitor: str | None) -> RemoteLive:
         """Open the cell on a connection to its host (a fresh one, or a named cell's listener)."""
-        from ..guard import human
+        from ..protect.check import human
 
         wire.send(sock, {"op": "open", "spec": spec_to_dict(spec), "monitor": monitor, "give_to": human()})
         msg, _ = wire.recv(sock)

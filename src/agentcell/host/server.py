@@ -275,7 +275,7 @@ class Host:
             dedicated = msg.get("dedicated")  # None: as Supervised decides (an agent account's cell is)
             credentials = None
             if msg.get("credentials"):  # (the values came over the socket: never argv, never a file)
-                from ..policy.credentials import CredentialSet
+                from ..network.credentials import CredentialSet
 
                 credentials = CredentialSet.from_wire(msg["credentials"])
             self.sup = Supervised.start(spec, argv, monitor=msg.get("monitor", "terminate"), callback=self._on_event,

@@ -24,7 +24,7 @@ from ..cell import launch
 from ..cell import syscalls as sc
 from ..cell.spec import TYPE_CHECKING, CellSpec, spec_from_dict
 from ..errors import AgentcellError
-from ..policy import guards
+from ..protect import binds
 from . import server, wire
 
 if TYPE_CHECKING:
@@ -48,7 +48,7 @@ def launcher_command(*args: str) -> list[str]:
 
 def _prepare(spec: CellSpec) -> launch.Prepared:
     spec = spec.replace(cell_id="")  # every cell gets its own id
-    return launch.prepare(spec, guards.for_cell(spec))
+    return launch.prepare(spec, binds.for_cell(spec))
 
 
 class _Warm:
@@ -286,10 +286,11 @@ def main(argv: list[str]) -> None:
     opts = dict(zip(argv[::2], argv[1::2], strict=False))
     prewarm = "--no-prewarm" not in argv
     if "--conn" not in opts:  # the daemon: what a supervised cell's host needs is imported once, here
-        from .. import guard, supervise  # noqa: F401
+        from .. import supervise  # noqa: F401
         from ..cell import terminal  # noqa: F401
         from ..monitor import monitor  # noqa: F401
         from ..network import firewall, nflog, proxy  # noqa: F401
+        from ..protect import check  # noqa: F401
     if "--conn" in opts:
         Server(conn=_socket.socket(fileno=int(opts["--conn"])), prewarm=prewarm).serve()
     else:

@@ -26,7 +26,9 @@ AUDIT_GET, AUDIT_SET = 1000, 1001
 AUDIT_SYSCALL, AUDIT_EOE, AUDIT_LANDLOCK_ACCESS, AUDIT_LANDLOCK_DOMAIN = 1300, 1320, 1423, 1424
 AUDIT_NLGRP_READLOG = 1
 _NLMSG = struct.Struct("=IHHII")
-_STATUS = struct.Struct("=11I")
+STATUS_FIELDS = ("mask", "enabled", "failure", "pid", "rate_limit", "backlog_limit", "lost", "backlog",
+                 "feature_bitmap", "backlog_wait_time", "backlog_wait_time_actual")  # struct audit_status
+_STATUS = struct.Struct(f"={len(STATUS_FIELDS)}I")
 
 
 def _status_request(sock: socket.socket, kind: int, payload: bytes = b"") -> bytes:
@@ -34,15 +36,21 @@ def _status_request(sock: socket.socket, kind: int, payload: bytes = b"") -> byt
     return sock.recv(65536)
 
 
-def audit_status() -> tuple[int, ...]:
-    """struct audit_status: mask, enabled, failure, pid, rate_limit, backlog_limit, lost, backlog, ..."""
+def audit_status(timeout: float | None = None) -> tuple[int, ...]:
+    """struct audit_status, its fields in STATUS_FIELDS' order (as many as this kernel has). Read-only.
+    Raises OSError with the kernel's errno when it refuses (audit netlink answers only in the initial user
+    and network namespace, and AUDIT_GET needs CAP_AUDIT_CONTROL), TimeoutError after ``timeout``."""
     with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC, NETLINK_AUDIT) as s:
+        s.settimeout(timeout)
         s.bind((0, 0))
         reply = _status_request(s, AUDIT_GET)
-        _len, kind, _f, _seq, _pid = _NLMSG.unpack_from(reply)
+        length, kind, _f, _seq, _pid = _NLMSG.unpack_from(reply)
+        if kind == 2 and (err := -struct.unpack_from("=i", reply, _NLMSG.size)[0]):  # NLMSG_ERROR
+            raise OSError(err, f"AUDIT_GET: {os.strerror(err)}")
         if kind != AUDIT_GET:
             raise OSError("the kernel did not answer AUDIT_GET")
-        return tuple(_STATUS.unpack_from(reply, _NLMSG.size))
+        n = min((length - _NLMSG.size) // 4, len(STATUS_FIELDS))
+        return struct.unpack_from(f"={n}I", reply, _NLMSG.size)
 
 
 def audit_enabled() -> int:

@@ -1,7 +1,7 @@
 """Protected entries created while the cell runs, as it happens. One that exists is bound read-only in
 the cell (a write fails, and :mod:`.attempts` reports it); one that does not exist cannot be bound: the
 command may create it (``.claude/settings.json`` where there was no ``.claude``, a hook where a
-repository had no ``hooks`` directory), and it is moved aside when the cell ends (:mod:`agentcell.guard`).
+repository had no ``hooks`` directory), and it is moved aside when the cell ends (:mod:`agentcell.protect.check`).
 This source says so at once: fanotify directory events (create, moved-to) on the directories where such
 an entry could appear, each naming the entry and the process; those of the cell's processes count.
 

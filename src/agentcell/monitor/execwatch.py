@@ -52,6 +52,17 @@ def filters_events() -> bool:
     return (major, minor) >= (6, 6)
 
 
+def connector_problem() -> str:
+    """Empty if this process may join the proc connector's group (``agentcell doctor``: joined and left at
+    once, nothing asked for), else why not."""
+    try:
+        with socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC, NETLINK_CONNECTOR) as sk:
+            sk.bind((0, CN_IDX_PROC))
+    except OSError as e:
+        return str(e.strerror)
+    return ""
+
+
 class ExecWatch:
     def __init__(self) -> None:
         self.sock = socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC, NETLINK_CONNECTOR)

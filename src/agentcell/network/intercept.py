@@ -1,6 +1,6 @@
 """The proxy's intercepting path: TLS terminated for the hosts a secret is bound to, and nothing else.
 
-A CONNECT to a bound host (:mod:`agentcell.policy.credentials`) is answered, then the cell's TLS is
+A CONNECT to a bound host (:mod:`agentcell.network.credentials`) is answered, then the cell's TLS is
 terminated here with the leaf the session's CA made for that host (:mod:`.tlsca`); a new TLS
 connection goes to the real host, verified against the host's trust store (never the session's CA).
 In between, HTTP/1.1 (``h11``: framing, keep-alive, chunked bodies) request by request:
@@ -25,7 +25,7 @@ from typing import Any
 
 import h11
 
-from ..policy.credentials import CredentialSet
+from .credentials import CredentialSet
 
 READ = 256 * 1024
 HANDSHAKE_S = 15.0

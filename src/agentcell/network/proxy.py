@@ -40,7 +40,7 @@ from collections.abc import Awaitable, Callable
 from .rules import Address, Policy, host_name_fault
 
 if typing.TYPE_CHECKING:
-    from ..policy.credentials import CredentialSet
+    from .credentials import CredentialSet
     from .intercept import Interceptor
 
 CONNECT_TIMEOUT_S = 10.0
@@ -401,7 +401,7 @@ async def serve(listen_fd: int, policy: Policy, events_fd: int, bell_fd: int = -
 def load_secrets(fd: int) -> tuple[CredentialSet, dict[str, typing.Any], str | None]:
     """The supervisor's memfd: the credentials, each bound host's leaf (chain and key, PEM), and the CA
     the real hosts are verified against (None: the host's trust store). Read and closed."""
-    from ..policy.credentials import CredentialSet
+    from .credentials import CredentialSet
 
     with os.fdopen(fd, "rb") as f:
         config = json.loads(f.read())

@@ -142,9 +142,9 @@ def allowed_writes(paths: Iterable[str], rw: tuple[str, ...], *, field: str, hom
         real = resolve_allowed_write(p, field=field, homes=homes)
         if cell_cwd(real, rw, "") != real:
             raise PolicyError(field, f"{p} is not inside a declared writable path", fix)
-        from .. import protect
+        from ..protect import surface
 
-        why = protect.allow_write_problem(real, rw)
+        why = surface.allow_write_problem(real, rw)
         if why:
             raise PolicyError(field, why)
         if real not in out:

@@ -1,6 +1,6 @@
-"""Sessions (issue 8): plan → policy → preflight → account → firewall → spawn → monitor → terminate →
-cleanup → audit, as a LangGraph graph (:mod:`.graph`); configuration (:mod:`.config`); harness profiles
-(:mod:`.profiles`); the bundled scripted agent (:mod:`.scripted`).
+"""Sessions: plan → policy → preflight → account → firewall → spawn → monitor → terminate → cleanup →
+audit, as a LangGraph graph (:mod:`.graph`) of steps (:mod:`.nodes`) over one state (:mod:`.state`);
+configuration (:mod:`.config`). Harness profiles and the bundled scripted agent are :mod:`agentcell.harness`'s.
 
 Names are imported on first use: importing this package does not import LangGraph.
 """

@@ -199,7 +199,7 @@ def _open_walked(path: str) -> tuple[int | None, bool]:
 
 
 def _protected_around(path: str, surface: tuple[str, ...]) -> str | None:
-    """The protected entry (:func:`agentcell.protect.protected_surface`) ``path`` is or lies in."""
+    """The protected entry (:func:`agentcell.protect.surface.protected_surface`) ``path`` is or lies in."""
     return next((p for p in surface if path == p or path.startswith(p.rstrip("/") + "/")), None)
 
 
@@ -386,7 +386,7 @@ def load(flags: Mapping[str, Any], *, environ: Mapping[str, str] | None = None, 
         declared = tuple(os.path.normpath(os.path.join(root, os.path.expanduser(p))) for p in rel)
         if (" (in " in where and not dot_ours) or where.startswith(toml_where):
             # From a file in the project: only paths inside the project (resolved, links followed).
-            from ..protect import protected_part, protected_surface
+            from ..protect.surface import protected_part, protected_surface
 
             real_root = os.path.realpath(root)
             surface, cut_short = protected_surface(real_root)

@@ -46,7 +46,7 @@ def parse_identity(text: str, field: str = "--git-identity") -> tuple[str, str]:
 
 
 def _parse(text: str) -> dict[tuple[str, str], str]:
-    from ..protect import _parse_config
+    from ..protect.surface import _parse_config
 
     out: dict[tuple[str, str], str] = {}
     for section, key, value in _parse_config(text):
@@ -55,7 +55,7 @@ def _parse(text: str) -> dict[tuple[str, str], str]:
 
 
 def _read(directory: str, name: str) -> dict[tuple[str, str], str]:
-    from ..protect import MAX_CONFIG, _read_small
+    from ..protect.surface import MAX_CONFIG, _read_small
 
     return _parse(_read_small(directory, name, MAX_CONFIG))
 

@@ -277,8 +277,8 @@ class Nodes:
         return {"firewall_table": table}
 
     def spawn(self, state: SessionState) -> dict[str, Any]:
-        from .. import protect
         from ..policy.models import SandboxPolicy
+        from ..protect import surface
         from . import spawn
 
         self._inject("spawn", SpawnCrash)
@@ -291,7 +291,7 @@ class Nodes:
         # moves aside what the agent creates there, as agentcell run does.
         since_ns = time.time_ns() - 100_000_000  # file times are coarse: some slack
         written = tuple(_written(state))
-        before, truncated = protect.surface(written)
+        before, truncated = surface.surface(written)
         env_files = envfiles.dotenv_files(list(written))[0]  # (what exists is hidden in the cell; see cleanup)
         ws_dir = None
         if state["config"].get("workspace") == "copy":
@@ -332,7 +332,7 @@ class Nodes:
                 "workspace_dir": ws_dir,
                 "deadline": now + policy.wall_clock_limit_s, "seed_notes": [*seed_notes, *cache_notes],
                 "protect": {"before": before, "truncated": truncated, "since_ns": since_ns,
-                            "meanings": protect.meanings(before), "env_files": env_files}}
+                            "meanings": surface.meanings(before), "env_files": env_files}}
 
     @staticmethod
     def _workspace(state: SessionState, spec: Any) -> tuple[Any, str]:
@@ -374,9 +374,9 @@ class Nodes:
     def _git(state: SessionState, rw_paths: tuple[str, ...]) -> dict[str, Any]:
         """The cell's own git configuration (:mod:`.gitcell`): the declared paths and the repositories in
         them as safe directories, the identity the agent commits under."""
-        from .. import protect
+        from ..protect import surface
 
-        repos = protect.repositories(rw_paths)
+        repos = surface.repositories(rw_paths)
         human = state.get("human")
         uid = human[0] if human else None if os.geteuid() == 0 else os.getuid()  # rootless: the user is the human
         name, email, where = gitcell.identity(state["config"].get("git_identity"), uid, repos,
@@ -633,9 +633,9 @@ class Nodes:
     @staticmethod
     def _quarantine(state: SessionState, account: dict[str, Any] | None) -> list[str]:
         """Move aside what the agent created on the control surface (the run protocol's step,
-        :func:`agentcell.guard.compare`, from the scan spawn checkpointed); say what it changed there.
+        :func:`agentcell.protect.check.compare`, from the scan spawn checkpointed); say what it changed there.
         Before the account is deleted: what moves must be the account's."""
-        from ..guard import compare, lines
+        from ..protect.check import compare, lines
 
         guard, policy = state.get("protect"), state.get("policy") or {}
         if not guard:
@@ -849,7 +849,7 @@ def _set_aside_config(state: SessionState, guard: dict[str, Any], account: dict[
     next time the human starts Codex; ``WALL_CLOCK_LIMIT_S``), so they are the human's to accept: moved
     into the quarantine box, as created git hooks and harness config are. The ones that existed were
     hidden (env files) or read-only (``agentcell.toml``) in the cell."""
-    from .. import protect
+    from ..protect import check, surface
 
     policy = state.get("policy") or {}
     rw = tuple(policy.get("rw_paths", ()))
@@ -857,14 +857,14 @@ def _set_aside_config(state: SessionState, guard: dict[str, Any], account: dict[
     now, _ = envfiles.dotenv_files(list(rw))
     # (an example file documents the variables: no tool loads it)
     created = [f for f in now if f not in before and not f.endswith((".example", ".sample", ".template", ".dist"))
-               and f"/{protect.QUARANTINE_DIR}" not in f]  # (nor what was just moved aside)
+               and f"/{surface.QUARANTINE_DIR}" not in f]  # (nor what was just moved aside)
     created += [f for f, was in (state.get("config_marks") or {}).items()
                 if was is None and os.path.basename(f) == "agentcell.toml" and os.path.lexists(f)]
     if not created:
         return []
     owner = (account or {}).get("uid") if (account or {}).get("kind") != "self" else None
-    moved, failed = protect.set_aside(sorted(set(created)), state.get("cell_id", ""), rw, owner_uid=owner,
-                                      since_ns=guard["since_ns"], give_to=give_to)
+    moved, failed = check.set_aside(sorted(set(created)), state.get("cell_id", ""), rw, owner_uid=owner,
+                                    since_ns=guard["since_ns"], give_to=give_to)
     out = [f"the agent created {old}, which the next session or your tools load (an env file, the session's "
            f"configuration); it was moved to {new}: move it back if you accept it" for old, new in moved]
     out += [f"the agent created {f}, which the next session or your tools load, and it could not be moved aside: "

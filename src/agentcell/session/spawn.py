@@ -17,7 +17,7 @@ def start(spec: CellSpec, argv: list[str], *, stdio: Sequence[int] = (0, 1, 2),
           upstream_ca: str | None = None, host: CellHost | None = None) -> CellHandle:
     """``firewall``: the session's host-firewall table and log reader, handed to the host (which removes
     them with the cell); the caller closes its copy of the reader once this returns. ``credentials``
-    (:class:`agentcell.policy.credentials.CredentialSet`): injected by the cell's proxy. A session's
+    (:class:`agentcell.network.credentials.CredentialSet`): injected by the cell's proxy. A session's
     account (its own, or a persistent agent's) runs nothing outside its cells, and its cleanup checks the
     protected paths itself: the cell is ``dedicated`` and the host runs no protected-path step."""
     if host is None:

@@ -42,7 +42,7 @@ class SessionState(TypedDict, total=False):
     cell_id: str
     cache_dir: str | None  # the project's toolchain caches behind /cache (agentcell.caches)
     workspace_dir: str | None  # --workspace copy: the change set's store entry (agentcell.workspace)
-    protect: dict[str, Any] | None  # the control surface of the declared paths before the cell (protect.py)
+    protect: dict[str, Any] | None  # the control surface of the declared paths before the cell (protect/surface.py)
     harness_pid: int | None
     started_at: float
     deadline: float  # wall-clock time (time.time()) at which the session ends, reason timeout
@@ -67,7 +67,7 @@ class Runtime:
     stdio: tuple[int, int, int] = (0, 1, 2)
     faults: dict[str, int] = field(default_factory=dict)  # point -> failures still to inject
     secrets: dict[str, str] = field(default_factory=dict)
-    # The keys the proxy injects (policy.credentials.CredentialSet), and the CA their hosts are verified
+    # The keys the proxy injects (network.credentials.CredentialSet), and the CA their hosts are verified
     # against (None: the host's trust store): in memory only, never checkpointed.
     credentials: Any = None
     upstream_ca: str | None = None

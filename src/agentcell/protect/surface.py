@@ -1,29 +1,6 @@
-"""Protected paths inside writable projects: what an agent could plant for a human to run later.
-
-Git runs ``.git/hooks/*`` and what its config says (``core.fsmonitor``, ``core.hooksPath``, aliases)
-when the human next uses the repository; harness config (``.claude/``, ``.mcp.json``, …) decides
-what the human's next agent may do; ``.envrc`` and shell rc files run in the human's shell.
-
-Two mechanisms, because the first cannot cover everything:
-
-* **Read-only binds** (prevention) for every such entry that exists when the cell starts, at each
-  writable root and in every repository found below it: hooks and config of every git directory
-  (submodules' too, at any depth), ``.git`` files (submodule and worktree links), and the harness and
-  shell names. Every ``.git`` directory, and each directory down to a nested repository, is bound
-  onto itself so it cannot be renamed away and rebuilt. ``git add``/``commit`` keep working.
-* **A before/after comparison** of the whole control surface — the entries above, the files through
-  which git finds another config or hooks (``commondir``, ``config.worktree``, a worktree's
-  ``commondir``/``gitdir``), every ``.git`` entry and every directory shaped like a git directory
-  (``HEAD`` with ``objects`` or ``refs``: git takes it for a bare repository). An entry that did not
-  exist cannot be bound, so what the command *created* is **quarantined** after the run
-  (:func:`quarantine`): moved into a new ``.agentcell-quarantine-<cell id>-<random>/`` at the top
-  of its writable path (0700, the human's behind sudo, else the supervisor's), where no tool looks
-  and a git directory is no longer where git finds it. Only entries that are part of the structure
-  (not a file some config names), absent before the run and born during it (ctime), outside --ro
-  and --mask paths; when the scan before the run was cut short, only those owned by the cell's own
-  uid (a rootless cell has none: then nothing moves). Their content is kept for review. What was
-  changed or removed (``.git`` stays writable for git's own work) is reported; undoing it is the
-  snapshot's job.
+"""What is protected in the writable paths (the package's docstring says why): the scan that finds the
+repositories and the entries git, a shell or a harness would run or load, the control surface's state
+before and after a run, and what a change there means.
 
 ``core.hooksPath`` and ``include.path`` targets inside the writable paths (husky and the like) are
 read from each config (by a small reader: git itself is never run on such a repository) and bound
@@ -39,15 +16,10 @@ from __future__ import annotations
 import os
 import stat
 
-from .cell import paths
-from .cell.spec import TYPE_CHECKING
-from .errors import LaunchError
-
-if TYPE_CHECKING:
-    from collections.abc import Callable
+from ..cell import paths
+from ..errors import LaunchError
 
 QUARANTINE_DIR = ".agentcell-quarantine"
-MAX_QUARANTINE = 200_000  # the scan's limits bound it anyway (5000 directories, ~40 names each)
 GIT_PARTS = ("hooks", "config")
 # Files through which git looks for config or hooks elsewhere: compared before and after a run.
 GIT_REDIRECTS = ("commondir", "config.worktree", "info/attributes")
@@ -64,7 +36,7 @@ _NAMES = frozenset(AT_REPO_ROOT)
 SKIP_DIRS = frozenset({"node_modules", ".venv", "venv", "__pycache__", ".tox", ".mypy_cache", ".pytest_cache",
                        ".ruff_cache", "target", ".cache", ".git"})
 # What quarantine may move: entries of the structure itself, never a file a config merely names.
-_STRUCTURE = _NAMES | {".git", "HEAD", "commondir", "config.worktree", "attributes", "gitdir", *GIT_PARTS}
+STRUCTURE = _NAMES | {".git", "HEAD", "commondir", "config.worktree", "attributes", "gitdir", *GIT_PARTS}
 MAX_CONFIG = 1 << 20
 MAX_DEPTH = 8
 MAX_DIRS = 5000  # a scan that far costs ~100 ms here (/usr/share); a run scans up to three times
@@ -427,7 +399,7 @@ def allow_write_problem(path: str, writable: tuple[str, ...]) -> str:
     rel = os.path.relpath(os.path.dirname(path), root)
     parts = [] if rel == "." else rel.split(os.sep)
     for i, part in enumerate(parts):
-        if part in _STRUCTURE:
+        if part in STRUCTURE:
             where = os.path.join(root, *parts[:i + 1])
             return f"{path} does not exist and lies inside the protected {where}; name {where} itself to let " \
                    "the command create entries there"
@@ -553,138 +525,7 @@ def describe(path: str, before: str | None, after: str | None) -> str:
 
 
 def _shown(text: str) -> str:
-    from .errors import printable
+    from ..errors import printable
 
     text = printable(text)
     return repr(text if len(text) <= 120 else text[:120] + "...")
-
-
-def quarantine(before: dict[str, tuple[int, int, int, int]], after: dict[str, tuple[int, int, int, int]],
-               cell_id: str, writable: tuple[str, ...], *, allow_write: tuple[str, ...] = (),
-               keep_out: tuple[str, ...] = (), owner_uid: int | None = None, since_ns: int = 0,
-               before_truncated: bool = False, give_to: tuple[int, int] | None = None,
-               ) -> tuple[list[tuple[str, str]], list[str]]:
-    """Move aside what the run created on the control surface; ([(path, new path)], [not moved]).
-
-    Called when the cell has ended (its processes are gone), as root possibly, on a tree an agent
-    wrote. An entry moves only if it is part of the structure (a name in _STRUCTURE: never a file a
-    config merely points at), came into being during the run (its ctime, which no one but root can
-    set back, is not before ``since_ns``), did not exist before (when the before-scan was cut short
-    that is not known: then only a cell with a uid of its own can be trusted to have made what that
-    uid owns), is not lifted by --allow-write nor inside a ``keep_out`` path (--ro, --mask), and —
-    when the cell ran as a uid of its own — is owned by that uid: nothing of the user's moves.
-
-    It goes into ``<writable root>/.agentcell-quarantine-<cell id>-<random>/`` (made here, 0700,
-    ``give_to``'s), by a rename relative to directory fds that follows no symlink and replaces
-    nothing; the entry must still be the one the scan saw. An entry below one already moved went
-    with it."""
-    lifted = tuple(a.rstrip("/") for a in allow_write)
-    fences = tuple(k.rstrip("/") for k in keep_out)
-    if before_truncated and owner_uid is None:
-        return [], []
-    # With a complete before-scan, anything structural that is new and born during the run moves,
-    # whoever owns it (a directory of the user's the agent renamed into .claude, say); only a cut
-    # short scan needs the owner to tell the cell's work from entries it never saw.
-    owner_uid = owner_uid if before_truncated else None
-    created = sorted(p for p in after if (p not in before or before_truncated) and os.path.basename(p) in _STRUCTURE
-                     and not any(p == a or p.startswith(a + "/") for a in lifted)
-                     and not any(p == k or p.startswith(k + "/") for k in fences))
-    return _move_all([(p, after[p]) for p in created], cell_id, writable, owner_uid, since_ns, give_to)
-
-
-def set_aside(paths: list[str], cell_id: str, writable: tuple[str, ...], *, owner_uid: int | None, since_ns: int,
-              give_to: tuple[int, int] | None = None) -> tuple[list[tuple[str, str]], list[str]]:
-    """Move ``paths`` (files a run created that the next run or the human's tools would load: an env
-    file, a session's config) into the run's quarantine box, as :func:`quarantine` moves structure: only
-    what came into being during the run (ctime), owned by ``owner_uid`` when given, by a rename that
-    follows no link. ([(path, new path)], [not moved])."""
-    seen = []
-    for path in paths:
-        try:
-            st = os.lstat(path)
-        except OSError:
-            continue
-        seen.append((path, (stat.S_IFMT(st.st_mode), st.st_ino, st.st_size, st.st_mtime_ns)))
-    return _move_all(seen, cell_id, writable, owner_uid, since_ns, give_to)
-
-
-def _move_all(entries: list[tuple[str, tuple[int, int, int, int]]], cell_id: str, writable: tuple[str, ...],
-              owner_uid: int | None, since_ns: int, give_to: tuple[int, int] | None
-              ) -> tuple[list[tuple[str, str]], list[str]]:
-    """Each (path, what the scan saw of it) into the quarantine box of its writable root (made when a
-    first one moves); an entry below one already moved went with it."""
-    moved: list[tuple[str, str]] = []
-    gone: set[str] = set()
-    failed: list[str] = []
-    boxes: dict[str, tuple[int, str]] = {}
-    try:
-        for path, seen in entries:
-            if any(a in gone for a in _ancestors(path)):
-                continue
-            root = next((r for r in writable if path.startswith(r.rstrip("/") + "/")), None)
-            if root is None or len(moved) >= MAX_QUARANTINE:
-                failed.append(path)
-                continue
-
-            def box(root: str = root) -> tuple[int, str]:
-                if root not in boxes:
-                    boxes[root] = _quarantine_box(root, cell_id, give_to)
-                return boxes[root]
-            try:
-                new = _move(path, seen, owner_uid, since_ns, box, os.path.relpath(path, root))
-            except (OSError, LaunchError, ValueError):
-                failed.append(path)
-                continue
-            if new is None:
-                continue  # not the cell's: left where it is (and reported as a change)
-            moved.append((path, os.path.join(root, new)))
-            gone.add(path)
-    finally:
-        for fd, _name in boxes.values():
-            os.close(fd)
-    return moved, failed
-
-
-def _ancestors(path: str) -> list[str]:
-    parts = path.split("/")
-    return ["/".join(parts[:i]) for i in range(2, len(parts))]
-
-
-def _quarantine_box(root: str, cell_id: str, give_to: tuple[int, int] | None = None) -> tuple[int, str]:
-    """A new directory ``<root>/.agentcell-quarantine-<cell id>-<random>`` (0700), its fd and name.
-    A new, unguessable name per run: nothing the agent made beforehand can stand in its way. It
-    belongs to ``give_to`` (the human behind sudo) when given, so they can review it without root."""
-    name = f"{QUARANTINE_DIR}-{cell_id}-{os.urandom(4).hex()}"
-    rfd = paths.open_nofollow(root)
-    try:
-        os.mkdir(name, 0o700, dir_fd=rfd)
-        fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=rfd)
-    finally:
-        os.close(rfd)
-    if give_to is not None:
-        os.chown(fd, *give_to)
-    return fd, name
-
-
-def _move(path: str, seen: tuple[int, int, int, int], owner_uid: int | None, since_ns: int,
-          box_of: Callable[[], tuple[int, str]], rel: str) -> str | None:
-    """Rename ``path`` into ``box`` as its relative path with ``/`` spelled ``%2F``; the new name under
-    the quarantine dir, or None when the entry is not the cell's. Raises OSError when it cannot move."""
-    parent, name = os.path.split(path)
-    pfd = paths.open_nofollow(parent)
-    try:
-        st = os.stat(name, dir_fd=pfd, follow_symlinks=False)
-        if (stat.S_IFMT(st.st_mode), st.st_ino, st.st_size, st.st_mtime_ns) != seen:
-            raise OSError("replaced since the scan")
-        if (owner_uid is not None and st.st_uid != owner_uid) or st.st_ctime_ns < since_ns:
-            return None
-        box, box_name = box_of()  # made only when something is to move
-        flat = rel.replace("%", "%25").replace("/", "%2F")
-        if len(os.fsencode(flat)) > 200:  # too long for one name: keep its end, made unique
-            flat = f"{os.urandom(4).hex()}-{flat[-150:]}"
-        if os.path.lexists(f"/proc/self/fd/{box}/{flat}"):
-            raise OSError("name taken")
-        os.rename(name, flat, src_dir_fd=pfd, dst_dir_fd=box)
-        return os.path.join(box_name, flat)
-    finally:
-        os.close(pfd)
