@@ -24,7 +24,7 @@ from typing import Any, Protocol, TypeVar
 
 from .cell.spec import CellSpec
 from .errors import EXIT_TIMEOUT, AgentcellError, LaunchError
-from .host.base import CellEnded, CellHandle, CellHost, LiveHandle
+from .host.base import CellEnded, CellHandle, CellHost, LiveHandle, StartOptions
 
 __all__ = ["Cell", "CellCompleted", "CellEnded", "CellProcess", "LiveCell", "LiveProcess"]
 
@@ -154,7 +154,10 @@ class Cell:
         fds = [0 if stdin is None else stdin, 1 if stdout is None else stdout, 2 if stderr is None else stderr]
         fds, ours = _without_terminals(fds)
         try:
-            cell = self.host.start(self.spec, args, stdio=fds, monitor="terminate" if self.spec.watch else None)
+            # The protected-path step on every path: what a command plants on the control surface of
+            # its writable paths (a hook, a harness's config) is moved aside when it ends.
+            cell = self.host.start(self.spec, args, stdio=fds, monitor="terminate" if self.spec.watch else None,
+                                   options=StartOptions(guard=True))
         finally:
             for fd in ours:
                 os.close(fd)

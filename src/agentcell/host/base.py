@@ -51,6 +51,11 @@ class StartOptions:
             out["firewall"] = {"table": fw.table, "record": fw.record, "group": log.group}
         return out
 
+    def beside(self) -> bool:
+        """Whether something lives beside the cell (then a cell host serves it)."""
+        return self.dedicated is not None or self.firewall is not None or bool(
+            self.credentials is not None and self.credentials.secrets)
+
     def fds(self) -> list[int]:
         return [self.firewall[1].sock.fileno()] if self.firewall is not None else []
 

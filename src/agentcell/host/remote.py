@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from collections.abc import Sequence
     from typing import Any
 
+    from ..protect.check import SurfaceCheck
     from .base import StartOptions
 
 SIGKILL = 9
@@ -126,6 +127,7 @@ class RemoteCell:
         self._eof = False
         self.cell_id, self.pid1 = "", 0
         self.timed_out = self.was_lost = False
+        self.surface: SurfaceCheck | None = None  # the protected-path step, when it is this client's
 
     def _begin(self, request: dict[str, Any], fds: Sequence[int]) -> RemoteCell:
         """Send the request, read up to the cell's start; an error reply is raised as the host said it."""
@@ -172,6 +174,8 @@ class RemoteCell:
             self._stats = msg["stats"]
         elif event == self._last:
             self._result = dict(msg["result"])
+            if self.surface is not None:
+                self.surface.check(self._result, self.cell_id)
 
     def _drain(self, timeout: float | None = 0) -> None:
         while self._result is None:
@@ -315,11 +319,14 @@ class RemoteHost:
         """``argv`` in a new cell for ``spec``, on the fds ``stdio`` (ours are not closed). ``monitor``
         (its verdict, or None) and what else lives beside the cell choose the op (see the module)."""
         args = [os.fspath(a) for a in argv]
-        watched = supervised(spec, monitor) or options is not None
-        if not watched:
+        if not supervised(spec, monitor) and (options is None or not options.beside()):
             if self.launcher is None:
                 raise ValueError("a plain cell is a launcher's: RemoteHost('private') or RemoteHost('warm')")
             cell = RemoteCell(self._connection(), None, False)
+            if options is not None and options.guard:  # a launcher's cell has nothing beside it: the step is ours
+                from ..protect.check import SurfaceCheck, human
+
+                cell.surface = SurfaceCheck(spec, human())
             self._open.append(cell)
             return cell._begin({"op": "spawn", "id": 1, "spec": spec_to_dict(spec), "argv": args}, stdio)
         request: dict[str, Any] = {"op": "run", "spec": spec_to_dict(spec), "argv": args, "monitor": monitor,
