@@ -377,7 +377,8 @@ def describe(spec: CellSpec, plan: mounts.MountPlan, argv: Sequence[str]) -> lis
         cgroup = (f"cgroup {where} ({cgroups.layout()}): memory {lim.memory} bytes, cpu "
                   f"{f'{lim.cpu_percent}% of a core' if lim.cpu_percent else 'not capped'}, pids {lim.pids}")
     else:
-        cgroup = "cgroup: none (none is delegated to you here; see agentcell doctor)"
+        cgroup = "cgroup: none is delegated to you here (see agentcell doctor)" + (
+            "; a cell with ceilings is refused" if spec.memory_max or spec.cpu_percent or spec.pids_max else "")
     ns_names = [n for n in ("NS", "PID", "IPC", "UTS", "NET", "USER") if ns_flags & getattr(sc, f"CLONE_NEW{n}")]
     marks = [f"{what} {', '.join(paths)}" for what, paths in (("plant canaries:", canary.planned(spec)),
                                                              ("mark for execs:", execmarks.planned(spec))) if paths]

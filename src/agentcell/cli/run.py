@@ -1,4 +1,5 @@
-"""``agentcell run``: launch one command in a cell. The hot path: stdlib + agentcell.cell only.
+"""``agentcell run``: launch one command in a cell. The hot path: the standard library's cheap parts,
+agentcell.cell, the compiler and the runner's light top (tests/test_run.py pins what it imports).
 
 Parse (:mod:`.runargs`), compile the plan the flags fill (:func:`agentcell.policy.plan.compile_spec`),
 run it (:mod:`agentcell.runner`), print.
