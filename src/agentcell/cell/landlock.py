@@ -88,6 +88,16 @@ def describe(spec: CellSpec) -> list[str]:
     return out
 
 
+def describe_abi(spec: CellSpec) -> str:
+    """What :func:`prepare` and :meth:`Ruleset.enforce` do for ``spec`` on this kernel."""
+    version = abi()
+    if version >= max(spec.landlock_min_abi, 1):
+        return f"ABI {version}" + (", LOG_NEW_EXEC_ON" if version >= 7 else "") + ", rules:"
+    if spec.landlock == "best-effort":
+        return f"ABI {version} here; SKIPPED (--landlock best-effort)"
+    return f"ABI {version} here; refused (required)"
+
+
 class Ruleset:
     """A built ruleset, enforced later (a prepared cell builds it before its command arrives)."""
 

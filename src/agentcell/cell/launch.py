@@ -366,6 +366,49 @@ def launch(spec: CellSpec, argv: Sequence[str], *, timeout: float | None = None,
     return start(spec, argv, **kw).wait(timeout)  # type: ignore[arg-type]
 
 
+def describe(spec: CellSpec, plan: mounts.MountPlan, argv: Sequence[str]) -> list[str]:
+    """The steps :func:`prepare`, :func:`_cell` and :func:`_command` take to run ``argv`` for ``spec``
+    (``plan``: its :func:`mounts.plan`), by their numbers and in each mechanism's own words (``agentcell
+    run --explain``). A step changed above is changed here, beside its number."""
+    ident, ns_flags = spec.identity, namespaces.flags_for(spec)
+    if os.geteuid() == 0 or cgroups.delegated() is not None:
+        lim = cell_limits(spec)
+        where = f"{cgroups.PARENT}/{spec.cell_id}" if os.geteuid() == 0 else f"{spec.cell_id}, in the one delegated"
+        cgroup = (f"cgroup {where} ({cgroups.layout()}): memory {lim.memory} bytes, cpu "
+                  f"{f'{lim.cpu_percent}% of a core' if lim.cpu_percent else 'not capped'}, pids {lim.pids}")
+    else:
+        cgroup = "cgroup: none is delegated to you here (see agentcell doctor)" + (
+            "; a cell with ceilings is refused" if spec.memory_max or spec.cpu_percent or spec.pids_max else "")
+    ns_names = [n for n in ("NS", "PID", "IPC", "UTS", "NET", "USER") if ns_flags & getattr(sc, f"CLONE_NEW{n}")]
+    marks = [f"{what} {', '.join(paths)}" for what, paths in (("plant canaries:", canary.planned(spec)),
+                                                             ("mark for execs:", execmarks.planned(spec))) if paths]
+    return [
+        "1. plan the mounts: every path resolved once, no symlink followed, its (dev, ino) recorded",
+        "2. compile the seccomp filter", f"3. {cgroup}", "4. fork C1 (stdio, the status pipe, the hand-off only)",
+        "5. prctl(PR_SET_PDEATHSIG, SIGKILL); join the cgroup",
+        f"6. unshare({'|'.join('CLONE_NEW' + n for n in ns_names)})  # 0x{ns_flags:x}",
+        *([f"   write uid_map '{ident.uid} {ident.uid} 1', setgroups deny, gid_map '{ident.gid} {ident.gid} 1'"]
+          if ident.userns else []),
+        "7. non-dumpable; fork -> PID 1 of the cell (reaper)",
+        "8. mount --make-rprivate /; tmpfs new root", *(f"   {d}" for d in plan.describe()),
+        "   remount new root read-only; pivot_root; detach old root",
+        *(["9. ip link set lo up"] if spec.network in ("loopback", "proxy") else []),
+        *(["   the proxy's listening socket, made here and handed out"] if spec.network == "proxy" else []),
+        f"10. sethostname {spec.hostname}", *(f"11. {m}" for m in marks),
+        "12. stdio -> /dev/null; fork -> the command's process; PID 1 reaps",
+        "13. default signal dispositions; setsid (a session of its own, no controlling terminal)",
+        f"14. landlock: {landlock.describe_abi(spec)}", *(f"   {rule}" for rule in landlock.describe(spec)),
+        "15. receive argv and stdio fds",
+        f"16. {'' if ident.userns else f'setgroups {list(ident.groups)}; setresgid {ident.gid}; '}drop capability "
+        "bounding set; clear ambient capabilities",
+        f"   setresuid {ident.uid}; prctl(PR_SET_PDEATHSIG, SIGKILL); prctl(PR_SET_NO_NEW_PRIVS, 1)",
+        f"17. chdir {spec.cwd or ident.home}", "18. the fds onto their numbers (no directory on 0-2)",
+        "19. landlock restrict_self", "20. refuse any terminal but the cell's own; the scrubbed environment",
+        "21. seccomp filter (libseccomp), loaded last:", *(f"   {rule}" for rule in seccomp.describe()),
+        "22. close every other fd", f"23. execve {argv[0] if argv else '?'} with the environment listed above",
+    ]
+
+
 # ---- child side: single-threaded, forked from the supervisor ---------------------------------------
 
 

@@ -30,9 +30,9 @@ from urllib.parse import urlsplit
 
 from ..errors import AgentcellError
 from ..fleet.plan import TRUSTED_NETWORK, Caps, SessionPlan, git_remote, public
-from ..network import compile as nc
 from ..network import presets, rules
 from ..network.firewall import NOT_BY_WILDCARD
+from ..policy.plan import PLAN, Plan, egress
 
 API = "extensions.agents.x-k8s.io/v1beta1"  # agent-sandbox's extension kinds (checked against release v0.5.6)
 CLAIM_LABEL = "agents.x-k8s.io/claim-uid"  # put on the pod by agent-sandbox's claim controller when a claim takes it
@@ -256,9 +256,9 @@ def _egress(plan: SessionPlan, clone_port: int | None) -> list[dict[str, Any]]:
     network = plan.network or ("proxy" if domain_rules else None)  # as --allow-domain implies --net proxy
     if network is not None:
         try:
-            nc.egress(network, allow_domains=list(plan.allow_domains), deny_domains=list(plan.deny_domains),
-                      allow_presets=list(plan.allow_presets), allow_ranges=list(plan.allow_ranges),
-                      resolver=plan.resolver, allow_egress=[], allow_loopback=False, names=nc.PLAN)
+            egress(Plan(network=network, allow_domains=plan.allow_domains, deny_domains=plan.deny_domains,
+                        allow_presets=plan.allow_presets, allow_ranges=plan.allow_ranges, resolver=plan.resolver,
+                        terms=PLAN))
         except AgentcellError as e:
             raise AgentcellError(f"{plan.name}: {e.field}", e.problem, e.fix) from None
     public = [{"ipBlock": {"cidr": cidr, "except": list(private)}} for cidr, private in PRIVATE.items()]

@@ -1,4 +1,4 @@
-"""Session plans, their compilation into sandbox policies, and escape events.
+"""Plans (a plain one, compiled into a cell spec; a session's, compiled into a sandbox policy) and escape events.
 
 The names below are imported lazily: ``agentcell run`` imports :mod:`agentcell.policy.resolve`
 through this package and must not pay for pydantic.
@@ -11,6 +11,7 @@ if TYPE_CHECKING:
 
     from .compile import FIREWALL_RULES, compile_plan, explain, load_plan
     from .models import EscapeEvent, IdentityModel, Limits, SandboxPolicy, SessionPlan
+    from .plan import Plan, compile_spec
 
 _WHERE = {
     "EscapeEvent": "models",
@@ -22,6 +23,8 @@ _WHERE = {
     "compile_plan": "compile",
     "explain": "compile",
     "load_plan": "compile",
+    "Plan": "plan",
+    "compile_spec": "plan",
 }
 
 __all__ = [
@@ -29,9 +32,11 @@ __all__ = [
     "EscapeEvent",
     "IdentityModel",
     "Limits",
+    "Plan",
     "SandboxPolicy",
     "SessionPlan",
     "compile_plan",
+    "compile_spec",
     "explain",
     "load_plan",
 ]

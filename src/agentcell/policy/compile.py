@@ -1,24 +1,24 @@
 """Compile a :class:`SessionPlan` into a :class:`SandboxPolicy`; load plans from TOML; explain policies.
 
 Compiling has no side effects. The only I/O is path resolution (realpath, existence, the account
-database), done by :mod:`agentcell.policy.resolve` so that the refusal rules — ``/``, a home dir
-itself, credential stores, writable system dirs, missing paths — are the same ones ``agentcell run``
-applies. The same plan on the same host always compiles to an equal policy.
+database). The plan is compiled by :func:`agentcell.policy.plan.compile_spec`, the compiler
+``agentcell run``'s flags go through too, so the refusal rules — ``/``, a home dir itself, credential
+stores, writable system dirs, missing paths — are the same ones. The same plan on the same host always
+compiles to an equal policy.
 """
 from __future__ import annotations
 
 import os
 import tomllib
-from collections.abc import Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from ..cell.spec import SCRATCH_PATH, SYSTEM_RO_PATHS, Identity
+from ..cell.spec import SCRATCH_PATH, SYSTEM_RO_PATHS
 from ..errors import PolicyError
-from . import resolve as rs
 from .models import IdentityModel, Limits, SandboxPolicy, SessionPlan
+from .plan import PLAN, Plan, anchor, compile_spec
 
 FIREWALL_RULES: dict[str, str] = {
     "none": "none: no network interfaces",
@@ -26,32 +26,6 @@ FIREWALL_RULES: dict[str, str] = {
     "proxy": "egress through the agentcell proxy only (domain allow-list); deny all else",
     "host-firewall": "egress: host nftables rules on the agent's uid; deny all else",
 }
-
-# resolve.py speaks in CLI flags; a plan speaks in its own keys.
-_FIELD_FOR_FLAG = {"--as": "identity", "--env": "env", "--keep-env": "keep_env"}
-_WORDS_FOR_FLAG = (
-    (rs.UNSAFE_FLAG, "allow_unsafe_paths = true"),
-    ("--as ", "identity = "),
-    ("--keep-env ", "keep_env = "),
-    ("--env ", "env "),
-)
-
-
-@contextmanager
-def _in_plan_terms() -> Iterator[None]:
-    try:
-        yield
-    except PolicyError as e:
-        problem, fix = e.problem, e.fix
-        for flag, key in _WORDS_FOR_FLAG:
-            problem, fix = problem.replace(flag, key), fix.replace(flag, key)
-        raise PolicyError(_FIELD_FOR_FLAG.get(e.field, e.field), problem, fix) from None
-
-
-def _allowed_writes(paths: Iterable[str], rw: tuple[str, ...], host_cwd: str | None) -> tuple[str, ...]:
-    """Protected paths the plan lets the command write (relative ones from where the session started)."""
-    given = [p if os.path.isabs(p) or host_cwd is None else os.path.join(host_cwd, p) for p in paths]
-    return rs.allowed_writes(given, rw, field="allow_write", fix="declare its project")
 
 
 def compile_plan(plan: SessionPlan, *, environ: Mapping[str, str], euid: int | None = None,
@@ -63,108 +37,45 @@ def compile_plan(plan: SessionPlan, *, environ: Mapping[str, str], euid: int | N
     working directory when the cell can see it. Without it, relative paths are refused and the cell
     starts in the first declared path (else the first ro path, else its home).
     """
-    with _in_plan_terms():
-        ident = rs.resolve_identity(plan.identity, euid=euid, environ=environ)
-    if plan.network == "host-firewall" and ident.userns:
-        raise PolicyError("network", "host-firewall rules key on an account's uid; identity 'self' has none",
-                          "use identity = agent:NAME, or network = proxy")
-
-    homes = rs.home_dirs()
-    unsafe = plan.allow_unsafe_paths
-
-    def paths(key: str, given: Iterable[str], *, writable: bool, allow_unsafe: bool) -> tuple[str, ...]:
-        absolute = [_anchor(p, host_cwd, key) for p in given]
-        with _in_plan_terms():
-            return rs.resolve_paths(absolute, field=key, writable=writable, allow_unsafe=allow_unsafe,
-                                    homes=homes)
-
-    rw = paths("declared_paths", plan.declared_paths, writable=True, allow_unsafe=unsafe)
-    ro = paths("ro_paths", plan.ro_paths, writable=False, allow_unsafe=unsafe)
-    # Hiding a path never opens the host, so masks need no override (as with `agentcell run --mask`).
-    masked = paths("masked_paths", plan.masked_paths, writable=False, allow_unsafe=True)
-    rs.check_masks(masked, "masked_paths")
-    excluded = paths("excluded_paths", plan.excluded_paths, writable=False, allow_unsafe=True)
-    for p in excluded:
-        if p in rw:
-            raise PolicyError("excluded_paths", f"{p} is itself a declared path",
-                              "remove it from declared_paths instead")
-        if not any(p.startswith(d.rstrip("/") + "/") for d in rw):
-            raise PolicyError("excluded_paths", f"{p} is not inside any declared path",
-                              "exclude paths inside declared_paths; hide others with masked_paths")
-    masked += tuple(p for p in excluded if p not in masked)
-    scratch = paths("scratch", [plan.scratch], writable=True, allow_unsafe=unsafe) if plan.scratch else ()
-    home = paths("home", [plan.home], writable=True, allow_unsafe=unsafe) if plan.home else ()
-    if plan.home_persistent:
-        home = (_own_home(ident),)
-    rs.check_disjoint({"declared_paths": rw, "ro_paths": ro, "masked_paths": masked, "scratch": scratch,
-                       "home": home})
-
-    with _in_plan_terms():
-        env = rs.build_env(environ, ident, sets=[f"{k}={v}" for k, v in plan.env.items()], keep=plan.keep_env)
-    if host_cwd is not None:
-        cwd = rs.cell_cwd(os.path.realpath(host_cwd), (*rw, *ro), ident.home)
-    else:
-        cwd = (*rw, *ro, ident.home)[0]
-
+    spec = compile_spec(plain(plan), environ=environ, euid=euid, host_cwd=host_cwd)
+    extra = tuple(p for p in (spec.scratch_dir, spec.home_dir) if p)
     return SandboxPolicy(
-        os_user=ident.user,
-        read_paths=ro + tuple(p for p in SYSTEM_RO_PATHS if os.path.lexists(p)),
-        write_paths=rw + scratch + home,
-        env_allowlist=tuple(sorted(k for k, _ in env)),
+        os_user=spec.identity.user,
+        read_paths=spec.ro_paths + tuple(p for p in SYSTEM_RO_PATHS if os.path.lexists(p)),
+        write_paths=spec.rw_paths + extra,
+        env_allowlist=tuple(sorted(k for k, _ in spec.env)),
         firewall_rule=FIREWALL_RULES[plan.network],
         session_id=plan.session_id,
-        ro_paths=ro,
-        rw_paths=rw,
-        masked_paths=masked,
-        scratch_dir=scratch[0] if scratch else None,
-        home_dir=home[0] if home else None,
+        ro_paths=spec.ro_paths,
+        rw_paths=spec.rw_paths,
+        masked_paths=spec.masked_paths,
+        scratch_dir=spec.scratch_dir,
+        home_dir=spec.home_dir,
         network=plan.network,
         limits=plan.limits,
-        identity=IdentityModel.from_identity(ident),
-        env=env,
-        cwd=cwd,
+        identity=IdentityModel.from_identity(spec.identity),
+        env=spec.env,
+        cwd=spec.cwd or spec.identity.home,
         wall_clock_limit_s=plan.wall_clock_limit_s,
         landlock=plan.landlock,
-        # host-firewall keeps the host's network: Landlock's abstract-socket scope (ABI 6) is needed.
-        landlock_min_abi=max(plan.landlock_min_abi, 6) if plan.network == "host-firewall" else plan.landlock_min_abi,
-        allow_write=_allowed_writes(plan.allow_write, rw, host_cwd),
-        egress=_egress(plan),
+        landlock_min_abi=spec.landlock_min_abi,
+        allow_write=spec.allow_write,
+        egress=spec.egress,
     )
 
 
-def _own_home(ident: Identity) -> str:
-    """A persistent agent's own home: the account's, and only the account's to write."""
-    import stat
-
-    if ident.mode != "agent":
-        raise PolicyError("home_persistent", "only an agent account (identity agent:NAME) has a home of its own "
-                          "to keep", "leave it out")
-    try:
-        st = os.lstat(ident.home)
-    except OSError:
-        raise PolicyError("home_persistent", f"{ident.home} (the home of {ident.user}) is missing",
-                          f"see 'agentcell agent info {ident.user}'") from None
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != ident.uid:
-        raise PolicyError("home_persistent", f"{ident.home} is not a directory of {ident.user}'s",
-                          f"see 'agentcell agent info {ident.user}'")
-    return ident.home
-
-
-def _egress(plan: SessionPlan) -> tuple[str, ...]:
-    from ..network import compile as nc
-
-    return nc.egress(plan.network, allow_domains=plan.allow_domains, deny_domains=plan.deny_domains,
-                     allow_presets=plan.allow_presets, allow_ranges=plan.allow_ranges, resolver=plan.resolver,
-                     allow_egress=plan.allow_egress, allow_loopback=plan.allow_loopback, names=nc.PLAN)
-
-
-def _anchor(path: str, base: str | None, key: str) -> str:
-    if not path or os.path.isabs(path) or path.startswith("~"):
-        return path  # resolve_path refuses the empty path and expands ~
-    if base is None:
-        raise PolicyError(key, f"{path} is relative and there is no directory to anchor it",
-                          "give an absolute path")
-    return os.path.join(base, path)
+def plain(plan: SessionPlan) -> Plan:
+    """The session plan as the plain plan the compiler takes (in the plan's own terms)."""
+    lim = plan.limits
+    return Plan(identity=plan.identity, declared_paths=plan.declared_paths, ro_paths=plan.ro_paths,
+                masked_paths=plan.masked_paths, excluded_paths=plan.excluded_paths, scratch=plan.scratch,
+                home=plan.home, home_persistent=plan.home_persistent, allow_unsafe_paths=plan.allow_unsafe_paths,
+                env=[f"{k}={v}" for k, v in plan.env.items()], keep_env=plan.keep_env, allow_write=plan.allow_write,
+                network=plan.network, allow_domains=plan.allow_domains, deny_domains=plan.deny_domains,
+                allow_presets=plan.allow_presets, allow_ranges=plan.allow_ranges, resolver=plan.resolver,
+                allow_egress=plan.allow_egress, allow_loopback=plan.allow_loopback, landlock=plan.landlock,
+                landlock_min_abi=plan.landlock_min_abi, memory_max=lim.memory_bytes, cpu_percent=lim.cpu_percent,
+                pids_max=lim.pids, cell_id=f"agentcell-{plan.session_id}", terms=PLAN)
 
 
 def load_plan(path: str | os.PathLike[str]) -> SessionPlan:
@@ -192,15 +103,15 @@ def load_plan(path: str | os.PathLike[str]) -> SessionPlan:
     base = os.path.dirname(os.path.abspath(where))
 
     def anchored(paths: list[str]) -> list[str]:
-        return [_anchor(p, base, "") for p in paths]
+        return [anchor(p, base, "") for p in paths]
 
     return plan.model_copy(update={
         "declared_paths": anchored(plan.declared_paths),
         "excluded_paths": anchored(plan.excluded_paths),
         "ro_paths": anchored(plan.ro_paths),
         "masked_paths": anchored(plan.masked_paths),
-        "scratch": _anchor(plan.scratch, base, "") if plan.scratch else plan.scratch,
-        "home": _anchor(plan.home, base, "") if plan.home else plan.home,
+        "scratch": anchor(plan.scratch, base, "") if plan.scratch else plan.scratch,
+        "home": anchor(plan.home, base, "") if plan.home else plan.home,
     })
 
 
