@@ -20,6 +20,7 @@ typing until a launcher or a live cell is started).
 from __future__ import annotations
 
 import _socket
+import _thread
 import os
 import select
 import stat
@@ -270,8 +271,8 @@ class RemoteHost:
         self.launcher, self.prewarm = launcher, prewarm
         self._control: _socket.socket | None = None
         self._proc: subprocess.Popen[bytes] | None = None
-        self._open: list[RemoteCell] = []
-        self._lock: Any = None
+        self._open: list[RemoteCell] = []  # the cells of this host's connections, closed with it
+        self._lock = _thread.allocate_lock()
 
     # ---- connections ---------------------------------------------------------------------------------
 
@@ -283,10 +284,6 @@ class RemoteHost:
             if s is None:
                 raise HostUnavailable("warm", "no warm launcher of yours runs", "start one: agentcell warm start")
             return s
-        import _thread
-
-        if self._lock is None:
-            self._lock = _thread.allocate_lock()
         with self._lock:
             if self._control is None:
                 from . import zygote
@@ -309,8 +306,13 @@ class RemoteHost:
                 raise HostUnavailable("launcher", "the warm launcher process died") from None
             finally:
                 its.close()
-            self._open = [c for c in self._open if not c._eof]
             return mine
+
+    def _track(self, cell: RemoteCell) -> RemoteCell:
+        with self._lock:
+            self._open = [c for c in self._open if not c._eof]
+            self._open.append(cell)
+        return cell
 
     # ---- the CellHost interface -----------------------------------------------------------------------
 
@@ -322,12 +324,11 @@ class RemoteHost:
         if not supervised(spec, monitor) and (options is None or not options.beside()):
             if self.launcher is None:
                 raise ValueError("a plain cell is a launcher's: RemoteHost('private') or RemoteHost('warm')")
-            cell = RemoteCell(self._connection(), None, False)
+            cell = self._track(RemoteCell(self._connection(), None, False))
             if options is not None and options.guard:  # a launcher's cell has nothing beside it: the step is ours
                 from ..protect.check import SurfaceCheck, human
 
                 cell.surface = SurfaceCheck(spec, human())
-            self._open.append(cell)
             return cell._begin({"op": "spawn", "id": 1, "spec": spec_to_dict(spec), "argv": args}, stdio)
         request: dict[str, Any] = {"op": "run", "spec": spec_to_dict(spec), "argv": args, "monitor": monitor,
                                    "guard": False}
@@ -336,9 +337,7 @@ class RemoteHost:
             request.update(options.wire())
             extra = options.fds()
         if self.launcher is not None and not extra:  # the launcher forks the cell's host, on these stdio
-            cell = RemoteCell(self._connection(), None, True)
-            self._open.append(cell)
-            return cell._begin(request, stdio)
+            return self._track(RemoteCell(self._connection(), None, True))._begin(request, stdio)
         from . import server
 
         ours, theirs = _pair()
@@ -375,9 +374,10 @@ class RemoteHost:
 
     def close(self) -> None:
         """Stop a private launcher (its cells are killed) and let go of every cell started here."""
-        for cell in self._open:
+        with self._lock:
+            cells, self._open = self._open, []
+        for cell in cells:
             cell.close()
-        self._open = []
         control, proc, self._control, self._proc = self._control, self._proc, None, None
         if control is not None:
             control.close()
