@@ -10,12 +10,14 @@ import re
 import socket
 import sys
 from argparse import REMAINDER, Namespace, RawDescriptionHelpFormatter
-from typing import Any
+from typing import TYPE_CHECKING
 
 from .. import hostfs
 from ..errors import EXIT_USAGE, AgentcellError, printable, report
-from ..host import wire
 from .common import Parser
+
+if TYPE_CHECKING:
+    import _socket
 
 PROG = "agentcell cell"
 NAME = re.compile(r"[a-z0-9][a-z0-9_.-]{0,31}")
@@ -79,28 +81,13 @@ def _seconds(flag: str, value: str, example: str) -> float:
     return s
 
 
-def _connect(name: str) -> socket.socket:
-    path = os.path.join(cells_dir(), f"{name}.sock")
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
-    try:
-        s.connect(path)
-        if not wire.peer_is_ours(s):
-            raise OSError("not ours")
-    except OSError:
-        s.close()
-        raise AgentcellError("--name", f"no live cell named {name} runs",
-                             f"start it: {PROG} start --name {name}") from None
+def _connect(name: str) -> _socket.socket:
+    from ..host.remote import connect
+
+    s = connect(os.path.join(cells_dir(), f"{name}.sock"))
+    if s is None:
+        raise AgentcellError("--name", f"no live cell named {name} runs", f"start it: {PROG} start --name {name}")
     return s
-
-
-def _ask(s: socket.socket, op: str) -> dict[str, Any] | None:
-    wire.send(s, {"op": op})
-    while True:
-        msg, fds = wire.recv_or_gone(s)
-        for fd in fds:
-            os.close(fd)
-        if msg is None or msg.get("event") in ("status", "ended"):
-            return msg
 
 
 def start(ns: Namespace) -> int:
@@ -185,6 +172,8 @@ def exec_(ns: Namespace) -> int:
 
 
 def list_(ns: Namespace) -> int:
+    from ..host.remote import ask
+
     rows = []
     try:
         names = sorted(n[:-5] for n in os.listdir(cells_dir()) if n.endswith(".sock"))
@@ -196,7 +185,7 @@ def list_(ns: Namespace) -> int:
         except AgentcellError:
             continue
         try:
-            info = _ask(s, "status")
+            info = ask(s, "status")
         finally:
             s.close()
         if info is not None:
@@ -214,11 +203,12 @@ def list_(ns: Namespace) -> int:
 
 
 def stop(ns: Namespace) -> int:
+    from ..host.remote import ask
     from .run import protected_lines
 
     s = _connect(_name(ns.name))
     try:
-        msg = _ask(s, "stop")
+        msg = ask(s, "stop")
     finally:
         s.close()
     result = (msg or {}).get("result") or {}

@@ -55,20 +55,37 @@ def _private_dir(d: str) -> bool:
     return stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and st.st_mode & 0o077 == 0
 
 
-def connect_warm() -> _socket.socket | None:
-    """A connection to our own running warm launcher (``agentcell warm``), or None."""
-    d = hostfs.socket_dir()
-    if not _private_dir(d):
-        return None
+def connect(path: str) -> _socket.socket | None:
+    """A connection to a server of ours listening at ``path`` (a warm launcher, a named live cell), or
+    None: none listens there, or its peer is not ours (our uid, and not a cell's impostor: a rootless
+    cell has our uid)."""
     s = _socket.socket(_socket.AF_UNIX, _socket.SOCK_SEQPACKET | _socket.SOCK_CLOEXEC)
     try:
-        s.connect(os.path.join(d, WARM_SOCKET))
-        if wire.peer_is_ours(s):  # our uid, and not a cell's impostor (a rootless cell has our uid)
+        s.connect(path)
+        if wire.peer_is_ours(s):
             return s
     except OSError:
         pass
     s.close()
     return None
+
+
+def connect_warm() -> _socket.socket | None:
+    """A connection to our own running warm launcher (``agentcell warm``), or None."""
+    d = hostfs.socket_dir()
+    return connect(os.path.join(d, WARM_SOCKET)) if _private_dir(d) else None
+
+
+def ask(sock: _socket.socket, op: str) -> dict[str, Any] | None:
+    """A management op (``status``, ``stop``) and its answer (None: the server has gone). What else comes
+    meanwhile (a live cell's events to every client) is passed over."""
+    wire.send(sock, {"op": op})
+    while True:
+        msg, fds = wire.recv_or_gone(sock)
+        for fd in fds:
+            os.close(fd)
+        if msg is None or msg.get("event") in ("status", "stopping", "ended"):
+            return msg
 
 
 class HostUnavailable(LaunchError):

@@ -19,8 +19,7 @@ import time
 
 from .. import hostfs
 from ..cell.spec import TYPE_CHECKING, CellSpec
-from . import wire
-from .remote import WARM_SOCKET, HostUnavailable, RemoteHost, connect_warm
+from .remote import WARM_SOCKET, HostUnavailable, RemoteHost, ask, connect_warm
 
 if TYPE_CHECKING:
     import signal
@@ -66,11 +65,7 @@ def _ask(*ops: str) -> list[dict[str, Any] | None] | None:
     if s is None:
         return None
     try:
-        replies = []
-        for op in ops:
-            wire.send(s, {"op": op})
-            replies.append(wire.recv(s)[0])
-        return replies
+        return [ask(s, op) for op in ops]
     finally:
         s.close()
 
