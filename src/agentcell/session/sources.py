@@ -37,7 +37,7 @@ def read_dotenv_owned(path: str, *, explicit: bool = False) -> tuple[dict[str, s
     only you or root can change, and only yours or root's itself (:func:`agentcell.hostfs.only_ours`).
     The way is walked by descriptor, never through a link, so what was checked is what is read. A
     regular file of at most 1 MiB. (The project's own root and declared paths are ruled out by
-    :func:`load`, which knows them.)"""
+    :func:`.config.load`, which knows them.)"""
     import stat
 
     fd, dirs_ok = _open_walked(path)
