@@ -147,7 +147,7 @@ def argv(pg: Playground) -> st.SearchStrategy[list[str]]:
 
 def toml_files(pg: Playground) -> st.SearchStrategy[str]:
     """An agentcell.toml: known keys with wrong or troublesome values, unknown keys, broken syntax."""
-    from agentcell.session.config import TOML_KEYS
+    from agentcell.session.sources import TOML_KEYS
 
     key = st.one_of(st.sampled_from(TOML_KEYS), st.text(min_size=1, max_size=12))
     val = st.one_of(values(pg).map(lambda s: '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'),

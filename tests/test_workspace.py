@@ -473,11 +473,11 @@ def test_replaced_directories_a_failed_apply_and_what_the_view_hides(env: Env, u
 def test_what_git_ignores_is_judged_even_beside_a_path_git_refuses(tmp_path: Path) -> None:
     """check-ignore refuses a whole batch for one path beyond a link (exit 128); the rest are still
     judged one by one, and the refused one counts as not ignored."""
-    from agentcell import workspace
+    from agentcell.workspace.review import _ignored_paths
 
     subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
     (tmp_path / ".gitignore").write_text("*.pyc\n")
     (tmp_path / "d").mkdir()
     (tmp_path / "lnk").symlink_to("d")
-    assert workspace._ignored_paths(str(tmp_path), ["a.pyc", "b.py", "lnk/f.pyc"]) == {"a.pyc"}
-    assert workspace._ignored_paths(str(tmp_path), ["a.pyc", "b.py"]) == {"a.pyc"}
+    assert _ignored_paths(str(tmp_path), ["a.pyc", "b.py", "lnk/f.pyc"]) == {"a.pyc"}
+    assert _ignored_paths(str(tmp_path), ["a.pyc", "b.py"]) == {"a.pyc"}

@@ -31,37 +31,28 @@ write, and must not widen the next session's egress. The API-key variables
 a harness needs (``ANTHROPIC_API_KEY``, …) are read from the environment or ``.env`` and passed into
 the cell only for that harness (its profile lists them). Every bad value is one
 :class:`~agentcell.errors.PolicyError` naming where it came from and the fix.
+
+The files are read by :mod:`.sources`; the options beyond the project, its paths and its network
+(the model, risk and ceilings, caches, workspace, the cell's environment, the home) are checked by
+:mod:`.options`.
 """
 from __future__ import annotations
 
 import os
-import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from .. import hostfs
 from ..cell.spec import NETWORK_MODES
-from ..errors import AgentcellError, PolicyError
+from ..errors import PolicyError
+from .options import _harness_knobs
+from .sources import FLAGS, _inside, read_dotenv_owned, read_toml
 
 ENV_NAMES = ("AGENT_HARNESS", "PROJECT_ROOT", "DECLARED_PATHS", "AGENT_OS_USER", "BACKUP_DIR", "AUDIT_LOG_PATH",
              "WALL_CLOCK_LIMIT_S", "FIREWALL_ENABLED", "AGENT_API_BASE", "AGENT_MODEL", "AGENT_RISK")
-TOML_KEYS = ("harness", "declared_paths", "agent", "backup_dir", "audit_log_path", "wall_clock_limit_s",
-             "firewall_enabled", "network", "risk", "env", "api_base", "model")
 NETWORKS = NETWORKS_BY_WIDTH = NETWORK_MODES
-FLAGS = {"harness": "--harness", "project_root": "--project", "declared_paths": "--rw", "agent": "--agent",
-         "backup_dir": "--backup-dir", "audit_log_path": "--audit-log", "wall_clock_limit_s": "--wall-clock",
-         "firewall_enabled": "--firewall", "network": "--net", "allow_domains": "--allow-domain",
-         "deny_domains": "--deny-domain", "allow_presets": "--allow-preset", "allow_ranges": "--allow-range",
-         "resolver": "--resolver", "api_base": "--api-base", "model": "--model", "risk": "--risk", "env": "--env",
-         "keep_env": "--keep-env", "home_from": "--home-from", "git_identity": "--git-identity",
-         "ceilings": "--ceilings", "cache": "--cache", "workspace": "--workspace",
-         "workspace_include": "--workspace-include", "memory": "--memory",
-         "cpu": "--cpu",
-         "pids": "--pids", "limits": "--limits"}
 EGRESS_KEYS = ("allow_domains", "deny_domains", "allow_presets", "allow_ranges")  # lists; resolver: one value
 DEFAULT_WALL_CLOCK_S = 3600
-MAX_FILE = 1 << 20  # a .env or agentcell.toml
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
 
 
@@ -118,138 +109,9 @@ class SessionConfig:
                 "sources": dict(self.sources)}
 
 
-def read_dotenv(path: str) -> dict[str, str]:
-    """``NAME=VALUE`` lines (``export`` allowed, ``#`` comments, values optionally quoted); no expansion."""
-    return read_dotenv_owned(path)[0]
-
-
-def read_dotenv_owned(path: str, *, explicit: bool = False) -> tuple[dict[str, str], bool]:
-    """The file's values, and whether it may decide for root: only a file named on the command line
-    (``explicit``: the implicit ``./.env`` is the project's, whoever owns it now: an earlier agent may
-    have written a root-owned file through its grant and renamed it), reached through directories
-    only you or root can change, and only yours or root's itself (:func:`agentcell.hostfs.only_ours`).
-    The way is walked by descriptor, never through a link, so what was checked is what is read. A
-    regular file of at most 1 MiB. (The project's own root and declared paths are ruled out by
-    :func:`load`, which knows them.)"""
-    import stat
-
-    fd, dirs_ok = _open_walked(path)
-    if fd is None:
-        if explicit:  # named on purpose: a typo must not start a session with the defaults
-            from ..hostfs import shown
-
-            raise PolicyError("--env-file", f"{shown(path)} does not exist", "name an existing .env file")
-        return {}, False
-    try:
-        st = os.fstat(fd)
-        if stat.S_ISDIR(st.st_mode) and not explicit:
-            return {}, False  # a virtualenv named .env: no configuration here
-        lines = _read_regular(fd, path, "point --env-file at a .env file").decode("utf-8").splitlines()
-        ours = explicit and dirs_ok and hostfs.only_ours(fd)
-    except UnicodeDecodeError:
-        raise PolicyError(path, "is not UTF-8 text", "fix its encoding") from None
-    finally:
-        os.close(fd)
-    return _parse_dotenv(path, lines), ours
-
-
-def _read_regular(fd: int, path: str, fix: str) -> bytes:
-    """What ``fd`` holds, read whole, as root must read a file a project's agent may have made
-    (:func:`agentcell.hostfs.read_fd`: a regular file, not a FIFO to block on, not /dev/zero, 1 MiB)."""
-    from ..hostfs import read_fd
-
-    try:
-        return read_fd(fd, path, path, fix, MAX_FILE)
-    except AgentcellError as e:  # a project's file refused is the request refused: a PolicyError
-        raise PolicyError(e.field, e.problem, e.fix) from None
-
-
-def _open_walked(path: str) -> tuple[int | None, bool]:
-    """``path`` opened for reading (None: it does not exist), and whether every directory on the way
-    was reached without a link and is one only you or root can change (a sticky one such as /tmp too,
-    when yours or root's: no one else can replace your file there)."""
-    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-    parts = [p for p in os.path.abspath(path).split("/") if p]
-    if not parts:
-        raise PolicyError(path, "is not a regular file of at most 1 MiB", "point --env-file at a .env file")
-    dfd = os.open("/", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-    dirs_ok = True
-    try:
-        dirs_ok = hostfs.only_ours(dfd, sticky_ok=True)
-        for part in parts[:-1]:
-            try:
-                nfd = os.open(part, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
-            except OSError:  # a link (or not a directory) on the way: read it by name, never trusted
-                dirs_ok, nfd = False, -1
-            if nfd < 0:
-                break
-            os.close(dfd)
-            dfd = nfd
-            dirs_ok = dirs_ok and hostfs.only_ours(dfd, sticky_ok=True)
-        try:
-            if dirs_ok:
-                return os.open(parts[-1], flags, dir_fd=dfd), True
-            return os.open(path, flags), False
-        except FileNotFoundError:
-            return None, False
-        except OSError as e:
-            raise PolicyError(path, f"cannot read it ({e.strerror})", "make it a plain readable file") from None
-    finally:
-        os.close(dfd)
-
-
 def _protected_around(path: str, surface: tuple[str, ...]) -> str | None:
     """The protected entry (:func:`agentcell.protect.surface.protected_surface`) ``path`` is or lies in."""
     return next((p for p in surface if path == p or path.startswith(p.rstrip("/") + "/")), None)
-
-
-def _inside(path: str, roots: list[str]) -> bool:
-    real = os.path.realpath(path)
-    return any(real == r or real.startswith(r.rstrip("/") + "/") for r in map(os.path.realpath, roots))
-
-
-def _parse_dotenv(path: str, lines: list[str]) -> dict[str, str]:
-    out: dict[str, str] = {}
-    for n, raw in enumerate(lines, 1):
-        line = raw.strip()
-        if not line or line.startswith("#"):
-            continue
-        line = line.removeprefix("export ").strip()
-        name, eq, value = line.partition("=")
-        name, value = name.strip(), value.strip()
-        if not eq or not name.replace("_", "a").isalnum() or name[0].isdigit():
-            raise PolicyError(f"{path}:{n}", "this line is not NAME=VALUE", "fix or remove the line")
-        if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
-            value = value[1:-1]
-        out[name] = value
-    return out
-
-
-def read_toml(project_root: str) -> dict[str, Any]:
-    """The ``[session]`` table of ``<project>/agentcell.toml`` ({} without the file or the table)."""
-    path = os.path.join(project_root, "agentcell.toml")
-    try:  # as root, a file the project's agent may have made: no link followed, no FIFO, bounded
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return {}
-    except OSError as e:
-        raise PolicyError(path, f"cannot read it ({e.strerror})", "make it a plain readable file, or remove it") \
-            from None
-    try:
-        data = tomllib.loads(_read_regular(fd, path, "make it a plain file, or remove it").decode("utf-8"))
-    except ValueError as e:
-        raise PolicyError(path, f"not valid TOML: {e}".splitlines()[0], "fix the syntax") from None
-    except RecursionError:  # arrays or tables nested thousands deep: the parser's stack
-        raise PolicyError(path, "not valid TOML: nested too deep", "fix the syntax") from None
-    finally:
-        os.close(fd)
-    table = data.get("session", {})
-    if not isinstance(table, dict):
-        raise PolicyError(f"{path}: session", "is not a table", "write it as [session]")
-    for key in table:
-        if key not in TOML_KEYS:
-            raise PolicyError(f"{path}: session.{key}", "unknown key", f"valid keys: {', '.join(TOML_KEYS)}")
-    return table
 
 
 def _bool(value: object, where: str) -> bool:
@@ -495,137 +357,3 @@ def _project_file(where: str, toml_where: str, dot_ours: bool) -> bool:
     """Whether a value came from a file in the project (its ``agentcell.toml``, a ``.env`` that is not
     yours alone): the agent may have written it."""
     return where.startswith(toml_where) or (" (in " in where and not dot_ours)
-
-
-# What configures a harness or the programs it runs, by the prefixes their variables share: a file in
-# the project sets none of them (where keys go, config directories, endpoints, TLS trust, preloads).
-HARNESS_PREFIXES = ("CLAUDE", "ANTHROPIC", "CODEX", "OPENAI", "OPENCODE", "GEMINI", "GOOGLE", "COPILOT", "GH_",
-                    "GITHUB", "AIDER", "LITELLM", "CURSOR", "OTEL", "NODE", "NPM_", "LD_", "GIT_", "SSL_", "SSH_",
-                    "PYTHON", "AGENTCELL", "XDG_", "AWS_", "AZURE_", "VERTEX", "OPENROUTER", "OPENSSL", "GLIBC_",
-                    "JAVA_", "_JAVA", "CURL_", "REQUESTS_", "PERL5", "RUBY", "BASH_FUNC")
-CELL_NAMES = ("PATH", "HOME", "USER", "SHELL", "TMPDIR", "ENV", "BASH_ENV", "CDPATH", "IFS", "PS4", "TERM",
-              "HOSTALIASES", "SHELLOPTS", "BASHOPTS", "LOCALDOMAIN", "RES_OPTIONS")
-
-
-def _configures_harness(name: str, profile: Any) -> bool:
-    """What a file in the project may not set in the cell: how the harness is configured (its keys,
-    base URLs, model, proxies, config directories, the switches its profile sets), how the programs it
-    runs are (node, python, git, ssh, TLS, the loader), and the cell's own variables."""
-    upper = name.upper()
-    own = {*profile.secret_env, *profile.env, *(e.partition("=")[0] for e in profile.api_base_env),
-           *(v for v in (profile.api_key_env, profile.model_env) if v), *(f.env for f in profile.files if f.env)}
-    return upper != "NODE_ENV" and (
-        name in own or upper in CELL_NAMES or upper.startswith(HARNESS_PREFIXES) or upper.endswith("_PROXY")
-        or "BASE_URL" in upper or "API_BASE" in upper or "ENDPOINT" in upper or upper.endswith("_API_KEY"))
-
-
-def _harness_knobs(values: dict[str, Any], sources: dict[str, str], flags: Mapping[str, Any], pick: Any,
-                   by_file: Any, toml: dict[str, Any], toml_where: str, profile: Any, root: str) -> None:
-    """--api-base, --model, --risk and the ceilings, --env and [session] env, --keep-env, --home-from."""
-    from .. import limits
-    from ..errors import AgentcellError
-    from ..harness.profiles import api_base_parts
-    from ..policy.resolve import is_env_name
-
-    if (got := pick("api_base", "AGENT_API_BASE")) is not None:
-        value, where = got
-        try:
-            api_base_parts(str(value))
-        except PolicyError as e:
-            raise PolicyError(where, e.problem, e.fix) from None
-        values["api_base"], sources["api_base"] = str(value).strip(), where
-    if (got := pick("model", "AGENT_MODEL")) is not None:
-        value, where = got
-        text = str(value).strip()
-        # It lands in harness configs (OpenCode's JSON expands {env:…}; Codex's -c is TOML): plain names only.
-        if not text or text.startswith("-") or len(text) > 200 or \
-                not all(c.isascii() and (c.isalnum() or c in "._:/@+-") for c in text):
-            raise PolicyError(where, f"{text[:80]!r} is not a model name (letters, digits and ._:/@+- only)",
-                              "e.g. --model claude-sonnet-4-5")
-        values["model"], sources["model"] = text, where
-    if (got := pick("risk", "AGENT_RISK")) is not None:
-        value, where = got
-        if value not in limits.RISKS:
-            raise PolicyError(where, f"'{value}' is not a risk level", "one of " + ", ".join(limits.RISKS))
-        if by_file(where) and limits.RISKS.index(str(value)) < limits.RISKS.index("medium"):
-            raise PolicyError(where, "a file in the project may raise the risk level, never lower it",
-                              f"give --risk {value} on the command line")
-        values["risk"], sources["risk"] = str(value), where
-    risk = values.get("risk", "medium")
-    try:
-        values["limits"] = limits.parse(flags.get("memory"), flags.get("cpu"), flags.get("pids"), flags.get("limits"),
-                                        limits.for_risk(risk))
-    except AgentcellError as e:
-        raise PolicyError(e.field, e.problem, e.fix) from None
-    given = [FLAGS[k] for k in ("limits", "memory", "cpu", "pids") if flags.get(k)]
-    sources["limits"] = ", ".join(given) + f" over risk {risk}" if given else f"risk {risk}"
-    if flags.get("ceilings") not in (None, "on", "off"):
-        raise PolicyError("--ceilings", f"'{flags['ceilings']}' is neither on nor off", "--ceilings off runs without "
-                          "any (said in the audit trail and the summary)")
-    if flags.get("ceilings") == "off":  # (a flag only: no file in the project weakens them)
-        if given:
-            raise PolicyError("--ceilings", f"off contradicts {', '.join(given)}", "drop one of them")
-        values["limits"], values["ceilings"], sources["limits"] = (None, None, None), False, "--ceilings off"
-    if flags.get("cache") not in (None, "on", "off"):
-        raise PolicyError("--cache", f"'{flags['cache']}' is neither on nor off", "--cache off starts the "
-                          "toolchains with empty caches")
-    if flags.get("cache") == "off":  # a flag only: the project's files do not decide what persists
-        values["cache"], sources["cache"] = False, "--cache off"
-    if flags.get("workspace") not in (None, "direct", "copy"):
-        raise PolicyError("--workspace", f"'{flags['workspace']}' is neither direct nor copy", "--workspace copy "
-                          "gives the agent a copy-on-write view; 'session apply' lands its work")
-    if flags.get("workspace") == "copy":  # a flag only
-        values["workspace"], sources["workspace"] = "copy", "--workspace copy"
-    include = list(flags.get("workspace_include") or [])
-    for inc in include:
-        parts = inc.strip("/").split("/")
-        if not inc.strip("/") or inc.startswith("/") or ".." in parts or parts[0] == ".git" or "\0" in inc:
-            raise PolicyError("--workspace-include", f"'{inc}' is not a path inside the project",
-                              "name it relative to the project, e.g. --workspace-include .env")
-    if include:
-        if values.get("workspace") != "copy":
-            raise PolicyError("--workspace-include", "applies to --workspace copy only", "add --workspace copy")
-        values["workspace_include"] = tuple(i.strip("/") for i in include)
-    env: dict[str, str] = {}
-    if "env" in toml:
-        table = toml["env"]
-        if not isinstance(table, dict) or not all(isinstance(v, str) for v in table.values()):
-            raise PolicyError(toml_where + "env", "is not a table of strings", 'write it as env = { DEBUG = "1" }')
-        for name, value in table.items():
-            if not is_env_name(name):
-                raise PolicyError(f"{toml_where}env.{name}", "is not a variable name", "e.g. DEBUG")
-            if _configures_harness(name, profile):
-                raise PolicyError(f"{toml_where}env.{name}", f"a file in the project may not set what configures "
-                                  f"{profile.title} or the cell (keys, base URLs, proxies, its own switches)",
-                                  f"give --env {name}=... on the command line")
-            env[name] = value
-        sources["env"] = toml_where + "env"
-    for kv in flags.get("env") or []:
-        name, eq, value = str(kv).partition("=")
-        if not eq or not is_env_name(name):
-            raise PolicyError("--env", f"'{kv}' is not NAME=VALUE", "e.g. --env DEBUG=1")
-        env[name] = value
-        sources["env"] = "--env" if "env" not in sources or sources["env"] == "--env" else sources["env"] + ", --env"
-    values["env"] = tuple(env.items())
-    keep = []
-    for name in flags.get("keep_env") or []:
-        if not is_env_name(str(name)):
-            raise PolicyError("--keep-env", f"'{name}' is not a variable name", "e.g. --keep-env EDITOR")
-        keep.append(str(name))
-    values["keep_env"] = tuple(dict.fromkeys(keep))
-    if flags.get("home_from"):
-        home_from = os.path.abspath(str(flags["home_from"]))
-        if not os.path.isdir(home_from):
-            raise PolicyError("--home-from", f"{home_from} is not a directory", "name the home you prepared")
-        if _inside(home_from, [root, *values.get("declared_paths", ())]):
-            raise PolicyError("--home-from", f"{home_from} lies where the agent works (an agent may have written it)",
-                              "prepare the home outside the project")
-        if values.get("agent"):
-            raise PolicyError("--home-from", "a persistent agent keeps its own home",
-                              "leave out --agent or --home-from")
-        values["home_from"], sources["home_from"] = home_from, "--home-from"
-    if flags.get("git_identity"):
-        from .gitcell import parse_identity
-
-        name, email = parse_identity(str(flags["git_identity"]))
-        values["git_identity"], sources["git_identity"] = f"{name} <{email}>", "--git-identity"
