@@ -3,38 +3,23 @@ completion that is generated from the same parsers completes commands and option
 from __future__ import annotations
 
 import argparse
-import importlib
 import subprocess
 from pathlib import Path
 
 import pytest
 
 from agentcell.cli import main
+from agentcell.cli.common import commands, walk
 from conftest import AGENTCELL
 
 
-def _walk(parser: argparse.ArgumentParser, words: list[str]) -> list[tuple[list[str], argparse.ArgumentParser]]:
-    found = [(words, parser)]
-    for action in parser._actions:  # noqa: SLF001 - argparse keeps its subcommands here, and only here
-        if isinstance(action, argparse._SubParsersAction):  # noqa: SLF001
-            for name, sub in action.choices.items():
-                found += _walk(sub, [*words, name])
-    return found
-
-
 def _commands() -> list[object]:
-    found = []
-    for name, (module, _help) in main.COMMANDS.items():
-        own = getattr(importlib.import_module(module), "parser", None)
-        if own is not None:
-            found += [pytest.param(words, p, id=" ".join(words)) for words, p in _walk(own(), [name])]
-    return found
+    return [pytest.param(words, p, id=" ".join(words))
+            for name, _summary, own in commands() if own is not None for words, p in walk(own, [name])]
 
 
 def test_every_command_but_the_live_cell_has_a_parser_of_its_own() -> None:
-    without = {name for name, (module, _h) in main.COMMANDS.items()
-               if not hasattr(importlib.import_module(module), "parser")}
-    assert without <= {"cell"}, without
+    assert {name for name, _summary, own in commands() if own is None} <= {"cell"}
 
 
 @pytest.mark.parametrize(("words", "parser"), _commands())

@@ -5,11 +5,9 @@
 """
 from __future__ import annotations
 
-import importlib
 import sys
 
-from .common import Parser
-from .main import COMMANDS
+from .common import Parser, commands, walk
 
 PROG = "agentcell completion"
 SHELLS = ("bash", "zsh", "fish")
@@ -32,24 +30,22 @@ def tree() -> Parser:
     p = Parser(prog="agentcell", description="Run AI coding agents in a least-privilege Linux cell.")
     p.add_argument("--version", "-V", action="store_true", help="print agentcell's version")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
-    for name, (module, help_) in COMMANDS.items():
-        own = getattr(importlib.import_module(module), "parser", None)
+    for name, summary, own in commands():
         if own is None:
-            sub.add_parser(name, help=help_)
+            sub.add_parser(name, help=summary)
         else:
-            sub.add_parser(name, help=help_, parents=[own()], add_help=False)
+            sub.add_parser(name, help=summary, parents=[own], add_help=False)
     return p
 
 
 def _with_paths(p: Parser, shtab: object) -> None:
     """Mark the options and arguments that take a host path, so the shell completes them as files."""
-    for action in p._actions:  # noqa: SLF001 - argparse keeps a parser's arguments here, and only here
-        if action.metavar in FILES:
-            action.complete = shtab.FILE  # type: ignore[attr-defined]
-        elif action.metavar in DIRECTORIES:
-            action.complete = shtab.DIRECTORY  # type: ignore[attr-defined]
-        for child in (action.choices or {}).values() if isinstance(action.choices, dict) else ():
-            _with_paths(child, shtab)
+    for _words, each in walk(p, []):
+        for action in each._actions:  # noqa: SLF001 - argparse keeps a parser's arguments here, and only here
+            if action.metavar in FILES:
+                action.complete = shtab.FILE  # type: ignore[attr-defined]
+            elif action.metavar in DIRECTORIES:
+                action.complete = shtab.DIRECTORY  # type: ignore[attr-defined]
 
 
 def main(argv: list[str]) -> int:
