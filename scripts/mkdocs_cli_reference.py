@@ -2,22 +2,12 @@
 themselves, so it cannot drift from what ``agentcell COMMAND --help`` says."""
 from __future__ import annotations
 
-import argparse
 import contextlib
 import importlib
 import io
 from typing import Any
 
 MARKER = "<!-- cli-reference -->"
-
-
-def _helps(parser: argparse.ArgumentParser, name: str) -> list[tuple[str, str]]:
-    out = [(name, parser.format_help())]
-    for action in parser._actions:  # noqa: SLF001 - argparse keeps its subcommands here, and only here
-        if isinstance(action, argparse._SubParsersAction):  # noqa: SLF001
-            for sub, p in action.choices.items():
-                out += _helps(p, f"{name} {sub}")
-    return out
 
 
 def _help_of_main(module: Any, name: str) -> list[tuple[str, str]]:
@@ -28,13 +18,15 @@ def _help_of_main(module: Any, name: str) -> list[tuple[str, str]]:
 
 
 def reference() -> str:
+    from agentcell.cli.common import commands, walk
     from agentcell.cli.main import COMMANDS, USAGE
 
     parts = ["## agentcell", "", "```text", USAGE.rstrip(), "```", ""]
-    for cmd, (mod, _help) in COMMANDS.items():
-        module = importlib.import_module(mod)
-        helps = _helps(module.parser(), f"agentcell {cmd}") if hasattr(module, "parser") else \
-            _help_of_main(module, f"agentcell {cmd}")
+    for cmd, _summary, own in commands():
+        if own is None:  # a command whose --help its main prints
+            helps = _help_of_main(importlib.import_module(COMMANDS[cmd][0]), f"agentcell {cmd}")
+        else:
+            helps = [(" ".join(["agentcell", *words]), p.format_help()) for words, p in walk(own, [cmd])]
         for name, text in helps:
             parts += [f"## {name}" if name.count(" ") == 1 else f"### {name}", "", "```text", text.rstrip(), "```", ""]
     return "\n".join(parts)

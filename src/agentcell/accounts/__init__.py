@@ -7,7 +7,8 @@ a delete that works from any partial state. The agent runs only inside a cell (:
 
 Modules: :mod:`.registry` (the record), :mod:`.accounts` (persistent agents), :mod:`.acl` (shares),
 :mod:`.ephemeral` (per-session accounts: ``create_ephemeral(session_id)``, ``delete(account)``),
-:mod:`.commands` (printed privileged commands). Names are imported from them on first use, so
+:mod:`.commands` (printed privileged commands), :mod:`.running` (what each run of an agent checks and is
+given), :mod:`.status` (the listing and health report). Names are imported from them on first use, so
 ``agentcell agent run`` loads only the record.
 """
 from __future__ import annotations

@@ -1,31 +1,18 @@
-"""``agentcell agent``: persistent agent accounts (a UNIX user per agent), their shares, and running them.
-
-    agentcell agent new [NAME] [--human USER] [--yes] [--verbose] [--dry-run]
-    agentcell agent list [--json]
-    agentcell agent info [NAME] [--json]
-    agentcell agent delete [NAME] [--delete-home] [--yes] [--verbose] [--dry-run]
-    agentcell agent mount add [--ro|--rw] SOURCE [--agent NAME] [--verbose] [--dry-run]
-    agentcell agent mount remove SOURCE [--agent NAME] [--verbose] [--dry-run]
-    agentcell agent mount list [--agent NAME] [--json]
-    agentcell agent run [--agent NAME] [--env K=V]... [-d DIR] [--json] [--verbose] -- CMD...
-
-NAME defaults to ``agent``. See :mod:`agentcell.accounts` for what each does to the system.
-"""
+"""``agentcell agent``: persistent agent accounts (a UNIX user per agent), their shares, and running them;
+``agentcell agent --help`` lists the subcommands, :mod:`agentcell.accounts` what each does to the system."""
 from __future__ import annotations
 
 import os
 import sys
 
 from ..errors import AgentcellError, report
+from .agent_run import DEFAULT, PROG, RunArgs, fast_parse, run_as_agent
 
 TYPE_CHECKING = False  # see cell/spec.py
 if TYPE_CHECKING:
     from argparse import Namespace
 
     from .common import Parser
-
-PROG = "agentcell agent"
-DEFAULT = "agent"
 
 
 def parser() -> Parser:
@@ -35,36 +22,34 @@ def parser() -> Parser:
 
     p = Parser(prog=PROG, description="Agent accounts: a UNIX user per agent, sharing folders through ACLs, "
                "run only inside a cell.")
-    sub = p.add_subparsers(dest="cmd", metavar="COMMAND", parser_class=Parser)
-    sub.required = True
+    sub = p.add_subparsers(dest="cmd", metavar="COMMAND", parser_class=Parser, required=True)
 
     def changes(sp: Parser) -> None:
         sp.add_argument("--verbose", "-v", action="store_true", help="print every privileged command as it runs")
         sp.add_argument("--dry-run", action="store_true", help="print the privileged commands; change nothing")
 
-    sp = sub.add_parser("new", help="create an agent account", prog=f"{PROG} new")
+    sp = sub.add_parser("new", help="create an agent account")
     sp.add_argument("name", nargs="?", default=DEFAULT, metavar="NAME")
     sp.add_argument("--human", metavar="USER", help="the account that shares files with it (default: SUDO_USER)")
     sp.add_argument("--yes", "-y", action="store_true", help="do not ask for confirmation")
     changes(sp)
 
-    sp = sub.add_parser("list", help="list agent and session accounts", prog=f"{PROG} list")
+    sp = sub.add_parser("list", help="list agent and session accounts")
     sp.add_argument("--json", action="store_true")
 
-    sp = sub.add_parser("info", help="show an agent and check its health (exit 1 if unhealthy)", prog=f"{PROG} info")
+    sp = sub.add_parser("info", help="show an agent and check its health (exit 1 if unhealthy)")
     sp.add_argument("name", nargs="?", default=DEFAULT, metavar="NAME")
     sp.add_argument("--json", action="store_true")
 
-    sp = sub.add_parser("delete", help="delete an agent account", prog=f"{PROG} delete")
+    sp = sub.add_parser("delete", help="delete an agent account")
     sp.add_argument("name", nargs="?", default=DEFAULT, metavar="NAME")
     sp.add_argument("--delete-home", action="store_true", help="also remove its home directory")
     sp.add_argument("--yes", "-y", action="store_true", help="do not ask for confirmation")
     changes(sp)
 
-    mp = sub.add_parser("mount", help="share folders with an agent", prog=f"{PROG} mount")
-    msub = mp.add_subparsers(dest="mount_cmd", metavar="add|remove|list", parser_class=Parser)
-    msub.required = True
-    sp = msub.add_parser("add", help="share a folder (read-only unless --rw)", prog=f"{PROG} mount add")
+    mp = sub.add_parser("mount", help="share folders with an agent")
+    msub = mp.add_subparsers(dest="mount_cmd", metavar="add|remove|list", parser_class=Parser, required=True)
+    sp = msub.add_parser("add", help="share a folder (read-only unless --rw)")
     mode = sp.add_mutually_exclusive_group()
     mode.add_argument("--ro", dest="mode", action="store_const", const="ro", help="read-only (the default)")
     mode.add_argument("--rw", dest="mode", action="store_const", const="rw", help="read-write")
@@ -73,16 +58,15 @@ def parser() -> Parser:
                     "place supported)")
     sp.add_argument("--agent", "-a", default=DEFAULT, metavar="NAME")
     changes(sp)
-    sp = msub.add_parser("remove", help="stop sharing a folder (its ACL entries are removed)",
-                         prog=f"{PROG} mount remove")
+    sp = msub.add_parser("remove", help="stop sharing a folder (its ACL entries are removed)")
     sp.add_argument("source", metavar="SOURCE")
     sp.add_argument("--agent", "-a", default=DEFAULT, metavar="NAME")
     changes(sp)
-    sp = msub.add_parser("list", help="list an agent's shares", prog=f"{PROG} mount list")
+    sp = msub.add_parser("list", help="list an agent's shares")
     sp.add_argument("--agent", "-a", default=DEFAULT, metavar="NAME")
     sp.add_argument("--json", action="store_true")
 
-    sp = sub.add_parser("run", help="run a command as the agent, inside a cell", prog=f"{PROG} run")
+    sp = sub.add_parser("run", help="run a command as the agent, inside a cell")
     sp.add_argument("--agent", "-a", default=DEFAULT, metavar="NAME")
     sp.add_argument("--env", "-e", action="append", default=[], metavar="K=V", help="set a variable in the cell")
     sp.add_argument("-d", "--directory", metavar="DIR", help="working directory (default: here if shared, "
@@ -104,47 +88,8 @@ def _confirm(question: str, yes: bool, dry_run: bool = False) -> None:
         raise AgentcellError("", "cancelled; nothing was changed")
 
 
-class RunArgs:
-    """``agent run``'s options, parsed without argparse when they are well formed (it runs per command)."""
-
-    cmd = "run"
-
-    def __init__(self) -> None:
-        self.agent, self.json, self.verbose = DEFAULT, False, False
-        self.directory: str | None = None
-        self.env: list[str] = []
-        self.command: list[str] = []
-
-
-def fast_parse_run(argv: list[str]) -> RunArgs | None:
-    """None for anything unusual (help, an unknown option, no ``--``): argparse then explains it."""
-    if argv[:1] != ["run"]:
-        return None
-    ns, i = RunArgs(), 1
-    while i < len(argv):
-        arg = argv[i]
-        if arg == "--":
-            ns.command = argv[i + 1:]
-            return ns
-        if arg in ("--json", "--verbose", "-v"):
-            setattr(ns, "json" if arg == "--json" else "verbose", True)
-            i += 1
-            continue
-        if arg not in ("--agent", "-a", "--env", "-e", "-d", "--directory") or i + 1 == len(argv):
-            return None
-        value = argv[i + 1]
-        if arg in ("--env", "-e"):
-            ns.env.append(value)
-        elif arg in ("--agent", "-a"):
-            ns.agent = value
-        else:
-            ns.directory = value
-        i += 2
-    return None
-
-
 def main(argv: list[str]) -> int:
-    ns = fast_parse_run(argv) or parser().parse_args(argv)
+    ns = fast_parse(argv) or parser().parse_args(argv)
     try:
         return int(_dispatch(ns))
     except AgentcellError as e:
@@ -153,15 +98,13 @@ def main(argv: list[str]) -> int:
 
 def _dispatch(ns: Namespace | RunArgs) -> int:
     if isinstance(ns, RunArgs) or ns.cmd == "run":
-        return _run(ns)
+        return run_as_agent(ns)
+    if ns.cmd in ("list", "info"):
+        return _list(ns) if ns.cmd == "list" else _info(ns)
     from .. import accounts as ac
     from ..accounts import accounts as acc
 
-    if ns.cmd == "list":
-        return _list(ns)
-    if ns.cmd == "info":
-        return _info(ns)
-    cmds = ac.Commands(verbose=getattr(ns, "verbose", False), dry_run=getattr(ns, "dry_run", False))
+    cmds = ac.Commands(verbose=ns.verbose, dry_run=ns.dry_run) if "verbose" in ns else ac.Commands()
     if ns.cmd == "new":
         acc.check_name(ns.name)
         human = acc.resolve_human(ns.human)
@@ -204,13 +147,13 @@ def _dispatch(ns: Namespace | RunArgs) -> int:
             print(f"stopped sharing {share.source} with {ns.agent}")
         return 0
     with ac.open_registry() as reg:
-        rec = reg.get(ns.agent)
+        shares = reg.get(ns.agent).shares
     if ns.json:
         import json
 
-        print(json.dumps([s.as_dict() for s in rec.shares]))
+        print(json.dumps([s.as_dict() for s in shares]))
     else:
-        for s in rec.shares:
+        for s in shares:
             print(f"{s.source} [{s.mode}]")
     return 0
 
@@ -218,95 +161,35 @@ def _dispatch(ns: Namespace | RunArgs) -> int:
 def _list(ns: Namespace) -> int:
     import json
 
-    from ..accounts import ephemeral, open_registry
-    from ..accounts.accounts import cells_running
+    from ..accounts.status import listing
 
-    with open_registry() as reg:
-        agents = list(reg.agents.values())
-    sessions = ephemeral.leftovers()
+    got = listing()
     if ns.json:
-        print(json.dumps({"agents": [{"name": r.name, **r.as_dict(), "cells": cells_running(r)} for r in agents],
-                          "session_accounts": [{"name": a.name, "uid": a.uid, "session_id": a.session_id}
-                                               for a in sessions]}))
+        print(json.dumps(got))
         return 0
-    if not agents and not sessions:
+    if not got["agents"] and not got["session_accounts"]:
         print("no agents (create one with 'agentcell agent new')")
-    for r in agents:
-        print(f"{r.name:<22} uid {r.uid:<8} {r.state:<9} human {r.human:<12} {len(r.shares)} shares, "
-              f"{cells_running(r)} processes in cells")
-    for a in sessions:
-        print(f"{a.name:<22} uid {a.uid:<8} session account of {a.session_id!r}")
+    for r in got["agents"]:
+        print(f"{r['name']:<22} uid {r['uid']:<8} {r['state']:<9} human {r['human']:<12} {len(r['shares'])} shares, "
+              f"{r['cells']} processes in cells")
+    for a in got["session_accounts"]:
+        print(f"{a['name']:<22} uid {a['uid']:<8} session account of {a['session_id']!r}")
     return 0
 
 
 def _info(ns: Namespace) -> int:
     import json
 
-    from ..accounts import health, open_registry
+    from ..accounts.status import report
 
-    with open_registry() as reg:
-        rec = reg.get(ns.name)
-    checks = health(rec)
-    ok = all(c[1] for c in checks)
+    got = report(ns.name)
     if ns.json:
-        print(json.dumps({"name": rec.name, **rec.as_dict(), "healthy": ok,
-                          "checks": [{"check": c, "ok": o, "detail": d} for c, o, d in checks]}))
-    else:
-        print(f"{rec.name}: {'healthy' if ok else 'UNHEALTHY'}")
-        print(f"  uid {rec.uid}, group {rec.group} ({rec.gid}), home {rec.home}, human {rec.human}")
-        for s in rec.shares:
-            print(f"  share {s.source} [{s.mode}]")
-        for check, good, detail in checks:
-            print(f"  {'ok  ' if good else 'FAIL'} {check}: {detail}")
-    return 0 if ok else 1
-
-
-def _run(ns: Namespace | RunArgs) -> int:
-    import pwd
-
-    from ..accounts.registry import check_share, open_registry
-    from . import run
-
-    command = ns.command[1:] if ns.command[:1] == ["--"] else ns.command
-    if not command:
-        raise AgentcellError("command", "no command given", "put it after --, e.g. agentcell agent run -- true")
-    with open_registry() as reg:
-        rec = reg.get(ns.agent)
-    if rec.state != "ready":
-        raise AgentcellError("--agent", f"agent '{rec.name}' is {rec.state}, not ready",
-                             f"'agentcell agent delete {rec.name} --yes' removes what was made")
-    try:
-        pw_uid = pwd.getpwnam(rec.name).pw_uid
-    except KeyError:
-        pw_uid = -1
-    if pw_uid != rec.uid:
-        raise AgentcellError("--agent", f"the account of agent '{rec.name}' is missing or changed",
-                             f"see 'agentcell agent info {rec.name}'")
-    argv = ["--as", f"agent:{rec.name}", "--home", rec.home]
-    for s in rec.shares:
-        why = check_share(rec, s)
-        if why:
-            raise AgentcellError("share", why, f"check it, then 'agentcell agent mount remove {s.source}' and add it "
-                                 "again")
-        argv += ["--rw" if s.mode == "rw" else "--ro", s.source]
-    for e in ns.env:
-        argv += ["--env", e]
-    if ns.directory:
-        argv += ["--cwd", ns.directory]
-    if ns.json:
-        argv.append("--json")
-    argv += ["--", *command]
-    if ns.verbose:
-        import shlex
-
-        sys.stderr.write(f"+ agentcell run {shlex.join(argv)}\n")
-    args = run.parse(argv)
-    args.agent_home = rec.home
-    try:
-        return run.execute(args)
-    finally:  # what it planted in its home for the host's own services, whatever the run's end
-        from ..accounts.accounts import defuse_home
-
-        for line in defuse_home(rec.home, rec.uid, rec.gid):
-            sys.stderr.write(f"{PROG}: warning: {line}\n")
-
+        print(json.dumps(got))
+        return 0 if got["healthy"] else 1
+    print(f"{got['name']}: {'healthy' if got['healthy'] else 'UNHEALTHY'}")
+    print(f"  uid {got['uid']}, group {got['group']} ({got['gid']}), home {got['home']}, human {got['human']}")
+    for s in got["shares"]:
+        print(f"  share {s['source']} [{s['mode']}]")
+    for c in got["checks"]:
+        print(f"  {'ok  ' if c['ok'] else 'FAIL'} {c['check']}: {c['detail']}")
+    return 0 if got["healthy"] else 1

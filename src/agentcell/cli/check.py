@@ -18,16 +18,22 @@ from .common import Parser
 PROG = "agentcell check"
 
 
-def main(argv: list[str]) -> int:
-    args, extra = list(argv), []
-    if "--" in args:
-        i = args.index("--")
-        args, extra = args[:i], args[i + 1:]
-    p = Parser(prog=PROG, description="Prove a harness works in a session here: one turn edits a file, one reads a "
-               "credential, against a scripted model endpoint on a fake internet.")
+def parser() -> Parser:
+    p = Parser(prog=PROG, usage="%(prog)s --harness H [--json] [-- SESSION FLAGS]",
+               description="Prove a harness works in a session here: one turn edits a file, one reads a "
+               "credential, against a scripted model endpoint on a fake internet.",
+               epilog="What follows -- goes to the session as 'agentcell session start' flags.")
     p.add_argument("--harness", required=True, help="claude_code, codex, opencode, gemini, aider, copilot")
     p.add_argument("--json", action="store_true", help="print the details as one JSON object, last on stdout")
-    ns = p.parse_args(args)
+    return p
+
+
+def main(argv: list[str]) -> int:
+    args, extra = list(argv), []
+    if "--" in args:  # the session's flags: not ours to parse
+        i = args.index("--")
+        args, extra = args[:i], args[i + 1:]
+    ns = parser().parse_args(args)
     from ..harness import check
 
     def say(line: str) -> None:

@@ -17,10 +17,10 @@ import sys
 from typing import Any
 
 from ..errors import AgentcellError, printable, report
+from .caps import cap_args, caps
 from .common import Parser
 
 PROG = "agentcell fleet"
-ENDED = ("completed", "terminated", "aborted")  # statuses of a session that ran its teardown
 EPILOG = """a plan's fields (JSON; only name and project are required):
   name            1-36 of a-z, 0-9, '-': the session is RUN-NAME on its node
   project         {"files": {PATH: TEXT}} | {"path": DIR on every node} | {"git": URL, "ref": REF}
@@ -67,24 +67,6 @@ def parser() -> Parser:
     return p
 
 
-def cap_args(sp: Any) -> None:
-    """The operator's caps on what a plan may ask for (here and in agentcell k8s render)."""
-    for flag, metavar, help_ in (
-            ("--max-memory", "SIZE", "the most memory a plan may ask for (default: each node's most generous "
-             "default ceiling, that of --risk low)"),
-            ("--max-cpu", "PERCENT", "the most CPU a plan may ask for, in percent of one CPU (default: likewise)"),
-            ("--max-pids", "N", "the most tasks a plan may ask for (default: likewise)"),
-            ("--max-wall-clock", "S", "the longest wall clock a plan may ask for (default 86400)")):
-        sp.add_argument(flag, metavar=metavar, help=help_)
-    sp.add_argument("--trust-plan-network", action="store_true", help="let plans set allow_ranges, resolver and "
-                    "network host-firewall, and clone from non-public addresses: ways to other nodes, the Ray head, "
-                    "the cloud's metadata, and past the name allow-list. Only when the plans' authors may reach those")
-    sp.add_argument("--allow-api-base", action="append", default=[], metavar="URL", help="an api_base a plan may "
-                    "give (repeatable): the harness's key goes to its host")
-    sp.add_argument("--allow-keep-env", action="append", default=[], metavar="NAME", help="a variable of the "
-                    "nodes' keys a plan may pass into its cell with keep_env (repeatable)")
-
-
 def _cluster_args(sp: Any) -> None:
     sp.add_argument("--address", metavar="HOST:PORT", help="the Ray cluster's GCS address (default: RAY_ADDRESS, "
                     "or the cluster this node is part of)")
@@ -109,33 +91,6 @@ def _plans(ns: Any) -> int:
     return 0
 
 
-def _cluster() -> Any:
-    try:
-        from ..fleet import cluster
-    except ImportError as e:
-        if getattr(e, "name", "") == "ray" or "ray" in str(e):
-            raise AgentcellError("fleet", "Ray is not installed", "pip install 'agentcell[ray]'") from None
-        raise
-    return cluster
-
-
-def _base(ns: Any) -> str:
-    from ..fleet.node import DEFAULT_BASE
-
-    base = ns.base or DEFAULT_BASE
-    if not os.path.isabs(base):
-        raise AgentcellError("--base", f"{base} is not an absolute path", "give the directory's full path")
-    return base
-
-
-def _owner(ns: Any) -> str:
-    owner = ns.owner or os.environ.get("SUDO_USER") or ""
-    if not owner or owner == "root":
-        raise AgentcellError("--owner", "no account is given to own the projects on the nodes",
-                             "give --owner USER (an account every node has), or run through sudo")
-    return owner
-
-
 def _own_stdout() -> Any:
     """Our stdout, kept for the table and the JSON; what Ray prints there itself (a node marked dead,
     from C++ or Python) goes to stderr from now on."""
@@ -146,26 +101,11 @@ def _own_stdout() -> Any:
     return ours
 
 
-def caps(ns: Any, keys: bool) -> Any:
-    """The caps the flags of :func:`cap_args` give; ``keys``: the nodes hold harness keys."""
-    from .. import limits
-    from ..fleet.plan import Caps
-
-    wall = ns.max_wall_clock
-    if wall is not None and (not wall.isdigit() or int(wall) < 1):
-        raise AgentcellError("--max-wall-clock", f"'{wall}' is not a number of seconds", "e.g. --max-wall-clock 3600")
-    return Caps(memory=limits.parse_size(ns.max_memory, "--max-memory") if ns.max_memory else None,
-                cpu=limits.parse_cpu(ns.max_cpu, "--max-cpu") if ns.max_cpu else None,
-                pids=limits.parse_pids(ns.max_pids, "--max-pids") if ns.max_pids else None,
-                wall_clock_s=int(wall) if wall else 86400, plan_network=ns.trust_plan_network,
-                api_bases=tuple(ns.allow_api_base), keep_env=tuple(ns.allow_keep_env), keys=keys)
-
-
 def _run(ns: Any) -> int:
-    from ..fleet import node, plan
+    from ..fleet import node, plan, ray_cluster
 
     plans = plan.read(ns.plans)  # every line checked before anything is sent
-    owner, base, held = _owner(ns), _base(ns), caps(ns, keys=bool(ns.node_env_file))
+    owner, base, held = node.owner_of(ns.owner), node.base_dir(ns.base), caps(ns, keys=bool(ns.node_env_file))
     if ns.node_env_file and not os.path.isabs(ns.node_env_file):
         raise AgentcellError("--node-env-file", f"{ns.node_env_file} is not an absolute path",
                              "give the file's full path on the nodes")
@@ -174,7 +114,7 @@ def _run(ns: Any) -> int:
     if ns.out:
         out = open(ns.out, "x", encoding="utf-8")  # noqa: SIM115 - kept open for the whole run
     stdout = _own_stdout()
-    cluster = _cluster()
+    cluster = ray_cluster()
     cluster.connect(ns.address)
     run_id = node.new_run_id()
     progress = Progress(len(plans))
@@ -186,31 +126,32 @@ def _run(ns: Any) -> int:
         with out:
             for r in results:
                 out.write(json.dumps(r) + "\n")
-    stdout.write(table(results))
-    if ns.json:
-        stdout.write(json.dumps(results) + "\n")
-    stdout.flush()
-    return 0 if all(whole(r) for r in results) else 1
+    return _report(stdout, results, ns.json)
 
 
 def _recover(ns: Any) -> int:
-    base = _base(ns)
+    from ..fleet import node, ray_cluster
+
+    base = node.base_dir(ns.base)
     stdout = _own_stdout()
-    cluster = _cluster()
+    cluster = ray_cluster()
     cluster.connect(ns.address)
     got = cluster.recover_on(ns.run_id, base, ns.node, None, ns.wait)
     if got is None:
         raise AgentcellError("--node", f"no live node {ns.node} offers agentcell_cells",
                              "start it again, or give --wait S")
-    stdout.write(table(got))
-    if ns.json:
-        stdout.write(json.dumps(got) + "\n")
+    return _report(stdout, got, ns.json)
+
+
+def _report(stdout: Any, results: list[dict[str, Any]], as_json: bool) -> int:
+    """The table (and the JSON) on our stdout; 0 if every session ran to its end, its trail verified."""
+    from ..fleet.node import whole
+
+    stdout.write(table(results))
+    if as_json:
+        stdout.write(json.dumps(results) + "\n")
     stdout.flush()
-    return 0 if all(whole(r) for r in got) else 1
-
-
-def whole(r: dict[str, Any]) -> bool:
-    return r["status"] in ENDED and bool((r.get("audit") or {}).get("verified"))
+    return 0 if all(whole(r) for r in results) else 1
 
 
 class Progress:

@@ -47,7 +47,7 @@ def parser() -> Parser:
     sp.add_argument("--no-host-namespaces", dest="host_namespaces", action="store_false", help="no hostPID and "
                     "hostNetwork: agentcell's monitor cannot see from a pod's own namespaces, and the session aborts")
     sp.add_argument("-o", "--output-dir", metavar="DIR", help="write DIR/NAME.yaml for each plan instead")
-    from .fleet import cap_args
+    from .caps import cap_args
 
     cap_args(sp)
     sub.add_parser("image", help="the Containerfile of the image the pods run (Debian 12 and agentcell)")
@@ -70,7 +70,7 @@ def main(argv: list[str]) -> int:
 def _render(ns: Any) -> int:
     from ..fleet import plan as plans
     from ..k8s import render
-    from .fleet import caps
+    from .caps import caps
 
     opts = render.Options(image=ns.image, namespace=ns.namespace, runtime_class=ns.runtime_class, warm=ns.warm,
                           claim=ns.claim, host_namespaces=ns.host_namespaces, env_secret=ns.env_secret,

@@ -21,10 +21,11 @@ COMMANDS = {
     "mcp": ("agentcell.cli.mcp", "an MCP server (stdio) whose tools run in one live cell"),
     "fleet": ("agentcell.cli.fleet", "run session plans on the nodes of a Ray cluster (agentcell[ray])"),
     "k8s": ("agentcell.cli.k8s", "session plans as Kubernetes agent-sandbox resources, and their image"),
+    "completion": ("agentcell.cli.completion", "print a shell completion script (bash, zsh, fish)"),
 }
 
 USAGE = "usage: agentcell [--version] COMMAND [ARGS...]\n\ncommands:\n" + "".join(
-    f"  {name:<10}{help_}\n" for name, (_, help_) in COMMANDS.items()
+    f"  {name:<12}{help_}\n" for name, (_, help_) in COMMANDS.items()
 ) + "\n'agentcell COMMAND --help' for a command's options.\n"
 
 

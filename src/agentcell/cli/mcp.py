@@ -3,44 +3,58 @@ write_file, list_files) run inside one live cell built from ``agentcell run``'s 
 ``agentcell[mcp]`` extra."""
 from __future__ import annotations
 
-import sys
-
 from ..errors import AgentcellError, report
+
+TYPE_CHECKING = False  # see cell/spec.py
+if TYPE_CHECKING:
+    from .common import Parser
 
 PROG = "agentcell mcp"
 
 
-def main(argv: list[str]) -> int:
-    if argv[:1] in (["-h"], ["--help"]):
-        sys.stdout.write(f"usage: {PROG} [--as WHO] [--rw PATH]... [--net MODE] [--no-monitor] [RUN OPTIONS]\n\n"
-                         f"{__doc__}\n"
-                         "The cell is watched, as every live cell's face is (Cell.open, the LangChain tool): the "
-                         "first escape\nattempt ends it and the client is told why. --no-monitor runs it unwatched "
-                         "(the kernel still\nrefuses the attempt; the cell carries on). --on-escape record keeps it "
-                         "watched but running.\nThe rest are 'agentcell run' options ('agentcell run --help').\n\n"
-                         "Add it to a client, e.g. Claude Code: claude mcp add agentcell -- agentcell mcp --rw $PWD\n")
-        return 0
-    watched = "--no-monitor" not in argv  # (a face of a live cell is watched unless told otherwise)
-    argv = [a for a in argv if a != "--no-monitor"]
-    from . import run
+def parser() -> Parser:
+    import argparse
 
+    from . import run
+    from .common import Parser
+
+    options = run.parser(PROG)
+    for action in options._actions:  # noqa: SLF001 - the one positional argparse gives no other way to reach
+        if action.dest == "command":  # the client sends the commands: not a thing to offer here
+            action.help = argparse.SUPPRESS
+    p = Parser(prog=PROG, usage="%(prog)s [--as WHO] [--rw PATH]... [--net MODE] [--no-monitor] [RUN OPTIONS]",
+               parents=[options], add_help=False, allow_abbrev=False,
+               formatter_class=argparse.RawDescriptionHelpFormatter, description=__doc__,
+               epilog="The cell is watched, as every live cell's face is (Cell.open, the LangChain tool): the first "
+               "escape\nattempt ends it and the client is told why. --no-monitor runs it unwatched (the kernel "
+               "still\nrefuses the attempt; the cell carries on). --on-escape record keeps it watched but running.\n"
+               "The rest are 'agentcell run' options ('agentcell run --help').\n\n"
+               "Add it to a client, e.g. Claude Code: claude mcp add agentcell -- agentcell mcp --rw $PWD")
+    p.add_argument("--no-monitor", action="store_true", help="run the cell unwatched")
+    return p
+
+
+def main(argv: list[str]) -> int:
+    ns = parser().parse_args(argv)
     try:
         try:
             from ..integrations import mcp_server
         except ImportError as e:
             raise AgentcellError("mcp", f"the MCP SDK is not installed ({e.name})",
                                  "pip install 'agentcell[mcp]'") from None
-        ns = run.parse(argv, PROG)
+        if ns.command[:1] == ["--"]:
+            ns.command = ns.command[1:]
         if ns.command:
             raise AgentcellError("command", "the MCP server takes none: its client sends the commands",
                                  "drop what follows --")
         if ns.timeout is not None:
             raise AgentcellError("--timeout", "is per command here", "the run_command tool takes timeout_s")
         from ..api import LiveCell
+        from . import run
 
-        if not watched and (ns.monitor or ns.on_escape):
+        if ns.no_monitor and (ns.monitor or ns.on_escape):
             raise AgentcellError("--no-monitor", "contradicts --monitor/--on-escape", "drop one of them")
-        cell = LiveCell.open(run.build_spec(ns), monitor=(ns.on_escape or "terminate") if watched else None)
+        cell = LiveCell.open(run.build_spec(ns), monitor=None if ns.no_monitor else ns.on_escape or "terminate")
     except AgentcellError as e:
         return report(PROG, e)
     try:

@@ -10,7 +10,7 @@ from .common import Parser
 PROG = "agentcell warm"
 
 
-def main(argv: list[str]) -> int:
+def parser() -> Parser:
     p = Parser(prog=PROG, description="A per-user launcher that keeps the next cell prepared, so "
                "`agentcell run` hands its command over instead of building a cell from scratch. "
                "It serves only its own uid and exits after --idle seconds without work.")
@@ -20,7 +20,11 @@ def main(argv: list[str]) -> int:
     sub.add_parser("stop", help="stop the launcher; cells it runs are killed")
     ss = sub.add_parser("status", help="is a launcher running for this user?")
     ss.add_argument("--json", action="store_true")
-    ns = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str]) -> int:
+    ns = parser().parse_args(argv)
     try:
         if ns.action == "start":
             if not ns.idle > 0:

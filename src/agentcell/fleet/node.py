@@ -35,6 +35,7 @@ TAIL = 8192  # the end of a session's stdout (the harness's output) and stderr, 
 MAX_PATHS = 10_000  # of each kind in a result's diff; more are counted, not listed
 MAX_TEXT = 1 << 20  # bytes of text diffs in a result
 MAX_TEXT_FILES = 200  # modified files whose text diff is made (each one reads the backup's manifest)
+ENDED = ("completed", "terminated", "aborted")  # statuses of a session that ran its teardown
 
 
 def new_run_id() -> str:
@@ -204,6 +205,28 @@ def _last_line(text: str) -> str:
 def result(plan_name: str, node: str, sid: str, status: str, reason: str, **more: Any) -> dict[str, Any]:
     return {"name": plan_name, "node": node, "session": sid, "status": status, "reason": reason,
             "exit_status": None, "duration_s": None, "summary": None, "audit": None, "diff": None, **more}
+
+
+def whole(r: dict[str, Any]) -> bool:
+    """The session ran its teardown and its audit trail verified."""
+    return r["status"] in ENDED and bool((r.get("audit") or {}).get("verified"))
+
+
+def base_dir(given: str | None) -> str:
+    """``--base``: where every node keeps its sessions, projects and ledger (the same path on each)."""
+    base = given or DEFAULT_BASE
+    if not os.path.isabs(base):
+        raise AgentcellError("--base", f"{base} is not an absolute path", "give the directory's full path")
+    return base
+
+
+def owner_of(given: str | None) -> str:
+    """``--owner``: the account every node gives the projects to (default: the person behind sudo)."""
+    owner = given or os.environ.get("SUDO_USER") or ""
+    if not owner or owner == "root":
+        raise AgentcellError("--owner", "no account is given to own the projects on the nodes",
+                             "give --owner USER (an account every node has), or run through sudo")
+    return owner
 
 
 def run_plan(plan: SessionPlan, run: str, node: Node, owner: str, attempt: int = 1,

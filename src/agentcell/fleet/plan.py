@@ -17,7 +17,7 @@ import ipaddress
 import json
 import posixpath
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -166,6 +166,22 @@ class Caps:
     api_bases: tuple[str, ...] = ()  # the api_base values a plan may give (its host gets the harness's key)
     keep_env: tuple[str, ...] = ()  # the variables of the nodes' keys a plan may pass into its cell
     keys: bool = False  # the nodes hold harness keys (--node-env-file, --env-secret)
+
+    @classmethod
+    def from_flags(cls, *, memory: str | None, cpu: str | None, pids: str | None, wall_clock: str | None,
+                   plan_network: bool, api_bases: Sequence[str], keep_env: Sequence[str], keys: bool) -> Caps:
+        """The caps as the operator typed them (``--max-memory`` and the rest); ``keys``: the nodes hold
+        harness keys."""
+        from .. import limits
+
+        if wall_clock is not None and (not wall_clock.isdigit() or int(wall_clock) < 1):
+            raise AgentcellError("--max-wall-clock", f"'{wall_clock}' is not a number of seconds",
+                                 "e.g. --max-wall-clock 3600")
+        return cls(memory=limits.parse_size(memory, "--max-memory") if memory else None,
+                   cpu=limits.parse_cpu(cpu, "--max-cpu") if cpu else None,
+                   pids=limits.parse_pids(pids, "--max-pids") if pids else None,
+                   wall_clock_s=int(wall_clock) if wall_clock else 86400, plan_network=plan_network,
+                   api_bases=tuple(api_bases), keep_env=tuple(keep_env), keys=keys)
 
     def check(self, plan: SessionPlan, where: str) -> None:
         """Refuse what the plan asks beyond these (at the caller, before anything is sent)."""
