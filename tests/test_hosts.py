@@ -167,3 +167,68 @@ def test_a_session_completes_with_its_harness_status(graph_env: Env) -> None:
     final = _session(graph_env, host, ["harness", "--task", "x"])
     assert final["status"] == "completed" and final["reason"] == "exit 0", final.get("reason")
     assert host.calls[0].argv == ["harness", "--task", "x"] and host.cells[0].terminations == []
+
+
+# ---- what the red team found (review of this interface) ----------------------------------------------
+
+
+@needs_root
+def test_closing_a_cell_quarantines_what_a_running_command_planted(user: User, project: os.PathLike[str]) -> None:
+    """A plain cell's protected-path step is the client's, taken at its end: Cell.close() must still
+    read that end for a command it cuts short, or a harness's config planted by a dev server stays."""
+    import time
+    from pathlib import Path
+
+    from agentcell.cli import run
+
+    root = Path(project)
+    spec = run.build_spec(run.parse(["--as", str(user.uid), "--rw", str(root), "--cwd", str(root), "--", "true"]))
+    with Cell(spec, prewarm=False) as cell:
+        cell.spawn(["sh", "-c", "echo '{}' > .mcp.json; echo ready; sleep 60"],
+                   stdout=os.open(os.devnull, os.O_WRONLY))
+        for _ in range(200):
+            if (root / ".mcp.json").exists():
+                break
+            time.sleep(0.05)
+        assert (root / ".mcp.json").exists()
+        never_waited = cell.spawn(["sh", "-c", "mkdir -p .vscode; echo '{}' > .vscode/tasks.json"])
+        while never_waited.cell.poll() is None and not (root / ".vscode" / "tasks.json").exists():
+            time.sleep(0.05)
+    assert not (root / ".mcp.json").exists() and not (root / ".vscode" / "tasks.json").exists()
+    boxes = list(root.glob(".agentcell-quarantine-*"))
+    assert boxes and any((b / ".mcp.json").exists() for b in boxes), list(root.iterdir())
+    with pytest.raises(Exception, match="closed"):
+        cell.run(["true"])
+
+
+@needs_root
+def test_each_supervised_cell_of_one_cell_gets_an_id_of_its_own(user: User) -> None:
+    """Two watched cells of one Cell at once: the second must not take (and then remove) the first's
+    cgroup and records, as a spec's own cell_id reused for every run would have it."""
+    spec = _spec(user, watch=True, cell_id="agentcell-fixed0000000")
+    with Cell(spec, prewarm=False) as cell:
+        first = cell.spawn(["sleep", "30"], stdout=os.open(os.devnull, os.O_WRONLY))
+        second = cell.run(["true"])
+        assert second.returncode == 0, second.error
+        assert first.poll() is None and os.path.exists(f"/run/agentcell/cgroups/{first.id}")
+        assert first.id != second.cell_id and "fixed" not in first.id + second.cell_id
+        first.kill()
+        assert first.wait(30) == 137
+
+
+def test_a_live_cell_refuses_what_it_does_not_take() -> None:
+    """agentcell cell start and agentcell mcp take agentcell run's options: those a live cell would drop
+    silently (a credential, --explain) are refused, and the cell is watched unless --no-monitor."""
+    from agentcell.cli.cell import parser
+    from agentcell.cli.runargs import live_monitor
+    from agentcell.errors import AgentcellError
+
+    def monitor(*flags: str) -> str | None:
+        return live_monitor(parser().parse_args(["start", *flags]), command_fix="", timeout_fix="")
+
+    for flags, field in ((["--explain"], "--explain"), (["--secret", "K"], "--secret"),
+                         (["--no-monitor", "--on-escape", "record"], "--no-monitor"), (["--", "ls"], "command")):
+        with pytest.raises(AgentcellError, match=f"^{field}"):
+            monitor(*flags)
+    assert monitor() == "terminate" and monitor("--on-escape", "record") == "record"
+    assert monitor("--no-monitor") is None

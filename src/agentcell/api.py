@@ -129,11 +129,15 @@ class Cell:
         from .host.remote import RemoteHost
 
         self.spec = _spec(policy)
+        if self.spec.cell_id:  # every cell gets an id of its own (its cgroup, its records)
+            self.spec = self.spec.replace(cell_id="")
         self.prewarm = prewarm
         self.host: CellHost = host if host is not None else RemoteHost("private", prewarm=prewarm)
+        self.closed = False
 
     def close(self) -> None:
-        """Stop the host's launcher; cells still running are killed."""
+        """End the cells still running (each with its protected-path step) and stop the host's launcher."""
+        self.closed = True
         self.host.close()
 
     def __enter__(self) -> Cell:
@@ -151,6 +155,8 @@ class Cell:
         args = [os.fspath(a) for a in argv]
         if not args:
             raise AgentcellError("argv", "no command given", "pass e.g. ['make', 'test']")
+        if self.closed:
+            raise AgentcellError("cell", "this Cell is closed", "make a new Cell")
         fds = [0 if stdin is None else stdin, 1 if stdout is None else stdout, 2 if stderr is None else stderr]
         fds, ours = _without_terminals(fds)
         try:

@@ -94,19 +94,12 @@ def start(ns: Namespace) -> int:
     from ..host import server, warm
     from ..host.remote import RemoteLive
     from . import run
+    from .runargs import live_monitor
 
     name, idle = _name(ns.name), _seconds("--idle", ns.idle, "600")
-    if ns.command[:1] == ["--"]:
-        ns.command = ns.command[1:]
-    if ns.command:
-        raise AgentcellError("command", "a live cell is started without one", f"run it: {PROG} exec -- CMD")
-    if ns.timeout is not None:
-        raise AgentcellError("--timeout", "is per command here", f"give it to '{PROG} exec', or --idle S")
-    if ns.no_monitor and (ns.monitor or ns.on_escape):
-        raise AgentcellError("--no-monitor", "contradicts --monitor and --on-escape", "give one or the other")
-    ns.monitor = not ns.no_monitor
+    monitor = live_monitor(ns, command_fix=f"run it: {PROG} exec -- CMD",
+                           timeout_fix=f"give it to '{PROG} exec', or --idle S")
     spec = run.build_spec(ns)
-    monitor = (ns.on_escape or "terminate") if ns.monitor else None
     path = os.path.join(cells_dir(make=True), f"{name}.sock")
     try:
         _connect(name).close()

@@ -42,19 +42,13 @@ def main(argv: list[str]) -> int:
         except ImportError as e:
             raise AgentcellError("mcp", f"the MCP SDK is not installed ({e.name})",
                                  "pip install 'agentcell[mcp]'") from None
-        if ns.command[:1] == ["--"]:
-            ns.command = ns.command[1:]
-        if ns.command:
-            raise AgentcellError("command", "the MCP server takes none: its client sends the commands",
-                                 "drop what follows --")
-        if ns.timeout is not None:
-            raise AgentcellError("--timeout", "is per command here", "the run_command tool takes timeout_s")
         from ..api import LiveCell
         from . import run
+        from .runargs import live_monitor
 
-        if ns.no_monitor and (ns.monitor or ns.on_escape):
-            raise AgentcellError("--no-monitor", "contradicts --monitor/--on-escape", "drop one of them")
-        cell = LiveCell.open(run.build_spec(ns), monitor=None if ns.no_monitor else ns.on_escape or "terminate")
+        monitor = live_monitor(ns, command_fix="drop what follows --: its client sends the commands",
+                               timeout_fix="the run_command tool takes timeout_s")
+        cell = LiveCell.open(run.build_spec(ns), monitor=monitor)
     except AgentcellError as e:
         return report(PROG, e)
     try:

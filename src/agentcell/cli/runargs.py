@@ -233,3 +233,24 @@ def to_plan(ns: Args | Namespace) -> Plan:
         allow_ranges=ns.allow_range, resolver=ns.resolver, allow_egress=ns.allow_egress,
         allow_loopback=ns.allow_loopback, landlock="best-effort" if ns.landlock == "best-effort" else "required",
         memory_max=memory_max, cpu_percent=cpu_percent, pids_max=pids_max, watch=ns.monitor, terms=FLAGS)
+
+
+def live_monitor(ns: Args | Namespace, *, command_fix: str, timeout_fix: str) -> str | None:
+    """agentcell run's options given to a live cell (``agentcell cell start``, ``agentcell mcp``), checked
+    for what a live cell does not take, and its monitor's verdict: watched by default (``--on-escape``
+    sets the verdict), unwatched with ``--no-monitor``. ``ns.monitor`` is set to match."""
+    if ns.command[:1] == ["--"]:
+        ns.command = ns.command[1:]
+    if ns.command:
+        raise AgentcellError("command", "a live cell is started without one: its commands come later", command_fix)
+    if ns.timeout is not None:
+        raise AgentcellError("--timeout", "is per command here", timeout_fix)
+    refused = {"--explain": ns.explain, "--secret": ns.secret, "--secret-host": ns.secret_host,
+               "--upstream-ca": ns.upstream_ca, "--no-warm": ns.no_warm}
+    for flag in (f for f, given in refused.items() if given):
+        raise AgentcellError(flag, "is not taken by a live cell", "use it with agentcell run")
+    no_monitor = bool(getattr(ns, "no_monitor", False))
+    if no_monitor and (ns.monitor or ns.on_escape):
+        raise AgentcellError("--no-monitor", "contradicts --monitor and --on-escape", "give one or the other")
+    ns.monitor = not no_monitor
+    return (ns.on_escape or "terminate") if ns.monitor else None

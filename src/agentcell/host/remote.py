@@ -41,6 +41,7 @@ if TYPE_CHECKING:
 
 SIGKILL = 9
 SIGTERM = 15
+CLOSE_GRACE_S = 10.0  # a cell asked to end by close() has this long before it is killed outright
 SBIN_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
@@ -390,10 +391,15 @@ class RemoteHost:
             raise
 
     def close(self) -> None:
-        """Stop a private launcher (its cells are killed) and let go of every cell started here."""
+        """End every cell started here and stop a private launcher. Each cell's end is read before its
+        connection goes: a plain cell's protected-path step is this client's, taken when its end comes
+        (what a command still running planted on the control surface is moved aside all the same)."""
         with self._lock:
             cells, self._open = self._open, []
         for cell in cells:
+            if cell.poll() is None and not cell.lost:
+                cell.terminate("its Cell was closed")
+                cell.wait(CLOSE_GRACE_S)  # (then killed; its end still read)
             cell.close()
         control, proc, self._control, self._proc = self._control, self._proc, None, None
         if control is not None:
