@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from agentcell.monitor import audit
+from agentcell.monitor import kaudit as audit
 from conftest import AGENTCELL, User, agentcell_run, needs_root
 
 pytestmark = needs_root

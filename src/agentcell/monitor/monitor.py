@@ -7,7 +7,7 @@ Sources in this version (each yields :class:`CellEvent`; the newer ones through 
   cell's view (:mod:`.attempts`): what the cell does not contain, secrets it masks, writes to the
   read-only system, the network outside;
 * ``created`` — protected entries created in the project, as it happens (:mod:`.created`);
-* ``landlock`` — Landlock denials from the audit stream (:mod:`.audit`), attributed to the cell by
+* ``landlock`` — Landlock denials from the audit stream (:mod:`.kaudit`), attributed to the cell by
   the denying process's cgroup (or by its Landlock domain, learnt from the first attributed denial);
 * ``resource`` — the cell's cgroup events: an OOM kill, a refused fork at the task limit, the CPU
   ceiling holding it back (a note);
@@ -219,13 +219,13 @@ class Monitor:
             self._state["created"] = "off: fanotify needs root (created protected entries are reported at the end)"
             return
         try:
-            from .audit import AuditReader
+            from .kaudit import AuditReader
 
             self.audit = AuditReader()
             self.audit.on_read = self._progress
             self._state["landlock"] = "on"
             try:
-                from .audit import audit_lost
+                from .kaudit import audit_lost
 
                 self._audit_lost = audit_lost()
             except OSError:
@@ -669,7 +669,7 @@ class Monitor:
     def _poll_audit_lost(self) -> None:
         """Records the kernel dropped before anyone could read them (its backlog was full). Host-wide,
         so noted, not held against the cell: a denial may be missing from the report, never allowed."""
-        from .audit import audit_lost
+        from .kaudit import audit_lost
 
         try:
             lost = audit_lost()
