@@ -40,7 +40,6 @@ id), a runtime directory of the cell's own account, Python's byte-code caches in
 """
 from __future__ import annotations
 
-import errno
 import os
 import pwd
 import stat
@@ -50,7 +49,6 @@ from typing import Any
 
 from ..cell.spec import CACHE_PATH, SCRATCH_PATH, SECRET_DIRS, SECRET_FILES, CellSpec
 from .calls import AT_FDCWD, DIRFD, DIRFD2, O_ACCMODE, O_CREAT, O_TRUNC, Call
-from .event import CellEvent
 from .pidns import Numbers
 
 ENOENT, EPERM, ESRCH, EACCES, EBUSY, EXDEV, EROFS = 2, 1, 3, 13, 16, 18, 30
@@ -634,70 +632,3 @@ def _credential(path: str) -> bool:
     parts = path.split("/")
     return (any(p in CREDENTIALS or p.startswith("krb5cc") for p in parts)  # (Kerberos tickets in /tmp)
             or any(p.startswith("ssh-") for p in parts[:-1]) and parts[-1].startswith("agent."))
-
-
-class AttemptSource:
-    """The cell's failed calls (:class:`agentcell.monitor.calls.FailedCalls`), as events: a
-    :class:`agentcell.monitor.source.Source`. ``exe_of(pid)`` names a process (the monitor's table of the
-    cell's processes, which outlives them); ``ignore(pid)``: agentcell's own processes in the cell."""
-
-    name = "calls"
-
-    def __init__(self, calls: Any, classifier: Classifier, cell: str, exe_of: Callable[[int], str],
-                 ignore: Callable[[int], bool], execed: Callable[[int, str, str], None]) -> None:
-        self.calls, self.classifier, self.cell = calls, classifier, cell
-        self.exe_of, self.ignore, self.execed = exe_of, ignore, execed
-        classifier.catch_up = self._tasks
-
-    def fileno(self) -> int:
-        return int(self.calls.fileno())
-
-    def wakers(self) -> list[Any]:
-        """What else makes this source readable: its task ring (read on each pass, or it would fill)."""
-        return [_Fd(self.calls.task_fileno())]
-
-    def read(self) -> list[CellEvent]:
-        out: list[CellEvent] = []
-        calls = self.calls.read()
-        # The tasks after the calls: every task that started or ended before one of these calls did so
-        # before the call's event was handed over (a call finds a number gone only once its task ended).
-        numbers = self.classifier.numbers
-        self._tasks()
-        for call in calls:
-            if call.errno == 0:  # an exec that succeeded: the process's new name, for the monitor's table
-                numbers.exec_by(call.args[0] & 0xFFFFFFFF, call.pid, call.ktime)
-                self.execed(call.pid, call.comm, call.path)
-                continue
-            if self.ignore(call.pid):
-                continue
-            try:
-                verdict = self.classifier.classify(call)
-            except Exception as e:  # noqa: BLE001 - a call we cannot read is one we cannot clear: it acts
-                verdict = ("telemetry", call.name, f"a failed call could not be told apart ({type(e).__name__}: "
-                           f"{e}); held against the cell", True, "")
-            if verdict is None:
-                continue
-            op, target, reason, acts, allow = verdict
-            out.append(CellEvent(op, target, f"{reason}; refused by the kernel ({call.name}: "
-                                 f"{errno.errorcode.get(call.errno, call.errno)})", source="calls", cell=self.cell,
-                                 pid=call.pid, exe=self.exe_of(call.pid) or call.comm, allow=allow, acts=acts))
-        return out
-
-    def _tasks(self) -> None:
-        numbers = self.classifier.numbers
-        for t in self.calls.read_tasks():
-            numbers.task(t.kind, t.number, t.tid, t.ktime)
-
-    def dropped(self) -> int:
-        return int(self.calls.dropped())
-
-    def close(self) -> None:
-        self.calls.close()
-
-
-class _Fd:
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
-
-    def fileno(self) -> int:
-        return self.fd
