@@ -57,8 +57,8 @@ from .source import Fd, Fileno, Holds, Source, Wakes
 
 if TYPE_CHECKING:
     from ..cell.launch import Running
-    from .attempts import View
     from .callsource import AttemptSource
+    from .cellview import View
     from .execsource import ExecSource
     from .landlock import LandlockSource
     from .masks import MaskSource
@@ -204,7 +204,7 @@ class Monitor:
 
     def watch_calls(self, cg: CellCgroup | None, view: View) -> None:
         """The cell's failed calls (eBPF, by its cgroup), what they mean read against ``view`` (its mount
-        tree: :class:`agentcell.monitor.attempts.View`). Called once the cell's cgroup exists and before
+        tree: :class:`agentcell.monitor.cellview.View`). Called once the cell's cgroup exists and before
         its command does. A source that cannot start is a telemetry event (under terminate: no run)."""
         from .attempts import Classifier, Host
         from .callsource import AttemptSource
