@@ -43,7 +43,8 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
-from .calls import AT_FDCWD, DIRFD, DIRFD2, O_ACCMODE, O_CREAT, O_TRUNC, Call
+from .callprog import AT_FDCWD, DIRFD, DIRFD2, O_ACCMODE, O_CREAT, O_TRUNC
+from .calls import Call
 from .cellview import Host as Host  # (re-exported: the supervisor builds the View it is read against)
 from .cellview import View as View
 from .pidns import Numbers
