@@ -178,7 +178,8 @@ def test_a_source_that_stops_is_a_telemetry_event_and_ends_the_cell(user: User) 
     running = launch.start(spec, ["sleep", "30"], guards=for_cell(spec))
     watch.attach(running)
     watch.start()
-    watch.landlock.reader.sock.close()  # type: ignore[union-attr]  # the source dies under the monitor
+    landlock = next(s for s in watch._sources if s.name == "landlock")
+    landlock.reader.sock.close()  # type: ignore[attr-defined]  # the source dies under the monitor
     result = running.wait(20)
     events = watch.stop()
     assert result.signal == 9 and watch.terminated

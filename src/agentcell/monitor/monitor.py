@@ -60,7 +60,6 @@ if TYPE_CHECKING:
     from .callsource import AttemptSource
     from .cellview import View
     from .execsource import ExecSource
-    from .landlock import LandlockSource
     from .masks import MaskSource
 
 ESCAPES = ("read", "write", "execute", "network", "telemetry")
@@ -139,12 +138,11 @@ class Monitor:
         self._state: dict[str, str] = {}  # source -> "on" | why it is off
         self._resources = ResourceSource(lambda: self.cg, cell_id)
         self._add(self._resources)
-        # The sources the monitor itself asks more of than read(): the connector, to learn a fork at
-        # once; the masks' pace; the failed calls read to their end, and the Landlock reader (tests)
+        # The sources the monitor asks more of than read(): the connector (a fork learnt at once), the
+        # masks (the loop's pace), the failed calls (read to their end at the last look, and their drops)
         self._execs: ExecSource | None = None
         self._masks: MaskSource | None = None
         self.calls: AttemptSource | None = None
-        self.landlock: LandlockSource | None = None
         if rootless:
             self._state["landlock"] = "off: the audit stream needs root (CAP_AUDIT_CONTROL, CAP_AUDIT_READ)"
             self._state["exec"] = "off: the proc connector needs root (CAP_NET_ADMIN in the host's namespace)"
@@ -170,11 +168,11 @@ class Monitor:
             from .kaudit import AuditReader
             from .landlock import LandlockSource
 
-            self.landlock = LandlockSource(AuditReader(), self.procs, self.cell_id, self.uid, self.exclusive,
-                                           self.loop.progress)
+            landlock = LandlockSource(AuditReader(), self.procs, self.cell_id, self.uid, self.exclusive,
+                                      self.loop.progress)
         except OSError as e:
             return self._off("landlock", e, "the audit stream cannot be read")
-        self._add(self.landlock)
+        self._add(landlock)
         self._state["landlock"] = "on"
 
     def _watch_execs(self) -> None:
@@ -310,9 +308,6 @@ class Monitor:
         """Each source and whether it is on (or why not)."""
         return dict(self._state)
 
-    def source(self, name: str) -> Source | None:
-        return next((s for s in self._sources if s.name == name), None)
-
     # ---- the loop --------------------------------------------------------------------------------
 
     def start(self) -> None:
@@ -399,7 +394,7 @@ class Monitor:
                 source.close()
             except OSError:
                 pass
-        self._execs = self._masks = self.calls = self.landlock = None
+        self._execs = self._masks = self.calls = None
         if self._pidfd is not None:
             os.close(self._pidfd)
             self._pidfd = None
