@@ -16,7 +16,8 @@ sources, in the order each pass reads them:
   read-only system, the network outside;
 * ``created`` — protected entries created in the project, as it happens (:mod:`.created`);
 * ``landlock`` — Landlock denials from the audit stream (:mod:`.landlock`), attributed to the cell by
-  the denying process's cgroup (or by its Landlock domain, learnt from the first attributed denial);
+  the denying process's descent from its PID 1 (or by its Landlock domain: the kernel's record of who
+  made it, or the first attributed denial);
 * ``cgroup`` — the cell's cgroup events: an OOM kill, a refused fork at the task limit, the CPU
   ceiling holding it back (a note; :mod:`.resources`);
 * ``egress`` — the proxy's and the firewall's refusals (:meth:`Monitor.add_source`, :mod:`.refusals`),
