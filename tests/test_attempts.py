@@ -10,8 +10,10 @@ from typing import Any
 import pytest
 
 from agentcell.cell.spec import CellSpec, Identity
-from agentcell.monitor.attempts import AttemptSource, Classifier, Host, View
-from agentcell.monitor.calls import AT_FDCWD, CALLS, Call, TaskEvent
+from agentcell.monitor.attempts import Classifier, Host, View
+from agentcell.monitor.callprog import AT_FDCWD, CALLS
+from agentcell.monitor.calls import Call, TaskEvent
+from agentcell.monitor.callsource import AttemptSource
 from agentcell.monitor.pidns import EXIT, FORK, GONE_TIDS, RECENT_NS, Numbers
 
 PROJECT = "/home/human/proj"

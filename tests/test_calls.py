@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from agentcell.monitor import bpf, btf, calls
+from agentcell.monitor import bpf, btf, callprog, calls, pidns
 
 UNIFIED = Path("/sys/fs/cgroup/unified")
 
@@ -91,10 +91,10 @@ def test_an_exec_is_named_by_its_file_with_its_mode_though_the_process_is_gone(g
         got = [(c.name, c.errno, c.comm, c.path, c.flags) for c in source.read() if c.name != "exit"]
     finally:
         source.close()
-    modes = [calls.MODE_KNOWN | os.stat(p).st_mode for p in ("/bin/sh", setuid, "/usr/bin/true")]
+    modes = [callprog.MODE_KNOWN | os.stat(p).st_mode for p in ("/bin/sh", setuid, "/usr/bin/true")]
     assert got == [("execve", 0, "sh", "/bin/sh", modes[0]), ("execve", 0, "setuid-true", str(setuid), modes[1]),
                    ("execve", 0, "true", "/usr/bin/true", modes[2])], got
-    assert modes[1] & calls.SETID and not modes[2] & calls.SETID
+    assert modes[1] & callprog.SETID and not modes[2] & callprog.SETID
 
 
 def _links(source: calls.FailedCalls) -> tuple[str, ...]:
@@ -190,11 +190,11 @@ def test_each_task_that_starts_or_ends_comes_with_its_number_in_the_cells_pid_na
         source.close()
     # unshare's fork (1, the shell, then cat), the two trues; each ends; unshare itself ends, in the host's
     inside = [(t.kind, t.number) for t in tasks if t.number < 100]
-    assert inside == [(calls.FORK, 1), (calls.FORK, 2), (calls.EXIT, 2), (calls.FORK, 3), (calls.EXIT, 3),
-                      (calls.EXIT, 1)], tasks
+    assert inside == [(pidns.FORK, 1), (pidns.FORK, 2), (pidns.EXIT, 2), (pidns.FORK, 3), (pidns.EXIT, 3),
+                      (pidns.EXIT, 1)], tasks
     assert [t.ktime for t in tasks] == sorted(t.ktime for t in tasks) and lost == 0
     assert [c.path for c in failed] == ["/proc/3/stat"]
-    gone = next(t for t in tasks if (t.kind, t.number) == (calls.EXIT, 3))
+    gone = next(t for t in tasks if (t.kind, t.number) == (pidns.EXIT, 3))
     assert gone.ktime < failed[0].ktime and gone.tid == gone.tgid > 3  # (its host tid)
 
 

@@ -18,7 +18,7 @@ import pytest
 from agentcell import doctor
 from agentcell.cell import landlock
 from agentcell.doctor import cgroupfs, checks, namespaces, report
-from agentcell.monitor import audit as kernel_audit
+from agentcell.monitor import kaudit as kernel_audit
 
 AGENTCELL = str(Path(sys.executable).parent / "agentcell")
 SRC = str(Path(__file__).resolve().parent.parent / "src")

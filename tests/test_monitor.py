@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from agentcell.monitor import audit
+from agentcell.monitor import kaudit as audit
 from conftest import AGENTCELL, User, agentcell_run, needs_root
 
 pytestmark = needs_root
@@ -68,8 +68,8 @@ def _blind_cell(uid: int, argv: list[str], monkeypatch: pytest.MonkeyPatch) -> d
     ident = resolve_identity(str(uid), euid=0)
     spec = CellSpec(ident, env=build_env({}, ident), cell_id="agentcell-domtest" + os.urandom(3).hex())
     sup = Supervised.start(spec, argv, stdio=(os.open(os.devnull, os.O_RDWR),) * 3, dedicated=True)
-    assert sup.monitor is not None and sup.monitor.execs is not None
-    sup.monitor.execs.read = lambda limit=8192: []  # type: ignore[method-assign]
+    assert sup.monitor is not None and sup.monitor._execs is not None
+    sup.monitor._execs.execs.read = lambda limit=8192: []  # type: ignore[method-assign]
     try:
         return sup.wait(30)
     finally:
@@ -178,7 +178,8 @@ def test_a_source_that_stops_is_a_telemetry_event_and_ends_the_cell(user: User) 
     running = launch.start(spec, ["sleep", "30"], guards=for_cell(spec))
     watch.attach(running)
     watch.start()
-    watch.audit.sock.close()  # the source dies under the monitor
+    landlock = next(s for s in watch._sources if s.name == "landlock")
+    landlock.reader.sock.close()  # type: ignore[attr-defined]  # the source dies under the monitor
     result = running.wait(20)
     events = watch.stop()
     assert result.signal == 9 and watch.terminated
@@ -204,8 +205,8 @@ def test_a_monitor_loop_that_hangs_is_a_telemetry_event_and_ends_the_cell(user: 
     sup = Supervised.start(spec, ["sleep", "30"], stdio=(os.open(os.devnull, os.O_RDWR),) * 3)
     assert sup.monitor is not None
     release = threading.Event()
-    sup.monitor._poll_resources = ((lambda: release.wait(30)) if how == "blocks"  # type: ignore[method-assign]
-                                   else (lambda: _spin(release)))  # a source that blocks, or a loop that spins
+    sup.monitor._resources.read = ((lambda: release.wait(30) and []) if how == "blocks"  # type: ignore[method-assign]
+                                   else (lambda: _spin(release) or []))  # a source that blocks, or a loop that spins
     try:
         result = sup.wait(20)
     finally:
@@ -452,7 +453,8 @@ def test_a_mask_the_host_undoes_by_a_rename_ends_the_cell(user: User, tmp_path: 
 def test_a_flood_of_notes_never_pushes_out_an_event_that_acts() -> None:
     """The kept events are capped, notes and acting events apart: over a thousand distinct notes, then
     one refusal that acts, which is kept (the verdict never depended on the cap; the report does)."""
-    from agentcell.monitor.monitor import MAX_EVENTS, Monitor
+    from agentcell.monitor.loop import MAX_EVENTS
+    from agentcell.monitor.monitor import Monitor
 
     m = Monitor("agentcell-test-cap", None, "record", rootless=True)  # no sources: fed by hand, as the proxy does
     try:

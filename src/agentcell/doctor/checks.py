@@ -212,7 +212,7 @@ def check_audit(*, root: bool) -> Check:
         return Check("audit", "warn", "compiled in; state unknown: reading it needs root (CAP_AUDIT_CONTROL)",
                      "run agentcell doctor as root to see the audit state",
                      {"compiled_in": True, "enabled": None})
-    from ..monitor import audit
+    from ..monitor import kaudit as audit
 
     try:
         st = dict(zip(audit.STATUS_FIELDS, audit.audit_status(timeout=2.0), strict=False))

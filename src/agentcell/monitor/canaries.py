@@ -8,6 +8,10 @@ import os
 import struct
 from typing import Any
 
+from .event import CellEvent
+from .procs import CellProcs
+from .source import close_later
+
 _INO = struct.Struct("=iIII")  # wd, mask, cookie, len
 FAN_Q_OVERFLOW, IN_Q_OVERFLOW, IN_OPEN, FAN_OPEN_PERM = 0x4000, 0x4000, 0x20, 0x10000
 
@@ -81,3 +85,46 @@ class CanaryWatch:
 
     def close(self) -> None:
         os.close(self.fd)
+
+
+class CanarySource:
+    """The ``canary`` source: each open of a decoy as an escape attempt. The opener waits (fanotify's
+    permission event) until :meth:`release`, after the event is recorded: then the open may go on."""
+
+    name = "canary"
+
+    def __init__(self, watch: CanaryWatch, procs: CellProcs, cell: str) -> None:
+        self.watch, self.procs, self.cell = watch, procs, cell
+        self._held: list[dict[str, Any]] = []
+
+    def fileno(self) -> int:
+        return self.watch.fileno()
+
+    def read(self) -> list[CellEvent]:
+        out = []
+        for c in self.watch.read():
+            if c.get("lost"):
+                out.append(CellEvent("telemetry", "canary", "the kernel dropped canary events", source="telemetry",
+                                     cell=self.cell))
+                continue
+            pid = c.get("pid")
+            if pid in self.procs.trusted:
+                self.watch.answer(c)
+                continue
+            self.procs.refresh()  # the opener's parents may have forked since the connector was read
+            out.append(CellEvent("read", c["path"], "a canary credential was opened (a decoy agentcell planted in "
+                                 "the cell's home: nothing legitimate reads it)", source="canary", cell=self.cell,
+                                 pid=pid, exe=c.get("exe", ""),
+                                 ancestry=self.procs.ancestry(pid) if pid else None,  # it waits
+                                 allow="nothing: it is a decoy; give real credentials with --ro PATH if a tool "
+                                 "needs them"))
+            self._held.append(c)
+        return out
+
+    def release(self) -> None:
+        held, self._held = self._held, []
+        for c in held:
+            self.watch.answer(c)
+
+    def close(self) -> None:
+        close_later(self.watch.fd)

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from ..cell import fanotify
 from .attempts import INSTRUCTIONS
 from .event import CellEvent
+from .source import close_later
 
 
 class CreatedWatch:
@@ -69,4 +70,4 @@ class CreatedWatch:
         return out
 
     def close(self) -> None:
-        os.close(self.fd)
+        close_later(self.fd)

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..netlink import set_rcvbuf
+from .source import close_later
 
 NETLINK_CONNECTOR = 11
 CN_IDX_PROC, CN_VAL_PROC = 1, 1
@@ -286,7 +287,7 @@ class ExecMarks:
         return out
 
     def close(self) -> None:
-        os.close(self.fd)
+        close_later(self.fd)
 
 
 def _unescape(field: str) -> str:

@@ -15,10 +15,14 @@ from __future__ import annotations
 import ctypes
 import os
 import struct
+import time
+
+from .event import CellEvent
 
 IN_CREATE, IN_DELETE, IN_MOVED_FROM, IN_MOVED_TO = 0x100, 0x200, 0x40, 0x80
 IN_NONBLOCK, IN_CLOEXEC = 0o4000, 0o2000000
 _EV = struct.Struct("=iIII")
+CLOSE_S = 0.02  # the loop's pace while a touched mask is looked at again
 
 
 class MaskWatch:
@@ -104,3 +108,40 @@ class MaskWatch:
 
     def close(self) -> None:
         os.close(self.fd)
+
+
+class MaskSource:
+    """The ``masks`` source. The kernel reports the host's rename a moment before it detaches the mount:
+    after such an event the names are looked up again on each pass for half a second (:meth:`pace`
+    quickens the monitor's loop meanwhile), and every 0.1 s anyway."""
+
+    name = "masks"
+
+    def __init__(self, watch: MaskWatch, cell: str) -> None:
+        self.watch, self.cell = watch, cell
+        self._checked = self._until = 0.0
+
+    def fileno(self) -> int:
+        return self.watch.fileno()
+
+    def pace(self) -> float | None:
+        """How soon the loop should come round without news, while a touched name is watched closely."""
+        return CLOSE_S if time.monotonic() < self._until else None
+
+    def read(self) -> list[CellEvent]:
+        now = time.monotonic()
+        if self.watch.touched():
+            self._until = now + 0.5
+        if not (now < self._until or now - self._checked >= 0.1):
+            return []
+        self._checked = now
+        return [CellEvent("read", path, "the mask over it is gone: the file was replaced on the host (a rename over "
+                          "a masked file detaches the mask in every cell), and the cell's account can read the new "
+                          "one", source="masks", cell=self.cell, allow="keep masked files from being replaced while a "
+                          "cell runs")
+                # useradd on the host replacing /etc/shadow: root's 0600 again, nothing to see (looked at again
+                # on every pass: a chmod later would be seen)
+                for path, readable in self.watch.check() if readable]
+
+    def close(self) -> None:
+        self.watch.close()

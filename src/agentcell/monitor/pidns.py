@@ -26,7 +26,7 @@ from collections import deque
 
 RECENT_NS = 10 * 10**9  # by the kernel's clock
 GONE_TIDS = 1 << 16  # tasks ended lately, by host tid, at most (only a thread's exec needs one: its leader's)
-FORK, EXIT = 1, 2  # (as calls.FORK, calls.EXIT: kept here so the classifier needs no BPF)
+FORK, EXIT = 1, 2  # the kinds of a task event (:mod:`.callprog` writes them; here, the classifier needs no BPF)
 
 
 class Numbers:

@@ -9,8 +9,12 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import select
 import struct
 from typing import Any
+
+from .event import CellEvent
+from .procs import CellProcs
 
 # _IOWR('!', 0, struct seccomp_notif) and _IOWR('!', 1, struct seccomp_notif_resp)
 NOTIF_RECV, NOTIF_SEND = 0xC0502100, 0xC0182101
@@ -103,3 +107,38 @@ def describe(call: str, args: list[int]) -> tuple[str, str, str]:
         pid = args[1] if call == "ptrace" else args[0]
         return op, f"{call} pid {pid & 0xFFFFFFFF}", f"an attempt {what}; refused by seccomp"
     return op, call, f"an attempt {what}; refused by seccomp"
+
+
+class SeccompSource:
+    """The ``seccomp`` source: each escape call the filter handed over, as an event; the caller waits in
+    the call until :meth:`release` refuses it, after the event is recorded (and the cell frozen)."""
+
+    name = "seccomp"
+
+    def __init__(self, watch: SeccompWatch, procs: CellProcs, cell: str) -> None:
+        self.watch, self.procs, self.cell = watch, procs, cell
+        self._held: list[dict[str, Any]] = []
+
+    def fileno(self) -> int:
+        return self.watch.fileno()
+
+    def read(self) -> list[CellEvent]:
+        if not select.select([self.watch], [], [], 0)[0]:  # (a receive waits for a notification)
+            return []
+        out = []
+        for n in self.watch.read():
+            op, target, reason = describe(n["call"], n["args"])
+            self.procs.refresh()  # the caller's parents may have forked since the connector was read (it waits)
+            out.append(CellEvent(op, target, reason, source="seccomp", cell=self.cell, pid=n["pid"],
+                                 exe=n.get("exe", ""), allow="nothing: a cell never gets this call",
+                                 acts=n["call"] not in NOTED))
+            self._held.append(n)
+        return out
+
+    def release(self) -> None:
+        held, self._held = self._held, []
+        for n in held:
+            self.watch.refuse(n)  # now the call fails
+
+    def close(self) -> None:
+        self.watch.close()
