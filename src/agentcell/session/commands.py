@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import AgentcellError, printable
+from .records import plain
 from .report import PROG, print_end, shown, summary
 from .request import checked_id
 
@@ -33,7 +34,7 @@ def _load(sid: str) -> tuple[Any, dict[str, Any]]:
     from .state import check_recorded
 
     check_recorded(st)
-    return g, dict(st)
+    return g, plain(dict(st))
 
 
 

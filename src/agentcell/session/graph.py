@@ -34,6 +34,7 @@ from ..audit.trail import AuditWriteError
 from ..errors import AgentcellError
 from .nodes import account, firewall, monitor, plan, spawn, teardown
 from .nodes.kit import SpawnCrash, TelemetryLost, on_error
+from .records import Supervisor
 from .state import FINAL, Runtime, SessionState, start_time, supervisor_alive
 
 Graph = CompiledStateGraph[SessionState, Any, SessionState, SessionState]
@@ -119,7 +120,7 @@ def _config(session_id: str, limit_s: int = 0) -> RunnableConfig:
 def run(graph: Graph, state: SessionState) -> SessionState:
     """Run a new session to its end; the final state."""
     sid = state["session_id"]
-    initial: SessionState = {**state, "supervisor": {"pid": os.getpid(), "start": start_time(os.getpid())}}
+    initial: SessionState = {**state, "supervisor": Supervisor(os.getpid(), start_time(os.getpid()))}
     limit = int(state["config"].get("wall_clock_limit_s") or 3600)
     out: SessionState = graph.invoke(initial, _config(sid, limit), durability="sync")  # type: ignore[assignment]
     return out
@@ -154,7 +155,7 @@ def recover(graph: Graph, session_id: str) -> SessionState:
 
     check_recorded(state)
     cfg = _config(session_id)
-    update: dict[str, Any] = {"supervisor": {"pid": os.getpid(), "start": start_time(os.getpid())}}
+    update: dict[str, Any] = {"supervisor": Supervisor(os.getpid(), start_time(os.getpid()))}
     if state.get("status") not in FINAL:
         update.update(status="terminated", reason="the supervisor died; recovered by 'agentcell session recover'")
     graph.update_state(cfg, update, as_node="monitor")

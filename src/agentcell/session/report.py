@@ -68,7 +68,11 @@ def cache_place(cfg: Any) -> str:
     return caches.store() + "/" + caches.key(cfg.project_root, cfg.agent)
 
 
-def summary(st: dict[str, Any]) -> dict[str, Any]:
+def summary(state: Any) -> dict[str, Any]:
+    """A session's state as its summary: the JSON ``--json`` and ``--summary-file`` give."""
+    from .records import plain
+
+    st: dict[str, Any] = plain(dict(state))
     escape = st.get("escape")
     result = st.get("result") or {}
     return {

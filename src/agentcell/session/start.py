@@ -55,7 +55,7 @@ def prepare(req: StartRequest) -> Prepared:
         check_env_file_untouched(req.env_file)
     try:
         policy = compile_policy(plan, dict(os.environ), cfg.project_root)
-    except AgentcellError:
+    except Exception:
         # The plan's egress is the flags' and the harness's: a flag it refuses is named as the user gave it.
         _check_egress_flags(cfg, plan.network)
         raise

@@ -3,10 +3,12 @@ root, the user's own) and the declared paths shared with it by ACL; what cleanup
 from __future__ import annotations
 
 import os
+from dataclasses import asdict
 from typing import Any
 
 from ...errors import AgentcellError
 from ..planning import session_human
+from ..records import Account, Grant
 from ..state import Runtime, SessionState
 from .kit import InjectedFault, audit, crash, inject, line, written_paths
 from .plan import compile_state
@@ -21,9 +23,8 @@ def account(rt: Runtime, state: SessionState) -> dict[str, Any]:
     cfg, policy = state["config"], state["policy"]
     update: dict[str, Any] = {}
     if os.geteuid() != 0:
-        account = {"kind": "self", "name": policy["os_user"], "uid": os.geteuid(), "gid": os.getegid(),
-                   "group": ""}
-        grants: list[dict[str, Any]] = []
+        account = Account("self", policy["os_user"], os.geteuid(), os.getegid(), "")
+        grants: list[Grant] = []
     elif cfg.get("agent"):
         account, human, wanted = persistent(cfg["agent"], written_paths(state))
         update["human"] = human
@@ -32,7 +33,7 @@ def account(rt: Runtime, state: SessionState) -> dict[str, Any]:
         from ...accounts import ephemeral
 
         made = ephemeral.create_ephemeral(state["session_id"], cmds)
-        account = {"kind": "ephemeral", "name": made.name, "uid": made.uid, "gid": made.gid, "group": made.name}
+        account = Account("ephemeral", made.name, made.uid, made.gid, made.name)
         grants = []
         try:
             update["human"] = state.get("human") or session_human(cfg["project_root"])
@@ -44,12 +45,12 @@ def account(rt: Runtime, state: SessionState) -> dict[str, Any]:
             raise
     update.update(account=account, grants=grants)
     crash(rt, "account")
-    audit(rt, state, "account", "session.account", account=account,
-          grants=[g["path"] for g in grants])
+    audit(rt, state, "account", "session.account", account=asdict(account),
+          grants=[g.path for g in grants])
     return update
 
 
-def persistent(name: str, paths: list[str]) -> tuple[dict[str, Any], list[int] | None, list[str]]:
+def persistent(name: str, paths: list[str]) -> tuple[Account, list[int] | None, list[str]]:
     import pwd
 
     from ...accounts.registry import open_registry
@@ -59,7 +60,7 @@ def persistent(name: str, paths: list[str]) -> tuple[dict[str, Any], list[int] |
     if rec.state != "ready":
         raise AgentcellError("AGENT_OS_USER", f"agent '{name}' is {rec.state}, not ready",
                              f"'agentcell agent delete {name} --yes' removes what was made")
-    account = {"kind": "agent", "name": name, "uid": rec.uid, "gid": rec.gid, "group": rec.group}
+    account = Account("agent", name, rec.uid, rec.gid, rec.group)
     try:
         pw = pwd.getpwnam(rec.human)
         human: list[int] | None = [pw.pw_uid, pw.pw_gid]
@@ -72,37 +73,37 @@ def persistent(name: str, paths: list[str]) -> tuple[dict[str, Any], list[int] |
     return account, human, wanted
 
 
-def grant(cmds: Any, account: dict[str, Any], paths: list[str]) -> list[dict[str, Any]]:
+def grant(cmds: Any, account: Account, paths: list[str]) -> list[Grant]:
     from ...accounts import acl
 
-    grants: list[dict[str, Any]] = []
+    grants: list[Grant] = []
     try:
         for p in paths:
-            grants.append({"path": p, "prior": acl.prior_acl(p)})  # first: a grant cut short is revoked too
-            acl.grant(cmds, account["group"], account["gid"], p, "rw")
+            grants.append(Grant(p, tuple(acl.prior_acl(p))))  # first: a grant cut short is revoked too
+            acl.grant(cmds, account.group, account.gid, p, "rw")
     except BaseException:
         revoke(cmds, account, grants)
         raise
     return grants
 
 
-def revoke(cmds: Any, account: dict[str, Any], grants: list[dict[str, Any]]) -> list[str]:
+def revoke(cmds: Any, account: Account, grants: list[Grant]) -> list[str]:
     """Remove the session's ACL entries from each granted path; what could not be removed."""
     from ...accounts import acl
 
     problems: list[str] = []
     for g in grants:
         try:
-            problems += acl.revoke(cmds, account["uid"], account["gid"], g["path"], g["prior"])
+            problems += acl.revoke(cmds, account.uid, account.gid, g.path, list(g.prior))
         except (OSError, AgentcellError) as e:
-            problems.append(f"revoke {g['path']}: {line(e)}")
+            problems.append(f"revoke {g.path}: {line(e)}")
     return problems
 
 
-def ephemeral_left(session_id: str) -> dict[str, Any] | None:
+def ephemeral_left(session_id: str) -> Account | None:
     from ...accounts import ephemeral
 
     for a in ephemeral.leftovers():
         if a.session_id == session_id:
-            return {"kind": "ephemeral", "name": a.name, "uid": a.uid, "gid": a.gid, "group": a.name}
+            return Account("ephemeral", a.name, a.uid, a.gid, a.name)
     return None

@@ -12,6 +12,7 @@ from ... import caches, hostfs
 from ...cell.spec import DEFAULT_PATH
 from ...errors import AgentcellError
 from .. import envfiles, gitcell
+from ..records import Surface
 from ..state import SECRET_PLACEHOLDER, Runtime, SessionState
 from .kit import SpawnCrash, audit, crash, inject, line, written_paths
 
@@ -71,8 +72,7 @@ def spawn(rt: Runtime, state: SessionState) -> dict[str, Any]:
     return {"harness_pid": pid1, "cell_id": cell.cell_id, "started_at": now, "cache_dir": cache_dir,
             "workspace_dir": ws_dir,
             "deadline": now + policy.wall_clock_limit_s, "seed_notes": [*seed_notes, *cache_notes],
-            "protect": {"before": before, "truncated": truncated, "since_ns": since_ns,
-                        "meanings": protect.meanings(before), "env_files": env_files}}
+            "protect": Surface(before, truncated, since_ns, protect.meanings(before), tuple(env_files))}
 
 
 def _workspace(state: SessionState, spec: Any) -> tuple[Any, str]:

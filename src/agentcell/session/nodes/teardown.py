@@ -12,11 +12,10 @@ from ...cell import cgroups
 from ...errors import AgentcellError
 from .. import envfiles
 from ..planning import session_human
-from ..state import FINAL, Runtime, SessionState
+from ..records import Account, Grant, Surface, of
+from ..state import FINAL, MAX_EVENTS, Runtime, SessionState
 from .account import ephemeral_left, persistent, revoke
 from .kit import audit_quietly, crash, line, written_paths
-
-MAX_EVENTS = 100
 
 
 def terminate(rt: Runtime, state: SessionState) -> dict[str, Any]:
@@ -69,11 +68,12 @@ def cleanup(rt: Runtime, state: SessionState) -> dict[str, Any]:
             firewall.HostFirewall(table, os.path.join(firewall.RECORDS, table)).remove()
     except OSError as e:
         problems.append(f"firewall: {e}")
-    account = state.get("account")
+    account = of(Account, state.get("account"))
     warnings = _quarantine(state, account)
     agent = (state.get("config") or {}).get("agent")
     rw = list((state.get("policy") or {}).get("rw_paths", []))
-    grants, human = state.get("grants"), state.get("human")
+    recorded, human = state.get("grants"), state.get("human")
+    grants = None if recorded is None else [g for g in (of(Grant, r) for r in recorded) if g is not None]
     if account is None and os.geteuid() == 0 and state.get("policy"):  # the account node did not finish
         try:
             if agent:
@@ -82,7 +82,7 @@ def cleanup(rt: Runtime, state: SessionState) -> dict[str, Any]:
                 account = ephemeral_left(sid)
         except (OSError, AgentcellError) as e:
             problems.append(f"account: {line(e)}")
-    if human is None and account is not None and account.get("kind") == "ephemeral":
+    if human is None and account is not None and account.kind == "ephemeral":
         try:  # recorded at plan time; a session that predates that: found again now
             human = session_human(state["config"]["project_root"])
         except (OSError, AgentcellError) as e:
@@ -97,37 +97,37 @@ def cleanup(rt: Runtime, state: SessionState) -> dict[str, Any]:
         except (OSError, AgentcellError) as e:
             problems.append(f"toolchain cache: not emptied after the escape ({line(e)}): "
                             "'agentcell cache clear --project' removes it")
-    if account is not None and account.get("kind") in ("ephemeral", "agent"):
+    if account is not None and account.kind in ("ephemeral", "agent"):
         if grants is None:  # crashed while granting: revoke wherever it may have granted
-            grants = [{"path": p, "prior": []} for p in rw]
+            grants = [Grant(p, ()) for p in rw]
         problems += revoke(cmds, account, grants)
         give_to = (human[0], human[1]) if human else None
-        paths = [g["path"] for g in grants]
+        paths = [g.path for g in grants]
         if (state.get("config") or {}).get("workspace") == "copy":
             try:  # the change set becomes the project owner's, as the agent's work in the project would
                 from ... import workspace
 
-                problems += workspace.give_back(sid, account["uid"], account["gid"])
+                problems += workspace.give_back(sid, account.uid, account.gid)
             except (OSError, AgentcellError) as e:
                 problems.append(f"workspace: {line(e)}")
-        if account["kind"] == "ephemeral" and cache:
+        if account.kind == "ephemeral" and cache:
             try:  # what it made in the cache goes back to root before its number is freed
-                problems += acl.reassign(cmds, account["uid"], account["gid"], 0, 0, cache)
+                problems += acl.reassign(cmds, account.uid, account.gid, 0, 0, cache)
             except (OSError, AgentcellError) as e:  # (the account is deleted all the same)
                 problems.append(f"toolchain cache: {line(e)}")
         try:
-            if account["kind"] == "ephemeral":
-                ephemeral.delete(ephemeral.Account(account["name"], account["uid"], account["gid"], sid), cmds,
+            if account.kind == "ephemeral":
+                ephemeral.delete(ephemeral.Account(account.name, account.uid, account.gid, sid), cmds,
                                  paths=paths, give_to=give_to or (0, 0))
             else:
                 from ...accounts.accounts import defuse_home
 
                 home = (state.get("policy") or {}).get("home_dir")
                 if home:
-                    warnings += defuse_home(home, account["uid"], account["gid"])
+                    warnings += defuse_home(home, account.uid, account.gid)
                 if give_to is not None:
                     for p in paths:
-                        problems += acl.reassign(cmds, account["uid"], account["gid"], give_to[0], give_to[1],
+                        problems += acl.reassign(cmds, account.uid, account.gid, give_to[0], give_to[1],
                                                  p)
         except (OSError, AgentcellError) as e:
             problems.append(line(e))
@@ -143,27 +143,26 @@ def cleanup(rt: Runtime, state: SessionState) -> dict[str, Any]:
                  if envfiles.fingerprint(f) != was]
     update: dict[str, Any] = {"problems": problems, "warnings": list(dict.fromkeys(warnings))}
     update.update(audit_quietly(rt, state, "cleanup", "session.cleanup", problems=problems,
-                                account=(account or {}).get("name")))
+                                account=account.name if account else None))
     return update
 
 
-def _quarantine(state: SessionState, account: dict[str, Any] | None) -> list[str]:
+def _quarantine(state: SessionState, account: Account | None) -> list[str]:
     """Move aside what the agent created on the control surface (the run protocol's step,
     :func:`agentcell.guard.compare`, from the scan spawn checkpointed); say what it changed there.
     Before the account is deleted: what moves must be the account's."""
     from ...guard import compare, lines
 
-    guard, policy = state.get("protect"), state.get("policy") or {}
-    if not guard:
+    guard, policy = of(Surface, state.get("protect")), state.get("policy") or {}
+    if guard is None:
         return []
     human = state.get("human")
     try:  # whatever the agent left for the scan to read, teardown goes on
         found = compare(
-            {k: tuple(v) for k, v in guard["before"].items()}, guard["truncated"], guard["since_ns"],
+            {k: tuple(v) for k, v in guard.before.items()}, guard.truncated, guard.since_ns,
             state.get("cell_id", ""), tuple(written_paths(state)), tuple(policy.get("allow_write", ())),
             (*policy.get("ro_paths", ()), *policy.get("masked_paths", ())),
-            (account or {}).get("uid") if (account or {}).get("kind") != "self" else None,
-            (human[0], human[1]) if human else None, guard.get("meanings"))
+            _owner(account), (human[0], human[1]) if human else None, guard.meanings)
     except Exception as e:  # noqa: BLE001 - a teardown that stops here leaves the account behind
         return [f"the protected paths could not be checked ({type(e).__name__}: {line(e)}): review "
                 "repositories and agent config in the declared paths before you use them"]
@@ -197,7 +196,7 @@ def _cache_left(state: SessionState) -> str | None:
     return tree if os.path.isdir(tree) and not os.path.islink(tree) else None
 
 
-def _set_aside_config(state: SessionState, guard: dict[str, Any], account: dict[str, Any] | None,
+def _set_aside_config(state: SessionState, guard: Surface, account: Account | None,
                       give_to: tuple[int, int] | None) -> list[str]:
     """Env files and session configuration the agent created in the declared paths: the next session and
     the human's tools load them (a ``.env`` setting ``CODEX_HOME=./.codex`` runs the project's config the
@@ -208,7 +207,7 @@ def _set_aside_config(state: SessionState, guard: dict[str, Any], account: dict[
 
     policy = state.get("policy") or {}
     rw = tuple(policy.get("rw_paths", ()))
-    before = set(guard.get("env_files") or ())
+    before = set(guard.env_files or ())
     now, _ = envfiles.dotenv_files(list(rw))
     # (an example file documents the variables: no tool loads it)
     created = [f for f in now if f not in before and not f.endswith((".example", ".sample", ".template", ".dist"))
@@ -217,12 +216,15 @@ def _set_aside_config(state: SessionState, guard: dict[str, Any], account: dict[
                 if was is None and os.path.basename(f) == "agentcell.toml" and os.path.lexists(f)]
     if not created:
         return []
-    owner = (account or {}).get("uid") if (account or {}).get("kind") != "self" else None
-    moved, failed = protect.set_aside(sorted(set(created)), state.get("cell_id", ""), rw, owner_uid=owner,
-                                      since_ns=guard["since_ns"], give_to=give_to)
+    moved, failed = protect.set_aside(sorted(set(created)), state.get("cell_id", ""), rw, owner_uid=_owner(account),
+                                      since_ns=guard.since_ns, give_to=give_to)
     out = [f"the agent created {old}, which the next session or your tools load (an env file, the session's "
            f"configuration); it was moved to {new}: move it back if you accept it" for old, new in moved]
     out += [f"the agent created {f}, which the next session or your tools load, and it could not be moved aside: "
             "review it before you use the project" for f in failed]
     return out
 
+
+def _owner(account: Account | None) -> int | None:
+    """Whose files the cell's were: the agent's account (none when the user ran it as themself)."""
+    return account.uid if account is not None and account.kind != "self" else None
