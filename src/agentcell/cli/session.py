@@ -137,7 +137,6 @@ def parser() -> Parser:
     return p
 
 
-
 def main(argv: list[str]) -> int:
     args, harness_args = list(argv), []
     if "--" in args:

@@ -37,7 +37,6 @@ def _load(sid: str) -> tuple[Any, dict[str, Any]]:
     return g, plain(dict(st))
 
 
-
 def _list(ns: Any) -> int:
     from . import graph
 

@@ -26,7 +26,6 @@ def ids(paths: list[str]) -> list[list[int]]:
     return out
 
 
-
 def session_human(project_root: str) -> list[int]:
     """Who gets what a per-session account made: the human behind sudo, else the project's owner;
     never root. A file the agent wrote must not become root's, which other tools (and agentcell's own
@@ -134,7 +133,6 @@ def compile_policy(plan: SessionPlan, environ: dict[str, str], project_root: str
     env = {k: v for k, v in environ.items() if k in ("LANG", "TERM") or k.startswith("LC_")}
     env.update({k: SECRET_PLACEHOLDER for k in plan.keep_env})
     return compile_plan(plan, environ=env, host_cwd=project_root).model_dump()
-
 
 
 # ---- the session's own configuration inside the project -------------------------------------------

@@ -46,8 +46,8 @@ def explain(cfg: Any, plan: Any, policy: dict[str, Any], launch: Any, credential
             ("monitor", monitor_sees())]
     width = max(len(k) for k, _ in rows)
     head = "".join(f"{k:>{width}}: {v}\n" for k, v in rows)
-    return head + explain_policy(SandboxPolicy.model_validate(policy)) + "".join(f"note: {n}\n" for n in
-                                                                       (*cfg.notes, *launch.notes))
+    notes = "".join(f"note: {n}\n" for n in (*cfg.notes, *launch.notes))
+    return head + explain_policy(SandboxPolicy.model_validate(policy)) + notes
 
 
 def monitor_sees() -> str:

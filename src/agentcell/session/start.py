@@ -193,14 +193,12 @@ def given_secrets(req: StartRequest, policy: dict[str, Any]
     return out
 
 
-
 def new_file(path: str, field: str) -> int:
     """A file made for us now (never one that exists, never through a link), mode 0600."""
     try:
         return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     except OSError as e:
         raise AgentcellError(field, f"cannot make {path}: {e.strerror}", "give a new file's path") from None
-
 
 
 def check_env_file_untouched(path: str) -> None:
