@@ -354,15 +354,18 @@ def test_the_python_api_streams_events_as_they_come(user: User) -> None:
     assert sorted(seen) == sorted(e["target"] for e in result["events"])
 
 
-def test_the_warm_launcher_refuses_a_watched_cell(user: User) -> None:
+def test_the_python_api_runs_a_watched_cell_and_its_monitor_acts(user: User) -> None:
+    """Cell(spec).run runs a watched spec (the launcher forks it a cell host, where the monitor lives),
+    and the first escape attempt ends that cell, as agentcell run --monitor does."""
     from agentcell import Cell, CellSpec
-    from agentcell.errors import AgentcellError
     from agentcell.policy.resolve import build_env, resolve_identity
 
     ident = resolve_identity(str(user.uid), euid=0)
     spec = CellSpec(ident, env=build_env({}, ident), watch=True)
-    with Cell(spec) as cell, pytest.raises(AgentcellError, match="served by a cell host"):
-        cell.run(["true"])
+    with Cell(spec) as cell:
+        assert cell.run(["true"]).returncode == 0
+        r = cell.run(["sh", "-c", "cat /etc/shadow; sleep 5; echo survived"], text=True)
+    assert r.returncode == 137 and "survived" not in str(r.stdout), (r.stdout, r.stderr)
 
 
 def test_a_denial_by_a_process_that_exits_at_once_is_still_attributed(user: User) -> None:

@@ -9,7 +9,7 @@ Retry rules, declared on the nodes (a node raises; its ``RetryPolicy`` retries; 
 * preflight backup: 2 retries (after 1 s, then 3 s), then abort — no backup, no agent;
 * account switch: 1 retry, then terminate (which tears down whatever was made);
 * firewall: 1 retry, then abort before spawn;
-* spawn: 1 retry on a process-level crash (:class:`~.nodes.SpawnCrash`), then abort, keeping the backup;
+* spawn: 1 retry on a process-level crash (:class:`~.nodes.kit.SpawnCrash`), then abort, keeping the backup;
 * telemetry (the monitor losing sight of its cell): 3 reconnects with backoff, then a violation: terminate;
 * audit writes: the trail retries each record 3 times itself (``audit.trail.RETRY_DELAYS``); a record that
   still cannot be written terminates the session (every node's error handler routes it so).
@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from langchain_core.runnables import RunnableConfig
@@ -31,7 +32,9 @@ from langgraph.types import RetryPolicy
 
 from ..audit.trail import AuditWriteError
 from ..errors import AgentcellError
-from .nodes import Nodes, SpawnCrash, TelemetryLost
+from .nodes import account, firewall, monitor, plan, spawn, teardown
+from .nodes.kit import SpawnCrash, TelemetryLost, on_error
+from .records import Supervisor
 from .state import FINAL, Runtime, SessionState, start_time, supervisor_alive
 
 Graph = CompiledStateGraph[SessionState, Any, SessionState, SessionState]
@@ -56,19 +59,23 @@ def _after_monitor(state: SessionState) -> str:
 
 
 def build_graph(runtime: Runtime | None = None, *, checkpointer: Any = None) -> Graph:
-    n = Nodes(runtime or Runtime())
+    rt = runtime or Runtime()
     g = StateGraph(SessionState)
-    g.add_node("plan", n.plan, error_handler=n.on_error("plan", "abort"))
-    g.add_node("policy", n.policy, error_handler=n.on_error("policy", "abort"))
-    g.add_node("preflight", n.preflight, retry_policy=PREFLIGHT_RETRY, error_handler=n.on_error("preflight", "abort"))
-    g.add_node("abort", n.abort)
-    g.add_node("account", n.account, retry_policy=ACCOUNT_RETRY, error_handler=n.on_error("account", "terminate"))
-    g.add_node("firewall", n.firewall, retry_policy=FIREWALL_RETRY, error_handler=n.on_error("firewall", "abort"))
-    g.add_node("spawn", n.spawn, retry_policy=SPAWN_RETRY, error_handler=n.on_error("spawn", "abort"))
-    g.add_node("monitor", n.monitor, retry_policy=TELEMETRY_RETRY, error_handler=n.on_error("monitor", "terminate"))
-    g.add_node("terminate", n.terminate)
-    g.add_node("cleanup", n.cleanup)
-    g.add_node("audit", n.audit)
+
+    def add(name: str, node: Callable[[Runtime, SessionState], dict[str, Any]], **how: Any) -> None:
+        g.add_node(name, partial(node, rt), **how)  # (a node's name is the graph's: checkpoints name it)
+
+    add("plan", plan.plan, error_handler=on_error("plan", "abort"))
+    add("policy", plan.policy, error_handler=on_error("policy", "abort"))
+    add("preflight", plan.preflight, retry_policy=PREFLIGHT_RETRY, error_handler=on_error("preflight", "abort"))
+    add("abort", plan.abort)
+    add("account", account.account, retry_policy=ACCOUNT_RETRY, error_handler=on_error("account", "terminate"))
+    add("firewall", firewall.firewall, retry_policy=FIREWALL_RETRY, error_handler=on_error("firewall", "abort"))
+    add("spawn", spawn.spawn, retry_policy=SPAWN_RETRY, error_handler=on_error("spawn", "abort"))
+    add("monitor", monitor.monitor, retry_policy=TELEMETRY_RETRY, error_handler=on_error("monitor", "terminate"))
+    add("terminate", teardown.terminate)
+    add("cleanup", teardown.cleanup)
+    add("audit", teardown.audit)
 
     g.add_edge(START, "plan")
     g.add_edge("plan", "policy")
@@ -91,6 +98,20 @@ def new_session_id() -> str:
     return time.strftime("%Y%m%d-%H%M%S") + "-" + os.urandom(3).hex()
 
 
+def open_graph(runtime: Runtime | None = None) -> tuple[Graph, Any]:
+    """The graph over the checkpoint database, and the database's connection."""
+    from langgraph.checkpoint.sqlite import SqliteSaver
+
+    from .state import Serde, connect, sessions_dir
+
+    try:
+        conn = connect()
+    except OSError as e:
+        raise AgentcellError("state", f"cannot open {sessions_dir()}: {e.strerror}",
+                             "run through sudo (sessions are root's), or set AGENTCELL_STATE_DIR") from None
+    return build_graph(runtime, checkpointer=SqliteSaver(conn, serde=Serde())), conn
+
+
 def _config(session_id: str, limit_s: int = 0) -> RunnableConfig:
     # Every monitor tick is a step: allow the wall clock's worth of them, and the fixed nodes.
     return {"configurable": {"thread_id": session_id}, "recursion_limit": 2 * limit_s + 100}
@@ -99,7 +120,7 @@ def _config(session_id: str, limit_s: int = 0) -> RunnableConfig:
 def run(graph: Graph, state: SessionState) -> SessionState:
     """Run a new session to its end; the final state."""
     sid = state["session_id"]
-    initial: SessionState = {**state, "supervisor": {"pid": os.getpid(), "start": start_time(os.getpid())}}
+    initial: SessionState = {**state, "supervisor": Supervisor(os.getpid(), start_time(os.getpid()))}
     limit = int(state["config"].get("wall_clock_limit_s") or 3600)
     out: SessionState = graph.invoke(initial, _config(sid, limit), durability="sync")  # type: ignore[assignment]
     return out
@@ -134,7 +155,7 @@ def recover(graph: Graph, session_id: str) -> SessionState:
 
     check_recorded(state)
     cfg = _config(session_id)
-    update: dict[str, Any] = {"supervisor": {"pid": os.getpid(), "start": start_time(os.getpid())}}
+    update: dict[str, Any] = {"supervisor": Supervisor(os.getpid(), start_time(os.getpid()))}
     if state.get("status") not in FINAL:
         update.update(status="terminated", reason="the supervisor died; recovered by 'agentcell session recover'")
     graph.update_state(cfg, update, as_node="monitor")

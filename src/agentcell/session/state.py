@@ -1,12 +1,12 @@
 """What a session carries from node to node (checkpointed), what only its supervisor holds (not), and
 where sessions are kept.
 
-The state is plain data (the models as their ``model_dump``): LangGraph's SQLite checkpointer stores it
-after every node, and ``agentcell session recover`` must be able to read it in another process and
-finish the teardown from it alone. Secret values never enter it (the checkpoint database would keep
-them): the policy's environment holds a placeholder for each, filled in at spawn from :class:`Runtime`.
-Live handles — the running cell, the firewall's log reader — live in :class:`Runtime`, in the
-supervisor's memory only.
+The state is plain data (the models as their ``model_dump``) and frozen records (:mod:`.records`, stored
+as tagged plain data): LangGraph's SQLite checkpointer stores it after every node, and ``agentcell session
+recover`` must be able to read it in another process and finish the teardown from it alone. Secret values
+never enter it (the checkpoint database would keep them): the policy's environment holds a placeholder
+for each, filled in at spawn from :class:`Runtime`. Live handles — the running cell, the firewall's log
+reader — live in :class:`Runtime`, in the supervisor's memory only.
 """
 from __future__ import annotations
 
@@ -14,7 +14,9 @@ import os
 import sqlite3
 import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, TypedDict
+from typing import TYPE_CHECKING, Annotated, Any, Literal, TypedDict
+
+from .records import RECORDS, TAG, Account, Grant, Supervisor, Surface, from_plain, of, plain, to_plain
 
 if TYPE_CHECKING:
     from ..host.base import CellHandle, CellHost
@@ -23,6 +25,12 @@ Status = Literal["running", "completed", "terminated", "aborted"]
 FINAL: tuple[str, ...] = ("completed", "terminated", "aborted")
 SECRET_PLACEHOLDER = "<secret: filled in at spawn>"
 FAULTS_ENV = "AGENTCELL_TEST_FAULTS"  # the fault-injection hook (tests): "preflight=2,account=1,audit@spawn=1"
+MAX_EVENTS = 100  # the monitor's events a session keeps
+
+
+def add_events(kept: list[dict[str, Any]], more: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The events reducer: a node's events join those kept, up to :data:`MAX_EVENTS`."""
+    return [*kept, *more][:MAX_EVENTS]
 
 
 class SessionState(TypedDict, total=False):
@@ -31,23 +39,23 @@ class SessionState(TypedDict, total=False):
     argv: list[str]  # what the cell runs
     launch: dict[str, Any]  # the harness's launch (harness.profiles.Launch as data): env, path, files, api_host
     seed_notes: list[str]  # what --home-from left out
-    supervisor: dict[str, int]  # pid and start time (clock ticks) of the process running the graph
+    supervisor: Supervisor  # the process running the graph
     plan: dict[str, Any]  # SessionPlan
     policy: dict[str, Any]  # SandboxPolicy (secret values replaced by SECRET_PLACEHOLDER)
     backup_id: str | None
-    account: dict[str, Any] | None  # kind (ephemeral | agent | self), name, uid, gid, group
+    account: Account | None
     human: list[int] | None  # uid, gid: who gets what the agent made in the declared paths
-    grants: list[dict[str, Any]]  # ACL grants made for this session: path, prior (acl.prior_acl)
+    grants: list[Grant]  # ACL grants made for this session
     firewall_table: str | None
     cell_id: str
     cache_dir: str | None  # the project's toolchain caches behind /cache (agentcell.caches)
     workspace_dir: str | None  # --workspace copy: the change set's store entry (agentcell.workspace)
-    protect: dict[str, Any] | None  # the control surface of the declared paths before the cell (protect/surface.py)
+    protect: Surface | None  # the control surface of the declared paths before the cell (protect/surface.py)
     harness_pid: int | None
     started_at: float
     deadline: float  # wall-clock time (time.time()) at which the session ends, reason timeout
     escape: dict[str, Any] | None  # EscapeEvent: the first attempt that terminated the session
-    events: list[dict[str, Any]]
+    events: Annotated[list[dict[str, Any]], add_events]  # what the monitor saw (CellEvent as data)
     result: dict[str, Any] | None  # the cell's result (exit status, signal, duration, events)
     status: Status
     reason: str
@@ -111,13 +119,16 @@ _TAG = "\0agentcell-bytes:"  # no text agentcell records starts with a NUL
 
 def _to_text(obj: Any) -> Any:
     """Strings that are not UTF-8 (a file name's bytes, decoded with surrogateescape) made storable,
-    reversibly: the checkpoint's encoder refuses them, and a path must come back exactly as it was."""
+    reversibly: the checkpoint's encoder refuses them, and a path must come back exactly as it was. The
+    records go as their tagged mappings."""
     if isinstance(obj, str):
         try:
             obj.encode("utf-8")
             return obj
         except UnicodeEncodeError:
             return _TAG + obj.encode("utf-8", "surrogateescape").hex()
+    if type(obj) in RECORDS.values():
+        obj = to_plain(obj)
     if isinstance(obj, dict):
         return {_to_text(k): _to_text(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
@@ -129,7 +140,8 @@ def _from_text(obj: Any) -> Any:
     if isinstance(obj, str):
         return bytes.fromhex(obj[len(_TAG):]).decode("utf-8", "surrogateescape") if obj.startswith(_TAG) else obj
     if isinstance(obj, dict):
-        return {_from_text(k): _from_text(v) for k, v in obj.items()}
+        out = {_from_text(k): _from_text(v) for k, v in obj.items()}
+        return from_plain(out) if TAG in out else out
     if isinstance(obj, (list, tuple)):
         return type(obj)(_from_text(v) for v in obj)
     return obj
@@ -178,9 +190,11 @@ def start_time(pid: int) -> int:
 
 
 def supervisor_alive(state: SessionState) -> bool:
-    sup = state.get("supervisor") or {}
-    pid = int(sup.get("pid", 0))
-    return pid > 0 and start_time(pid) == int(sup.get("start", -1))
+    try:
+        sup = of(Supervisor, state.get("supervisor"))
+    except TypeError:  # not one agentcell recorded: no supervisor of ours
+        return False
+    return sup is not None and int(sup.pid) > 0 and start_time(int(sup.pid)) == int(sup.start)
 
 
 def check_recorded(state: SessionState) -> None:
@@ -204,7 +218,7 @@ def check_recorded(state: SessionState) -> None:
     table = state.get("firewall_table")
     if table and (not str(table).startswith("agentcell_") or not str(table).replace("_", "a").isalnum()):
         raise bad("firewall table", table)
-    account = state.get("account")
+    account = plain(state.get("account"))  # (a record, or the mapping an older checkpoint holds)
     if isinstance(account, dict):
         if account.get("kind") == "ephemeral":
             uid = account.get("uid")

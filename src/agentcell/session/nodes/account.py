@@ -1,0 +1,109 @@
+"""account: the least-privilege account the agent runs as (per session, a persistent agent's, or, without
+root, the user's own) and the declared paths shared with it by ACL; what cleanup needs to undo them."""
+from __future__ import annotations
+
+import os
+from dataclasses import asdict
+from typing import Any
+
+from ...errors import AgentcellError
+from ..planning import session_human
+from ..records import Account, Grant
+from ..state import Runtime, SessionState
+from .kit import InjectedFault, audit, crash, inject, line, written_paths
+from .plan import compile_state
+
+
+def account(rt: Runtime, state: SessionState) -> dict[str, Any]:
+    """The least-privilege account the agent runs as, and the declared paths shared with it (ACLs)."""
+    from ...accounts.commands import Commands
+
+    inject(rt, "account", InjectedFault)
+    cmds = Commands()
+    cfg, policy = state["config"], state["policy"]
+    update: dict[str, Any] = {}
+    if os.geteuid() != 0:
+        account = Account("self", policy["os_user"], os.geteuid(), os.getegid(), "")
+        grants: list[Grant] = []
+    elif cfg.get("agent"):
+        account, human, wanted = persistent(cfg["agent"], written_paths(state))
+        update["human"] = human
+        grants = grant(cmds, account, wanted)
+    else:
+        from ...accounts import ephemeral
+
+        made = ephemeral.create_ephemeral(state["session_id"], cmds)
+        account = Account("ephemeral", made.name, made.uid, made.gid, made.name)
+        grants = []
+        try:
+            update["human"] = state.get("human") or session_human(cfg["project_root"])
+            grants = grant(cmds, account, written_paths(state))
+            update["policy"] = compile_state(rt, state, identity=str(made.uid))
+        except BaseException:  # undone here, so that the retry starts clean
+            revoke(cmds, account, grants)
+            ephemeral.delete(made, cmds)
+            raise
+    update.update(account=account, grants=grants)
+    crash(rt, "account")
+    audit(rt, state, "account", "session.account", account=asdict(account),
+          grants=[g.path for g in grants])
+    return update
+
+
+def persistent(name: str, paths: list[str]) -> tuple[Account, list[int] | None, list[str]]:
+    import pwd
+
+    from ...accounts.registry import open_registry
+
+    with open_registry() as reg:
+        rec = reg.get(name)
+    if rec.state != "ready":
+        raise AgentcellError("AGENT_OS_USER", f"agent '{name}' is {rec.state}, not ready",
+                             f"'agentcell agent delete {name} --yes' removes what was made")
+    account = Account("agent", name, rec.uid, rec.gid, rec.group)
+    try:
+        pw = pwd.getpwnam(rec.human)
+        human: list[int] | None = [pw.pw_uid, pw.pw_gid]
+    except KeyError:
+        human = None
+    # A path the agent already shares read-write keeps its share: granting and revoking it here would
+    # take that share away at the end of the session.
+    wanted = [p for p in paths if not any(s.mode == "rw" and (p == s.source or p.startswith(s.source + "/"))
+                                          for s in rec.shares)]
+    return account, human, wanted
+
+
+def grant(cmds: Any, account: Account, paths: list[str]) -> list[Grant]:
+    from ...accounts import acl
+
+    grants: list[Grant] = []
+    try:
+        for p in paths:
+            grants.append(Grant(p, tuple(acl.prior_acl(p))))  # first: a grant cut short is revoked too
+            acl.grant(cmds, account.group, account.gid, p, "rw")
+    except BaseException:
+        revoke(cmds, account, grants)
+        raise
+    return grants
+
+
+def revoke(cmds: Any, account: Account, grants: list[Grant]) -> list[str]:
+    """Remove the session's ACL entries from each granted path; what could not be removed."""
+    from ...accounts import acl
+
+    problems: list[str] = []
+    for g in grants:
+        try:
+            problems += acl.revoke(cmds, account.uid, account.gid, g.path, list(g.prior))
+        except (OSError, AgentcellError) as e:
+            problems.append(f"revoke {g.path}: {line(e)}")
+    return problems
+
+
+def ephemeral_left(session_id: str) -> Account | None:
+    from ...accounts import ephemeral
+
+    for a in ephemeral.leftovers():
+        if a.session_id == session_id:
+            return Account("ephemeral", a.name, a.uid, a.gid, a.name)
+    return None

@@ -1,0 +1,104 @@
+"""What every node shares: its audit record, the fault-injection points, the error handler that routes
+a node whose retries are spent, and the failures the graph's retry rules name."""
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+from langgraph.errors import NodeError
+from langgraph.types import Command
+
+from ... import hostfs
+from ...audit.trail import AuditLog, AuditWriteError
+from ...errors import AgentcellError
+from ..state import Runtime, SessionState
+
+UNWRITABLE_AUDIT = "/proc/agentcell-fault/audit.jsonl"  # /proc takes no new files: a real write failure
+
+
+class InjectedFault(AgentcellError):
+    """A failure made on purpose by the fault-injection hook."""
+
+
+class SpawnCrash(AgentcellError):
+    """The cell's process failed before its command ran (a launch step, fork): retried once."""
+
+
+class TelemetryLost(AgentcellError):
+    """The session lost sight of its cell (the handle or the monitor's stream): retried, then a violation."""
+
+
+def line(e: BaseException) -> str:
+    return e.line() if isinstance(e, AgentcellError) else f"{type(e).__name__}: {e}"
+
+
+def audit(rt: Runtime, state: SessionState, node: str, event: str, **details: Any) -> None:
+    path = (state.get("config") or {}).get("audit_log_path")
+    if rt.fault(f"audit@{node}"):
+        path = UNWRITABLE_AUDIT
+    AuditLog(path).append(event, session=state["session_id"], **details)
+
+
+def audit_quietly(rt: Runtime, state: SessionState, node: str, event: str, **details: Any) -> dict[str, Any]:
+    """For teardown nodes: a failed record is kept in the state, never raised."""
+    try:
+        audit(rt, state, node, event, **details)
+        return {}
+    except AuditWriteError as e:
+        return {"audit_error": e.line()}
+
+
+def crash(rt: Runtime, node: str) -> None:
+    """``kill@NODE``: the supervisor dies by SIGKILL here — after the node's work, before its
+    checkpoint, the hardest place for ``session recover``."""
+    if rt.fault(f"kill@{node}"):
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def inject(rt: Runtime, point: str, exc: type[AgentcellError]) -> None:
+    if rt.fault(point):
+        raise exc(point, "injected fault", f"unset {point} in the fault-injection hook")
+
+
+def on_error(node: str, route: str) -> Callable[[SessionState, NodeError], Command[str]]:
+    """The node's error handler: where the session goes once the node's retries are spent."""
+    def handler(state: SessionState, error: NodeError) -> Command[str]:
+        err = error.error
+        if isinstance(err, AuditWriteError):  # nothing runs unrecorded: the session stops
+            goto, reason = "terminate", f"the audit log cannot be written ({err.line()})"
+        else:
+            goto, reason = route, f"{node} failed: {line(err)}"
+        status = "aborted" if goto == "abort" else "terminated"
+        update: dict[str, Any] = {"status": status, "reason": reason}
+        if node == "monitor" and isinstance(err, TelemetryLost):
+            update["reason"] = f"lost sight of the cell, after 3 reconnects: {err.problem}"
+            update["escape"] = escape_record(state, "telemetry", "monitor", update["reason"], source="telemetry")
+        return Command(goto=goto, update=update)
+    handler.__name__ = f"on_{node}_error"
+    return handler
+
+
+def escape_record(state: SessionState, operation: str, target: str, reason: str, *, source: str,
+                  pid: int | None = None, exe: str | None = None, ts: float | None = None,
+                  ancestry: list[Any] | None = None) -> dict[str, Any]:
+    from ...policy.models import EscapeEvent
+
+    ev = EscapeEvent(session_id=state["session_id"], operation=operation,  # type: ignore[arg-type]
+                     target=target, reason=reason, pid=pid, exe=exe or None, source=source,
+                     ts=ts or time.time(), ancestry=[tuple(a) for a in ancestry or []])
+    return ev.model_dump()
+
+
+def written_paths(state: SessionState) -> list[str]:
+    """The declared paths the agent writes on the host: all of them, but the project in a copy-on-write
+    workspace (its writes go to the change set)."""
+    rw = list((state.get("policy") or {}).get("rw_paths", []))
+    cfg = state.get("config") or {}
+    if cfg.get("workspace") == "copy":
+        project = os.path.realpath(cfg["project_root"])
+        return [p for p in rw if not hostfs.within(os.path.realpath(p), project)]
+    return rw

@@ -1,0 +1,75 @@
+"""plan → policy → preflight, and abort: the request made a plan, the plan a policy, the backup taken
+before anything exists."""
+from __future__ import annotations
+
+from typing import Any
+
+from ..planning import compile_policy, ids, make_plan, session_human
+from ..state import Runtime, SessionState
+from .kit import audit, audit_quietly, crash, inject, written_paths
+
+
+def plan(rt: Runtime, state: SessionState) -> dict[str, Any]:
+    """The request, from the configuration and the harness profile (pure). ``session start`` planned
+    already, to refuse bad input before anything exists: it hands its plan in."""
+    from ...policy.models import SessionPlan
+
+    if state.get("plan"):
+        plan, marks = SessionPlan.model_validate(state["plan"]), dict(state.get("config_marks") or {})
+    else:
+        plan, marks = make_plan(state["config"], state["session_id"], state.get("launch"))
+    crash(rt, "plan")
+    audit(rt, state, "plan", "session.plan", harness=plan.harness, declared_paths=plan.declared_paths,
+          network=plan.network, allow_presets=plan.allow_presets, allow_domains=plan.allow_domains,
+          deny_domains=plan.deny_domains, wall_clock_limit_s=plan.wall_clock_limit_s, identity=plan.identity,
+          sources=state["config"].get("sources", {}))
+    # Who gets what the agent makes is decided now, by whoever starts the session: not by whoever
+    # later runs 'session recover' (their SUDO_UID is not the session's human).
+    return {"plan": plan.model_dump(), "status": "running", "reason": "", "cell_id": f"agentcell-{plan.session_id}",
+            "config_marks": marks, "root_ids": ids([state["config"]["project_root"], *plan.declared_paths]),
+            "human": session_human(state["config"]["project_root"]) if plan.identity.isdigit() else None}
+
+
+def compile_state(rt: Runtime, state: SessionState, identity: str | None = None) -> dict[str, Any]:
+    from ...policy.models import SessionPlan
+
+    plan = SessionPlan.model_validate(state["plan"])
+    return compile_policy(plan, rt.environ, state["config"]["project_root"], identity)
+
+
+def policy(rt: Runtime, state: SessionState) -> dict[str, Any]:
+    """The policy the plan compiles to; the one ``session start`` compiled, when it hands one in."""
+    policy = state.get("policy") or compile_state(rt, state)
+    crash(rt, "policy")
+    audit(rt, state, "policy", "session.policy", os_user=policy["os_user"], write_paths=policy["write_paths"],
+          read_paths=policy["read_paths"], env_allowlist=policy["env_allowlist"],
+          firewall_rule=policy["firewall_rule"], risk=state["plan"].get("risk"), limits=policy["limits"],
+          limits_from=state["config"].get("sources", {}).get("limits"), home=policy["home_dir"] or "tmpfs",
+          ceilings="on" if state["config"].get("ceilings", True) else "off")
+    return {"policy": policy}
+
+
+def preflight(rt: Runtime, state: SessionState) -> dict[str, Any]:
+    """The backup: no backup, no agent."""
+    from ...snapshot.store import SnapshotError, Store
+
+    inject(rt, "preflight", SnapshotError)
+    store = Store(state["config"].get("backup_dir"))
+    paths = written_paths(state)
+    # A copy-on-write workspace is never written: its change set is on disk from the start, so
+    # the project needs no backup (the other declared paths still get theirs).
+    backup = store.take(paths) if paths else None
+    crash(rt, "preflight")
+    audit(rt, state, "preflight", "session.preflight", backup_id=backup, store=store.path, paths=paths,
+          workspace=state["config"].get("workspace", "direct"))
+    return {"backup_id": backup}
+
+
+def abort(rt: Runtime, state: SessionState) -> dict[str, Any]:
+    reason = state.get("reason") or "aborted"
+    if state.get("backup_id"):
+        reason += f"; the backup {state['backup_id']} is kept"
+    update: dict[str, Any] = {"status": "aborted", "reason": reason}
+    update.update(audit_quietly(rt, state, "abort", "session.abort", reason=update["reason"],
+                                backup_id=state.get("backup_id")))
+    return update

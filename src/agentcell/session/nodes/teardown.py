@@ -1,0 +1,230 @@
+"""terminate → cleanup → audit: the cell ended, everything made for the session undone, the last record.
+They never raise, and work from the checkpointed state alone when the supervisor's handles are gone
+(``session recover``)."""
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from ... import caches
+from ...cell import cgroups
+from ...errors import AgentcellError
+from .. import envfiles
+from ..planning import session_human
+from ..records import Account, Grant, Surface, of
+from ..state import FINAL, MAX_EVENTS, Runtime, SessionState
+from .account import ephemeral_left, persistent, revoke
+from .kit import audit_quietly, crash, line, written_paths
+
+
+def terminate(rt: Runtime, state: SessionState) -> dict[str, Any]:
+    """End the cell (freeze, then kill) whatever brought us here, and collect its result."""
+    sid = state["session_id"]
+    cell = rt.cells.pop(sid, None)
+    update: dict[str, Any] = {}
+    if state.get("status") not in FINAL:
+        update["status"] = "terminated"
+    if rt.status_line:
+        import sys
+
+        sys.stderr.write("\r\033[K")
+    result = state.get("result")
+    if cell is not None:
+        if cell.poll() is None:
+            cell.terminate(state.get("reason") or "terminated")
+        result = cell.wait()
+    elif state.get("cell_id"):
+        cgroups.kill_by_name(state["cell_id"])
+    if result is not None:
+        update["result"] = {k: v for k, v in result.items() if k != "events"}
+        update["events"] = list(result.get("events", []))[:MAX_EVENTS]
+    crash(rt, "terminate")
+    update.update(audit_quietly(rt, state, "terminate", "session.terminate",
+                                status=update.get("status", state.get("status")),
+                                reason=state.get("reason"),
+                                exit_status=(result or {}).get("exit_status"),
+                                events=len(update.get("events", []))))
+    return update
+
+
+def cleanup(rt: Runtime, state: SessionState) -> dict[str, Any]:
+    """Undo everything made for the session: firewall table, ACL grants, the per-session account.
+    Works from the state alone; each problem is reported, none stops the rest."""
+    from ...accounts import acl, ephemeral
+    from ...accounts.commands import Commands
+
+    cmds = Commands()
+    sid = state["session_id"]
+    problems: list[str] = []
+    fw = rt.firewalls.pop(sid, None)
+    try:
+        if fw is not None:
+            fw[0].remove()
+            fw[1].close()
+        elif table := state.get("firewall_table"):
+            from ...network import firewall
+
+            firewall.HostFirewall(table, os.path.join(firewall.RECORDS, table)).remove()
+    except OSError as e:
+        problems.append(f"firewall: {e}")
+    account = of(Account, state.get("account"))
+    warnings = _quarantine(state, account)
+    agent = (state.get("config") or {}).get("agent")
+    rw = list((state.get("policy") or {}).get("rw_paths", []))
+    recorded, human = state.get("grants"), state.get("human")
+    grants = None if recorded is None else [g for g in (of(Grant, r) for r in recorded) if g is not None]
+    if account is None and os.geteuid() == 0 and state.get("policy"):  # the account node did not finish
+        try:
+            if agent:
+                account, human, rw = persistent(agent, rw)  # never its own shares
+            else:
+                account = ephemeral_left(sid)
+        except (OSError, AgentcellError) as e:
+            problems.append(f"account: {line(e)}")
+    if human is None and account is not None and account.kind == "ephemeral":
+        try:  # recorded at plan time; a session that predates that: found again now
+            human = session_human(state["config"]["project_root"])
+        except (OSError, AgentcellError) as e:
+            problems.append(f"the agent's files are left to root: {line(e)}")
+    cache = state.get("cache_dir") or _cache_left(state)
+    if cache and state.get("escape"):  # nothing an agent ended at an escape wrote is built with next time
+        try:
+            caches.discard(cache)
+            warnings.append("the project's toolchain cache was emptied: the session ended at an escape, and "
+                            "what it wrote there would be the next session's build tools")
+            cache = None
+        except (OSError, AgentcellError) as e:
+            problems.append(f"toolchain cache: not emptied after the escape ({line(e)}): "
+                            "'agentcell cache clear --project' removes it")
+    if account is not None and account.kind in ("ephemeral", "agent"):
+        if grants is None:  # crashed while granting: revoke wherever it may have granted
+            grants = [Grant(p, ()) for p in rw]
+        problems += revoke(cmds, account, grants)
+        give_to = (human[0], human[1]) if human else None
+        paths = [g.path for g in grants]
+        if (state.get("config") or {}).get("workspace") == "copy":
+            try:  # the change set becomes the project owner's, as the agent's work in the project would
+                from ... import workspace
+
+                problems += workspace.give_back(sid, account.uid, account.gid)
+            except (OSError, AgentcellError) as e:
+                problems.append(f"workspace: {line(e)}")
+        if account.kind == "ephemeral" and cache:
+            try:  # what it made in the cache goes back to root before its number is freed
+                problems += acl.reassign(cmds, account.uid, account.gid, 0, 0, cache)
+            except (OSError, AgentcellError) as e:  # (the account is deleted all the same)
+                problems.append(f"toolchain cache: {line(e)}")
+        try:
+            if account.kind == "ephemeral":
+                ephemeral.delete(ephemeral.Account(account.name, account.uid, account.gid, sid), cmds,
+                                 paths=paths, give_to=give_to or (0, 0))
+            else:
+                from ...accounts.accounts import defuse_home
+
+                home = (state.get("policy") or {}).get("home_dir")
+                if home:
+                    warnings += defuse_home(home, account.uid, account.gid)
+                if give_to is not None:
+                    for p in paths:
+                        problems += acl.reassign(cmds, account.uid, account.gid, give_to[0], give_to[1],
+                                                 p)
+        except (OSError, AgentcellError) as e:
+            problems.append(line(e))
+    if state.get("cell_id"):
+        problems += cgroups.remove_by_name(state["cell_id"])
+    from ...harness import seed
+
+    problems += seed.remove(sid)
+    warnings += state.get("seed_notes") or []
+    crash(rt, "cleanup")
+    warnings += [f"{f} was {'created' if was is None else 'changed'} during the session: the next session "
+                 "reads it; review it first" for f, was in (state.get("config_marks") or {}).items()
+                 if envfiles.fingerprint(f) != was]
+    update: dict[str, Any] = {"problems": problems, "warnings": list(dict.fromkeys(warnings))}
+    update.update(audit_quietly(rt, state, "cleanup", "session.cleanup", problems=problems,
+                                account=account.name if account else None))
+    return update
+
+
+def _quarantine(state: SessionState, account: Account | None) -> list[str]:
+    """Move aside what the agent created on the control surface (the run protocol's step,
+    :func:`agentcell.protect.check.compare`, from the scan spawn checkpointed); say what it changed there.
+    Before the account is deleted: what moves must be the account's."""
+    from ...protect.check import compare, lines
+
+    guard, policy = of(Surface, state.get("protect")), state.get("policy") or {}
+    if guard is None:
+        return []
+    human = state.get("human")
+    try:  # whatever the agent left for the scan to read, teardown goes on
+        found = compare(
+            {k: tuple(v) for k, v in guard.before.items()}, guard.truncated, guard.since_ns,
+            state.get("cell_id", ""), tuple(written_paths(state)), tuple(policy.get("allow_write", ())),
+            (*policy.get("ro_paths", ()), *policy.get("masked_paths", ())),
+            _owner(account), (human[0], human[1]) if human else None, guard.meanings)
+    except Exception as e:  # noqa: BLE001 - a teardown that stops here leaves the account behind
+        return [f"the protected paths could not be checked ({type(e).__name__}: {line(e)}): review "
+                "repositories and agent config in the declared paths before you use them"]
+    out = lines(found, "the agent", lift_hint=False)
+    out += _set_aside_config(state, guard, account, (human[0], human[1]) if human else None)
+    if found["scan_truncated"]:
+        out.append("the declared paths hold more than the protected-path scan covers: review repositories and "
+                   "agent config in them before you use them")
+    return out
+
+
+def audit(rt: Runtime, state: SessionState) -> dict[str, Any]:
+    """The session's last record: how it ended, and what it tried beyond its policy."""
+    escape = state.get("escape")
+    crash(rt, "audit")
+    update: dict[str, Any] = {"finished": True, "ended_at": time.time()}
+    update.update(audit_quietly(rt, state, "audit", "session.end", status=state.get("status"),
+                                reason=state.get("reason"), escape=escape,
+                                backup_id=state.get("backup_id"),
+                                exit_status=(state.get("result") or {}).get("exit_status"),
+                                problems=state.get("problems", [])))
+    return update
+
+
+def _cache_left(state: SessionState) -> str | None:
+    """The cache a session that crashed before its spawn returned may have handed to its account."""
+    cfg = state.get("config") or {}
+    if cfg.get("cache") is False or not cfg.get("project_root"):
+        return None
+    tree = caches.tree_of(cfg["project_root"], cfg.get("agent"))
+    return tree if os.path.isdir(tree) and not os.path.islink(tree) else None
+
+
+def _set_aside_config(state: SessionState, guard: Surface, account: Account | None,
+                      give_to: tuple[int, int] | None) -> list[str]:
+    """Env files and session configuration the agent created in the declared paths: the next session and
+    the human's tools load them (a ``.env`` setting ``CODEX_HOME=./.codex`` runs the project's config the
+    next time the human starts Codex; ``WALL_CLOCK_LIMIT_S``), so they are the human's to accept: moved
+    into the quarantine box, as created git hooks and harness config are. The ones that existed were
+    hidden (env files) or read-only (``agentcell.toml``) in the cell."""
+    from ...protect import check, surface
+
+    policy = state.get("policy") or {}
+    rw = tuple(policy.get("rw_paths", ()))
+    before = set(guard.env_files or ())
+    now, _ = envfiles.dotenv_files(list(rw))
+    # (an example file documents the variables: no tool loads it)
+    created = [f for f in now if f not in before and not f.endswith((".example", ".sample", ".template", ".dist"))
+               and f"/{surface.QUARANTINE_DIR}" not in f]  # (nor what was just moved aside)
+    created += [f for f, was in (state.get("config_marks") or {}).items()
+                if was is None and os.path.basename(f) == "agentcell.toml" and os.path.lexists(f)]
+    if not created:
+        return []
+    moved, failed = check.set_aside(sorted(set(created)), state.get("cell_id", ""), rw, owner_uid=_owner(account),
+                                      since_ns=guard.since_ns, give_to=give_to)
+    out = [f"the agent created {old}, which the next session or your tools load (an env file, the session's "
+           f"configuration); it was moved to {new}: move it back if you accept it" for old, new in moved]
+    out += [f"the agent created {f}, which the next session or your tools load, and it could not be moved aside: "
+            "review it before you use the project" for f in failed]
+    return out
+
+
+def _owner(account: Account | None) -> int | None:
+    """Whose files the cell's were: the agent's account (none when the user ran it as themself)."""
+    return account.uid if account is not None and account.kind != "self" else None
