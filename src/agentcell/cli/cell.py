@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import sys
 from argparse import REMAINDER, Namespace, RawDescriptionHelpFormatter
 from typing import TYPE_CHECKING
@@ -91,8 +90,7 @@ def _connect(name: str) -> _socket.socket:
 
 
 def start(ns: Namespace) -> int:
-    from ..host import server, warm
-    from ..host.remote import RemoteLive
+    from ..host.remote import RemoteHost
     from . import run
     from .runargs import live_monitor
 
@@ -107,31 +105,16 @@ def start(ns: Namespace) -> int:
         pass  # none runs: the name is free
     else:
         raise AgentcellError("--name", f"a live cell named {name} runs already", f"stop it: {PROG} stop --name {name}")
-    proc = warm.serve_detached(path, lambda fd: server.command("--listen", str(fd), "--path", path, "--name", name,
-                                                               "--idle", str(idle)), 16)
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
-    s.connect(path)
-    try:
-        live = RemoteLive.handshake(s, None, spec, monitor)
-    except AgentcellError:
-        os.waitpid(proc.pid, 0)  # it refused the cell and leaves: ours to reap
-        raise
-    except BaseException:  # ended before the cell was handed over (SIGTERM, ^C): the host takes it down
-        import signal
-
-        s.close()
-        os.kill(proc.pid, signal.SIGTERM)  # (not proc.terminate(): Popen counts it as gone already)
-        os.waitpid(proc.pid, 0)
-        raise
-    info = {"name": name, "cell_id": live.cell_id, "pid1": live.pid1, "host_pid": proc.pid, "socket": path,
+    live, host_pid = RemoteHost.open_named(spec, monitor, path, name, idle)
+    info = {"name": name, "cell_id": live.cell_id, "pid1": live.pid1, "host_pid": host_pid, "socket": path,
             "monitor": monitor, "network": spec.network}
     if ns.json:
         print(json.dumps(info))
     else:
         watched = "watched" if monitor else "unwatched"
-        print(f"live cell {name} started: {live.cell_id} (host pid {proc.pid}, {watched}); run commands with "
+        print(f"live cell {name} started: {live.cell_id} (host pid {host_pid}, {watched}); run commands with "
               f"'{PROG} exec --name {name} -- CMD', stop it with '{PROG} stop --name {name}'")
-    s.close()
+    live.release()
     return 0
 
 

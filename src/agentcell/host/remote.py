@@ -390,6 +390,27 @@ class RemoteHost:
             proc.wait()
             raise
 
+    @staticmethod
+    def open_named(spec: CellSpec, monitor: str | None, path: str, name: str, idle_s: float) -> tuple[RemoteLive, int]:
+        """A live cell whose host outlives us (``agentcell cell start``): it listens at ``path`` for clients of
+        our uid, and leaves after ``stop`` or ``idle_s`` seconds without a command. (The cell, the host's pid.)"""
+        from . import server, warm
+
+        proc = warm.serve_detached(path, lambda fd: server.command("--listen", str(fd), "--path", path, "--name",
+                                                                   name, "--idle", str(idle_s)), 16)
+        s = _socket.socket(_socket.AF_UNIX, _socket.SOCK_SEQPACKET | _socket.SOCK_CLOEXEC)
+        s.connect(path)
+        try:
+            return RemoteLive.handshake(s, None, spec, monitor), proc.pid
+        except AgentcellError:
+            os.waitpid(proc.pid, 0)  # it refused the cell and leaves: ours to reap
+            raise
+        except BaseException:  # ended before the cell was handed over (SIGTERM, ^C): the host takes it down
+            s.close()
+            os.kill(proc.pid, SIGTERM)  # (not proc.terminate(): Popen counts it as gone already)
+            os.waitpid(proc.pid, 0)
+            raise
+
     def close(self) -> None:
         """End every cell started here and stop a private launcher. Each cell's end is read before its
         connection goes: a plain cell's protected-path step is this client's, taken when its end comes
@@ -536,6 +557,10 @@ class RemoteLive:
                 wire.send(self._sock, {"op": "stop"})
             except OSError:
                 pass
+
+    def release(self) -> None:
+        """Let go of a named cell's connection; the cell stays (``agentcell cell start`` is done)."""
+        self._sock.close()
 
     def close(self, timeout: float | None = 30.0) -> dict[str, Any] | None:
         self.terminate("closed")
