@@ -59,7 +59,23 @@ class CellCompleted:
             raise subprocess.CalledProcessError(self.returncode, self.args, self.stdout, self.stderr)
 
 
-class CellProcess:
+class _Process:
+    """What a command's handle does alike in a fresh cell and in a live one: ``send_signal`` and the
+    two signals named, until its end has been taken."""
+
+    _result: dict[str, Any] | None
+
+    def send_signal(self, sig: int) -> None:
+        raise NotImplementedError
+
+    def terminate(self) -> None:
+        self.send_signal(_signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(_signal.SIGKILL)
+
+
+class CellProcess(_Process):
     """A command running in its own cell (from :meth:`Cell.spawn`)."""
 
     def __init__(self, cell: CellHandle, args: list[str]) -> None:
@@ -73,12 +89,6 @@ class CellProcess:
     def send_signal(self, sig: int) -> None:
         if self._result is None:
             self.cell.signal(int(sig))
-
-    def terminate(self) -> None:
-        self.send_signal(_signal.SIGTERM)
-
-    def kill(self) -> None:
-        self.send_signal(_signal.SIGKILL)
 
     def poll(self) -> int | None:
         if self._result is None:
@@ -188,7 +198,7 @@ class Cell:
         )
 
 
-class LiveProcess:
+class LiveProcess(_Process):
     """A command running in a live cell (from :meth:`LiveCell.spawn`)."""
 
     def __init__(self, cell: LiveCell, cid: int, args: list[str], waiting: queue.Queue[dict[str, Any]]) -> None:
@@ -198,12 +208,6 @@ class LiveProcess:
     def send_signal(self, sig: int) -> None:
         if self._result is None:
             self._cell.live.signal(self.id, int(sig))
-
-    def terminate(self) -> None:
-        self.send_signal(_signal.SIGTERM)
-
-    def kill(self) -> None:
-        self.send_signal(_signal.SIGKILL)
 
     def poll(self) -> int | None:
         if self._result is None:
