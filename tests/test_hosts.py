@@ -232,3 +232,54 @@ def test_a_live_cell_refuses_what_it_does_not_take() -> None:
             monitor(*flags)
     assert monitor() == "terminate" and monitor("--on-escape", "record") == "record"
     assert monitor("--no-monitor") is None
+
+
+@needs_root
+def test_a_lost_launcher_still_takes_the_protected_path_step(user: User, project: os.PathLike[str]) -> None:
+    """The launcher killed under a plain cell: the cell dies with it, and what it planted on the control
+    surface before is still moved aside (the step is the client's, and the end it reads is the loss)."""
+    import signal
+    import time
+    from pathlib import Path
+
+    from agentcell.cli import run
+    from agentcell.errors import LaunchError
+
+    root = Path(project)
+    spec = run.build_spec(run.parse(["--as", str(user.uid), "--rw", str(root), "--cwd", str(root), "--", "true"]))
+    with Cell(spec, prewarm=False) as cell:
+        p = cell.spawn(["sh", "-c", "echo '{}' > .mcp.json; sleep 60"], stdout=os.open(os.devnull, os.O_WRONLY))
+        for _ in range(200):
+            if (root / ".mcp.json").exists():
+                break
+            time.sleep(0.05)
+        os.kill(cell.host._proc.pid, signal.SIGKILL)  # type: ignore[attr-defined]  # (the default RemoteHost's)
+        try:
+            with pytest.raises(LaunchError, match="launcher"):
+                p.wait(30)
+        finally:  # the launcher died before it could remove the cell's groups (a later launch sweeps them)
+            _remove_groups_of(p.id)
+    assert not (root / ".mcp.json").exists()
+    assert any((b / ".mcp.json").exists() for b in root.glob(".agentcell-quarantine-*")), list(root.iterdir())
+
+
+def _remove_groups_of(cell_id: str) -> None:
+    from agentcell.cell import cgroups
+
+    record = os.path.join(cgroups.records_dir(), cell_id)
+    for _ in range(100):  # its processes are killed with the launcher, and leave their groups at once
+        try:
+            with open(record) as f:
+                dirs = [d for d in f.read().split("\n") if d]
+        except FileNotFoundError:
+            return
+        try:
+            for d in dirs:
+                if os.path.isdir(d):
+                    os.rmdir(d)
+            os.unlink(record)
+            return
+        except OSError:
+            import time
+
+            time.sleep(0.05)

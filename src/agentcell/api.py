@@ -235,7 +235,7 @@ class LiveProcess(_Process):
     def _take(self, ev: dict[str, Any]) -> None:
         live = self._cell.live
         if ev.get("event") == "error":  # the host refused the request (it never ran)
-            from .host.remote import error_from
+            from .host.wire import error_from
 
             live.forget(self.id)
             raise error_from(ev)

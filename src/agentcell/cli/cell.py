@@ -120,7 +120,7 @@ def start(ns: Namespace) -> int:
 
 def exec_(ns: Namespace) -> int:
     from ..api import CellEnded, LiveCell
-    from ..host.remote import RemoteLive
+    from ..host.liveclient import RemoteLive
 
     env: dict[str, str] = {}
     for kv in ns.env:

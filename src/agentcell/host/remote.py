@@ -33,11 +33,12 @@ from . import wire
 
 if TYPE_CHECKING:
     import subprocess
-    from collections.abc import Sequence
+    from collections.abc import Callable, Sequence
     from typing import Any
 
     from ..protect.check import SurfaceCheck
     from .base import StartOptions
+    from .liveclient import RemoteLive
 
 SIGKILL = 9
 SIGTERM = 15
@@ -98,14 +99,6 @@ def supervised(spec: CellSpec, monitor: str | None) -> bool:
     return monitor is not None or spec.watch or spec.network in ("proxy", "host-firewall")
 
 
-def error_from(msg: dict[str, Any]) -> AgentcellError:
-    """The host's ``{"event": "error", "field", "message", "code"}`` as the error it reports."""
-    field = str(msg.get("field") or "")
-    err = AgentcellError(field, str(msg.get("message") or "").removeprefix(f"{field}: "))
-    err.exit_code = int(msg.get("code") or 125)
-    return err
-
-
 def host_env() -> dict[str, str]:
     """A launcher's or cell host's environment: almost nothing of its caller's (each cell's comes with its
     policy): a PATH with sbin (a cell host runs nft), a language, and where its sockets live."""
@@ -128,9 +121,42 @@ def _popen(argv: list[str], stdio: Sequence[int | None], pass_fds: Sequence[int]
         raise LaunchError("host", f"cannot start the cell's host: {e.strerror}") from None
 
 
+def serve_detached(path: str, argv: Callable[[int], list[str]], backlog: int) -> subprocess.Popen[bytes]:
+    """Start ``argv(listening fd)``, a server of ours that outlives us (init reaps it), listening on
+    ``path``: a SOCK_SEQPACKET socket of mode 0600 in a directory only we may enter (a stale socket
+    of a server that is gone is replaced). Its environment is a host's (:func:`host_env`)."""
+    import subprocess
+
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    listener = _socket.socket(_socket.AF_UNIX, _socket.SOCK_SEQPACKET | _socket.SOCK_CLOEXEC)
+    try:
+        listener.bind(path)
+        os.chmod(path, 0o600)
+        listener.listen(backlog)
+        proc = subprocess.Popen(argv(listener.fileno()), pass_fds=[listener.fileno()], start_new_session=True,
+                                cwd="/", close_fds=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, env=host_env())
+    finally:
+        listener.close()
+    proc.returncode = 0  # it outlives us on purpose; init reaps it
+    return proc
+
+
 def _pair() -> tuple[_socket.socket, _socket.socket]:
     a, b = _socket.socketpair(_socket.AF_UNIX, _socket.SOCK_SEQPACKET | _socket.SOCK_CLOEXEC)
     return a, b
+
+
+def _surface(spec: CellSpec, options: StartOptions | None) -> SurfaceCheck | None:
+    """The protected-path step's first half, when the caller asked for the step (``options.guard``)."""
+    if options is None or not options.guard:
+        return None
+    from ..protect.check import SurfaceCheck, human
+
+    return SurfaceCheck(spec, human())
 
 
 class RemoteCell:
@@ -146,7 +172,9 @@ class RemoteCell:
         self._eof = False
         self.cell_id, self.pid1 = "", 0
         self.timed_out = self.was_lost = False
-        self.surface: SurfaceCheck | None = None  # the protected-path step, when it is this client's
+        # The protected-path step, when it is this client's: always for a launcher's plain cell; for a
+        # supervised one (whose host takes it) only if that host is lost before it could.
+        self.surface: SurfaceCheck | None = None
 
     def _begin(self, request: dict[str, Any], fds: Sequence[int]) -> RemoteCell:
         """Send the request, read up to the cell's start; an error reply is raised as the host said it."""
@@ -164,7 +192,7 @@ class RemoteCell:
                 raise HostUnavailable("cell", "the cell's host ended before the cell started")
             if msg.get("event") == "error":
                 self.close()
-                raise error_from(msg)
+                raise wire.error_from(msg)
             if msg.get("event") == "started":
                 self.cell_id, self.pid1 = str(msg.get("cell_id") or ""), int(msg.get("pid1") or 0)
                 return self
@@ -193,7 +221,7 @@ class RemoteCell:
             self._stats = msg["stats"]
         elif event == self._last:
             self._result = dict(msg["result"])
-            if self.surface is not None:
+            if self.surface is not None and not self.supervised:
                 self.surface.check(self._result, self.cell_id)
 
     def _drain(self, timeout: float | None = 0) -> None:
@@ -246,6 +274,8 @@ class RemoteCell:
                 self._result = {"exit_status": None, "signal": None, "error": "the cell's host ended unexpectedly",
                                 "events": list(self._events)}
                 self.close()
+                if self.surface is not None:  # the cell died with its host; what it planted is still there
+                    self.surface.check(self._result, self.cell_id)
                 return self._result
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
@@ -343,10 +373,7 @@ class RemoteHost:
             if self.launcher is None:
                 raise ValueError("a plain cell is a launcher's: RemoteHost('private') or RemoteHost('warm')")
             cell = self._track(RemoteCell(self._connection(), None, False))
-            if options is not None and options.guard:  # a launcher's cell has nothing beside it: the step is ours
-                from ..protect.check import SurfaceCheck, human
-
-                cell.surface = SurfaceCheck(spec, human())
+            cell.surface = _surface(spec, options)  # a launcher's cell has nothing beside it: the step is ours
             return cell._begin({"op": "spawn", "id": 1, "spec": spec_to_dict(spec), "argv": args}, stdio)
         request: dict[str, Any] = {"op": "run", "spec": spec_to_dict(spec), "argv": args, "monitor": monitor,
                                    "guard": False}
@@ -355,7 +382,9 @@ class RemoteHost:
             request.update(options.wire())
             extra = options.fds()
         if self.launcher is not None and not extra:  # the launcher forks the cell's host, on these stdio
-            return self._track(RemoteCell(self._connection(), None, True))._begin(request, stdio)
+            cell = self._track(RemoteCell(self._connection(), None, True))
+            cell.surface = _surface(spec, options)
+            return cell._begin(request, stdio)
         from . import server
 
         ours, theirs = _pair()
@@ -372,6 +401,7 @@ class RemoteHost:
     def open(self, spec: CellSpec, *, monitor: str | None = "terminate") -> RemoteLive:
         """A live cell of its own cell host, tied to this process (its end ends the cell)."""
         from . import server
+        from .liveclient import RemoteLive
 
         ours, theirs = _pair()
         try:
@@ -394,9 +424,10 @@ class RemoteHost:
     def open_named(spec: CellSpec, monitor: str | None, path: str, name: str, idle_s: float) -> tuple[RemoteLive, int]:
         """A live cell whose host outlives us (``agentcell cell start``): it listens at ``path`` for clients of
         our uid, and leaves after ``stop`` or ``idle_s`` seconds without a command. (The cell, the host's pid.)"""
-        from . import server, warm
+        from . import server
+        from .liveclient import RemoteLive
 
-        proc = warm.serve_detached(path, lambda fd: server.command("--listen", str(fd), "--path", path, "--name",
+        proc = serve_detached(path, lambda fd: server.command("--listen", str(fd), "--path", path, "--name",
                                                                    name, "--idle", str(idle_s)), 16)
         s = _socket.socket(_socket.AF_UNIX, _socket.SOCK_SEQPACKET | _socket.SOCK_CLOEXEC)
         s.connect(path)
@@ -430,152 +461,3 @@ class RemoteHost:
 
 
 _DEVNULL = -3  # subprocess.DEVNULL, without importing subprocess on the warm path
-
-
-class RemoteLive:
-    """The client of a live cell's host (:mod:`.server`): one connection, a reader thread that hands each
-    command's messages to its waiter, the monitor's events, the cell's end. Thread-safe."""
-
-    def __init__(self, sock: _socket.socket, proc: subprocess.Popen[bytes] | None, cell_id: str, pid1: int) -> None:
-        import queue
-        import threading
-
-        self._sock, self._proc, self.cell_id, self.pid1 = sock, proc, cell_id, pid1
-        self._queue = queue.Queue
-        self._lock = threading.Lock()
-        self._pending: dict[int, Any] = {}
-        self._next = 0
-        self._events: list[dict[str, Any]] = []
-        self.ended: str | None = None
-        self.result: dict[str, Any] | None = None
-        self._done = threading.Event()
-        threading.Thread(target=self._reader, name="agentcell-live-reader", daemon=True).start()
-
-    @classmethod
-    def handshake(cls, sock: _socket.socket, proc: subprocess.Popen[bytes] | None, spec: CellSpec,
-                  monitor: str | None) -> RemoteLive:
-        """Open the cell on a connection to its host (a fresh one, or a named cell's listener)."""
-        from ..protect.check import human
-
-        wire.send(sock, {"op": "open", "spec": spec_to_dict(spec), "monitor": monitor, "give_to": human()})
-        msg, _ = wire.recv(sock)
-        if msg is None:
-            raise LaunchError("cell", "the cell's host ended before the cell started")
-        if msg.get("event") == "error":
-            raise error_from(msg)
-        return cls(sock, proc, str(msg["cell_id"]), int(msg["pid1"]))
-
-    @classmethod
-    def connect(cls, sock: _socket.socket) -> RemoteLive:
-        """A client of a named cell's host (``agentcell cell``), already open."""
-        from ..errors import CellEnded
-
-        wire.send(sock, {"op": "status"})
-        msg, _ = wire.recv(sock)
-        if msg is None or msg.get("event") != "status":
-            raise CellEnded("the cell's host did not answer")
-        if msg.get("ended"):
-            raise CellEnded(str(msg["ended"]))
-        return cls(sock, None, str(msg["cell_id"]), int(msg["pid1"]))
-
-    def _reader(self) -> None:
-        while True:
-            msg, fds = wire.recv_or_gone(self._sock)
-            for fd in fds:
-                os.close(fd)
-            if msg is None or msg.get("event") == "ended":
-                if msg is not None:
-                    self.result = msg.get("result")
-                self.ended = str(msg["reason"]) if msg is not None else self.ended or "the cell's host died"
-                with self._lock:
-                    waiting = list(self._pending.values())
-                for q in waiting:
-                    q.put({"event": "lost"})
-                self._done.set()
-                if msg is None:
-                    return
-                continue
-            if msg.get("event") in ("escape", "note"):
-                self._events.append(msg["data"])
-                continue
-            cid = msg.get("id")
-            if msg.get("event") == "exit" and msg.get("ended") and self.ended is None:
-                # The cell's end cut this command short: said before the command's own end is delivered,
-                # for whoever looks at the cell once its command has returned.
-                self.ended = str(msg["ended"])
-            one = self._pending.get(cid) if isinstance(cid, int) else None
-            if one is not None and msg.get("event") != "started":
-                one.put(msg)
-
-    def events(self) -> list[dict[str, Any]]:
-        return list(self._events)
-
-    def exec(self, argv: list[str], fds: Sequence[int], *, env: dict[str, str], cwd: str | None,
-             timeout: float | None) -> tuple[int, Any]:
-        """Start ``argv`` on ``fds`` (stdin, stdout, stderr); (its id, the queue its messages come to:
-        ``exit``, ``error``, or ``lost`` once the cell has ended)."""
-        from ..errors import CellEnded
-
-        with self._lock:
-            self._next += 1
-            cid = self._next
-            waiting = self._pending[cid] = self._queue()
-        try:
-            wire.send(self._sock, {"op": "exec", "id": cid, "argv": argv, "env": env, "cwd": cwd,
-                                   "timeout": timeout}, list(fds))
-        except OSError:
-            self.forget(cid)
-            raise CellEnded(self.ended or "the cell's host has gone") from None
-        except BaseException:
-            self.forget(cid)
-            raise
-        return cid, waiting
-
-    def signal(self, cid: int, sig: int) -> None:
-        from ..errors import CellEnded
-
-        try:
-            wire.send(self._sock, {"op": "signal", "id": cid, "sig": int(sig)})
-        except OSError:
-            raise CellEnded(self.ended or "the cell's host has gone") from None
-
-    def forget(self, cid: int) -> None:
-        with self._lock:
-            self._pending.pop(cid, None)
-
-    def poll(self) -> dict[str, Any] | None:
-        return self.result if self._done.is_set() else None
-
-    def wait(self, timeout: float | None = None) -> dict[str, Any] | None:
-        self._done.wait(timeout)
-        return self.result
-
-    def terminate(self, reason: str) -> None:
-        """End the cell (commands still running are killed); its host reports ``stopped (asked to stop)``."""
-        if self.ended is None:
-            try:
-                wire.send(self._sock, {"op": "stop"})
-            except OSError:
-                pass
-
-    def release(self) -> None:
-        """Let go of a named cell's connection; the cell stays (``agentcell cell start`` is done)."""
-        self._sock.close()
-
-    def close(self, timeout: float | None = 30.0) -> dict[str, Any] | None:
-        self.terminate("closed")
-        self._done.wait(timeout)
-        try:
-            self._sock.shutdown(_socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self._sock.close()
-        if self._proc is not None:
-            import subprocess
-
-            try:
-                self._proc.wait(timeout)
-            except subprocess.TimeoutExpired:  # our own child: its cell dies with it
-                self._proc.kill()
-                self._proc.wait()
-        return self.result

@@ -13,18 +13,15 @@ terminal's session. The launcher exits after ``--idle`` seconds without work.
 """
 from __future__ import annotations
 
-import _socket
 import os
 import time
 
 from .. import hostfs
 from ..cell.spec import TYPE_CHECKING, CellSpec
-from .remote import WARM_SOCKET, HostUnavailable, RemoteHost, ask, connect_warm
+from .remote import WARM_SOCKET, HostUnavailable, RemoteHost, ask, connect_warm, serve_detached
 
 if TYPE_CHECKING:
     import signal
-    import subprocess
-    from collections.abc import Callable
     from typing import Any
 else:  # see launch.py
     import _signal as signal
@@ -91,32 +88,6 @@ def start(idle_s: float) -> tuple[int, bool]:
             break
         time.sleep(0.01)
     return proc.pid, True
-
-
-def serve_detached(path: str, argv: Callable[[int], list[str]], backlog: int) -> subprocess.Popen[bytes]:
-    """Start ``argv(listening fd)``, a server of ours that outlives us (init reaps it), listening on
-    ``path``: a SOCK_SEQPACKET socket of mode 0600 in a directory only we may enter (a stale socket
-    of a server that is gone is replaced). Its environment is a host's (:func:`.remote.host_env`)."""
-    import subprocess
-
-    from . import remote
-
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-    listener = _socket.socket(_socket.AF_UNIX, _socket.SOCK_SEQPACKET | _socket.SOCK_CLOEXEC)
-    try:
-        listener.bind(path)
-        os.chmod(path, 0o600)
-        listener.listen(backlog)
-        proc = subprocess.Popen(argv(listener.fileno()), pass_fds=[listener.fileno()], start_new_session=True,
-                                cwd="/", close_fds=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL, env=remote.host_env())
-    finally:
-        listener.close()
-    proc.returncode = 0  # it outlives us on purpose; init reaps it
-    return proc
 
 
 def stop() -> int | None:

@@ -18,6 +18,7 @@ import struct
 
 from ..cell.handoff import pack_fds, unpack_fds
 from ..cell.spec import TYPE_CHECKING
+from ..errors import AgentcellError
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -111,3 +112,11 @@ def shares_our_namespaces(pid: int) -> bool:
     except OSError:
         return False  # gone, or not ours to inspect: refuse
     return True
+
+
+def error_from(msg: dict[str, Any]) -> AgentcellError:
+    """The host's ``{"event": "error", "field", "message", "code"}`` as the error it reports."""
+    field = str(msg.get("field") or "")
+    err = AgentcellError(field, str(msg.get("message") or "").removeprefix(f"{field}: "))
+    err.exit_code = int(msg.get("code") or 125)
+    return err
