@@ -950,6 +950,45 @@ def test_recover_acts_only_on_what_agentcell_made_for_that_session(env: Env, use
     assert subprocess.run(["id", user.name], capture_output=True).returncode == 0  # untouched
 
 
+def test_the_checkpoint_holds_the_typed_state_as_plain_data_and_reads_an_older_ones_mappings(tmp_path: Path) -> None:
+    """Configuration, plan, policy, launch, escape and result go into the checkpoint as tagged plain data
+    (no class to import, no secret value) and come back as what they were; an older checkpoint's mappings
+    are read as the same records; ``plain`` gives the mappings ``session show`` always printed."""
+    import dataclasses
+
+    from agentcell.policy.models import SandboxPolicy
+    from agentcell.session import config, planning, records, state
+
+    os.chown(tmp_path, 65534, 65534)  # (a project of root's wants a sudo user: not this test's subject)
+    cfg = config.load({"harness": "shell", "network": "none"}, environ={"LANG": "C"}, cwd=str(tmp_path))
+    cfg = dataclasses.replace(cfg, secrets={"ANTHROPIC_API_KEY": "sk-not-in-the-checkpoint"})
+    plan, _marks = planning.make_plan(cfg.as_dict(), "20261130-000000-abcdef")
+    policy = planning.compile_policy(plan, {"LANG": "C"}, cfg.project_root)
+    result = {"exit_status": 0, "signal": None, "duration_s": 1.5, "cell_id": "agentcell-x", "timed_out": False,
+              "error": None, "limits_hit": None, "cpu_s": 0.1, "events": [{"operation": "read"}],
+              "monitor_sources": ["exec"]}
+    lost = {"exit_status": None, "signal": None, "error": "the cell's host ended unexpectedly", "events": []}
+    launch = {"env": {"A": "b"}, "path": None, "interactive": False, "api_host": None,
+              "files": [{"path": "p", "content": "c", "home": True, "env": None}]}
+    escape = {"session_id": "s", "operation": "read", "target": "/etc/shadow", "reason": "r", "pid": 5,
+              "exe": "/bin/cat", "source": "canary", "ts": 1.0, "ancestry": [[1, "/bin/sh", "sh"]]}
+    old = {"config": cfg.as_dict(), "plan": plan.model_dump(), "policy": policy, "result": result, "lost": lost,
+           "launch": launch, "escape": escape}
+    kinds = {"config": config.SessionConfig, "plan": type(plan), "policy": SandboxPolicy, "result": records.Result,
+             "lost": records.Result, "launch": records.Launch, "escape": records.Escape}
+    typed = {k: records.record(kinds[k], v) for k, v in old.items()}
+    serde = state.Serde()
+    kind, data = serde.dumps_typed(typed)
+    assert b"sk-not-in-the-checkpoint" not in data
+    assert b"agentcell.policy" not in data and b"agentcell.session" not in data  # (no class to import)
+    back = serde.loads_typed((kind, data))
+    for k, v in old.items():
+        assert type(back[k]) is kinds[k] and type(records.of(kinds[k], v)) is kinds[k], k
+        assert json.loads(json.dumps(records.plain(back[k]))) == json.loads(json.dumps(v)), k
+    assert state.config_of(back).secrets == {"ANTHROPIC_API_KEY": records.SECRET_PLACEHOLDER}
+    assert records.plain(back["result"].without_events()) == {k: v for k, v in result.items() if k != "events"}
+
+
 def test_session_show_names_who_tried_from_the_cells_pid_1_down(env: Env) -> None:
     """A credential in /root, read by cat under a shell: the session ends there, and ``session show``
     prints the event with its chain of processes."""

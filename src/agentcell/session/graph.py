@@ -35,7 +35,7 @@ from ..errors import AgentcellError
 from .nodes import account, firewall, monitor, plan, spawn, teardown
 from .nodes.kit import SpawnCrash, TelemetryLost, on_error
 from .records import Supervisor
-from .state import FINAL, Runtime, SessionState, start_time, supervisor_alive
+from .state import FINAL, Runtime, SessionState, config_of, start_time, supervisor_alive
 
 Graph = CompiledStateGraph[SessionState, Any, SessionState, SessionState]
 
@@ -121,7 +121,7 @@ def run(graph: Graph, state: SessionState) -> SessionState:
     """Run a new session to its end; the final state."""
     sid = state["session_id"]
     initial: SessionState = {**state, "supervisor": Supervisor(os.getpid(), start_time(os.getpid()))}
-    limit = int(state["config"].get("wall_clock_limit_s") or 3600)
+    limit = int(config_of(state).wall_clock_limit_s or 3600)
     out: SessionState = graph.invoke(initial, _config(sid, limit), durability="sync")  # type: ignore[assignment]
     return out
 

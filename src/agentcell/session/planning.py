@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import PolicyError
 from . import envfiles
-from .state import SECRET_PLACEHOLDER
+from .records import SECRET_PLACEHOLDER
 
 if TYPE_CHECKING:
     from ..policy.models import SessionPlan

@@ -74,8 +74,11 @@ def _check_egress_flags(cfg: Any, network: str) -> None:
 
 def run(p: Prepared) -> dict[str, Any]:
     """The session, from its plan to its audit: its summary (:func:`.report.summary`)."""
+    from ..policy.models import SandboxPolicy
     from . import graph, state
+    from .config import SessionConfig
     from .planning import compile_policy
+    from .records import Launch, record
 
     cfg, launch, sid = p.config, p.launch, p.session_id
     for note in (*cfg.notes, *launch.notes):
@@ -99,9 +102,9 @@ def run(p: Prepared) -> dict[str, Any]:
     if list(plan.keep_env) != sorted(cfg.secrets):  # the keys the proxy injects are not passed through
         plan = plan.model_copy(update={"keep_env": sorted(cfg.secrets)})
         policy = compile_policy(plan, dict(os.environ), cfg.project_root)
-    final = graph.run(g, {"session_id": sid, "config": cfg.as_dict(), "argv": launch.argv,
-                          "launch": launch.as_dict(), "plan": plan.model_dump(), "config_marks": p.marks,
-                          "policy": policy})
+    final = graph.run(g, {"session_id": sid, "config": record(SessionConfig, cfg.as_dict()), "argv": launch.argv,
+                          "launch": record(Launch, launch.as_dict()), "plan": plan, "config_marks": p.marks,
+                          "policy": record(SandboxPolicy, policy)})
     return summary(dict(final))
 
 
@@ -206,7 +209,7 @@ def check_env_file_untouched(path: str) -> None:
     could write (its project, its declared paths): a root-owned file the agent rewrote through its
     grant and renamed there looks like root's own once the grant is gone. Checked against the
     sessions this state dir records."""
-    from . import graph
+    from . import graph, state
 
     real = os.path.realpath(path)
     ancestors: dict[tuple[int, int], str] = {}  # by identity too: a former project renamed since
@@ -224,9 +227,8 @@ def check_env_file_untouched(path: str) -> None:
     try:
         for sid in graph.session_ids(conn):
             st = graph.load(g, sid) or {}
-            cfg = st.get("config") or {}
-            places = [cfg.get("project_root") or "", *(cfg.get("declared_paths") or []),
-                      *((st.get("policy") or {}).get("rw_paths") or [])]
+            cfg, policy = state.config_of(st), state.policy_of(st)
+            places = [cfg.project_root, *cfg.declared_paths, *(policy.rw_paths if policy else ())]
             hit = next((place for place in (os.path.realpath(p) for p in places if p)
                         if real == place or real.startswith(place.rstrip("/") + "/")), None)
             hit = hit or next((ancestors[(i[0], i[1])] for i in st.get("root_ids") or []

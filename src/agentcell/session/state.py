@@ -1,7 +1,7 @@
 """What a session carries from node to node (checkpointed), what only its supervisor holds (not), and
 where sessions are kept.
 
-The state is plain data (the models as their ``model_dump``) and frozen records (:mod:`.records`, stored
+The state is plain data, frozen records and the configuration, plan and policy (:mod:`.records`, stored
 as tagged plain data): LangGraph's SQLite checkpointer stores it after every node, and ``agentcell session
 recover`` must be able to read it in another process and finish the teardown from it alone. Secret values
 never enter it (the checkpoint database would keep them): the policy's environment holds a placeholder
@@ -16,14 +16,29 @@ import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Annotated, Any, Literal, TypedDict
 
-from .records import RECORDS, TAG, Account, Grant, Supervisor, Surface, from_plain, of, plain, to_plain
+from ..policy.models import SandboxPolicy, SessionPlan
+from .config import SessionConfig
+from .records import (
+    TAG,
+    Account,
+    Escape,
+    Grant,
+    Launch,
+    Result,
+    Supervisor,
+    Surface,
+    from_plain,
+    of,
+    plain,
+    stored,
+    to_plain,
+)
 
 if TYPE_CHECKING:
     from ..host.base import CellHandle, CellHost
 
 Status = Literal["running", "completed", "terminated", "aborted"]
 FINAL: tuple[str, ...] = ("completed", "terminated", "aborted")
-SECRET_PLACEHOLDER = "<secret: filled in at spawn>"
 FAULTS_ENV = "AGENTCELL_TEST_FAULTS"  # the fault-injection hook (tests): "preflight=2,account=1,audit@spawn=1"
 MAX_EVENTS = 100  # the monitor's events a session keeps
 
@@ -35,13 +50,13 @@ def add_events(kept: list[dict[str, Any]], more: list[dict[str, Any]]) -> list[d
 
 class SessionState(TypedDict, total=False):
     session_id: str
-    config: dict[str, Any]  # SessionConfig.as_dict()
+    config: SessionConfig  # its secrets by name only (records.SECRET_PLACEHOLDER values)
     argv: list[str]  # what the cell runs
-    launch: dict[str, Any]  # the harness's launch (harness.profiles.Launch as data): env, path, files, api_host
+    launch: Launch  # the harness's launch: env, path, files, api_host
     seed_notes: list[str]  # what --home-from left out
     supervisor: Supervisor  # the process running the graph
-    plan: dict[str, Any]  # SessionPlan
-    policy: dict[str, Any]  # SandboxPolicy (secret values replaced by SECRET_PLACEHOLDER)
+    plan: SessionPlan
+    policy: SandboxPolicy  # secret values replaced by records.SECRET_PLACEHOLDER
     backup_id: str | None
     account: Account | None
     human: list[int] | None  # uid, gid: who gets what the agent made in the declared paths
@@ -54,9 +69,9 @@ class SessionState(TypedDict, total=False):
     harness_pid: int | None
     started_at: float
     deadline: float  # wall-clock time (time.time()) at which the session ends, reason timeout
-    escape: dict[str, Any] | None  # EscapeEvent: the first attempt that terminated the session
+    escape: Escape | None  # the first attempt that terminated the session
     events: Annotated[list[dict[str, Any]], add_events]  # what the monitor saw (CellEvent as data)
-    result: dict[str, Any] | None  # the cell's result (exit status, signal, duration, events)
+    result: Result | None  # the cell's result (exit status, signal, duration, events)
     status: Status
     reason: str
     config_marks: dict[str, str | None]  # .env / agentcell.toml inside a declared path: SHA-256 (None: absent)
@@ -100,6 +115,20 @@ class Runtime:
         return False
 
 
+def config_of(state: SessionState) -> SessionConfig:
+    """The session's configuration (an older checkpoint's mapping read as one; none: the defaults)."""
+    return of(SessionConfig, state.get("config")) or SessionConfig()
+
+
+def plan_of(state: SessionState) -> SessionPlan | None:
+    return of(SessionPlan, state.get("plan"))
+
+
+def policy_of(state: SessionState) -> SandboxPolicy | None:
+    """The session's policy, once its policy node has run."""
+    return of(SandboxPolicy, state.get("policy"))
+
+
 def parse_faults(text: str) -> dict[str, int]:
     from ..errors import PolicyError
 
@@ -127,7 +156,7 @@ def _to_text(obj: Any) -> Any:
             return obj
         except UnicodeEncodeError:
             return _TAG + obj.encode("utf-8", "surrogateescape").hex()
-    if type(obj) in RECORDS.values():
+    if stored(obj):
         obj = to_plain(obj)
     if isinstance(obj, dict):
         return {_to_text(k): _to_text(v) for k, v in obj.items()}

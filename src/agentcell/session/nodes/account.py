@@ -9,7 +9,7 @@ from typing import Any
 from ...errors import AgentcellError
 from ..planning import session_human
 from ..records import Account, Grant
-from ..state import Runtime, SessionState
+from ..state import Runtime, SessionState, config_of, policy_of
 from .kit import InjectedFault, audit, crash, inject, line, written_paths
 from .plan import compile_state
 
@@ -20,13 +20,14 @@ def account(rt: Runtime, state: SessionState) -> dict[str, Any]:
 
     inject(rt, "account", InjectedFault)
     cmds = Commands()
-    cfg, policy = state["config"], state["policy"]
+    cfg, policy = config_of(state), policy_of(state)
+    assert policy is not None  # (the policy node ran)
     update: dict[str, Any] = {}
     if os.geteuid() != 0:
-        account = Account("self", policy["os_user"], os.geteuid(), os.getegid(), "")
+        account = Account("self", policy.os_user, os.geteuid(), os.getegid(), "")
         grants: list[Grant] = []
-    elif cfg.get("agent"):
-        account, human, wanted = persistent(cfg["agent"], written_paths(state))
+    elif cfg.agent:
+        account, human, wanted = persistent(cfg.agent, written_paths(state))
         update["human"] = human
         grants = grant(cmds, account, wanted)
     else:
@@ -36,7 +37,7 @@ def account(rt: Runtime, state: SessionState) -> dict[str, Any]:
         account = Account("ephemeral", made.name, made.uid, made.gid, made.name)
         grants = []
         try:
-            update["human"] = state.get("human") or session_human(cfg["project_root"])
+            update["human"] = state.get("human") or session_human(cfg.project_root)
             grants = grant(cmds, account, written_paths(state))
             update["policy"] = compile_state(rt, state, identity=str(made.uid))
         except BaseException:  # undone here, so that the retry starts clean

@@ -13,7 +13,8 @@ from langgraph.types import Command
 from ... import hostfs
 from ...audit.trail import AuditLog, AuditWriteError
 from ...errors import AgentcellError
-from ..state import Runtime, SessionState
+from ..records import Escape
+from ..state import Runtime, SessionState, config_of, policy_of
 
 UNWRITABLE_AUDIT = "/proc/agentcell-fault/audit.jsonl"  # /proc takes no new files: a real write failure
 
@@ -35,7 +36,7 @@ def line(e: BaseException) -> str:
 
 
 def audit(rt: Runtime, state: SessionState, node: str, event: str, **details: Any) -> None:
-    path = (state.get("config") or {}).get("audit_log_path")
+    path = config_of(state).audit_log_path
     if rt.fault(f"audit@{node}"):
         path = UNWRITABLE_AUDIT
     AuditLog(path).append(event, session=state["session_id"], **details)
@@ -84,21 +85,21 @@ def on_error(node: str, route: str) -> Callable[[SessionState, NodeError], Comma
 
 def escape_record(state: SessionState, operation: str, target: str, reason: str, *, source: str,
                   pid: int | None = None, exe: str | None = None, ts: float | None = None,
-                  ancestry: list[Any] | None = None) -> dict[str, Any]:
+                  ancestry: list[Any] | None = None) -> Escape:
     from ...policy.models import EscapeEvent
 
     ev = EscapeEvent(session_id=state["session_id"], operation=operation,  # type: ignore[arg-type]
                      target=target, reason=reason, pid=pid, exe=exe or None, source=source,
                      ts=ts or time.time(), ancestry=[tuple(a) for a in ancestry or []])
-    return ev.model_dump()
+    return Escape(**ev.model_dump())
 
 
 def written_paths(state: SessionState) -> list[str]:
     """The declared paths the agent writes on the host: all of them, but the project in a copy-on-write
     workspace (its writes go to the change set)."""
-    rw = list((state.get("policy") or {}).get("rw_paths", []))
-    cfg = state.get("config") or {}
-    if cfg.get("workspace") == "copy":
-        project = os.path.realpath(cfg["project_root"])
+    policy, cfg = policy_of(state), config_of(state)
+    rw = list(policy.rw_paths if policy else [])
+    if cfg.workspace == "copy":
+        project = os.path.realpath(cfg.project_root)
         return [p for p in rw if not hostfs.within(os.path.realpath(p), project)]
     return rw

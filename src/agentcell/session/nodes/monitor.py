@@ -6,7 +6,8 @@ import time
 from typing import Any
 
 from ...audit.trail import AuditLog, AuditWriteError
-from ..state import Runtime, SessionState
+from ..records import Result, plain
+from ..state import Runtime, SessionState, config_of, policy_of
 from .kit import TelemetryLost, audit, crash, escape_record, inject
 
 AUDIT_MIN_FREE = 1 << 20  # bytes left where the trail is, below which a running session stops
@@ -42,25 +43,26 @@ def monitor(rt: Runtime, state: SessionState) -> dict[str, Any]:
                                ts=escape.get("ts"), ancestry=escape.get("ancestry"))
             try:
                 audit(rt, state, "monitor", "session.escape", allow=escape.get("allow", ""),
-                      **{k: v for k, v in ev.items() if k != "session_id"})
+                      **{k: v for k, v in plain(ev).items() if k != "session_id"})
                 unrecorded: dict[str, Any] = {}
             except AuditWriteError as e:  # the escape is still the session's verdict, and says so
                 unrecorded = {"audit_error": e.line()}
-            who = f" by {os.path.basename(ev['exe'] or '?')} (pid {ev['pid']})" if ev["pid"] else ""
-            return {"status": "terminated", "reason": f"escape: {ev['operation']} {ev['target']}{who}: "
-                    f"{ev['reason']}" + (" (not in the audit log: it cannot be written)" if unrecorded else ""),
+            who = f" by {os.path.basename(ev.exe or '?')} (pid {ev.pid})" if ev.pid else ""
+            return {"status": "terminated", "reason": f"escape: {ev.operation} {ev.target}{who}: "
+                    f"{ev.reason}" + (" (not in the audit log: it cannot be written)" if unrecorded else ""),
                     "escape": ev, **unrecorded}
         if result is not None:
             audit(rt, state, "monitor", "session.exit", exit_status=result["exit_status"],
                   signal=result["signal"])
-            return {"status": "completed", "reason": f"exit {result['exit_status']}", "result": result}
+            return {"status": "completed", "reason": f"exit {result['exit_status']}",
+                    "result": Result.of(result)}
         if sid in rt.stop_requested:
             why = rt.stop_requested[sid]
             audit(rt, state, "monitor", "session.stop", reason=why)
             return {"status": "terminated", "reason": f"stopped: {why}"}
         if time.time() >= state["deadline"]:
             audit(rt, state, "monitor", "session.timeout",
-                  wall_clock_limit_s=state["policy"]["wall_clock_limit_s"])
+                  wall_clock_limit_s=getattr(policy_of(state), "wall_clock_limit_s", None))
             return {"status": "completed", "reason": "timeout"}
         if time.monotonic() >= until:
             break
@@ -80,7 +82,7 @@ def monitor(rt: Runtime, state: SessionState) -> dict[str, Any]:
 
 def _audit_room(state: SessionState) -> None:
     """The trail's file system still has room: a session stops before its records are lost."""
-    path = AuditLog((state.get("config") or {}).get("audit_log_path")).path
+    path = AuditLog(config_of(state).audit_log_path).path
     try:
         st = os.statvfs(os.path.dirname(path))
     except OSError as e:

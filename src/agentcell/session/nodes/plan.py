@@ -2,50 +2,54 @@
 before anything exists."""
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..planning import compile_policy, ids, make_plan, session_human
-from ..state import Runtime, SessionState
+from ..records import plain, record
+from ..state import Runtime, SessionState, config_of, plan_of, policy_of
 from .kit import audit, audit_quietly, crash, inject, written_paths
+
+if TYPE_CHECKING:
+    from ...policy.models import SandboxPolicy
 
 
 def plan(rt: Runtime, state: SessionState) -> dict[str, Any]:
     """The request, from the configuration and the harness profile (pure). ``session start`` planned
     already, to refuse bad input before anything exists: it hands its plan in."""
-    from ...policy.models import SessionPlan
-
-    if state.get("plan"):
-        plan, marks = SessionPlan.model_validate(state["plan"]), dict(state.get("config_marks") or {})
+    cfg, given = config_of(state), plan_of(state)
+    if given is not None:
+        plan, marks = given, dict(state.get("config_marks") or {})
     else:
-        plan, marks = make_plan(state["config"], state["session_id"], state.get("launch"))
+        plan, marks = make_plan(cfg.as_dict(), state["session_id"], plain(state.get("launch")))
     crash(rt, "plan")
     audit(rt, state, "plan", "session.plan", harness=plan.harness, declared_paths=plan.declared_paths,
           network=plan.network, allow_presets=plan.allow_presets, allow_domains=plan.allow_domains,
           deny_domains=plan.deny_domains, wall_clock_limit_s=plan.wall_clock_limit_s, identity=plan.identity,
-          sources=state["config"].get("sources", {}))
+          sources=cfg.sources)
     # Who gets what the agent makes is decided now, by whoever starts the session: not by whoever
     # later runs 'session recover' (their SUDO_UID is not the session's human).
-    return {"plan": plan.model_dump(), "status": "running", "reason": "", "cell_id": f"agentcell-{plan.session_id}",
-            "config_marks": marks, "root_ids": ids([state["config"]["project_root"], *plan.declared_paths]),
-            "human": session_human(state["config"]["project_root"]) if plan.identity.isdigit() else None}
+    return {"plan": plan, "status": "running", "reason": "", "cell_id": f"agentcell-{plan.session_id}",
+            "config_marks": marks, "root_ids": ids([cfg.project_root, *plan.declared_paths]),
+            "human": session_human(cfg.project_root) if plan.identity.isdigit() else None}
 
 
-def compile_state(rt: Runtime, state: SessionState, identity: str | None = None) -> dict[str, Any]:
-    from ...policy.models import SessionPlan
+def compile_state(rt: Runtime, state: SessionState, identity: str | None = None) -> SandboxPolicy:
+    from ...policy.models import SandboxPolicy  # noqa: F811 - (the class, not only its name)
 
-    plan = SessionPlan.model_validate(state["plan"])
-    return compile_policy(plan, rt.environ, state["config"]["project_root"], identity)
+    plan = plan_of(state)
+    assert plan is not None  # (the plan node ran)
+    return record(SandboxPolicy, compile_policy(plan, rt.environ, config_of(state).project_root, identity))
 
 
 def policy(rt: Runtime, state: SessionState) -> dict[str, Any]:
     """The policy the plan compiles to; the one ``session start`` compiled, when it hands one in."""
-    policy = state.get("policy") or compile_state(rt, state)
+    policy, plan, cfg = policy_of(state) or compile_state(rt, state), plan_of(state), config_of(state)
     crash(rt, "policy")
-    audit(rt, state, "policy", "session.policy", os_user=policy["os_user"], write_paths=policy["write_paths"],
-          read_paths=policy["read_paths"], env_allowlist=policy["env_allowlist"],
-          firewall_rule=policy["firewall_rule"], risk=state["plan"].get("risk"), limits=policy["limits"],
-          limits_from=state["config"].get("sources", {}).get("limits"), home=policy["home_dir"] or "tmpfs",
-          ceilings="on" if state["config"].get("ceilings", True) else "off")
+    audit(rt, state, "policy", "session.policy", os_user=policy.os_user, write_paths=policy.write_paths,
+          read_paths=policy.read_paths, env_allowlist=policy.env_allowlist,
+          firewall_rule=policy.firewall_rule, risk=plan.risk if plan else None, limits=policy.limits.model_dump(),
+          limits_from=cfg.sources.get("limits"), home=policy.home_dir or "tmpfs",
+          ceilings="on" if cfg.ceilings else "off")
     return {"policy": policy}
 
 
@@ -54,14 +58,14 @@ def preflight(rt: Runtime, state: SessionState) -> dict[str, Any]:
     from ...snapshot.store import SnapshotError, Store
 
     inject(rt, "preflight", SnapshotError)
-    store = Store(state["config"].get("backup_dir"))
+    store = Store(config_of(state).backup_dir)
     paths = written_paths(state)
     # A copy-on-write workspace is never written: its change set is on disk from the start, so
     # the project needs no backup (the other declared paths still get theirs).
     backup = store.take(paths) if paths else None
     crash(rt, "preflight")
     audit(rt, state, "preflight", "session.preflight", backup_id=backup, store=store.path, paths=paths,
-          workspace=state["config"].get("workspace", "direct"))
+          workspace=config_of(state).workspace)
     return {"backup_id": backup}
 
 

@@ -12,19 +12,19 @@ from ... import caches, hostfs
 from ...cell.spec import DEFAULT_PATH
 from ...errors import AgentcellError
 from .. import envfiles, gitcell
-from ..records import Surface
-from ..state import SECRET_PLACEHOLDER, Runtime, SessionState
+from ..records import SECRET_PLACEHOLDER, Launch, Surface, of
+from ..state import Runtime, SessionState, config_of, policy_of
 from .kit import SpawnCrash, audit, crash, inject, line, written_paths
 
 
 def spawn(rt: Runtime, state: SessionState) -> dict[str, Any]:
-    from ...policy.models import SandboxPolicy
     from ...protect import surface
     from .. import spawn
 
     inject(rt, "spawn", SpawnCrash)
     sid = state["session_id"]
-    policy = SandboxPolicy.model_validate(state["policy"])
+    policy = policy_of(state)
+    assert policy is not None  # (the policy node ran)
     spec = policy.to_cell_spec()
     env = tuple((k, rt.secrets.get(k, "") if v == SECRET_PLACEHOLDER else v) for k, v in spec.env)
     spec = spec.replace(env=env)
@@ -35,7 +35,7 @@ def spawn(rt: Runtime, state: SessionState) -> dict[str, Any]:
     before, truncated = surface.surface(written)
     env_files = envfiles.dotenv_files(list(written))[0]  # (what exists is hidden in the cell; see cleanup)
     ws_dir = None
-    if state["config"].get("workspace") == "copy":
+    if config_of(state).workspace == "copy":
         spec, ws_dir = _workspace(state, spec)
     git = _git(state, spec.rw_paths)
     ours = [("gitconfig", git["config"], False)]
@@ -66,7 +66,7 @@ def spawn(rt: Runtime, state: SessionState) -> dict[str, Any]:
     now = time.time()
     crash(rt, "spawn")
     audit(rt, state, "spawn", "session.spawn", cell_id=cell.cell_id, pid1=pid1, argv0=state["argv"][0],
-          uid=policy.identity.uid, seed=seed_dir, home_from=state["config"].get("home_from"),
+          uid=policy.identity.uid, seed=seed_dir, home_from=config_of(state).home_from,
           git_identity=f"{git['name']} <{git['email']}>", git_identity_from=git["from"],
           git_safe_directories=git["safe"], cache=cache_dir, workspace=ws_dir)
     return {"harness_pid": pid1, "cell_id": cell.cell_id, "started_at": now, "cache_dir": cache_dir,
@@ -79,18 +79,18 @@ def _workspace(state: SessionState, spec: Any) -> tuple[Any, str]:
     """The project as a copy-on-write view (agentcell.workspace): made once; a retried spawn finds it."""
     from ... import workspace
 
-    cfg, sid = state["config"], state["session_id"]
-    project = os.path.realpath(cfg["project_root"])
+    cfg, sid = config_of(state), state["session_id"]
+    project = os.path.realpath(cfg.project_root)
     st = os.stat(project)
     human = state.get("human") or [st.st_uid, st.st_gid]
-    include = list(cfg.get("workspace_include") or [])
+    include = list(cfg.workspace_include)
     # What the cell masks in the project is left out of the copy, but what the human names with
     # --workspace-include (their .env, say): that is theirs to give.
     inside = [m for m in spec.masked_paths if hostfs.within(m, project) and m != project
               and os.path.relpath(m, project) not in include]
     ws = workspace.create(sid, project, owner=(int(human[0]), int(human[1])),
                           account=(spec.identity.uid, spec.identity.gid), include=include, masked=inside,
-                          trail=cfg.get("audit_log_path"))
+                          trail=cfg.audit_log_path)
     # The copy is the whole project: declared paths inside it are in it; those outside stay as they are.
     rw = (project, *(p for p in spec.rw_paths if not hostfs.within(p, project)))
     spec = spec.replace(workspace=ws, rw_paths=rw, masked_paths=tuple(m for m in spec.masked_paths
@@ -101,11 +101,11 @@ def _workspace(state: SessionState, spec: Any) -> tuple[Any, str]:
 def _cache(state: SessionState, uid: int, gid: int) -> tuple[str | None, list[str]]:
     """The project's toolchain caches (:mod:`agentcell.caches`), handed to the session's account;
     none with --cache off. A store that cannot be used is said, and the session runs cold."""
-    cfg = state["config"]
-    if cfg.get("cache") is False:
+    cfg = config_of(state)
+    if not cfg.cache:
         return None, []
     try:
-        tree, left = caches.prepare(cfg["project_root"], cfg.get("agent"), (uid, gid))
+        tree, left = caches.prepare(cfg.project_root, cfg.agent, (uid, gid))
     except (OSError, AgentcellError) as e:
         return None, [f"toolchain caches: none this session ({line(e)})"]
     return tree, left
@@ -119,15 +119,14 @@ def _git(state: SessionState, rw_paths: tuple[str, ...]) -> dict[str, Any]:
     repos = surface.repositories(rw_paths)
     human = state.get("human")
     uid = human[0] if human else None if os.geteuid() == 0 else os.getuid()  # rootless: the user is the human
-    name, email, where = gitcell.identity(state["config"].get("git_identity"), uid, repos,
-                                          state["config"]["harness"])
+    name, email, where = gitcell.identity(config_of(state).git_identity, uid, repos, config_of(state).harness)
     safe = list(dict.fromkeys((*rw_paths, *repos)))
     out = {"config": gitcell.system_config(safe, name, email), "name": name, "email": email, "from": where,
            "safe": safe}
     from ...harness import profiles
 
     real = shutil.which("git", path=DEFAULT_PATH)
-    if profiles.get(state["config"]["harness"]).git_config_isolated and real:
+    if profiles.get(config_of(state).harness).git_config_isolated and real:
         out["wrapper"] = gitcell.wrapper(os.path.realpath(real), safe)
     return out
 
@@ -139,9 +138,9 @@ def _seed(state: SessionState, uid: int, gid: int, more: tuple[tuple[str, str, b
     session's own (its git configuration). A retried spawn starts it again."""
     from ...harness import seed
 
-    launch = state.get("launch") or {}
-    files = [(f["path"], f["content"], f["home"]) for f in launch.get("files", [])] + list(more)
-    home_from = state["config"].get("home_from")
+    launch = of(Launch, state.get("launch"))
+    files = [(f["path"], f["content"], f["home"]) for f in (launch.files if launch else ())] + list(more)
+    home_from = config_of(state).home_from
     if not files and not home_from:
         return None, []
     seed.remove(state["session_id"])

@@ -12,8 +12,8 @@ from ...cell import cgroups
 from ...errors import AgentcellError
 from .. import envfiles
 from ..planning import session_human
-from ..records import Account, Grant, Surface, of
-from ..state import FINAL, MAX_EVENTS, Runtime, SessionState
+from ..records import Account, Grant, Result, Surface, of, plain
+from ..state import FINAL, MAX_EVENTS, Runtime, SessionState, config_of, policy_of
 from .account import ephemeral_left, persistent, revoke
 from .kit import audit_quietly, crash, line, written_paths
 
@@ -29,21 +29,21 @@ def terminate(rt: Runtime, state: SessionState) -> dict[str, Any]:
         import sys
 
         sys.stderr.write("\r\033[K")
-    result = state.get("result")
+    result = of(Result, state.get("result"))
     if cell is not None:
         if cell.poll() is None:
             cell.terminate(state.get("reason") or "terminated")
-        result = cell.wait()
+        result = Result.of(cell.wait())
     elif state.get("cell_id"):
         cgroups.kill_by_name(state["cell_id"])
     if result is not None:
-        update["result"] = {k: v for k, v in result.items() if k != "events"}
-        update["events"] = list(result.get("events", []))[:MAX_EVENTS]
+        update["result"] = result.without_events()  # the state's events hold them
+        update["events"] = [dict(e) for e in result.events or ()][:MAX_EVENTS]
     crash(rt, "terminate")
     update.update(audit_quietly(rt, state, "terminate", "session.terminate",
                                 status=update.get("status", state.get("status")),
                                 reason=state.get("reason"),
-                                exit_status=(result or {}).get("exit_status"),
+                                exit_status=result.exit_status if result else None,
                                 events=len(update.get("events", []))))
     return update
 
@@ -70,11 +70,11 @@ def cleanup(rt: Runtime, state: SessionState) -> dict[str, Any]:
         problems.append(f"firewall: {e}")
     account = of(Account, state.get("account"))
     warnings = _quarantine(state, account)
-    agent = (state.get("config") or {}).get("agent")
-    rw = list((state.get("policy") or {}).get("rw_paths", []))
+    cfg, policy = config_of(state), policy_of(state)
+    agent, rw = cfg.agent, list(policy.rw_paths if policy else [])
     recorded, human = state.get("grants"), state.get("human")
     grants = None if recorded is None else [g for g in (of(Grant, r) for r in recorded) if g is not None]
-    if account is None and os.geteuid() == 0 and state.get("policy"):  # the account node did not finish
+    if account is None and os.geteuid() == 0 and policy:  # the account node did not finish
         try:
             if agent:
                 account, human, rw = persistent(agent, rw)  # never its own shares
@@ -84,7 +84,7 @@ def cleanup(rt: Runtime, state: SessionState) -> dict[str, Any]:
             problems.append(f"account: {line(e)}")
     if human is None and account is not None and account.kind == "ephemeral":
         try:  # recorded at plan time; a session that predates that: found again now
-            human = session_human(state["config"]["project_root"])
+            human = session_human(cfg.project_root)
         except (OSError, AgentcellError) as e:
             problems.append(f"the agent's files are left to root: {line(e)}")
     cache = state.get("cache_dir") or _cache_left(state)
@@ -103,7 +103,7 @@ def cleanup(rt: Runtime, state: SessionState) -> dict[str, Any]:
         problems += revoke(cmds, account, grants)
         give_to = (human[0], human[1]) if human else None
         paths = [g.path for g in grants]
-        if (state.get("config") or {}).get("workspace") == "copy":
+        if cfg.workspace == "copy":
             try:  # the change set becomes the project owner's, as the agent's work in the project would
                 from ... import workspace
 
@@ -122,7 +122,7 @@ def cleanup(rt: Runtime, state: SessionState) -> dict[str, Any]:
             else:
                 from ...accounts.accounts import defuse_home
 
-                home = (state.get("policy") or {}).get("home_dir")
+                home = policy.home_dir if policy else None
                 if home:
                     warnings += defuse_home(home, account.uid, account.gid)
                 if give_to is not None:
@@ -153,15 +153,15 @@ def _quarantine(state: SessionState, account: Account | None) -> list[str]:
     Before the account is deleted: what moves must be the account's."""
     from ...protect.check import compare, lines
 
-    guard, policy = of(Surface, state.get("protect")), state.get("policy") or {}
+    guard, policy = of(Surface, state.get("protect")), policy_of(state)
     if guard is None:
         return []
     human = state.get("human")
     try:  # whatever the agent left for the scan to read, teardown goes on
         found = compare(
             {k: tuple(v) for k, v in guard.before.items()}, guard.truncated, guard.since_ns,
-            state.get("cell_id", ""), tuple(written_paths(state)), tuple(policy.get("allow_write", ())),
-            (*policy.get("ro_paths", ()), *policy.get("masked_paths", ())),
+            state.get("cell_id", ""), tuple(written_paths(state)), policy.allow_write if policy else (),
+            (*policy.ro_paths, *policy.masked_paths) if policy else (),
             _owner(account), (human[0], human[1]) if human else None, guard.meanings)
     except Exception as e:  # noqa: BLE001 - a teardown that stops here leaves the account behind
         return [f"the protected paths could not be checked ({type(e).__name__}: {line(e)}): review "
@@ -176,23 +176,23 @@ def _quarantine(state: SessionState, account: Account | None) -> list[str]:
 
 def audit(rt: Runtime, state: SessionState) -> dict[str, Any]:
     """The session's last record: how it ended, and what it tried beyond its policy."""
-    escape = state.get("escape")
+    escape, result = state.get("escape"), of(Result, state.get("result"))
     crash(rt, "audit")
     update: dict[str, Any] = {"finished": True, "ended_at": time.time()}
     update.update(audit_quietly(rt, state, "audit", "session.end", status=state.get("status"),
-                                reason=state.get("reason"), escape=escape,
+                                reason=state.get("reason"), escape=plain(escape),
                                 backup_id=state.get("backup_id"),
-                                exit_status=(state.get("result") or {}).get("exit_status"),
+                                exit_status=result.exit_status if result else None,
                                 problems=state.get("problems", [])))
     return update
 
 
 def _cache_left(state: SessionState) -> str | None:
     """The cache a session that crashed before its spawn returned may have handed to its account."""
-    cfg = state.get("config") or {}
-    if cfg.get("cache") is False or not cfg.get("project_root"):
+    cfg = config_of(state)
+    if not cfg.cache or not cfg.project_root:
         return None
-    tree = caches.tree_of(cfg["project_root"], cfg.get("agent"))
+    tree = caches.tree_of(cfg.project_root, cfg.agent)
     return tree if os.path.isdir(tree) and not os.path.islink(tree) else None
 
 
@@ -205,8 +205,8 @@ def _set_aside_config(state: SessionState, guard: Surface, account: Account | No
     hidden (env files) or read-only (``agentcell.toml``) in the cell."""
     from ...protect import check, surface
 
-    policy = state.get("policy") or {}
-    rw = tuple(policy.get("rw_paths", ()))
+    policy = policy_of(state)
+    rw = policy.rw_paths if policy else ()
     before = set(guard.env_files or ())
     now, _ = envfiles.dotenv_files(list(rw))
     # (an example file documents the variables: no tool loads it)
