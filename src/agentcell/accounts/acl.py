@@ -23,6 +23,7 @@ ACLs are read and written as their extended attributes (``system.posix_acl_acces
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import grp
 import os
@@ -257,20 +258,38 @@ def _add(entries: list[Entry], ours: Entry) -> list[Entry]:
     return _with_mask([*rest, ours])
 
 
+@contextlib.contextmanager
+def _one_change_at_a_time() -> Iterator[None]:
+    """An ACL is changed read, modify, write (get it, add or drop our entry, put it back whole): two
+    sessions on one project, one granting while the other revokes, would each write back the ACL they
+    read, and one's entry would be lost (its agent finds the project unwritable mid-session). One change
+    at a time on this host, under root's lock (flock: let go if its holder dies)."""
+    import fcntl
+
+    fd = os.open(os.path.join(hostfs.run_dir(), "acl.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW,
+                 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
 def grant(cmds: Commands, group: str, gid: int, source: str, mode: str) -> bool:
     """Give the group ``mode`` on every entry; False if levels past MAX_DEPTH were left out."""
     perm = "rwX" if mode == "rw" else "rX"
     cmds.show(["setfacl", "-R", "-P", "-n", "-m", f"g:{group}:{perm},d:g:{group}:{perm}", "--", source])
     if cmds.dry_run:
         return True
-    walk = Walk(source)
-    for n in walk:
-        if not (stat.S_ISDIR(n.st.st_mode) or stat.S_ISREG(n.st.st_mode)):
-            continue
-        p = _perm(mode, n.st)
-        put(n.fd, ACCESS, _add(get(n.fd) or base(n.st.st_mode), (GROUP, p, gid)))
-        if stat.S_ISDIR(n.st.st_mode):
-            put(n.fd, DEFAULT, _add(get(n.fd, DEFAULT) or base(n.st.st_mode), (GROUP, p, gid)))
+    with _one_change_at_a_time():
+        walk = Walk(source)
+        for n in walk:
+            if not (stat.S_ISDIR(n.st.st_mode) or stat.S_ISREG(n.st.st_mode)):
+                continue
+            p = _perm(mode, n.st)
+            put(n.fd, ACCESS, _add(get(n.fd) or base(n.st.st_mode), (GROUP, p, gid)))
+            if stat.S_ISDIR(n.st.st_mode):
+                put(n.fd, DEFAULT, _add(get(n.fd, DEFAULT) or base(n.st.st_mode), (GROUP, p, gid)))
     return not walk.too_deep
 
 
@@ -287,11 +306,12 @@ def revoke(cmds: Commands, uid: int, gid: int, source: str, prior: list[str]) ->
         dev, ino, rel = (item.split(" ") + ["", "", ""])[:3]
         if dev.isdigit() and ino.isdigit():
             had_default.add((int(dev), int(ino), os.fsdecode(bytes.fromhex(rel))))
-    walk = Walk(source)
-    for n in walk:
-        if stat.S_ISDIR(n.st.st_mode) or stat.S_ISREG(n.st.st_mode):
-            strip(n, lambda e: (e[0] == USER and e[2] == uid) or (e[0] == GROUP and e[2] == gid),
-                  keep_default=(n.st.st_dev, n.st.st_ino, n.rel) in had_default)
+    with _one_change_at_a_time():
+        walk = Walk(source)
+        for n in walk:
+            if stat.S_ISDIR(n.st.st_mode) or stat.S_ISREG(n.st.st_mode):
+                strip(n, lambda e: (e[0] == USER and e[2] == uid) or (e[0] == GROUP and e[2] == gid),
+                      keep_default=(n.st.st_dev, n.st.st_ino, n.rel) in had_default)
     return [f"{source}: levels below {walk.depth} were not walked"] if walk.too_deep else []
 
 
