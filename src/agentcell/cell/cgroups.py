@@ -273,6 +273,11 @@ class CellCgroup:
         except OSError as e:
             cg.remove()
             raise LaunchError("cgroup", f"{e.filename or ''}: {e.strerror}", "see 'agentcell doctor'") from None
+        except BaseException:  # (a SIGTERM, say, while the groups are being made): none of them is left
+            planned = [f"{top}/{PARENT}/{cell_id}" for top in tops.values()]
+            cg.created = [*cg.created, *(d for d in planned if d not in cg.created and os.path.isdir(d))]
+            cg.remove()
+            raise
 
     def _held(self, limits: Limits, have: set[str]) -> CellCgroup:
         """Fail closed, below a group delegated to the caller: a ceiling asked for whose controller it
