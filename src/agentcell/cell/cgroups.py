@@ -229,13 +229,14 @@ class CellCgroup:
             tops = {"unified": ROOT}
         else:
             tops = {c: f"{ROOT}/{c}" for c in (*V1_CONTROLLERS, "unified")}
+        planned = [f"{top}/{PARENT}/{cell_id}" for top in tops.values()]
         try:
             # Recorded before it exists, so a crash's leftovers can always be found and removed.
             if delegated_to_us is None:
                 hostfs.run_dir("cgroups")
             else:
                 hostfs.private_dir(records_dir())
-            _write_new(cg.record, "\n".join(f"{top}/{PARENT}/{cell_id}" for top in tops.values()) + "\n")
+            _write_new(cg.record, "\n".join(planned) + "\n")
             if kind == "v2":
                 top = tops["unified"]
                 # Only controllers this tree has (on a hybrid host a v2 tree may have none of them).
@@ -274,7 +275,6 @@ class CellCgroup:
             cg.remove()
             raise LaunchError("cgroup", f"{e.filename or ''}: {e.strerror}", "see 'agentcell doctor'") from None
         except BaseException:  # (a SIGTERM, say, while the groups are being made): none of them is left
-            planned = [f"{top}/{PARENT}/{cell_id}" for top in tops.values()]
             cg.created = [*cg.created, *(d for d in planned if d not in cg.created and os.path.isdir(d))]
             cg.remove()
             raise
