@@ -76,6 +76,32 @@ def raise_on_termination() -> None:
     os.register_at_fork(before=block, after_in_parent=restore, after_in_child=default)
 
 
+class forked:  # noqa: N801 - used as a function: `with forked() as pid:`
+    """``os.fork()`` with SIGTERM and SIGHUP held in the parent until the block ends, where one that
+    came is raised: the block records the child first (one raised before that leaves the child to
+    nobody), and one that comes during the fork is not taken in an at-fork hook, where Python prints it
+    and drops it (the command would go on as though never stopped). The child has them as before."""
+
+    def __enter__(self) -> int:
+        import os
+        import signal
+
+        self.mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGHUP})
+        try:
+            pid = os.fork()
+        except BaseException:
+            signal.pthread_sigmask(signal.SIG_SETMASK, self.mask)
+            raise
+        if pid == 0:
+            signal.pthread_sigmask(signal.SIG_SETMASK, self.mask)
+        return pid
+
+    def __exit__(self, *_exc: object) -> None:
+        import signal
+
+        signal.pthread_sigmask(signal.SIG_SETMASK, self.mask)
+
+
 class AgentcellError(Exception):
     """An error a user can fix. ``str()`` is the one-line message printed to them."""
 

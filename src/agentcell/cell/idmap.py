@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 
+from ..errors import forked
 from . import syscalls as sc
 
 
@@ -17,18 +18,18 @@ def userns_fd(uid: tuple[int, int], gid: tuple[int, int]) -> int:
     """A user namespace mapping ``uid[0]`` to ``uid[1]`` and ``gid[0]`` to ``gid[1]`` (only those)."""
     ready_r, ready_w = os.pipe2(os.O_CLOEXEC)
     go_r, go_w = os.pipe2(os.O_CLOEXEC)
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child
-        code = 1
-        try:
-            os.close(ready_r)
-            os.close(go_w)
-            sc.unshare(sc.CLONE_NEWUSER)
-            os.write(ready_w, b"u")
-            os.read(go_r, 1)  # until the maps are written and the namespace is held
-            code = 0
-        finally:
-            os._exit(code)
+    with forked() as pid:
+        if pid == 0:  # pragma: no cover - the child
+            code = 1
+            try:
+                os.close(ready_r)
+                os.close(go_w)
+                sc.unshare(sc.CLONE_NEWUSER)
+                os.write(ready_w, b"u")
+                os.read(go_r, 1)  # until the maps are written and the namespace is held
+                code = 0
+            finally:
+                os._exit(code)
     os.close(ready_w)
     os.close(go_r)
     try:

@@ -18,7 +18,7 @@ import select
 import stat
 import time
 
-from ..errors import EXIT_CANNOT_EXEC, EXIT_NOT_FOUND, EXIT_SETUP, EXIT_TIMEOUT, LaunchError, PolicyError
+from ..errors import EXIT_CANNOT_EXEC, EXIT_NOT_FOUND, EXIT_SETUP, EXIT_TIMEOUT, LaunchError, PolicyError, forked
 from . import (
     canary,
     cgroups,
@@ -325,14 +325,15 @@ def prepare(spec: CellSpec, guards: Guards) -> Prepared:
         outer_uid, outer_gid = os.getuid(), os.getgid()
         # 4. Fork C1. Nothing of the supervisor's but stdio, the status pipe and the hand-off channel
         #    crosses into the cell (a warm launcher holds other cells' channels and its caller's sockets).
-        c1 = os.fork()
-        if c1 == 0:
-            sc.close_fds_except({w, theirs.fileno(), *plan.kept_fds()})
-            _run_child(w, lambda: _cell(spec, plan, w, theirs, outer_uid, outer_gid, cg))
-        plan.release()
-        os.close(w)
-        theirs.close()
-        prepared = Prepared(spec, c1, r, ours, cell_id, cg)
+        #    A SIGTERM meanwhile is raised once C1 is recorded, so that it is taken down.
+        with forked() as c1:
+            if c1 == 0:
+                sc.close_fds_except({w, theirs.fileno(), *plan.kept_fds()})
+                _run_child(w, lambda: _cell(spec, plan, w, theirs, outer_uid, outer_gid, cg))
+            plan.release()
+            os.close(w)
+            theirs.close()
+            prepared = Prepared(spec, c1, r, ours, cell_id, cg)
         if spec.network == "proxy":  # None if the cell failed first: its status pipe says why
             prepared.egress_fd = handoff.recv_fd(ours, b"L")
         if canary.planned(spec):  # None if the cell failed first

@@ -12,6 +12,7 @@ from typing import Any
 
 from ..cell import namespaces
 from ..cell import syscalls as sc
+from ..errors import forked
 from .checks import Check, read_int
 
 NOBODY_UID = 65534
@@ -73,22 +74,22 @@ def run_in_child(body: Callable[[], int], *, as_nobody: bool = False) -> ProbeRe
     if thread_count() > 1:
         return ProbeResult(False, "not probed: this process is multi-threaded and must not fork",
                            probed=False)
-    pid = os.fork()
-    if pid == 0:  # child: never return into the caller's code
-        code = _CHILD_UNEXPECTED
-        try:
-            if as_nobody:
-                try:
-                    _drop_to_nobody()
-                except OSError:
-                    os._exit(_CHILD_DROP_FAILED)
-            code = body()
-        except OSError as e:
-            code = e.errno if e.errno and 0 < e.errno < 200 else _CHILD_UNEXPECTED
-        except BaseException:
+    with forked() as pid:
+        if pid == 0:  # child: never return into the caller's code
             code = _CHILD_UNEXPECTED
-        finally:
-            os._exit(code)
+            try:
+                if as_nobody:
+                    try:
+                        _drop_to_nobody()
+                    except OSError:
+                        os._exit(_CHILD_DROP_FAILED)
+                code = body()
+            except OSError as e:
+                code = e.errno if e.errno and 0 < e.errno < 200 else _CHILD_UNEXPECTED
+            except BaseException:
+                code = _CHILD_UNEXPECTED
+            finally:
+                os._exit(code)
     while True:
         try:
             _, status = os.waitpid(pid, 0)

@@ -7,7 +7,7 @@ import os
 from typing import Any
 
 from .. import hostfs
-from ..errors import AgentcellError
+from ..errors import AgentcellError, forked
 from .changes import marks
 from .store import WorkspaceError, _base_names, _cs, _upper, load
 
@@ -29,41 +29,41 @@ def as_owner(meta: dict[str, Any], fn: Any, *args: Any) -> Any:
                              f"{', '.join(VIEW_OVER)} is a directory outside the project and the state)", "")
     cs = _cs(meta)  # (in agentcell's own directory: its name cannot be swapped by the owner)
     r, w = os.pipe2(os.O_CLOEXEC)
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child
-        code = 1
-        try:
-            os.close(r)
-            # The state directory above the change set need not be the owner's to enter (and git
-            # resolves every path to its real one): in a mount namespace of the child's own, a tmpfs
-            # over a directory the project is not in (/run, say) holds the change set, bound there;
-            # nothing outside the child sees either, and nothing is left on the host.
-            from ..cell import syscalls as sc
-
+    with forked() as pid:
+        if pid == 0:  # pragma: no cover - the child
+            code = 1
             try:
-                sc.unshare(sc.CLONE_NEWNS)
-                sc.mount(None, "/", None, sc.MS_REC | sc.MS_PRIVATE)
-                sc.mount("tmpfs", over, "tmpfs", sc.MS_NOSUID | sc.MS_NODEV, "mode=0755,size=64k")
-                view = os.path.join(over, "agentcell-change-set")
-                os.mkdir(view, 0o755)
-                sc.mount(cs, view, None, sc.MS_BIND)
-                meta["cs"] = view
-                os.setgroups([])
-                os.setresgid(gid, gid, gid)
-                os.setresuid(uid, uid, uid)
-                out = {"ok": fn(*args)}
-            except AgentcellError as e:
-                out = {"error": [e.field, e.problem, e.fix]}
-            except OSError as e:
-                out = {"error": ["workspace", f"{e.filename or ''}: {e.strerror}; nothing was written (what had "
-                                 "been was put back)", "fix the cause and try again"]}
-            except Exception as e:  # noqa: BLE001 - said, not lost with the child
-                out = {"error": ["workspace", f"{type(e).__name__}: {e}", "report this as a bug"]}
-            with os.fdopen(w, "w") as f:
-                json.dump(out, f)
-            code = 0
-        finally:
-            os._exit(code)
+                os.close(r)
+                # The state directory above the change set need not be the owner's to enter (and git
+                # resolves every path to its real one): in a mount namespace of the child's own, a tmpfs
+                # over a directory the project is not in (/run, say) holds the change set, bound there;
+                # nothing outside the child sees either, and nothing is left on the host.
+                from ..cell import syscalls as sc
+
+                try:
+                    sc.unshare(sc.CLONE_NEWNS)
+                    sc.mount(None, "/", None, sc.MS_REC | sc.MS_PRIVATE)
+                    sc.mount("tmpfs", over, "tmpfs", sc.MS_NOSUID | sc.MS_NODEV, "mode=0755,size=64k")
+                    view = os.path.join(over, "agentcell-change-set")
+                    os.mkdir(view, 0o755)
+                    sc.mount(cs, view, None, sc.MS_BIND)
+                    meta["cs"] = view
+                    os.setgroups([])
+                    os.setresgid(gid, gid, gid)
+                    os.setresuid(uid, uid, uid)
+                    out = {"ok": fn(*args)}
+                except AgentcellError as e:
+                    out = {"error": [e.field, e.problem, e.fix]}
+                except OSError as e:
+                    out = {"error": ["workspace", f"{e.filename or ''}: {e.strerror}; nothing was written (what had "
+                                     "been was put back)", "fix the cause and try again"]}
+                except Exception as e:  # noqa: BLE001 - said, not lost with the child
+                    out = {"error": ["workspace", f"{type(e).__name__}: {e}", "report this as a bug"]}
+                with os.fdopen(w, "w") as f:
+                    json.dump(out, f)
+                code = 0
+            finally:
+                os._exit(code)
     os.close(w)
     with os.fdopen(r) as f:
         text = f.read()
