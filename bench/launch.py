@@ -4,8 +4,10 @@
 
 Measures (medians, milliseconds, ratio to bwrap measured in the same sitting):
   * bwrap --unshare-all with a configuration equivalent to agentcell's (same binds, masks, tmpfs);
-  * CLI:       `agentcell run --as UID -- true` (a new Python process per command), building the cell
-               itself (--no-warm), and handing it to a running `agentcell warm` launcher;
+  * CLI:       `agentcell run --as UID -- true` (a new process per command): building the cell itself
+               (--no-warm: the compiled front runs the Python CLI); with a running `agentcell warm`
+               launcher, the compiled front handing the command line to it (the launcher forks the
+               CLI's process, issue 29), and the Python CLI handing it its cell (AGENTCELL_FRONT=off);
   * warm API:  `Cell(spec).run(["true"])` from a long-lived process, calls spaced 50 ms apart as an
                agent's tool calls are (the warm launcher prepares the next cell in between);
   * warm API, back to back (no gap), and without pre-warming, for the record;
@@ -16,7 +18,7 @@ Measures (medians, milliseconds, ratio to bwrap measured in the same sitting):
   * the Codex CLI's own sandbox, `codex sandbox -- true` (bwrap + seccomp, its native binary), when
     it is installed: the harness tests' cache (tests/harnesses.py) or AGENTCELL_CODEX=PATH; issue 14
     asks agentcell run, cold and through the warm launcher, to beat it.
-Targets (issue #2): CLI <= 3x bwrap; warm API <= 1.0x bwrap. Needs root (a throwaway account
+Targets (issues 2 and 29): CLI <= 3x bwrap; warm API <= 1.0x bwrap. Needs root (a throwaway account
 ac-bench<hex> is created and removed) and bwrap (apt package bubblewrap).
 """
 from __future__ import annotations
@@ -149,6 +151,9 @@ def main() -> int:
         cli_mon_warm = [AGENTCELL, "run", "--as", str(pw.pw_uid), "--monitor", "--", "true"]
         env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
         run = lambda argv: subprocess.run(argv, check=True, env=env, stderr=subprocess.DEVNULL)  # noqa: E731
+        python_env = dict(env, AGENTCELL_FRONT="off")  # the compiled front runs the Python CLI at once
+        run_python = lambda argv: subprocess.run(argv, check=True, env=python_env,  # noqa: E731
+                                                 stderr=subprocess.DEVNULL)
         res: dict[str, float] = {}
         # Hardening cost: the same cell without Landlock (best-effort with an unreachable minimum ABI).
         bare = spec.replace(landlock="best-effort", landlock_min_abi=1 << 30)
@@ -161,6 +166,7 @@ def main() -> int:
             subprocess.run([AGENTCELL, "warm", "start"], check=True, capture_output=True)
             try:
                 res["cli_warm_launcher"] = median_ms(lambda: run(cli_warm), args.runs)
+                res["cli_warm_launcher_python"] = median_ms(lambda: run_python(cli_warm), args.runs)
                 res["cli_warm_launcher_spaced"] = median_ms(lambda: run(cli_warm), args.runs, GAP_S)
                 res["cli_monitor_warm_launcher"] = median_ms(lambda: run(cli_mon_warm), args.runs)
             finally:
@@ -189,6 +195,7 @@ def main() -> int:
     ratios = {
         "cli": res["cli"] / res["bwrap"],
         "cli_warm_launcher": res["cli_warm_launcher"] / res["bwrap"],
+        "cli_warm_launcher_python": res["cli_warm_launcher_python"] / res["bwrap"],
         "cli_warm_launcher_spaced": res["cli_warm_launcher_spaced"] / res["bwrap_spaced"],
         "api_warm_spaced": res["api_warm_spaced"] / res["bwrap_spaced"],
         "api_warm_back_to_back": res["api_warm_back_to_back"] / res["bwrap"],
@@ -213,7 +220,8 @@ def main() -> int:
     print(f"  {'bwrap --unshare-all (equivalent binds)':<46}{res['bwrap']:7.2f}")
     print(f"  {'bwrap, spaced 50 ms':<46}{res['bwrap_spaced']:7.2f}")
     rows = [("cli", "agentcell run --no-warm (cold CLI)"),
-            ("cli_warm_launcher", "agentcell run, warm launcher running"),
+            ("cli_warm_launcher", "agentcell run, warm launcher (compiled front)"),
+            ("cli_warm_launcher_python", "  ... the Python CLI (AGENTCELL_FRONT=off)"),
             ("cli_warm_launcher_spaced", "agentcell run, warm launcher, spaced 50 ms"),
             ("api_warm_spaced", "Cell.run, warm, spaced 50 ms"),
             ("api_warm_back_to_back", "Cell.run, warm, back to back"),

@@ -6,7 +6,7 @@ set -euo pipefail
 exec 9<scripts/setup.sh
 flock 9
 
-APT_PACKAGES=(python3 python3-venv python3-dev acl iproute2 nftables bubblewrap procps util-linux libseccomp2 git)
+APT_PACKAGES=(python3 python3-venv python3-dev acl iproute2 nftables bubblewrap procps util-linux libseccomp2 git gcc libc6-dev)
 
 need=()
 for p in "${APT_PACKAGES[@]}"; do
@@ -37,6 +37,15 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "+ .venv/bin/pip install -e '.[dev,mcp,langchain,ray,docs]'"
   .venv/bin/pip install -q --disable-pip-version-check -e '.[dev,mcp,langchain,ray,docs]'
   echo "$want" > "$stamp"
+fi
+
+# The compiled front (front/agentcell.c) is the `agentcell` command: it hands `agentcell run` to a running
+# warm launcher without a Python start, and runs this checkout's Python CLI for everything else.
+if [ "$(head -c2 .venv/bin/agentcell 2>/dev/null)" = "#!" ] || [ front/agentcell.c -nt .venv/bin/agentcell ]; then
+  echo "+ cc -O2 -o .venv/bin/agentcell front/agentcell.c"
+  cc -O2 -Wall -Wextra -Werror -DAGENTCELL_PYTHON="\"$PWD/.venv/bin/python3\"" \
+     -DAGENTCELL_SCRIPT="\"$PWD/bin/agentcell\"" -o .venv/bin/agentcell.new front/agentcell.c
+  mv -f .venv/bin/agentcell.new .venv/bin/agentcell
 fi
 
 flock -u 9

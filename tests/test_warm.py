@@ -1,6 +1,7 @@
 """`agentcell warm`: the per-user launcher `agentcell run` hands its cells to."""
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import shutil
@@ -367,3 +368,82 @@ def test_root_run_leaves_its_runtime_dir_private_so_warm_start_works(user: User)
         for word in pid.replace(",", " ").split():
             if word.isdigit() and _is_launcher(int(word)):
                 os.kill(int(word), signal.SIGKILL)
+
+
+# ---- the compiled front (front/agentcell.c; host/clihost.py) ------------------------------------------
+
+
+def served_by_front(user: User, rt: Path) -> int:
+    p = subprocess.run([*user.prefix(), str(Path(AGENTCELL).parent / "python"), "-c",
+                        "import json; from agentcell.host import warm; print(json.dumps(warm.status()))"],
+                       env={"XDG_RUNTIME_DIR": str(rt), "PATH": "/usr/bin:/bin"}, capture_output=True, text=True)
+    return int(json.loads(p.stdout)["fronts_served"])
+
+
+def test_the_compiled_front_hands_run_to_the_launcher_which_runs_the_cli_as_the_caller(
+        user: User, runtime_dir: Path, project: Path) -> None:
+    """`agentcell` is the compiled front. With a launcher running, `run` is served by a process the
+    launcher forks that takes on the caller's argv, environment, working directory and stdio, and runs
+    the Python CLI's code: what comes out, what is written where and the status are the same as with the
+    front switched off (AGENTCELL_FRONT=off: the Python CLI, which hands its cell to the same launcher)."""
+    assert Path(AGENTCELL).read_bytes()[:4] == b"\x7fELF", "scripts/setup.sh builds the front"
+    warm(user, runtime_dir, "start")
+    script = ('echo "value=$AGENTCELL_TEST_VALUE"; pwd; id -u; echo "$1" > "made-$1"; echo to-stderr >&2; '
+              'cat; exit 3')
+    outs = []
+    for front in ("on", "off"):
+        before = served_by_front(user, runtime_dir)
+        env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "XDG_RUNTIME_DIR": str(runtime_dir),
+               "AGENTCELL_TEST_VALUE": "from the caller", "AGENTCELL_FRONT": front}
+        p = subprocess.run([*user.prefix(), AGENTCELL, "run", "--rw", ".", "--keep-env", "AGENTCELL_TEST_VALUE",
+                            "--json", "--", "sh", "-c", script, "sh", front], cwd=project, env=env, input="stdin\n",
+                           capture_output=True, text=True, timeout=60)
+        *lines, last = p.stdout.splitlines()
+        result = json.loads(last)
+        assert p.returncode == 3 and result["via"] == "warm launcher", (p.returncode, p.stderr)
+        assert lines == ["value=from the caller", str(project), str(user.uid), "stdin"], p.stdout
+        assert p.stderr == "to-stderr\n"
+        assert (project / f"made-{front}").read_text() == f"{front}\n"
+        assert served_by_front(user, runtime_dir) == before + (front == "on")
+        outs.append((lines, p.stderr, p.returncode))
+    assert outs[0] == outs[1]
+    # A bad flag: the CLI's own one line and status, from the launcher's process as from Python.
+    p = subprocess.run([*user.prefix(), AGENTCELL, "run", "--memory", "lots", "--", "true"], capture_output=True,
+                       text=True, env={"PATH": "/usr/bin:/bin", "XDG_RUNTIME_DIR": str(runtime_dir)})
+    assert p.returncode == 125 and len(p.stderr.splitlines()) == 1 and "--memory" in p.stderr, p.stderr
+
+
+def test_a_caller_that_may_do_less_than_the_launcher_is_refused_and_runs_the_cli_itself(
+        user: User, runtime_dir: Path) -> None:
+    """A process forked by the launcher has the launcher's powers: a caller with fewer (here
+    no_new_privs) is refused at the door (the front, and the Python CLI after it), and runs cold."""
+    warm(user, runtime_dir, "start")
+    before = served_by_front(user, runtime_dir)
+    p = subprocess.run([*user.prefix(), "setpriv", "--no-new-privs", AGENTCELL, "run", "--json", "--", "sh", "-c",
+                        "grep NoNewPrivs /proc/self/status"], capture_output=True, text=True,
+                       env={"PATH": "/usr/bin:/bin", "XDG_RUNTIME_DIR": str(runtime_dir)}, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout.splitlines()[-1])["via"] == "here"
+    assert served_by_front(user, runtime_dir) == before
+
+
+def test_the_front_hands_nothing_to_a_launcher_of_another_uid(user: User, runtime_dir: Path) -> None:
+    """A listener of another uid (root here) where the caller's launcher would be: the front checks its
+    peer's uid, sends nothing, and the run is built by the Python CLI."""
+    sock_dir = runtime_dir / "agentcell"
+    sock_dir.mkdir(mode=0o700)
+    shutil.chown(sock_dir, user.uid, user.gid)
+    got = runtime_dir / "got"
+    fake = subprocess.Popen([str(Path(AGENTCELL).parent / "python"), "-c", FAKE_LAUNCHER,
+                             str(sock_dir / "launcher.sock"), str(got)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert fake.stdout is not None and fake.stdout.readline() == "listening\n"
+        os.chmod(sock_dir / "launcher.sock", 0o777)
+        r = agentcell_run(["--", "echo", "real"], as_user=user, env={"XDG_RUNTIME_DIR": str(runtime_dir)}, warm=True)
+        assert r.rc == 0 and r.out == "real" and r.result["via"] == "here", (r.out, r.err)
+        fake.wait(timeout=20)
+        assert got.read_text() == "0", "the front sent its request to another uid's listener"
+    finally:
+        if fake.poll() is None:
+            fake.kill()
+            fake.wait()

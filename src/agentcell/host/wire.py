@@ -21,6 +21,7 @@ from ..cell.spec import TYPE_CHECKING
 from ..errors import AgentcellError
 
 if TYPE_CHECKING:
+    import signal
     from collections.abc import Sequence
     from typing import Any, Protocol
 
@@ -28,8 +29,10 @@ if TYPE_CHECKING:
         def sendmsg(self, buffers: Sequence[bytes], ancdata: Sequence[tuple[int, int, bytes]]) -> int: ...
         def recvmsg(self, bufsize: int, ancbufsize: int) -> tuple[bytes, list[tuple[int, int, bytes]], int, Any]: ...
         def getsockopt(self, level: int, option: int, buflen: int) -> bytes: ...
+else:  # (signal.py imports enum; see cell/launch.py)
+    import _signal as signal
 
-MAX_FDS = 3
+MAX_FDS = 4  # (the front's cli: its working directory and stdio)
 MAX_MESSAGE = 1 << 20  # a bigger argv goes the cold way
 SO_PEERCRED = 17
 
@@ -69,15 +72,83 @@ def recv_or_gone(sock: Sock) -> tuple[dict[str, Any] | None, list[int]]:
 
 def accept_ours(listener: Any) -> Any:
     """The next connection on ``listener``, if its peer is our own uid and not inside a cell (our
-    user, PID and mount namespaces), else None (it is closed). Only our own uid: same privileges,
-    nothing to gain; never from inside a cell: a rootless cell has our uid and could otherwise ask
-    for a cell with a wider policy."""
+    user, PID and mount namespaces) and may do all we may (:func:`peer_may_what_we_may`), else None
+    (it is closed). Only our own uid: same privileges, nothing to gain; never from inside a cell: a
+    rootless cell has our uid and could otherwise ask for a cell with a wider policy."""
     fd, _addr = listener._accept()
     conn = _socket.socket(fileno=fd)
-    if not peer_is_ours(conn):
+    if not peer_is_ours(conn) or peer_may_what_we_may(conn):
         conn.close()
         return None
     return conn
+
+
+SO_PEERPIDFD = 77  # Linux >= 6.5: the process that connected, as a pidfd
+CAPS = ("CapInh:", "CapPrm:", "CapEff:", "CapBnd:", "CapAmb:")
+
+
+def peer_may_what_we_may(conn: Any) -> str:
+    """Why the peer may do less than this server ('' if it may do all it may): what a server does
+    for a client it does with its own powers, so a client with fewer (a root shell that dropped
+    capabilities or a supplementary group, no_new_privs, a seccomp filter this server lacks, lower
+    hard resource limits) is refused, and runs what it asked for itself. Read through the peer's pidfd
+    (the process that connected, never a later one given its number); a kernel without SO_PEERPIDFD
+    (before 6.5) is refused too."""
+    try:
+        pidfd = conn.getsockopt(_socket.SOL_SOCKET, SO_PEERPIDFD)
+    except OSError:
+        return "this kernel cannot name a peer's process (SO_PEERPIDFD: Linux 6.5)"
+    try:
+        theirs = _powers(_pid_of(pidfd))
+        signal.pidfd_send_signal(pidfd, 0)  # still that process: what was read is its own
+    except (OSError, ValueError):
+        return "the peer has gone"
+    finally:
+        os.close(pidfd)
+    ours = _powers("self")
+    for key in ("Uid:", "Gid:"):
+        if theirs[key] != ours[key]:
+            return f"its {key[:-1].lower()}s differ"
+    if not set(ours["Groups:"].split()) <= set(theirs["Groups:"].split()):
+        return "it lacks a supplementary group of ours"
+    for key in CAPS:
+        if int(ours[key], 16) & ~int(theirs[key], 16):
+            return f"it lacks capabilities of ours ({key[:-1]})"
+    if theirs["NoNewPrivs:"] > ours["NoNewPrivs:"]:
+        return "it runs with no_new_privs"
+    if theirs["Seccomp:"] != "0" and (theirs["Seccomp:"], theirs.get("Seccomp_filters:")) != (
+            ours["Seccomp:"], ours.get("Seccomp_filters:")):
+        return "it runs under a seccomp filter of its own"
+    for name, limit in ours["limits"].items():
+        if theirs["limits"].get(name, 0) < limit:
+            return f"its hard limit {name!r} is lower"
+    return ""
+
+
+def _pid_of(pidfd: int) -> int:
+    """The pid a pidfd refers to in our PID namespace (its fdinfo's ``Pid:``)."""
+    with open(f"/proc/self/fdinfo/{pidfd}") as f:
+        for line in f:
+            if line.startswith("Pid:") and int(line.split()[1]) > 0:
+                return int(line.split()[1])
+    raise ValueError("exited")
+
+
+def _powers(pid: int | str) -> dict[str, Any]:
+    """A process's credentials, capability sets, no_new_privs and seccomp state (/proc/PID/status),
+    and its hard resource limits (/proc/PID/limits; unlimited as the largest number)."""
+    out: dict[str, Any] = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            key, _, value = line.partition("\t")
+            out[key] = value.strip()
+    limits = {}
+    with open(f"/proc/{pid}/limits") as f:
+        for line in list(f)[1:]:
+            name, hard = line[:26].strip(), line[47:68].strip()
+            limits[name] = 1 << 64 if hard == "unlimited" else int(hard)
+    out["limits"] = limits
+    return out
 
 
 def peer_is_ours(sock: Sock) -> bool:

@@ -25,12 +25,15 @@ from ..cell import syscalls as sc
 from ..cell.spec import TYPE_CHECKING, CellSpec, spec_from_dict
 from ..errors import AgentcellError
 from ..protect import binds
-from . import server, wire
+from . import clihost, server, wire
 
 if TYPE_CHECKING:
+    import signal
     from typing import Any
 
     Sock = _socket.socket
+else:  # (signal.py imports enum; see cell/launch.py)
+    import _signal as signal
 
 
 def launcher_command(*args: str) -> list[str]:
@@ -90,7 +93,9 @@ class Server:
         self.conns: list[Sock] = [conn] if conn is not None else []
         self.control = conn  # a private client's first connection: its end is the launcher's
         self.cells: dict[tuple[int, int], launch.Running] = {}  # (conn fd, request id) -> cell
-        self.hosts: dict[int, int] = {}  # pidfd -> pid of a cell host forked for a supervised cell
+        self.hosts: dict[int, int] = {}  # pidfd -> pid of a cell host forked for a supervised cell, or of a CLI
+        self.fronts: dict[int, Sock] = {}  # pidfd -> the front's connection, for a CLI forked for it (op cli)
+        self.fronts_served = 0
         self.warm = _Warm(prewarm)
         self.idle_s = idle_s
         self.started = self.last_work = time.monotonic()
@@ -148,6 +153,14 @@ class Server:
                 os.close(fd)
 
     def _drop_conn(self, conn: Sock) -> None:
+        for pidfd, front in self.fronts.items():
+            if front is conn:  # the front has gone (killed): its CLI stops, taking down what it made
+                try:
+                    signal.pidfd_send_signal(pidfd, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+                del self.fronts[pidfd]
+                break
         if conn is self.control:
             self.stopping = True  # (the cells of its other connections are killed as the launcher stops)
         for key in [k for k in self.cells if k[0] == conn.fileno()]:
@@ -173,13 +186,18 @@ class Server:
             # Only there: the user's warm launcher takes connections by listen(), each peer checked.
             self.conns.append(_socket.socket(fileno=os.dup(fds[0])))
             return
+        if op == "cli" or conn in self.fronts.values():
+            self.last_work = time.monotonic()
+            self._front(conn, msg, fds)
+            return
         if op in ("run", "open"):  # a supervised cell: a host of its own takes this client over
             self.last_work = time.monotonic()
             self._host(conn, msg, fds)
             return
         if op == "status":
             self._reply(conn, {"event": "status", "pid": os.getpid(), "cells": len(self.cells) + len(self.hosts),
-                               "warm": self.warm.cell is not None, "uptime_s": time.monotonic() - self.started})
+                               "warm": self.warm.cell is not None, "uptime_s": time.monotonic() - self.started,
+                               "fronts_served": self.fronts_served})
             return
         if op == "stop":
             self.stopping = True
@@ -244,12 +262,8 @@ class Server:
                         os.dup2(fds[i], i)
                     keep -= set(fds[:3])
                     fds = fds[3:]
-                prepared = [self.warm.cell.control] if self.warm.cell is not None else []
-                for sock in (*self.conns, *([self.listener] if self.listener else []), *prepared):
-                    sock.detach()  # its fd is closed below; no finalizer may close a reused number
+                self._detach()
                 sc.close_fds_except(keep)  # other clients, prepared and running cells, the listener
-                import signal
-
                 signal.signal(signal.SIGINT, signal.SIG_IGN)  # the client acts on a terminal's ^C
                 code = server.serve_private(conn, msg, list(fds))
             finally:
@@ -257,13 +271,61 @@ class Server:
         conn.close()
         self.hosts[os.pidfd_open(pid)] = pid
 
+    def _detach(self) -> None:
+        """In a child forked here: the launcher's sockets are forgotten (their fds are closed next), so
+        that no finalizer closes a number the child has reused."""
+        prepared = [self.warm.cell.control] if self.warm.cell is not None else []
+        for sock in (*self.conns, *([self.listener] if self.listener else []), *prepared):
+            sock.detach()
+
+    def _front(self, conn: Sock, msg: dict[str, Any], fds: list[int]) -> None:
+        """The compiled front's ``agentcell run`` (:mod:`.clihost`): a forked process becomes that CLI;
+        the front's signals are forwarded to it and its status is the front's answer."""
+        if msg.get("op") == "signal":
+            sig = msg.get("sig")
+            pidfd = next((p for p, c in self.fronts.items() if c is conn), None)
+            if pidfd is not None and isinstance(sig, int) and 0 < sig <= 64:
+                try:
+                    signal.pidfd_send_signal(pidfd, sig)
+                except ProcessLookupError:
+                    pass
+            return
+        why = "a connection serves one command" if conn in self.fronts.values() else clihost.refusal(msg, fds)
+        if why:
+            self._reply(conn, {"event": "refused", "why": why})
+            return
+        self._reply(conn, {"event": "started"})  # (before the fork: the front never runs it a second time)
+        self.fronts_served += 1
+        try:
+            pid = os.fork()
+        except OSError as e:
+            os.write(fds[3], f"agentcell: warm launcher: cannot fork: {e.strerror}\n".encode())
+            self._reply(conn, {"event": "exit", "code": 125})
+            return
+        if pid == 0:
+            code = 1
+            try:
+                self._detach()
+                clihost.become(msg, fds)
+                code = clihost.serve(msg)
+            finally:
+                os._exit(code)
+        pidfd = os.pidfd_open(pid)
+        self.hosts[pidfd] = pid
+        self.fronts[pidfd] = conn
+
     def _reap(self, pidfd: int) -> None:
         pid = self.hosts.pop(pidfd)
         os.close(pidfd)
         try:
-            os.waitpid(pid, 0)
+            _, wstatus = os.waitpid(pid, 0)
         except ChildProcessError:
-            pass
+            wstatus = 1 << 8
+        front = self.fronts.pop(pidfd, None)
+        if front is not None:  # its status is the front's answer; the connection has served its one command
+            self._reply(front, {"event": "exit", "code": clihost.status_of(wstatus)})
+            self.conns.remove(front)
+            front.close()
         self.last_work = time.monotonic()
 
     def _progress(self, running: launch.Running) -> None:
@@ -285,7 +347,8 @@ def main(argv: list[str]) -> None:
     ``agentcell warm start``: ``--listen FD --path SOCKET [--idle S]``."""
     opts = dict(zip(argv[::2], argv[1::2], strict=False))
     prewarm = "--no-prewarm" not in argv
-    if "--conn" not in opts:  # the daemon: what a supervised cell's host needs is imported once, here
+    if "--conn" not in opts:  # the daemon: what a supervised cell's host and a front's CLI need, imported once
+        clihost.preload()
         from .. import supervise  # noqa: F401
         from ..cell import terminal  # noqa: F401
         from ..monitor import monitor  # noqa: F401

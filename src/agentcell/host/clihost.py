@@ -1,0 +1,100 @@
+"""``agentcell run`` for the compiled front (``front/agentcell.c``): the warm launcher forks a process
+that becomes the front's CLI (its argv, environment, working directory, umask and stdio) and runs the
+code a Python ``agentcell run`` runs (:func:`agentcell.cli.main.main`), with the interpreter started and
+the imports done. That process asks the launcher for its cell like any client, so everything the
+policy, the monitor and the protected-path step do is unchanged: only the start is saved.
+
+  front  -> {"op": "cli", "argv": [b"run", ...], "env": [b"K=V", ...], "umask": N}
+            + fds [working directory, stdin, stdout, stderr]
+  front  -> {"op": "signal", "sig": N}                  forwarded to that process
+  server -> {"event": "refused", "why": "..."}           nothing ran: the front runs Python itself
+          | {"event": "started"}                         from here on the front never runs it again
+          | {"event": "exit", "code": N}                 that process's status (128+N for signal N)
+
+Trust. The launcher is its owner's, listening in a directory only they may enter; the front checks
+that the launcher is its uid in its namespaces, and the launcher checks every connection as it accepts
+it (:func:`agentcell.host.wire.accept_ours`): its own uid, outside any cell, and a caller that may do
+all the launcher may (the same uids and gids, its supplementary groups and capabilities, no
+no_new_privs or seccomp filter the launcher lacks, hard limits as high), read through the caller's
+pidfd. A caller with less (a root shell that dropped capabilities, a sandboxed process) is refused and
+starts Python as before. What a process forked here has that a Python ``agentcell run`` would not is
+what a process inherits beyond those: the launcher's cgroup (its CPU and memory count there), its audit
+login id and session, no controlling terminal (the front hands over no run that has one).
+"""
+from __future__ import annotations
+
+import os
+
+from ..cell import syscalls as sc
+from ..cell.spec import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import signal
+    from typing import Any
+else:  # (signal.py imports enum; see cell/launch.py)
+    import _signal as signal
+
+SERVED = ("run",)  # what the front may hand over
+
+
+def refusal(msg: dict[str, Any], fds: list[int]) -> str:
+    """Why this request is not served here ('' if it is). Its peer was checked as it connected
+    (:func:`agentcell.host.wire.accept_ours`): our uid, outside any cell, with all our powers."""
+    argv, env, umask = msg.get("argv"), msg.get("env"), msg.get("umask")
+    if not (isinstance(argv, list) and argv and all(isinstance(a, bytes) for a in argv)
+            and isinstance(env, list) and all(isinstance(e, bytes) for e in env)
+            and isinstance(umask, int) and 0 <= umask <= 0o777 and len(fds) == 4):
+        return "malformed request"
+    if argv[0].decode(errors="replace") not in SERVED:
+        return f"not served here: {argv[0]!r}"
+    return ""
+
+
+def become(msg: dict[str, Any], fds: list[int]) -> None:
+    """In the forked process: take on the caller's working directory, stdio, umask and environment,
+    and the signal dispositions a fresh interpreter has; nothing of the launcher's stays open."""
+    cwd, stdio = fds[0], fds[1:]
+    os.fchdir(cwd)
+    for i, fd in enumerate(stdio):
+        os.dup2(fd, i)
+    sc.close_fds_except(set())
+    os.umask(int(msg["umask"]))
+    os.environ.clear()
+    for item in msg["env"]:
+        key, eq, value = item.partition(b"=")
+        if eq and key:
+            os.environb[key] = value
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGCHLD):
+        signal.signal(s, signal.SIG_DFL)
+    signal.signal(signal.SIGPIPE, signal.SIG_IGN)  # (as the interpreter sets it)
+
+
+def serve(msg: dict[str, Any]) -> int:
+    """Run the front's command line as ``agentcell`` would; its exit status."""
+    import sys
+
+    from ..cli.main import main
+
+    argv = [os.fsdecode(a) for a in msg["argv"]]
+    sys.argv = ["agentcell", *argv]
+    try:
+        code = main(argv)
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+    return code
+
+
+def status_of(wstatus: int) -> int:
+    code = os.waitstatus_to_exitcode(wstatus)
+    return 128 - code if code < 0 else code
+
+
+def preload() -> None:
+    """What a forked ``agentcell run`` imports, imported once here."""
+    from ..cli import main, run  # noqa: F401
+    from . import warm  # noqa: F401
