@@ -10,6 +10,7 @@ import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -44,6 +45,13 @@ def stop_launcher(user: User, rt: Path) -> None:
 
 
 STARTED: dict[str, list[int]] = {}
+
+
+def launcher_status(user: User, rt: Path) -> dict[str, Any]:
+    p = subprocess.run([*user.prefix(), str(Path(AGENTCELL).parent / "python"), "-c",
+                        "import json; from agentcell.host import warm; print(json.dumps(warm.status()))"],
+                       env={"XDG_RUNTIME_DIR": str(rt), "PATH": "/usr/bin:/bin"}, capture_output=True, text=True)
+    return dict(json.loads(p.stdout))
 
 
 def _is_launcher(pid: int) -> bool:
@@ -162,8 +170,9 @@ def test_a_monitored_run_is_served_by_a_cell_host_the_launcher_forks(user: User,
         assert "killed at the first escape attempt" in r.err and "cgroup (off" in r.err, (how, r.err)
     warm_r, cold_r = results["warm"], results["cold"]
     assert warm_r.result["monitor_sources"] == cold_r.result["monitor_sources"]
-    for _ in range(200):  # the host it forked has ended with its cell
+    for _ in range(200):  # the host it forked has ended with its cell (a front's next CLI may wait there)
         threads, children = _threads_and_children(launcher)
+        children = [c for c in children if c != launcher_status(user, runtime_dir)["cli_ahead"]]
         if not children:
             break
         time.sleep(0.05)
@@ -374,10 +383,7 @@ def test_root_run_leaves_its_runtime_dir_private_so_warm_start_works(user: User)
 
 
 def served_by_front(user: User, rt: Path) -> int:
-    p = subprocess.run([*user.prefix(), str(Path(AGENTCELL).parent / "python"), "-c",
-                        "import json; from agentcell.host import warm; print(json.dumps(warm.status()))"],
-                       env={"XDG_RUNTIME_DIR": str(rt), "PATH": "/usr/bin:/bin"}, capture_output=True, text=True)
-    return int(json.loads(p.stdout)["fronts_served"])
+    return int(launcher_status(user, rt)["fronts_served"])
 
 
 def test_the_compiled_front_hands_run_to_the_launcher_which_runs_the_cli_as_the_caller(
@@ -407,6 +413,21 @@ def test_the_compiled_front_hands_run_to_the_launcher_which_runs_the_cli_as_the_
         assert served_by_front(user, runtime_dir) == before + (front == "on")
         outs.append((lines, p.stderr, p.returncode))
     assert outs[0] == outs[1]
+    # Once a front has come, the launcher keeps the next front's CLI process forked ahead; a run takes it.
+    for _ in range(200):
+        ahead = launcher_status(user, runtime_dir)["cli_ahead"]
+        if ahead:
+            break
+        time.sleep(0.05)
+    assert ahead and Path(f"/proc/{ahead}").exists()
+    p = subprocess.run([*user.prefix(), AGENTCELL, "run", "--", "sh", "-c", "echo ahead; exit 5"], capture_output=True,
+                       text=True, env={"PATH": "/usr/bin:/bin", "XDG_RUNTIME_DIR": str(runtime_dir)}, timeout=60)
+    assert (p.returncode, p.stdout, p.stderr) == (5, "ahead\n", "")
+    for _ in range(200):  # used once: it served that run and is gone
+        if not Path(f"/proc/{ahead}").exists():
+            break
+        time.sleep(0.05)
+    assert not Path(f"/proc/{ahead}").exists()
     # A bad flag: the CLI's own one line and status, from the launcher's process as from Python.
     p = subprocess.run([*user.prefix(), AGENTCELL, "run", "--memory", "lots", "--", "true"], capture_output=True,
                        text=True, env={"PATH": "/usr/bin:/bin", "XDG_RUNTIME_DIR": str(runtime_dir)})

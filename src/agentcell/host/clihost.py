@@ -23,13 +23,18 @@ login id and session, no controlling terminal (the front hands over no run that 
 """
 from __future__ import annotations
 
+import _socket
+import marshal
 import os
 
 from ..cell import syscalls as sc
+from ..cell.handoff import unpack_fds
 from ..cell.spec import TYPE_CHECKING
+from . import wire
 
 if TYPE_CHECKING:
     import signal
+    from collections.abc import Callable
     from typing import Any
 else:  # (signal.py imports enum; see cell/launch.py)
     import _signal as signal
@@ -50,14 +55,87 @@ def refusal(msg: dict[str, Any], fds: list[int]) -> str:
     return ""
 
 
-def become(msg: dict[str, Any], fds: list[int]) -> None:
-    """In the forked process: take on the caller's working directory, stdio, umask and environment,
-    and the signal dispositions a fresh interpreter has; nothing of the launcher's stays open."""
+class Ahead:
+    """A CLI process forked before it is needed, as the next cell is prepared: it has closed all of the
+    launcher's fds, run the CLI's code once on a request of its own that creates nothing (so the pages
+    it touches are copied before a caller waits on them), and waits for one front's request. Used once."""
+
+    def __init__(self, detach: Callable[[], None]) -> None:
+        ours, theirs = _socket.socketpair(_socket.AF_UNIX, _socket.SOCK_SEQPACKET | _socket.SOCK_CLOEXEC)
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                detach()
+                ours.detach()
+                sc.close_fds_except({theirs.fileno()})
+                _warm_up()
+                data, anc, _flags, _addr = theirs.recvmsg(wire.MAX_MESSAGE, _socket.CMSG_SPACE(5 * 4))
+                fds = unpack_fds(anc)
+                code = 0
+                if data and len(fds) == 5:  # (else the launcher has stopped: nothing to do)
+                    code = run_request(marshal.loads(data), fds[:4], fds[4])
+            finally:
+                os._exit(code)
+        theirs.close()
+        self.pid, self.pidfd, self.sock = pid, os.pidfd_open(pid), ours
+
+    def hand(self, msg: dict[str, Any], fds: list[int], front: int) -> bool:
+        """Give it the request; False if it could not take it (it has died)."""
+        try:
+            wire.send(self.sock, msg, [*fds, front])
+            return True
+        except OSError:
+            return False
+        finally:
+            self.sock.close()
+
+    def discard(self) -> None:
+        self.sock.close()  # it sees the end and exits
+        os.close(self.pidfd)
+        try:
+            os.waitpid(self.pid, 0)
+        except ChildProcessError:
+            pass
+
+
+def _warm_up() -> None:
+    from ..cli.run import build_spec
+    from ..cli.runargs import parse
+    from ..errors import AgentcellError
+    from ..protect.check import SurfaceCheck, human
+
+    try:
+        spec = build_spec(parse(["--as", "65534", "--", "true"] if os.geteuid() == 0 else ["--", "true"]))
+        SurfaceCheck(spec, human())
+    except AgentcellError:
+        pass
+
+
+def run_request(msg: dict[str, Any], fds: list[int], front: int) -> int:
+    """In a process of the launcher's: become the front's CLI, run its command line, and tell the front
+    its status (the launcher tells it too, as it reaps this process: it may have been killed)."""
+    os.set_inheritable(front, False)
+    become(msg, fds, keep={front})
+    code = 1
+    try:
+        code = serve(msg)
+    finally:
+        try:
+            wire.send(_socket.socket(fileno=front), {"event": "exit", "code": code})
+        except OSError:
+            pass
+    return code
+
+
+def become(msg: dict[str, Any], fds: list[int], keep: set[int]) -> None:
+    """Take on the caller's working directory, stdio, umask and environment, and the signal
+    dispositions a fresh interpreter has; nothing of the launcher's stays open (but ``keep``)."""
     cwd, stdio = fds[0], fds[1:]
     os.fchdir(cwd)
     for i, fd in enumerate(stdio):
         os.dup2(fd, i)
-    sc.close_fds_except(set())
+    sc.close_fds_except(keep)
     os.umask(int(msg["umask"]))
     os.environ.clear()
     for item in msg["env"]:

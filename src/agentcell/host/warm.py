@@ -90,10 +90,26 @@ def start(idle_s: float) -> tuple[int, bool]:
     return proc.pid, True
 
 
-def stop() -> int | None:
+def stop(wait_s: float = 10.0) -> int | None:
     """Ask the launcher to stop (the cells it runs itself are killed; a supervised cell's host, which
-    it forked, serves that cell to its end, tied to its client); the pid it had, or None."""
-    replies = _ask("status", "stop")
-    if not replies or replies[0] is None:
+    it forked, serves that cell to its end, tied to its client); the pid it had, or None. Returns once
+    it has exited (with the cells it ran, its prepared cell and a front's CLI forked ahead), or after
+    ``wait_s``."""
+    import select
+
+    first = status()
+    if first is None:
         return None
-    return int(replies[0]["pid"])
+    pid = int(first["pid"])
+    try:
+        pidfd = os.pidfd_open(pid)
+    except OSError:
+        pidfd = None
+    try:
+        replies = _ask("stop")
+        if pidfd is not None and replies and replies[0] is not None:
+            select.select([pidfd], [], [], wait_s)
+    finally:
+        if pidfd is not None:
+            os.close(pidfd)
+    return pid

@@ -105,7 +105,7 @@ def peer_may_what_we_may(conn: Any) -> str:
         return "the peer has gone"
     finally:
         os.close(pidfd)
-    ours = _powers("self")
+    ours = _our_powers()
     for key in ("Uid:", "Gid:"):
         if theirs[key] != ours[key]:
             return f"its {key[:-1].lower()}s differ"
@@ -123,6 +123,16 @@ def peer_may_what_we_may(conn: Any) -> str:
         if theirs["limits"].get(name, 0) < limit:
             return f"its hard limit {name!r} is lower"
     return ""
+
+
+_OURS: list[dict[str, Any]] = []
+
+
+def _our_powers() -> dict[str, Any]:
+    """Ours, read once: a server never changes its credentials or limits."""
+    if not _OURS:
+        _OURS.append(_powers("self"))
+    return _OURS[0]
 
 
 def _pid_of(pidfd: int) -> int:

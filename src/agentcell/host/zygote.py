@@ -96,6 +96,7 @@ class Server:
         self.hosts: dict[int, int] = {}  # pidfd -> pid of a cell host forked for a supervised cell, or of a CLI
         self.fronts: dict[int, Sock] = {}  # pidfd -> the front's connection, for a CLI forked for it (op cli)
         self.fronts_served = 0
+        self.ahead: clihost.Ahead | None = None  # a front's next CLI, forked ahead (once a front has come)
         self.warm = _Warm(prewarm)
         self.idle_s = idle_s
         self.started = self.last_work = time.monotonic()
@@ -108,6 +109,8 @@ class Server:
             for key in list(self.cells):
                 self._kill(key)
             self.warm.drop()
+            if self.ahead is not None:
+                self.ahead.discard()
 
     def _loop(self) -> None:
         while not self.stopping:
@@ -117,6 +120,8 @@ class Server:
             # while a command runs would compete with it for the CPU.
             if not self.cells and not self.hosts:
                 self.warm.refill()
+                if self.ahead is None and self.fronts_served:
+                    self.ahead = clihost.Ahead(self._detach)
             readers: list[Any] = [*self.conns, *self.cells.values(), *self.hosts]
             if self.listener is not None:
                 readers.append(self.listener)
@@ -197,7 +202,8 @@ class Server:
         if op == "status":
             self._reply(conn, {"event": "status", "pid": os.getpid(), "cells": len(self.cells) + len(self.hosts),
                                "warm": self.warm.cell is not None, "uptime_s": time.monotonic() - self.started,
-                               "fronts_served": self.fronts_served})
+                               "fronts_served": self.fronts_served,
+                               "cli_ahead": self.ahead.pid if self.ahead is not None else None})
             return
         if op == "stop":
             self.stopping = True
@@ -296,21 +302,26 @@ class Server:
             return
         self._reply(conn, {"event": "started"})  # (before the fork: the front never runs it a second time)
         self.fronts_served += 1
-        try:
-            pid = os.fork()
-        except OSError as e:
-            os.write(fds[3], f"agentcell: warm launcher: cannot fork: {e.strerror}\n".encode())
-            self._reply(conn, {"event": "exit", "code": 125})
-            return
-        if pid == 0:
-            code = 1
+        ahead, self.ahead = self.ahead, None
+        if ahead is not None and ahead.hand(msg, fds, conn.fileno()):
+            pid, pidfd = ahead.pid, ahead.pidfd
+        else:
+            if ahead is not None:
+                ahead.discard()
             try:
-                self._detach()
-                clihost.become(msg, fds)
-                code = clihost.serve(msg)
-            finally:
-                os._exit(code)
-        pidfd = os.pidfd_open(pid)
+                pid = os.fork()
+            except OSError as e:
+                os.write(fds[3], f"agentcell: warm launcher: cannot fork: {e.strerror}\n".encode())
+                self._reply(conn, {"event": "exit", "code": 125})
+                return
+            if pid == 0:
+                code, front = 1, conn.fileno()
+                try:
+                    self._detach()
+                    code = clihost.run_request(msg, fds, front)
+                finally:
+                    os._exit(code)
+            pidfd = os.pidfd_open(pid)
         self.hosts[pidfd] = pid
         self.fronts[pidfd] = conn
 
