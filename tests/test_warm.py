@@ -222,26 +222,33 @@ open(sys.argv[2], "w").write(str(len(data)))
 """
 
 
-def test_a_launcher_inside_another_namespace_is_never_handed_a_command(user: User, runtime_dir: Path) -> None:
-    """What a rootless cell (our uid) could set up where our launcher would listen: the client sees
-    its peer is not in its own namespaces and builds the cell itself; nothing is sent there."""
+def nothing_reaches_an_impostor(user: User, runtime_dir: Path, impostor: list[str], run_args: list[str]) -> None:
+    """Something that is not the caller's launcher listens where it would (``impostor``: the argv prefix
+    that starts FAKE_LAUNCHER); the run is built by the CLI itself, and the listener got nothing."""
     sock_dir = runtime_dir / "agentcell"
     sock_dir.mkdir(mode=0o700)
     shutil.chown(sock_dir, user.uid, user.gid)
     got = runtime_dir / "got"
-    fake = subprocess.Popen([*user.prefix(), "unshare", "--user", "python3", "-c", FAKE_LAUNCHER,
-                             str(sock_dir / "launcher.sock"), str(got)], stdout=subprocess.PIPE, text=True)
+    fake = subprocess.Popen([*impostor, "-c", FAKE_LAUNCHER, str(sock_dir / "launcher.sock"), str(got)],
+                            stdout=subprocess.PIPE, text=True)
     try:
         assert fake.stdout is not None and fake.stdout.readline() == "listening\n"
-        r = agentcell_run(["--monitor", "--", "echo", "real"], as_user=user, env={"XDG_RUNTIME_DIR": str(runtime_dir)},
+        os.chmod(sock_dir / "launcher.sock", 0o777)  # (a root impostor's: the caller may connect)
+        r = agentcell_run([*run_args, "--", "echo", "real"], as_user=user, env={"XDG_RUNTIME_DIR": str(runtime_dir)},
                           warm=True)
         assert r.rc == 0 and r.out == "real" and r.result["via"] == "here", (r.out, r.err, r.result.get("via"))
         fake.wait(timeout=20)
-        assert got.read_text() == "0", "the client sent its request to a launcher outside its namespaces"
+        assert got.read_text() == "0", "the client sent its request to something that is not its launcher"
     finally:
         if fake.poll() is None:
             fake.kill()
             fake.wait()
+
+
+def test_a_launcher_inside_another_namespace_is_never_handed_a_command(user: User, runtime_dir: Path) -> None:
+    """What a rootless cell (our uid) could set up where our launcher would listen: the client sees
+    its peer is not in its own namespaces and builds the cell itself; nothing is sent there."""
+    nothing_reaches_an_impostor(user, runtime_dir, [*user.prefix(), "unshare", "--user", "python3"], ["--monitor"])
 
 
 def test_a_malformed_request_is_refused_and_the_launcher_serves_on(user: User, runtime_dir: Path) -> None:
@@ -451,20 +458,4 @@ def test_a_caller_that_may_do_less_than_the_launcher_is_refused_and_runs_the_cli
 def test_the_front_hands_nothing_to_a_launcher_of_another_uid(user: User, runtime_dir: Path) -> None:
     """A listener of another uid (root here) where the caller's launcher would be: the front checks its
     peer's uid, sends nothing, and the run is built by the Python CLI."""
-    sock_dir = runtime_dir / "agentcell"
-    sock_dir.mkdir(mode=0o700)
-    shutil.chown(sock_dir, user.uid, user.gid)
-    got = runtime_dir / "got"
-    fake = subprocess.Popen([str(Path(AGENTCELL).parent / "python"), "-c", FAKE_LAUNCHER,
-                             str(sock_dir / "launcher.sock"), str(got)], stdout=subprocess.PIPE, text=True)
-    try:
-        assert fake.stdout is not None and fake.stdout.readline() == "listening\n"
-        os.chmod(sock_dir / "launcher.sock", 0o777)
-        r = agentcell_run(["--", "echo", "real"], as_user=user, env={"XDG_RUNTIME_DIR": str(runtime_dir)}, warm=True)
-        assert r.rc == 0 and r.out == "real" and r.result["via"] == "here", (r.out, r.err)
-        fake.wait(timeout=20)
-        assert got.read_text() == "0", "the front sent its request to another uid's listener"
-    finally:
-        if fake.poll() is None:
-            fake.kill()
-            fake.wait()
+    nothing_reaches_an_impostor(user, runtime_dir, [str(Path(AGENTCELL).parent / "python")], [])
