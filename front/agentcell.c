@@ -14,9 +14,11 @@
  * runs the command a second time.
  *
  * What it decides alone, and what a reviewer should check: where the launcher listens (as
- * hostfs.socket_dir() says), that the directory is ours and private, and that the peer is our uid in
- * our user, PID and mount namespaces (as wire.peer_is_ours() checks): a rootless cell has our uid and
- * must never receive our environment or stdio. It parses no policy and no option of `run`.
+ * hostfs.socket_dir() says), that the directory is ours and private, and that the peer is ourselves
+ * in all but its pid, as host/peer.py checks both ways: our uid, namespaces, cgroup and audit session,
+ * and all our groups, capabilities and hard limits, without a no_new_privs or seccomp filter we lack
+ * (a rootless cell, or a weaker process of ours that took the socket's place, must never receive our
+ * environment or stdio). It parses no policy and no option of `run`.
  *
  * Built by scripts/setup.sh: cc -O2 -DAGENTCELL_PYTHON=... -DAGENTCELL_SCRIPT=... (the interpreter and
  * bin/agentcell that the fallback runs).
@@ -34,6 +36,7 @@
 #include <sys/signalfd.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/un.h>
 #include <unistd.h>
 
@@ -49,6 +52,9 @@ extern char **environ;
 static const int FORWARDED[] = {SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2};
 #define NFORWARDED (sizeof FORWARDED / sizeof FORWARDED[0])
 #define MAX_MESSAGE (1 << 20) /* as host/wire.py: a bigger request runs the Python CLI */
+#ifndef SO_PEERPIDFD
+#define SO_PEERPIDFD 77
+#endif
 
 /* ---- the Python CLI, in this process's place ------------------------------------------------- */
 
@@ -114,16 +120,164 @@ static int private_parent(const char *path) {
     return lstat(dir, &st) == 0 && S_ISDIR(st.st_mode) && st.st_uid == geteuid() && (st.st_mode & 077) == 0;
 }
 
+/* ---- the launcher is ourselves in all but its pid (src/agentcell/host/peer.py) ------------------------- */
+
+static ssize_t read_file(const char *path, char *buf, size_t size) {
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return -1;
+    size_t len = 0;
+    ssize_t n;
+    while (len < size - 1 && (n = read(fd, buf + len, size - 1 - len)) > 0)
+        len += (size_t)n;
+    close(fd);
+    buf[len] = '\0';
+    return n < 0 ? -1 : (ssize_t)len;
+}
+
 static int same_namespace(pid_t pid, const char *ns) {
     char theirs_path[64], ours_path[64];
     struct stat theirs, ours;
     snprintf(theirs_path, sizeof theirs_path, "/proc/%d/ns/%s", (int)pid, ns);
     snprintf(ours_path, sizeof ours_path, "/proc/self/ns/%s", ns);
-    return stat(theirs_path, &theirs) == 0 && stat(ours_path, &ours) == 0 && theirs.st_dev == ours.st_dev &&
-           theirs.st_ino == ours.st_ino;
+    if (stat(ours_path, &ours) < 0)
+        return errno == ENOENT; /* (a kernel without it) */
+    return stat(theirs_path, &theirs) == 0 && theirs.st_dev == ours.st_dev && theirs.st_ino == ours.st_ino;
 }
 
-/* A connection to our own launcher, or -1 (none, or not ours: wire.peer_is_ours()). */
+static int same_file(pid_t pid, const char *name) { /* cgroup, loginuid, sessionid */
+    char path[64], theirs[4096], ours[4096];
+    snprintf(path, sizeof path, "/proc/%d/%s", (int)pid, name);
+    ssize_t a = read_file(path, theirs, sizeof theirs);
+    snprintf(path, sizeof path, "/proc/self/%s", name);
+    ssize_t b = read_file(path, ours, sizeof ours);
+    if (a < 0 || b < 0)
+        return a < 0 && b < 0 && errno == ENOENT; /* (no audit: no loginuid) */
+    return a == b && (size_t)a < sizeof ours - 1 && memcmp(theirs, ours, (size_t)a) == 0;
+}
+
+/* The value of "Key:" in a /proc/PID/status text, up to its end of line ("" if absent). */
+static const char *field(const char *status, const char *key, size_t *len) {
+    size_t k = strlen(key);
+    for (const char *line = status; *line; line = strchr(line, '\n') ? strchr(line, '\n') + 1 : "") {
+        if (strncmp(line, key, k) == 0 && line[k] == ':') {
+            const char *v = line + k + 1;
+            while (*v == '\t' || *v == ' ')
+                v++;
+            *len = strcspn(v, "\n");
+            return v;
+        }
+    }
+    *len = 0;
+    return "";
+}
+
+static int same_field(const char *theirs, const char *ours, const char *key) {
+    size_t a, b;
+    const char *x = field(theirs, key, &a), *y = field(ours, key, &b);
+    return a == b && memcmp(x, y, a) == 0;
+}
+
+static unsigned long long number(const char *status, const char *key, int base) {
+    size_t len;
+    return strtoull(field(status, key, &len), NULL, base);
+}
+
+/* Every supplementary group of ours is one of theirs. */
+static int has_our_groups(const char *theirs, const char *ours) {
+    size_t tl, ol;
+    const char *t = field(theirs, "Groups", &tl), *o = field(ours, "Groups", &ol), *end = o + ol;
+    while (o < end) {
+        char *next;
+        unsigned long g = strtoul(o, &next, 10);
+        if (next == o)
+            break;
+        int found = 0;
+        for (const char *p = t, *tend = t + tl; p < tend && !found;) {
+            char *pn;
+            unsigned long h = strtoul(p, &pn, 10);
+            if (pn == p)
+                break;
+            found = h == g;
+            p = pn;
+        }
+        if (!found)
+            return 0;
+        o = next;
+    }
+    return 1;
+}
+
+/* Each hard limit of theirs at least ours (/proc/PID/limits: a header, then one line per limit, the
+ * hard limit in columns 47-67). */
+static int limits_as_high(pid_t pid) {
+    char path[64], theirs[4096], ours[4096];
+    snprintf(path, sizeof path, "/proc/%d/limits", (int)pid);
+    if (read_file(path, theirs, sizeof theirs) < 0 || read_file("/proc/self/limits", ours, sizeof ours) < 0)
+        return 0;
+    const char *t = strchr(theirs, '\n'), *o = strchr(ours, '\n');
+    while (t && o && t[1] && o[1]) {
+        t++, o++;
+        if (strlen(t) < 68 || strlen(o) < 68 || strncmp(t, o, 26) != 0)
+            return 0;
+        unsigned long long th = strncmp(t + 47, "unlimited", 9) == 0 ? ~0ULL : strtoull(t + 47, NULL, 10);
+        unsigned long long oh = strncmp(o + 47, "unlimited", 9) == 0 ? ~0ULL : strtoull(o + 47, NULL, 10);
+        if (th < oh)
+            return 0;
+        t = strchr(t, '\n'), o = strchr(o, '\n');
+    }
+    return 1;
+}
+
+static int may_do_all_we_may(pid_t pid) {
+    static const char *const caps[] = {"CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"};
+    char path[64], theirs[8192], ours[8192];
+    snprintf(path, sizeof path, "/proc/%d/status", (int)pid);
+    if (read_file(path, theirs, sizeof theirs) < 0 || read_file("/proc/self/status", ours, sizeof ours) < 0)
+        return 0;
+    if (!same_field(theirs, ours, "Uid") || !same_field(theirs, ours, "Gid") || !has_our_groups(theirs, ours))
+        return 0;
+    for (size_t i = 0; i < sizeof caps / sizeof caps[0]; i++)
+        if (number(ours, caps[i], 16) & ~number(theirs, caps[i], 16))
+            return 0;
+    if (number(theirs, "NoNewPrivs", 10) > number(ours, "NoNewPrivs", 10))
+        return 0;
+    if (number(theirs, "Seccomp", 10) != 0 &&
+        !(same_field(theirs, ours, "Seccomp") && same_field(theirs, ours, "Seccomp_filters")))
+        return 0;
+    return limits_as_high(pid);
+}
+
+static pid_t pid_of(int pidfd) {
+    char path[64], info[1024];
+    snprintf(path, sizeof path, "/proc/self/fdinfo/%d", pidfd);
+    if (read_file(path, info, sizeof info) < 0)
+        return -1;
+    size_t len;
+    const char *v = field(info, "Pid", &len);
+    return len ? (pid_t)strtol(v, NULL, 10) : -1;
+}
+
+static int is_ourselves(int s, pid_t cred_pid) {
+    static const char *const namespaces[] = {"user", "pid", "mnt", "net", "uts", "ipc", "cgroup", "time"};
+    int pidfd;
+    socklen_t len = sizeof pidfd;
+    if (getsockopt(s, SOL_SOCKET, SO_PEERPIDFD, &pidfd, &len) < 0)
+        pidfd = (int)syscall(SYS_pidfd_open, cred_pid, 0);
+    if (pidfd < 0)
+        return 0;
+    pid_t pid = pid_of(pidfd);
+    int ok = pid > 0;
+    for (size_t i = 0; ok && i < sizeof namespaces / sizeof namespaces[0]; i++)
+        ok = same_namespace(pid, namespaces[i]);
+    ok = ok && same_file(pid, "cgroup") && same_file(pid, "loginuid") && same_file(pid, "sessionid") &&
+         may_do_all_we_may(pid);
+    ok = ok && syscall(SYS_pidfd_send_signal, pidfd, 0, NULL, 0) == 0; /* still that process */
+    close(pidfd);
+    return ok;
+}
+
+/* A connection to our own launcher, or -1 (none, or not ourselves). */
 static int connect_launcher(void) {
     struct sockaddr_un addr = {.sun_family = AF_UNIX};
     struct ucred cred;
@@ -135,7 +289,7 @@ static int connect_launcher(void) {
         return -1;
     if (connect(s, (struct sockaddr *)&addr, sizeof addr) < 0 ||
         getsockopt(s, SOL_SOCKET, SO_PEERCRED, &cred, &len) < 0 || cred.uid != geteuid() ||
-        !same_namespace(cred.pid, "user") || !same_namespace(cred.pid, "pid") || !same_namespace(cred.pid, "mnt")) {
+        !is_ourselves(s, cred.pid)) {
         close(s);
         return -1;
     }

@@ -253,13 +253,20 @@ def test_a_launcher_inside_another_namespace_is_never_handed_a_command(user: Use
 
 def test_a_malformed_request_is_refused_and_the_launcher_serves_on(user: User, runtime_dir: Path) -> None:
     warm(user, runtime_dir, "start")
-    code = ("import _socket, sys; from agentcell.host import wire\n"
-            "for msg in ({'op': 'spawn', 'id': 'x'}, {'op': 'signal', 'id': 1, 'sig': 'TERM'}):\n"
+    # (a front's request: the command line with its working directory and stdio; here with a key too many,
+    # with a command it does not hand over, and with floats that grow as they are sent on to a CLI process)
+    cli = "{'op': 'cli', 'argv': [b'run', b'--', b'true'], 'env': [], 'umask': 18}"
+    code = ("import _socket, os, sys; from agentcell.host import wire\n"
+            f"cli = {cli}\n"
+            "for msg in ({'op': 'spawn', 'id': 'x'}, {'op': 'signal', 'id': 1, 'sig': 'TERM'}, dict(cli, x=1),\n"
+            "            dict(cli, argv=[b'doctor']), dict(cli, x=[0.5] * 100000)):\n"
             "    s = _socket.socket(_socket.AF_UNIX, _socket.SOCK_SEQPACKET); s.connect(sys.argv[1])\n"
-            "    wire.send(s, msg); print(wire.recv(s)[0]['event'])\n")
+            "    s.setsockopt(_socket.SOL_SOCKET, _socket.SO_SNDBUF, 1 << 21)\n"
+            "    fds = [os.open('/', os.O_RDONLY)] + [os.open(os.devnull, os.O_RDWR) for _ in range(3)]\n"
+            "    wire.send(s, msg, fds if msg['op'] == 'cli' else None); print(wire.recv(s)[0]['event'])\n")
     p = subprocess.run([*user.prefix(), str(Path(AGENTCELL).parent / "python"), "-c", code,
                         str(runtime_dir / "agentcell" / "launcher.sock")], capture_output=True, text=True)
-    assert p.stdout.split() == ["error", "error"], p.stdout + p.stderr
+    assert p.stdout.split() == ["error", "error", "refused", "refused", "refused"], p.stdout + p.stderr
     assert warm(user, runtime_dir, "status").returncode == 0
 
 
@@ -459,3 +466,25 @@ def test_the_front_hands_nothing_to_a_launcher_of_another_uid(user: User, runtim
     """A listener of another uid (root here) where the caller's launcher would be: the front checks its
     peer's uid, sends nothing, and the run is built by the Python CLI."""
     nothing_reaches_an_impostor(user, runtime_dir, [str(Path(AGENTCELL).parent / "python")], [])
+
+
+def test_the_front_hands_nothing_to_a_weaker_process_of_the_callers_in_the_launchers_place(
+        user: User, runtime_dir: Path) -> None:
+    """A process of the caller's own uid, but with less (here no_new_privs, as any Landlock sandbox has),
+    listens where the launcher would: it must not get the caller's environment and stdio, nor forge a run's
+    result. The front and the Python CLI both check it, and build the cell themselves."""
+    nothing_reaches_an_impostor(user, runtime_dir, [*user.prefix(), "setpriv", "--no-new-privs", "python3"], [])
+
+
+def test_a_caller_in_a_network_namespace_of_its_own_is_refused_and_runs_cold(user: User, runtime_dir: Path) -> None:
+    """A caller kept off the network by a namespace of its own must not reach the host's network through
+    the launcher (whose cells and proxy live in the host's): it is refused, and its run is built in its
+    own namespace."""
+    warm(user, runtime_dir, "start")
+    before = served_by_front(user, runtime_dir)
+    p = subprocess.run(["unshare", "--net", "setpriv", f"--reuid={user.uid}", f"--regid={user.gid}", "--clear-groups",
+                        "--", AGENTCELL, "run", "--json", "--", "true"], capture_output=True, text=True, timeout=60,
+                       env={"PATH": "/usr/bin:/bin", "XDG_RUNTIME_DIR": str(runtime_dir)})
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout.splitlines()[-1])["via"] == "here"
+    assert served_by_front(user, runtime_dir) == before

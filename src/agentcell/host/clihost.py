@@ -11,15 +11,13 @@ policy, the monitor and the protected-path step do is unchanged: only the start 
           | {"event": "started"}                         from here on the front never runs it again
           | {"event": "exit", "code": N}                 that process's status (128+N for signal N)
 
-Trust. The launcher is its owner's, listening in a directory only they may enter; the front checks
-that the launcher is its uid in its namespaces, and the launcher checks every connection as it accepts
-it (:func:`agentcell.host.wire.accept_ours`): its own uid, outside any cell, and a caller that may do
-all the launcher may (the same uids and gids, its supplementary groups and capabilities, no
-no_new_privs or seccomp filter the launcher lacks, hard limits as high), read through the caller's
-pidfd. A caller with less (a root shell that dropped capabilities, a sandboxed process) is refused and
-starts Python as before. What a process forked here has that a Python ``agentcell run`` would not is
-what a process inherits beyond those: the launcher's cgroup (its CPU and memory count there), its audit
-login id and session, no controlling terminal (the front hands over no run that has one).
+Trust. The launcher is its owner's, listening in a directory only they may enter, and each end checks
+that the other is itself in all but its pid (:mod:`.peer`: the same uid, namespaces, cgroup, audit
+session, groups, capabilities, no_new_privs, seccomp state and hard limits). A caller with less (a root
+shell that dropped capabilities, a sandboxed process) is refused, and starts Python as before; so is a
+"launcher" with less (a weaker process of the user's that took the socket's place). What a process
+forked here has that a Python ``agentcell run`` would not: no controlling terminal (the front hands
+over no run that has one), and the launcher's ``ulimit`` soft limits.
 """
 from __future__ import annotations
 
@@ -44,9 +42,10 @@ SERVED = ("run",)  # what the front may hand over
 
 def refusal(msg: dict[str, Any], fds: list[int]) -> str:
     """Why this request is not served here ('' if it is). Its peer was checked as it connected
-    (:func:`agentcell.host.wire.accept_ours`): our uid, outside any cell, with all our powers."""
+    (:func:`agentcell.host.peer.accept_ours`): our uid, outside any cell, with all our powers."""
     argv, env, umask = msg.get("argv"), msg.get("env"), msg.get("umask")
-    if not (isinstance(argv, list) and argv and all(isinstance(a, bytes) for a in argv)
+    if not (set(msg) == {"op", "argv", "env", "umask"}
+            and isinstance(argv, list) and argv and all(isinstance(a, bytes) for a in argv)
             and isinstance(env, list) and all(isinstance(e, bytes) for e in env)
             and isinstance(umask, int) and 0 <= umask <= 0o777 and len(fds) == 4):
         return "malformed request"
@@ -85,7 +84,7 @@ class Ahead:
         try:
             wire.send(self.sock, msg, [*fds, front])
             return True
-        except OSError:
+        except (OSError, wire.WireError):
             return False
         finally:
             self.sock.close()

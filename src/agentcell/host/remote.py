@@ -29,7 +29,7 @@ import time
 from .. import hostfs
 from ..cell.spec import TYPE_CHECKING, CellSpec, spec_to_dict
 from ..errors import EXIT_TIMEOUT, AgentcellError, LaunchError
-from . import wire
+from . import peer, wire
 
 if TYPE_CHECKING:
     import subprocess
@@ -64,7 +64,7 @@ def connect(path: str) -> _socket.socket | None:
     s = _socket.socket(_socket.AF_UNIX, _socket.SOCK_SEQPACKET | _socket.SOCK_CLOEXEC)
     try:
         s.connect(path)
-        if wire.peer_is_ours(s):
+        if peer.peer_is_ours(s):
             return s
     except OSError:
         pass

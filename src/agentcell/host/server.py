@@ -45,7 +45,7 @@ from typing import Any
 
 from ..cell.spec import spec_from_dict
 from ..errors import AgentcellError
-from . import wire
+from . import peer, wire
 
 KILL = 9
 GRACE_S = 3.0  # a command asked to die (timeout), or the cell asked to stop, has this long; then the cell is killed
@@ -371,7 +371,7 @@ class Host:
                 "uptime_s": time.monotonic() - self.started, "ended": self.ended}
 
     def _accept(self) -> None:
-        conn = wire.accept_ours(self.listener)
+        conn = peer.accept_ours(self.listener)
         if conn is not None and len(self.conns) >= MAX_CLIENTS:  # each is an fd of ours: a bounded number
             conn.close()
         elif conn is not None:
@@ -560,12 +560,12 @@ def _main(argv: list[str]) -> int:
         msg, fds = wire.recv_or_gone(conn)
         return serve_private(conn, msg, fds)
     listener = _socket.socket(fileno=int(opts["--listen"]))
-    wire.listen_here(listener, MAX_CLIENTS)
+    peer.listen_here(listener, MAX_CLIENTS)
     ino = os.stat(opts["--path"]).st_ino
     host = Host(listener=listener, name=opts.get("--name", ""), idle_s=float(opts.get("--idle", "0")))
     fd, _addr = listener._accept()  # type: ignore[attr-defined]  # the starter, who opens the cell
     conn = _socket.socket(fileno=fd)
-    if not wire.peer_is_ours(conn):
+    if not peer.peer_is_ours(conn):
         return 1
     host.conns.append(conn)
     msg, fds = wire.recv_or_gone(conn)

@@ -83,7 +83,7 @@ def start(idle_s: float) -> tuple[int, bool]:
     path = os.path.join(hostfs.private_dir(socket_dir(), "warm"), WARM_SOCKET)
     proc = serve_detached(path, lambda fd: zygote.launcher_command("--listen", str(fd), "--path", path, "--idle",
                                                                     str(idle_s)), 64)
-    for _ in range(200):  # until it answers as itself (its own listen(): see wire.peer_is_ours)
+    for _ in range(200):  # until it answers as itself (its own listen(): see peer.peer_is_ours)
         if status() is not None:
             break
         time.sleep(0.01)

@@ -25,7 +25,7 @@ from ..cell import syscalls as sc
 from ..cell.spec import TYPE_CHECKING, CellSpec, spec_from_dict
 from ..errors import AgentcellError
 from ..protect import binds
-from . import clihost, server, wire
+from . import clihost, peer, server, wire
 
 if TYPE_CHECKING:
     import signal
@@ -142,7 +142,7 @@ class Server:
                     self._request(r)
 
     def _accept(self) -> None:
-        conn = wire.accept_ours(self.listener)
+        conn = peer.accept_ours(self.listener)
         if conn is not None:
             self.conns.append(conn)
 
@@ -153,15 +153,18 @@ class Server:
                 self._drop_conn(conn)
             else:
                 self._handle(conn, msg, fds)
+        except Exception:  # noqa: BLE001 - one request the code did not foresee ends its connection, never the
+            if conn in self.conns:  # launcher and the other clients' cells
+                self._drop_conn(conn)
         finally:
             for fd in fds:
                 os.close(fd)
 
     def _drop_conn(self, conn: Sock) -> None:
         for pidfd, front in self.fronts.items():
-            if front is conn:  # the front has gone (killed): its CLI stops, taking down what it made
-                try:
-                    signal.pidfd_send_signal(pidfd, signal.SIGTERM)
+            if front is conn:  # the front has gone (killed, as a CLI may be): so does its CLI's process, and its
+                try:  # cell with the CLI's connection (a front's SIGTERM, SIGINT or SIGHUP is forwarded to it)
+                    signal.pidfd_send_signal(pidfd, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
                 del self.fronts[pidfd]
@@ -369,7 +372,7 @@ def main(argv: list[str]) -> None:
         Server(conn=_socket.socket(fileno=int(opts["--conn"])), prewarm=prewarm).serve()
     else:
         listener = _socket.socket(fileno=int(opts["--listen"]))
-        wire.listen_here(listener, 64)
+        peer.listen_here(listener, 64)
         path = opts["--path"]
         ino = os.stat(path).st_ino
         try:
