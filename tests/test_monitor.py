@@ -646,3 +646,46 @@ def test_a_flood_of_threads_never_loses_a_call_nor_ends_the_cell(user: User) -> 
     assert r.rc == 0 and r.out.strip() == "done", (r.out, r.err)
     acting = [e for e in r.result["events"] if e["acts"]]  # type: ignore[union-attr]
     assert not acting and r.result["terminated_by_monitor"] is False, r.result["events"]
+
+
+# A link in the project to a key outside the cell, read through: the open fails in the cell (ENOENT).
+LINK_READ = r"""
+import os, sys
+os.symlink(sys.argv[2], sys.argv[1])
+try:
+    open(sys.argv[1]).read()
+except OSError as e:
+    print("refused", e.errno, flush=True)
+"""
+
+
+def test_a_link_read_through_is_seen_when_the_monitor_first_looks_after_the_cell_ended(
+        user: User, project: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A loaded host: the monitor's loop is given no time before the cell's command has ended and its
+    PID 1 has gone (here, the loop never runs: the monitor's last look is its first). The link is still
+    followed where it stood in the cell, and the attempt still ends the run at an escape."""
+    from agentcell import CellSpec
+    from agentcell.monitor.loop import Loop
+    from agentcell.policy.resolve import build_env, resolve_identity
+    from agentcell.supervise import Supervised
+
+    outside = Path("/tmp") / ("agentcell-test-key-" + os.urandom(4).hex())
+    key = outside / "home" / ".ssh" / "id_ed25519"
+    key.parent.mkdir(parents=True)
+    key.write_text("a key\n")
+    monkeypatch.setattr(Loop, "start", lambda self, run, check: None)
+    ident = resolve_identity(str(user.uid), euid=0)
+    spec = CellSpec(ident, env=build_env({}, ident), rw_paths=(str(project),),
+                    cell_id="agentcell-late" + os.urandom(3).hex())
+    null = os.open(os.devnull, os.O_RDWR)
+    try:
+        sup = Supervised.start(spec, ["python3", "-c", LINK_READ, str(project / "key-link"), str(key)],
+                               stdio=(null, null, null), dedicated=True)
+        result = sup.wait(60)
+    finally:
+        os.close(null)
+        shutil.rmtree(outside, ignore_errors=True)
+    assert result["exit_status"] == 0, result
+    got = [(e["operation"], e["target"], e["source"], e["acts"]) for e in result["events"]]  # type: ignore[union-attr]
+    assert ("read", str(key), "calls", True) in got, result["events"]
+    assert result["terminated_by_monitor"] is True, result

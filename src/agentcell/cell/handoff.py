@@ -84,18 +84,29 @@ def recv(sock: _socket.socket) -> Command | None:
 def send_fd(sock: _socket.socket, fd: int, tag: bytes = b"P") -> None:
     """An fd from the cell to the supervisor: the master of an interactive command's pty (P), the
     proxy's listening socket made in the cell's network namespace (L)."""
-    sock.sendmsg([tag], [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, pack_fds([fd]))])
+    send_fds(sock, [fd], tag)
+
+
+def send_fds(sock: _socket.socket, fds: list[int], tag: bytes) -> None:
+    """Several fds in one message (the cell's root and its mount namespace: R)."""
+    sock.sendmsg([tag], [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, pack_fds(fds))])
 
 
 def recv_fd(sock: _socket.socket, tag: bytes = b"P") -> int | None:
     """That fd, or None if the cell failed before it made one."""
-    data, anc, _flags, _addr = sock.recvmsg(1, _socket.CMSG_SPACE(4))
+    fds = recv_fds(sock, tag, 1)
+    return fds[0] if fds is not None else None
+
+
+def recv_fds(sock: _socket.socket, tag: bytes, count: int) -> list[int] | None:
+    """The ``count`` fds of one message, or None if the cell failed before it sent them."""
+    data, anc, _flags, _addr = sock.recvmsg(1, _socket.CMSG_SPACE(4 * count))
     fds = unpack_fds(anc)
-    if data != tag or len(fds) != 1:
+    if data != tag or len(fds) != count:
         for fd in fds:
             os.close(fd)
         return None
-    return fds[0]
+    return fds
 
 
 def _recv_more(sock: _socket.socket, most: int) -> bytes:

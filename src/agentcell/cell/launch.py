@@ -83,6 +83,7 @@ class Running:
         self.canary_fd: int | None = None  # spec.watch: the watch on the canary credentials (monitor)
         self.exec_fd: int | None = None  # spec.watch as root: exec marks on the cell's own mounts (monitor)
         self.seccomp_fd: int | None = None  # spec.watch: the seccomp listener (monitor)
+        self.root_fds: list[int] | None = None  # spec.watch: the cell's root and mount namespace (monitor)
         self.live: execd.Channel | None = None  # a live cell: its exec server's channel
         self._buf = b""
         self._msgs: list[list[str]] = []
@@ -173,10 +174,11 @@ class Running:
         """Remove the cell's cgroup (once its result is known); close watches no monitor took."""
         if self.live is not None:
             self.live.close()
-        for fd in (self.canary_fd, self.seccomp_fd, self.exec_fd):
+        for fd in (self.canary_fd, self.seccomp_fd, self.exec_fd, *(self.root_fds or ())):
             if fd is not None:
                 os.close(fd)
         self.canary_fd = self.seccomp_fd = self.exec_fd = None
+        self.root_fds = None
         if self.cg is not None:
             cg, self.cg = self.cg, None
             cg.remove()
@@ -232,6 +234,7 @@ class Prepared:
         self.egress_fd: int | None = None  # the proxy's listening socket, made in the cell's netns
         self.canary_fd: int | None = None  # spec.watch: the canaries' watch, made by PID 1
         self.exec_fd: int | None = None  # spec.watch as root: exec marks on its own mounts, made by PID 1
+        self.root_fds: list[int] | None = None  # spec.watch: its root and mount namespace, from PID 1
 
     def go(self, argv: Sequence[str], *, stdio: Sequence[int] = (0, 1, 2), pass_fds: Sequence[int] = (),
            tty_fds: Sequence[int] = (), live: bool = False) -> Running:
@@ -270,6 +273,7 @@ class Prepared:
         running.egress_fd, self.egress_fd = self.egress_fd, None
         running.canary_fd, self.canary_fd = self.canary_fd, None
         running.exec_fd, self.exec_fd = self.exec_fd, None
+        running.root_fds, self.root_fds = self.root_fds, None
         running.seccomp_fd = listener
         return running
 
@@ -289,9 +293,10 @@ class Prepared:
         """Throw away a cell that never got a command: with its channel closed, its command process
         exits without exec'ing anything, and PID 1 tears the cell down."""
         self._ctl.close()  # type: ignore[attr-defined]
-        for fd in (self.egress_fd, self.canary_fd, self.exec_fd):
+        for fd in (self.egress_fd, self.canary_fd, self.exec_fd, *(self.root_fds or ())):
             if fd is not None:
                 os.close(fd)
+        self.root_fds = None
         os.close(self._r)
         _waitpid_eintr(self.c1)
         if self.cg is not None:
@@ -340,6 +345,8 @@ def prepare(spec: CellSpec, guards: Guards) -> Prepared:
             prepared.canary_fd = handoff.recv_fd(ours, b"C")
         if execmarks.planned(spec):
             prepared.exec_fd = handoff.recv_fd(ours, b"X")
+        if spec.watch:
+            prepared.root_fds = handoff.recv_fds(ours, b"R", 2)
     except BaseException:  # (a SIGTERM, say, while the cell is being built): nothing of it is left
         plan.release()
         if prepared is not None:
@@ -396,6 +403,8 @@ def describe(spec: CellSpec, plan: mounts.MountPlan, argv: Sequence[str]) -> lis
         *(["9. ip link set lo up"] if spec.network in ("loopback", "proxy") else []),
         *(["   the proxy's listening socket, made here and handed out"] if spec.network == "proxy" else []),
         f"10. sethostname {spec.hostname}", *(f"11. {m}" for m in marks),
+        *(["11. hand out the cell's root and mount namespace: the monitor holds them to its last look"]
+          if spec.watch else []),
         "12. stdio -> /dev/null; fork -> the command's process; PID 1 reaps",
         "13. default signal dispositions; setsid (a session of its own, no controlling terminal)",
         f"14. landlock: {landlock.describe_abi(spec)}", *(f"   {rule}" for rule in landlock.describe(spec)),
@@ -491,9 +500,12 @@ def _cell(spec: CellSpec, plan: mounts.MountPlan, w: int, ctl: object, outer_uid
     # 10. Hostname.
     _step("hostname", namespaces.set_hostname, spec.hostname)
     # 11. Under the monitor: decoy credentials in the cell's home, watched before the command exists; as
-    #     root, exec marks on the cell's own mounts (a setuid binary run from there is named by its file).
+    #     root, exec marks on the cell's own mounts (a setuid binary run from there is named by its file);
+    #     the cell's root and mount namespace, which the monitor holds until its last look.
     _step("canaries", canary.plant_and_watch, spec, ctl)
     _step("exec marks", execmarks.mark_and_send, spec, ctl)
+    if spec.watch:
+        _step("cell root", mounts.send_root, ctl)
     # 12. PID 1 keeps none of the supervisor's stdio (it would hold a terminal or a pipe open), forks
     #     the command's process, and reaps until it ends; then it kills what is left.
     null = os.open("/dev/null", os.O_RDWR)

@@ -417,3 +417,21 @@ def pivot() -> None:
     sc.pivot_root(".", ".")
     sc.umount2(".", sc.MNT_DETACH)
     os.chdir("/")
+
+
+def send_root(ctl: object) -> None:
+    """PID 1, after pivot_root, under a monitor: the cell's root and its mount namespace, to the
+    supervisor. A namespace ends with its last reference, not its last process: held there, the tree
+    stays as the cell left it, and a failed call the monitor reads after the cell is over (a loaded host)
+    is still walked where it stood (a link in the project to a key outside)."""
+    from . import handoff
+
+    root = os.open("/", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        ns = os.open("/proc/self/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            handoff.send_fds(ctl, [root, ns], b"R")  # type: ignore[arg-type]
+        finally:
+            os.close(ns)
+    finally:
+        os.close(root)

@@ -75,6 +75,7 @@ class Host:
 
     def __init__(self, pid1: int = 0) -> None:
         self.pid1 = pid1
+        self.root_fd: int | None = None  # the cell's root, held by the monitor with its mount namespace
         self._homes: set[str] | None = None
         self._cache: dict[str, tuple[float, Any]] = {}
 
@@ -97,11 +98,19 @@ class Host:
             self._homes = out
         return self._homes
 
+    def _root(self) -> str:
+        """Where the cell's tree is walked from: its root as the monitor holds it (with its mount
+        namespace: the tree outlives the cell's last process), else PID 1's root while it lives."""
+        if self.root_fd is not None:
+            return f"/proc/self/fd/{self.root_fd}"
+        return f"/proc/{self.pid1}/root" if self.pid1 else ""
+
     def exists_in_cell(self, path: str) -> bool:
         """Whether ``path`` (no link in it) exists in the cell's view now."""
+        root = self._root()
         try:
-            os.lstat(f"/proc/{self.pid1}/root{path}")
-            return bool(self.pid1)
+            os.lstat(f"{root}{path}")
+            return bool(root)
         except (OSError, ValueError):
             return False
 
@@ -182,10 +191,10 @@ class Host:
         symlink followed where it stands (an absolute one from the cell's root), ``..`` taken after it, at
         most 40 links; past the first name that is not there, the rest as written. The caller's own magic
         links (``/proc/self``, ``/proc/thread-self``: their root, cwd and fds) are followed from the host's
-        side: they do not read for the monitor, which has no number in the cell's namespace. None once the
-        cell is gone (nothing to walk)."""
-        root = f"/proc/{self.pid1}/root"
-        if not self.pid1 or not os.path.isdir(root + "/"):
+        side: they do not read for the monitor, which has no number in the cell's namespace. None if the
+        cell's tree cannot be reached (not held, and PID 1 gone)."""
+        root = self._root()
+        if not root or not os.path.isdir(root + "/"):
             return None
         todo = [p for p in path.split("/") if p]
         at, links = "/", 0

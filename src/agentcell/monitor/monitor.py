@@ -134,6 +134,7 @@ class Monitor:
         self.reason = ""
         self._final = False  # the cell has ended: nothing is frozen or killed any more (an attempt still counts)
         self._pidfd: int | None = None  # PID 1's, once the cell is attached
+        self._cell_root: list[int] = []  # the cell's root and mount namespace, held to the last look
         self.loop = Loop()
         self._sources: list[Source] = []
         self._state: dict[str, str] = {}  # source -> "on" | why it is off
@@ -250,6 +251,10 @@ class Monitor:
         from ..cell import canary
 
         self.cg = running.cg
+        if running.root_fds is not None:  # (taken before anything here can fail: closed in stop())
+            self._cell_root, running.root_fds = running.root_fds, None
+            if self.calls is not None:
+                self.calls.classifier.host.root_fd = self._cell_root[0]
         if running.pid1:
             self.procs.members.add(running.pid1)
             self.procs.seed = running.pid1
@@ -399,6 +404,9 @@ class Monitor:
         if self._pidfd is not None:
             os.close(self._pidfd)
             self._pidfd = None
+        held, self._cell_root = self._cell_root, []
+        for fd in held:  # the cell's tree goes with them
+            os.close(fd)
         self.record.queue.put(None)
         return self.events
 
