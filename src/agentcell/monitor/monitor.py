@@ -54,7 +54,7 @@ from .loop import Loop, Record
 from .procs import CellProcs
 from .refusals import EgressSource, Refusals
 from .resources import ResourceSource
-from .source import Fd, Fileno, Holds, Source, Wakes
+from .source import Holds, Source, Wakes
 
 if TYPE_CHECKING:
     from ..cell.launch import Running
@@ -136,6 +136,11 @@ class Monitor:
         self._pidfd: int | None = None  # PID 1's, once the cell is attached
         self.loop = Loop()
         self._sources: list[Source] = []
+        # What a pass waits on and which sources hold a process: worked out when a source is added, not
+        # on every pass (a Protocol isinstance costs microseconds; a pass came to ~0.2 ms of the GIL,
+        # taken from the host's loop serving a live cell's commands)
+        self._pass: tuple[list[Source], list[int]] = ([], [])
+        self._holders: dict[int, Holds] = {}
         self._state: dict[str, str] = {}  # source -> "on" | why it is off
         self._resources = ResourceSource(lambda: self.cg, cell_id)
         self._add(self._resources)
@@ -156,7 +161,11 @@ class Monitor:
 
     def _add(self, source: Source) -> None:
         """Into the list, in its place (a new list: the loop goes on over the one it has)."""
-        self._sources = sorted((*self._sources, source), key=lambda s: ORDER.index(s.name))
+        sources = sorted((*self._sources, source), key=lambda s: ORDER.index(s.name))
+        fds = [s.fileno() for s in sources if s.fileno() >= 0]
+        fds += [w.fileno() for s in sources if isinstance(s, Wakes) for w in s.wakers()]
+        self._holders = {id(s): s for s in sources if isinstance(s, Holds)}
+        self._sources, self._pass = sources, (sources, fds)
 
     def _off(self, name: str, e: OSError, what: str) -> None:
         """A source that cannot start: said in ``monitor_sources``, and a telemetry event."""
@@ -332,13 +341,11 @@ class Monitor:
         try:
             while not self.loop.stopped.is_set():
                 self.loop.progress()
-                sources = self._sources
-                waits: list[Fileno] = [s for s in sources if s.fileno() >= 0]
-                waits += [w for s in sources if isinstance(s, Wakes) for w in s.wakers()]
+                sources, fds = self._pass
                 # Every source with a file wakes the loop itself; a pass without news is for what has no
                 # file to wait on (a mask just touched on the host: often, for half a second).
                 idle = (self._masks.pace() if self._masks is not None else None) or PASS_S
-                select.select([*waits, Fd(self.loop.wake_r)], [], [], idle)
+                select.select([*fds, self.loop.wake_r], [], [], idle)
                 self._read(sources)
         except Exception as e:  # noqa: BLE001 - a monitor that stops seeing must say so, and act
             self._event(CellEvent("telemetry", "monitor", f"the monitor stopped: {e!r}", source="telemetry",
@@ -349,8 +356,9 @@ class Monitor:
             for ev in source.read():
                 self.loop.progress()
                 self._event(ev)
-            if isinstance(source, Holds):  # recorded (and, under terminate, frozen): now the process may go on
-                source.release()
+            holds = self._holders.get(id(source))
+            if holds is not None:  # recorded (and, under terminate, frozen): now the process may go on
+                holds.release()
 
     def _refresh(self) -> None:
         """The connector's news now: a process that forked since it was last read is the cell's."""
@@ -389,7 +397,7 @@ class Monitor:
         except (OSError, ValueError) as e:
             self._event(CellEvent("telemetry", "monitor", f"a source failed: {e}", source="telemetry",
                                   cell=self.cell_id))
-        sources, self._sources = self._sources, []
+        sources, self._sources, self._pass = self._sources, [], ([], [])
         for source in sources:
             try:
                 source.close()
