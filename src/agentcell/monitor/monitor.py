@@ -136,19 +136,19 @@ class Monitor:
         self._pidfd: int | None = None  # PID 1's, once the cell is attached
         self.loop = Loop()
         self._sources: list[Source] = []
-        # What a pass waits on and which sources hold a process: worked out when a source is added, not
-        # on every pass (a Protocol isinstance costs microseconds; a pass came to ~0.2 ms of the GIL,
-        # taken from the host's loop serving a live cell's commands)
-        self._pass: tuple[list[Source], list[int]] = ([], [])
+        # What a pass waits on, which files' news has it read each source (:meth:`_add`), and which sources
+        # hold a process: worked out when a source is added, not on every pass (a Protocol isinstance costs
+        # microseconds; a pass came to ~0.2 ms of the GIL, taken from the host's loop serving a live cell)
+        self._pass: tuple[list[Source], list[int], list[frozenset[int] | None]] = ([], [], [])
         self._holders: dict[int, Holds] = {}
         self._state: dict[str, str] = {}  # source -> "on" | why it is off
-        self._resources = ResourceSource(lambda: self.cg, cell_id)
-        self._add(self._resources)
         # The sources the monitor asks more of than read(): the connector (a fork learnt at once), the
         # masks (the loop's pace), the failed calls (read to their end at the last look, and their drops)
         self._execs: ExecSource | None = None
         self._masks: MaskSource | None = None
         self.calls: AttemptSource | None = None
+        self._resources = ResourceSource(lambda: self.cg, cell_id)
+        self._add(self._resources)
         if rootless:
             self._state["landlock"] = "off: the audit stream needs root (CAP_AUDIT_CONTROL, CAP_AUDIT_READ)"
             self._state["exec"] = "off: the proc connector needs root (CAP_NET_ADMIN in the host's namespace)"
@@ -160,12 +160,18 @@ class Monitor:
         self._watch_execs()
 
     def _add(self, source: Source) -> None:
-        """Into the list, in its place (a new list: the loop goes on over the one it has)."""
+        """Into the list, in its place (a new list: the loop goes on over the one it has). A pass reads a
+        source when one of its files has news; one without a file, and the masks (looked at by the
+        clock too), on every pass; the connector (who belongs to the cell) on every pass that has news
+        of any kind, so that a fork is known before what names its process, as when all were read."""
         sources = sorted((*self._sources, source), key=lambda s: ORDER.index(s.name))
-        fds = [s.fileno() for s in sources if s.fileno() >= 0]
-        fds += [w.fileno() for s in sources if isinstance(s, Wakes) for w in s.wakers()]
+        own = [[s.fileno(), *(w.fileno() for w in (s.wakers() if isinstance(s, Wakes) else ()))] for s in sources]
+        fds = [fd for files in own for fd in files if fd >= 0]
+        gates: list[frozenset[int] | None] = [
+            None if s is self._masks or files[0] < 0 else frozenset(fds if s is self._execs else files)
+            for s, files in zip(sources, own, strict=True)]
         self._holders = {id(s): s for s in sources if isinstance(s, Holds)}
-        self._sources, self._pass = sources, (sources, fds)
+        self._sources, self._pass = sources, (sources, fds, gates)
 
     def _off(self, name: str, e: OSError, what: str) -> None:
         """A source that cannot start: said in ``monitor_sources``, and a telemetry event."""
@@ -341,12 +347,12 @@ class Monitor:
         try:
             while not self.loop.stopped.is_set():
                 self.loop.progress()
-                sources, fds = self._pass
+                sources, fds, gates = self._pass
                 # Every source with a file wakes the loop itself; a pass without news is for what has no
                 # file to wait on (a mask just touched on the host: often, for half a second).
                 idle = (self._masks.pace() if self._masks is not None else None) or PASS_S
-                select.select([*fds, self.loop.wake_r], [], [], idle)
-                self._read(sources)
+                ready = set(select.select([*fds, self.loop.wake_r], [], [], idle)[0])
+                self._read([s for s, gate in zip(sources, gates, strict=True) if gate is None or gate & ready])
         except Exception as e:  # noqa: BLE001 - a monitor that stops seeing must say so, and act
             self._event(CellEvent("telemetry", "monitor", f"the monitor stopped: {e!r}", source="telemetry",
                                   cell=self.cell_id))
@@ -397,7 +403,7 @@ class Monitor:
         except (OSError, ValueError) as e:
             self._event(CellEvent("telemetry", "monitor", f"a source failed: {e}", source="telemetry",
                                   cell=self.cell_id))
-        sources, self._sources, self._pass = self._sources, [], ([], [])
+        sources, self._sources, self._pass = self._sources, [], ([], [], [])
         for source in sources:
             try:
                 source.close()
