@@ -16,8 +16,10 @@ never by an unmarshal of what the cell wrote::
 
     supervisor -> {"op": "exec", "id": N, "argv": [...], "env": {...}, "cwd": DIR, "fds": [0, 1, 2]} + fds
     supervisor -> {"op": "signal", "id": N, "sig": S}
-    cell       -> b"S" id pid 0        a command started (pid in the cell's PID namespace)
     cell       -> b"X" id code sig     it ended (code 128+N for a signal; 127 not found, 126 not runnable)
+
+A command's start is not reported: no one used it, and it woke the supervisor once more per command
+while the command ran.
 """
 from __future__ import annotations
 
@@ -98,7 +100,7 @@ class Channel:
         while len(self._buf) >= _REPORT.size:
             kind, rid, a, b = _REPORT.unpack_from(self._buf)
             self._buf = self._buf[_REPORT.size:]
-            if kind in (b"S", b"X"):
+            if kind == b"X":
                 out.append((kind.decode(), rid, a, b))
         return out
 
@@ -211,7 +213,6 @@ def _handle(ctl: _socket.socket, msg: dict[str, Any], fds: list[int], running: d
         return
     running[pidfd] = (rid, pid)
     by_id[rid] = pid
-    _tell(ctl, b"S", rid, pid, 0)
 
 
 class _NoCwd(OSError):
