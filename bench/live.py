@@ -9,8 +9,8 @@ Measures (medians, milliseconds; ratios to bwrap measured in the same sitting):
     and without one;
   * 8 in flight: 8 threads each running `true` at once, the wall time of the batch, against 8 bwraps
     started at once.
-Target (issue 14): live exec <= 0.3x a cold bwrap start. Needs root (a throwaway account ac-bench<hex>
-is created and removed) and bwrap.
+Target (issue 29): a monitored live exec <= 0.2x a cold bwrap start (issue 14 asked 0.3x). Needs root
+(a throwaway account ac-bench<hex> is created and removed) and bwrap.
 """
 from __future__ import annotations
 
@@ -69,7 +69,7 @@ def main() -> int:
               "live_exec_no_monitor": res["live_exec_no_monitor"] / res["bwrap"],
               "live_exec_captured": res["live_exec_captured"] / res["bwrap"],
               "live_8_in_flight": res["live_8_in_flight"] / res["bwrap_8_in_flight"]}
-    targets = {"live_exec": 0.3}
+    targets = {"live_exec": 0.2}
     if args.json:
         print(json.dumps({"median_ms": res, "ratio_to_bwrap": ratios, "targets": targets}))
         return 0

@@ -201,7 +201,7 @@ class Cell:
 class LiveProcess(_Process):
     """A command running in a live cell (from :meth:`LiveCell.spawn`)."""
 
-    def __init__(self, cell: LiveCell, cid: int, args: list[str], waiting: queue.Queue[dict[str, Any]]) -> None:
+    def __init__(self, cell: LiveCell, cid: int, args: list[str], waiting: queue.SimpleQueue[dict[str, Any]]) -> None:
         self._cell, self.id, self.args, self._waiting = cell, cid, args, waiting
         self._result: dict[str, Any] | None = None
 

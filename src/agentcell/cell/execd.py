@@ -16,8 +16,10 @@ never by an unmarshal of what the cell wrote::
 
     supervisor -> {"op": "exec", "id": N, "argv": [...], "env": {...}, "cwd": DIR, "fds": [0, 1, 2]} + fds
     supervisor -> {"op": "signal", "id": N, "sig": S}
-    cell       -> b"S" id pid 0        a command started (pid in the cell's PID namespace)
     cell       -> b"X" id code sig     it ended (code 128+N for a signal; 127 not found, 126 not runnable)
+
+A command's start is not reported: no one used it, and it woke the supervisor once more per command
+while the command ran.
 """
 from __future__ import annotations
 
@@ -98,7 +100,7 @@ class Channel:
         while len(self._buf) >= _REPORT.size:
             kind, rid, a, b = _REPORT.unpack_from(self._buf)
             self._buf = self._buf[_REPORT.size:]
-            if kind in (b"S", b"X"):
+            if kind == b"X":
                 out.append((kind.decode(), rid, a, b))
         return out
 
@@ -211,7 +213,6 @@ def _handle(ctl: _socket.socket, msg: dict[str, Any], fds: list[int], running: d
         return
     running[pidfd] = (rid, pid)
     by_id[rid] = pid
-    _tell(ctl, b"S", rid, pid, 0)
 
 
 class _NoCwd(OSError):
@@ -222,15 +223,20 @@ def _spawn(msg: dict[str, Any], fds: list[int]) -> int:
     """One command, in a session of its own, its fds on their numbers and nothing else (every fd of
     ours is close-on-exec), by posix_spawn: vfork and exec, no copy of our memory (a fork of this
     process costs more than the command here). Its working directory is ours at that moment (we are
-    single-threaded: the caller has entered it); PATH is searched in the command's environment."""
+    single-threaded: the caller has entered it); PATH is searched in the command's environment. A PATH
+    entry without the name is passed over on a stat, not on a spawn that fails: a process, and its
+    fork, failed exec and exit for the monitor to read, for each entry before the right one."""
     env = msg["env"]
     actions = [(os.POSIX_SPAWN_DUP2, fd, int(target)) for fd, target in zip(fds, msg["fds"], strict=True)]
     name = msg["argv"][0]
-    dirs = [b""] if b"/" in name else env.get(b"PATH", b"").split(b":")
+    searched = b"/" not in name
+    dirs = env.get(b"PATH", b"").split(b":") if searched else [b""]
     denied: OSError | None = None
     for d in dirs:
-        path = os.path.join(d or b".", name) if d or b"/" not in name else name
+        path = os.path.join(d or b".", name) if searched else name
         try:
+            if searched:
+                os.stat(path)  # (a name that is not there fails here as its exec would: ENOENT, ENOTDIR)
             return os.posix_spawn(path, msg["argv"], env, file_actions=actions, setsid=True)
         except (FileNotFoundError, NotADirectoryError):
             continue

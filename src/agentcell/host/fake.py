@@ -130,7 +130,7 @@ class FakeLive:
         return list(self._events)
 
     def exec(self, argv: list[str], fds: Sequence[int], *, env: dict[str, str], cwd: str | None,
-             timeout: float | None) -> tuple[int, queue.Queue[dict[str, Any]]]:
+             timeout: float | None) -> tuple[int, queue.SimpleQueue[dict[str, Any]]]:
         with self._lock:
             if self.ended is not None:
                 raise CellEnded(self.ended)
@@ -140,7 +140,7 @@ class FakeLive:
             _write(fds[1], run.stdout)
             _write(fds[2], run.stderr)
             self._events += run.events
-            done: queue.Queue[dict[str, Any]] = queue.Queue()
+            done: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
             escape = _acting(run, self.monitor)
             if escape is not None:
                 self._end(f"terminated at an escape attempt: {escape.get('operation')} {escape.get('target')}")

@@ -25,7 +25,7 @@ class RemoteLive:
         import threading
 
         self._sock, self._proc, self.cell_id, self.pid1 = sock, proc, cell_id, pid1
-        self._queue = queue.Queue
+        self._queue = queue.SimpleQueue  # (a Queue's get and put cost ~8 µs more per command)
         self._lock = threading.Lock()
         self._pending: dict[int, Any] = {}
         self._next = 0
@@ -88,7 +88,7 @@ class RemoteLive:
                 # for whoever looks at the cell once its command has returned.
                 self.ended = str(msg["ended"])
             one = self._pending.get(cid) if isinstance(cid, int) else None
-            if one is not None and msg.get("event") != "started":
+            if one is not None:
                 one.put(msg)
 
     def events(self) -> list[dict[str, Any]]:

@@ -21,8 +21,7 @@ SOCK_SEQPACKET datagram, stdio as SCM_RIGHTS)::
             + fds [stdin, stdout, stderr]
   client -> {"op": "signal", "id": N, "sig": S} | {"op": "status"} | {"op": "stop"}
   host   -> {"event": "opened", "cell_id", "pid1"} | {"event": "error", "field", "message", "code"}
-  host   -> {"id": N, "event": "started", "pid"} | {"id": N, "event": "exit", "exit_status", "signal",
-             "timed_out", "duration_s", "ended": REASON | None}
+  host   -> {"id": N, "event": "exit", "exit_status", "signal", "timed_out", "duration_s", "ended": REASON | None}
   host   -> {"event": "escape" | "note", "data": {...}}   (to every client, as the monitor sees it)
   host   -> {"event": "ended", "reason": REASON, "result": {...}}   (to every client, last)
 
@@ -203,19 +202,15 @@ class Host:
 
     def _reports(self) -> None:
         reports = self.sup.running.live.reports()
-        for kind, rid, a, b in reports or []:
-            e = self.execs.get(rid)
+        for _kind, rid, a, b in reports or []:  # (each a command's end)
+            e = self.execs.pop(rid, None)
             if e is None:
                 continue
-            if kind == "S":
-                self._send(e.conn, {"id": e.cid, "event": "started", "pid": a})
-            else:
-                del self.execs[rid]
-                self.last_work = time.monotonic()
-                code, sig = (124, KILL) if e.timed_out else (a, b)
-                self._send(e.conn, {"id": e.cid, "event": "exit", "exit_status": code, "signal": sig,
-                                    "timed_out": e.timed_out, "duration_s": round(time.monotonic() - e.started, 6),
-                                    "ended": None})
+            self.last_work = time.monotonic()
+            code, sig = (124, KILL) if e.timed_out else (a, b)
+            self._send(e.conn, {"id": e.cid, "event": "exit", "exit_status": code, "signal": sig,
+                                "timed_out": e.timed_out, "duration_s": round(time.monotonic() - e.started, 6),
+                                "ended": None})
 
     def _stop(self, why: str) -> None:
         """No more commands: the exec server ends and PID 1 takes the cell down."""

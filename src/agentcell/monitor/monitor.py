@@ -54,7 +54,7 @@ from .loop import Loop, Record
 from .procs import CellProcs
 from .refusals import EgressSource, Refusals
 from .resources import ResourceSource
-from .source import Fd, Fileno, Holds, Source, Wakes
+from .source import Holds, Source, Wakes
 
 if TYPE_CHECKING:
     from ..cell.launch import Running
@@ -137,14 +137,19 @@ class Monitor:
         self._cell_root: list[int] = []  # the cell's root and mount namespace, held to the last look
         self.loop = Loop()
         self._sources: list[Source] = []
+        # What a pass waits on, which files' news has it read each source (:meth:`_add`), and which sources
+        # hold a process: worked out when a source is added, not on every pass (a Protocol isinstance costs
+        # microseconds; a pass came to ~0.2 ms of the GIL, taken from the host's loop serving a live cell)
+        self._pass: tuple[list[Source], list[int], list[frozenset[int] | None]] = ([], [], [])
+        self._holders: dict[int, Holds] = {}
         self._state: dict[str, str] = {}  # source -> "on" | why it is off
-        self._resources = ResourceSource(lambda: self.cg, cell_id)
-        self._add(self._resources)
         # The sources the monitor asks more of than read(): the connector (a fork learnt at once), the
         # masks (the loop's pace), the failed calls (read to their end at the last look, and their drops)
         self._execs: ExecSource | None = None
         self._masks: MaskSource | None = None
         self.calls: AttemptSource | None = None
+        self._resources = ResourceSource(lambda: self.cg, cell_id)
+        self._add(self._resources)
         if rootless:
             self._state["landlock"] = "off: the audit stream needs root (CAP_AUDIT_CONTROL, CAP_AUDIT_READ)"
             self._state["exec"] = "off: the proc connector needs root (CAP_NET_ADMIN in the host's namespace)"
@@ -156,8 +161,18 @@ class Monitor:
         self._watch_execs()
 
     def _add(self, source: Source) -> None:
-        """Into the list, in its place (a new list: the loop goes on over the one it has)."""
-        self._sources = sorted((*self._sources, source), key=lambda s: ORDER.index(s.name))
+        """Into the list, in its place (a new list: the loop goes on over the one it has). A pass reads a
+        source when one of its files has news; one without a file, and the masks (looked at by the
+        clock too), on every pass; the connector (who belongs to the cell) on every pass that has news
+        of any kind, so that a fork is known before what names its process, as when all were read."""
+        sources = sorted((*self._sources, source), key=lambda s: ORDER.index(s.name))
+        own = [[s.fileno(), *(w.fileno() for w in (s.wakers() if isinstance(s, Wakes) else ()))] for s in sources]
+        fds = [fd for files in own for fd in files if fd >= 0]
+        gates: list[frozenset[int] | None] = [
+            None if s is self._masks or files[0] < 0 else frozenset(fds if s is self._execs else files)
+            for s, files in zip(sources, own, strict=True)]
+        self._holders = {id(s): s for s in sources if isinstance(s, Holds)}
+        self._sources, self._pass = sources, (sources, fds, gates)
 
     def _off(self, name: str, e: OSError, what: str) -> None:
         """A source that cannot start: said in ``monitor_sources``, and a telemetry event."""
@@ -337,14 +352,12 @@ class Monitor:
         try:
             while not self.loop.stopped.is_set():
                 self.loop.progress()
-                sources = self._sources
-                waits: list[Fileno] = [s for s in sources if s.fileno() >= 0]
-                waits += [w for s in sources if isinstance(s, Wakes) for w in s.wakers()]
+                sources, fds, gates = self._pass
                 # Every source with a file wakes the loop itself; a pass without news is for what has no
                 # file to wait on (a mask just touched on the host: often, for half a second).
                 idle = (self._masks.pace() if self._masks is not None else None) or PASS_S
-                select.select([*waits, Fd(self.loop.wake_r)], [], [], idle)
-                self._read(sources)
+                ready = set(select.select([*fds, self.loop.wake_r], [], [], idle)[0])
+                self._read([s for s, gate in zip(sources, gates, strict=True) if gate is None or gate & ready])
         except Exception as e:  # noqa: BLE001 - a monitor that stops seeing must say so, and act
             self._event(CellEvent("telemetry", "monitor", f"the monitor stopped: {e!r}", source="telemetry",
                                   cell=self.cell_id))
@@ -354,8 +367,9 @@ class Monitor:
             for ev in source.read():
                 self.loop.progress()
                 self._event(ev)
-            if isinstance(source, Holds):  # recorded (and, under terminate, frozen): now the process may go on
-                source.release()
+            holds = self._holders.get(id(source))
+            if holds is not None:  # recorded (and, under terminate, frozen): now the process may go on
+                holds.release()
 
     def _refresh(self) -> None:
         """The connector's news now: a process that forked since it was last read is the cell's."""
@@ -394,7 +408,7 @@ class Monitor:
         except (OSError, ValueError) as e:
             self._event(CellEvent("telemetry", "monitor", f"a source failed: {e}", source="telemetry",
                                   cell=self.cell_id))
-        sources, self._sources = self._sources, []
+        sources, self._sources, self._pass = self._sources, [], ([], [], [])
         for source in sources:
             try:
                 source.close()
