@@ -523,3 +523,31 @@ def test_the_version_is_one_line_and_an_unknown_command_names_the_known_ones() -
     assert p.returncode == 0 and p.stdout == f"agentcell {version('agentcell')}\n", p
     p = subprocess.run([AGENTCELL, "--versoin"], capture_output=True, text=True)
     assert p.returncode != 0 and "one of: run," in p.stderr and len(p.stderr.splitlines()) == 1, p.stderr
+
+
+def test_a_hand_off_message_without_its_fds_fails_the_launch() -> None:
+    """A cell's fd that does not arrive (the supervisor out of fds: the kernel drops it from the message)
+    must fail the launch, not leave the cell running without what it was for (the monitor's seccomp
+    listener, a canary's watch); a cell that failed first (the channel's end) is None, its status says why."""
+    import _socket
+
+    from agentcell.cell import handoff
+    from agentcell.errors import LaunchError
+
+    a, b = _socket.socketpair(_socket.AF_UNIX, _socket.SOCK_SEQPACKET)
+    try:
+        a.send(b"S")
+        with pytest.raises(LaunchError, match="came without its"):
+            handoff.recv_fd(b, b"S")
+        r, w = os.pipe()
+        handoff.send_fds(a, [r, w], b"R")
+        os.close(r)
+        os.close(w)
+        got = handoff.recv_fds(b, b"R", 2)
+        assert got is not None and len(got) == 2
+        for fd in got:
+            os.close(fd)
+        a.close()
+        assert handoff.recv_fd(b, b"S") is None
+    finally:
+        b.close()

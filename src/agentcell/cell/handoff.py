@@ -99,13 +99,20 @@ def recv_fd(sock: _socket.socket, tag: bytes = b"P") -> int | None:
 
 
 def recv_fds(sock: _socket.socket, tag: bytes, count: int) -> list[int] | None:
-    """The ``count`` fds of one message, or None if the cell failed before it sent them."""
-    data, anc, _flags, _addr = sock.recvmsg(1, _socket.CMSG_SPACE(4 * count))
+    """The ``count`` fds of one message, or None if the cell failed before it sent them (its status pipe
+    says why). A message that came without them (this process out of fds: the kernel drops what does
+    not fit) is a failed launch, never a cell that runs on without what they are for (a monitor's
+    listener, a canary's watch)."""
+    data, anc, flags, _addr = sock.recvmsg(1, _socket.CMSG_SPACE(4 * count))
     fds = unpack_fds(anc)
-    if data != tag or len(fds) != count:
+    if not data:
+        return None
+    if data != tag or len(fds) != count or flags & _socket.MSG_CTRUNC:
         for fd in fds:
             os.close(fd)
-        return None
+        raise LaunchError("hand-off", f"the cell's {tag.decode(errors='replace')!r} came without its "
+                          f"{count} fd(s) (got {len(fds)}): this process may be out of file descriptors",
+                          "raise its open-file limit (ulimit -n) and run again")
     return fds
 
 
