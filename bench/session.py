@@ -3,7 +3,10 @@
     sudo .venv/bin/python bench/session.py [--runs N] [--files N] [--json]
 
 Three ways of running ``true`` as a fresh least-privilege account on a project of ``--files`` small
-files (owned by a throwaway human ac-bh<hex>), alternated run by run in one sitting:
+files (owned by a throwaway human ac-bh<hex>), alternated run by run in one sitting. The sessions and
+the steps by hand each have a project of their own, as alike as two copies: each grants and revokes
+ACLs on every file, which moves the files' ctime, and a session's backup reads again only the files
+that changed since its last one (the steps by hand would make each session read them all):
   * session: ``agentcell session start --harness shell -- true`` — plan, policy, preflight backup,
     a per-session account with ACL grants, the cell with its escape monitor, teardown, the
     hash-chained audit trail, a LangGraph checkpoint per step;
@@ -62,13 +65,14 @@ def main() -> int:
             made_users.append(u)
             sh("useradd", "-M", "-s", "/usr/sbin/nologin", u)
         uid, gid = int(subprocess.check_output(["id", "-u", human])), int(subprocess.check_output(["id", "-g", human]))
-        proj = work / "proj"
-        for i in range(args.files):
-            d = proj / "src" / f"m{i // 100}"
-            d.mkdir(parents=True, exist_ok=True)
-            (d / f"f{i}.py").write_text(f"x = {i}\n" * 50)
-        for p in [proj, *proj.rglob("*")]:
-            os.chown(p, uid, gid)
+        proj, hand_proj = work / "proj", work / "hand-proj"
+        for root in (proj, hand_proj):
+            for i in range(args.files):
+                d = root / "src" / f"m{i // 100}"
+                d.mkdir(parents=True, exist_ok=True)
+                (d / f"f{i}.py").write_text(f"x = {i}\n" * 50)
+            for p in [root, *root.rglob("*")]:
+                os.chown(p, uid, gid)
         work.chmod(0o755)
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8", "SUDO_UID": str(uid),
                "SUDO_GID": str(gid), "AGENTCELL_STATE_DIR": str(work / "state"),
@@ -96,13 +100,13 @@ def main() -> int:
             name = f"ac-bx{secrets.token_hex(3)}"
             made_users.append(name)
             step("useradd", "useradd", "-M", "-s", "/usr/sbin/nologin", name)
-            step("setfacl -R -m (grant)", "setfacl", "-R", "-m", f"u:{name}:rwX,d:u:{name}:rwX", str(proj))
-            step("snapshot take", AGENTCELL, "snapshot", "take", "--store", str(work / "hand-store"), str(proj))
+            step("setfacl -R -m (grant)", "setfacl", "-R", "-m", f"u:{name}:rwX,d:u:{name}:rwX", str(hand_proj))
+            step("snapshot take", AGENTCELL, "snapshot", "take", "--store", str(work / "hand-store"), str(hand_proj))
             agent_uid = subprocess.check_output(["id", "-u", name], text=True).strip()
-            step("run --as", AGENTCELL, "run", "--as", agent_uid, "--rw", str(proj), "--", "true")
-            step("setfacl -R -x (revoke)", "setfacl", "-R", "-x", f"u:{name},d:u:{name}", str(proj))
-            step("find -uid | chown", "find", str(proj), "-uid", agent_uid, "-exec", "chown", f"{uid}:{gid}", "{}",
-                 "+")
+            step("run --as", AGENTCELL, "run", "--as", agent_uid, "--rw", str(hand_proj), "--", "true")
+            step("setfacl -R -x (revoke)", "setfacl", "-R", "-x", f"u:{name},d:u:{name}", str(hand_proj))
+            step("find -uid | chown", "find", str(hand_proj), "-uid", agent_uid, "-exec", "chown", f"{uid}:{gid}",
+                 "{}", "+")
             step("userdel", "userdel", name)
             made_users.remove(name)
 
