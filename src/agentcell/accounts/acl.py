@@ -142,31 +142,34 @@ class Walk:
         """Depth first with a stack of open directories (no recursion); every fd it opens is closed
         when the walk ends, however it ends."""
         dev = top_st.st_dev
-        stack: list[tuple[int, str, Iterator[str]]] = []
+        stack: list[tuple[int, str, Iterator[tuple[str, bool]]]] = []
         try:
             try:
-                stack.append((top, "", iter(sorted(os.listdir(top)))))
+                stack.append((top, "", _entries(top)))
             except OSError:
                 os.close(top)
                 raise
             yield Node(top, ".", top_st, None, None)
             while stack:
                 dfd, rel, names = stack[-1]
-                name = next(names, None)
-                if name is None:
+                name, plain = next(names, ("", False))
+                if not name:
                     stack.pop()
                     os.close(dfd)
                     continue
                 path = f"{rel}{name}"
-                try:
-                    st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
-                except FileNotFoundError:
-                    continue
-                if st.st_dev != dev:
-                    continue  # another file system mounted here: not part of the share
-                is_dir, is_link = stat.S_ISDIR(st.st_mode), stat.S_ISLNK(st.st_mode)
-                if is_link and not self.links:
-                    continue
+                if plain:  # a file when listed: opened as what it is now (below), never followed
+                    is_dir = False
+                else:
+                    try:
+                        st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+                    except FileNotFoundError:
+                        continue
+                    if st.st_dev != dev:
+                        continue  # another file system mounted here: not part of the share
+                    is_dir = stat.S_ISDIR(st.st_mode)
+                    if stat.S_ISLNK(st.st_mode) and not self.links:
+                        continue
                 fd = -1
                 for _ in range(3):  # a name swapped between the stat and the open is opened as what it is now
                     mode = os.O_RDONLY | os.O_DIRECTORY if is_dir else os.O_PATH
@@ -186,7 +189,7 @@ class Walk:
                     fd, is_dir = -1, stat.S_ISDIR(st.st_mode)
                 if fd < 0:
                     continue
-                if stat.S_ISLNK(st.st_mode) and not self.links:
+                if (stat.S_ISLNK(st.st_mode) and not self.links) or st.st_dev != dev:
                     os.close(fd)
                     continue
                 if not stat.S_ISDIR(st.st_mode) or len(stack) >= self.depth:
@@ -197,7 +200,7 @@ class Walk:
                         os.close(fd)
                     continue
                 try:
-                    below = iter(sorted(os.listdir(fd)))
+                    below = _entries(fd)
                 except OSError:
                     os.close(fd)
                     raise
@@ -206,6 +209,23 @@ class Walk:
         finally:
             for dfd, _rel, _names in stack:
                 os.close(dfd)
+
+
+def _entries(dfd: int) -> Iterator[tuple[str, bool]]:
+    """A directory's names, sorted, each with whether its type in the directory says a plain file
+    (neither a directory nor a symlink: opened without a stat first, which saves a call per file;
+    what it is when opened is what counts). The rest, and a type the file system does not give, are
+    looked at before they are opened, as a directory must be (another file system, an automount)."""
+    with os.scandir(dfd) as it:
+        found = [(e.name, _plain(e)) for e in it]
+    return iter(sorted(found))
+
+
+def _plain(e: os.DirEntry[str]) -> bool:
+    try:  # (no call when the directory gives the type; an lstat of the name when it does not)
+        return not e.is_dir(follow_symlinks=False) and not e.is_symlink()
+    except OSError:
+        return False
 
 
 # ---- shares ------------------------------------------------------------------------------------
