@@ -287,8 +287,9 @@ class Store:
         keeping its size and mtime: its owner is one of ``owners`` (only the owner or root sets an mtime
         at will), and its mtime is more than a second older than the change (a write in the same tick
         as the last one, on a file system with coarse timestamps, leaves the mtime as it was). The rest
-        is read again next time. How many were carried; a cache that cannot be read or written carries
-        none."""
+        is read again next time. The changes are taken in order: a file may come once per write (a
+        grant's, then a revoke's). How many were carried; a cache that cannot be read or written
+        carries none."""
         root = os.path.abspath(root)
         cache_path = os.path.join(self.path, "cache", hashlib.sha256(os.fsencode(root)).hexdigest() + ".json")
         cache = _load_json(cache_path)

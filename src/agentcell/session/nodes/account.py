@@ -31,7 +31,7 @@ def account(rt: Runtime, state: SessionState) -> dict[str, Any]:
         update["human"] = human
         changes: Changes = {}
         grants = grant(cmds, account, wanted, changes)
-        carry(state, changes, human)
+        rt.granted[state["session_id"]] = changes
     else:
         from ...accounts import ephemeral
 
@@ -42,7 +42,7 @@ def account(rt: Runtime, state: SessionState) -> dict[str, Any]:
             update["human"] = state.get("human") or session_human(cfg.project_root)
             changes = {}
             grants = grant(cmds, account, written_paths(state), changes)
-            carry(state, changes, update["human"])
+            rt.granted[state["session_id"]] = changes
             update["policy"] = compile_state(rt, state, identity=str(made.uid))
         except BaseException:  # undone here, so that the retry starts clean
             revoke(cmds, account, grants)
@@ -122,7 +122,9 @@ def _collect(changes: Changes, path: str) -> Any:
 def carry(state: SessionState, changes: Changes, human: list[int] | None) -> None:
     """Our ACL writes moved the ctime of every file the session shares: the backup store keeps what it
     knows of those whose content cannot have changed (:meth:`agentcell.snapshot.store.Store.carry`), so
-    that the next session's backup reads only what changed. Best effort: a file not carried is read."""
+    that the next session's backup reads only what changed. ``changes``: the grant's, then the revoke's,
+    in that order (one rewrite of the store's cache, at cleanup; a cleanup in another process, ``session
+    recover``, has no grant's and carries nothing). Best effort: a file not carried is read again."""
     if not changes or not human:
         return
     from ...snapshot.store import Store

@@ -100,7 +100,7 @@ def cleanup(rt: Runtime, state: SessionState) -> dict[str, Any]:
     if account is not None and account.kind in ("ephemeral", "agent"):
         if grants is None:  # crashed while granting: revoke wherever it may have granted
             grants = [Grant(p, ()) for p in rw]
-        changes: Changes = {}
+        changes: Changes = rt.granted.pop(sid, {})  # (the grant's, which the revoke's follow)
         problems += revoke(cmds, account, grants, changes)
         carry(state, changes, human)
         give_to = (human[0], human[1]) if human else None
