@@ -311,3 +311,59 @@ def test_a_manifest_naming_a_way_out_is_refused(tree: Path, tmp_path: Path) -> N
     with pytest.raises(SnapshotError, match="not a path inside its root"):
         store.restore(sid)
     assert not (tree.parent / "escape").exists()
+
+
+def test_a_share_granted_and_revoked_leaves_only_what_its_agent_changed_to_read(
+        user: User, tree: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A session's ACL grant and revoke move every file's ctime; Store.carry keeps the store's knowledge of
+    the files whose content cannot have changed, so the next backup reads what the agent wrote, and only
+    that, and still restores every byte."""
+    from agentcell.accounts import acl
+    from agentcell.accounts.commands import Commands
+
+    old = 1_600_000_000
+    for p in tree.rglob("*"):
+        if p.is_file() and not p.is_symlink():
+            os.utime(p, (old, old))  # written long ago: no write in the same tick can hide behind the mtime
+    files = sorted(os.path.relpath(p, tree) for p in tree.rglob("*") if p.is_file() and not p.is_symlink())
+    store = Store(str(tmp_path / "store"))
+    store.take([str(tree)])
+    agent_gid = 1_900_065_000  # (an ACL entry may name a group that does not exist)
+    granted: list[tuple[str, os.stat_result, os.stat_result]] = []
+    acl.grant(Commands(), "agentcell-x", agent_gid, str(tree), "rw", changed=lambda *c: granted.append(c))
+    assert sorted(rel for rel, _, _ in granted) == files
+    (tree / "notes.txt").write_text("one\ntwo\nchanged by the agent\n")  # (a write: mtime and ctime move)
+    revoked: list[tuple[str, os.stat_result, os.stat_result]] = []
+    acl.revoke(Commands(), 1_900_065_000, agent_gid, str(tree), [], changed=lambda *c: revoked.append(c))
+    # As a session's cleanup does: the grant's changes, then the revoke's, in one rewrite of the cache.
+    assert store.carry(str(tree), granted + revoked, {user.uid}) == 2 * len(files) - 1  # notes.txt: the grant only
+    reads: list[str] = []
+    real = Store._put
+
+    def counting(self: Store, opath: int, st: os.stat_result, shown: str, staging: str) -> tuple[str, int]:
+        reads.append(os.path.relpath(shown, tree))
+        return real(self, opath, st, shown, staging)
+    monkeypatch.setattr(Store, "_put", counting)
+    sid = store.take([str(tree)])
+    assert reads == ["notes.txt"]
+    before = signature(tree)
+    for rel in files:
+        (tree / rel).write_bytes(b"overwritten")
+    store.restore(sid)
+    assert signature(tree) == before
+
+
+def test_carry_keeps_nothing_whose_content_could_have_changed(user: User, tree: Path, tmp_path: Path) -> None:
+    old = 1_600_000_000
+    for name in ("notes.txt", "script.sh"):
+        os.utime(tree / name, (old, old))
+    store = Store(str(tmp_path / "store"))
+    store.take([str(tree)])
+    notes, script, main = (os.stat(tree / n) for n in ("notes.txt", "script.sh", "src/main.py"))
+    (tree / "notes.txt").write_text("one\ntwo\nthree\n")  # content changed between the two stats
+    os.chmod(tree / "script.sh", 0o755)  # only the ctime moved...
+    os.chmod(tree / "src/main.py", 0o644)  # ...as here, but its mtime is too recent to tell a write in its tick
+    changes = [(n, st, os.stat(tree / n)) for n, st in (("notes.txt", notes), ("script.sh", script),
+                                                         ("src/main.py", main))]
+    assert store.carry(str(tree), changes, {user.uid + 1}) == 0  # the owner could set the mtime back: not ours
+    assert store.carry(str(tree), changes, {user.uid}) == 1  # script.sh only

@@ -142,31 +142,34 @@ class Walk:
         """Depth first with a stack of open directories (no recursion); every fd it opens is closed
         when the walk ends, however it ends."""
         dev = top_st.st_dev
-        stack: list[tuple[int, str, Iterator[str]]] = []
+        stack: list[tuple[int, str, Iterator[tuple[str, bool]]]] = []
         try:
             try:
-                stack.append((top, "", iter(sorted(os.listdir(top)))))
+                stack.append((top, "", _entries(top)))
             except OSError:
                 os.close(top)
                 raise
             yield Node(top, ".", top_st, None, None)
             while stack:
                 dfd, rel, names = stack[-1]
-                name = next(names, None)
-                if name is None:
+                name, plain = next(names, ("", False))
+                if not name:
                     stack.pop()
                     os.close(dfd)
                     continue
                 path = f"{rel}{name}"
-                try:
-                    st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
-                except FileNotFoundError:
-                    continue
-                if st.st_dev != dev:
-                    continue  # another file system mounted here: not part of the share
-                is_dir, is_link = stat.S_ISDIR(st.st_mode), stat.S_ISLNK(st.st_mode)
-                if is_link and not self.links:
-                    continue
+                if plain:  # a file when listed: opened as what it is now (below), never followed
+                    is_dir = False
+                else:
+                    try:
+                        st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+                    except FileNotFoundError:
+                        continue
+                    if st.st_dev != dev:
+                        continue  # another file system mounted here: not part of the share
+                    is_dir = stat.S_ISDIR(st.st_mode)
+                    if stat.S_ISLNK(st.st_mode) and not self.links:
+                        continue
                 fd = -1
                 for _ in range(3):  # a name swapped between the stat and the open is opened as what it is now
                     mode = os.O_RDONLY | os.O_DIRECTORY if is_dir else os.O_PATH
@@ -186,7 +189,7 @@ class Walk:
                     fd, is_dir = -1, stat.S_ISDIR(st.st_mode)
                 if fd < 0:
                     continue
-                if stat.S_ISLNK(st.st_mode) and not self.links:
+                if (stat.S_ISLNK(st.st_mode) and not self.links) or st.st_dev != dev:
                     os.close(fd)
                     continue
                 if not stat.S_ISDIR(st.st_mode) or len(stack) >= self.depth:
@@ -197,7 +200,7 @@ class Walk:
                         os.close(fd)
                     continue
                 try:
-                    below = iter(sorted(os.listdir(fd)))
+                    below = _entries(fd)
                 except OSError:
                     os.close(fd)
                     raise
@@ -208,23 +211,43 @@ class Walk:
                 os.close(dfd)
 
 
+def _entries(dfd: int) -> Iterator[tuple[str, bool]]:
+    """A directory's names, sorted, each with whether its type in the directory says a plain file
+    (neither a directory nor a symlink: opened without a stat first, which saves a call per file;
+    what it is when opened is what counts). The rest, and a type the file system does not give, are
+    looked at before they are opened, as a directory must be (another file system, an automount)."""
+    with os.scandir(dfd) as it:
+        found = [(e.name, _plain(e)) for e in it]
+    return iter(sorted(found))
+
+
+def _plain(e: os.DirEntry[str]) -> bool:
+    try:  # (no call when the directory gives the type; an lstat of the name when it does not)
+        return not e.is_dir(follow_symlinks=False) and not e.is_symlink()
+    except OSError:
+        return False
+
+
 # ---- shares ------------------------------------------------------------------------------------
 
 def prior_acl(root: str) -> list[str]:
     """``"DEV INO REL-HEX"`` for every directory that has a default ACL of its own before the share
     (REL is the path's bytes in hex: any name round-trips): revoke keeps theirs. One that names no
-    one but other agents was made by their shares, not by the human, and does not count."""
-    def agents_only(entries: list[Entry]) -> bool:
-        named = [(t, i) for t, _p, i in entries if t in NAMED]
-        return bool(named) and all(t == GROUP and _group_name(i).startswith("agentcell-") for t, i in named)
-
-    out = []
+    one but other agents was made by their shares, not by the human, and does not count.
+    :func:`grant` records the same as it goes (``prior=``), without a walk of its own."""
+    out: list[str] = []
     for n in Walk(root):
         if stat.S_ISDIR(n.st.st_mode):
-            default = get(n.fd, DEFAULT)
-            if default is not None and not agents_only(default):
-                out.append(f"{n.st.st_dev} {n.st.st_ino} {os.fsencode(n.rel).hex()}")
+            _note_prior(n, get(n.fd, DEFAULT), out)
     return out
+
+
+def _note_prior(n: Node, default: list[Entry] | None, out: list[str]) -> None:
+    """:func:`prior_acl`'s record for one directory, if its default ACL is the human's own."""
+    named = [(t, i) for t, _p, i in default or () if t in NAMED]
+    if default is not None and not (named and all(t == GROUP and _group_name(i).startswith("agentcell-")
+                                                  for t, i in named)):
+        out.append(f"{n.st.st_dev} {n.st.st_ino} {os.fsencode(n.rel).hex()}")
 
 
 def _group_name(gid: int) -> str:
@@ -275,8 +298,16 @@ def _one_change_at_a_time() -> Iterator[None]:
         os.close(fd)
 
 
-def grant(cmds: Commands, group: str, gid: int, source: str, mode: str) -> bool:
-    """Give the group ``mode`` on every entry; False if levels past MAX_DEPTH were left out."""
+# (path below the root, its stat before, after): a file whose ACL was written. Only its ctime should
+# differ: a snapshot store keyed by stat (snapshot.Store.carry) can then keep the content it knows.
+Changed = Callable[[str, os.stat_result, os.stat_result], None]
+
+
+def grant(cmds: Commands, group: str, gid: int, source: str, mode: str, *, prior: list[str] | None = None,
+          changed: Changed | None = None) -> bool:
+    """Give the group ``mode`` on every entry; False if levels past MAX_DEPTH were left out. ``prior``
+    gets what :func:`prior_acl` would say, each directory's before its default ACL is written (one walk,
+    not two; a grant cut short leaves the record of what it touched); ``changed`` hears of each file."""
     perm = "rwX" if mode == "rw" else "rX"
     cmds.show(["setfacl", "-R", "-P", "-n", "-m", f"g:{group}:{perm},d:g:{group}:{perm}", "--", source])
     if cmds.dry_run:
@@ -287,15 +318,22 @@ def grant(cmds: Commands, group: str, gid: int, source: str, mode: str) -> bool:
             if not (stat.S_ISDIR(n.st.st_mode) or stat.S_ISREG(n.st.st_mode)):
                 continue
             p = _perm(mode, n.st)
+            if stat.S_ISDIR(n.st.st_mode):
+                default = get(n.fd, DEFAULT)
+                if prior is not None:
+                    _note_prior(n, default, prior)
             put(n.fd, ACCESS, _add(get(n.fd) or base(n.st.st_mode), (GROUP, p, gid)))
             if stat.S_ISDIR(n.st.st_mode):
-                put(n.fd, DEFAULT, _add(get(n.fd, DEFAULT) or base(n.st.st_mode), (GROUP, p, gid)))
+                put(n.fd, DEFAULT, _add(default or base(n.st.st_mode), (GROUP, p, gid)))
+            elif changed is not None:
+                changed(n.rel, n.st, os.fstat(n.fd))
     return not walk.too_deep
 
 
-def revoke(cmds: Commands, uid: int, gid: int, source: str, prior: list[str]) -> list[str]:
+def revoke(cmds: Commands, uid: int, gid: int, source: str, prior: list[str], *,
+           changed: Changed | None = None) -> list[str]:
     """Remove every entry naming the agent (user ``uid`` or group ``gid``), and nothing else. Returns
-    what could not be walked (empty when done)."""
+    what could not be walked (empty when done). ``changed`` hears of each file whose ACL was written."""
     if not os.path.lexists(source) or os.path.islink(source):
         return []
     cmds.show(["setfacl", "-R", "-P", "-x", f"g:{gid},d:g:{gid},u:{uid},d:u:{uid}", "--", source])
@@ -310,17 +348,22 @@ def revoke(cmds: Commands, uid: int, gid: int, source: str, prior: list[str]) ->
         walk = Walk(source)
         for n in walk:
             if stat.S_ISDIR(n.st.st_mode) or stat.S_ISREG(n.st.st_mode):
-                strip(n, lambda e: (e[0] == USER and e[2] == uid) or (e[0] == GROUP and e[2] == gid),
-                      keep_default=(n.st.st_dev, n.st.st_ino, n.rel) in had_default)
+                wrote = strip(n, lambda e: (e[0] == USER and e[2] == uid) or (e[0] == GROUP and e[2] == gid),
+                              keep_default=(n.st.st_dev, n.st.st_ino, n.rel) in had_default)
+                if wrote and changed is not None and stat.S_ISREG(n.st.st_mode):
+                    changed(n.rel, n.st, os.fstat(n.fd))
     return [f"{source}: levels below {walk.depth} were not walked"] if walk.too_deep else []
 
 
-def strip(n: Node, drop: Callable[[Entry], bool], *, keep_default: bool = False) -> None:
+def strip(n: Node, drop: Callable[[Entry], bool], *, keep_default: bool = False) -> bool:
     """Remove the entries ``drop`` selects from the node's ACLs. An access ACL left without named
     entries becomes the plain mode, its group permission what the mask allowed (a chmod made while
-    shared stays); a default ACL left without them is removed unless ``keep_default``."""
+    shared stays); a default ACL left without them is removed unless ``keep_default``. Whether it
+    wrote anything."""
     access = get(n.fd)
+    wrote = False
     if access is not None and any(drop(e) for e in access):
+        wrote = True
         rest = [e for e in access if not drop(e)]
         if not any(e[0] in NAMED for e in rest):
             mask = next((p for t, p, _ in rest if t == MASK), 7)
@@ -332,6 +375,8 @@ def strip(n: Node, drop: Callable[[Entry], bool], *, keep_default: bool = False)
         if not any(e[0] in NAMED for e in rest):
             rest = [e for e in rest if e[0] != MASK] if keep_default else []
         put(n.fd, DEFAULT, rest or None)
+        wrote = True
+    return wrote
 
 
 def reassign(cmds: Commands, uid: int, gid: int, to_uid: int, to_gid: int, place: str) -> list[str]:

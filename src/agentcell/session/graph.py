@@ -20,7 +20,6 @@ The wall clock ends a session normally: status ``completed``, reason ``timeout``
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -35,6 +34,7 @@ from ..errors import AgentcellError
 from .nodes import account, firewall, monitor, plan, spawn, teardown
 from .nodes.kit import SpawnCrash, TelemetryLost, on_error
 from .records import Supervisor
+from .request import new_session_id as new_session_id  # (where callers found it)
 from .state import FINAL, Runtime, SessionState, config_of, start_time, supervisor_alive
 
 Graph = CompiledStateGraph[SessionState, Any, SessionState, SessionState]
@@ -93,10 +93,6 @@ def build_graph(runtime: Runtime | None = None, *, checkpointer: Any = None) -> 
 
 
 # ---- running, listing and recovering sessions ---------------------------------------------------
-
-def new_session_id() -> str:
-    return time.strftime("%Y%m%d-%H%M%S") + "-" + os.urandom(3).hex()
-
 
 def open_graph(runtime: Runtime | None = None) -> tuple[Graph, Any]:
     """The graph over the checkpoint database, and the database's connection."""

@@ -3,6 +3,8 @@ options (None: not given, so the environment, the .env, the project's agentcell.
 decides) and the harness's own arguments."""
 from __future__ import annotations
 
+import os
+import time
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -70,6 +72,10 @@ class StartRequest:
                 "keep_env", "risk", "memory", "cpu", "pids", "limits", "home_from", "git_identity", "ceilings",
                 "cache", "workspace", "workspace_include", "harness_args")
         return {k: list(v) if isinstance(v, tuple) else v for k, v in ((k, getattr(self, k)) for k in keys)}
+
+
+def new_session_id() -> str:
+    return time.strftime("%Y%m%d-%H%M%S") + "-" + os.urandom(3).hex()
 
 
 def checked_id(sid: str, field: str = "ID") -> str:

@@ -11,7 +11,7 @@ from typing import Any
 
 from ..errors import AgentcellError
 from .report import PROG, shown, summary
-from .request import StartRequest, checked_id
+from .request import StartRequest, checked_id, new_session_id
 
 
 @dataclass(frozen=True)
@@ -33,13 +33,13 @@ class Prepared:
 
 def prepare(req: StartRequest) -> Prepared:
     from ..harness import profiles, seed
-    from . import config, graph
+    from . import config
     from .planning import compile_policy, make_plan, session_network
 
     summary_fd = new_file(req.summary_file, "--summary-file") if req.summary_file else None
     cfg = config.load(req.flags(), dotenv=req.env_file)
     check_ceilings(cfg)
-    sid = checked_id(req.session_id, "--id") if req.session_id is not None else graph.new_session_id()
+    sid = checked_id(req.session_id, "--id") if req.session_id is not None else new_session_id()
     launch = profiles.launch(profiles.get(cfg.harness), cfg.harness_args, seed_dir=seed.path(sid),
                              api_base=cfg.api_base, model=cfg.model, secrets=tuple(cfg.secrets),
                              home_from=cfg.home_from is not None,

@@ -98,6 +98,9 @@ class Runtime:
     cells: dict[str, CellHandle] = field(default_factory=dict)
     host: CellHost | None = None  # where cells start (None: a cell host of their own, host.remote.RemoteHost)
     firewalls: dict[str, tuple[Any, Any]] = field(default_factory=dict)  # session -> (HostFirewall, log)
+    # session -> the files whose ACL its grant wrote, stat before and after (nodes.account.Changes): cleanup
+    # re-keys the backup store's cache through the grant and the revoke at once
+    granted: dict[str, Any] = field(default_factory=dict)
     stop_requested: dict[str, str] = field(default_factory=dict)  # session -> why
     status_line: bool = False
     # One monitor step (one checkpoint) per tick: every tick is a row in the checkpoint database, so

@@ -12,7 +12,9 @@ supervisor's, never inside a path it snapshots)::
 
 Taking a snapshot of an unchanged tree therefore reads no file and writes one manifest. ctime is
 part of the key because nobody but root can set it back: content changed with a faked mtime is
-still read again.
+still read again. Our own ACL writes move it too (a session's grant and revoke, on every file):
+:meth:`Store.carry` re-keys the files whose content cannot have changed, so that a session's
+backup reads only what its predecessor's agent (or anyone) changed.
 
 Here: the store and what it does (take, verify, diff, prune); :mod:`.restore` makes a tree the
 snapshot's, :mod:`.files` reads and writes without following links.
@@ -46,6 +48,7 @@ from .files import (
 from .restore import _Restorer
 
 STORE_DIRS = ("objects", "snapshots", "cache")  # what a store holds, and all it holds
+CARRY_AGE_NS = 1_000_000_000  # Store.carry: an mtime this much older than the change it survived
 
 
 def default_store() -> str:
@@ -113,7 +116,8 @@ class Store:
             raise SnapshotError("--store", f"{self.path} is not writable", "another --store, or fix its permissions")
 
     def _object(self, digest: str) -> str:
-        return os.path.join(self.path, "objects", digest[:2], digest)
+        # (not os.path.join: a take of 20,000 known files asks for each one's)
+        return f"{self.path.rstrip('/')}/objects/{digest[:2]}/{digest}"
 
     def _manifest_path(self, sid: str) -> str:
         if not sid or "/" in sid or sid.startswith("."):
@@ -192,8 +196,8 @@ class Store:
                     continue  # sockets, FIFOs, devices: not project content, not restorable as such
                 e: dict[str, Any] = {"p": _hexpath(n.rel), "mode": st.st_mode, "uid": st.st_uid, "gid": st.st_gid,
                                      "mtime": st.st_mtime_ns}
-                if not stat.S_ISLNK(st.st_mode):
-                    for key_name, which in (("acl", ACCESS), ("dacl", DEFAULT)):
+                if not stat.S_ISLNK(st.st_mode):  # (only a directory has a default ACL)
+                    for key_name, which in (("acl", ACCESS), ("dacl", DEFAULT))[:2 if stat.S_ISDIR(st.st_mode) else 1]:
                         raw = _raw(n.fd, which)
                         if raw:
                             e[key_name] = raw.hex()
@@ -272,6 +276,41 @@ class Store:
         os.rename(tmp, staged)
         self._staged[digest] = staged
         return digest, st.st_size
+
+    # ---- carry -----------------------------------------------------------------------------------
+
+    def carry(self, root: str, changes: list[tuple[str, os.stat_result, os.stat_result]], owners: set[int]) -> int:
+        """Files whose ACL we just wrote (a session's grant or revoke, :data:`agentcell.accounts.acl.Changed`):
+        (path below ``root``, stat before, stat after). The write moved their ctime, so the next take would
+        read them all again; a file the cache knows at its stat before keeps its content under its stat
+        after, when nothing but its ctime moved and nobody could have changed the content meanwhile while
+        keeping its size and mtime: its owner is one of ``owners`` (only the owner or root sets an mtime
+        at will), and its mtime is more than a second older than the change (a write in the same tick
+        as the last one, on a file system with coarse timestamps, leaves the mtime as it was). The rest
+        is read again next time. The changes are taken in order: a file may come once per write (a
+        grant's, then a revoke's). How many were carried; a cache that cannot be read or written
+        carries none."""
+        root = os.path.abspath(root)
+        cache_path = os.path.join(self.path, "cache", hashlib.sha256(os.fsencode(root)).hexdigest() + ".json")
+        cache = _load_json(cache_path)
+        carried = 0
+        for rel, before, after in changes:
+            key = _hexpath(rel)
+            hit = cache.get(key)
+            if hit is None or hit[:4] != [before.st_size, before.st_mtime_ns, before.st_ctime_ns, before.st_ino]:
+                continue
+            if (after.st_dev, after.st_ino, after.st_size, after.st_mtime_ns, after.st_uid) != \
+                    (before.st_dev, before.st_ino, before.st_size, before.st_mtime_ns, before.st_uid) \
+                    or before.st_uid not in owners or before.st_mtime_ns >= after.st_ctime_ns - CARRY_AGE_NS:
+                continue
+            cache[key] = [after.st_size, after.st_mtime_ns, after.st_ctime_ns, after.st_ino, hit[4]]
+            carried += 1
+        if carried:
+            try:
+                _write_json(cache_path, cache)
+            except OSError:
+                return 0
+        return carried
 
     # ---- verify ----------------------------------------------------------------------------------
 

@@ -29,7 +29,9 @@ def account(rt: Runtime, state: SessionState) -> dict[str, Any]:
     elif cfg.agent:
         account, human, wanted = persistent(cfg.agent, written_paths(state))
         update["human"] = human
-        grants = grant(cmds, account, wanted)
+        changes: Changes = {}
+        grants = grant(cmds, account, wanted, changes)
+        rt.granted[state["session_id"]] = changes
     else:
         from ...accounts import ephemeral
 
@@ -38,7 +40,9 @@ def account(rt: Runtime, state: SessionState) -> dict[str, Any]:
         grants = []
         try:
             update["human"] = state.get("human") or session_human(cfg.project_root)
-            grants = grant(cmds, account, written_paths(state))
+            changes = {}
+            grants = grant(cmds, account, written_paths(state), changes)
+            rt.granted[state["session_id"]] = changes
             update["policy"] = compile_state(rt, state, identity=str(made.uid))
         except BaseException:  # undone here, so that the retry starts clean
             revoke(cmds, account, grants)
@@ -74,31 +78,63 @@ def persistent(name: str, paths: list[str]) -> tuple[Account, list[int] | None, 
     return account, human, wanted
 
 
-def grant(cmds: Any, account: Account, paths: list[str]) -> list[Grant]:
+# Per granted path, the files whose ACL the session wrote: (path below it, stat before, stat after).
+Changes = dict[str, list[tuple[str, os.stat_result, os.stat_result]]]
+
+
+def grant(cmds: Any, account: Account, paths: list[str], changes: Changes | None = None) -> list[Grant]:
     from ...accounts import acl
 
     grants: list[Grant] = []
     try:
         for p in paths:
-            grants.append(Grant(p, tuple(acl.prior_acl(p))))  # first: a grant cut short is revoked too
-            acl.grant(cmds, account.group, account.gid, p, "rw")
+            prior: list[str] = []  # (recorded as the walk goes: a grant cut short is revoked too)
+            try:
+                acl.grant(cmds, account.group, account.gid, p, "rw", prior=prior,
+                          changed=None if changes is None else _collect(changes, p))
+            finally:
+                grants.append(Grant(p, tuple(prior)))
     except BaseException:
         revoke(cmds, account, grants)
         raise
     return grants
 
 
-def revoke(cmds: Any, account: Account, grants: list[Grant]) -> list[str]:
+def revoke(cmds: Any, account: Account, grants: list[Grant], changes: Changes | None = None) -> list[str]:
     """Remove the session's ACL entries from each granted path; what could not be removed."""
     from ...accounts import acl
 
     problems: list[str] = []
     for g in grants:
         try:
-            problems += acl.revoke(cmds, account.uid, account.gid, g.path, list(g.prior))
+            problems += acl.revoke(cmds, account.uid, account.gid, g.path, list(g.prior),
+                                   changed=None if changes is None else _collect(changes, g.path))
         except (OSError, AgentcellError) as e:
             problems.append(f"revoke {g.path}: {line(e)}")
     return problems
+
+
+def _collect(changes: Changes, path: str) -> Any:
+    kept = changes.setdefault(path, [])
+    return lambda rel, before, after: kept.append((rel, before, after))
+
+
+def carry(state: SessionState, changes: Changes, human: list[int] | None) -> None:
+    """Our ACL writes moved the ctime of every file the session shares: the backup store keeps what it
+    knows of those whose content cannot have changed (:meth:`agentcell.snapshot.store.Store.carry`), so
+    that the next session's backup reads only what changed. ``changes``: the grant's, then the revoke's,
+    in that order (one rewrite of the store's cache, at cleanup; a cleanup in another process, ``session
+    recover``, has no grant's and carries nothing). Best effort: a file not carried is read again."""
+    if not changes or not human:
+        return
+    from ...snapshot.store import Store
+
+    store = Store(config_of(state).backup_dir)
+    for path, changed in changes.items():
+        try:
+            store.carry(path, changed, {0, int(human[0])})
+        except (OSError, AgentcellError, ValueError, TypeError):  # (a cache we did not write: not carried)
+            continue
 
 
 def ephemeral_left(session_id: str) -> Account | None:

@@ -14,7 +14,7 @@ from .. import envfiles
 from ..planning import session_human
 from ..records import Account, Grant, Result, Surface, of, plain
 from ..state import FINAL, MAX_EVENTS, Runtime, SessionState, config_of, policy_of
-from .account import ephemeral_left, persistent, revoke
+from .account import Changes, carry, ephemeral_left, persistent, revoke
 from .kit import audit_quietly, crash, line, written_paths
 
 
@@ -100,7 +100,9 @@ def cleanup(rt: Runtime, state: SessionState) -> dict[str, Any]:
     if account is not None and account.kind in ("ephemeral", "agent"):
         if grants is None:  # crashed while granting: revoke wherever it may have granted
             grants = [Grant(p, ()) for p in rw]
-        problems += revoke(cmds, account, grants)
+        changes: Changes = rt.granted.pop(sid, {})  # (the grant's, which the revoke's follow)
+        problems += revoke(cmds, account, grants, changes)
+        carry(state, changes, human)
         give_to = (human[0], human[1]) if human else None
         paths = [g.path for g in grants]
         if cfg.workspace == "copy":
