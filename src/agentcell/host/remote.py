@@ -29,7 +29,7 @@ import time
 from .. import hostfs
 from ..cell.spec import TYPE_CHECKING, CellSpec, spec_to_dict
 from ..errors import EXIT_TIMEOUT, AgentcellError, LaunchError
-from . import peer, wire
+from . import interp, peer, wire
 
 if TYPE_CHECKING:
     import subprocess
@@ -334,12 +334,11 @@ class RemoteHost:
             return s
         with self._lock:
             if self._control is None:
-                from . import zygote
-
                 ours, theirs = _pair()
                 try:
                     args = ("--conn", str(theirs.fileno()), *([] if self.prewarm else ["--no-prewarm"]))
-                    self._proc = _popen(zygote.launcher_command(*args), (_DEVNULL, None, None), [theirs.fileno()])
+                    self._proc = _popen(interp.launcher(*args), (_DEVNULL, None, None),
+                                        [theirs.fileno()])
                 except BaseException:
                     ours.close()
                     raise
@@ -385,11 +384,9 @@ class RemoteHost:
             cell = self._track(RemoteCell(self._connection(), None, True))
             cell.surface = _surface(spec, options)
             return cell._begin(request, stdio)
-        from . import server
-
         ours, theirs = _pair()
         try:
-            proc = _popen(server.command("--conn", str(theirs.fileno())), stdio, (theirs.fileno(), *extra), False)
+            proc = _popen(interp.host("--conn", str(theirs.fileno())), stdio, (theirs.fileno(), *extra), False)
         except BaseException:
             ours.close()
             raise
@@ -400,13 +397,12 @@ class RemoteHost:
 
     def open(self, spec: CellSpec, *, monitor: str | None = "terminate") -> RemoteLive:
         """A live cell of its own cell host, tied to this process (its end ends the cell)."""
-        from . import server
         from .liveclient import RemoteLive
 
         ours, theirs = _pair()
         try:
             # Not our stdout: it may be a protocol's channel (agentcell mcp).
-            proc = _popen(server.command("--conn", str(theirs.fileno())), (_DEVNULL, _DEVNULL, None),
+            proc = _popen(interp.host("--conn", str(theirs.fileno())), (_DEVNULL, _DEVNULL, None),
                           [theirs.fileno()])
         except BaseException:
             ours.close()
@@ -424,10 +420,9 @@ class RemoteHost:
     def open_named(spec: CellSpec, monitor: str | None, path: str, name: str, idle_s: float) -> tuple[RemoteLive, int]:
         """A live cell whose host outlives us (``agentcell cell start``): it listens at ``path`` for clients of
         our uid, and leaves after ``stop`` or ``idle_s`` seconds without a command. (The cell, the host's pid.)"""
-        from . import server
         from .liveclient import RemoteLive
 
-        proc = serve_detached(path, lambda fd: server.command("--listen", str(fd), "--path", path, "--name",
+        proc = serve_detached(path, lambda fd: interp.host("--listen", str(fd), "--path", path, "--name",
                                                                    name, "--idle", str(idle_s)), 16)
         s = _socket.socket(_socket.AF_UNIX, _socket.SOCK_SEQPACKET | _socket.SOCK_CLOEXEC)
         s.connect(path)

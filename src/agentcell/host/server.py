@@ -5,7 +5,7 @@ clients' commands it serves, or one command in a cell of its own on its stdio: t
 A process of its own because its callers are threaded (a Python program, an MCP server's event loop,
 LangChain): the launcher must never fork from a threaded process, and this one forks the cell while
 its only thread runs (the monitor's thread starts after). Started by fork+exec, like the warm
-launcher (:func:`agentcell.host.zygote.launcher_command`).
+launcher (:func:`agentcell.host.interp.isolated`).
 
 Two ways in: ``--conn FD``, one private client (:meth:`agentcell.Cell.open`): its EOF stops the cell;
 ``--listen FD --path SOCKET --name NAME --idle S`` (``agentcell cell start``): clients of our own uid,
@@ -37,7 +37,6 @@ import _socket
 import math
 import os
 import select
-import sys
 import threading
 import time
 from typing import Any
@@ -507,15 +506,6 @@ def _stopped(pid1: int) -> bool:
     except (OSError, ValueError):
         pass
     return False
-
-
-def command(*args: str) -> list[str]:
-    """argv that starts this host in a fresh interpreter that imports nothing from its caller's working
-    directory or PYTHONPATH (see :func:`agentcell.host.zygote.launcher_command`)."""
-    pkg_parent = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); from agentcell.host.server import main; "
-            "sys.exit(main(sys.argv[2:]))")
-    return [sys.executable, "-I", "-c", code, pkg_parent, *args]
 
 
 def serve_private(conn: _socket.socket, msg: dict[str, Any] | None, fds: list[int]) -> int:

@@ -74,14 +74,14 @@ def status() -> dict[str, Any] | None:
 
 def start(idle_s: float) -> tuple[int, bool]:
     """Start the launcher unless one runs; (pid, started_now)."""
-    from . import zygote
+    from . import interp
 
     running = status()
     if running is not None:
         return int(running["pid"]), False
 
     path = os.path.join(hostfs.private_dir(socket_dir(), "warm"), WARM_SOCKET)
-    proc = serve_detached(path, lambda fd: zygote.launcher_command("--listen", str(fd), "--path", path, "--idle",
+    proc = serve_detached(path, lambda fd: interp.launcher("--listen", str(fd), "--path", path, "--idle",
                                                                     str(idle_s)), 64)
     for _ in range(200):  # until it answers as itself (its own listen(): see peer.peer_is_ours)
         if status() is not None:

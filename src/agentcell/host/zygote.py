@@ -36,19 +36,6 @@ else:  # (signal.py imports enum; see cell/launch.py)
     import _signal as signal
 
 
-def launcher_command(*args: str) -> list[str]:
-    """argv that starts this server in a fresh interpreter which imports nothing from its caller's
-    working directory, PYTHONPATH or user site: a harness usually runs inside the agent's project,
-    and ``python -m`` would put that directory first on sys.path, so a planted ``agentcell/`` or
-    ``json.py`` would run as the launcher (root). The package is found where the caller found it."""
-    import sys
-
-    pkg_parent = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); from agentcell.host.zygote import main; "
-            "main(sys.argv[2:])")
-    return [sys.executable, "-I", "-c", code, pkg_parent, *args]
-
-
 def _prepare(spec: CellSpec) -> launch.Prepared:
     spec = spec.replace(cell_id="")  # every cell gets its own id
     return launch.prepare(spec, binds.for_cell(spec))
