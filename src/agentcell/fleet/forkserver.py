@@ -181,3 +181,12 @@ def run(argv: Sequence[str], env: dict[str, str], cwd: str, stdio: tuple[int, in
     with _lock:
         _idle.append(server)
     return code
+
+
+def stop_idle() -> None:
+    """End this process's idle servers (a busy one ends when its caller is done with it)."""
+    with _lock:
+        idle = list(_idle)
+        _idle.clear()
+    for server in idle:
+        server.close()
