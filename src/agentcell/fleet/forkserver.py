@@ -5,10 +5,12 @@ starts with them in place. Each session is still a process of its own, with the 
 directory and stdio its caller gives the server, and runs the CLI's own entry with its argv (by name: the
 fleet does not import the CLI).
 
-One server per caller's process and environment (:func:`agentcell.fleet.node.run_session`); one session at
-a time per server. The server is single-threaded when it forks (it refuses otherwise). Who ends with whom:
-the server gets SIGKILL when its caller dies (``setpriv --pdeathsig``); a session gets SIGTERM when the
-server dies, and tears itself down, as ``setpriv --pdeathsig TERM agentcell session start`` did.
+Servers belong to the process that started them (:func:`run`: an idle one of the same environment, or a
+new one); one session at a time per server. The server is single-threaded when it forks (it refuses
+otherwise). Who ends with whom: the server exits when its caller's end of the connection closes, as it does
+when the caller dies, even mid-session (not a parent-death signal: that follows the thread that started the
+server, and a caller's thread may end first); a session gets SIGTERM when the server dies, and tears itself
+down, as ``setpriv --pdeathsig TERM agentcell session start`` did.
 
 The wire (a SOCK_SEQPACKET socketpair, the server's end on the fd given): the caller sends
 ``{"argv": [...]}`` with the session's stdin, stdout and stderr as SCM_RIGHTS; the server answers
@@ -20,6 +22,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import select
 import socket
 import subprocess
 import sys
@@ -42,8 +45,7 @@ def command(conn_fd: int) -> list[str]:
     pkg_parent = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     code = ("import sys; sys.path.insert(0, sys.argv[1]); from agentcell.fleet.forkserver import main; "
             "sys.exit(main(sys.argv[2:]))")
-    return ["setpriv", "--pdeathsig", "KILL", "--", sys.executable, "-I", "-c", code, pkg_parent, str(conn_fd),
-            *PRELOAD]
+    return [sys.executable, "-I", "-c", code, pkg_parent, str(conn_fd), *PRELOAD]
 
 
 def main(argv: Sequence[str]) -> int:
@@ -67,6 +69,10 @@ def main(argv: Sequence[str]) -> int:
             for fd in fds:
                 os.close(fd)
             conn.send(json.dumps({"pid": pid}).encode())
+            ended = os.pidfd_open(pid)
+            if conn.fileno() in select.select([conn.fileno(), ended], [], [])[0]:
+                return 0  # the caller is gone (or speaks out of turn): the session gets SIGTERM as we exit
+            os.close(ended)
             _, status = os.waitpid(pid, 0)
             conn.send(json.dumps({"exit": os.waitstatus_to_exitcode(status)}).encode())
     except OSError:  # the caller is gone
@@ -108,6 +114,7 @@ class Server:
 
     def __init__(self, env: dict[str, str], cwd: str) -> None:
         self.key = _key(env, cwd)
+        self.fresh = True  # never used yet
         self.conn, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             self.proc = subprocess.Popen(command(theirs.fileno()), env=env, cwd=cwd, stdin=subprocess.DEVNULL,
@@ -135,12 +142,10 @@ class Server:
                                  "see the Ray worker's log on this node")
         return int(json.loads(msg)[key])
 
-    def close(self, busy: bool = False) -> None:
-        """End the server: at once when ``busy`` (its session gets SIGTERM and tears itself down), else
-        by closing its connection."""
-        self.conn.close()  # an idle server's recv sees the end, and it exits
-        if busy:
-            self.proc.kill()
+    def close(self) -> None:
+        """End the server: it sees its connection's end and exits (a session it runs gets SIGTERM and tears
+        itself down)."""
+        self.conn.close()
         try:
             self.proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
@@ -156,27 +161,40 @@ def _key(env: dict[str, str], cwd: str) -> tuple[object, ...]:
     return (tuple(sorted(env.items())), cwd)
 
 
-def run(argv: Sequence[str], env: dict[str, str], cwd: str, stdio: tuple[int, int, int]) -> int | None:
-    """``agentcell ARGV`` forked by a server of this process for ``env`` and ``cwd`` (an idle one, or a new
-    one), on ``stdio``: its exit status once it has ended; None if the server died first (the session got
-    SIGTERM then)."""
+def _take(env: dict[str, str], cwd: str) -> Server:
     with _lock:
         server = next((s for s in _idle if s.key == _key(env, cwd)), None)
         if server is not None:
             _idle.remove(server)
-    server = server or Server(env, cwd)
+            server.fresh = False
+            return server
+    return Server(env, cwd)
+
+
+def run(argv: Sequence[str], env: dict[str, str], cwd: str, stdio: tuple[int, int, int]) -> int | None:
+    """``agentcell ARGV`` forked by a server of this process for ``env`` and ``cwd`` (an idle one, or a new
+    one), on ``stdio``: its exit status once it has ended; None if the server died first (the session got
+    SIGTERM then)."""
+    server = _take(env, cwd)
     try:
         server.start(argv, stdio)
     except (AgentcellError, OSError):
         server.close()
-        raise
+        if server.fresh:
+            raise
+        server = Server(env, cwd)  # the idle one had died
+        try:
+            server.start(argv, stdio)
+        except (AgentcellError, OSError):
+            server.close()
+            raise
     try:
         code = server.wait()
     except (AgentcellError, OSError):
         server.close()
         return None
     except BaseException:  # a cancelled task: its session ends too
-        server.close(busy=True)
+        server.close()
         raise
     with _lock:
         _idle.append(server)
