@@ -1,16 +1,23 @@
 """Fleet benchmark: sessions per minute on a Ray cluster of 1, 2 and 3 nodes, and what a session costs in
 the fleet over a local ``agentcell session start``, side by side in one sitting.
 
-    sudo .venv/bin/python bench/fleet.py [--sessions N] [--cells C] [--rounds R] [--json]
+    sudo .venv/bin/python bench/fleet.py [--sessions N] [--cells C] [--rounds R] [--nodes 1,2,3] [--json]
 
 * Throughput: a real multi-node Ray cluster on this machine (``ray.cluster_utils.Cluster``: a head with
   no cells, and 1, 2 or 3 worker nodes of ``--cells`` cells each) runs ``--sessions`` scripted sessions
-  (each edits a file and runs it: about as short as a session gets). The peer, in the same round: the
-  same sessions as local ``session start`` processes, as many at once as the cluster has cells.
-  Reported: sessions per minute, and the fleet's ratio to the local peer.
+  (each edits a file and runs it: about as short as a session gets) as one fleet run (``fleet.run`` from
+  this process, connected: a new Ray job, whose workers start on the nodes in the time measured; the
+  cluster's own start and the connection are not measured). Its peers, in the same round, one after the
+  other, as many at once as the cluster has cells: the same sessions as local ``session start``
+  processes (what a user runs), and as sessions forked by session starters of this process
+  (``agentcell.fleet.forkserver``, as a node forks them; the starters started in the time measured),
+  without Ray: the fleet against that one is what Ray and the fleet's own steps cost. A fleet session
+  makes its project (written as the owner) in the time measured; a local one's is made beforehand.
+  Reported: sessions per minute, and the fleet's ratio to each peer.
 * Per-session overhead: ``--single`` sessions one after another on a 1-node, 1-cell cluster (one fleet
-  run: its result collection included) against as many local ``session start`` one after another;
-  the time per session, median over the rounds.
+  run: its result collection included; the node's worker and starter already started) against as many
+  local ``session start`` one after another, and as many forked by a started starter; the time per
+  session, median over the rounds.
 
 Every node runs on these same 2 cores, so more nodes add cells and Ray processes, not CPUs: the numbers
 say what the fleet layer costs, not how a real cluster scales. Needs root; makes a throwaway owner
@@ -38,7 +45,7 @@ import ray
 from ray.cluster_utils import Cluster
 
 from agentcell.fleet import cluster as fleet
-from agentcell.fleet import node, plan
+from agentcell.fleet import forkserver, node, plan
 
 AGENTCELL = str(Path(sys.executable).parent / "agentcell")
 STEPS = "edit app.py 'x = 1' 'x = 2'\nrun python3 app.py\nwrite out.txt done"
@@ -85,8 +92,11 @@ def in_fleet(base: Path, owner: str, ps: list[plan.SessionPlan]) -> float:
     return took
 
 
-def local(work: Path, owner: str, ps: list[plan.SessionPlan], at_once: int) -> float:
-    """Seconds for ``ps`` as local ``session start`` processes, ``at_once`` at a time."""
+def local(work: Path, owner: str, ps: list[plan.SessionPlan], at_once: int, forked: str = "") -> float:
+    """Seconds for ``ps`` as local ``session start`` processes, ``at_once`` at a time. ``forked``: each one
+    forked by a session starter of this process, as a fleet node runs them, but without Ray; ``fresh``:
+    the starters are started in the time measured (as a fleet run's new Ray workers start theirs),
+    ``warm``: those of the last call serve."""
     uid, gid = _ids(owner)
     state = work / "local-state"
     state.mkdir(mode=0o700, exist_ok=True)
@@ -102,11 +112,22 @@ def local(work: Path, owner: str, ps: list[plan.SessionPlan], at_once: int) -> f
 
     def one(item: tuple[plan.SessionPlan, Path]) -> None:
         p, d = item
-        r = subprocess.run([AGENTCELL, "session", "start", "--json", *p.start_args(str(d))], env=env, cwd=d,
-                           capture_output=True, text=True, stdin=subprocess.DEVNULL)
-        if not r.stdout.strip() or json.loads(r.stdout.strip().splitlines()[-1])["status"] != "completed":
-            raise SystemExit(f"bench/fleet.py: a local session did not complete: {r.stderr[-300:]}")
+        argv = ["session", "start", "--json", *p.start_args(str(d))]
+        if forked:
+            with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, open(os.devnull, "rb") as null:
+                forkserver.run(argv, env, str(work), (null.fileno(), out.fileno(), err.fileno()))
+                out.seek(0)
+                err.seek(0)
+                stdout, stderr = out.read().decode(), err.read().decode()
+        else:
+            r = subprocess.run([AGENTCELL, *argv], env=env, cwd=d, capture_output=True, text=True,
+                               stdin=subprocess.DEVNULL)
+            stdout, stderr = r.stdout, r.stderr
+        if not stdout.strip() or json.loads(stdout.strip().splitlines()[-1])["status"] != "completed":
+            raise SystemExit(f"bench/fleet.py: a local session did not complete: {stderr[-300:]}")
 
+    if forked != "warm":
+        forkserver.stop_idle()
     t = time.perf_counter()
     with ThreadPoolExecutor(at_once) as pool:
         list(pool.map(one, projects))
@@ -126,8 +147,10 @@ def main() -> int:
     ap.add_argument("--cells", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--single", type=int, default=6, help="sessions one at a time, for the per-session overhead")
+    ap.add_argument("--nodes", default="1,2,3", help="the cluster sizes to measure, comma-separated")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    sizes = [int(n) for n in args.nodes.split(",")]
     if os.geteuid() != 0:
         raise SystemExit("bench/fleet.py: needs root (sessions make accounts)")
     owner = f"ac-bf{secrets.token_hex(3)}"
@@ -137,20 +160,24 @@ def main() -> int:
     rows: dict[str, Any] = {"throughput": [], "single": {}}
     try:
         for r in range(args.rounds):
-            for n in (1, 2, 3):
+            for n in sizes:
                 with cluster_of(n, args.cells):
                     f = in_fleet(work / f"c{r}{n}" / "nodes", owner, plans(args.sessions, f"r{r}n{n}"))
                 lo = local(work, owner, plans(args.sessions, f"l{r}n{n}"), n * args.cells)
+                fo = local(work, owner, plans(args.sessions, f"f{r}n{n}"), n * args.cells, forked="fresh")
                 rows["throughput"].append({"round": r, "nodes": n, "cells": n * args.cells,
                                            "fleet_per_min": 60 * args.sessions / f,
-                                           "local_per_min": 60 * args.sessions / lo})
-        fleet_s, local_s = [], []
+                                           "local_per_min": 60 * args.sessions / lo,
+                                           "forked_per_min": 60 * args.sessions / fo})
+        one_by_one: dict[str, list[float]] = {"fleet": [], "local": [], "forked": []}
         with cluster_of(1, 1):
-            in_fleet(work / "solo", owner, plans(1, "warm"))  # the node's first Ray worker started, as in use
-            for r in range(args.rounds):  # interleaved: a batch in the fleet, a batch local
-                fleet_s.append(in_fleet(work / "solo", owner, plans(args.single, f"s{r}")) / args.single)
-                local_s.append(local(work, owner, plans(args.single, f"sl{r}"), 1) / args.single)
-        rows["single"] = {"fleet_ms": 1000 * statistics.median(fleet_s), "local_ms": 1000 * statistics.median(local_s)}
+            in_fleet(work / "solo", owner, plans(1, "warm"))  # the node's Ray worker and its starter started
+            local(work, owner, plans(1, "fwarm"), 1, forked="fresh")  # as the fleet's: started
+            for r in range(args.rounds):  # interleaved: a batch in the fleet, a batch local, a batch forked
+                one_by_one["fleet"].append(in_fleet(work / "solo", owner, plans(args.single, f"s{r}")))
+                one_by_one["local"].append(local(work, owner, plans(args.single, f"sl{r}"), 1))
+                one_by_one["forked"].append(local(work, owner, plans(args.single, f"sf{r}"), 1, forked="warm"))
+        rows["single"] = {f"{k}_ms": 1000 * statistics.median(v) / args.single for k, v in one_by_one.items()}
     finally:
         for state in [*work.glob("*/nodes/*/state"), *work.glob("solo/*/state"), work / "local-state"]:
             subprocess.run([AGENTCELL, "session", "recover"], capture_output=True,
@@ -162,16 +189,19 @@ def main() -> int:
     if args.json:
         print(json.dumps(rows))
         return 0
-    print(f"{args.sessions} sessions a round, {args.cells} cells a node, {args.rounds} rounds (medians)")
-    print(f"{'nodes':>5} {'cells':>5} {'fleet/min':>10} {'local/min':>10} {'ratio':>6}")
-    for n in (1, 2, 3):
+    print(f"{args.sessions} sessions a round, {args.cells} cells a node, {args.rounds} rounds (medians); local: as "
+          "many `session start` processes at once as the cluster has cells; forked: the same, each forked by a "
+          "session starter as a fleet node does, without Ray")
+    print(f"{'nodes':>5} {'cells':>5} {'fleet/min':>10} {'local/min':>10} {'forked/min':>10} {'fleet/local':>11} "
+          f"{'fleet/forked':>12}")
+    for n in sizes:
         got = [t for t in rows["throughput"] if t["nodes"] == n]
-        fm = statistics.median(t["fleet_per_min"] for t in got)
-        lm = statistics.median(t["local_per_min"] for t in got)
-        print(f"{n:>5} {n * args.cells:>5} {fm:>10.1f} {lm:>10.1f} {fm / lm:>6.2f}")
+        fm, lm, km = (statistics.median(t[f"{k}_per_min"] for t in got) for k in ("fleet", "local", "forked"))
+        print(f"{n:>5} {n * args.cells:>5} {fm:>10.1f} {lm:>10.1f} {km:>10.1f} {fm / lm:>11.2f} {fm / km:>12.2f}")
     s = rows["single"]
-    print(f"a session, one at a time: fleet {s['fleet_ms']:.0f} ms, local session start {s['local_ms']:.0f} ms, "
-          f"overhead {s['fleet_ms'] - s['local_ms']:+.0f} ms ({s['fleet_ms'] / s['local_ms']:.2f}x)")
+    print(f"a session, one at a time: fleet {s['fleet_ms']:.0f} ms, local session start {s['local_ms']:.0f} ms "
+          f"({s['fleet_ms'] / s['local_ms']:.2f}x), forked without Ray {s['forked_ms']:.0f} ms "
+          f"({s['fleet_ms'] / s['forked_ms']:.2f}x)")
     return 0
 
 

@@ -316,6 +316,38 @@ def test_inline_files_are_written_by_the_owner_and_the_agent_cannot_hide_the_sum
     assert here.project(run, "a", 2) != here.project(run, "a-r2")
 
 
+def test_when_the_caller_dies_its_forked_session_gets_sigterm_and_tears_itself_down(node_base: Path,
+                                                                                   user: User) -> None:
+    # The caller (a Ray worker, here a plain process) runs sessions through its session starter, which
+    # forks each one: killing the caller kills the starter, and the session ends as terminated, torn down.
+    run = "r1"
+    code = ("import sys; from agentcell.fleet import node, plan; p = plan.parse({'name': 'a', 'harness': 'scripted', "
+            "'project': {'files': {'a.py': ''}}, 'script': 'write started.txt yes\\nsleep 60\\nwrite late.txt no'}); "
+            "node.run_plan(p, sys.argv[1], node.Node(sys.argv[2], 'n1'), sys.argv[3])")
+    caller = subprocess.Popen([sys.executable, "-c", code, run, str(node_base), user.name],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    made = node_base / "n1" / "projects" / run / "a"
+    try:
+        deadline = time.monotonic() + 120
+        while not (made / "started.txt").exists():
+            assert caller.poll() is None and time.monotonic() < deadline
+            time.sleep(0.2)
+    finally:
+        caller.kill()
+        caller.wait()
+    env = {"PATH": os.environ["PATH"], "AGENTCELL_STATE_DIR": str(node_base / "n1" / "state")}
+    deadline = time.monotonic() + 120
+    while True:
+        listed = subprocess.run([AGENTCELL, "session", "list", "--json"], capture_output=True, text=True, env=env)
+        rows = [s for s in json.loads(listed.stdout or "[]") if s["session"] == f"{run}-a"]
+        if rows and rows[0]["status"] == "terminated":
+            break
+        assert time.monotonic() < deadline, listed.stdout
+        time.sleep(0.5)
+    assert not rows[0]["needs_recover"], rows  # its own teardown ran: nothing left for session recover
+    assert not (made / "late.txt").exists()
+
+
 def test_a_clone_is_from_public_addresses_unless_trusted_and_pinned_to_the_address_checked(node_base: Path,
                                                                                           user: User) -> None:
     from agentcell.fleet import node, plan

@@ -8,8 +8,9 @@ runs at once as a Ray resource, and may name itself with a label (default: its h
 Each plan is one task that needs one ``agentcell_cells``: a full cluster queues the rest (back-pressure).
 The task runs the session on its node (:func:`agentcell.fleet.node.run_plan`) and returns its result.
 
-A task whose node (or worker) dies has no result: it is reported ``lost``, with the node it ran on (each
-task names its node to a small tracker actor on the caller's node before its session starts). Once a
+A task whose node (or worker) dies has no result: it is reported ``lost``, with the node it ran on. Each
+task is a generator whose first item is its node's name, and it goes on only once the caller has taken
+that item (a back-pressure of one item), so the caller knows the node before the session starts. Once a
 node of that name is alive again, a task pinned to it finishes the node's dead sessions
 (``agentcell session recover``) and brings their results; until then, or past ``recover_wait_s``, they stay
 ``lost``, and ``agentcell fleet recover RUN --node NAME`` does it later. A task lost before it started is
@@ -20,7 +21,7 @@ from __future__ import annotations
 import logging
 import socket
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import ray
@@ -39,31 +40,19 @@ POLL_S = 1.0
 Result = dict[str, Any]
 
 
-@ray.remote(num_cpus=0)
-class Tracker:
-    """Where each plan's task started: the node to recover it on, if the task is lost."""
-
-    def __init__(self) -> None:
-        self.where: dict[str, str] = {}
-
-    def started(self, name: str, node: str) -> None:
-        self.where[name] = node
-
-    def nodes(self) -> dict[str, str]:
-        return dict(self.where)
-
-
 def node_name() -> str:
     return str(ray.get_runtime_context().get_node_labels().get(LABEL) or socket.gethostname())
 
 
 @ray.remote(num_cpus=0, max_retries=0)
-def _run(plan: dict[str, Any], run: str, base: str, owner: str, attempt: int, caps: Caps, env_file: str | None,
-         tracker: Any) -> Result:
+def _run(plan: dict[str, Any], run: str, base: str, owner: str, attempt: int, caps: Caps,
+         env_file: str | None) -> Iterator[Any]:
+    """The node's name, then the plan's result (submitted with a back-pressure of one item: the session
+    starts once the caller has the name)."""
     p = SessionPlan.model_validate(plan)
     here = node_mod.Node(base, node_name())
-    ray.get(tracker.started.remote(p.name, here.name))
-    return node_mod.run_plan(p, run, here, owner, attempt, caps, env_file)
+    yield here.name
+    yield node_mod.run_plan(p, run, here, owner, attempt, caps, env_file)
 
 
 @ray.remote(num_cpus=0, max_retries=0)
@@ -116,38 +105,44 @@ def run(plans: Sequence[SessionPlan], *, run_id: str, base: str, owner: str, rec
     caps = caps or Caps()
     for p in plans:
         caps.check(p, p.name)
-    here = ray.get_runtime_context().get_node_id()
-    tracker = Tracker.options(  # type: ignore[attr-defined]
-        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=here, soft=False)).remote()
     by_name = {p.name: p for p in plans}
     results: dict[str, Result] = {}
     tries: dict[str, int] = {}
-    pending: dict[Any, str] = {}
+    pending: dict[Any, str] = {}  # each plan's task (its generator)
+    started: dict[str, str] = {}  # the node each plan's task started on
 
     def submit(name: str) -> None:
         tries[name] = tries.get(name, 0) + 1
-        ref = _run.options(resources={CELLS: 1}).remote(by_name[name].model_dump(mode="json"), run_id, base, owner,
-                                                        tries[name], caps, env_file, tracker)
-        pending[ref] = name
+        started.pop(name, None)
+        gen = _run.options(resources={CELLS: 1}, _generator_backpressure_num_objects=1).remote(
+            by_name[name].model_dump(mode="json"), run_id, base, owner, tries[name], caps, env_file)
+        pending[gen] = name
 
     def lost(name: str, where: str | None, why: str) -> Result:
         return node_mod.result(name, where or "?", node_mod.session_id(run_id, name, tries[name]), "lost", why)
 
     def drain() -> None:
         while pending:
-            ready, _ = ray.wait(list(pending), num_returns=1, timeout=POLL_S)
-            for ref in ready:
-                name = pending.pop(ref)
+            ready: list[Any] = ray.wait(list(pending), num_returns=1, timeout=POLL_S)[0]
+            for gen in ready:
+                name = pending[gen]
                 try:
-                    results[name] = ray.get(ref)
+                    item = ray.get(next(gen))
                 except RayTaskError as e:  # our code on the node raised: a bug, reported as such
                     results[name] = node_mod.result(name, "?", "", "failed", f"on the node: {_first_line(e)}")
-                except RayError as e:
-                    where = ray.get(tracker.nodes.remote()).get(name)
+                except (RayError, StopIteration) as e:
+                    where = started.get(name)
                     if where is None and tries[name] <= RESUBMITS:
+                        del pending[gen]
                         submit(name)  # it never started: nothing ran
                         continue
                     results[name] = lost(name, where, f"node {where or '?'} was lost mid-run ({type(e).__name__})")
+                else:
+                    if name not in started:
+                        started[name] = str(item)  # taken: the task goes on to the session
+                        continue
+                    results[name] = item
+                del pending[gen]
                 on_result(results[name])
 
     for p in plans:
@@ -179,7 +174,6 @@ def run(plans: Sequence[SessionPlan], *, run_id: str, base: str, owner: str, rec
                 results[r["name"]] = {**r, "lost": results[r["name"]]["reason"]}
                 on_result(results[r["name"]])
         drain()
-    ray.kill(tracker)
     return [results[p.name] for p in plans]
 
 

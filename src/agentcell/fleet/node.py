@@ -7,10 +7,11 @@ A node keeps everything under ``BASE/NODE`` (``BASE`` is ``/var/lib/agentcell-fl
     runs/RUN/NAME.json      the ledger: written before the session starts, so a node that comes back
                             after a crash knows which of a run's sessions were its own
 
-The session is ``agentcell session start --id RUN-NAME`` in a child process of the caller (a Ray worker),
-which gets SIGTERM if the caller dies (``setpriv --pdeathsig``): a cancelled task stops its session, and
-the session tears itself down. A machine that crashes takes the supervisor with it; ``recover`` then
-finishes those sessions (``agentcell session recover``) and reports them from the ledger.
+The session is ``agentcell session start --id RUN-NAME`` in a process of its own, forked by the caller's
+session starter (:mod:`.forkserver`: the session's modules imported once, not once a session). It gets
+SIGTERM if the caller dies (the starter dies with it) or a task is cancelled, and tears itself down. A
+machine that crashes takes the supervisor with it; ``recover`` then finishes those sessions
+(``agentcell session recover``) and reports them from the ledger.
 
 What comes back is plain data: the session's JSON summary, its audit records with the verdict on the
 node's trail, and its ``session diff`` (the changes, and the text of each changed file's diff).
@@ -27,6 +28,7 @@ from typing import Any
 
 from .. import hostfs
 from ..errors import AgentcellError
+from . import forkserver
 from .plan import Caps, SessionPlan, git_remote, public
 
 DEFAULT_BASE = "/var/lib/agentcell-fleet"
@@ -250,34 +252,44 @@ def run_plan(plan: SessionPlan, run: str, node: Node, owner: str, attempt: int =
     except (AgentcellError, OSError, subprocess.SubprocessError) as e:
         return result(plan.name, node.name, sid, "failed", f"project: {e}")
     summary_file = os.path.join(ledger, f"{plan.name}{_attempt(attempt)}.summary.json")
-    cmd = ["setpriv", "--pdeathsig", "TERM", "--", *agentcell_command(
-        "session", "start", "--id", sid, "--summary-file", summary_file,
-        *([f"--env-file={env_file}"] if env_file else []), *plan.start_args(project, ceilings))]
+    argv = ["session", "start", "--id", sid, "--summary-file", summary_file,
+            *([f"--env-file={env_file}"] if env_file else []), *plan.start_args(project, ceilings)]
     # The harness's output shares the session's stdout: kept only as a tail, never parsed.
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=node.environ(), cwd=node.root,
-                         stdin=subprocess.DEVNULL)
-    tails = [Tail(p.stdout), Tail(p.stderr)]
-    code = p.wait()
-    out, err = (t.text() for t in tails)
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    tails = [Tail(out_r), Tail(err_r)]
+    try:
+        with open(os.devnull, "rb") as null:
+            code = forkserver.run(argv, node.environ(), node.root, (null.fileno(), out_w, err_w))
+    except (AgentcellError, OSError) as e:
+        code, why = None, str(e)
+    else:
+        why = "the node's session starter ended mid-session" if code is None else ""
+    finally:
+        os.close(out_w)
+        os.close(err_w)
+    out, err = (t.text() for t in tails)  # once the session and all it started have closed them
     summary = _read_summary(summary_file)
     if summary is None:
         status = "refused" if code == REFUSED else "failed"
-        return result(plan.name, node.name, sid, status, _last_line(err), exit_status=code, stderr=err, stdout=out)
+        return result(plan.name, node.name, sid, status, why or _last_line(err), exit_status=code, stderr=err,
+                      stdout=out)
     return {**collect(node, plan.name, summary, project), "stdout": out, "stderr": err}
 
 
 class Tail:
-    """The last ``TAIL`` bytes of a pipe, read by a thread of its own to the pipe's end."""
+    """The last ``TAIL`` bytes of a pipe (its read end's fd, closed at its end), read by a thread of its own
+    to the pipe's end."""
 
-    def __init__(self, pipe: Any) -> None:
+    def __init__(self, fd: int) -> None:
         import threading
 
         self._buf = b""
-        self._thread = threading.Thread(target=self._read, args=(pipe,), daemon=True)
+        self._thread = threading.Thread(target=self._read, args=(fd,), daemon=True)
         self._thread.start()
 
-    def _read(self, pipe: Any) -> None:
-        with pipe:
+    def _read(self, fd: int) -> None:
+        with open(fd, "rb") as pipe:
             while chunk := pipe.read1(65536):
                 self._buf = (self._buf + chunk)[-TAIL:]
 
