@@ -138,9 +138,8 @@ def test_restore_to_another_directory(user: User, tree: Path, tmp_path: Path) ->
     assert made and {(p.stat().st_uid, p.stat().st_gid) for p in made} == {(user.uid, user.gid)}
 
 
-def test_a_second_snapshot_reads_only_what_changed(tree: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    store = Store(str(tmp_path / "store"))
-    store.take([str(tree)])
+def reads_of(tree: Path, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The files a snapshot of ``tree`` reads from now on (those whose content it stores), in order."""
     reads: list[str] = []
     real = Store._put
 
@@ -148,6 +147,13 @@ def test_a_second_snapshot_reads_only_what_changed(tree: Path, tmp_path: Path, m
         reads.append(os.path.relpath(shown, tree))
         return real(self, opath, st, shown, staging)
     monkeypatch.setattr(Store, "_put", counting)
+    return reads
+
+
+def test_a_second_snapshot_reads_only_what_changed(tree: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = Store(str(tmp_path / "store"))
+    store.take([str(tree)])
+    reads = reads_of(tree, monkeypatch)
     objects = sorted((tmp_path / "store" / "objects").rglob("*"))
     store.take([str(tree)])
     assert reads == [] and sorted((tmp_path / "store" / "objects").rglob("*")) == objects  # nothing read or stored
@@ -337,13 +343,7 @@ def test_a_share_granted_and_revoked_leaves_only_what_its_agent_changed_to_read(
     acl.revoke(Commands(), 1_900_065_000, agent_gid, str(tree), [], changed=lambda *c: revoked.append(c))
     # As a session's cleanup does: the grant's changes, then the revoke's, in one rewrite of the cache.
     assert store.carry(str(tree), granted + revoked, {user.uid}) == 2 * len(files) - 1  # notes.txt: the grant only
-    reads: list[str] = []
-    real = Store._put
-
-    def counting(self: Store, opath: int, st: os.stat_result, shown: str, staging: str) -> tuple[str, int]:
-        reads.append(os.path.relpath(shown, tree))
-        return real(self, opath, st, shown, staging)
-    monkeypatch.setattr(Store, "_put", counting)
+    reads = reads_of(tree, monkeypatch)
     sid = store.take([str(tree)])
     assert reads == ["notes.txt"]
     before = signature(tree)

@@ -39,13 +39,10 @@ MAX_REQUEST = 1 << 20
 
 
 def command(conn_fd: int) -> list[str]:
-    """argv that starts a server on ``conn_fd`` in a fresh interpreter that imports nothing from its
-    caller's working directory or PYTHONPATH; the package is found where the caller found it (as
-    :func:`agentcell.host.server.command`)."""
-    pkg_parent = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); from agentcell.fleet.forkserver import main; "
-            "sys.exit(main(sys.argv[2:]))")
-    return [sys.executable, "-I", "-c", code, pkg_parent, str(conn_fd), *PRELOAD]
+    """argv that starts a server on ``conn_fd`` (:func:`agentcell.host.interp.isolated`)."""
+    from ..host import interp
+
+    return interp.isolated("agentcell.fleet.forkserver", str(conn_fd), *PRELOAD)
 
 
 def main(argv: Sequence[str]) -> int:
