@@ -185,11 +185,14 @@ def main() -> int:
                 home.mkdir(mode=0o700)
                 try:
                     cenv = dict(env, CODEX_HOME=str(home))
+                    had = set(Path("/tmp").glob("codex-*"))  # (its own scratch there: removed after)
                     res["codex_sandbox"] = median_ms(
                         lambda: subprocess.run([codex, "sandbox", "--", "true"], check=True, env=cenv,
                                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL), args.runs)
                 finally:
                     shutil.rmtree(home, ignore_errors=True)
+                    for left in set(Path("/tmp").glob("codex-*")) - had:
+                        shutil.rmtree(left, ignore_errors=True)
             res.update(layer_costs(spec, args.runs))
 
     ratios = {
