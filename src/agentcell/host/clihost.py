@@ -22,11 +22,9 @@ over no run that has one), and the launcher's ``ulimit`` soft limits.
 from __future__ import annotations
 
 import _socket
-import marshal
 import os
 
 from ..cell import syscalls as sc
-from ..cell.handoff import unpack_fds
 from ..cell.spec import TYPE_CHECKING
 from . import wire
 
@@ -59,7 +57,8 @@ class Ahead:
     launcher's fds, run the CLI's code once on a request of its own that creates nothing (so the pages
     it touches are copied before a caller waits on them), and waits for one front's request. Used once."""
 
-    def __init__(self, detach: Callable[[], None]) -> None:
+    def __init__(self, detach: Callable[[], None], warm_up: bool = True) -> None:
+        """``warm_up``: False when a request waits for it already (the request's own run does the same)."""
         ours, theirs = _socket.socketpair(_socket.AF_UNIX, _socket.SOCK_SEQPACKET | _socket.SOCK_CLOEXEC)
         pid = os.fork()
         if pid == 0:
@@ -68,12 +67,12 @@ class Ahead:
                 detach()
                 ours.detach()
                 sc.close_fds_except({theirs.fileno()})
-                _warm_up()
-                data, anc, _flags, _addr = theirs.recvmsg(wire.MAX_MESSAGE, _socket.CMSG_SPACE(5 * 4))
-                fds = unpack_fds(anc)
+                if warm_up:
+                    _warm_up()
+                msg, fds = wire.recv(theirs, 5)
                 code = 0
-                if data and len(fds) == 5:  # (else the launcher has stopped: nothing to do)
-                    code = run_request(marshal.loads(data), fds[:4], fds[4])
+                if msg is not None and len(fds) == 5:  # (else the launcher has stopped: nothing to do)
+                    code = run_request(msg, fds[:4], fds[4])
             finally:
                 os._exit(code)
         theirs.close()
@@ -164,11 +163,6 @@ def serve(msg: dict[str, Any]) -> int:
             except (OSError, ValueError):
                 pass
     return code
-
-
-def status_of(wstatus: int) -> int:
-    code = os.waitstatus_to_exitcode(wstatus)
-    return 128 - code if code < 0 else code
 
 
 def preload() -> None:

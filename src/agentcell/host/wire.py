@@ -43,9 +43,9 @@ def send(sock: Sock, obj: dict[str, object], fds: list[int] | None = None) -> No
     sock.sendmsg([data], anc)
 
 
-def recv(sock: Sock) -> tuple[dict[str, Any] | None, list[int]]:
-    """One message and the fds that came with it; (None, []) when the peer has gone."""
-    data, anc, _flags, _addr = sock.recvmsg(MAX_MESSAGE, _socket.CMSG_SPACE(MAX_FDS * 4))
+def recv(sock: Sock, max_fds: int = MAX_FDS) -> tuple[dict[str, Any] | None, list[int]]:
+    """One message and the fds that came with it (at most ``max_fds``); (None, []) when the peer has gone."""
+    data, anc, _flags, _addr = sock.recvmsg(MAX_MESSAGE, _socket.CMSG_SPACE(max_fds * 4))
     fds = unpack_fds(anc)
     if not data:
         return None, fds

@@ -20,7 +20,7 @@ import select
 import sys
 import time
 
-from ..cell import launch
+from ..cell import launch, pid1
 from ..cell import syscalls as sc
 from ..cell.spec import TYPE_CHECKING, CellSpec, spec_from_dict
 from ..errors import AgentcellError
@@ -290,30 +290,24 @@ class Server:
         if why:
             self._reply(conn, {"event": "refused", "why": why})
             return
-        self._reply(conn, {"event": "started"})  # (before the fork: the front never runs it a second time)
+        self._reply(conn, {"event": "started"})  # (before the hand-over: the front never runs it twice)
         self.fronts_served += 1
-        ahead, self.ahead = self.ahead, None
-        if ahead is not None and ahead.hand(msg, fds, conn.fileno()):
-            pid, pidfd = ahead.pid, ahead.pidfd
-        else:
-            if ahead is not None:
-                ahead.discard()
-            try:
-                pid = os.fork()
-            except OSError as e:
-                os.write(fds[3], f"agentcell: warm launcher: cannot fork: {e.strerror}\n".encode())
-                self._reply(conn, {"event": "exit", "code": 125})
-                return
-            if pid == 0:
-                code, front = 1, conn.fileno()
+        ahead, self.ahead, why = self.ahead, None, ""
+        for _ in range(2):  # the process forked ahead; or (none, or it has died) one forked now
+            if ahead is None:
                 try:
-                    self._detach()
-                    code = clihost.run_request(msg, fds, front)
-                finally:
-                    os._exit(code)
-            pidfd = os.pidfd_open(pid)
-        self.hosts[pidfd] = pid
-        self.fronts[pidfd] = conn
+                    ahead = clihost.Ahead(self._detach, warm_up=False)
+                except OSError as e:
+                    why = f"cannot fork: {e.strerror}"
+                    break
+            if ahead.hand(msg, fds, conn.fileno()):
+                self.hosts[ahead.pidfd] = ahead.pid
+                self.fronts[ahead.pidfd] = conn
+                return
+            ahead.discard()
+            ahead, why = None, "its process for this run ended before it took it"
+        os.write(fds[3], f"agentcell: warm launcher: {why}\n".encode())
+        self._reply(conn, {"event": "exit", "code": 125})
 
     def _reap(self, pidfd: int) -> None:
         pid = self.hosts.pop(pidfd)
@@ -324,7 +318,7 @@ class Server:
             wstatus = 1 << 8
         front = self.fronts.pop(pidfd, None)
         if front is not None:  # its status is the front's answer; the connection has served its one command
-            self._reply(front, {"event": "exit", "code": clihost.status_of(wstatus)})
+            self._reply(front, {"event": "exit", "code": pid1.status_of(wstatus)[0]})
             self.conns.remove(front)
             front.close()
         self.last_work = time.monotonic()
