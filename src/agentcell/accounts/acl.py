@@ -318,12 +318,11 @@ def grant(cmds: Commands, group: str, gid: int, source: str, mode: str, *, prior
             if not (stat.S_ISDIR(n.st.st_mode) or stat.S_ISREG(n.st.st_mode)):
                 continue
             p = _perm(mode, n.st)
+            put(n.fd, ACCESS, _add(get(n.fd) or base(n.st.st_mode), (GROUP, p, gid)))
             if stat.S_ISDIR(n.st.st_mode):
                 default = get(n.fd, DEFAULT)
                 if prior is not None:
                     _note_prior(n, default, prior)
-            put(n.fd, ACCESS, _add(get(n.fd) or base(n.st.st_mode), (GROUP, p, gid)))
-            if stat.S_ISDIR(n.st.st_mode):
                 put(n.fd, DEFAULT, _add(default or base(n.st.st_mode), (GROUP, p, gid)))
             elif changed is not None:
                 changed(n.rel, n.st, os.fstat(n.fd))

@@ -184,7 +184,7 @@ class Store:
         budget = _free_bytes(self.path) * 9 // 10  # new content may fill at most 90 % of the free space
         for root in roots:
             _syncfs(root)  # clean pages: a later write through a shared mapping must update mtime/ctime
-            cache_path = os.path.join(self.path, "cache", hashlib.sha256(os.fsencode(root)).hexdigest() + ".json")
+            cache_path = self._cache_path(root)
             cache = _load_json(cache_path)
             entries, new_cache = [], {}
             from ..accounts.acl import ACCESS, DEFAULT, Walk, _raw
@@ -202,7 +202,7 @@ class Store:
                         if raw:
                             e[key_name] = raw.hex()
                 if stat.S_ISREG(st.st_mode):
-                    key = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+                    key = _stat_key(st)
                     hit = cache.get(e["p"])
                     if hit is not None and hit[:4] == key and os.path.exists(self._object(hit[4])):
                         digest = hit[4]
@@ -277,6 +277,10 @@ class Store:
         self._staged[digest] = staged
         return digest, st.st_size
 
+    def _cache_path(self, root: str) -> str:
+        """The cache of what the last snapshot of ``root`` knew of each file (by its stat)."""
+        return os.path.join(self.path, "cache", hashlib.sha256(os.fsencode(root)).hexdigest() + ".json")
+
     # ---- carry -----------------------------------------------------------------------------------
 
     def carry(self, root: str, changes: list[tuple[str, os.stat_result, os.stat_result]], owners: set[int]) -> int:
@@ -291,19 +295,19 @@ class Store:
         grant's, then a revoke's). How many were carried; a cache that cannot be read or written
         carries none."""
         root = os.path.abspath(root)
-        cache_path = os.path.join(self.path, "cache", hashlib.sha256(os.fsencode(root)).hexdigest() + ".json")
+        cache_path = self._cache_path(root)
         cache = _load_json(cache_path)
         carried = 0
         for rel, before, after in changes:
             key = _hexpath(rel)
             hit = cache.get(key)
-            if hit is None or hit[:4] != [before.st_size, before.st_mtime_ns, before.st_ctime_ns, before.st_ino]:
+            if hit is None or hit[:4] != _stat_key(before):
                 continue
             if (after.st_dev, after.st_ino, after.st_size, after.st_mtime_ns, after.st_uid) != \
                     (before.st_dev, before.st_ino, before.st_size, before.st_mtime_ns, before.st_uid) \
                     or before.st_uid not in owners or before.st_mtime_ns >= after.st_ctime_ns - CARRY_AGE_NS:
                 continue
-            cache[key] = [after.st_size, after.st_mtime_ns, after.st_ctime_ns, after.st_ino, hit[4]]
+            cache[key] = [*_stat_key(after), hit[4]]
             carried += 1
         if carried:
             try:
@@ -454,13 +458,18 @@ def _resolve_root(path: str) -> str:
     return real
 
 
+def _stat_key(st: os.stat_result) -> list[int]:
+    """What a file's content is known by, until one of them moves: size, mtime, ctime, inode."""
+    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+
+
 def _changed(e: dict[str, Any], st: os.stat_result, link: str | None, root: str, rel: str) -> bool:
     if stat.S_IFMT(st.st_mode) != stat.S_IFMT(e["mode"]) or st.st_mode != e["mode"]:
         return True
     if stat.S_ISLNK(st.st_mode):
         return os.fsencode(link or "").hex() != e.get("target")
     if stat.S_ISREG(st.st_mode):
-        if [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino] == e.get("stat"):
+        if _stat_key(st) == e.get("stat"):
             return False
         if st.st_size != e.get("size"):
             return True
