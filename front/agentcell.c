@@ -1,13 +1,14 @@
 /* agentcell's compiled front: the `agentcell` command.
  *
  * `agentcell run` is called once per agent tool call, and a Python start alone costs about twice a
- * bubblewrap start. When its owner's warm launcher runs (`agentcell warm start`), this program hands
+ * bubblewrap start; `agentcell session start` spends about half a second importing LangGraph before
+ * its first step. When its owner's warm launcher runs (`agentcell warm start`), this program hands
  * the whole command line to it: argv, environment, umask, working directory and stdio (SCM_RIGHTS);
  * the launcher forks a process that becomes this CLI and runs the same Python code (see
- * src/agentcell/host/clihost.py for the protocol and what is checked there). This program forwards
- * its signals to that process and exits with its status.
+ * src/agentcell/host/clihost.py for the protocol and what is checked there, and host/starter.py for
+ * a session's). This program forwards its signals to that process and exits with its status.
  *
- * Everything else runs the Python CLI (execv, this process replaced): every other command, a run
+ * Everything else runs the Python CLI (execv, this process replaced): every other command, either
  * with a terminal on stdin, stdout or stderr (the pty relay and job control live in the CLI), a run
  * with --no-warm, no launcher, a launcher that is not ours or that refuses the request. Up to the
  * launcher's "started" nothing has run, so falling back loses nothing; after it, this program never
@@ -77,11 +78,13 @@ static void __attribute__((noreturn)) fallback(int argc, char **argv) {
     exit(125);
 }
 
-/* Only `agentcell run` without a terminal and without --no-warm (options end at "--"). */
+/* Only `agentcell run` without --no-warm (options end at "--") and `agentcell session start`, each
+ * without a terminal. */
 static int handed_over(int argc, char **argv) {
-    if (argc < 2 || strcmp(argv[1], "run") != 0)
+    int session = argc >= 3 && strcmp(argv[1], "session") == 0 && strcmp(argv[2], "start") == 0;
+    if (!session && (argc < 2 || strcmp(argv[1], "run") != 0))
         return 0;
-    for (int i = 2; i < argc && strcmp(argv[i], "--") != 0; i++)
+    for (int i = 2; !session && i < argc && strcmp(argv[i], "--") != 0; i++)
         if (strcmp(argv[i], "--no-warm") == 0)
             return 0;
     for (int fd = 0; fd <= 2; fd++)
@@ -538,7 +541,7 @@ int main(int argc, char **argv) {
     }
     if (!started)
         fallback(argc, argv);
-    fprintf(stderr, "agentcell run: warm launcher: it went away while the command ran (see 'agentcell warm "
-                    "status'; --no-warm launches cold)\n");
+    fprintf(stderr, "agentcell %s: warm launcher: it went away while the command ran (see 'agentcell warm "
+                    "status'; AGENTCELL_FRONT=off starts without it)\n", argv[1]);
     return 125;
 }

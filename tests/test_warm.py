@@ -488,3 +488,92 @@ def test_a_caller_in_a_network_namespace_of_its_own_is_refused_and_runs_cold(use
     assert p.returncode == 0, p.stderr
     assert json.loads(p.stdout.splitlines()[-1])["via"] == "here"
     assert served_by_front(user, runtime_dir) == before
+
+
+# ---- a session start handed to the launcher's session starter (host/starter.py) ---------------------
+
+
+def _session_front(user: User, rt: Path, home: Path, project: Path, front: str, script: str,
+                   ) -> subprocess.Popen[str]:
+    env = {"HOME": str(home), "PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "XDG_RUNTIME_DIR": str(rt),
+           "AGENTCELL_FRONT": front}
+    return subprocess.Popen([*user.prefix(), AGENTCELL, "session", "start", "--ceilings", "off", "--harness", "shell",
+                             "--project", str(project), "--json", "--", "sh", "-c", script], cwd=project, env=env,
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _ppid(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("PPid:")))
+
+
+def test_a_session_start_is_forked_from_the_launchers_session_starter_and_is_the_same_session(
+        user: User, runtime_dir: Path, project: Path) -> None:
+    """With a launcher running, the front hands `session start` over: the launcher's session starter (a
+    child of the launcher that has the session's modules imported) forks a process that becomes the
+    caller's CLI. The session's output, status, summary and trail are those of a Python `session start`
+    (AGENTCELL_FRONT=off); a second session is forked from the same starter; a SIGTERM to the front
+    reaches the session, which tears itself down and says so."""
+    home = Path(f"/home/{user.name}")
+    home.mkdir(mode=0o700)
+    shutil.chown(home, user.uid, user.gid)
+    try:
+        warm(user, runtime_dir, "start")
+        launcher = int(launcher_status(user, runtime_dir)["pid"])
+        outs, starters = [], []
+        for front in ("on", "off", "on"):
+            before = served_by_front(user, runtime_dir)
+            p = _session_front(user, runtime_dir, home, project, front, 'echo "in $(pwd) as $(id -u)"; exit 3')
+            out, err = p.communicate(timeout=120)
+            *lines, last = out.splitlines()
+            summary = json.loads(last)
+            assert p.returncode == 3 and summary["status"] == "completed", (p.returncode, err)
+            assert "Traceback" not in err
+            outs.append((lines, p.returncode, summary["exit_status"], summary["os_user"]))
+            assert served_by_front(user, runtime_dir) == before + (front == "on")
+            if front == "on":
+                status = launcher_status(user, runtime_dir)
+                starters.append(int(status["session_starter"]))
+                assert _ppid(starters[-1]) == launcher
+        assert outs[0] == outs[1] == outs[2] == ([f"in {project} as {user.uid}"], 3, 3, user.name), outs
+        assert starters[0] == starters[1], "one starter forks every session"
+        trail = [json.loads(line) for line in
+                 (home / ".local/state/agentcell/audit/audit.jsonl").read_text().splitlines()]
+        assert [r["event"] for r in trail].count("session.end") == 3
+        # A session running in the cell, its front told to stop: the session's SIGTERM, its teardown.
+        p = _session_front(user, runtime_dir, home, project, "on", "echo up; exec sleep 60")
+        assert p.stdout is not None
+        assert p.stdout.readline() == "up\n"
+        session_pid = next(int(x) for x in os.listdir("/proc") if x.isdigit() and _is_child_of(int(x), starters[0]))
+        p.send_signal(signal.SIGTERM)
+        out, err = p.communicate(timeout=120)
+        summary = json.loads(out.splitlines()[-1])
+        assert p.returncode == 120 and summary["status"] == "terminated", (p.returncode, err)
+        assert summary["reason"] == "stopped: signal 15", summary
+        for _ in range(200):  # (the front has its status from the session itself; the launcher, as it is reaped)
+            if launcher_status(user, runtime_dir)["sessions"] == 0:
+                break
+            time.sleep(0.05)
+        assert launcher_status(user, runtime_dir)["sessions"] == 0
+        assert not _is_child_of(session_pid, starters[0])
+        # A front killed outright (no signal to forward): its session is told to end, and ends whole.
+        p = _session_front(user, runtime_dir, home, project, "on", "echo up; exec sleep 60")
+        assert p.stdout is not None and p.stdout.readline() == "up\n"
+        p.kill()
+        p.wait(timeout=30)
+        for _ in range(400):
+            if launcher_status(user, runtime_dir)["sessions"] == 0:
+                break
+            time.sleep(0.05)
+        trail = [json.loads(line) for line in
+                 (home / ".local/state/agentcell/audit/audit.jsonl").read_text().splitlines()]
+        assert trail[-1]["event"] == "session.end" and trail[-1]["details"]["status"] == "terminated", trail[-1]
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+
+
+def _is_child_of(pid: int, parent: int) -> bool:
+    try:
+        return _ppid(pid) == parent
+    except (OSError, StopIteration, ValueError):
+        return False

@@ -63,7 +63,9 @@ class StartOptions:
 class CellHandle(Protocol):
     """A cell running one command. ``events()`` are the monitor's, as dicts; ``poll()`` the result once
     it has ended (the dict ``agentcell run --json`` prints), ``wait(timeout)`` waits for it (killing the
-    command at ``timeout``: status 124); ``terminate(reason)`` freezes and kills the cell."""
+    command at ``timeout``: status 124); ``settle(timeout)`` waits up to ``timeout`` seconds for news (an
+event, stats, the end: a watcher's pause that ends as soon as there is something to see);
+``terminate(reason)`` freezes and kills the cell."""
 
     cell_id: str
     pid1: int
@@ -75,6 +77,8 @@ class CellHandle(Protocol):
     def poll(self) -> dict[str, Any] | None: ...
 
     def wait(self, timeout: float | None = None) -> dict[str, Any]: ...
+
+    def settle(self, timeout: float) -> None: ...
 
     def signal(self, sig: int) -> None: ...
 

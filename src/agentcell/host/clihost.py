@@ -35,7 +35,6 @@ if TYPE_CHECKING:
 else:  # (signal.py imports enum; see cell/launch.py)
     import _signal as signal
 
-SERVED = ("run",)  # what the front may hand over
 
 
 def refusal(msg: dict[str, Any], fds: list[int]) -> str:
@@ -47,9 +46,16 @@ def refusal(msg: dict[str, Any], fds: list[int]) -> str:
             and isinstance(env, list) and all(isinstance(e, bytes) for e in env)
             and isinstance(umask, int) and 0 <= umask <= 0o777 and len(fds) == 4):
         return "malformed request"
-    if argv[0].decode(errors="replace") not in SERVED:
+    if not served(argv):
         return f"not served here: {argv[0]!r}"
     return ""
+
+
+def served(argv: list[bytes]) -> str:
+    """What a front may hand over: 'run', 'session' (a ``session start``, forked by :mod:`.starter`), or ''."""
+    if argv[:1] == [b"run"]:
+        return "run"
+    return "session" if argv[:2] == [b"session", b"start"] else ""
 
 
 class Ahead:

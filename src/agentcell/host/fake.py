@@ -13,6 +13,7 @@ import itertools
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -104,6 +105,9 @@ class FakeCell:
                 self._result["timed_out"] = True
         assert self._result is not None
         return self._result
+
+    def settle(self, timeout: float) -> None:
+        time.sleep(timeout)
 
     def signal(self, sig: int) -> None:
         if self._result is None and sig in (9, 15):

@@ -2,6 +2,7 @@
 :class:`~agentcell.host.base.CellHost`."""
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +32,9 @@ class InProcessCell:
 
     def wait(self, timeout: float | None = None) -> dict[str, Any]:
         return self.sup.wait(timeout)
+
+    def settle(self, timeout: float) -> None:
+        time.sleep(timeout)  # (the supervisor's threads gather its news; nothing here to wait on)
 
     def signal(self, sig: int) -> None:
         self.sup.running.forward(sig)

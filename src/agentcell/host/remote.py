@@ -285,6 +285,9 @@ class RemoteCell:
             self._drain(left)
         return result
 
+    def settle(self, timeout: float) -> None:
+        self._drain(timeout)
+
     def signal(self, sig: int) -> None:
         """Forwarded to the command (a cell host's ``run``) or the cell (a launcher's ``spawn``)."""
         if self._result is None:

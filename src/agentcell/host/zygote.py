@@ -25,7 +25,7 @@ from ..cell import syscalls as sc
 from ..cell.spec import TYPE_CHECKING, CellSpec, spec_from_dict
 from ..errors import AgentcellError
 from ..protect import binds
-from . import clihost, peer, server, wire
+from . import clihost, peer, server, starter, wire
 
 if TYPE_CHECKING:
     import signal
@@ -84,6 +84,7 @@ class Server:
         self.fronts: dict[int, Sock] = {}  # pidfd -> the front's connection, for a CLI forked for it (op cli)
         self.fronts_served = 0
         self.ahead: clihost.Ahead | None = None  # a front's next CLI, forked ahead (once a front has come)
+        self.starter: starter.Starter | None = None  # forks a front's session start (once one has come)
         self.warm = _Warm(prewarm)
         self.idle_s = idle_s
         self.started = self.last_work = time.monotonic()
@@ -98,6 +99,8 @@ class Server:
             self.warm.drop()
             if self.ahead is not None:
                 self.ahead.discard()
+            if self.starter is not None:
+                self.starter.discard()
 
     def _loop(self) -> None:
         while not self.stopping:
@@ -112,8 +115,10 @@ class Server:
             readers: list[Any] = [*self.conns, *self.cells.values(), *self.hosts]
             if self.listener is not None:
                 readers.append(self.listener)
+            if self.starter is not None:
+                readers.append(self.starter)
             wait = None
-            if self.idle_s and not self.cells and not self.hosts:
+            if self.idle_s and not self.cells and not self.hosts and not self.fronts:
                 wait = self.last_work + self.idle_s - time.monotonic()
                 if wait <= 0:
                     return  # no command for idle_s (status queries do not count): go away
@@ -125,6 +130,8 @@ class Server:
                     self._reap(r)
                 elif r is self.listener:
                     self._accept()
+                elif isinstance(r, starter.Starter):
+                    self._session_news(r)
                 else:
                     self._request(r)
 
@@ -150,12 +157,18 @@ class Server:
     def _drop_conn(self, conn: Sock) -> None:
         for pidfd, front in self.fronts.items():
             if front is conn:  # the front has gone (killed, as a CLI may be): so does its CLI's process, and its
-                try:  # cell with the CLI's connection (a front's SIGTERM, SIGINT or SIGHUP is forwarded to it)
-                    signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+                # cell with the CLI's connection (a front's SIGTERM, SIGINT or SIGHUP is forwarded to it); a
+                # session is told to end, and tears itself down (its supervisor's SIGTERM)
+                session = self.starter is not None and self.starter.left(conn) == pidfd
+                try:
+                    signal.pidfd_send_signal(pidfd, signal.SIGTERM if session else signal.SIGKILL)
                 except ProcessLookupError:
                     pass
                 del self.fronts[pidfd]
                 break
+        else:
+            if self.starter is not None:
+                self.starter.left(conn)  # (a session whose pid has not come yet: told as it comes)
         if conn is self.control:
             self.stopping = True  # (the cells of its other connections are killed as the launcher stops)
         for key in [k for k in self.cells if k[0] == conn.fileno()]:
@@ -181,7 +194,7 @@ class Server:
             # Only there: the user's warm launcher takes connections by listen(), each peer checked.
             self.conns.append(_socket.socket(fileno=os.dup(fds[0])))
             return
-        if op == "cli" or conn in self.fronts.values():
+        if op == "cli" or conn in self.fronts.values() or (self.starter is not None and self.starter.waits(conn)):
             self.last_work = time.monotonic()
             self._front(conn, msg, fds)
             return
@@ -193,7 +206,9 @@ class Server:
             self._reply(conn, {"event": "status", "pid": os.getpid(), "cells": len(self.cells) + len(self.hosts),
                                "warm": self.warm.cell is not None, "uptime_s": time.monotonic() - self.started,
                                "fronts_served": self.fronts_served,
-                               "cli_ahead": self.ahead.pid if self.ahead is not None else None})
+                               "cli_ahead": self.ahead.pid if self.ahead is not None else None,
+                               "session_starter": self.starter.pid if self.starter is not None else None,
+                               "sessions": len(self.starter.running) if self.starter is not None else 0})
             return
         if op == "stop":
             self.stopping = True
@@ -271,7 +286,8 @@ class Server:
         """In a child forked here: the launcher's sockets are forgotten (their fds are closed next), so
         that no finalizer closes a number the child has reused."""
         prepared = [self.warm.cell.control] if self.warm.cell is not None else []
-        for sock in (*self.conns, *([self.listener] if self.listener else []), *prepared):
+        ours = [s for s in (self.listener, self.starter and self.starter.sock) if s]
+        for sock in (*self.conns, *ours, *prepared):
             sock.detach()
 
     def _front(self, conn: Sock, msg: dict[str, Any], fds: list[int]) -> None:
@@ -280,18 +296,23 @@ class Server:
         if msg.get("op") == "signal":
             sig = msg.get("sig")
             pidfd = next((p for p, c in self.fronts.items() if c is conn), None)
-            if pidfd is not None and isinstance(sig, int) and 0 < sig <= 64:
+            if pidfd is None and self.starter is not None and isinstance(sig, int) and 0 < sig <= 64:
+                self.starter.hold(conn, sig)
+            elif pidfd is not None and isinstance(sig, int) and 0 < sig <= 64:
                 try:
                     signal.pidfd_send_signal(pidfd, sig)
                 except ProcessLookupError:
                     pass
             return
-        why = "a connection serves one command" if conn in self.fronts.values() else clihost.refusal(msg, fds)
+        served = conn in self.fronts.values() or (self.starter is not None and self.starter.waits(conn))
+        why = "a connection serves one command" if served else clihost.refusal(msg, fds)
         if why:
             self._reply(conn, {"event": "refused", "why": why})
             return
         self._reply(conn, {"event": "started"})  # (before the hand-over: the front never runs it twice)
         self.fronts_served += 1
+        if clihost.served(msg["argv"]) == "session" and self._start_session(msg, fds, conn):
+            return
         ahead, self.ahead, why = self.ahead, None, ""
         for _ in range(2):  # the process forked ahead; or (none, or it has died) one forked now
             if ahead is None:
@@ -308,6 +329,49 @@ class Server:
             ahead, why = None, "its process for this run ended before it took it"
         os.write(fds[3], f"agentcell: warm launcher: {why}\n".encode())
         self._reply(conn, {"event": "exit", "code": 125})
+
+    def _start_session(self, msg: dict[str, Any], fds: list[int], conn: Sock) -> bool:
+        """A front's ``session start`` to the session starter (forked on the first); False if it could not
+        take it (it has gone: a process forked now runs the session instead, imports and all)."""
+        if self.starter is None:
+            try:
+                self.starter = starter.Starter(self._detach)
+            except OSError:
+                return False
+        if self.starter.take(msg, fds, conn):
+            return True
+        self._starter_gone()
+        return False
+
+    def _session_news(self, st: starter.Starter) -> None:
+        news = st.says()
+        if news is None:
+            self._starter_gone()
+            return
+        pidfd, front, code = news
+        if pidfd < 0:
+            return
+        if code is None:  # a session's CLI exists: the front's signals go there
+            if front is not None:
+                self.fronts[pidfd] = front
+            return
+        self.fronts.pop(pidfd, None)
+        os.close(pidfd)
+        self.last_work = time.monotonic()
+        if front is not None and front in self.conns:  # its status is the front's answer
+            self._reply(front, {"event": "exit", "code": code})
+            self.conns.remove(front)
+            front.close()
+
+    def _starter_gone(self) -> None:
+        """The starter has died: its sessions go on and tell their fronts their status themselves; the
+        next session start forks another."""
+        st, self.starter = self.starter, None
+        if st is None:
+            return
+        for pidfd, _ in st.running.values():
+            self.fronts.pop(pidfd, None)  # (their fronts stay connected until those sessions end)
+        st.discard()
 
     def _reap(self, pidfd: int) -> None:
         pid = self.hosts.pop(pidfd)

@@ -71,7 +71,7 @@ def monitor(rt: Runtime, state: SessionState) -> dict[str, Any]:
             if rt.status_line:
                 _status_line(state, cell)
             next_line = time.monotonic() + 1.0
-        time.sleep(0.05)
+        cell.settle(0.05)  # (at once when the host says something: the cell's end is seen as it comes)
     # A record per tick: what the cell has used so far, and the proof the trail still takes records
     # (one that cannot ends the session now, not at its end).
     stats = cell.stats()
