@@ -577,3 +577,34 @@ def _is_child_of(pid: int, parent: int) -> bool:
         return _ppid(pid) == parent
     except (OSError, StopIteration, ValueError):
         return False
+
+
+def _holders() -> list[int]:
+    try:
+        return [int(h["pid"]) for h in json.loads(Path("/run/agentcell/calls.json").read_text())["holders"]]
+    except (OSError, ValueError, KeyError):
+        return []
+
+
+def test_roots_launcher_holds_the_monitors_programs_that_each_watched_cell_joins(user: User) -> None:
+    """Root's warm launcher holds the monitor's host programs once a watched cell has come (each cell's
+    monitor then joins them, copies of their fds, instead of loading and attaching them: about 15 ms of
+    every watched cell), and lets them go as it stops. The cells it serves are watched as before: a read
+    of /etc/shadow ends the cell."""
+    p = subprocess.run([AGENTCELL, "warm", "start"], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    launcher = int(p.stdout.split(" pid ")[1].split(",")[0])
+    try:
+        assert launcher not in _holders()
+        r = agentcell_run(["--as", str(user.uid), "--monitor", "--", "true"], warm=True)
+        assert r.rc == 0 and r.result["via"] == "warm launcher", r.stderr
+        assert launcher in _holders(), "the launcher holds them after a watched cell"
+        r = agentcell_run(["--as", str(user.uid), "--monitor", "--", "cat", "/etc/shadow"], warm=True)
+        assert r.rc == 137 and r.result["terminated_by_monitor"], (r.rc, r.stderr)
+        assert any(e["target"] == "/etc/shadow" for e in r.result["events"]), r.result["events"]
+        assert launcher in _holders()
+    finally:
+        subprocess.run([AGENTCELL, "warm", "stop"], capture_output=True, timeout=60)
+        if _is_launcher(launcher):
+            os.kill(launcher, signal.SIGKILL)
+    assert launcher not in _holders(), "let go as it stopped"

@@ -36,6 +36,9 @@ else:  # (signal.py imports enum; see cell/launch.py)
     import _signal as signal
 
 
+PROGRAMS_HELD_S = 60.0
+
+
 def _prepare(spec: CellSpec) -> launch.Prepared:
     spec = spec.replace(cell_id="")  # every cell gets its own id
     return launch.prepare(spec, binds.for_cell(spec))
@@ -85,6 +88,8 @@ class Server:
         self.fronts_served = 0
         self.ahead: clihost.Ahead | None = None  # a front's next CLI, forked ahead (once a front has come)
         self.starter: starter.Starter | None = None  # forks a front's session start (once one has come)
+        self.programs: Any = None  # the monitor's host programs, held while watched cells come (monitor.calls.hold)
+        self.programs_until = 0.0
         self.warm = _Warm(prewarm)
         self.idle_s = idle_s
         self.started = self.last_work = time.monotonic()
@@ -101,6 +106,7 @@ class Server:
                 self.ahead.discard()
             if self.starter is not None:
                 self.starter.discard()
+            self._let_programs_go()
 
     def _loop(self) -> None:
         while not self.stopping:
@@ -122,6 +128,12 @@ class Server:
                 wait = self.last_work + self.idle_s - time.monotonic()
                 if wait <= 0:
                     return  # no command for idle_s (status queries do not count): go away
+            if self.programs is not None and not self.hosts:
+                left = self.programs_until - time.monotonic()
+                if left <= 0:
+                    self._let_programs_go()
+                else:
+                    wait = left if wait is None else min(wait, left)
             ready, _, _ = select.select(readers, [], [], wait)
             for r in ready:
                 if isinstance(r, launch.Running):
@@ -200,6 +212,7 @@ class Server:
             return
         if op in ("run", "open"):  # a supervised cell: a host of its own takes this client over
             self.last_work = time.monotonic()
+            self._hold_programs()
             self._host(conn, msg, fds)
             return
         if op == "status":
@@ -281,6 +294,29 @@ class Server:
                 os._exit(code)
         conn.close()
         self.hosts[os.pidfd_open(pid)] = pid
+
+    def _hold_programs(self) -> None:
+        """The user's warm launcher, as root, holds the monitor's programs (those that see every cell's
+        failed calls, execs and tasks) while watched cells come, and for PROGRAMS_HELD_S after the last:
+        each cell host's monitor joins them instead of loading and attaching them again. They watch only
+        the cgroups of watched cells; none is added while no cell runs."""
+        if self.listener is None or os.geteuid() != 0:
+            return  # (a private launcher serves one client; a user's cells are watched by other means)
+        self.programs_until = time.monotonic() + PROGRAMS_HELD_S
+        if self.programs is None:
+            from ..monitor import calls
+
+            try:
+                self.programs = calls.hold()
+            except OSError:
+                self.programs_until = 0.0  # (each cell's monitor says why it cannot load them)
+
+    def _let_programs_go(self) -> None:
+        if self.programs is not None:
+            from ..monitor import hostprog
+
+            hostprog.release(self.programs)
+            self.programs = None
 
     def _detach(self) -> None:
         """In a child forked here: the launcher's sockets are forgotten (their fds are closed next), so

@@ -31,6 +31,8 @@ import functools
 import os
 import socket
 import struct
+import threading
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from . import bpf, hostprog
@@ -208,6 +210,16 @@ def _version() -> str:
                             TASK_RING_SIZE, hostprog.CELLS, repr(sorted(CALLS.items())).encode())
 
 
+def hold() -> hostprog.HostPrograms:
+    """The host's programs, joined or loaded and attached, held until ``hostprog.release``: a process that
+    starts watched cells one after another (the warm launcher) keeps them, so that each cell's monitor
+    joins them (copies of their fds) instead of loading, verifying and attaching them anew."""
+    why = supported()
+    if why:
+        raise OSError(95, why)
+    return hostprog.acquire(_version(), _attached)
+
+
 class Call:
     """One failed call: ``name``, ``errno``, ``pid`` (the process, host pid), ``tid``, ``comm``, ``args``
     (raw), ``path`` and ``path2`` (as given, maybe relative), ``addr`` (("inet"|"inet6", ip, port),
@@ -317,21 +329,27 @@ class FailedCalls:
         try:
             self.ring = _ring(RING_SIZE)
             self.tasks = _ring(TASK_RING_SIZE)
-            zero = struct.pack("<Q", 0)
-            for fd, key, value in ((self.host.drops, self._key, zero), (self.host.drops, self._task_key, zero),
-                                   (self.host.tasks, self._key, struct.pack("<I", self.tasks.fd)),
-                                   (self.host.cells, self._key, struct.pack("<I", self.ring.fd))):
-                try:
-                    bpf.map_update(fd, key, value, bpf.NOEXIST)
-                except OSError as e:
-                    if e.errno == 17:
-                        raise OSError(17, f"cgroup {cgroup_id} is watched by another monitor already") from None
-                    raise
-                self._added.append((fd, key))
+            host, zero = self.host, struct.pack("<Q", 0)
+            for fd, key, value in ((host.drops, self._key, zero), (host.drops, self._task_key, zero)):
+                self._add(fd, key, value, cgroup_id)
+            # The rings go into maps of maps, whose every update waits out an RCU grace period: the two at once.
+            failed = _together([functools.partial(self._add, fd, self._key, struct.pack("<I", ring.fd), cgroup_id)
+                                for fd, ring in ((host.tasks, self.tasks), (host.cells, self.ring))])
+            if failed is not None:
+                raise failed
         except BaseException:
             self.close()
             raise
         self._sweep()
+
+    def _add(self, fd: int, key: bytes, value: bytes, cgroup_id: int) -> None:
+        try:
+            bpf.map_update(fd, key, value, bpf.NOEXIST)
+        except OSError as e:
+            if e.errno == 17:
+                raise OSError(17, f"cgroup {cgroup_id} is watched by another monitor already") from None
+            raise
+        self._added.append((fd, key))
 
     def _sweep(self) -> None:
         """Cells whose monitor was killed before it could take them out: their cgroups are gone (an id
@@ -381,12 +399,14 @@ class FailedCalls:
         return int(struct.unpack("<Q", bpf.map_lookup(self.host.drops, self._task_key, 8))[0])
 
     def close(self) -> None:
-        for fd, key in reversed(self._added):  # the programs stop writing to the rings before they go
-            try:
-                bpf.map_delete(fd, key)
-            except OSError:
-                pass
-        self._added = []
+        # The programs stop writing to the rings before they go: out of the maps of maps first (at once:
+        # each waits out a grace period), then the counters.
+        added, self._added = self._added, []
+        nested = {self.host.cells, self.host.tasks} if self.host is not None else set()
+        _together([functools.partial(_delete, fd, key) for fd, key in added if fd in nested])
+        for fd, key in added:
+            if fd not in nested:
+                _delete(fd, key)
         for ring in (self.ring, self.tasks):
             if ring is not None:
                 ring.close()
@@ -395,6 +415,36 @@ class FailedCalls:
         if self.host is not None:
             hostprog.release(self.host)
             self.host = None
+
+
+def _delete(fd: int, key: bytes) -> None:
+    try:
+        bpf.map_delete(fd, key)
+    except OSError:
+        pass
+
+
+def _together(jobs: list[Callable[[], None]]) -> BaseException | None:
+    """Run the jobs side by side (the first here, each other in a thread of its own, joined before this
+    returns); the first exception one raised, or None. For updates of maps of maps: the kernel makes each
+    wait for an RCU grace period (synchronize_rcu, 15-20 ms on a small machine), and waits side by side
+    share one."""
+    errors: list[BaseException] = []
+
+    def run(job: Callable[[], None]) -> None:
+        try:
+            job()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(job,), name="agentcell-bpf") for job in jobs[1:]]
+    for t in threads:
+        t.start()
+    if jobs:
+        run(jobs[0])
+    for t in threads:
+        t.join()
+    return errors[0] if errors else None
 
 
 def _ring(size: int) -> bpf.RingBuffer:
