@@ -28,6 +28,7 @@ child is the launcher's grandchild: the same uid, namespaces, cgroup and powers 
 from __future__ import annotations
 
 import _socket
+import gc
 import importlib
 import os
 import select
@@ -47,12 +48,19 @@ if TYPE_CHECKING:
 else:  # (signal.py imports enum; see cell/launch.py)
     import _signal as signal
 
-# What a session's CLI imports on its way to its first record; imported once, in the starter.
+# What a session's CLI imports on its way (as a session of the shell harness on a small project showed:
+# sys.modules after one, less before); imported once, in the starter. One left out is imported by each
+# session that needs it, as a Python `session start` does.
 PRELOAD = ("agentcell.cli.main", "agentcell.cli.session", "agentcell.session.start", "agentcell.session.graph",
            "agentcell.session.config", "agentcell.session.planning", "agentcell.session.spawn",
-           "agentcell.harness.profiles", "agentcell.policy.models", "agentcell.snapshot.store",
-           "agentcell.accounts.acl", "agentcell.audit.trail", "agentcell.host.remote",
-           "langgraph.checkpoint.sqlite")
+           "agentcell.harness.profiles", "agentcell.harness.seed", "agentcell.policy.models",
+           "agentcell.policy.compile", "agentcell.policy.plan", "agentcell.policy.resolve", "agentcell.limits",
+           "agentcell.snapshot.store", "agentcell.accounts.acl", "agentcell.accounts.accounts",
+           "agentcell.accounts.ephemeral", "agentcell.accounts.registry", "agentcell.cell.paths",
+           "agentcell.audit.trail", "agentcell.host.remote", "agentcell.monitor.monitor", "agentcell.monitor.procs",
+           "agentcell.monitor.refusals", "agentcell.monitor.resources", "agentcell.protect.check",
+           "agentcell.protect.surface", "langgraph.checkpoint.sqlite", "langchain_core.tracers.context",
+           "langchain_core.tracers.run_collector", "langchain_core.tracers.stdout", "glob")
 
 
 class Starter:
@@ -158,6 +166,11 @@ def serve(sock: Sock) -> int:
 
     for name in PRELOAD:
         importlib.import_module(name)
+    # What is here now stays shared with the sessions forked from it: out of the collector's sight, which
+    # would otherwise write to every object as it looks (a full collection in a session copied the whole
+    # heap's pages, some 60 ms on a small machine).
+    gc.collect()
+    gc.freeze()
     if threading.active_count() != 1:  # a fork keeps only the forking thread: a lock another held stays held
         sys.stderr.write(f"agentcell warm: the session starter has {threading.active_count()} threads after its "
                          "imports; it forks only from one, and stops\n")

@@ -15,6 +15,7 @@ is discarded if the next request carries another policy, and when the launcher s
 from __future__ import annotations
 
 import _socket
+import gc
 import os
 import select
 import sys
@@ -449,6 +450,9 @@ def main(argv: list[str]) -> None:
         from ..monitor import monitor  # noqa: F401
         from ..network import firewall, nflog, proxy  # noqa: F401
         from ..protect import check  # noqa: F401
+
+        gc.collect()
+        gc.freeze()  # (shared with every process forked here: out of the collector's sight, not copied by it)
     if "--conn" in opts:
         Server(conn=_socket.socket(fileno=int(opts["--conn"])), prewarm=prewarm).serve()
     else:
