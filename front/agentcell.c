@@ -10,9 +10,9 @@
  *
  * Everything else runs the Python CLI (execv, this process replaced): every other command, either
  * with a terminal on stdin, stdout or stderr (the pty relay and job control live in the CLI), a run
- * with --no-warm, no launcher, a launcher that is not ours or that refuses the request. Up to the
- * launcher's "started" nothing has run, so falling back loses nothing; after it, this program never
- * runs the command a second time.
+ * with --no-warm, AGENTCELL_FRONT=off or AGENTCELL_WARM=off, no launcher, a launcher that is not ours
+ * or that refuses the request. Up to the launcher's "started" nothing has run, so falling back loses
+ * nothing; after it, this program never runs the command a second time.
  *
  * What it decides alone, and what a reviewer should check: where the launcher listens (as
  * hostfs.socket_dir() says), that the directory is ours and private, and that the peer is ourselves
@@ -90,8 +90,8 @@ static int handed_over(int argc, char **argv) {
     for (int fd = 0; fd <= 2; fd++)
         if (fcntl(fd, F_GETFD) < 0 || isatty(fd))
             return 0;
-    const char *off = getenv("AGENTCELL_FRONT");
-    return !(off && strcmp(off, "off") == 0);
+    const char *front = getenv("AGENTCELL_FRONT"), *warm = getenv("AGENTCELL_WARM");
+    return !(front && strcmp(front, "off") == 0) && !(warm && strcmp(warm, "off") == 0);
 }
 
 /* ---- finding our launcher ---------------------------------------------------------------------- */

@@ -43,7 +43,8 @@ class Session:
 
 def session_environ(env: Env, extra: dict[str, str] | None = None) -> dict[str, str]:
     base = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8", "AGENTCELL_STATE_DIR": str(env.state),
-            "AUDIT_LOG_PATH": str(env.audit), "BACKUP_DIR": str(env.state / "backups")}
+            "AUDIT_LOG_PATH": str(env.audit), "BACKUP_DIR": str(env.state / "backups"),
+            "AGENTCELL_WARM": "off"}  # (a warm launcher left running on the machine must not choose the path tested)
     return {**base, **(extra or {})}
 
 

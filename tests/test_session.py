@@ -12,6 +12,7 @@ import pwd
 import secrets
 import shlex
 import shutil
+import stat
 import subprocess
 import time
 from pathlib import Path
@@ -633,6 +634,25 @@ def test_the_agents_files_never_become_roots(env: Env) -> None:
     s = session(env, ["start", "--harness", "shell", "--rw", "src", "--json", "--", "true"],
                 extra={"SUDO_UID": "4242", "SUDO_GID": "4242"})
     assert s.rc == 0, s.err
+
+
+def test_what_the_agent_made_is_given_back_whole_in_the_revokes_walk(env: Env, user: User) -> None:
+    """Cleanup gives the per-session account's files to the human in the walk that revokes its grant (its
+    processes gone first): nested directories, a symlink, a setuid file, one others may write and one with
+    an ACL entry of the agent's choosing all end the human's, plain, and nothing is left the account's."""
+    script = ("cd src && mkdir -p a/b && echo x > a/b/deep.py && ln -s deep.py a/b/link && echo s > a/suid "
+              "&& chmod 4755 a/suid && echo w > a/open && chmod 666 a/open && echo n > a/named "
+              "&& setfacl -m u:65534:rw a/named && echo done")
+    s = session(env, ["start", "--harness", "shell", "--rw", "src", "--json", "--", "sh", "-c",
+                      f"cd {env.project} && {script}"])
+    assert s.rc == 0 and s.out.splitlines()[-1] == "done", (s.out, s.err)
+    assert s.summary["problems"] == [] and account_gone(s.summary["os_user"]), s.summary
+    made = [env.project / "src" / p for p in ("a", "a/b", "a/b/deep.py", "a/b/link", "a/suid", "a/open", "a/named")]
+    for p in made:
+        st = p.lstat()
+        assert (st.st_uid, st.st_gid) == (user.uid, user.gid), (p, st.st_uid, st.st_gid)
+        assert not st.st_mode & (stat.S_ISUID | stat.S_ISGID) and (p.is_symlink() or not st.st_mode & stat.S_IWOTH)
+    assert "65534" not in acl_names(env.project / "src" / "a") and s.summary["os_user"] not in acl_names(env.project)
 
 
 @pytest.mark.parametrize("toml", ['network = "host-firewall"', 'firewall_enabled = true', 'network = "loopback"'])

@@ -244,6 +244,13 @@ def socket_dirs(uid: int, home: str) -> list[str]:
     return sorted({os.path.realpath(d) for d in dirs})
 
 
+def warm_wanted() -> bool:
+    """False when the environment says AGENTCELL_WARM=off: nothing is handed to the user's warm launcher
+    (``agentcell run`` as with --no-warm, a session's cell in a host started for it, and the compiled
+    front runs the Python CLI)."""
+    return os.environ.get("AGENTCELL_WARM", "") != "off"
+
+
 def socket_dir() -> str:
     """Where our warm launcher listens: a directory only its owner may enter."""
     if os.geteuid() == 0:

@@ -330,12 +330,19 @@ def grant(cmds: Commands, group: str, gid: int, source: str, mode: str, *, prior
 
 
 def revoke(cmds: Commands, uid: int, gid: int, source: str, prior: list[str], *,
-           changed: Changed | None = None) -> list[str]:
+           changed: Changed | None = None, give_to: tuple[int, int] | None = None) -> list[str]:
     """Remove every entry naming the agent (user ``uid`` or group ``gid``), and nothing else. Returns
-    what could not be walked (empty when done). ``changed`` hears of each file whose ACL was written."""
+    what could not be walked (empty when done). ``changed`` hears of each file whose ACL was written
+    (not of one the agent owned). ``give_to`` (uid, gid): in the same walk, every entry owned by the
+    agent is given to them as :func:`reassign` gives it, and what is still the agent's after that is
+    returned too: for an account none of whose processes is left (else a file it makes behind the walk
+    is missed: :func:`reassign` walks again to check)."""
     if not os.path.lexists(source) or os.path.islink(source):
         return []
     cmds.show(["setfacl", "-R", "-P", "-x", f"g:{gid},d:g:{gid},u:{uid},d:u:{uid}", "--", source])
+    if give_to is not None:
+        cmds.show(["find", source, "-xdev", "(", "-uid", str(uid), "-o", "-gid", str(gid), ")", "-exec", "chown",
+                   "--no-dereference", f"{give_to[0]}:{give_to[1]}", "--", "{}", "+"])
     if cmds.dry_run:
         return []
     had_default = set()
@@ -343,15 +350,23 @@ def revoke(cmds: Commands, uid: int, gid: int, source: str, prior: list[str], *,
         dev, ino, rel = (item.split(" ") + ["", "", ""])[:3]
         if dev.isdigit() and ino.isdigit():
             had_default.add((int(dev), int(ino), os.fsdecode(bytes.fromhex(rel))))
+    left: list[str] = []
     with _one_change_at_a_time():
-        walk = Walk(source)
+        walk = Walk(source, links=give_to is not None)
         for n in walk:
+            agents = n.st.st_uid == uid or n.st.st_gid == gid
             if stat.S_ISDIR(n.st.st_mode) or stat.S_ISREG(n.st.st_mode):
                 wrote = strip(n, lambda e: (e[0] == USER and e[2] == uid) or (e[0] == GROUP and e[2] == gid),
                               keep_default=(n.st.st_dev, n.st.st_ino, n.rel) in had_default)
-                if wrote and changed is not None and stat.S_ISREG(n.st.st_mode):
+                if wrote and changed is not None and stat.S_ISREG(n.st.st_mode) and not agents:
                     changed(n.rel, n.st, os.fstat(n.fd))
-    return [f"{source}: levels below {walk.depth} were not walked"] if walk.too_deep else []
+            if agents and give_to is not None:
+                give(n, give_to[0], give_to[1], keep=lambda e: e[0] == USER and e[2] == give_to[0])
+                st = os.fstat(n.fd)
+                if st.st_uid == uid or st.st_gid == gid:
+                    left.append(n.rel)
+    out = _still_owned(left, uid, gid, source)
+    return [*out, f"{source}: levels below {walk.depth} were not walked"] if walk.too_deep else out
 
 
 def strip(n: Node, drop: Callable[[Entry], bool], *, keep_default: bool = False) -> bool:
@@ -415,12 +430,16 @@ def owned_by(uid: int, gid: int, place: str) -> list[str]:
     if not os.path.lexists(place) or os.path.islink(place):
         return []
     walk = Walk(place, links=True)
-    left = [n.rel for n in walk if n.st.st_uid == uid or n.st.st_gid == gid]
+    out = _still_owned([n.rel for n in walk if n.st.st_uid == uid or n.st.st_gid == gid], uid, gid, place)
+    if walk.too_deep:
+        out.append(f"{place}: levels below {MAX_DEPTH} were not walked")
+    return out
+
+
+def _still_owned(left: list[str], uid: int, gid: int, place: str) -> list[str]:
     out = [f"{os.path.join(place, r)} is still owned by {uid}:{gid}" for r in left[:3]]
     if len(left) > 3:
         out.append(f"... and {len(left) - 3} more in {place}")
-    if walk.too_deep:
-        out.append(f"{place}: levels below {MAX_DEPTH} were not walked")
     return out
 
 

@@ -104,6 +104,23 @@ def create_ephemeral(session_id: str, cmds: Commands | None = None) -> Account:
     return account
 
 
+def vouch(account: Account) -> pwd.struct_passwd | None:
+    """That ``account`` is a per-session account this module made, or raise :class:`AccountError` saying
+    why not; its user's entry (None once deleted). Whatever asks (a checkpoint read back by 'session
+    recover', say), no other account is touched: its name follows from the session id, its uid from the
+    range, and a user of that name (or, without one, whoever has that uid now) must agree."""
+    if account.name != name_for(account.session_id) or not UID_FIRST <= account.uid <= UID_LAST:
+        raise AccountError("account", f"{account.name!r} (uid {account.uid}) is not the per-session account of "
+                           f"session {account.session_id!r}", "nothing was deleted")
+    need_root("ephemeral account")
+    pw = _user(account.name)
+    if pw is not None and pw.pw_uid != account.uid:
+        raise AccountError("ephemeral", f"user {account.name} has uid {pw.pw_uid}, not {account.uid}: left alone")
+    if pw is None and _uid_taken(account.uid):
+        raise AccountError("ephemeral", f"uid {account.uid} now belongs to {_uid_taken(account.uid)}: left alone")
+    return pw
+
+
 def delete(account: Account, cmds: Commands | None = None, *, paths: Sequence[str] = (),
            give_to: tuple[int, int] | None = None) -> None:
     """Kill the account's processes, remove user, group and record; raise naming what is left.
@@ -111,19 +128,9 @@ def delete(account: Account, cmds: Commands | None = None, *, paths: Sequence[st
     ``paths`` are the session's writable paths: what the account made there is given to ``give_to``
     (uid, gid: the session's human), or, without it, is an error to report — a file left to a deleted
     uid would belong to whichever account gets the number next (a setuid bit is cleared by chown)."""
-    # Only an account this module makes: its name follows from the session id, its uid from the
-    # range. Whatever asks (a checkpoint read back by 'session recover', say), no other is touched.
-    if account.name != name_for(account.session_id) or not UID_FIRST <= account.uid <= UID_LAST:
-        raise AccountError("account", f"{account.name!r} (uid {account.uid}) is not the per-session account of "
-                           f"session {account.session_id!r}", "nothing was deleted")
-    need_root("ephemeral account")
+    pw = vouch(account)
     cmds = cmds or Commands()
     problems = []
-    pw = _user(account.name)
-    if pw is not None and pw.pw_uid != account.uid:
-        raise AccountError("ephemeral", f"user {account.name} has uid {pw.pw_uid}, not {account.uid}: left alone")
-    if pw is None and _uid_taken(account.uid):
-        raise AccountError("ephemeral", f"uid {account.uid} now belongs to {_uid_taken(account.uid)}: left alone")
     left = kill_all(cmds, account.uid, account.gid)
     if left:
         problems.append(f"processes still run: {left}")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import sys
 
-from .. import runner
+from .. import hostfs, runner
 from ..cell.spec import TYPE_CHECKING, CellSpec
 from ..errors import AgentcellError, report
 from ..policy.plan import compile_spec
@@ -52,7 +52,8 @@ def execute(ns: Args | Namespace) -> int:
             raise AgentcellError("command", "no command given", "put it after --, e.g. agentcell run -- true")
         credentials, upstream_ca = runner.credentials(spec, ns.secret, ns.secret_host, ns.upstream_ca)
         result = runner.run(spec, command, ns.timeout, monitor=ns.on_escape or "terminate" if ns.monitor else None,
-                            warm=not ns.no_warm, credentials=credentials, upstream_ca=upstream_ca)
+                            warm=not ns.no_warm and hostfs.warm_wanted(), credentials=credentials,
+                            upstream_ca=upstream_ca)
     except AgentcellError as e:
         return report(PROG, e)
     for line in runner.ended(result, ns.timeout):

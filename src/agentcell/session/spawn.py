@@ -26,8 +26,9 @@ def start(spec: CellSpec, argv: list[str], *, stdio: Sequence[int] = (0, 1, 2),
     if host is not None:
         return host.start(spec, argv, stdio=stdio, monitor="terminate", options=options)
     from ..host.remote import HostUnavailable, RemoteHost
+    from ..hostfs import warm_wanted
 
-    if not options.fds():  # (a host-firewall's log socket goes to a host started for it)
+    if not options.fds() and warm_wanted():  # (a host-firewall's log socket goes to a host started for it)
         try:  # the user's warm launcher forks the cell's host, its modules imported, when one runs
             return RemoteHost("warm").start(spec, argv, stdio=stdio, monitor="terminate", options=options)
         except HostUnavailable:

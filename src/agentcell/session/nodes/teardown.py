@@ -101,9 +101,12 @@ def cleanup(rt: Runtime, state: SessionState) -> dict[str, Any]:
         if grants is None:  # crashed while granting: revoke wherever it may have granted
             grants = [Grant(p, ()) for p in rw]
         changes: Changes = rt.granted.pop(sid, {})  # (the grant's, which the revoke's follow)
-        problems += revoke(cmds, account, grants, changes)
-        carry(state, changes, human)
         give_to = (human[0], human[1]) if human else None
+        # A session's own account, vouched for and with none of its processes left: what it made in the
+        # granted paths is given back in the revoke's walk (else by the delete's, below).
+        given = _given_in_revoke(cmds, account, sid, give_to or (0, 0))
+        problems += revoke(cmds, account, grants, changes, give_to=given)
+        carry(state, changes, human)
         paths = [g.path for g in grants]
         if cfg.workspace == "copy":
             try:  # the change set becomes the project owner's, as the agent's work in the project would
@@ -120,7 +123,7 @@ def cleanup(rt: Runtime, state: SessionState) -> dict[str, Any]:
         try:
             if account.kind == "ephemeral":
                 ephemeral.delete(ephemeral.Account(account.name, account.uid, account.gid, sid), cmds,
-                                 paths=paths, give_to=give_to or (0, 0))
+                                 paths=() if given else paths, give_to=give_to or (0, 0))
             else:
                 from ...accounts.accounts import defuse_home
 
@@ -147,6 +150,22 @@ def cleanup(rt: Runtime, state: SessionState) -> dict[str, Any]:
     update.update(audit_quietly(rt, state, "cleanup", "session.cleanup", problems=problems,
                                 account=account.name if account else None))
     return update
+
+
+def _given_in_revoke(cmds: Any, account: Account, sid: str, give_to: tuple[int, int]) -> tuple[int, int] | None:
+    """``give_to`` if the revoke may give the account's files back as it walks (a per-session account,
+    this session's, none of whose processes is left), else None (the delete walks for them, and says why
+    it cannot)."""
+    from ...accounts import ephemeral
+    from ...accounts.accounts import kill_all
+
+    if account.kind != "ephemeral":
+        return None
+    try:
+        ephemeral.vouch(ephemeral.Account(account.name, account.uid, account.gid, sid))
+    except AgentcellError:
+        return None
+    return None if kill_all(cmds, account.uid, account.gid) else give_to
 
 
 def _quarantine(state: SessionState, account: Account | None) -> list[str]:
