@@ -94,10 +94,18 @@ def create_ephemeral(session_id: str, cmds: Commands | None = None) -> Account:
     account = Account(name, uid, uid, session_id)
     _write_record(record, account)
     try:
-        cmds.run(["groupadd", "--gid", str(uid), name], step="groupadd")
-        cmds.run(["useradd", "--uid", str(uid), "--gid", str(uid), "--no-user-group", "--no-create-home",
-                  "--no-log-init", "--home-dir", account.home, "--shell", NOLOGIN, "--expiredate", "1",
+        # One command for user and group: its group by its name, given the uid as its gid (useradd takes a
+        # free preferred gid within GID_MIN..GID_MAX, here our range alone), checked below.
+        span = [f"-K{k}_{m}={v}" for k in ("UID", "GID") for m, v in (("MIN", UID_FIRST), ("MAX", UID_LAST))]
+        cmds.run(["useradd", *span, "--uid", str(uid), "--user-group", "--no-create-home", "--no-log-init",
+                  "--home-dir", account.home, "--shell", NOLOGIN, "--expiredate", "1",
                   "--comment", "agentcell session account", name], step="useradd")
+        if not cmds.dry_run:
+            pw, gr = _user(name), _group(name)
+            if pw is None or gr is None or (pw.pw_uid, pw.pw_gid, gr.gr_gid) != (uid, uid, uid):
+                raise AccountError("ephemeral", f"{name} was made with uid:gid {pw and pw.pw_uid}:"
+                                   f"{gr and gr.gr_gid}, not {uid}:{uid} (another account took the number)",
+                                   "start the session again")
     except AgentcellError:
         delete(account, cmds)
         raise
