@@ -165,6 +165,23 @@ def test_a_sealed_trail_matches_its_witness_and_each_head_signs_once(tmp_path: P
     assert [r["event"] for r in map(json.loads, lines(log.path))][3] == "audit.seal"
 
 
+def test_concurrent_writers_on_a_sealed_trail_make_one_witnessed_log(tmp_path: Path) -> None:
+    import sys
+
+    log, witness, key = sealed(tmp_path, n=0, every=8)
+    code = ("import sys; from agentcell.audit import AuditLog\n"
+            "log = AuditLog(sys.argv[1])\n"
+            "for i in range(60): log.append('w', session=sys.argv[2], i=i)\n"
+            "assert log.witness_problem is None\n")
+    procs = [subprocess.Popen([sys.executable, "-c", code, log.path, f"w{k}"]) for k in range(4)]
+    assert [p.wait(120) for p in procs] == [0] * 4
+    assert log.seal() is None
+    w = check(log.path, witness, key)
+    assert w.ok and w.records == w.sealed == 244, w.problems
+    heads = [json.loads(line) for line in Path(witness[5:]).read_bytes().splitlines()]
+    assert [h["epoch"] for h in heads] == list(range(len(heads)))  # delivered once each, in order
+
+
 def test_the_previous_epochs_key_is_overwritten_where_it_lay(tmp_path: Path) -> None:
     log, _witness, _key = sealed(tmp_path, n=1)
     state = os.path.join(seal.seal_dir(log.path), "state")
@@ -307,6 +324,103 @@ def test_records_after_the_last_head_are_said_and_accepted_only_while_running(tm
     assert [n for n, _ in w.problems] == [15] and "not covered by a head the witness holds" in w.problems[0][1]
     w = check(log.path, witness, key, running=True)
     assert w.ok and w.notes
+
+
+@pytest.mark.parametrize("kind", ["syslog", "syslog+tcp"])
+def test_a_syslog_witness_gets_rfc_5424_lines_that_verify_as_its_server_stores_them(tmp_path: Path,
+                                                                                    kind: str) -> None:
+    # The syslog server is a socket of the test's own on loopback that stores each message as rsyslog's
+    # file output would: one line each, its header before the head.
+    udp = kind == "syslog"
+    srv = socket.socket(socket.AF_INET, socket.SOCK_DGRAM if udp else socket.SOCK_STREAM)
+    srv.bind(("127.0.0.1", 0))
+    if not udp:
+        srv.listen(8)
+    srv.settimeout(0.1)
+    got: list[bytes] = []
+    done = False
+
+    def receive() -> None:
+        while not done:
+            try:
+                if udp:
+                    got.append(srv.recv(65536))
+                    continue
+                conn, _ = srv.accept()
+            except TimeoutError:
+                continue
+            with conn:
+                conn.settimeout(10)
+                data = b""
+                while chunk := conn.recv(65536):
+                    data += chunk
+                length, _, rest = data.partition(b" ")  # RFC 6587 octet counting
+                assert int(length) == len(rest)
+                got.append(rest)
+
+    import threading
+
+    t = threading.Thread(target=receive, daemon=True)
+    t.start()
+    try:
+        log = AuditLog(str(tmp_path / "audit" / "audit.jsonl"))
+        key, problem = log.seal_to(f"{kind}://127.0.0.1:{srv.getsockname()[1]}", 4, 3600)
+        for i in range(9):
+            log.append("step", i=i)
+        assert problem is None and log.seal() is None
+        deadline = time.monotonic() + 10
+        while len(got) < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        done = True
+        t.join(10)
+        srv.close()
+    assert len(got) == 4 and all(m.startswith(b"<85>1 ") and b" agentcell " in m and b" tree-head - {" in m
+                                 for m in got), got[:1]
+    stored = tmp_path / "syslog.log"
+    stored.write_bytes(b"".join(b"Dec  6 03:40:00 witness " + m + b"\n" for m in got))
+    w = check(log.path, f"file:{stored}", key)
+    assert w.ok and w.sealed == 10, w.problems
+
+
+def test_the_reference_witness_keeps_heads_only_and_serves_them_back(tmp_path: Path) -> None:
+    import urllib.error
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    store = tmp_path / "heads.jsonl"
+    proc = subprocess.Popen([AGENTCELL, "audit", "witness", "serve", "--listen", f"127.0.0.1:{port}", "--store",
+                             str(store)], stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 15
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert proc.poll() is None and time.monotonic() < deadline, proc.stderr and proc.stderr.read()
+                time.sleep(0.05)
+        base = f"http://127.0.0.1:{port}"
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+        def post(body: bytes, path: str = "/heads") -> int:
+            try:
+                with opener.open(urllib.request.Request(base + path, data=body, method="POST"), timeout=10) as r:
+                    return int(r.status)
+            except urllib.error.HTTPError as e:
+                return e.code
+
+        assert post(b"not json") == 400 and post(b'{"other": 1}') == 400 and post(b'[1]') == 400
+        assert post(b'{"agentcell_head": 1, "epoch": 0}', "/elsewhere") == 404
+        assert post(b'{"agentcell_head": 1, "epoch": 0}') == 201 == post(b'{"epoch": 1, "agentcell_head": 1}')
+        with opener.open(base + "/heads", timeout=10) as r:
+            served = r.read()
+        assert served == store.read_bytes() == b'{"agentcell_head":1,"epoch":0}\n{"agentcell_head":1,"epoch":1}\n'
+    finally:
+        proc.terminate()
+        assert proc.wait(10) == 0
 
 
 def test_bad_input_is_one_line(tmp_path: Path) -> None:

@@ -36,6 +36,7 @@ survive on the medium after the overwrite; and the key is in the sealing process
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -54,6 +55,7 @@ KEY_PREFIX = "ed25519:"
 CONTEXT = b"agentcell tree head v1\n"  # what a head's signature covers starts so: the key signs nothing else
 SIGNED = ("agentcell_head", "log", "epoch", "from", "size", "root", "ts", "key", "next_key")
 STATE, SENT, PROBLEM, SEND_LOCK = "state", "sent", "problem", "send.lock"
+SEND_WAIT_S = 30.0  # another process delivering longer than this is a witness that does not answer
 META = ("log", "epoch", "size", "offset", "last", "range", "ts", "every", "interval", "witness")
 
 
@@ -361,7 +363,16 @@ def deliver(trail: str) -> str | None:
     d = seal_dir(trail)
     lfd = os.open(os.path.join(d, SEND_LOCK), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
-        lock(lfd)
+        deadline = time.monotonic() + SEND_WAIT_S  # (one sender at a time: each sends what is queued, in order)
+        while True:
+            try:
+                fcntl.flock(lfd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    return (f"another process has been sending heads to the witness for {SEND_WAIT_S:g} s: it does "
+                            "not answer")
+                time.sleep(0.02)
         st, sent = _read_state(d), _read_sent(d)
         w = parse(str(st.meta["witness"]), "the seal's witness")
         for head in sorted(st.pending, key=lambda h: int(h["epoch"])):
