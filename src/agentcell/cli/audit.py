@@ -189,9 +189,11 @@ def _unwitnessed(path: str) -> str:
 
 
 def _seal(ns: Any, path: str) -> int:
+    import os
+
     from ..audit import AuditLog, seal
 
-    log = AuditLog(path)
+    log = AuditLog(os.path.abspath(path))
     if ns.cmd == "init":
         every = ns.every if ns.every is not None else seal.DEFAULT_EVERY
         interval = ns.interval if ns.interval is not None else seal.DEFAULT_INTERVAL_S

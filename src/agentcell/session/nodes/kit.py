@@ -55,7 +55,8 @@ def seal_now(state: SessionState) -> None:
     cfg = config_of(state)
     if not cfg.audit_witness_required:
         return
-    problem = AuditLog(cfg.audit_log_path).seal()
+    log = AuditLog(cfg.audit_log_path)
+    problem = log.seal() if os.path.isdir(log.path + ".seal") else f"{log.path} is not sealed to a witness"
     if problem:
         raise AuditWriteError("--audit-witness-required", problem, "the session stops before its agent runs: "
                               "start the witness; the heads wait on this host and go first at the next seal")
