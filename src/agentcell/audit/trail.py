@@ -17,6 +17,11 @@ new, the directory). A failed write is retried 3 times (0.05, 0.2, 0.5 s), then
 
 The default log is ``<state dir>/audit/audit.jsonl`` (root's, 0600 in a 0700 directory): cells never
 see the state dir, so nothing inside one can write it.
+
+All of that holds against everyone but root: a root can rewrite the file, recompute every ``prev`` and
+the anchor, and :func:`verify` finds nothing. A trail sealed to a witness (:mod:`.seal`) also has signed
+tree heads off the host, and ``agentcell audit verify --witness W --key K`` (:mod:`.witnessed`) catches
+that. The record format is the same, sealed or not.
 """
 from __future__ import annotations
 
@@ -30,21 +35,16 @@ from collections.abc import Iterator
 from typing import Any
 
 from .. import hostfs
-from ..errors import AgentcellError
+from .base import AuditWriteError as AuditWriteError  # (where callers found it)
+from .base import fsync_dir as _fsync_dir
+from .base import lock as _lock
 
 GENESIS = "0" * 64
 RETRY_DELAYS = (0.05, 0.2, 0.5)
-LOCK_WAIT_S = 10.0  # a writer holding the lock longer is stuck (or hostile): give up, loudly
 
 
 class _Broken(Exception):
     """The trail and its anchor disagree: appending would bury the damage; not retried."""
-
-
-class AuditWriteError(AgentcellError):
-    """The record could not be written after its retries: whatever was to be recorded must not go on."""
-
-    exit_code = 70  # EX_SOFTWARE-like: distinct from a refusal (125) or a launch failure (123)
 
 
 def default_path() -> str:
@@ -75,12 +75,63 @@ def _last_line(fd: int) -> bytes:
 
 
 class AuditLog:
+    """A trail. When it is sealed (:mod:`.seal`: ``agentcell audit init --witness``), every append whose
+    record makes a seal due signs a tree head and sends it to the witness; ``witness_problem`` then says
+    what the witness did not take (the session decides whether that stops it), and :meth:`seal` seals
+    at once (a session's end)."""
+
     def __init__(self, path: str | None = None) -> None:
         self.path = path or default_path()
         self.head = self.path + ".head"
+        self.witness_problem: str | None = None
 
     def append(self, event: str, *, session: str = "", **details: Any) -> dict[str, Any]:
-        """Write one record; returns it. Raises AuditWriteError when it cannot be written."""
+        """Write one record; returns it. Raises AuditWriteError when it cannot be written, and
+        :class:`~.seal.SealError` (an AuditWriteError) when it was written but cannot be sealed."""
+        record = self._append_retried(event, session, details)
+        if os.path.isdir(self.path + ".seal"):  # (one stat on a trail that is not sealed)
+            self._sealed(force=False, seq=int(record["seq"]))
+        return record
+
+    def seal(self) -> str | None:
+        """Seal every record not sealed yet and deliver every head the witness lacks, now; what the
+        witness did not take (None: all of it, or the trail is not sealed)."""
+        if not os.path.isdir(self.path + ".seal"):
+            return None
+        return self._sealed(force=True)
+
+    def _sealed(self, *, force: bool, seq: int = 0) -> str | None:
+        from . import seal
+
+        try:
+            if not force and not seal.due(self.path, seq):
+                return None
+            seal.seal(self.path, force=force)
+            self.witness_problem = seal.deliver(self.path)
+        except OSError as e:
+            raise seal.SealError("audit", f"cannot seal {self.path} ({e})", "the record is written; "
+                                 "'agentcell audit seal' retries") from None
+        return self.witness_problem
+
+    def seal_to(self, witness: str, every: int, interval: float) -> tuple[str, str | None]:
+        """Seal this trail from now on (:func:`.seal.init`), recording it in an ``audit.seal`` record that
+        the first head covers with everything before it; (epoch 0's key, what the witness did not take).
+        A trail whose chain is broken is refused: sealing it would seal the damage."""
+        from . import seal
+
+        if os.path.lexists(self.path):
+            v = verify(self.path)
+            if not v.ok:
+                n, problem = v.problems[0]
+                raise AuditWriteError("FILE", f"{self.path}:{n}: {problem}", "a damaged trail is not sealed: "
+                                      "keep it aside and start a new one")
+        os.makedirs(os.path.dirname(self.path), mode=0o700, exist_ok=True)
+        key, log = seal.init(self.path, witness, every, interval)
+        self.append("audit.seal", log=log, key=key, witness=seal.read_meta(seal.seal_dir(self.path))["witness"],
+                    every=every, interval_s=interval)
+        return key, self.seal()
+
+    def _append_retried(self, event: str, session: str, details: dict[str, Any]) -> dict[str, Any]:
         last: Exception | None = None
         for delay in (0.0, *RETRY_DELAYS):
             if delay:
@@ -149,18 +200,6 @@ class AuditLog:
             return record
         finally:
             os.close(fd)  # releases the lock
-
-
-def _lock(fd: int, how: int = fcntl.LOCK_EX) -> None:
-    deadline = time.monotonic() + LOCK_WAIT_S
-    while True:
-        try:
-            fcntl.flock(fd, how | fcntl.LOCK_NB)
-            return
-        except BlockingIOError:
-            if time.monotonic() > deadline:
-                raise OSError(f"the log stayed locked for {LOCK_WAIT_S:g} s") from None
-            time.sleep(0.01)
 
 
 def _head_text(path: str) -> str:
@@ -245,14 +284,6 @@ def _make_spare(spare: str) -> None:
             os.unlink(tmp)
         except OSError:
             pass
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(d: str) -> None:
-    fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
     finally:
         os.close(fd)
 
@@ -366,6 +397,21 @@ def verify(path: str | None = None) -> Verdict:
     except (OSError, ValueError):
         problems.append((0, f"{path}.head is damaged"))
     return Verdict(path, lines, problems, [sid for sid in started if sid not in ended])
+
+
+def committed_lines(path: str) -> list[bytes]:
+    """The trail's whole lines (without their newlines) as its writers had finished them: read up to the
+    length the file had while no writer held the lock. A missing trail has none."""
+    fd = _open_trail(path)
+    if fd is None:
+        return []
+    with os.fdopen(fd, "rb") as f:
+        _lock(fd, fcntl.LOCK_SH)
+        try:
+            size = os.fstat(fd).st_size
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        return [raw[:-1] for raw in _upto(f, size) if raw.endswith(b"\n")]
 
 
 def records(path: str | None = None, session: str | None = None) -> list[dict[str, Any]]:

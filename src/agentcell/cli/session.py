@@ -52,6 +52,11 @@ def parser() -> Parser:
                     help="end the session (normally) after S seconds (WALL_CLOCK_LIMIT_S; default 3600)")
     sp.add_argument("--backup-dir", metavar="DIR", help="the snapshot store for the preflight backup (BACKUP_DIR)")
     sp.add_argument("--audit-log", metavar="FILE", dest="audit_log_path", help="the audit trail (AUDIT_LOG_PATH)")
+    sp.add_argument("--audit-witness", metavar="W", dest="audit_witness", help="seal the trail to this witness off "
+                    "the host, if it is not sealed yet (AUDIT_WITNESS; file:PATH, http(s)://HOST[:PORT][/BASE], "
+                    "syslog://HOST[:PORT]): signed heads as the session runs and at its end (prints the key once)")
+    sp.add_argument("--audit-witness-required", action="store_true", dest="audit_witness_required",
+                    help="stop the session when the witness does not take a head (default: go on, and say so)")
     sp.add_argument("--firewall", action="store_const", const="true", dest="firewall_enabled",
                     help="the seed's host firewall: egress to port 443 only (FIREWALL_ENABLED)")
     sp.add_argument("--net", dest="network", metavar="MODE", help="none | loopback | proxy | host-firewall "

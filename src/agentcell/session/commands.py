@@ -119,8 +119,10 @@ def _restore(ns: Any) -> int:
     _g, st = _load(ns.id)
     _ended(st, ns.id)
     n = _store(st).restore(st["backup_id"])
-    AuditLog((st.get("config") or {}).get("audit_log_path")).append("session.restore", session=ns.id,
-                                                                    backup_id=st["backup_id"], entries=n)
+    log = AuditLog((st.get("config") or {}).get("audit_log_path"))
+    log.append("session.restore", session=ns.id, backup_id=st["backup_id"], entries=n)
+    if problem := log.seal():
+        sys.stderr.write(f"{PROG}: warning: {problem}; the heads wait on this host ('agentcell audit seal' retries)\n")
     sys.stderr.write(f"{PROG}: restored {n} entries of {', '.join(st['policy']['rw_paths'])} from backup "
                      f"{st['backup_id']}\n")
     return 0

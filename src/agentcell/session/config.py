@@ -13,11 +13,15 @@ DECLARED_PATHS       declared_paths               shared read-write, ``:`` or ``
 AGENT_OS_USER        agent                        a persistent agent account; empty: a per-session one
 BACKUP_DIR           backup_dir                   the snapshot store of the preflight backup
 AUDIT_LOG_PATH       audit_log_path               the hash-chained audit trail
+AUDIT_WITNESS        (never from the project)     where the trail's signed heads go (seals the trail)
 WALL_CLOCK_LIMIT_S   wall_clock_limit_s           the session ends normally (reason timeout) after it
 FIREWALL_ENABLED     firewall_enabled             the seed's host firewall: egress 443 only, deny else
 ==================== ============================ =====================================================
 
-``network`` (none | loopback | proxy | host-firewall) is a toml key and a flag too, and so is ``risk``
+``AUDIT_WITNESS`` (``--audit-witness``) seals the trail to a witness off the host (:mod:`agentcell.audit.seal`)
+if it is not sealed yet, and must name the witness a sealed trail has; ``--audit-witness-required`` (a
+flag only) stops the session when the witness does not take a head. ``network`` (none | loopback | proxy |
+host-firewall) is a toml key and a flag too, and so is ``risk``
 (low | medium | high: the default resource ceilings, :mod:`agentcell.limits`), which a file in the
 project may raise but not lower. ``env`` (a table in ``[session]``, ``--env K=V``) sets variables in
 the cell; from a file in the project it may not set what configures the harness (its keys, base URLs,
@@ -49,7 +53,7 @@ from .options import _harness_knobs
 from .sources import FLAGS, _inside, read_dotenv_owned, read_toml
 
 ENV_NAMES = ("AGENT_HARNESS", "PROJECT_ROOT", "DECLARED_PATHS", "AGENT_OS_USER", "BACKUP_DIR", "AUDIT_LOG_PATH",
-             "WALL_CLOCK_LIMIT_S", "FIREWALL_ENABLED", "AGENT_API_BASE", "AGENT_MODEL", "AGENT_RISK")
+             "AUDIT_WITNESS", "WALL_CLOCK_LIMIT_S", "FIREWALL_ENABLED", "AGENT_API_BASE", "AGENT_MODEL", "AGENT_RISK")
 NETWORKS = NETWORKS_BY_WIDTH = NETWORK_MODES
 EGRESS_KEYS = ("allow_domains", "deny_domains", "allow_presets", "allow_ranges")  # lists; resolver: one value
 DEFAULT_WALL_CLOCK_S = 3600
@@ -66,6 +70,8 @@ class SessionConfig:
     agent: str | None = None  # persistent agent account; None: an ephemeral per-session account
     backup_dir: str | None = None  # None: the snapshot store's default (<state dir>/snapshots)
     audit_log_path: str | None = None  # None: the audit trail's default
+    audit_witness: str | None = None  # the witness the trail is sealed to (agentcell.audit.witness), if given
+    audit_witness_required: bool = False  # a head the witness does not take stops the session
     wall_clock_limit_s: int = DEFAULT_WALL_CLOCK_S
     firewall_enabled: bool = False
     network: str | None = None  # None: host-firewall if firewall_enabled, proxy with a domain rule, else the profile's
@@ -96,7 +102,8 @@ class SessionConfig:
         """JSON-ready, without secret values (their names only)."""
         return {"harness": self.harness, "project_root": self.project_root,
                 "declared_paths": list(self.declared_paths), "agent": self.agent, "backup_dir": self.backup_dir,
-                "audit_log_path": self.audit_log_path, "wall_clock_limit_s": self.wall_clock_limit_s,
+                "audit_log_path": self.audit_log_path, "audit_witness": self.audit_witness,
+                "audit_witness_required": self.audit_witness_required, "wall_clock_limit_s": self.wall_clock_limit_s,
                 "firewall_enabled": self.firewall_enabled, "network": self.network,
                 **{k: list(getattr(self, k)) for k in EGRESS_KEYS}, "resolver": self.resolver,
                 "api_base": self.api_base, "model": self.model, "risk": self.risk, "limits": list(self.limits),
@@ -174,8 +181,9 @@ _WHERE_ROOT = "where root writes, and as whom the agent runs, is not taken from 
 _WHERE_KEY = "where the harness sends your API key is not taken from a file in the project"
 _WHICH_MODEL = ("the model your key pays for is not taken from a file in the project (its name lands in the "
                 "harness's own configuration)")
-HOST_KEYS: dict[str, str] = {"backup_dir": _WHERE_ROOT, "audit_log_path": _WHERE_ROOT, "agent": _WHERE_ROOT,
-                             "project_root": _WHERE_ROOT, "api_base": _WHERE_KEY, "model": _WHICH_MODEL}
+HOST_KEYS: dict[str, str] = {"backup_dir": _WHERE_ROOT, "audit_log_path": _WHERE_ROOT, "audit_witness": _WHERE_ROOT,
+                             "agent": _WHERE_ROOT, "project_root": _WHERE_ROOT, "api_base": _WHERE_KEY,
+                             "model": _WHICH_MODEL}
 
 
 def load(flags: Mapping[str, Any], *, environ: Mapping[str, str] | None = None, cwd: str | None = None,
@@ -275,6 +283,16 @@ def load(flags: Mapping[str, Any], *, environ: Mapping[str, str] | None = None, 
             if not isinstance(value, str) or not value.strip():
                 raise PolicyError(where, f"{value!r} is not a path", "give an absolute path")
             values[key], sources[key] = os.path.abspath(os.path.join(root, os.path.expanduser(value))), where
+    if (got := pick("audit_witness", "AUDIT_WITNESS")) is not None:
+        from ..audit.witness import WitnessError, parse
+
+        try:
+            values["audit_witness"], sources["audit_witness"] = str(parse(str(got[0]), got[1])), got[1]
+        except WitnessError as e:
+            raise PolicyError(e.field, e.problem, e.fix) from None
+    if flags.get("audit_witness_required"):  # a flag only
+        values["audit_witness_required"] = True
+        sources["audit_witness_required"] = FLAGS["audit_witness_required"]
     if (got := pick("wall_clock_limit_s", "WALL_CLOCK_LIMIT_S")) is not None:
         values["wall_clock_limit_s"], sources["wall_clock_limit_s"] = _seconds(*got), got[1]
         if _project_file(got[1], toml_where, dot_ours) and values["wall_clock_limit_s"] > DEFAULT_WALL_CLOCK_S:

@@ -21,6 +21,8 @@ class StartRequest:
     wall_clock_limit_s: str | None = None
     backup_dir: str | None = None
     audit_log_path: str | None = None
+    audit_witness: str | None = None
+    audit_witness_required: bool = False
     firewall_enabled: str | None = None
     network: str | None = None
     allow_domains: tuple[str, ...] | None = None
@@ -68,7 +70,8 @@ class StartRequest:
         from .config import EGRESS_KEYS
 
         keys = ("harness", "agent", "declared_paths", "project_root", "wall_clock_limit_s", "backup_dir",
-                "audit_log_path", "firewall_enabled", "network", *EGRESS_KEYS, "resolver", "api_base", "model", "env",
+                "audit_log_path", "audit_witness", "audit_witness_required", "firewall_enabled", "network",
+                *EGRESS_KEYS, "resolver", "api_base", "model", "env",
                 "keep_env", "risk", "memory", "cpu", "pids", "limits", "home_from", "git_identity", "ceilings",
                 "cache", "workspace", "workspace_include", "harness_args")
         return {k: list(v) if isinstance(v, tuple) else v for k, v in ((k, getattr(self, k)) for k in keys)}

@@ -10,11 +10,12 @@ from typing import Any
 from .. import hostfs
 from ..errors import AgentcellError, PolicyError
 
-TOML_KEYS = ("harness", "declared_paths", "agent", "backup_dir", "audit_log_path", "wall_clock_limit_s",
-             "firewall_enabled", "network", "risk", "env", "api_base", "model")
+TOML_KEYS = ("harness", "declared_paths", "agent", "backup_dir", "audit_log_path", "audit_witness",
+             "wall_clock_limit_s", "firewall_enabled", "network", "risk", "env", "api_base", "model")
 MAX_FILE = 1 << 20  # a .env or agentcell.toml
 FLAGS = {"harness": "--harness", "project_root": "--project", "declared_paths": "--rw", "agent": "--agent",
-         "backup_dir": "--backup-dir", "audit_log_path": "--audit-log", "wall_clock_limit_s": "--wall-clock",
+         "backup_dir": "--backup-dir", "audit_log_path": "--audit-log", "audit_witness": "--audit-witness",
+         "audit_witness_required": "--audit-witness-required", "wall_clock_limit_s": "--wall-clock",
          "firewall_enabled": "--firewall", "network": "--net", "allow_domains": "--allow-domain",
          "deny_domains": "--deny-domain", "allow_presets": "--allow-preset", "allow_ranges": "--allow-range",
          "resolver": "--resolver", "api_base": "--api-base", "model": "--model", "risk": "--risk", "env": "--env",

@@ -39,6 +39,7 @@ def prepare(req: StartRequest) -> Prepared:
     summary_fd = new_file(req.summary_file, "--summary-file") if req.summary_file else None
     cfg = config.load(req.flags(), dotenv=req.env_file)
     check_ceilings(cfg)
+    check_witness(cfg)
     sid = checked_id(req.session_id, "--id") if req.session_id is not None else new_session_id()
     launch = profiles.launch(profiles.get(cfg.harness), cfg.harness_args, seed_dir=seed.path(sid),
                              api_base=cfg.api_base, model=cfg.model, secrets=tuple(cfg.secrets),
@@ -98,6 +99,7 @@ def run(p: Prepared) -> dict[str, Any]:
     for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(s, stop)
     sys.stderr.write(f"{PROG}: session {sid}: {cfg.harness} in {cfg.project_root}\n")
+    seal_trail(cfg)
     plan, policy = p.plan, p.policy
     if list(plan.keep_env) != sorted(cfg.secrets):  # the keys the proxy injects are not passed through
         plan = plan.model_copy(update={"keep_env": sorted(cfg.secrets)})
@@ -106,6 +108,49 @@ def run(p: Prepared) -> dict[str, Any]:
                           "launch": record(Launch, launch.as_dict()), "plan": plan, "config_marks": p.marks,
                           "policy": record(SandboxPolicy, policy)})
     return summary(dict(final))
+
+
+def check_witness(cfg: Any) -> None:
+    """A trail sealed to one witness is not sealed to another (its heads form one chain there); and a
+    session that requires a witness has one: given, or the trail's."""
+    from ..audit import seal
+    from ..audit.trail import AuditLog
+    from ..errors import PolicyError
+
+    path = AuditLog(cfg.audit_log_path).path
+    try:
+        st = seal.status(path)
+    except OSError as e:
+        raise AgentcellError("--audit-log", f"cannot read the seal of {path} ({e.strerror})",
+                             "run through sudo (the trail is root's), or give a trail of yours") from None
+    if st is not None and cfg.audit_witness and st.witness != cfg.audit_witness:
+        raise PolicyError(cfg.sources["audit_witness"], f"{path} is sealed to {st.witness}, not {cfg.audit_witness}",
+                          f"give {st.witness}, or leave it out: a sealed trail goes on sealing to its witness")
+    if st is None and not cfg.audit_witness and cfg.audit_witness_required:
+        raise PolicyError("--audit-witness-required", f"{path} is not sealed to a witness",
+                          "add --audit-witness W (or seal the trail once: 'agentcell audit init --witness W')")
+
+
+def seal_trail(cfg: Any) -> None:
+    """Before the session's first record: seal its trail to ``--audit-witness`` if it is not sealed yet
+    (the key is printed once, here); with ``--audit-witness-required``, the witness must take every head
+    the trail has, or nothing starts."""
+    from ..audit import seal
+    from ..audit.trail import AuditLog
+
+    log = AuditLog(cfg.audit_log_path)
+    problem = None
+    if cfg.audit_witness and not seal.is_sealed(log.path):
+        key, problem = log.seal_to(cfg.audit_witness, seal.DEFAULT_EVERY, seal.DEFAULT_INTERVAL_S)
+        sys.stderr.write(f"{PROG}: the audit trail {log.path} is now sealed to {cfg.audit_witness}; its key, which "
+                         f"'agentcell audit verify --witness W --key KEY' needs (keep it off this host): {key}\n")
+    elif cfg.audit_witness_required:
+        problem = log.seal()
+    if problem and cfg.audit_witness_required:
+        raise AgentcellError("--audit-witness-required", problem, "start the witness (or leave out "
+                             "--audit-witness-required); the heads wait on this host until it takes them")
+    if problem:
+        sys.stderr.write(shown(f"{PROG}: warning: {problem}; the heads wait on this host") + "\n")
 
 
 def check_ceilings(cfg: Any) -> None:

@@ -125,6 +125,13 @@ def listing(unapplied_only: bool = False) -> list[dict[str, Any]]:
 
 
 def _record(meta: dict[str, Any], event: str, **details: Any) -> None:
+    """A record outside any session (review, apply, discard): sealed at once on a sealed trail."""
     from ..audit.trail import AuditLog
 
-    AuditLog(meta.get("trail")).append(event, session=meta["session"], project=meta["project"], **details)
+    log = AuditLog(meta.get("trail"))
+    log.append(event, session=meta["session"], project=meta["project"], **details)
+    if problem := log.seal():
+        import sys
+
+        sys.stderr.write(f"agentcell: warning: {problem}; the heads wait on this host ('agentcell audit seal' "
+                         "retries)\n")

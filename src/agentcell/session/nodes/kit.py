@@ -36,10 +36,49 @@ def line(e: BaseException) -> str:
 
 
 def audit(rt: Runtime, state: SessionState, node: str, event: str, **details: Any) -> None:
-    path = config_of(state).audit_log_path
+    """One record. On a sealed trail, a record that makes a seal due sends a head to the witness: with
+    ``--audit-witness-required`` a head it did not take stops the session here, as an unwritable record does."""
+    cfg = config_of(state)
+    path = cfg.audit_log_path
     if rt.fault(f"audit@{node}"):
         path = UNWRITABLE_AUDIT
-    AuditLog(path).append(event, session=state["session_id"], **details)
+    log = AuditLog(path)
+    log.append(event, session=state["session_id"], **details)
+    if log.witness_problem and cfg.audit_witness_required:
+        raise AuditWriteError("--audit-witness-required", log.witness_problem, "the session stops: start the "
+                              "witness; the heads wait on this host and go first at the next seal")
+
+
+def seal_now(state: SessionState) -> None:
+    """With ``--audit-witness-required``, at the session's first record: the witness must take the head
+    that covers it, before anything exists for the session (an account, a cell)."""
+    cfg = config_of(state)
+    if not cfg.audit_witness_required:
+        return
+    log = AuditLog(cfg.audit_log_path)
+    problem = log.seal() if os.path.isdir(log.path + ".seal") else f"{log.path} is not sealed to a witness"
+    if problem:
+        raise AuditWriteError("--audit-witness-required", problem, "the session stops before its agent runs: "
+                              "start the witness; the heads wait on this host and go first at the next seal")
+
+
+def witnessed(state: SessionState) -> dict[str, Any]:
+    """At a session's end: its trail sealed up to its last record, and every head the witness lacks sent.
+    What the witness did not take is a warning (an audit error with ``--audit-witness-required``)."""
+    cfg = config_of(state)
+    log = AuditLog(cfg.audit_log_path)
+    try:
+        problem = log.seal()
+    except AuditWriteError as e:
+        return {"audit_error": e.line()}
+    if not problem:
+        return {}
+    text = (f"the audit trail's witness did not take every head ({problem}); they wait on this host and go first "
+            "at the next seal ('agentcell audit seal' retries): until then a root could rewrite the records they "
+            "cover unseen")
+    if cfg.audit_witness_required:
+        return {"audit_error": text}
+    return {"warnings": [*(state.get("warnings") or []), text]}
 
 
 def audit_quietly(rt: Runtime, state: SessionState, node: str, event: str, **details: Any) -> dict[str, Any]:

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 from ..planning import compile_policy, ids, make_plan, session_human
 from ..records import plain, record
 from ..state import Runtime, SessionState, config_of, plan_of, policy_of
-from .kit import audit, audit_quietly, crash, inject, written_paths
+from .kit import audit, audit_quietly, crash, inject, seal_now, written_paths
 
 if TYPE_CHECKING:
     from ...policy.models import SandboxPolicy
@@ -26,6 +26,7 @@ def plan(rt: Runtime, state: SessionState) -> dict[str, Any]:
           network=plan.network, allow_presets=plan.allow_presets, allow_domains=plan.allow_domains,
           deny_domains=plan.deny_domains, wall_clock_limit_s=plan.wall_clock_limit_s, identity=plan.identity,
           sources=cfg.sources)
+    seal_now(state)
     # Who gets what the agent makes is decided now, by whoever starts the session: not by whoever
     # later runs 'session recover' (their SUDO_UID is not the session's human).
     return {"plan": plan, "status": "running", "reason": "", "cell_id": f"agentcell-{plan.session_id}",

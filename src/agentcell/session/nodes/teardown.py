@@ -15,7 +15,7 @@ from ..planning import session_human
 from ..records import Account, Grant, Result, Surface, of, plain
 from ..state import FINAL, MAX_EVENTS, Runtime, SessionState, config_of, policy_of
 from .account import Changes, carry, ephemeral_left, persistent, revoke
-from .kit import audit_quietly, crash, line, written_paths
+from .kit import audit_quietly, crash, line, witnessed, written_paths
 
 
 def terminate(rt: Runtime, state: SessionState) -> dict[str, Any]:
@@ -205,6 +205,8 @@ def audit(rt: Runtime, state: SessionState) -> dict[str, Any]:
                                 backup_id=state.get("backup_id"),
                                 exit_status=result.exit_status if result else None,
                                 problems=state.get("problems", [])))
+    if "audit_error" not in update:  # (the end is recorded: a sealed trail is sealed up to it)
+        update.update(witnessed(state))
     return update
 
 
