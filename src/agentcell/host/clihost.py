@@ -80,6 +80,7 @@ class Ahead:
                 if msg is not None and len(fds) == 5:  # (else the launcher has stopped: nothing to do)
                     code = run_request(msg, fds[:4], fds[4])
             finally:
+                settle()
                 os._exit(code)
         theirs.close()
         self.pid, self.pidfd, self.sock = pid, os.pidfd_open(pid), ours
@@ -101,6 +102,16 @@ class Ahead:
             os.waitpid(self.pid, 0)
         except ChildProcessError:
             pass
+
+
+def settle() -> None:
+    """Before a process forked here ends (``os._exit``): what its monitors still do after a cell's end
+    (:func:`agentcell.monitor.calls.settle`), if it ran any."""
+    import sys
+
+    calls = sys.modules.get("agentcell.monitor.calls")
+    if calls is not None:
+        calls.settle()
 
 
 def _warm_up() -> None:

@@ -202,6 +202,7 @@ def _loop(sock: Sock, sessions: dict[int, int]) -> None:
                         sock.detach()  # (closed by become: nothing of the starter's stays open)
                         code = clihost.run_request({k: msg[k] for k in ("argv", "env", "umask")}, fds[:4], fds[4])
                     finally:
+                        clihost.settle()
                         os._exit(code)
                 pidfd = os.pidfd_open(pid)
                 for fd in fds:

@@ -292,6 +292,7 @@ class Server:
                 signal.signal(signal.SIGINT, signal.SIG_IGN)  # the client acts on a terminal's ^C
                 code = server.serve_private(conn, msg, list(fds))
             finally:
+                clihost.settle()  # (its cell's rings out of the host's maps: after the client has its end)
                 os._exit(code)
         conn.close()
         self.hosts[os.pidfd_open(pid)] = pid

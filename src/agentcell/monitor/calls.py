@@ -399,22 +399,43 @@ class FailedCalls:
         return int(struct.unpack("<Q", bpf.map_lookup(self.host.drops, self._task_key, 8))[0])
 
     def close(self) -> None:
-        # The programs stop writing to the rings before they go: out of the maps of maps first (at once:
-        # each waits out a grace period), then the counters.
+        """Let go of the rings (read to their end by now) at once; take them out of the host's maps and
+        release the programs in a thread of its own (:func:`settle` waits for it): an update of a map of
+        maps waits out an RCU grace period, which the cell's end need not wait for. Until then the
+        programs may still write to them: what they write there is read by no one, and an entry whose
+        cgroup is gone is swept by the next cell (:meth:`_sweep`) should this process not finish."""
         added, self._added = self._added, []
-        nested = {self.host.cells, self.host.tasks} if self.host is not None else set()
-        _together([functools.partial(_delete, fd, key) for fd, key in added if fd in nested])
-        for fd, key in added:
-            if fd not in nested:
-                _delete(fd, key)
         for ring in (self.ring, self.tasks):
             if ring is not None:
                 ring.close()
                 os.close(ring.fd)
         self.ring = self.tasks = None
-        if self.host is not None:
-            hostprog.release(self.host)
-            self.host = None
+        host, self.host = self.host, None
+        if host is None:
+            return
+
+        def out() -> None:  # (out of the maps of maps first, at once; then the counters)
+            nested = {host.cells, host.tasks}
+            _together([functools.partial(_delete, fd, key) for fd, key in added if fd in nested])
+            for fd, key in added:
+                if fd not in nested:
+                    _delete(fd, key)
+            hostprog.release(host)
+
+        t = threading.Thread(target=out, name="agentcell-bpf-close")
+        t.start()
+        _closing.append(t)
+
+
+_closing: list[threading.Thread] = []
+
+
+def settle() -> None:
+    """Wait until every cell this process watched is out of the host's maps (:meth:`FailedCalls.close`).
+    A process that ends with ``os._exit`` calls this first; one that returns from its main, at exit,
+    waits for those threads anyway."""
+    while _closing:
+        _closing.pop().join()
 
 
 def _delete(fd: int, key: bytes) -> None:
