@@ -1,6 +1,6 @@
 """Session benchmark: what the whole workflow costs over doing its steps by hand, side by side.
 
-    sudo .venv/bin/python bench/session.py [--runs N] [--files N] [--json]
+    sudo .venv/bin/python bench/session.py [--runs N] [--files N] [--no-warm] [--json]
 
 Three ways of running ``true`` as a fresh least-privilege account on a project of ``--files`` small
 files (owned by a throwaway human ac-bh<hex>), alternated run by run in one sitting. The sessions and
@@ -14,6 +14,9 @@ that changed since its last one (the steps by hand would make each session read 
     ``setfacl -R``, ``agentcell snapshot take``, ``agentcell run --as UID --rw P -- true``,
     ``setfacl -R -x``, ``chown`` back, ``userdel``;
   * run: ``agentcell run --as UID --rw P -- true`` for an account that already exists (the floor).
+All three run as a user runs them after the README's set-up: root's warm launcher running (started for
+the sitting if none runs, stopped after), which the compiled front hands ``session start`` and ``run`` to
+(a session's cell is forked there too); ``--no-warm`` runs all three without it (AGENTCELL_WARM=off).
 Reported: medians in ms, the session's ratio to each peer, and side by side where each one's time
 goes: each step by hand, and a session's time before its first audit record (the interpreter, its
 imports, the graph), between records (from the trail's timestamps) and after its last one. Needs
@@ -52,6 +55,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=10)
     ap.add_argument("--files", type=int, default=2000)
+    ap.add_argument("--no-warm", action="store_true", help="no warm launcher: every command starts Python")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     if os.geteuid() != 0:
@@ -60,7 +64,13 @@ def main() -> int:
     human, floor_user = f"ac-bh{tag}", f"ac-bf{tag}"
     work = Path(tempfile.mkdtemp(prefix="agentcell-bench-"))
     made_users: list[str] = []
+    started_launcher = False
     try:
+        if args.no_warm:
+            os.environ["AGENTCELL_WARM"] = "off"  # (the steps by hand and the runs inherit it)
+        elif subprocess.run([AGENTCELL, "warm", "status"], capture_output=True).returncode != 0:
+            sh(AGENTCELL, "warm", "start")
+            started_launcher = True
         for u in (human, floor_user):
             made_users.append(u)
             sh("useradd", "-M", "-s", "/usr/sbin/nologin", u)
@@ -76,6 +86,7 @@ def main() -> int:
         work.chmod(0o755)
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8", "SUDO_UID": str(uid),
                "SUDO_GID": str(gid), "AGENTCELL_STATE_DIR": str(work / "state"),
+               **({"AGENTCELL_WARM": "off"} if args.no_warm else {}),
                "AUDIT_LOG_PATH": str(work / "state" / "audit.jsonl"), "BACKUP_DIR": str(work / "state" / "backups")}
         (work / "state").mkdir(mode=0o700)
 
@@ -135,7 +146,8 @@ def main() -> int:
                 phases.setdefault(f"{a['event']} -> {b['event']}", []).append((tb - ta) * 1000)
             phases.setdefault(f"{recs[-1]['event']} -> (exit)", []).append((t1 - ts[-1]) * 1000)
         med = {k: statistics.median(v) for k, v in times.items()}
-        out = {"runs": args.runs, "files": args.files, "median_ms": {k: round(v, 1) for k, v in med.items()},
+        out = {"runs": args.runs, "files": args.files, "warm_launcher": not args.no_warm,
+               "median_ms": {k: round(v, 1) for k, v in med.items()},
                "session_over_by_hand": round(med["session"] / med["by_hand"], 2),
                "session_over_run": round(med["session"] / med["run"], 2),
                "session_phases_median_ms": {k: round(statistics.median(v), 1) for k, v in phases.items()},
@@ -143,7 +155,8 @@ def main() -> int:
         if args.json:
             print(json.dumps(out))
         else:
-            print(f"{args.runs} runs, a project of {args.files} files; medians:")
+            print(f"{args.runs} runs, a project of {args.files} files, "
+                  f"{'without' if args.no_warm else 'with'} the warm launcher; medians:")
             for k, v in med.items():
                 print(f"  {k:8} {v:8.1f} ms")
             print(f"  session / by hand = {out['session_over_by_hand']}x, session / run = {out['session_over_run']}x")
@@ -154,6 +167,8 @@ def main() -> int:
                 print(f"    {left[i] if i < len(left) else '':51} {right[i] if i < len(right) else ''}")
         return 0
     finally:
+        if started_launcher:
+            subprocess.run([AGENTCELL, "warm", "stop"], capture_output=True)
         for u in made_users:
             subprocess.run(["userdel", u], capture_output=True)
         subprocess.run([AGENTCELL, "session", "recover"], env={"PATH": os.environ.get("PATH", ""),
