@@ -550,23 +550,22 @@ def test_a_session_start_is_forked_from_the_launchers_session_starter_and_is_the
         summary = json.loads(out.splitlines()[-1])
         assert p.returncode == 120 and summary["status"] == "terminated", (p.returncode, err)
         assert summary["reason"] == "stopped: signal 15", summary
-        for _ in range(200):  # (the front has its status from the session itself; the launcher, as it is reaped)
-            if launcher_status(user, runtime_dir)["sessions"] == 0:
+        for _ in range(200):  # (the front has its status from the session itself, before it is reaped)
+            if not _is_child_of(session_pid, starters[0]):
                 break
             time.sleep(0.05)
-        assert launcher_status(user, runtime_dir)["sessions"] == 0
         assert not _is_child_of(session_pid, starters[0])
         # A front killed outright (no signal to forward): its session is told to end, and ends whole.
         p = _session_front(user, runtime_dir, home, project, "on", "echo up; exec sleep 60")
         assert p.stdout is not None and p.stdout.readline() == "up\n"
         p.kill()
         p.wait(timeout=30)
+        trail_file = home / ".local/state/agentcell/audit/audit.jsonl"
         for _ in range(400):
-            if launcher_status(user, runtime_dir)["sessions"] == 0:
+            trail = [json.loads(line) for line in trail_file.read_text().splitlines()]
+            if trail[-1]["event"] == "session.end":
                 break
             time.sleep(0.05)
-        trail = [json.loads(line) for line in
-                 (home / ".local/state/agentcell/audit/audit.jsonl").read_text().splitlines()]
         assert trail[-1]["event"] == "session.end" and trail[-1]["details"]["status"] == "terminated", trail[-1]
     finally:
         shutil.rmtree(home, ignore_errors=True)

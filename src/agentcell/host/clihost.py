@@ -30,11 +30,11 @@ from . import wire
 
 if TYPE_CHECKING:
     import signal
+    import threading
     from collections.abc import Callable
     from typing import Any
 else:  # (signal.py imports enum; see cell/launch.py)
     import _signal as signal
-
 
 
 def refusal(msg: dict[str, Any], fds: list[int]) -> str:
@@ -104,6 +104,32 @@ class Ahead:
             pass
 
 
+def watch_front(conn: _socket.socket) -> threading.Event:
+    """Read the front's connection in a thread of this process: a signal the front forwards is raised
+    here; the front gone (killed, or the connection lost) is a SIGTERM, as a session's supervisor takes
+    it (it tears the session down). Set the event returned once the command has ended: the front's
+    hang-up after its answer is no signal."""
+    import threading
+
+    done = threading.Event()
+
+    def read() -> None:  # (the connection stays open: the process's last act is its answer on it)
+        while not done.is_set():
+            msg, fds = wire.recv_or_gone(conn)
+            for fd in fds:
+                os.close(fd)
+            sig = msg.get("sig") if msg is not None else signal.SIGTERM
+            if msg is not None and (msg.get("op") != "signal" or not isinstance(sig, int) or not 0 < sig <= 64):
+                continue  # (nothing else comes from a front)
+            if not done.is_set():
+                os.kill(os.getpid(), int(sig))  # type: ignore[arg-type]
+            if msg is None:
+                return
+
+    threading.Thread(target=read, name="agentcell-front", daemon=True).start()
+    return done
+
+
 def settle() -> None:
     """Before a process forked here ends (``os._exit``): what its monitors still do after a cell's end
     (:func:`agentcell.monitor.calls.settle`), if it ran any."""
@@ -127,17 +153,23 @@ def _warm_up() -> None:
         pass
 
 
-def run_request(msg: dict[str, Any], fds: list[int], front: int) -> int:
+def run_request(msg: dict[str, Any], fds: list[int], front: int, *, watch: bool = False) -> int:
     """In a process of the launcher's: become the front's CLI, run its command line, and tell the front
-    its status (the launcher tells it too, as it reaps this process: it may have been killed)."""
+    its status (its parent tells it too, as it reaps this process: it may have been killed). ``watch``:
+    the front's connection is this process's alone (a session's, :mod:`.starter`): what the front sends
+    is read here (:func:`watch_front`)."""
     os.set_inheritable(front, False)
     become(msg, fds, keep={front})
+    conn = _socket.socket(fileno=front)
+    done = watch_front(conn) if watch else None
     code = 1
     try:
         code = serve(msg)
     finally:
+        if done is not None:
+            done.set()
         try:
-            wire.send(_socket.socket(fileno=front), {"event": "exit", "code": code})
+            wire.send(conn, {"event": "exit", "code": code})
         except OSError:
             pass
     return code

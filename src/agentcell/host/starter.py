@@ -11,15 +11,19 @@ environment, working directory, umask and stdio) and runs the CLI's own entry. E
 does from there is what a Python ``agentcell session start`` does: the same code, asking the launcher
 for its cell like any client.
 
-  launcher -> {"rid": N, "argv": [...], "env": [...], "umask": N}
+  launcher -> {"argv": [...], "env": [...], "umask": N}
               + fds [working directory, stdin, stdout, stderr, the front's connection]
-  starter  -> {"event": "pid", "rid": N, "pid": P} + fds [a pidfd of P]
-            | {"event": "exit", "pid": P, "code": N}     (128+N for signal N)
 
-The launcher forwards the front's signals through the pidfd and answers the front with the status.
-The session's child tells its front its status itself too, so a session outlives a launcher stopped
-under it, as a ``run``'s CLI does. The starter is single-threaded when it forks (it checks), and it
-exits when the launcher's end of its socket closes; the sessions it started go on.
+The front's connection goes with the request, and the launcher lets go of it: from then on it is the
+session's. The session reads it itself (:func:`.clihost.watch_front`: a signal the front forwards is
+raised in the session; the front hanging up, killed, is a SIGTERM: the session tears itself down), and
+tells the front its status; the starter, its parent, tells it too as it reaps the session (one killed
+outright says nothing itself). So a session needs neither the launcher nor the starter once it runs:
+``agentcell warm stop``, or a starter that dies, leaves it its front. A request the starter cannot
+serve (it cannot fork) is answered at once (125, and why, on the front's stderr); one queued when the
+starter dies has its front's connection closed with it: the front says the launcher went away. The
+starter is single-threaded when it forks (it checks); once the launcher has gone it takes no more
+requests, and exits when its last session has ended.
 
 Trust: the starter is the launcher's child, with nothing of it but this socket, and the session's
 child is the launcher's grandchild: the same uid, namespaces, cgroup and powers as the front
@@ -40,13 +44,10 @@ from ..cell.spec import TYPE_CHECKING
 from . import clihost, wire
 
 if TYPE_CHECKING:
-    import signal
     from collections.abc import Callable
     from typing import Any
 
     Sock = _socket.socket
-else:  # (signal.py imports enum; see cell/launch.py)
-    import _signal as signal
 
 # What a session's CLI imports on its way (as a session of the shell harness on a small project showed:
 # sys.modules after one, less before); imported once, in the starter. One left out is imported by each
@@ -64,7 +65,7 @@ PRELOAD = ("agentcell.cli.main", "agentcell.cli.session", "agentcell.session.sta
 
 
 class Starter:
-    """The launcher's side: the starter process, the requests it has taken and the sessions it runs."""
+    """The launcher's side: the starter process and the socket requests go to."""
 
     def __init__(self, detach: Callable[[], None]) -> None:
         ours, theirs = _socket.socketpair(_socket.AF_UNIX, _socket.SOCK_SEQPACKET | _socket.SOCK_CLOEXEC)
@@ -80,88 +81,30 @@ class Starter:
                 os._exit(code)
         theirs.close()
         self.pid, self.sock = pid, ours
-        self.next_rid = 0
-        # request id -> [its front (None: it left before the pid came), the signals it sent meanwhile]
-        self.waiting: dict[int, tuple[Sock | None, list[int]]] = {}
-        self.running: dict[int, tuple[int, Sock | None]] = {}  # session pid -> (its pidfd, its front)
-
-    def fileno(self) -> int:
-        return self.sock.fileno()
 
     def take(self, msg: dict[str, Any], fds: list[int], front: Sock) -> bool:
-        """Hand a front's ``session start`` over; False if the starter cannot take it (it has gone)."""
-        self.next_rid += 1
+        """Hand a front's ``session start`` over, its connection with it; False if the starter cannot take
+        it (it has gone)."""
         try:
-            wire.send(self.sock, {"rid": self.next_rid, "argv": msg["argv"], "env": msg["env"],
-                                  "umask": msg["umask"]}, [*fds, front.fileno()])
+            wire.send(self.sock, {"argv": msg["argv"], "env": msg["env"], "umask": msg["umask"]},
+                      [*fds, front.fileno()])
+            return True
         except (OSError, wire.WireError):
             return False
-        self.waiting[self.next_rid] = (front, [])
-        return True
-
-    def waits(self, front: Sock) -> bool:
-        """Whether this front's session has been handed over and its pid has not come yet."""
-        return any(f is front for f, _ in self.waiting.values())
-
-    def hold(self, front: Sock, sig: int) -> bool:
-        """A signal from a front whose session's pid has not come yet: kept, and sent as it comes."""
-        for f, held in self.waiting.values():
-            if f is front:
-                held.append(sig)
-                return True
-        return False
-
-    def says(self) -> tuple[int, Sock | None, int | None] | None:
-        """Read one message: (pidfd, its front, None) as a session starts (the signals its front sent
-        before are sent to it now; SIGTERM if its front has left), (pidfd, front, status) as it ends;
-        None when the starter has gone (its sessions tell their fronts themselves)."""
-        msg, fds = wire.recv_or_gone(self.sock)
-        if msg is None:
-            for fd in fds:
-                os.close(fd)
-            return None
-        if msg.get("event") == "pid" and len(fds) == 1:
-            front, held = self.waiting.pop(int(msg["rid"]), (None, []))
-            self.running[int(msg["pid"])] = (fds[0], front)
-            for sig in held if front is not None else (signal.SIGTERM,):  # (a front that left: its session ends)
-                try:
-                    signal.pidfd_send_signal(fds[0], sig)
-                except ProcessLookupError:
-                    pass
-            return fds[0], front, None
-        for fd in fds:
-            os.close(fd)
-        if msg.get("event") == "exit" and int(msg.get("pid", 0)) in self.running:
-            pidfd, front = self.running.pop(int(msg["pid"]))
-            return pidfd, front, int(msg["code"])
-        return -1, None, None  # (nothing the starter sends)
-
-    def left(self, front: Sock) -> int | None:
-        """The front has gone: the pidfd of its session (to be told), or None if its pid has not come yet
-        (the session is told as it comes; see :meth:`says`)."""
-        for rid, (f, held) in self.waiting.items():
-            if f is front:
-                self.waiting[rid] = (None, held)
-        for pid, (pidfd, f) in self.running.items():
-            if f is front:
-                self.running[pid] = (pidfd, None)
-                return pidfd
-        return None
 
     def discard(self) -> None:
-        """The launcher stops: the starter sees its socket close and exits; its sessions go on."""
+        """The launcher stops, or the starter has ended: it sees its socket close and takes no more
+        requests; its sessions go on (it exits after the last, and the launcher does not wait for that)."""
         self.sock.close()
-        for pidfd, _ in self.running.values():
-            os.close(pidfd)
-        self.running.clear()
         try:
-            os.waitpid(self.pid, 0)
+            os.waitpid(self.pid, os.WNOHANG)
         except ChildProcessError:
             pass
 
 
 def serve(sock: Sock) -> int:
-    """The starter: import, then fork a session's CLI for each request until the launcher goes."""
+    """The starter: import, then fork a session's CLI for each request until the launcher goes and the
+    last session has ended."""
     import threading
 
     for name in PRELOAD:
@@ -175,42 +118,62 @@ def serve(sock: Sock) -> int:
         sys.stderr.write(f"agentcell warm: the session starter has {threading.active_count()} threads after its "
                          "imports; it forks only from one, and stops\n")
         return 1
-    sessions: dict[int, int] = {}  # pidfd -> pid
-    try:
-        _loop(sock, sessions)
-    except OSError:  # the launcher has gone
-        pass
+    sessions: dict[int, tuple[int, int]] = {}  # pidfd -> (pid, the front's connection)
+    taking = True
+    while taking or sessions:
+        ready, _, _ = select.select([*([sock.fileno()] if taking else []), *sessions], [], [])
+        for r in ready:
+            if r == sock.fileno():
+                taking = _take(sock, sessions)
+            else:
+                pid, front = sessions.pop(r)
+                os.close(r)
+                _, wstatus = os.waitpid(pid, 0)
+                _answer(front, pid1.status_of(wstatus)[0])
     return 0
 
 
-def _loop(sock: Sock, sessions: dict[int, int]) -> None:
-    while True:
-        ready, _, _ = select.select([sock.fileno(), *sessions], [], [])
-        for r in ready:
-            if r == sock.fileno():
-                msg, fds = wire.recv(sock, 5)
-                if msg is None:
-                    return  # the launcher has gone
-                if len(fds) != 5:
-                    for fd in fds:
-                        os.close(fd)
-                    continue
-                pid = os.fork()
-                if pid == 0:
-                    code = 1
-                    try:
-                        sock.detach()  # (closed by become: nothing of the starter's stays open)
-                        code = clihost.run_request({k: msg[k] for k in ("argv", "env", "umask")}, fds[:4], fds[4])
-                    finally:
-                        clihost.settle()
-                        os._exit(code)
-                pidfd = os.pidfd_open(pid)
-                for fd in fds:
-                    os.close(fd)
-                sessions[pidfd] = pid
-                wire.send(sock, {"event": "pid", "rid": msg["rid"], "pid": pid}, [pidfd])
-            else:
-                pid = sessions.pop(r)
-                os.close(r)
-                _, wstatus = os.waitpid(pid, 0)
-                wire.send(sock, {"event": "exit", "pid": pid, "code": pid1.status_of(wstatus)[0]})
+def _take(sock: Sock, sessions: dict[int, tuple[int, int]]) -> bool:
+    """One request: its session forked (or the front answered why not); False once the launcher has gone."""
+    try:
+        msg, fds = wire.recv(sock, 5)
+    except (OSError, wire.WireError, ValueError, EOFError, TypeError):
+        msg, fds = None, []
+    if msg is None or len(fds) != 5:
+        for fd in fds:
+            os.close(fd)
+        return msg is not None
+    try:
+        pid = os.fork()
+    except OSError as e:
+        os.write(fds[3], f"agentcell: warm launcher: cannot start the session: {e.strerror}\n".encode())
+        _answer(fds[4], 125)
+        for fd in fds[:4]:
+            os.close(fd)
+        return True
+    if pid == 0:
+        code = 1
+        try:
+            sock.detach()  # (closed by become: nothing of the starter's stays open)
+            code = clihost.run_request({k: msg[k] for k in ("argv", "env", "umask")}, fds[:4], fds[4], watch=True)
+        finally:
+            clihost.settle()
+            os._exit(code)
+    for fd in fds[:4]:
+        os.close(fd)
+    try:
+        sessions[os.pidfd_open(pid)] = (pid, fds[4])
+    except OSError:  # (no fd for it: the session answers its front itself; reaped as the starter exits)
+        os.close(fds[4])
+    return True
+
+
+def _answer(front: int, code: int) -> None:
+    """The session's status to its front (which takes the first it gets: the session's own, or this)."""
+    conn = _socket.socket(fileno=front)
+    try:
+        wire.send(conn, {"event": "exit", "code": code})
+    except OSError:
+        pass
+    finally:
+        conn.close()

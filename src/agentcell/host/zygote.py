@@ -123,9 +123,9 @@ class Server:
             if self.listener is not None:
                 readers.append(self.listener)
             if self.starter is not None:
-                readers.append(self.starter)
+                readers.append(self.starter.sock)
             wait = None
-            if self.idle_s and not self.cells and not self.hosts and not self.fronts:
+            if self.idle_s and not self.cells and not self.hosts:
                 wait = self.last_work + self.idle_s - time.monotonic()
                 if wait <= 0:
                     return  # no command for idle_s (status queries do not count): go away
@@ -143,8 +143,8 @@ class Server:
                     self._reap(r)
                 elif r is self.listener:
                     self._accept()
-                elif isinstance(r, starter.Starter):
-                    self._session_news(r)
+                elif self.starter is not None and r is self.starter.sock:
+                    self._starter_gone()  # (it says nothing: readable means it has ended)
                 else:
                     self._request(r)
 
@@ -170,18 +170,12 @@ class Server:
     def _drop_conn(self, conn: Sock) -> None:
         for pidfd, front in self.fronts.items():
             if front is conn:  # the front has gone (killed, as a CLI may be): so does its CLI's process, and its
-                # cell with the CLI's connection (a front's SIGTERM, SIGINT or SIGHUP is forwarded to it); a
-                # session is told to end, and tears itself down (its supervisor's SIGTERM)
-                session = self.starter is not None and self.starter.left(conn) == pidfd
-                try:
-                    signal.pidfd_send_signal(pidfd, signal.SIGTERM if session else signal.SIGKILL)
+                try:  # cell with the CLI's connection (a front's SIGTERM, SIGINT or SIGHUP is forwarded to it)
+                    signal.pidfd_send_signal(pidfd, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
                 del self.fronts[pidfd]
                 break
-        else:
-            if self.starter is not None:
-                self.starter.left(conn)  # (a session whose pid has not come yet: told as it comes)
         if conn is self.control:
             self.stopping = True  # (the cells of its other connections are killed as the launcher stops)
         for key in [k for k in self.cells if k[0] == conn.fileno()]:
@@ -207,7 +201,7 @@ class Server:
             # Only there: the user's warm launcher takes connections by listen(), each peer checked.
             self.conns.append(_socket.socket(fileno=os.dup(fds[0])))
             return
-        if op == "cli" or conn in self.fronts.values() or (self.starter is not None and self.starter.waits(conn)):
+        if op == "cli" or conn in self.fronts.values():
             self.last_work = time.monotonic()
             self._front(conn, msg, fds)
             return
@@ -221,8 +215,7 @@ class Server:
                                "warm": self.warm.cell is not None, "uptime_s": time.monotonic() - self.started,
                                "fronts_served": self.fronts_served,
                                "cli_ahead": self.ahead.pid if self.ahead is not None else None,
-                               "session_starter": self.starter.pid if self.starter is not None else None,
-                               "sessions": len(self.starter.running) if self.starter is not None else 0})
+                               "session_starter": self.starter.pid if self.starter is not None else None})
             return
         if op == "stop":
             self.stopping = True
@@ -334,16 +327,13 @@ class Server:
         if msg.get("op") == "signal":
             sig = msg.get("sig")
             pidfd = next((p for p, c in self.fronts.items() if c is conn), None)
-            if pidfd is None and self.starter is not None and isinstance(sig, int) and 0 < sig <= 64:
-                self.starter.hold(conn, sig)
-            elif pidfd is not None and isinstance(sig, int) and 0 < sig <= 64:
+            if pidfd is not None and isinstance(sig, int) and 0 < sig <= 64:
                 try:
                     signal.pidfd_send_signal(pidfd, sig)
                 except ProcessLookupError:
                     pass
             return
-        served = conn in self.fronts.values() or (self.starter is not None and self.starter.waits(conn))
-        why = "a connection serves one command" if served else clihost.refusal(msg, fds)
+        why = "a connection serves one command" if conn in self.fronts.values() else clihost.refusal(msg, fds)
         if why:
             self._reply(conn, {"event": "refused", "why": why})
             return
@@ -369,47 +359,29 @@ class Server:
         self._reply(conn, {"event": "exit", "code": 125})
 
     def _start_session(self, msg: dict[str, Any], fds: list[int], conn: Sock) -> bool:
-        """A front's ``session start`` to the session starter (forked on the first); False if it could not
-        take it (it has gone: a process forked now runs the session instead, imports and all)."""
-        if self.starter is None:
-            try:
-                self.starter = starter.Starter(self._detach)
-            except OSError:
-                return False
-        if self.starter.take(msg, fds, conn):
-            return True
-        self._starter_gone()
+        """A front's ``session start`` to the session starter (forked on the first), with the front's
+        connection: from here on the session's alone (its signals, its hang-up, its status: see
+        :mod:`.starter`), and this process forgets it. False if the starter could not take it (it has
+        gone: a process forked now runs the session instead, imports and all)."""
+        for _ in range(2):
+            if self.starter is None:
+                try:
+                    self.starter = starter.Starter(self._detach)
+                except OSError:
+                    return False
+            if self.starter.take(msg, fds, conn):
+                self.conns.remove(conn)
+                conn.close()
+                return True
+            self._starter_gone()
         return False
 
-    def _session_news(self, st: starter.Starter) -> None:
-        news = st.says()
-        if news is None:
-            self._starter_gone()
-            return
-        pidfd, front, code = news
-        if pidfd < 0:
-            return
-        if code is None:  # a session's CLI exists: the front's signals go there
-            if front is not None:
-                self.fronts[pidfd] = front
-            return
-        self.fronts.pop(pidfd, None)
-        os.close(pidfd)
-        self.last_work = time.monotonic()
-        if front is not None and front in self.conns:  # its status is the front's answer
-            self._reply(front, {"event": "exit", "code": code})
-            self.conns.remove(front)
-            front.close()
-
     def _starter_gone(self) -> None:
-        """The starter has died: its sessions go on and tell their fronts their status themselves; the
-        next session start forks another."""
+        """The starter has ended (its sessions go on, each with its front); the next session start forks
+        another."""
         st, self.starter = self.starter, None
-        if st is None:
-            return
-        for pidfd, _ in st.running.values():
-            self.fronts.pop(pidfd, None)  # (their fronts stay connected until those sessions end)
-        st.discard()
+        if st is not None:
+            st.discard()
 
     def _reap(self, pidfd: int) -> None:
         pid = self.hosts.pop(pidfd)
