@@ -493,6 +493,26 @@ def test_session_account_files_go_to_the_human(state: Path, human: Human, tmp_pa
     assert (st.st_uid, st.st_gid) == (human.uid, human.gid) and not st.st_mode & 0o4000
 
 
+def test_a_file_the_revokes_walk_missed_is_found_and_given_at_delete(state: Path, human: Human, tmp_path: Path) -> None:
+    """A session's cleanup gives the account's files back in its revoke's walk and tells delete so
+    (given=True): delete walks once more only to check, and gives what is still the account's (made or
+    moved behind that walk); the account's record, user and group go."""
+    work = tmp_path / "work"
+    work.mkdir()
+    work.chmod(0o777)
+    acct = ephemeral.create_ephemeral("given-" + secrets.token_hex(4))
+    try:
+        assert acl.revoke(Commands(), acct.uid, acct.gid, str(work), [], give_to=(human.uid, human.gid)) == []
+        p = subprocess.run([AGENTCELL, "run", "--no-warm", "--as", str(acct.uid), "--rw", str(work), "--", "sh", "-c",
+                            f"mkdir {work}/late && echo hi > {work}/late/f"], capture_output=True, text=True)
+        assert p.returncode == 0, p.stderr  # (behind the walk, as a concurrent rename would hide them from it)
+    finally:
+        ephemeral.delete(acct, paths=[str(work)], give_to=(human.uid, human.gid), given=True)
+    for made in (work / "late", work / "late" / "f"):
+        assert (made.stat().st_uid, made.stat().st_gid) == (human.uid, human.gid), made
+    assert acl.owned_by(acct.uid, acct.gid, str(work)) == [] and ephemeral.leftovers() == []
+
+
 # ---- delete from any partial state ----------------------------------------------------------------
 
 class FailAfter(Commands):

@@ -335,10 +335,11 @@ def revoke(cmds: Commands, uid: int, gid: int, source: str, prior: list[str], *,
     what could not be walked (empty when done). ``changed`` hears of each file whose ACL was written
     (not of one the agent owned). ``give_to`` (uid, gid): in the same walk, every entry owned by the
     agent is given to them as :func:`reassign` gives it, and what is still the agent's after that is
-    returned too: for an account none of whose processes is left (else a file it makes behind the walk
-    is missed: :func:`reassign` walks again to check)."""
+    returned too: for an account none of whose processes is left. A file made or moved behind the walk
+    is missed by it: the caller checks with :func:`owned_by` after (``ephemeral.delete(given=True)``)."""
     if not os.path.lexists(source) or os.path.islink(source):
-        return []
+        return [] if give_to is None else [f"{source} is gone or a symlink now: what the agent made there is not "
+                                           "given back"]
     cmds.show(["setfacl", "-R", "-P", "-x", f"g:{gid},d:g:{gid},u:{uid},d:u:{uid}", "--", source])
     if give_to is not None:
         cmds.show(["find", source, "-xdev", "(", "-uid", str(uid), "-o", "-gid", str(gid), ")", "-exec", "chown",

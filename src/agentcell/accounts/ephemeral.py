@@ -130,24 +130,27 @@ def vouch(account: Account) -> pwd.struct_passwd | None:
 
 
 def delete(account: Account, cmds: Commands | None = None, *, paths: Sequence[str] = (),
-           give_to: tuple[int, int] | None = None) -> None:
+           give_to: tuple[int, int] | None = None, given: bool = False) -> None:
     """Kill the account's processes, remove user, group and record; raise naming what is left.
 
     ``paths`` are the session's writable paths: what the account made there is given to ``give_to``
     (uid, gid: the session's human), or, without it, is an error to report — a file left to a deleted
-    uid would belong to whichever account gets the number next (a setuid bit is cleared by chown)."""
+    uid would belong to whichever account gets the number next (a setuid bit is cleared by chown).
+    ``given``: that was done already (in the revoke's walk, :func:`acl.revoke`): each path is walked once
+    more only to check, and given again where something is still the account's."""
     pw = vouch(account)
     cmds = cmds or Commands()
-    problems = []
-    left = kill_all(cmds, account.uid, account.gid)
-    if left:
-        problems.append(f"processes still run: {left}")
+    problems: list[str] = []
+    running = kill_all(cmds, account.uid, account.gid)
+    if running:
+        problems.append(f"processes still run: {running}")
     for place in paths:
         try:
-            if give_to is not None:
+            left = acl.owned_by(account.uid, account.gid, place) if give_to is None or given else []
+            if give_to is not None and (left or not given):
                 problems += acl.reassign(cmds, account.uid, account.gid, give_to[0], give_to[1], place)
             else:
-                problems += acl.owned_by(account.uid, account.gid, place)
+                problems += left
         except (OSError, AgentcellError) as e:
             problems.append(f"{place}: {e}")
     if pw is not None:

@@ -105,7 +105,8 @@ def cleanup(rt: Runtime, state: SessionState) -> dict[str, Any]:
         # A session's own account, vouched for and with none of its processes left: what it made in the
         # granted paths is given back in the revoke's walk (else by the delete's, below).
         given = _given_in_revoke(cmds, account, sid, give_to or (0, 0))
-        problems += revoke(cmds, account, grants, changes, give_to=given)
+        revoked = revoke(cmds, account, grants, changes, give_to=given)
+        problems += revoked
         carry(state, changes, human)
         paths = [g.path for g in grants]
         if cfg.workspace == "copy":
@@ -123,7 +124,7 @@ def cleanup(rt: Runtime, state: SessionState) -> dict[str, Any]:
         try:
             if account.kind == "ephemeral":
                 ephemeral.delete(ephemeral.Account(account.name, account.uid, account.gid, sid), cmds,
-                                 paths=() if given else paths, give_to=give_to or (0, 0))
+                                 paths=paths, give_to=give_to or (0, 0), given=bool(given) and not revoked)
             else:
                 from ...accounts.accounts import defuse_home
 
