@@ -1,6 +1,9 @@
 """seccomp, the third wall: each denied call fails with its errno inside a real cell."""
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import pytest
 
 from conftest import User, agentcell_run, needs_root
@@ -70,3 +73,51 @@ def test_a_foreign_architecture_call_kills_the_process(user: User, nr: int) -> N
                        f"import ctypes; ctypes.CDLL(None).syscall({nr}); print('SURVIVED')"])
     assert "SURVIVED" not in r.out
     assert r.result["signal"] == 31, r.result  # SIGSYS
+
+
+SET_ID_PROBE = """
+import ctypes, errno, os
+libc = ctypes.CDLL(None, use_errno=True)
+os.chdir(os.environ["WORK"])
+open("f", "w").close()
+fd = os.open("f", os.O_RDONLY)
+calls = {
+    "chmod_setuid": lambda: libc.chmod(b"f", 0o4755),
+    "chmod_setgid": lambda: libc.chmod(b"f", 0o2755),
+    "fchmod_setgid": lambda: libc.fchmod(fd, 0o2755),
+    "fchmodat_setuid": lambda: libc.fchmodat(-100, b"f", 0o4755, 0),
+    "fchmodat2_setgid": lambda: libc.syscall(452, -100, b"f", 0o2755, 0),
+    "creat_setgid": lambda: libc.creat(b"g", 0o2755),
+    "open_creat_setuid": lambda: libc.syscall(2, b"h", 0o100 | 1, 0o4755),
+    "openat_creat_setgid": lambda: libc.syscall(257, -100, b"i", 0o100 | 1, 0o2755),
+    "mknod_setgid": lambda: libc.mknod(b"j", 0o100000 | 0o2755, 0),
+    "openat2": lambda: libc.syscall(437, -100, b"f", 0, 0),
+    "chmod_plain": lambda: libc.chmod(b"f", 0o1777),
+    "open_plain": lambda: libc.syscall(257, -100, b"k", 0o100 | 1, 0o755),
+    "mkdir": lambda: libc.mkdir(b"d", 0o2775),
+}
+for name, call in calls.items():
+    ctypes.set_errno(0)
+    rc = call()
+    print(name, "ok" if rc >= 0 else errno.errorcode.get(ctypes.get_errno(), ctypes.get_errno()))
+print("modes", *(oct(os.stat(n).st_mode & 0o7777) for n in ("f", "d")), os.path.exists("g") or os.path.exists("h"))
+"""
+
+
+def test_no_setuid_or_setgid_bit_is_made_in_a_cell(user: User, tmp_path: Path) -> None:
+    """The cell's mounts are nosuid, the host's view of the same files is not: a setuid or setgid bit the
+    agent sets on a file would lend its uid or gid (and its grant) to anyone on the host who runs it.
+    Every call that can set one refuses it; the same calls without those bits work."""
+    work = tmp_path / "work"
+    work.mkdir()
+    shutil.chown(work, user.uid, user.gid)
+    r = agentcell_run(["--as", str(user.uid), "--rw", str(work), "--env", f"WORK={work}", "--", "python3", "-c",
+                       SET_ID_PROBE])
+    assert r.rc == 0, r.err
+    seen = dict(line.split(" ", 1) for line in r.out.splitlines())
+    refused = ("chmod_setuid", "chmod_setgid", "fchmod_setgid", "fchmodat_setuid", "fchmodat2_setgid", "creat_setgid",
+               "open_creat_setuid", "openat_creat_setgid", "mknod_setgid")
+    assert {k: seen[k] for k in refused} == dict.fromkeys(refused, "EPERM"), seen
+    assert (seen["openat2"], seen["chmod_plain"], seen["open_plain"], seen["mkdir"]) == ("ENOSYS", "ok", "ok", "ok")
+    assert seen["modes"].split()[:2] == ["0o1777", "0o755"] and seen["modes"].endswith("False"), seen["modes"]
+    assert not any(p.stat().st_mode & 0o6000 for p in work.iterdir())

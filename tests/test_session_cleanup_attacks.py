@@ -50,11 +50,12 @@ class Seen:
 
 
 def _agents_setgid_tool_run_by_another_user(env: Env, mallory: User) -> Seen:
-    """The agent copies an interpreter into the project and sets its setgid bit (the cell's mounts are
-    nosuid; the host's view of the project is not); while the session runs, another local user runs it:
-    a process with the agent's group outside any cell, which then sleeps. The session ends."""
+    """The agent copies an interpreter into the project and tries to set its setgid bit (the cell's mounts
+    are nosuid; the host's view of the project is not: the cell's seccomp filter refuses the bit); while the
+    session runs, another local user runs it, a process outside any cell, which then sleeps. The session
+    ends."""
     src = env.project / "src"
-    script = (f"cd {src} && cp /usr/bin/python3.11 tool && chmod 2755 tool && touch ready && "
+    script = (f"cd {src} && cp /usr/bin/python3.11 tool && (chmod 2755 tool || echo refused); touch ready && "
               "while [ ! -e go ]; do sleep 0.1; done; echo done")
     sup = subprocess.Popen([AGENTCELL, "session", "start", "--harness", "shell", "--rw", "src", "--json", "--", "sh",
                             "-c", script], env=session_environ(env), cwd=env.project, stdin=subprocess.DEVNULL,
@@ -99,21 +100,15 @@ def _agents_setgid_tool_run_by_another_user(env: Env, mallory: User) -> Seen:
             sup.wait()
 
 
-@pytest.mark.xfail(strict=True, reason="BUG (older than this change): the agent can set the setgid (or setuid) bit "
-                   "on a file it makes in a declared path; the cell's mounts are nosuid, the host's are not, so "
-                   "any local user who runs it gets the agent's group, and with it the session's ACL grant on the "
-                   "human's files")
 def test_another_local_user_cannot_borrow_the_agents_grant_through_a_setgid_file(env: Env, mallory: User) -> None:
+    """Shown by the red team (the bit was the agent's to set); the filter refuses it now."""
     seen = _agents_setgid_tool_run_by_another_user(env, mallory)
+    assert not (env.project / "src" / "tool").stat().st_mode & 0o6000
     seen.survivor.kill()
     seen.survivor.wait()
     assert not seen.wrote_humans_file, (env.project / "src" / "app.py").read_text()
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: kill_all and processes() look at uids only: a process holding the "
-                   "session account's gid (a setgid file of the agent's, run outside the cell) outlives the session "
-                   "and its group's deletion, unreported; _given_in_revoke then gives the files back in the revoke's "
-                   "walk, trusting that nothing can make more")
 def test_no_process_keeps_the_session_accounts_group_after_it(env: Env, mallory: User) -> None:
     seen = _agents_setgid_tool_run_by_another_user(env, mallory)
     try:

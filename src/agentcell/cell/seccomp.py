@@ -70,13 +70,22 @@ EPERM_NUMBERS_X86_64 = (457, 458, 459, 460, 461, 467)
 # Joining a multicast group makes the kernel send IGMP/MLD reports no socket owns (so no uid-keyed
 # firewall sees them): a covert channel out of a host-firewall cell. (level, optname) pairs.
 MULTICAST_JOINS = ((0, 35), (0, 39), (0, 42), (0, 46), (41, 20), (41, 42), (41, 46))
+# A setuid or setgid bit on a file the agent makes: outside the cell (where the file system is not nosuid)
+# anyone who runs it gets the account's uid or gid, and through them its grant on the project, while the
+# session lasts and past it (a process keeps its ids). (syscall, argument of the mode); open and openat
+# only with O_CREAT or O_TMPFILE; openat2's mode is in memory: ENOSYS (libc falls back to openat).
+MODE_CALLS = (("chmod", 1), ("fchmod", 1), ("fchmodat", 2), ("creat", 1), ("mknod", 1), ("mknodat", 2))
+OPEN_MODE_CALLS = (("open", 1, 2), ("openat", 2, 3))  # (syscall, argument of the flags, of the mode)
+SET_ID_BITS = (0o4000, 0o2000)  # S_ISUID, S_ISGID
+O_CREAT, O_TMPFILE_BIT = 0o100, 0o20000000
+FCHMODAT2_X86_64 = 452  # (libseccomp 2.5 has no name for it)
 CACHE_DIR = "/var/lib/agentcell/seccomp"
 # A Landlock layer of the agent's own would hide its denials from the monitor (the kernel logs only
 # the youngest denying layer, with that layer's logging flags, off after an exec by default): a cell
 # is confined already, so Landlock is "not there" (ENOSYS) for what runs in it. x86_64 numbers too.
 LANDLOCK_CALLS = ("landlock_create_ruleset", "landlock_add_rule", "landlock_restrict_self")
 LANDLOCK_NUMBERS_X86_64 = (444, 445, 446)
-VERSION = 7  # bump when the rules change: it is part of the cache key
+VERSION = 8  # bump when the rules change: it is part of the cache key
 
 PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 22, 2
 SYS_SECCOMP = {"x86_64": 317, "aarch64": 277}
@@ -90,6 +99,8 @@ def describe() -> list[str]:
             "ASLR or NX; statmount, listmount, lsm_*_self_attr, lsm_list_modules, open_tree_attr",
             "EAFNOSUPPORT: sockets of any family but unix, IPv4, IPv6 and netlink (AF_VSOCK above all)",
             "EPERM: setsockopt joining a multicast group (IGMP/MLD reports leave unowned)",
+            "EPERM: a setuid or setgid bit given by chmod, fchmod, fchmodat(2), creat, mknod(at), or open(at) "
+            "creating; ENOSYS: openat2 (its mode is in memory; libc falls back to openat)",
             "ENOSYS: clone3 (flags not inspectable; libc falls back to clone)",
             "ENOSYS: landlock_create_ruleset, landlock_add_rule, landlock_restrict_self (a layer of the agent's "
             "own would hide its denials from the monitor)",
@@ -131,6 +142,16 @@ def _compile(notify: bool) -> bytes:
                 f.add_rule(escape if notify and family == AF_VSOCK else no_family, call, sc.Arg(0, sc.EQ, family))
     for level, optname in MULTICAST_JOINS:
         f.add_rule(deny, "setsockopt", sc.Arg(1, sc.EQ, level), sc.Arg(2, sc.EQ, optname))
+    for bit in SET_ID_BITS:
+        for name, arg in MODE_CALLS:
+            f.add_rule(deny, name, sc.Arg(arg, sc.MASKED_EQ, bit, bit))
+        for name, flags, mode in OPEN_MODE_CALLS:
+            for creating in (O_CREAT, O_TMPFILE_BIT):
+                f.add_rule(deny, name, sc.Arg(flags, sc.MASKED_EQ, creating, creating),
+                           sc.Arg(mode, sc.MASKED_EQ, bit, bit))
+        if os.uname().machine == "x86_64":
+            f.add_rule(deny, FCHMODAT2_X86_64, sc.Arg(2, sc.MASKED_EQ, bit, bit))
+    f.add_rule(sc.ERRNO(errno.ENOSYS), "openat2")
     if os.uname().machine == "x86_64":
         for nr in EPERM_NUMBERS_X86_64:
             f.add_rule(deny, nr)
