@@ -6,7 +6,7 @@ set -euo pipefail
 exec 9<scripts/setup.sh
 flock 9
 
-APT_PACKAGES=(python3 python3-venv python3-dev acl iproute2 nftables bubblewrap procps util-linux libseccomp2 git gcc libc6-dev)
+APT_PACKAGES=(python3 python3-venv python3-dev acl iproute2 nftables bubblewrap procps util-linux libseccomp2 git gcc libc6-dev spin)
 
 need=()
 for p in "${APT_PACKAGES[@]}"; do

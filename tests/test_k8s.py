@@ -438,5 +438,5 @@ def test_image_recipe_is_debian_12_with_what_setup_sh_installs() -> None:
     assert re.search(r"^FROM docker\.io/library/debian:12$", p.stdout, re.M)
     setup = (ROOT / "scripts" / "setup.sh").read_text()
     wanted = set(re.search(r"APT_PACKAGES=\(([^)]*)\)", setup).group(1).split())  # type: ignore[union-attr]
-    assert wanted - {"python3-dev", "gcc", "libc6-dev"} <= set(image.APT_PACKAGES)  # (build-only: see image.py)
+    assert wanted - {"python3-dev", "gcc", "libc6-dev", "spin"} <= set(image.APT_PACKAGES)  # (build/test-only)
     assert f"--uid {render.OWNER_UID}" in p.stdout and "pip install --no-cache-dir /usr/src/agentcell" in p.stdout

@@ -9,8 +9,8 @@ from .render import OWNER_UID
 BASE = "docker.io/library/debian:12"
 # scripts/setup.sh's APT_PACKAGES (a test keeps the two alike), but python3-dev (agentcell's dependencies come
 # as wheels) and gcc and libc6-dev (they build the compiled front, front/agentcell.c: a pod's supervisor runs
-# once per session, and its `agentcell` is the Python CLI); ca-certificates for the clone and the proxy's
-# upstreams.
+# once per session, and its `agentcell` is the Python CLI), and spin (the test suite's model checker,
+# model/lifecycle.pml); ca-certificates for the clone and the proxy's upstreams.
 APT_PACKAGES = ("python3", "python3-venv", "acl", "iproute2", "nftables", "bubblewrap", "procps", "util-linux",
                 "libseccomp2", "git", "ca-certificates")
 
