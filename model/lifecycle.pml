@@ -1,0 +1,600 @@
+/*
+ * agentcell's session lifecycle, for SPIN (Debian's `spin`). tests/test_model.py checks every property
+ * below and every revert model; model/README.md says what is modelled, what is not, and how to run it.
+ *
+ * Taken from the code, step for step:
+ *   the graph (src/agentcell/session/graph.py): plan -> policy -> preflight -> account -> firewall -> spawn
+ *     -> monitor (loop) -> terminate -> cleanup -> audit; abort -> cleanup; its retry rules and error routes;
+ *   each node's effects on the host, in the code's order (session/nodes/*.py), its audit record
+ *     (audit/trail.py), then LangGraph's checkpoint (durability "sync": after every node);
+ *   the per-session account (accounts/ephemeral.py) from a uid range shared by every session;
+ *   the cell host (host/server.py run_once, supervise.py Supervised): a process of its own that adopts the
+ *     session's firewall table, opens the monitor, makes the cgroup, runs the agent, and ends the cell when
+ *     its monitor gives a verdict, when asked, or when its supervisor is gone (EOF);
+ *   `agentcell session recover` (graph.recover): for a session whose supervisor is dead and whose audit node
+ *     has not run, terminate -> cleanup -> audit from the checkpoint alone.
+ * A crash (SIGKILL) may hit the supervisor, a recover or a cell host between any two of their effects, and an
+ * audit writer between its record and its anchor. The mode modelled is the one with the most host-side state:
+ * a per-session account (root) and --net host-firewall.
+ */
+
+#ifndef N
+#define N 2             /* sessions at once */
+#endif
+#ifndef U
+#define U 2             /* uids in the per-session range (ephemeral.UID_FIRST..UID_LAST) */
+#endif
+#ifndef CRASHES
+#define CRASHES 1       /* SIGKILLs, in all: a supervisor, a recover, a cell host */
+#endif
+#ifndef FAULTS
+#define FAULTS 1        /* failures a node raises (what the retry rules retry) */
+#endif
+#ifndef REFUSALS
+#define REFUSALS 1      /* audit records the disk refuses (after the trail's own 3 retries) */
+#endif
+#ifndef TICKS
+#define TICKS 1         /* monitor ticks before the wall clock ends a session */
+#endif
+
+#define NOUID 255
+
+#ifdef REVERT_UID_NONUNIQUE
+#define REVERT_UID_UNLOCKED     /* the range's uniqueness left to what _free_uid sees, and -o */
+#endif
+
+/* The graph's nodes, as build_graph adds them; tests/test_model.py checks this list against the graph's
+   nodes and against the kill@NODE points of the fault-injection hook (session/nodes/kit.py crash()). */
+mtype:node = { plan, policy, preflight, abort, account, firewall, spawn, monitor, terminate, cleanup, audit };
+
+/* The audit trail's records (event session.X). */
+mtype:rec = { r_none, r_plan, r_policy, r_preflight, r_abort, r_account, r_firewall, r_spawn, r_tick, r_escape,
+              r_exit, r_timeout, r_terminate, r_cleanup, r_end };
+
+/* The cell host's answer to spawn. */
+mtype:answer = { started, failed };
+
+#define NOSTATUS   0
+#define RUNNING    1
+#define COMPLETED  2
+#define TERMINATED 3
+#define ABORTED    4
+#define FINAL(st)  (st >= COMPLETED)
+
+#define NOAGENT 0
+#define ALIVE   1       /* the agent's processes run */
+#define FROZEN  2       /* its cgroup is frozen: nothing of it runs */
+
+/* ---- what exists on the host ---------------------------------------------------------------------------- */
+bool backup[N];         /* the preflight backup (kept after the session: restore needs it) */
+bool rec[N];            /* <state>/ephemeral/ac-sXXXX: the account's record, written before the account */
+byte uid[N];            /* the uid that record names */
+bool grp[N];            /* the account's group (gid = uid) */
+bool usr[N];            /* the account */
+bool grant[N];          /* its ACL grants on the declared paths */
+bool fw[N];             /* the nftables table of the cell (and its record in /run/agentcell/nft) */
+bool cg[N];             /* the cell's cgroup */
+bool mon[N];            /* the escape monitor's sources, open in the cell host */
+byte agent[N];          /* NOAGENT, ALIVE, FROZEN */
+bool verdict[N];        /* the monitor ended the cell at an escape */
+
+/* ---- processes -------------------------------------------------------------------------------------------- */
+bool sup[N];            /* the session's supervisor (session start) is alive */
+byte hosts[N];          /* cell hosts of the session alive */
+bool hostdied[N];       /* the supervisor's cell host was killed (its connection ended without the cell's end) */
+bool hostlock[N];       /* the cell host's flock on <run dir>/hosts/CELL_ID, held for its life */
+bool term_req[N];       /* the supervisor asked its cell host to end the cell (cell.terminate) */
+bool owner_alive[N];    /* the process the checkpoint names as the session's supervisor is alive */
+bool recovering;        /* a recover runs (one at a time) */
+chan answers[N] = [2] of { mtype:answer };
+
+/* ---- the checkpoint (LangGraph's SqliteSaver): what recover knows ------------------------------------------ */
+mtype:node ck_at[N];    /* the last node checkpointed */
+byte ck_status[N];
+bool ck_acct[N];        /* an account is recorded (state "account") */
+bool ck_grants[N];      /* its grants are recorded (state "grants") */
+bool ck_fw[N];          /* the table is recorded (state "firewall_table") */
+bool ck_escape[N];      /* the verdict is recorded (state "escape") */
+bool ck_done[N];        /* the audit node ran: nothing left to recover */
+
+/* ---- the audit trail --------------------------------------------------------------------------------------- */
+mtype:rec last[N];      /* the session's last record in the trail */
+byte end_status[N];     /* what its session.end record says */
+bool end_escape[N];
+bool torn;              /* a writer died between its record and the anchor (<log>.head) */
+bool refused[N];        /* ghost: the disk refused one of the session's records (the environment, not a bug) */
+
+/* ---- the uid range: one lock around pick, record, groupadd and useradd (accounts/ephemeral.py) --------------- */
+byte uidlock = NOUID;   /* the session holding it (flock: released when its holder dies) */
+
+byte crashes = CRASHES;
+byte faults = FAULTS;
+byte refusals = REFUSALS;
+
+/* ---- the properties --------------------------------------------------------------------------------------- */
+#define each(P) (P(0) && (N < 2 || P(1)) && (N < 3 || P(2)))
+
+#define needs_backup(s)  (agent[s] == NOAGENT || backup[s])
+#define needs_rule(s)    (agent[s] == NOAGENT || fw[s])
+#define needs_mon(s)     (agent[s] == NOAGENT || mon[s])
+#define after_verdict(s) (!verdict[s] || agent[s] != ALIVE)
+#define nothing_left(s)  (!ck_done[s] || (!usr[s] && !grp[s] && !rec[s] && !grant[s] && !fw[s] && !cg[s] \
+                          && agent[s] == NOAGENT))
+#define trail_says(s)    (!ck_done[s] || refused[s] || \
+                          (last[s] == r_end && end_status[s] == ck_status[s] && end_escape[s] == ck_escape[s]))
+#define live(s)          (usr[s] || grp[s])
+#define own_uid(s)       (N < 2 || !live(s) || ((s == 0 || !live(0) || uid[0] != uid[s]) && \
+                          (s == 1 || !live(1) || uid[1] != uid[s]) && (N < 3 || s == 2 || !live(2) || uid[2] != uid[s])))
+#define clean(s)         (ck_done[s] && !usr[s] && !grp[s] && !rec[s] && !grant[s] && !fw[s] && !cg[s] && \
+                          agent[s] == NOAGENT && !mon[s] && hosts[s] == 0 && !sup[s])
+
+ltl AgentNeedsBackup { [] each(needs_backup) }
+ltl AgentNeedsNetRule { [] each(needs_rule) }
+ltl AgentNeedsMonitor { [] each(needs_mon) }
+ltl NoAgentAfterVerdict { [] each(after_verdict) }
+ltl CleanMeansNothingLeft { [] each(nothing_left) }
+ltl AuditDescribesState { [] each(trail_says) }
+ltl UniqueUids { [] each(own_uid) }
+ltl TeardownReachable { <> each(clean) }
+
+/* ---- who holds a uid ------------------------------------------------------------------------------------ */
+#define other_has_uid(s) ((s != 0 && usr[0] && uid[0] == uid[s]) || (N > 1 && s != 1 && usr[1] && uid[1] == uid[s]) \
+                          || (N > 2 && s != 2 && usr[2] && uid[2] == uid[s]))
+/* a uid another session holds: by its group or account (what groupadd and useradd look at) */
+#define held(u, s)  ((s != 0 && uid[0] == u && (grp[0] || usr[0])) || (N > 1 && s != 1 && uid[1] == u && \
+                     (grp[1] || usr[1])) || (N > 2 && s != 2 && uid[2] == u && (grp[2] || usr[2])))
+/* ... or names in its record, still there from a session that crashed before its groupadd */
+#define recorded(u, s)  ((s != 0 && rec[0] && uid[0] == u) || (N > 1 && s != 1 && rec[1] && uid[1] == u) || \
+                         (N > 2 && s != 2 && rec[2] && uid[2] == u))
+#ifdef REVERT_UID_UNLOCKED
+#define taken(u, s) held(u, s)
+#else
+#define taken(u, s) (held(u, s) || recorded(u, s))
+#endif
+#define usr_taken(u, s) ((s != 0 && usr[0] && uid[0] == u) || (N > 1 && s != 1 && usr[1] && uid[1] == u) || \
+                         (N > 2 && s != 2 && usr[2] && uid[2] == u))
+#define grp_taken(u, s) ((s != 0 && grp[0] && uid[0] == u) || (N > 1 && s != 1 && grp[1] && uid[1] == u) || \
+                         (N > 2 && s != 2 && grp[2] && uid[2] == u))
+
+/* ---- crashes ------------------------------------------------------------------------------------------------
+   A process may be killed (SIGKILL) before any of its steps: CRASH opens each step (each `atomic` below is one
+   step: other processes interleave between steps, not within one). */
+
+#define CRASH     if :: atomic { crashes > 0 -> crashes-- }; goto died :: true -> skip fi
+#define OR_CRASH  :: atomic { crashes > 0 -> crashes-- }; goto died   /* (while it waits) */
+
+/* A cell host killed: its cell's PID 1 dies with it (PR_SET_PDEATHSIG, then the PID namespace), and so does
+   the monitor; the cgroup and the adopted table stay for cleanup; its flock goes with it. */
+#define HOST_CRASH  if :: atomic { crashes > 0 -> crashes-- }; agent[s] = NOAGENT; mon[s] = false; hostdied[s] = true; \
+                                         hostlock[s] = false; hosts[s]--; goto fin \
+                       :: true -> skip fi
+
+/* ---- the audit trail (AuditLog.append) --------------------------------------------------------------------- */
+
+/* One record, under the log's flock. A writer killed between its record and the anchor (<log>.head) leaves
+   the anchor one record behind: the next writer moves it on (6a11407), then appends. `ok`: the record is in
+   the trail. */
+inline append(s, kind) {
+  atomic {
+    CRASH;
+    ok = true;
+    if
+    :: torn ->
+#ifdef REVERT_TORN_ANCHOR_REFUSED
+       ok = false               /* "it does not end where its anchor says": every later record refused */
+#else
+       torn = false
+#endif
+    :: else -> skip
+    fi;
+    if
+    :: ok && refusals > 0 -> refusals--; ok = false; refused[s] = true
+    :: ok -> last[s] = kind
+    :: else -> skip
+    fi;
+    if
+    :: atomic { ok && crashes > 0 -> crashes-- }; torn = true; goto died   /* killed before its anchor */
+    :: true -> skip
+    fi
+  }
+}
+
+/* ---- the teardown nodes (nodes/teardown.py), shared by the supervisor and recover ---------------------------
+   `hdl`: this process holds the cell's handle (the supervisor whose spawn succeeded); `fwmem`: it holds the
+   table it made and has not handed over (Runtime.firewalls). They never raise: a record the trail refuses is
+   kept in the state (audit_quietly). */
+
+inline terminate_node(s) {
+  if
+  :: hdl ->                         /* cell.terminate, then cell.wait: its host freezes, kills, takes down, exits */
+     atomic { CRASH; term_req[s] = true };
+     if
+     :: hosts[s] == 0 -> skip
+     OR_CRASH
+     fi;
+     hdl = false
+  :: else ->                        /* no handle (recover, or no cell): the cell's cgroup by its name */
+#ifndef REVERT_HOST_UNLOCKED
+     if
+     :: !hostlock[s] -> skip        /* the cell host's lock: none of the session's can be starting or running */
+     OR_CRASH
+     fi;
+#endif
+     atomic { CRASH; if :: cg[s] -> agent[s] = NOAGENT :: else -> skip fi }   /* kill_by_name: freeze, kill */
+  fi;
+  append(s, r_terminate);
+  atomic { CRASH; if :: !FINAL(ck_status[s]) -> ck_status[s] = TERMINATED :: else -> skip fi; ck_at[s] = terminate }
+}
+
+inline cleanup_node(s) {
+  /* the table: the one this process still holds, else the checkpoint's, else the one named after the cell
+     (firewall.table_name: a supervisor killed between making it and checkpointing it) */
+  atomic {
+    CRASH;
+#ifdef REVERT_TABLE_BY_STATE_ONLY
+    if :: fwmem || ck_fw[s] -> fw[s] = false :: else -> skip fi;
+#else
+    fw[s] = false;
+#endif
+    fwmem = false
+  };
+  /* the account: the checkpoint's, else the one its record names (ephemeral_left) */
+  if
+  :: ck_acct[s] || rec[s] ->
+     atomic {
+       CRASH;
+#ifdef REVERT_REVOKE_RECORDED_ONLY
+       if :: ck_grants[s] -> grant[s] = false :: else -> skip fi   /* the recorded grants only */
+#else
+       grant[s] = false             /* the recorded grants; none recorded (killed while granting): every declared path */
+#endif
+     };
+     delete_account(s)
+  :: else -> skip
+  fi;
+  atomic { CRASH; agent[s] = NOAGENT; cg[s] = false };   /* cgroups.remove_by_name */
+  append(s, r_cleanup);
+  atomic { CRASH; ck_at[s] = cleanup }
+}
+
+/* ephemeral.delete: an account of this module's only, and only while its uid is its own: every process of the
+   uid (kill -1 as the uid), the user, the group, then the record. */
+inline delete_account(s) {
+  if
+  :: atomic { !usr[s] && usr_taken(uid[s], s) -> skip }   /* "uid now belongs to ...: left alone" */
+  :: else ->
+     atomic {
+       CRASH;
+       j = 0;
+       do
+       :: j < N -> if :: uid[j] == uid[s] -> agent[j] = NOAGENT :: else -> skip fi; j++
+       :: else -> break
+       od
+     };
+     atomic { CRASH; usr[s] = false };
+     atomic { CRASH; grp[s] = false };
+     atomic { CRASH; rec[s] = false }
+  fi
+}
+
+inline audit_node(s) {
+  append(s, r_end);
+  if :: ok -> end_status[s] = ck_status[s]; end_escape[s] = ck_escape[s] :: else -> skip fi;
+  atomic { CRASH; ck_done[s] = true; ck_at[s] = audit }
+}
+
+/* ---- the cell host (host/server.py run_once; supervise.py Supervised.start and finish) --------------------- */
+
+proctype host(byte s) {
+  atomic {
+    HOST_CRASH;
+#ifndef REVERT_HOST_UNLOCKED
+    /* its lock, then its client: a supervisor already gone is refused (recover may be tearing the session
+       down); one that goes later finds this process in its way (recover waits for the lock) */
+    !hostlock[s] -> hostlock[s] = true;
+    if :: !sup[s] -> answers[s]!failed; hostlock[s] = false; hosts[s]--; goto fin :: else -> skip fi;
+#endif
+#ifndef REVERT_ADOPT_UNCHECKED
+    /* "fail closed: never a cell without its rule": the table handed over must exist */
+    if :: !fw[s] -> answers[s]!failed; hostlock[s] = false; hosts[s]--; goto fin :: else -> skip fi;
+#endif
+    skip
+  };
+  atomic { HOST_CRASH; mon[s] = true };      /* the monitor's sources, open before the command can run */
+  atomic { HOST_CRASH; cg[s] = true };       /* launch.prepare: the cell's cgroup */
+  atomic { HOST_CRASH; agent[s] = ALIVE };   /* prepared.go: the agent runs */
+  atomic {
+    HOST_CRASH;
+    if
+    :: faults > 0 ->                /* the monitor fails to attach, after the cell started */
+       faults--;
+#ifdef REVERT_MONITOR_FAIL_KEEPS_CELL
+       mon[s] = false; answers[s]!failed; goto serve   /* (before 1e2ae42) the error went up, the cell stayed */
+#else
+       agent[s] = NOAGENT; mon[s] = false; cg[s] = false; fw[s] = false;   /* finish: taken down whole */
+       answers[s]!failed; hostlock[s] = false; hosts[s]--; goto fin
+#endif
+    :: true -> answers[s]!started
+    fi
+  };
+serve:
+  do
+  :: atomic { agent[s] == ALIVE ->  /* an escape attempt: the monitor's verdict freezes the cell */
+#ifdef REVERT_KILL_WITHOUT_FREEZE
+       verdict[s] = true            /* the verdict first; the cell killed member by member, later */
+#else
+       verdict[s] = true; agent[s] = FROZEN   /* one write to cgroup.freeze */
+#endif
+     };
+     atomic { HOST_CRASH; agent[s] = NOAGENT }; break
+  :: atomic { agent[s] == ALIVE -> agent[s] = NOAGENT }; break   /* the command ends */
+  :: atomic { agent[s] != NOAGENT && (term_req[s] || !sup[s]) -> agent[s] = FROZEN };
+     atomic { HOST_CRASH; agent[s] = NOAGENT }; break   /* asked to end it, or its supervisor gone (EOF) */
+  :: agent[s] == NOAGENT -> break
+  od;
+  atomic { HOST_CRASH; mon[s] = false };     /* finish, in reverse: the monitor, the cgroup, the table */
+  atomic { HOST_CRASH; cg[s] = false };
+  atomic { HOST_CRASH; fw[s] = false; hostlock[s] = false; hosts[s]-- };
+fin:
+  skip
+}
+
+/* ---- the supervisor: `agentcell session start`, the graph from plan to audit ------------------------------ */
+
+proctype supervisor(byte s) {
+  byte tries, ticks, j, u;
+  bool ok, hdl, fwmem;
+  mtype:answer a;
+
+  /* plan, policy: pure; each its record and its checkpoint. An unwritable trail sends every node with an
+     error handler to terminate. */
+  append(s, r_plan);
+  if :: !ok -> goto err_terminate :: else -> skip fi;
+  atomic { CRASH; ck_status[s] = RUNNING; ck_at[s] = plan };
+  append(s, r_policy);
+  if :: !ok -> goto err_terminate :: else -> skip fi;
+  atomic { CRASH; ck_at[s] = policy };
+
+  /* preflight: 2 retries, then abort (no backup, no agent) */
+pf_try:
+  atomic {
+    CRASH;
+    if
+    :: faults > 0 -> faults--; tries++;
+       if
+       :: tries < 3 -> goto pf_try
+#ifdef REVERT_PREFLIGHT_FAIL_OPEN
+       :: else -> goto account_n    /* a failed backup does not stop the session */
+#else
+       :: else -> goto err_abort
+#endif
+       fi
+    :: true -> backup[s] = true
+    fi
+  };
+  append(s, r_preflight);
+  if :: !ok -> goto err_terminate :: else -> skip fi;
+  atomic { CRASH; ck_at[s] = preflight };
+
+account_n:                          /* account: 1 retry, then terminate */
+  tries = 0;
+acct_try:
+  /* create_ephemeral: under the range's lock, a uid that passwd, group and every record leave free, the
+     record (before the account), groupadd, useradd */
+#ifndef REVERT_UID_UNLOCKED
+  atomic { uidlock == NOUID -> uidlock = s };
+#endif
+  atomic {
+    CRASH;
+    if
+    :: !taken(0, s) -> u = 0
+    :: U > 1 && !taken(1, s) -> u = 1
+    :: U > 2 && !taken(2, s) -> u = 2
+    :: else -> u = U
+    fi;
+    if
+    :: u == U -> goto acct_failed   /* "no free uid found" */
+    :: else -> skip
+    fi;
+#ifdef REVERT_RECORD_AFTER_CREATE
+    uid[s] = u
+#else
+    if
+    :: rec[s] -> goto acct_failed   /* "session already has an account" */
+    :: else -> rec[s] = true; uid[s] = u
+    fi
+#endif
+  };
+  atomic {
+    CRASH;
+#ifdef REVERT_UID_NONUNIQUE
+    grp[s] = true                   /* groupadd --non-unique */
+#else
+    if
+    :: !grp_taken(u, s) -> grp[s] = true   /* groupadd refuses a gid in use (under /etc/group's lock) */
+    :: else -> goto undo_account
+    fi
+#endif
+  };
+  atomic {
+    CRASH;
+#ifdef REVERT_UID_NONUNIQUE
+    usr[s] = true                   /* useradd --non-unique */
+#else
+    if
+    :: !usr_taken(u, s) -> usr[s] = true
+    :: else -> goto undo_account
+    fi
+#endif
+  };
+#ifdef REVERT_RECORD_AFTER_CREATE
+  atomic { CRASH; rec[s] = true };  /* recorded once it exists */
+#endif
+  atomic {
+    CRASH;
+    if :: uidlock == s -> uidlock = NOUID :: else -> skip fi;
+    grant[s] = true;                /* acl.grant, path by path */
+    if
+    :: faults > 0 -> faults--; goto undo_grant   /* a grant fails: undone here, so that the retry starts clean */
+    :: true -> skip
+    fi
+  };
+  append(s, r_account);
+  if :: !ok -> goto err_terminate :: else -> skip fi;
+  atomic { CRASH; ck_acct[s] = true; ck_grants[s] = true; ck_at[s] = account };
+  goto firewall_n;
+undo_grant:
+  atomic { CRASH; grant[s] = false };
+undo_account:
+  if :: uidlock == s -> uidlock = NOUID :: else -> skip fi;
+  delete_account(s);
+acct_failed:
+  atomic {
+    if :: uidlock == s -> uidlock = NOUID :: else -> skip fi;
+    tries++;
+    if :: tries < 2 -> goto acct_try :: else -> goto err_terminate fi
+  };
+
+firewall_n:                         /* firewall: 1 retry, then abort before spawn */
+  tries = 0;
+fw_try:
+  atomic {
+    CRASH;
+    if
+    :: faults > 0 -> faults--; tries++;
+       if :: tries < 2 -> goto fw_try :: else -> goto err_abort fi
+    :: true -> fw[s] = true; fwmem = true   /* HostFirewall.create (its record first) */
+    fi
+  };
+  append(s, r_firewall);
+  if :: !ok -> goto err_terminate :: else -> skip fi;
+  atomic { CRASH; ck_fw[s] = true; ck_at[s] = firewall };
+
+  /* spawn: 1 retry when the cell's start fails, then abort, keeping the backup */
+  tries = 0;
+sp_try:
+  atomic { CRASH; hostdied[s] = false; hosts[s]++; run host(s) };   /* a cell host of its own, the table handed over */
+  if
+  :: answers[s]?a
+  :: atomic { hostdied[s] && empty(answers[s]) -> a = failed }     /* it died before it answered */
+  OR_CRASH
+  fi;
+  if
+  :: a == failed -> tries++;
+     if :: tries < 2 -> goto sp_try :: else -> goto err_abort fi
+  :: else -> hdl = true; fwmem = false   /* the host owns the table now */
+  fi;
+  append(s, r_spawn);
+  if :: !ok -> goto err_terminate :: else -> skip fi;
+  atomic { CRASH; ck_at[s] = spawn };
+
+  /* monitor: one watch per step; a lost cell retried 3 times, then a violation */
+  tries = 0;
+mon_try:
+  if
+  :: verdict[s] ->                  /* the first escape: the session's verdict, even unrecorded */
+     append(s, r_escape);
+     atomic { CRASH; ck_status[s] = TERMINATED; ck_escape[s] = true; ck_at[s] = monitor };
+     goto terminate_n
+  :: !verdict[s] && hosts[s] == 0 && !hostdied[s] ->   /* the cell ended: its result */
+     append(s, r_exit);
+     if :: !ok -> goto err_terminate :: else -> skip fi;
+     atomic { CRASH; ck_status[s] = COMPLETED; ck_at[s] = monitor };
+     goto terminate_n
+  :: !verdict[s] && hostdied[s] -> goto telemetry_lost   /* its host ended without a word */
+  :: atomic { faults > 0 -> faults-- }; goto telemetry_lost   /* the monitor's stream lost */
+  :: agent[s] != NOAGENT && ticks < TICKS ->   /* a tick: the proof the trail still takes records */
+     append(s, r_tick);
+     if :: !ok -> goto err_terminate :: else -> skip fi;
+     atomic { CRASH; ck_at[s] = monitor; ticks++ };
+     goto mon_try
+  :: agent[s] != NOAGENT && ticks == TICKS ->  /* the wall clock */
+     append(s, r_timeout);
+     if :: !ok -> goto err_terminate :: else -> skip fi;
+     atomic { CRASH; ck_status[s] = COMPLETED; ck_at[s] = monitor };
+     goto terminate_n
+  OR_CRASH
+  fi;
+telemetry_lost:
+  tries++;
+  if
+  :: tries < 4 -> goto mon_try
+  :: else -> atomic { CRASH; ck_status[s] = TERMINATED; ck_escape[s] = true; ck_at[s] = monitor };
+     goto terminate_n
+  fi;
+
+err_abort:                          /* an error handler's route: abort, then cleanup */
+  atomic { CRASH; ck_status[s] = ABORTED; ck_at[s] = abort };
+  append(s, r_abort);
+  atomic { CRASH; ck_at[s] = abort };
+  goto cleanup_n;
+
+err_terminate:                      /* an error handler's route: terminate */
+  atomic { CRASH; ck_status[s] = TERMINATED; ck_at[s] = monitor };
+
+terminate_n:
+  terminate_node(s);
+cleanup_n:
+  cleanup_node(s);
+  audit_node(s);
+  atomic { sup[s] = false; owner_alive[s] = false };
+  goto end_sup;
+
+died:                               /* SIGKILL: the flock on the uid range goes with the process */
+  atomic { sup[s] = false; owner_alive[s] = false; if :: uidlock == s -> uidlock = NOUID :: else -> skip fi };
+end_sup:
+  skip
+}
+
+/* ---- agentcell session recover (graph.recover): one session, from its checkpoint alone ------------------ */
+
+proctype recover(byte s) {
+  byte j;
+  bool ok, hdl, fwmem;
+  /* update_state: this process is the supervisor now; status terminated unless final; next: terminate */
+  atomic { CRASH; owner_alive[s] = true; if :: !FINAL(ck_status[s]) -> ck_status[s] = TERMINATED :: else -> skip fi;
+           ck_at[s] = monitor };
+  terminate_node(s);
+  cleanup_node(s);
+  audit_node(s);
+  atomic { owner_alive[s] = false; recovering = false };
+  goto end_rec;
+died:
+  atomic { owner_alive[s] = false; recovering = false };
+end_rec:
+  skip
+}
+
+/* `agentcell session recover` runs whenever a session needs it: not finished, its supervisor gone
+   (graph.unfinished); one at a time. */
+#ifdef REVERT_RECOVER_BY_STATUS
+#define unfinished(s) (!FINAL(ck_status[s]) && !ck_done[s] && !owner_alive[s])   /* by its status, not its end */
+#else
+#define unfinished(s) (!ck_done[s] && !owner_alive[s])
+#endif
+
+proctype operator() {
+end:
+  do
+  :: atomic { !recovering && unfinished(0) -> recovering = true; run recover(0) }
+#if N > 1
+  :: atomic { !recovering && unfinished(1) -> recovering = true; run recover(1) }
+#endif
+#if N > 2
+  :: atomic { !recovering && unfinished(2) -> recovering = true; run recover(2) }
+#endif
+  od
+}
+
+init {
+  byte s;
+  atomic {
+    do
+    :: s < N -> uid[s] = NOUID; last[s] = r_none; ck_at[s] = plan;
+                sup[s] = true; owner_alive[s] = true;   /* graph.run: the first checkpoint names it */
+                run supervisor(s); s++
+    :: else -> break
+    od;
+    run operator()
+  }
+}
