@@ -11,12 +11,14 @@ can be cleaned up: :func:`leftovers` lists them and :func:`delete` removes any o
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import pwd
 import secrets
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
+from .. import hostfs
 from ..errors import AgentcellError
 from ..hostfs import state_dir
 from . import acl
@@ -54,10 +56,15 @@ def name_for(session_id: str) -> str:
 
 
 def _free_uid() -> int:
+    """A uid of the range that no account, group or record of ours names (a record whose account a crash
+    left unmade still holds its uid: another session's account with that uid would be taken for its)."""
     import grp
 
+    recorded = {a.uid for a in leftovers()}
     for _ in range(64):
         uid = UID_FIRST + secrets.randbelow(UID_LAST - UID_FIRST + 1)
+        if uid in recorded:
+            continue
         try:
             pwd.getpwuid(uid)
             continue
@@ -90,26 +97,44 @@ def create_ephemeral(session_id: str, cmds: Commands | None = None) -> Account:
     if os.path.lexists(record) or _user(name) is not None or _group(name) is not None:
         raise AccountError("session_id", f"session {session_id!r} already has an account ({name})",
                            "delete it first, or use a new session id")
-    uid = _free_uid()
-    account = Account(name, uid, uid, session_id)
-    _write_record(record, account)
-    try:
-        # One command for user and group: its group by its name, given the uid as its gid (useradd takes a
-        # free preferred gid within GID_MIN..GID_MAX, here our range alone), checked below.
-        span = [f"-K{k}_{m}={v}" for k in ("UID", "GID") for m, v in (("MIN", UID_FIRST), ("MAX", UID_LAST))]
-        cmds.run(["useradd", *span, "--uid", str(uid), "--user-group", "--no-create-home", "--no-log-init",
-                  "--home-dir", account.home, "--shell", NOLOGIN, "--expiredate", "1",
-                  "--comment", "agentcell session account", name], step="useradd")
-        if not cmds.dry_run:
-            pw, gr = _user(name), _group(name)
-            if pw is None or gr is None or (pw.pw_uid, pw.pw_gid, gr.gr_gid) != (uid, uid, uid):
-                raise AccountError("ephemeral", f"{name} was made with uid:gid {pw and pw.pw_uid}:"
-                                   f"{gr and gr.gr_gid}, not {uid}:{uid} (another account took the number)",
-                                   "start the session again")
-    except AgentcellError:
-        delete(account, cmds)
-        raise
+    with _range_lock():  # pick, record and make: two sessions never take one uid (model/lifecycle.pml)
+        uid = _free_uid()
+        account = Account(name, uid, uid, session_id)
+        _write_record(record, account)
+        try:
+            # One command for user and group: its group by its name, given the uid as its gid (useradd takes a
+            # free preferred gid within GID_MIN..GID_MAX, here our range alone), checked below.
+            span = [f"-K{k}_{m}={v}" for k in ("UID", "GID") for m, v in (("MIN", UID_FIRST), ("MAX", UID_LAST))]
+            cmds.run(["useradd", *span, "--uid", str(uid), "--user-group", "--no-create-home", "--no-log-init",
+                      "--home-dir", account.home, "--shell", NOLOGIN, "--expiredate", "1",
+                      "--comment", "agentcell session account", name], step="useradd")
+            if not cmds.dry_run:
+                pw, gr = _user(name), _group(name)
+                if pw is None or gr is None or (pw.pw_uid, pw.pw_gid, gr.gr_gid) != (uid, uid, uid):
+                    raise AccountError("ephemeral", f"{name} was made with uid:gid {pw and pw.pw_uid}:"
+                                       f"{gr and gr.gr_gid}, not {uid}:{uid} (another account took the number)",
+                                       "start the session again")
+        except AgentcellError:
+            delete(account, cmds)
+            raise
     return account
+
+
+@contextlib.contextmanager
+def _range_lock() -> Iterator[None]:
+    """The range's lock, from the pick of a uid to its account (flock: let go if its holder dies). Without
+    it, two sessions could pick one free uid; the second's useradd fails, and its account's record then
+    names a uid that is the first's: its cleanup leaves the record behind ("uid now belongs to ...") after
+    revoking, by number, the first session's grants. The lifecycle model found it (REVERT_UID_UNLOCKED)."""
+    import fcntl
+
+    fd = os.open(os.path.join(hostfs.run_dir(), "uids.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW,
+                 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 def vouch(account: Account) -> pwd.struct_passwd | None:

@@ -30,17 +30,21 @@ class StartOptions:
     step (else the caller does); ``firewall``: a host-firewall table and its log reader made before, which
     the host adopts and removes with the cell (the caller closes its copy of the reader once the cell has
     started); ``credentials`` (:class:`agentcell.network.credentials.CredentialSet`): injected by the
-    cell's proxy; ``upstream_ca``: a PEM the proxy trusts upstream (a test's stand-in for public CAs)."""
+    cell's proxy; ``upstream_ca``: a PEM the proxy trusts upstream (a test's stand-in for public CAs);
+    ``session``: the cell is a session's, which the host holds against ``session recover`` (:mod:`.owner`)."""
 
     dedicated: bool | None = None
     guard: bool = False
     firewall: tuple[Any, Any] | None = None
     credentials: Any = None
     upstream_ca: str | None = None
+    session: bool = False
 
     def wire(self) -> dict[str, Any]:
         """The request's keys (the secrets' values go over the socket: never argv, never a file)."""
         out: dict[str, Any] = {"guard": self.guard}
+        if self.session:
+            out["session"] = True
         if self.dedicated is not None:
             out["dedicated"] = self.dedicated
         if self.credentials is not None and self.credentials.secrets:

@@ -68,6 +68,7 @@ class Host:
         self.conns: list[_socket.socket] = [conn] if conn is not None else []
         self.private = conn is not None  # its one client's EOF stops the cell
         self.sup: Any = None
+        self.cell_lock: int | None = None  # (run_once: a session cell's lock, held until this process ends)
         self.execs: dict[int, _Exec] = {}
         self.next_id = 0
         self.stopping = False
@@ -254,6 +255,10 @@ class Host:
         try:
             spec = spec_from_dict(msg["spec"])
             argv = [str(a) for a in msg["argv"]]
+            if msg.get("session") and spec.cell_id:  # recover must not tear it down while it starts (owner.py)
+                from . import owner
+
+                self.cell_lock = owner.hold(spec.cell_id, lambda: _gone(conn))
             made = None
             if msg.get("firewall"):  # the caller's table and its log's socket (the fd that came with this)
                 from ..network import firewall, nflog
@@ -477,6 +482,16 @@ def _socket_from(fd: int) -> Any:
     import socket
 
     return socket.socket(fileno=fd)
+
+
+def _gone(conn: _socket.socket) -> bool:
+    """The client has closed its end (its process died), with nothing left to read."""
+    try:
+        return conn.recv(1, _socket.MSG_PEEK | _socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
 
 
 def _ready(objs: list[Any], timeout: float | None) -> list[Any]:

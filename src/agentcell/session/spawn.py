@@ -22,7 +22,7 @@ def start(spec: CellSpec, argv: list[str], *, stdio: Sequence[int] = (0, 1, 2),
     account (its own, or a persistent agent's) runs nothing outside its cells, and its cleanup checks the
     protected paths itself: the cell is ``dedicated`` and the host runs no protected-path step."""
     options = StartOptions(dedicated=True, guard=False, firewall=firewall, credentials=credentials,
-                           upstream_ca=upstream_ca)
+                           upstream_ca=upstream_ca, session=True)
     if host is not None:
         return host.start(spec, argv, stdio=stdio, monitor="terminate", options=options)
     from ..host.remote import HostUnavailable, RemoteHost

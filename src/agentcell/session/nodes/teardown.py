@@ -35,6 +35,9 @@ def terminate(rt: Runtime, state: SessionState) -> dict[str, Any]:
             cell.terminate(state.get("reason") or "terminated")
         result = Result.of(cell.wait())
     elif state.get("cell_id"):
+        from ...host import owner
+
+        owner.wait_ended(state["cell_id"])  # a cell host still starting or ending the cell finishes first
         cgroups.kill_by_name(state["cell_id"])
     if result is not None:
         update["result"] = result.without_events()  # the state's events hold them
@@ -62,7 +65,7 @@ def cleanup(rt: Runtime, state: SessionState) -> dict[str, Any]:
         if fw is not None:
             fw[0].remove()
             fw[1].close()
-        elif table := state.get("firewall_table"):
+        elif table := state.get("firewall_table") or _table_left(state):
             from ...network import firewall
 
             firewall.HostFirewall(table, os.path.join(firewall.RECORDS, table)).remove()
@@ -138,7 +141,10 @@ def cleanup(rt: Runtime, state: SessionState) -> dict[str, Any]:
         except (OSError, AgentcellError) as e:
             problems.append(line(e))
     if state.get("cell_id"):
+        from ...host import owner
+
         problems += cgroups.remove_by_name(state["cell_id"])
+        owner.forget(state["cell_id"])
     from ...harness import seed
 
     problems += seed.remove(sid)
@@ -209,6 +215,19 @@ def audit(rt: Runtime, state: SessionState) -> dict[str, Any]:
     if "audit_error" not in update:  # (the end is recorded: a sealed trail is sealed up to it)
         update.update(witnessed(state))
     return update
+
+
+def _table_left(state: SessionState) -> str | None:
+    """The host-firewall table of a session whose supervisor was killed between making it and checkpointing
+    it (the lifecycle model found it: model/lifecycle.pml, REVERT_TABLE_BY_STATE_ONLY): it is named after
+    the cell, and its record was written before it was made."""
+    policy = policy_of(state)
+    if policy is None or policy.network != "host-firewall" or not state.get("cell_id"):
+        return None
+    from ...network import firewall
+
+    table = firewall.table_name(state["cell_id"])
+    return table if os.path.lexists(os.path.join(firewall.RECORDS, table)) else None
 
 
 def _cache_left(state: SessionState) -> str | None:
