@@ -39,6 +39,13 @@
 
 #define NOUID 255
 
+/* The retry rules (graph.py's RetryPolicy max_attempts; tests/test_model.py compares them) */
+#define PREFLIGHT_ATTEMPTS 3    /* 2 retries, then abort: no backup, no agent */
+#define ACCOUNT_ATTEMPTS 2      /* 1 retry, then terminate */
+#define FIREWALL_ATTEMPTS 2     /* 1 retry, then abort before spawn */
+#define SPAWN_ATTEMPTS 2        /* 1 retry when the cell's start fails, then abort, keeping the backup */
+#define TELEMETRY_ATTEMPTS 4    /* 3 reconnects, then lost sight of the cell is a violation */
+
 #ifdef REVERT_UID_NONUNIQUE
 #define REVERT_UID_UNLOCKED     /* the range's uniqueness left to what _free_uid sees, and -o */
 #endif
@@ -362,7 +369,7 @@ pf_try:
     if
     :: faults > 0 -> faults--; tries++;
        if
-       :: tries < 3 -> goto pf_try
+       :: tries < PREFLIGHT_ATTEMPTS -> goto pf_try
 #ifdef REVERT_PREFLIGHT_FAIL_OPEN
        :: else -> goto account_n    /* a failed backup does not stop the session */
 #else
@@ -452,7 +459,7 @@ acct_failed:
   atomic {
     if :: uidlock == s -> uidlock = NOUID :: else -> skip fi;
     tries++;
-    if :: tries < 2 -> goto acct_try :: else -> goto err_terminate fi
+    if :: tries < ACCOUNT_ATTEMPTS -> goto acct_try :: else -> goto err_terminate fi
   };
 
 firewall_n:                         /* firewall: 1 retry, then abort before spawn */
@@ -462,7 +469,7 @@ fw_try:
     CRASH;
     if
     :: faults > 0 -> faults--; tries++;
-       if :: tries < 2 -> goto fw_try :: else -> goto err_abort fi
+       if :: tries < FIREWALL_ATTEMPTS -> goto fw_try :: else -> goto err_abort fi
     :: true -> fw[s] = true; fwmem = true   /* HostFirewall.create (its record first) */
     fi
   };
@@ -481,7 +488,7 @@ sp_try:
   fi;
   if
   :: a == failed -> tries++;
-     if :: tries < 2 -> goto sp_try :: else -> goto err_abort fi
+     if :: tries < SPAWN_ATTEMPTS -> goto sp_try :: else -> goto err_abort fi
   :: else -> hdl = true; fwmem = false   /* the host owns the table now */
   fi;
   append(s, r_spawn);
@@ -518,7 +525,7 @@ mon_try:
 telemetry_lost:
   tries++;
   if
-  :: tries < 4 -> goto mon_try
+  :: tries < TELEMETRY_ATTEMPTS -> goto mon_try
   :: else -> atomic { CRASH; ck_status[s] = TERMINATED; ck_escape[s] = true; ck_at[s] = monitor };
      goto terminate_n
   fi;

@@ -74,6 +74,7 @@ def abort(rt: Runtime, state: SessionState) -> dict[str, Any]:
     reason = state.get("reason") or "aborted"
     if state.get("backup_id"):
         reason += f"; the backup {state['backup_id']} is kept"
+    crash(rt, "abort")
     update: dict[str, Any] = {"status": "aborted", "reason": reason}
     update.update(audit_quietly(rt, state, "abort", "session.abort", reason=update["reason"],
                                 backup_id=state.get("backup_id")))

@@ -1,0 +1,161 @@
+"""The session lifecycle, model-checked (issue 30): SPIN verifies every property of model/lifecycle.pml in two
+configurations (one session with every failure, two sessions on one uid range and one trail), and each revert
+model (a known bug put back) fails on the property it names. The model's node list and retry rules are the
+graph's (so are the fault-injection hook's kill@NODE points): a change to one fails here until the other
+follows. States explored and time are printed at the end of the run (the "lifecycle model" section).
+
+No root, no kernel: spin and gcc (scripts/setup.sh installs both).
+"""
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = ROOT / "model" / "lifecycle.pml"
+
+PROPERTIES = ["AgentNeedsBackup", "AgentNeedsNetRule", "AgentNeedsMonitor", "NoAgentAfterVerdict",
+              "CleanMeansNothingLeft", "AuditDescribesState", "UniqueUids", "TeardownReachable"]
+LIVENESS = {"TeardownReachable"}
+
+# Budgets (model/README.md): ONE has every failure a session can meet (3 node failures exhaust the
+# preflight's retries); TWO has two sessions at once, on a range of one free uid, with one crash.
+CONFIGS = {
+    "one session": {"N": 1, "U": 1, "CRASHES": 2, "FAULTS": 3, "REFUSALS": 1, "TICKS": 1},
+    "two sessions": {"N": 2, "U": 1, "CRASHES": 1, "FAULTS": 0, "REFUSALS": 0, "TICKS": 0},
+}
+
+# Each known bug put back, the property it must fail, and where it shows.
+REVERTS = [
+    ("REVERT_PREFLIGHT_FAIL_OPEN", "AgentNeedsBackup", "one session"),  # Hazmat: a failed snapshot did not block
+    ("REVERT_ADOPT_UNCHECKED", "AgentNeedsNetRule", "one session"),  # the host adopts a table it does not check
+    ("REVERT_HOST_UNLOCKED", "AgentNeedsNetRule", "one session"),  # before this branch: recover vs a starting host
+    ("REVERT_MONITOR_FAIL_KEEPS_CELL", "AgentNeedsMonitor", "one session"),  # before 1e2ae42
+    ("REVERT_KILL_WITHOUT_FREEZE", "NoAgentAfterVerdict", "one session"),
+    ("REVERT_RECORD_AFTER_CREATE", "CleanMeansNothingLeft", "one session"),  # the account recorded once made
+    ("REVERT_REVOKE_RECORDED_ONLY", "CleanMeansNothingLeft", "one session"),  # killed while granting
+    ("REVERT_TABLE_BY_STATE_ONLY", "CleanMeansNothingLeft", "one session"),  # before this branch
+    ("REVERT_UID_UNLOCKED", "CleanMeansNothingLeft", "two sessions"),  # before this branch
+    ("REVERT_TORN_ANCHOR_REFUSED", "AuditDescribesState", "one session"),  # before 6a11407
+    ("REVERT_UID_NONUNIQUE", "UniqueUids", "two sessions"),
+    ("REVERT_RECOVER_BY_STATUS", "TeardownReachable", "one session"),
+]
+
+RESULTS: list[str] = []
+
+
+def _spin() -> str:
+    spin, gcc = shutil.which("spin"), shutil.which("gcc")
+    if spin is None or gcc is None:
+        pytest.fail("the lifecycle model needs spin and gcc: apt-get install spin gcc (scripts/setup.sh does)")
+    return spin
+
+
+@pytest.fixture(scope="module")
+def results(request: pytest.FixtureRequest) -> Iterator[list[str]]:
+    yield RESULTS
+    tr = request.config.pluginmanager.get_plugin("terminalreporter")
+    capture = request.config.pluginmanager.get_plugin("capturemanager")
+    if tr is not None and capture is not None and RESULTS:
+        with capture.global_and_fixture_disabled():  # (shown in ./test.sh's output, not only on a failure)
+            tr.write_line("")
+            tr.write_sep("-", "lifecycle model (SPIN)")
+            for line in RESULTS:
+                tr.write_line(line)
+
+
+class Pan:
+    """The model compiled for one set of defines: ``run(property)`` checks one of its properties."""
+
+    def __init__(self, workdir: Path, defines: dict[str, int | bool]) -> None:
+        self.dir = workdir
+        self.dir.mkdir()
+        shutil.copy(MODEL, self.dir / MODEL.name)
+        self.defines = [f"-D{k}" if v is True else f"-D{k}={v}" for k, v in defines.items()]
+        p = subprocess.run([_spin(), *self.defines, "-a", MODEL.name], cwd=self.dir, capture_output=True, text=True)
+        assert p.returncode == 0 and (self.dir / "pan.c").exists(), p.stdout + p.stderr
+        # COLLAPSE: compressed state vectors; MEMLIM: a search that outgrows 2 GB stops (and fails below).
+        c = subprocess.run(["gcc", "-O0", "-w", "-DCOLLAPSE", "-DMEMLIM=2048", "-o", "pan", "pan.c"], cwd=self.dir,
+                           capture_output=True, text=True)
+        assert c.returncode == 0, c.stderr[-3000:]
+
+    def run(self, prop: str) -> tuple[int, int, float, str]:
+        """(errors, states stored, seconds, pan's report)."""
+        args = ["./pan", "-m100000", "-N", prop] + (["-a"] if prop in LIVENESS else [])
+        t = time.monotonic()
+        p = subprocess.run(args, cwd=self.dir, capture_output=True, text=True, timeout=600)
+        took = time.monotonic() - t
+        out = p.stdout + p.stderr
+        errors = re.search(r"errors: (\d+)", out)
+        states = re.search(r"^\s*(\d+) states, stored", out, re.M)
+        assert errors and states, out[-3000:]
+        assert f"pan: ltl formula {prop}" in out, out[:2000]
+        return int(errors.group(1)), int(states.group(1)), took, out
+
+
+def _steps_in_model() -> list[str]:
+    m = re.search(r"^mtype:node = \{([^}]*)\}", MODEL.read_text(), re.M)
+    assert m, "model/lifecycle.pml declares no mtype:node list"
+    return [s.strip() for s in m.group(1).split(",")]
+
+
+def test_the_models_steps_are_the_graphs_nodes_and_the_hooks_kill_points() -> None:
+    from agentcell.session.graph import build_graph
+
+    nodes = [n for n in build_graph().get_graph().nodes if not n.startswith("__")]
+    assert _steps_in_model() == nodes  # (the order build_graph adds them)
+    text = "".join(p.read_text() for p in (ROOT / "src" / "agentcell" / "session" / "nodes").glob("*.py"))
+    kill_points = set(re.findall(r'\bcrash\(rt, "([a-z]+)"\)', text))
+    assert kill_points == set(nodes), "every node has its kill@NODE point, and no point names a node that is not"
+
+
+def test_the_models_retry_rules_are_the_graphs() -> None:
+    from agentcell.session import graph
+
+    text = MODEL.read_text()
+
+    def attempts(name: str) -> int:
+        m = re.search(rf"^#define {name}_ATTEMPTS (\d+)", text, re.M)
+        assert m, name
+        return int(m.group(1))
+
+    assert attempts("PREFLIGHT") == graph.PREFLIGHT_RETRY.max_attempts
+    assert attempts("ACCOUNT") == graph.ACCOUNT_RETRY.max_attempts
+    assert attempts("FIREWALL") == graph.FIREWALL_RETRY.max_attempts
+    assert attempts("SPAWN") == graph.SPAWN_RETRY.max_attempts
+    assert attempts("TELEMETRY") == graph.TELEMETRY_RETRY.max_attempts
+    assert set(re.findall(r"^ltl (\w+)", text, re.M)) == set(PROPERTIES)
+    assert {r for r, _, _ in REVERTS} == set(re.findall(r"\b(REVERT_[A-Z_]+)\b", text)), \
+        "every revert in the model is tested here, and every one tested is in the model"
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_spin_verifies_every_property(tmp_path: Path, config: str, results: list[str]) -> None:
+    t = time.monotonic()
+    pan = Pan(tmp_path / "pan", CONFIGS[config])
+    compiled = time.monotonic() - t
+    failed = []
+    for prop in PROPERTIES:
+        errors, states, took, out = pan.run(prop)
+        results.append(f"{config:<13} {prop:<22} verified: {errors == 0} ({states:,} states, {took:.1f} s)")
+        assert "max search depth too small" not in out and "MEMLIM" not in out, out[-2000:]
+        if errors:
+            failed.append(f"{prop}: {out[:1500]}")
+    results.append(f"{config:<13} (spin -a and gcc: {compiled:.1f} s)")
+    assert not failed, "\n".join(failed)
+
+
+@pytest.mark.parametrize(("revert", "prop", "config"), REVERTS)
+def test_each_revert_model_fails_on_its_property(tmp_path: Path, revert: str, prop: str, config: str,
+                                                 results: list[str]) -> None:
+    pan = Pan(tmp_path / "pan", {**CONFIGS[config], revert: True})
+    errors, states, took, out = pan.run(prop)
+    results.append(f"{revert:<31} fails {prop}: {errors > 0} ({states:,} states, {took:.1f} s)")
+    assert errors == 1, out[-2000:]
+    assert ("assertion violated" in out) if prop not in LIVENESS else ("acceptance cycle" in out), out[:2000]
