@@ -23,12 +23,15 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
@@ -307,3 +310,29 @@ def test_the_models_properties_hold_on_the_real_lifecycle(env: Env) -> None:
     for what, n in sorted(COUNTS.items()):
         print(f"  {n:3} {what}")
 
+
+
+def test_recover_waits_for_the_cell_host_that_holds_a_cell_and_a_later_host_refuses() -> None:
+    """The lock that closed REVERT_HOST_UNLOCKED (host/owner.py), between two processes."""
+    from agentcell.errors import AgentcellError
+    from agentcell.host import owner
+
+    cell = "agentcell-test-" + secrets.token_hex(4)
+    code = (f"import sys; from agentcell.host import owner; owner.hold({cell!r}, lambda: False); print('held', "
+            "flush=True); sys.stdin.read()")  # a cell host: the lock, held until it ends (here: its stdin's EOF)
+    host = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert host.stdout is not None and host.stdin is not None
+        assert host.stdout.readline() == "held\n"
+        assert owner.wait_ended(cell, timeout=0.2) is False  # recover waits while a host holds the cell
+        host.stdin.close()
+        assert host.wait(timeout=60) == 0
+        assert owner.wait_ended(cell) is True  # ... and goes on once it has ended
+        with pytest.raises(AgentcellError, match="the session's supervisor is gone"):
+            owner.hold(cell, lambda: True)  # a host that comes after its supervisor died
+    finally:
+        if host.poll() is None:
+            host.kill()  # our own child
+            host.wait()
+        owner.forget(cell)
+    assert not os.path.exists(f"/run/agentcell/hosts/{cell}.lock")
