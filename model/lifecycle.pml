@@ -111,7 +111,7 @@ bool end_escape[N];
 bool torn;              /* a writer died between its record and the anchor (<log>.head) */
 bool refused[N];        /* ghost: the disk refused one of the session's records (the environment, not a bug) */
 
-/* ---- the uid range: one lock around pick, record, groupadd and useradd (accounts/ephemeral.py) --------------- */
+/* ---- the uid range: one lock around the pick, the record and useradd (accounts/ephemeral.py) ------------------ */
 byte uidlock = NOUID;   /* the session holding it (flock: released when its holder dies) */
 
 byte crashes = CRASHES;
@@ -147,10 +147,10 @@ ltl TeardownReachable { <> each(clean) }
 /* ---- who holds a uid ------------------------------------------------------------------------------------ */
 #define other_has_uid(s) ((s != 0 && usr[0] && uid[0] == uid[s]) || (N > 1 && s != 1 && usr[1] && uid[1] == uid[s]) \
                           || (N > 2 && s != 2 && usr[2] && uid[2] == uid[s]))
-/* a uid another session holds: by its group or account (what groupadd and useradd look at) */
+/* a uid another session holds: by its group or account (what useradd looks at) */
 #define held(u, s)  ((s != 0 && uid[0] == u && (grp[0] || usr[0])) || (N > 1 && s != 1 && uid[1] == u && \
                      (grp[1] || usr[1])) || (N > 2 && s != 2 && uid[2] == u && (grp[2] || usr[2])))
-/* ... or names in its record, still there from a session that crashed before its groupadd */
+/* ... or names in its record, still there from a session that crashed before its useradd */
 #define recorded(u, s)  ((s != 0 && rec[0] && uid[0] == u) || (N > 1 && s != 1 && rec[1] && uid[1] == u) || \
                          (N > 2 && s != 2 && rec[2] && uid[2] == u))
 #ifdef REVERT_UID_UNLOCKED
@@ -248,6 +248,8 @@ inline cleanup_node(s) {
   /* the account: the checkpoint's, else the one its record names (ephemeral_left) */
   if
   :: ck_acct[s] || rec[s] ->
+     /* _given_in_revoke: vouched for (its uid its own), its processes killed first */
+     atomic { CRASH; if :: !usr[s] && usr_taken(uid[s], s) -> skip :: else -> kill_uid(s) fi };
      atomic {
        CRASH;
 #ifdef REVERT_REVOKE_RECORDED_ONLY
@@ -264,20 +266,22 @@ inline cleanup_node(s) {
   atomic { CRASH; ck_at[s] = cleanup }
 }
 
+/* kill -1 as the uid: every process of the uid, whichever session's */
+inline kill_uid(s) {
+  j = 0;
+  do
+  :: j < N -> if :: uid[j] == uid[s] -> agent[j] = NOAGENT :: else -> skip fi; j++
+  :: else -> break
+  od
+}
+
 /* ephemeral.delete: an account of this module's only, and only while its uid is its own: every process of the
    uid (kill -1 as the uid), the user, the group, then the record. */
 inline delete_account(s) {
   if
-  :: atomic { !usr[s] && usr_taken(uid[s], s) -> skip }   /* "uid now belongs to ...: left alone" */
+  :: atomic { !usr[s] && usr_taken(uid[s], s) -> skip }   /* vouch: "uid now belongs to ...: left alone" */
   :: else ->
-     atomic {
-       CRASH;
-       j = 0;
-       do
-       :: j < N -> if :: uid[j] == uid[s] -> agent[j] = NOAGENT :: else -> skip fi; j++
-       :: else -> break
-       od
-     };
+     atomic { CRASH; kill_uid(s) };
      atomic { CRASH; usr[s] = false };
      atomic { CRASH; grp[s] = false };
      atomic { CRASH; rec[s] = false }
@@ -387,7 +391,7 @@ account_n:                          /* account: 1 retry, then terminate */
   tries = 0;
 acct_try:
   /* create_ephemeral: under the range's lock, a uid that passwd, group and every record leave free, the
-     record (before the account), groupadd, useradd */
+     record (before the account), useradd */
 #ifndef REVERT_UID_UNLOCKED
   atomic { uidlock == NOUID -> uidlock = s };
 #endif
@@ -415,21 +419,12 @@ acct_try:
   atomic {
     CRASH;
 #ifdef REVERT_UID_NONUNIQUE
-    grp[s] = true                   /* groupadd --non-unique */
+    grp[s] = true; usr[s] = true    /* useradd --non-unique */
 #else
+    /* useradd --user-group, user and group at once under shadow's lock: a uid in use is refused, and a group
+       given another gid than the uid is checked and undone (the same for the model: nothing of it stays) */
     if
-    :: !grp_taken(u, s) -> grp[s] = true   /* groupadd refuses a gid in use (under /etc/group's lock) */
-    :: else -> goto undo_account
-    fi
-#endif
-  };
-  atomic {
-    CRASH;
-#ifdef REVERT_UID_NONUNIQUE
-    usr[s] = true                   /* useradd --non-unique */
-#else
-    if
-    :: !usr_taken(u, s) -> usr[s] = true
+    :: !usr_taken(u, s) && !grp_taken(u, s) -> grp[s] = true; usr[s] = true
     :: else -> goto undo_account
     fi
 #endif
