@@ -12,9 +12,14 @@
  *     session's firewall table, opens the monitor, makes the cgroup, runs the agent, and ends the cell when
  *     its monitor gives a verdict, when asked, or when its supervisor is gone (EOF);
  *   `agentcell session recover` (graph.recover): for a session whose supervisor is dead and whose audit node
- *     has not run, terminate -> cleanup -> audit from the checkpoint alone.
- * A crash (SIGKILL) may hit the supervisor, a recover or a cell host between any two of their effects, and an
- * audit writer between its record and its anchor. The mode modelled is the one with the most host-side state:
+ *     has not run, terminate -> cleanup -> audit from the checkpoint alone;
+ *   the monitor's host programs (monitor/hostprog.py, calls.py): one copy attached for the whole host, held
+ *     by each process that uses them (a cell host's monitor; the warm launcher, as root), joined from a live
+ *     holder listed in /run/agentcell/calls.json or loaded and attached anew, under the list's lock; the
+ *     kernel detaches them when the last holder closes its fds; a cell's rings in their maps from before its
+ *     command runs to after its end.
+ * A crash (SIGKILL) may hit the supervisor, a recover, a cell host or the warm launcher between any two of their
+ * effects, and an audit writer between its record and its anchor. The mode modelled is the one with the most host-side state:
  * a per-session account (root) and --net host-firewall.
  */
 
@@ -36,8 +41,18 @@
 #ifndef TICKS
 #define TICKS 1         /* monitor ticks before the wall clock ends a session */
 #endif
+#ifndef LAUNCHER
+#define LAUNCHER 1      /* the warm launcher (root) holds the host programs for a while: 1, or 0 (none) */
+#endif
 
 #define NOUID 255
+#define NONE 255
+
+/* Processes that may hold the host programs ("holders", each a pid of its own, never given again): the cell
+   hosts of session s (at most SPAWN_ATTEMPTS of them: holder SPAWN_ATTEMPTS*s + attempt), then the launcher. */
+#define H (SPAWN_ATTEMPTS * N + 1)
+#define LH (SPAWN_ATTEMPTS * N)   /* the launcher's */
+#define K H             /* copies of the programs that can exist at once: one a holder, at most */
 
 /* The retry rules (graph.py's RetryPolicy max_attempts; tests/test_model.py compares them) */
 #define PREFLIGHT_ATTEMPTS 3    /* 2 retries, then abort: no backup, no agent */
@@ -114,6 +129,13 @@ bool refused[N];        /* ghost: the disk refused one of the session's records 
 /* ---- the uid range: one lock around the pick, the record and useradd (accounts/ephemeral.py) ------------------ */
 byte uidlock = NOUID;   /* the session holding it (flock: released when its holder dies) */
 
+/* ---- the monitor's host programs (monitor/hostprog.py): instances 0..K-1 of the programs and their maps ---- */
+byte refs[K];           /* the kernel's count: processes holding copies of the instance's fds */
+bool att[K];            /* its programs attached (the kernel detaches them when the last holder closes) */
+byte reg[H];            /* calls.json: the instance holder p recorded (its fds and their ids), NONE: no entry */
+bool dead[H];           /* ... and that holder is dead (an entry left by a SIGKILL; dropped at the next write) */
+byte ring[N];           /* the instance whose maps hold the cell's rings (cgroup id -> ring), NONE: none */
+
 byte crashes = CRASHES;
 byte faults = FAULTS;
 byte refusals = REFUSALS;
@@ -124,6 +146,7 @@ byte refusals = REFUSALS;
 #define needs_backup(s)  (agent[s] == NOAGENT || backup[s])
 #define needs_rule(s)    (agent[s] == NOAGENT || fw[s])
 #define needs_mon(s)     (agent[s] == NOAGENT || mon[s])
+#define watched(s)       (agent[s] == NOAGENT || (ring[s] != NONE && att[ring[s]]))
 #define after_verdict(s) (!verdict[s] || agent[s] != ALIVE)
 #define nothing_left(s)  (!ck_done[s] || (!usr[s] && !grp[s] && !rec[s] && !grant[s] && !fw[s] && !cg[s] \
                           && agent[s] == NOAGENT))
@@ -134,15 +157,19 @@ byte refusals = REFUSALS;
                           (s == 1 || !live(1) || uid[1] != uid[s]) && (N < 3 || s == 2 || !live(2) || uid[2] != uid[s])))
 #define clean(s)         (ck_done[s] && !usr[s] && !grp[s] && !rec[s] && !grant[s] && !fw[s] && !cg[s] && \
                           agent[s] == NOAGENT && !mon[s] && hosts[s] == 0 && !sup[s])
+/* nobody holds the host programs: detached, their maps (and every ring in them) gone */
+#define no_holder        (refs[0] == 0 && (K < 2 || refs[1] == 0) && (K < 3 || refs[2] == 0) && (K < 4 || refs[3] == 0) \
+                          && (K < 5 || refs[4] == 0) && (K < 6 || refs[5] == 0) && (K < 7 || refs[6] == 0))
 
 ltl AgentNeedsBackup { [] each(needs_backup) }
 ltl AgentNeedsNetRule { [] each(needs_rule) }
 ltl AgentNeedsMonitor { [] each(needs_mon) }
+ltl AgentWatchedByPrograms { [] each(watched) }
 ltl NoAgentAfterVerdict { [] each(after_verdict) }
 ltl CleanMeansNothingLeft { [] each(nothing_left) }
 ltl AuditDescribesState { [] each(trail_says) }
 ltl UniqueUids { [] each(own_uid) }
-ltl TeardownReachable { <> each(clean) }
+ltl TeardownReachable { <> (each(clean) && no_holder) }
 
 /* ---- who holds a uid ------------------------------------------------------------------------------------ */
 #define other_has_uid(s) ((s != 0 && usr[0] && uid[0] == uid[s]) || (N > 1 && s != 1 && usr[1] && uid[1] == uid[s]) \
@@ -171,10 +198,86 @@ ltl TeardownReachable { <> each(clean) }
 #define OR_CRASH  :: atomic { crashes > 0 -> crashes-- }; goto died   /* (while it waits) */
 
 /* A cell host killed: its cell's PID 1 dies with it (PR_SET_PDEATHSIG, then the PID namespace), and so does
-   the monitor; the cgroup and the adopted table stay for cleanup; its flock goes with it. */
+   the monitor; the cgroup and the adopted table stay for cleanup; its flock goes with it, and so do its copies
+   of the host programs' fds (its entry in calls.json stays, a dead pid's); its rings stay in their maps. */
 #define HOST_CRASH  if :: atomic { crashes > 0 -> crashes-- }; agent[s] = NOAGENT; mon[s] = false; hostdied[s] = true; \
-                                         hostlock[s] = false; hosts[s]--; goto fin \
+                                         hostlock[s] = false; hosts[s]--; killed(p, hp); goto fin \
                        :: true -> skip fi
+
+/* ---- the host programs (monitor/hostprog.py acquire and release) -------------------------------------------- */
+
+/* A holder's copies of instance k's fds closed (release, or the kernel at its death): the last holder's close
+   detaches the programs and frees their maps (every ring in them goes). */
+inline close_fds(k) {
+  refs[k]--;
+  if
+  :: refs[k] == 0 ->
+     att[k] = false;
+     j = 0;
+     do
+     :: j < N -> if :: ring[j] == k -> ring[j] = NONE :: else -> skip fi; j++
+     :: else -> break
+     od;
+     j = 0
+  :: else -> skip
+  fi
+}
+
+/* hostprog.release, its end: the process's fds closed (HostPrograms.close) */
+inline release_fds(k) {
+#ifdef REVERT_RELEASE_DETACHES
+  att[k] = false;               /* the links detached (BPF_LINK_DETACH) by whichever user lets go, not the last */
+#endif
+  close_fds(k)
+}
+
+/* SIGKILL of holder p (holding instance hp, or NONE): its fds closed by the kernel; its entry, if any, stays. */
+inline killed(p, hp) {
+  if :: reg[p] != NONE -> dead[p] = true :: else -> skip fi;
+  if :: hp != NONE -> close_fds(hp); hp = NONE :: else -> skip fi
+}
+
+/* an entry of calls.json that acquire joins: another holder's, alive (_alive, and _take: its pid the process
+   that started then, each fd the object it recorded) */
+#define live_entry(q, p) (q < H && q != p && reg[q] != NONE && !dead[q])
+
+/* acquire (_join_or_create), all of it under calls.lock in one step: a holder killed meanwhile leaves nothing
+   (the list is written at the end, by a rename; its fds go with it). The first live holder's instance is
+   joined (copies of its fds, pidfd_getfd); none: the programs loaded and attached anew. The list written back
+   without the dead holders' entries, with this one's. */
+inline acquire(p, hp) {
+  if
+  :: live_entry(0, p) -> hp = reg[0]
+  :: live_entry(1, p) -> hp = reg[1]
+  :: live_entry(2, p) -> hp = reg[2]
+  :: live_entry(3, p) -> hp = reg[3]
+  :: live_entry(4, p) -> hp = reg[4]
+  :: live_entry(5, p) -> hp = reg[5]
+  :: live_entry(6, p) -> hp = reg[6]
+  :: else -> hp = NONE
+  fi;
+  if
+  :: hp != NONE -> refs[hp]++
+  :: else ->
+     k = 0;
+     do
+     :: k < K && refs[k] > 0 -> k++
+     :: else -> break
+     od;
+     assert(k < K);             /* (K is enough) */
+     hp = k; refs[k] = 1; att[k] = true; k = 0
+  fi;
+  j = 0;
+  do
+  :: j < H -> if :: dead[j] -> reg[j] = NONE; dead[j] = false :: else -> skip fi; j++
+  :: else -> break
+  od;
+  j = 0;
+  reg[p] = hp
+}
+
+/* The warm launcher killed: its fds closed by the kernel, its entry left. */
+#define LAUNCHER_CRASH  if :: atomic { crashes > 0 -> crashes-- }; killed(LH, lp); goto died :: true -> skip fi
 
 /* ---- the audit trail (AuditLog.append) --------------------------------------------------------------------- */
 
@@ -296,7 +399,19 @@ inline audit_node(s) {
 
 /* ---- the cell host (host/server.py run_once; supervise.py Supervised.start and finish) --------------------- */
 
-proctype host(byte s) {
+/* the cell's rings into the maps of the instance it holds (map_update, NOEXIST), then _sweep */
+inline ring_in(s, hp) {
+  ring[s] = hp;
+  j = 0;
+  do
+  :: j < N -> if :: j != s && ring[j] == hp && !cg[j] -> ring[j] = NONE :: else -> skip fi; j++
+  :: else -> break
+  od;
+  j = 0
+}
+
+proctype host(byte s; byte p) {   /* p: its holder number (its pid, for the host programs) */
+  byte hp = NONE, j, k;             /* hp: the instance of the host programs it holds */
   atomic {
     HOST_CRASH;
 #ifndef REVERT_HOST_UNLOCKED
@@ -313,7 +428,16 @@ proctype host(byte s) {
   };
   atomic { HOST_CRASH; mon[s] = true };      /* the monitor's sources, open before the command can run */
   atomic { HOST_CRASH; cg[s] = true };       /* launch.prepare: the cell's cgroup */
+  /* watch_calls (FailedCalls.__init__): the host programs held, then the cell's rings in their maps, then the
+     rings of cells whose cgroup is gone swept out (_sweep: their monitor was killed) */
+  atomic { HOST_CRASH; acquire(p, hp) };
+#ifndef REVERT_RING_AFTER_START
+  atomic { HOST_CRASH; ring_in(s, hp) };
+#endif
   atomic { HOST_CRASH; agent[s] = ALIVE };   /* prepared.go: the agent runs */
+#ifdef REVERT_RING_AFTER_START
+  atomic { HOST_CRASH; ring_in(s, hp) };     /* the rings added once the command has started */
+#endif
   atomic {
     HOST_CRASH;
     if
@@ -323,7 +447,7 @@ proctype host(byte s) {
        mon[s] = false; answers[s]!failed; goto serve   /* (before 1e2ae42) the error went up, the cell stayed */
 #else
        agent[s] = NOAGENT; mon[s] = false; cg[s] = false; fw[s] = false;   /* finish: taken down whole */
-       answers[s]!failed; hostlock[s] = false; hosts[s]--; goto fin
+       answers[s]!failed; goto settle
 #endif
     :: true -> answers[s]!started
     fi
@@ -345,7 +469,13 @@ serve:
   od;
   atomic { HOST_CRASH; mon[s] = false };     /* finish, in reverse: the monitor, the cgroup, the table */
   atomic { HOST_CRASH; cg[s] = false };
-  atomic { HOST_CRASH; fw[s] = false; hostlock[s] = false; hosts[s]-- };
+  atomic { HOST_CRASH; fw[s] = false };
+settle:
+  /* FailedCalls.close's thread, which the process waits for before it exits (calls.settle): the rings out of
+     the maps, then hostprog.release: its entry off the list (under the lock), then its fds closed */
+  atomic { HOST_CRASH; if :: ring[s] == hp -> ring[s] = NONE :: else -> skip fi };
+  atomic { HOST_CRASH; reg[p] = NONE };
+  atomic { HOST_CRASH; release_fds(hp); hp = NONE; hostlock[s] = false; hosts[s]-- };   /* and the process ends */
 fin:
   skip
 }
@@ -475,7 +605,7 @@ fw_try:
   /* spawn: 1 retry when the cell's start fails, then abort, keeping the backup */
   tries = 0;
 sp_try:
-  atomic { CRASH; hostdied[s] = false; hosts[s]++; run host(s) };   /* a cell host of its own, the table handed over */
+  atomic { CRASH; hostdied[s] = false; hosts[s]++; run host(s, SPAWN_ATTEMPTS * s + tries) };   /* a cell host of its own, the table handed over */
   if
   :: answers[s]?a
   :: atomic { hostdied[s] && empty(answers[s]) -> a = failed }     /* it died before it answered */
@@ -567,6 +697,20 @@ end_rec:
   skip
 }
 
+/* ---- the warm launcher (host/zygote.py _hold_programs), as root: it holds the host programs while watched
+   cells come, and lets them go 60 s after the last (at any time, for the model: a cell may outlast that). ---- */
+
+#if LAUNCHER
+proctype launcher() {
+  byte lp = NONE, j, k;
+  atomic { LAUNCHER_CRASH; acquire(LH, lp) };   /* calls.hold */
+  atomic { LAUNCHER_CRASH; reg[LH] = NONE };    /* hostprog.release: its entry off the list */
+  atomic { LAUNCHER_CRASH; release_fds(lp); lp = NONE };
+died:
+  skip
+}
+#endif
+
 /* `agentcell session recover` runs whenever a session needs it: not finished, its supervisor gone
    (graph.unfinished); one at a time. */
 #ifdef REVERT_RECOVER_BY_STATUS
@@ -592,11 +736,21 @@ init {
   byte s;
   atomic {
     do
-    :: s < N -> uid[s] = NOUID; last[s] = r_none; ck_at[s] = plan;
+    :: s < N -> uid[s] = NOUID; last[s] = r_none; ck_at[s] = plan; ring[s] = NONE;
                 sup[s] = true; owner_alive[s] = true;   /* graph.run: the first checkpoint names it */
                 run supervisor(s); s++
     :: else -> break
     od;
-    run operator()
+    s = 0;
+    do
+    :: s < H -> reg[s] = NONE; s++   /* calls.json: no holder */
+    :: else -> break
+    od;
+    s = 0;
+    run operator();
+#if LAUNCHER
+    run launcher();
+#endif
+    skip
   }
 }

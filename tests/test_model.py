@@ -1,6 +1,7 @@
-"""The session lifecycle, model-checked (issue 30): SPIN verifies every property of model/lifecycle.pml in two
-configurations (one session with every failure, two sessions on one uid range and one trail), and each revert
-model (a known bug put back) fails on the property it names. The model's node list and retry rules are the
+"""The session lifecycle, model-checked (issue 30): SPIN verifies every property of model/lifecycle.pml in four
+configurations (one session with every failure; two sessions on one uid range and one trail; one session beside
+the warm launcher, both holding the monitor's host programs; two agents at once, sharing those programs), and
+each revert model (a known bug put back) fails on the property it names. The model's node list and retry rules are the
 graph's (so are the fault-injection hook's kill@NODE points): a change to one fails here until the other
 follows. States explored and time are printed at the end of the run (the "lifecycle model" section).
 
@@ -20,15 +21,19 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = ROOT / "model" / "lifecycle.pml"
 
-PROPERTIES = ["AgentNeedsBackup", "AgentNeedsNetRule", "AgentNeedsMonitor", "NoAgentAfterVerdict",
-              "CleanMeansNothingLeft", "AuditDescribesState", "UniqueUids", "TeardownReachable"]
+PROPERTIES = ["AgentNeedsBackup", "AgentNeedsNetRule", "AgentNeedsMonitor", "AgentWatchedByPrograms",
+              "NoAgentAfterVerdict", "CleanMeansNothingLeft", "AuditDescribesState", "UniqueUids", "TeardownReachable"]
 LIVENESS = {"TeardownReachable"}
 
 # Budgets (model/README.md): ONE has every failure a session can meet (3 node failures exhaust the
-# preflight's retries); TWO has two sessions at once, on a range of one free uid, with one crash.
+# preflight's retries); TWO has two sessions at once, on a range of one free uid, with one crash; LAUNCHER one
+# session beside the warm launcher holding the host programs, with two crashes (the launcher, a cell host) and
+# a retried spawn; AGENTS two sessions whose agents run at once (two free uids), sharing the host programs.
 CONFIGS = {
-    "one session": {"N": 1, "U": 1, "CRASHES": 2, "FAULTS": 3, "REFUSALS": 1, "TICKS": 1},
-    "two sessions": {"N": 2, "U": 1, "CRASHES": 1, "FAULTS": 0, "REFUSALS": 0, "TICKS": 0},
+    "one session": {"N": 1, "U": 1, "CRASHES": 2, "FAULTS": 3, "REFUSALS": 1, "TICKS": 1, "LAUNCHER": 0},
+    "two sessions": {"N": 2, "U": 1, "CRASHES": 1, "FAULTS": 0, "REFUSALS": 0, "TICKS": 0, "LAUNCHER": 0},
+    "launcher": {"N": 1, "U": 1, "CRASHES": 2, "FAULTS": 1, "REFUSALS": 0, "TICKS": 0, "LAUNCHER": 1},
+    "two agents": {"N": 2, "U": 2, "CRASHES": 0, "FAULTS": 0, "REFUSALS": 0, "TICKS": 0, "LAUNCHER": 0},
 }
 
 # Each known bug put back, the property it must fail, and where it shows.
@@ -37,6 +42,8 @@ REVERTS = [
     ("REVERT_ADOPT_UNCHECKED", "AgentNeedsNetRule", "one session"),  # the host adopts a table it does not check
     ("REVERT_HOST_UNLOCKED", "AgentNeedsNetRule", "one session"),  # before this branch: recover vs a starting host
     ("REVERT_MONITOR_FAIL_KEEPS_CELL", "AgentNeedsMonitor", "one session"),  # before 1e2ae42
+    ("REVERT_RING_AFTER_START", "AgentWatchedByPrograms", "one session"),  # the rings added after the command starts
+    ("REVERT_RELEASE_DETACHES", "AgentWatchedByPrograms", "two agents"),  # one user's release detaches for all
     ("REVERT_KILL_WITHOUT_FREEZE", "NoAgentAfterVerdict", "one session"),
     ("REVERT_RECORD_AFTER_CREATE", "CleanMeansNothingLeft", "one session"),  # the account recorded once made
     ("REVERT_REVOKE_RECORDED_ONLY", "CleanMeansNothingLeft", "one session"),  # killed while granting
