@@ -393,11 +393,11 @@ def describe(spec: CellSpec, plan: mounts.MountPlan, argv: Sequence[str]) -> lis
     return [
         "1. plan the mounts: every path resolved once, no symlink followed, its (dev, ino) recorded",
         "2. compile the seccomp filter", f"3. {cgroup}", "4. fork C1 (stdio, the status pipe, the hand-off only)",
-        "5. prctl(PR_SET_PDEATHSIG, SIGKILL); join the cgroup",
+        "5. prctl(PR_SET_PDEATHSIG, SIGKILL); join the cgroup's v1 groups (tasks), open its v2 group",
         f"6. unshare({'|'.join('CLONE_NEW' + n for n in ns_names)})  # 0x{ns_flags:x}",
         *([f"   write uid_map '{ident.uid} {ident.uid} 1', setgroups deny, gid_map '{ident.gid} {ident.gid} 1'"]
           if ident.userns else []),
-        "7. non-dumpable; fork -> PID 1 of the cell (reaper)",
+        "7. non-dumpable; clone3(CLONE_INTO_CGROUP) -> PID 1 of the cell (reaper), born in the v2 group",
         "8. mount --make-rprivate /; tmpfs new root", *(f"   {d}" for d in plan.describe()),
         "   remount new root read-only; pivot_root; detach old root",
         *(["9. ip link set lo up"] if spec.network in ("loopback", "proxy") else []),
@@ -455,12 +455,13 @@ def _step(name: str, fn: Callable[..., T], *args: object) -> T:
 
 def _cell(spec: CellSpec, plan: mounts.MountPlan, w: int, ctl: object, outer_uid: int, outer_gid: int,
           cg: cgroups.CellCgroup | None) -> NoReturn:
-    # 5. The cell dies with its supervisor; and before anything else, C1 joins the cgroup, so every
-    #    process of the cell is born inside it.
+    # 5. The cell dies with its supervisor; and before anything else, C1 joins the cell's v1 groups and
+    #    opens its v2 group, which PID 1 is born in (7): every process of the cell is born inside them.
     sc.prctl(sc.PR_SET_PDEATHSIG, signal.SIGKILL)
     way_out: list[int] = []
+    born_in = -1
     if cg is not None:
-        _step("cgroup", cg.join)
+        born_in = _step("cgroup", cg.join)
         way_out = _step("cgroup", cg.way_out)
     # 6. New namespaces; the next fork is PID 1 of the cell.
     _step("namespaces", namespaces.enter, spec, outer_uid, outer_gid)
@@ -470,7 +471,7 @@ def _cell(spec: CellSpec, plan: mounts.MountPlan, w: int, ctl: object, outer_uid
     #    and the supervisor may signal as soon as it knows us. C1 then leaves the cgroup and waits.
     sc.prctl(sc.PR_SET_DUMPABLE, 0)
     command_mask = pid1.block_signals()
-    pid = os.fork()
+    pid = _fork_pid1(cg, born_in, way_out)
     if pid:
         signal.pthread_sigmask(signal.SIG_SETMASK, command_mask)
         ctl.close()  # type: ignore[attr-defined]
@@ -515,6 +516,22 @@ def _cell(spec: CellSpec, plan: mounts.MountPlan, w: int, ctl: object, outer_uid
     pid1.run(lambda: _run_child(w, lambda: _command(spec, ctl, w)),
              lambda code, sig: _report(w, "exit", code, sig),
              close_after_fork=[ctl.fileno()], command_mask=command_mask)  # type: ignore[attr-defined]
+
+
+def _fork_pid1(cg: cgroups.CellCgroup | None, born_in: int, way_out: list[int]) -> int:
+    """fork() PID 1 into the cell's cgroup v2 group (``born_in``, from :meth:`CellCgroup.join`; C1 is
+    single-threaded, as fork_into_cgroup needs). Where the kernel refuses that, C1 joins the group
+    first, and leaves it with the others."""
+    if cg is None or born_in < 0:
+        return os.fork()
+    try:
+        return sc.fork_into_cgroup(born_in)
+    except OSError:
+        pass  # (no clone3 or no CLONE_INTO_CGROUP; a group that refuses us is the join's to report, below)
+    finally:
+        os.close(born_in)
+    way_out.append(_step("cgroup", cg.join_v2))
+    return os.fork()
 
 
 def _command(spec: CellSpec, ctl: object, w: int) -> NoReturn:
