@@ -180,8 +180,21 @@ class Running:
         self.canary_fd = self.seccomp_fd = self.exec_fd = None
         self.root_fds = None
         if self.cg is not None:
+            if self.c1 in _unreaped:
+                _reaped(self.c1)
             cg, self.cg = self.cg, None
             cg.remove()
+
+    def retire(self) -> int | None:
+        """:meth:`clean_up` without waiting, once the result is known (a launcher that serves the next
+        request meanwhile): what can go goes now; the cell's cgroup waits for C1, which reaps PID 1 (which
+        killed and reaped the rest before it reported), so once C1 has exited its groups are empty and
+        :meth:`clean_up` removes them at once. Returns an fd that becomes readable then (C1's pidfd: the
+        caller closes it, then calls :meth:`clean_up`), or None when all is done."""
+        if self.cg is not None and self.c1 in _unreaped and not _reaped(self.c1):
+            return os.pidfd_open(self.c1)  # (an unreaped child: its pid cannot have been reused)
+        self.clean_up()
+        return None
 
     def reported(self) -> bool:
         """PID 1 has reported the command's end (and emptied the cell)."""
@@ -209,11 +222,18 @@ def _reap_later(pid: int) -> None:
     """C1 exits just after PID 1's report; reap it now if it has, else on a later call."""
     _unreaped.append(pid)
     for p in list(_unreaped):
-        try:
-            if os.waitpid(p, os.WNOHANG)[0]:
-                _unreaped.remove(p)
-        except ChildProcessError:
-            _unreaped.remove(p)
+        _reaped(p)
+
+
+def _reaped(pid: int) -> bool:
+    """Reap ``pid`` (of :data:`_unreaped`) if it has exited; whether it is gone."""
+    try:
+        if not os.waitpid(pid, os.WNOHANG)[0]:
+            return False
+    except ChildProcessError:
+        pass
+    _unreaped.remove(pid)
+    return True
 
 
 def _waitpid_eintr(pid: int) -> tuple[int, int]:

@@ -84,6 +84,7 @@ class Server:
         self.conns: list[Sock] = [conn] if conn is not None else []
         self.control = conn  # a private client's first connection: its end is the launcher's
         self.cells: dict[tuple[int, int], launch.Running] = {}  # (conn fd, request id) -> cell
+        self.retiring: dict[int, launch.Running] = {}  # C1's pidfd -> a cell whose cgroup goes once C1 has exited
         self.hosts: dict[int, int] = {}  # pidfd -> pid of a cell host forked for a supervised cell, or of a CLI
         self.fronts: dict[int, Sock] = {}  # pidfd -> the front's connection, for a CLI forked for it (op cli)
         self.fronts_served = 0
@@ -102,6 +103,8 @@ class Server:
         finally:
             for key in list(self.cells):
                 self._kill(key)
+            for pidfd in list(self.retiring):
+                self._retired(pidfd)
             self.warm.drop()
             if self.ahead is not None:
                 self.ahead.discard()
@@ -119,7 +122,7 @@ class Server:
                 self.warm.refill()
                 if self.ahead is None and self.fronts_served:
                     self.ahead = clihost.Ahead(self._detach)
-            readers: list[Any] = [*self.conns, *self.cells.values(), *self.hosts]
+            readers: list[Any] = [*self.conns, *self.cells.values(), *self.hosts, *self.retiring]
             if self.listener is not None:
                 readers.append(self.listener)
             if self.starter is not None:
@@ -139,6 +142,8 @@ class Server:
             for r in ready:
                 if isinstance(r, launch.Running):
                     self._progress(r)
+                elif r in self.retiring:
+                    self._retired(r)
                 elif isinstance(r, int):
                     self._reap(r)
                 elif r is self.listener:
@@ -435,7 +440,13 @@ class Server:
         conn = next((c for c in self.conns if c.fileno() == key[0]), None)
         if conn is not None:
             self._reply(conn, {"id": key[1], "event": "exit", "result": result})
-        running.clean_up()  # the client need not wait for the cgroup's removal
+        pidfd = running.retire()  # neither the client nor the next request waits for the cgroup's removal
+        if pidfd is not None:
+            self.retiring[pidfd] = running
+
+    def _retired(self, pidfd: int) -> None:
+        os.close(pidfd)
+        self.retiring.pop(pidfd).clean_up()
 
 
 def main(argv: list[str]) -> None:
