@@ -7,10 +7,11 @@ server on a listening socket for ``agentcell run`` (see :mod:`agentcell.host.war
 with each request (SCM_RIGHTS); the protocol is in :mod:`agentcell.host.wire`. Every launch is a
 fresh cell: nothing is reused between commands.
 
-Pre-warming: when idle, the launcher prepares the next cell for the policy of the last request
-(namespaces, mounts, pivot_root and the command process's identity drop done; it waits for argv), so
-the next request only hands over argv and fds and execs. A prepared cell has never run anything; it
-is discarded if the next request carries another policy, and when the launcher stops.
+Pre-warming: as soon as a request's cell runs (and when idle), the launcher prepares the next cell
+for the policy of the last request (namespaces, mounts, pivot_root and the Landlock ruleset done; its
+command process waits for argv), so the next request only hands over argv and fds and execs. A prepared
+cell has never run anything; it is discarded if the next request carries another policy, and when the
+launcher stops.
 """
 from __future__ import annotations
 
@@ -68,7 +69,7 @@ class _Warm:
             return
         try:
             self.cell = _prepare(self.wanted)
-        except AgentcellError:
+        except (AgentcellError, OSError):  # (out of processes, say)
             self.wanted = None  # the next request prepares (and reports) it in the foreground
 
     def drop(self) -> None:
@@ -116,8 +117,7 @@ class Server:
         while not self.stopping:
             if self.listener is None and not self.conns:
                 return  # the one private client has gone
-            # Prepare the next cell when idle: agents' tool calls come seconds apart, and preparing
-            # while a command runs would compete with it for the CPU.
+            # Prepare the next cell when idle (a spawn prepares the next one as soon as its cell runs).
             if not self.cells and not self.hosts:
                 self.warm.refill()
                 if self.ahead is None and self.fronts_served:
@@ -259,6 +259,9 @@ class Server:
                 running.poll_messages(0.05)
             self._reply(conn, {"id": rid, "event": "started", "cell_id": self.cells[key].cell_id,
                                "pid1": running.pid1})
+            # The next cell, now: a next request may come as soon as this command ends (back to back,
+            # it would otherwise wait for a whole build). Its build costs the command a few ms of CPU.
+            self.warm.refill()
         except AgentcellError as e:
             self._reply(conn, {"id": rid, "event": "error", "field": e.field, "message": e.line(),
                                "code": e.exit_code})
