@@ -428,10 +428,11 @@ def describe(spec: CellSpec, plan: mounts.MountPlan, argv: Sequence[str]) -> lis
         "12. stdio -> /dev/null; fork -> the command's process; PID 1 reaps",
         "13. default signal dispositions; setsid (a session of its own, no controlling terminal)",
         f"14. landlock: {landlock.describe_abi(spec)}", *(f"   {rule}" for rule in landlock.describe(spec)),
+        "   the seccomp filter made ready (21); pin the audit login uid; drop capability bounding set; clear "
+        "ambient capabilities",
         "15. receive argv and stdio fds",
-        f"16. {'' if ident.userns else f'setgroups {list(ident.groups)}; setresgid {ident.gid}; '}drop capability "
-        "bounding set; clear ambient capabilities",
-        f"   setresuid {ident.uid}; prctl(PR_SET_PDEATHSIG, SIGKILL); prctl(PR_SET_NO_NEW_PRIVS, 1)",
+        f"16. {f'setgroups {list(ident.groups)}; setresgid {ident.gid}; ' if not ident.userns else ''}"
+        f"setresuid {ident.uid}; prctl(PR_SET_PDEATHSIG, SIGKILL); prctl(PR_SET_NO_NEW_PRIVS, 1)",
         f"17. chdir {spec.cwd or ident.home}", "18. the fds onto their numbers (no directory on 0-2)",
         "19. landlock restrict_self", "20. refuse any terminal but the cell's own; the scrubbed environment",
         "21. seccomp filter (libseccomp), loaded last:", *(f"   {rule}" for rule in seccomp.describe()),
@@ -564,16 +565,19 @@ def _command(spec: CellSpec, ctl: object, w: int) -> NoReturn:
         signal.signal(s, signal.SIG_DFL)
     os.setsid()
     # 14. The Landlock ruleset (the mount tree again, as kernel rules), built now so a prepared cell has
-    #     it ready; enforced at 19. The seccomp program is in memory (step 2).
+    #     it ready; enforced at 19. The seccomp program (in memory since step 2) made ready to load at 21.
+    #     What of the identity drop needs no command: the audit login uid pinned to the agent's, the
+    #     capability bounding and ambient sets emptied (this process keeps its own until 16).
     rules = landlock.prepare(spec)
-    filter_program = seccomp.program(spec.watch)
+    install_filter = seccomp.ready(seccomp.program(spec.watch), listen=spec.watch)
+    identity.ready(spec.identity)
     # 15. The command arrives: at once from `agentcell run`, later for a warm cell; none for a live one.
     #     A cell discarded unused ends here.
     cmd = handoff.recv(ctl)  # type: ignore[arg-type]
     if cmd is None:
         os._exit(0)
     # 16. Identity: the agent account (or our own uid in the user namespace), for good.
-    _step("identity", identity.drop, spec.identity)
+    _step("identity", lambda: identity.drop(spec.identity, readied=True))
     # 17. Working directory.
     cwd = spec.cwd or spec.identity.home
     _step(f"cwd {cwd}", os.chdir, cwd)
@@ -595,7 +599,7 @@ def _command(spec: CellSpec, ctl: object, w: int) -> NoReturn:
     # 21. seccomp, last: from here on this process only closes fds and execs (or serves). Under the
     #     monitor the filter's listener goes to the supervisor (which must have it before any call is
     #     notified).
-    listener = seccomp.load(filter_program, listen=spec.watch)
+    listener = install_filter()
     if listener is not None:
         handoff.send_fd(ctl, listener, b"S")  # type: ignore[arg-type]
         os.close(listener)
