@@ -64,25 +64,33 @@ class Ahead:
     it touches are copied before a caller waits on them), and waits for one front's request. Used once."""
 
     def __init__(self, detach: Callable[[], None], warm_up: bool = True) -> None:
-        """``warm_up``: False when a request waits for it already (the request's own run does the same)."""
+        """``warm_up``: False when a request waits for it already (the request's own run does the same).
+        ``conn``: the launcher's end of the CLI's connection to it, made now (the launcher serves it as any
+        client's; a fork of the launcher needs no peer check, and connects to nothing)."""
         ours, theirs = _socket.socketpair(_socket.AF_UNIX, _socket.SOCK_SEQPACKET | _socket.SOCK_CLOEXEC)
+        conn, its_conn = _socket.socketpair(_socket.AF_UNIX, _socket.SOCK_SEQPACKET | _socket.SOCK_CLOEXEC)
         pid = os.fork()
         if pid == 0:
             code = 1
             try:
                 detach()
                 ours.detach()
-                sc.close_fds_except({theirs.fileno()})
+                conn.detach()
+                sc.close_fds_except({theirs.fileno(), its_conn.fileno()})
+                from . import remote
+
+                remote.given_warm(its_conn)
                 if warm_up:
                     _warm_up()
                 msg, fds = wire.recv(theirs, 5)
                 code = 0
                 if msg is not None and len(fds) == 5:  # (else the launcher has stopped: nothing to do)
-                    code = run_request(msg, fds[:4], fds[4])
+                    code = run_request(msg, fds[:4], fds[4], keep=(its_conn.fileno(),))
             finally:
                 os._exit(code)
         theirs.close()
-        self.pid, self.pidfd, self.sock = pid, os.pidfd_open(pid), ours
+        its_conn.close()
+        self.pid, self.pidfd, self.sock, self.conn = pid, os.pidfd_open(pid), ours, conn
 
     def hand(self, msg: dict[str, Any], fds: list[int], front: int) -> bool:
         """Give it the request; False if it could not take it (it has died)."""
@@ -116,11 +124,12 @@ def _warm_up() -> None:
         pass
 
 
-def run_request(msg: dict[str, Any], fds: list[int], front: int) -> int:
+def run_request(msg: dict[str, Any], fds: list[int], front: int, keep: tuple[int, ...] = ()) -> int:
     """In a process of the launcher's: become the front's CLI, run its command line, and tell the front
-    its status (the launcher tells it too, as it reaps this process: it may have been killed)."""
+    its status (the launcher tells it too, as it reaps this process: it may have been killed). ``keep``:
+    what else stays open (its connection to the launcher)."""
     os.set_inheritable(front, False)
-    become(msg, fds, keep={front})
+    become(msg, fds, keep={front, *keep})
     code = 1
     try:
         code = serve(msg)

@@ -122,6 +122,7 @@ class Server:
                 self.warm.refill()
                 if self.ahead is None and self.fronts_served:
                     self.ahead = clihost.Ahead(self._detach)
+                    self.conns.append(self.ahead.conn)
             readers: list[Any] = [*self.conns, *self.cells.values(), *self.hosts, *self.retiring]
             if self.listener is not None:
                 readers.append(self.listener)
@@ -363,6 +364,7 @@ class Server:
             if ahead is None:
                 try:
                     ahead = clihost.Ahead(self._detach, warm_up=False)
+                    self.conns.append(ahead.conn)
                 except OSError as e:
                     why = f"cannot fork: {e.strerror}"
                     break
