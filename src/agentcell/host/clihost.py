@@ -1,8 +1,9 @@
 """``agentcell run`` for the compiled front (``front/agentcell.c``): the warm launcher forks a process
 that becomes the front's CLI (its argv, environment, working directory, umask and stdio) and runs the
 code a Python ``agentcell run`` runs (:func:`agentcell.cli.main.main`), with the interpreter started and
-the imports done. That process asks the launcher for its cell like any client, so everything the
-policy, the monitor and the protected-path step do is unchanged: only the start is saved.
+the imports done. That process asks the launcher for its cell like any client (over a connection made
+as it was forked: a socketpair, which needs no peer check), so everything the policy, the monitor and
+the protected-path step do is unchanged: only the start is saved.
 
   front  -> {"op": "cli", "argv": [b"run", ...], "env": [b"K=V", ...], "umask": N}
             + fds [working directory, stdin, stdout, stderr]
