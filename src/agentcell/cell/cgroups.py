@@ -338,22 +338,23 @@ class CellCgroup:
         except OSError:
             return None
 
-    def join(self) -> int:
-        """Move the calling process (and so all it forks) into the cell's v1 groups, and open its cgroup
-        v2 group, for the next fork to be born in (:func:`agentcell.cell.syscalls.fork_into_cgroup`; the
-        fd is returned, -1 without such a group; :meth:`join_v2` where that is refused).
+    def join_v1(self) -> None:
+        """Move the calling process (and so all it forks) into the cell's v1 groups (hybrid and v1 hosts).
 
-        Only for a single-threaded caller (C1, a fork's child): a v1 group is joined through its ``tasks``
-        file, which moves the one thread, so the whole process. A ``cgroup.procs`` write (or a thread's
-        move of another) takes the host-wide cgroup_threadgroup_rwsem, whose first taker after a quiet
-        spell waits out an RCU grace period (5-15 ms here); a thread's move of itself does not."""
-        v2 = -1
+        Only for a single-threaded caller (C1, or a PID 1 cloned straight into its namespaces): a group is
+        joined through its ``tasks`` file, which moves the one thread, so the whole process. A
+        ``cgroup.procs`` write (or a thread's move of another) takes the host-wide cgroup_threadgroup_rwsem,
+        whose first taker after a quiet spell waits out an RCU grace period (5-15 ms here); a thread's move
+        of itself does not."""
         for kind, d in self.dirs.items():
-            if kind == "unified":
-                v2 = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-            else:
+            if kind != "unified":
                 _write(_thread_file(d), "0")
-        return v2
+
+    def open_v2(self) -> int:
+        """An fd of the cell's cgroup v2 group, for a child to be born in (:func:`agentcell.cell.syscalls.clone3`),
+        or -1 without one (:meth:`join_v2` where the kernel will not)."""
+        d = self.dirs.get("unified")
+        return os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC) if d else -1
 
     def join_v2(self) -> int:
         """Move the calling process into the cell's cgroup v2 group, where the kernel will not let a child

@@ -10,6 +10,9 @@ its command (:class:`Prepared`); ``go`` hands argv and stdio over, at once (``ag
 Process tree::
 
     supervisor (caller) ── C1: unshare(...), waits ── PID 1 of the cell (pid1.run) ── the command
+
+or, from a single-threaded supervisor (a warm launcher), without C1: PID 1 is cloned straight into its
+namespaces (:func:`_born`).
 """
 from __future__ import annotations
 
@@ -251,6 +254,7 @@ class Prepared:
     def __init__(self, spec: CellSpec, c1: int, status_r: int, ctl: object, cell_id: str,
                  cg: cgroups.CellCgroup | None) -> None:
         self.spec, self.c1, self._r, self._ctl, self.cell_id, self.cg = spec, c1, status_r, ctl, cell_id, cg
+        self.pid1 = 0  # known here when the supervisor cloned PID 1 itself (then c1 is PID 1)
         self.egress_fd: int | None = None  # the proxy's listening socket, made in the cell's netns
         self.canary_fd: int | None = None  # spec.watch: the canaries' watch, made by PID 1
         self.exec_fd: int | None = None  # spec.watch as root: exec marks on its own mounts, made by PID 1
@@ -287,6 +291,7 @@ class Prepared:
             if not live:
                 self._ctl.close()  # type: ignore[attr-defined]
         running = Running(self.spec, self.c1, self._r, started, self.cell_id, self.cg)
+        running.pid1 = self.pid1
         if live:
             running.live = execd.Channel(self._ctl)  # type: ignore[arg-type]
         running.pty_master = master
@@ -350,15 +355,25 @@ def prepare(spec: CellSpec, guards: Guards) -> Prepared:
         outer_uid, outer_gid = os.getuid(), os.getgid()
         # 4. Fork C1. Nothing of the supervisor's but stdio, the status pipe and the hand-off channel
         #    crosses into the cell (a warm launcher holds other cells' channels and its caller's sockets).
-        #    A SIGTERM meanwhile is raised once C1 is recorded, so that it is taken down.
-        with forked() as c1:
-            if c1 == 0:
-                sc.close_fds_except({w, theirs.fileno(), *plan.kept_fds()})
-                _run_child(w, lambda: _cell(spec, plan, w, theirs, outer_uid, outer_gid, cg))
+        #    A SIGTERM meanwhile is raised once C1 is recorded, so that it is taken down. A single-threaded
+        #    supervisor (a warm launcher) clones PID 1 itself instead, straight into the cell's namespaces
+        #    and cgroup v2 group: one Python process less a cell (:func:`_born` does C1's steps 5-7).
+        keep = {w, theirs.fileno(), *plan.kept_fds()}
+        with _clone_pid1(spec, cg) as (c1, command_mask):
+            if c1 == 0 and command_mask is not None:
+                sc.close_fds_except(keep)
+                _run_child(w, lambda: _born(spec, plan, w, theirs, cg, command_mask))
+            if c1 < 0:
+                with forked() as c1:
+                    if c1 == 0:
+                        sc.close_fds_except(keep)
+                        _run_child(w, lambda: _cell(spec, plan, w, theirs, outer_uid, outer_gid, cg))
             plan.release()
             os.close(w)
             theirs.close()
             prepared = Prepared(spec, c1, r, ours, cell_id, cg)
+            if command_mask is not None:
+                prepared.pid1 = c1  # (C1 reports PID 1's pid; this one is PID 1)
         if spec.network == "proxy":  # None if the cell failed first: its status pipe says why
             prepared.egress_fd = handoff.recv_fd(ours, b"L")
         if canary.planned(spec):  # None if the cell failed first
@@ -375,6 +390,46 @@ def prepare(spec: CellSpec, guards: Guards) -> Prepared:
             cg.remove()
         raise
     return prepared
+
+
+class _clone_pid1:  # noqa: N801 - used as a function: `with _clone_pid1(spec, cg) as (pid, mask):`
+    """PID 1 cloned here, straight into the cell's namespaces and cgroup v2 group, where this process may
+    (:func:`agentcell.cell.syscalls.clone3`: single-threaded, and a kernel and seccomp that allow it; a
+    rootless cell's uid map is C1's to write): (0, the mask the command gets back) in the child, (its pid,
+    that mask) here, or (-1, None) to go through C1. The forwarded signals, SIGTERM and SIGHUP among them,
+    are blocked across the clone and until the block ends (as :class:`agentcell.errors.forked`); PID 1
+    keeps them blocked."""
+
+    def __init__(self, spec: CellSpec, cg: cgroups.CellCgroup | None) -> None:
+        self.spec, self.cg = spec, cg
+        self.mask: set[int] | None = None
+
+    def __enter__(self) -> tuple[int, set[int] | None]:
+        if self.spec.identity.userns or not _single_threaded():
+            return -1, None
+        born_in = self.cg.open_v2() if self.cg is not None else -1
+        self.mask = pid1.block_signals()
+        try:
+            pid = sc.clone3(namespaces.flags_for(self.spec), born_in)
+        except OSError:
+            signal.pthread_sigmask(signal.SIG_SETMASK, self.mask)
+            self.mask = None
+            return -1, None
+        finally:
+            if born_in >= 0:
+                os.close(born_in)
+        return pid, self.mask
+
+    def __exit__(self, *_exc: object) -> None:
+        if self.mask is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, self.mask)
+
+
+def _single_threaded() -> bool:
+    try:
+        return len(os.listdir("/proc/self/task")) == 1
+    except OSError:
+        return False
 
 
 def cell_limits(spec: CellSpec) -> cgroups.Limits:
@@ -412,12 +467,17 @@ def describe(spec: CellSpec, plan: mounts.MountPlan, argv: Sequence[str]) -> lis
                                                              ("mark for execs:", execmarks.planned(spec))) if paths]
     return [
         "1. plan the mounts: every path resolved once, no symlink followed, its (dev, ino) recorded",
-        "2. compile the seccomp filter", f"3. {cgroup}", "4. fork C1 (stdio, the status pipe, the hand-off only)",
-        "5. prctl(PR_SET_PDEATHSIG, SIGKILL); join the cgroup's v1 groups (tasks), open its v2 group",
-        f"6. unshare({'|'.join('CLONE_NEW' + n for n in ns_names)})  # 0x{ns_flags:x}",
-        *([f"   write uid_map '{ident.uid} {ident.uid} 1', setgroups deny, gid_map '{ident.gid} {ident.gid} 1'"]
-          if ident.userns else []),
-        "7. non-dumpable; clone3(CLONE_INTO_CGROUP) -> PID 1 of the cell (reaper), born in the v2 group",
+        "2. compile the seccomp filter", f"3. {cgroup}",
+        *([f"4. clone3({'|'.join('CLONE_NEW' + n for n in ns_names)}|CLONE_INTO_CGROUP)  # 0x{ns_flags:x}: "
+           "PID 1 of the cell (reaper), born in its namespaces and the cgroup's v2 group, forwarded signals blocked "
+           "(stdio, the status pipe, the hand-off only; a supervisor with threads forks C1, which does 5-7)",
+           "5. prctl(PR_SET_PDEATHSIG, SIGKILL); join the cgroup's v1 groups (tasks)",
+           "7. non-dumpable"] if not ident.userns else [
+           "4. fork C1 (stdio, the status pipe, the hand-off only)",
+           "5. prctl(PR_SET_PDEATHSIG, SIGKILL); join the cgroup's v1 groups (tasks), open its v2 group",
+           f"6. unshare({'|'.join('CLONE_NEW' + n for n in ns_names)})  # 0x{ns_flags:x}",
+           f"   write uid_map '{ident.uid} {ident.uid} 1', setgroups deny, gid_map '{ident.gid} {ident.gid} 1'",
+           "7. non-dumpable; clone3(CLONE_INTO_CGROUP) -> PID 1 of the cell (reaper), born in the v2 group"]),
         "8. mount --make-rprivate /; tmpfs new root", *(f"   {d}" for d in plan.describe()),
         "   remount new root read-only; pivot_root; detach old root",
         *(["9. ip link set lo up"] if spec.network in ("loopback", "proxy") else []),
@@ -482,7 +542,8 @@ def _cell(spec: CellSpec, plan: mounts.MountPlan, w: int, ctl: object, outer_uid
     way_out: list[int] = []
     born_in = -1
     if cg is not None:
-        born_in = _step("cgroup", cg.join)
+        born_in = _step("cgroup", cg.open_v2)
+        _step("cgroup", cg.join_v1)
         way_out = _step("cgroup", cg.way_out)
     # 6. New namespaces; the next fork is PID 1 of the cell.
     _step("namespaces", namespaces.enter, spec, outer_uid, outer_gid)
@@ -506,6 +567,25 @@ def _cell(spec: CellSpec, plan: mounts.MountPlan, w: int, ctl: object, outer_uid
     for fd in way_out:
         os.close(fd)
     sc.prctl(sc.PR_SET_PDEATHSIG, signal.SIGKILL)
+    _pid1(spec, plan, w, ctl, command_mask)
+
+
+def _born(spec: CellSpec, plan: mounts.MountPlan, w: int, ctl: object, cg: cgroups.CellCgroup | None,
+          command_mask: set[int]) -> NoReturn:
+    """PID 1 cloned by the supervisor itself (:func:`_clone_pid1`): steps 5-7 without a C1."""
+    # 5. The cell dies with its supervisor. Born in the cell's v2 group, PID 1 joins its v1 groups before
+    #    anything else: every process of the cell but itself is born inside them.
+    sc.prctl(sc.PR_SET_PDEATHSIG, signal.SIGKILL)
+    if cg is not None:
+        _step("cgroup", cg.join_v1)
+    # 6. (The namespaces: made with PID 1, by clone3.)
+    # 7. Non-dumpable: our memory holds the supervisor's environment. Forwarded signals are blocked from
+    #    birth (the kernel drops a signal that reaches a namespace's init before it has a handler).
+    sc.prctl(sc.PR_SET_DUMPABLE, 0)
+    _pid1(spec, plan, w, ctl, command_mask)
+
+
+def _pid1(spec: CellSpec, plan: mounts.MountPlan, w: int, ctl: object, command_mask: set[int]) -> NoReturn:
     # 8. Mount tree: private propagation, tmpfs root, nosuid/nodev system binds, /proc, /dev; the cell's
     #    own paths by depth (masks last at each), protected re-binds among them; the host's secrets
     #    masked last; pivot_root, the old root detached.
@@ -546,7 +626,7 @@ def _fork_pid1(cg: cgroups.CellCgroup | None, born_in: int, way_out: list[int]) 
     if cg is None or born_in < 0:
         return os.fork()
     try:
-        return sc.fork_into_cgroup(born_in)
+        return sc.clone3(0, born_in)
     except OSError:
         pass  # (no clone3 or no CLONE_INTO_CGROUP; a group that refuses us is the join's to report, below)
     finally:

@@ -116,16 +116,24 @@ def prctl(option: int, arg2: int = 0, arg3: int = 0, arg4: int = 0, arg5: int = 
     return _check(_libc.prctl(option, arg2, arg3, arg4, arg5), f"prctl({option})")
 
 
-def fork_into_cgroup(cgroup_fd: int) -> int:
-    """fork(), the child born in the cgroup v2 group ``cgroup_fd`` (clone3 with CLONE_INTO_CGROUP): 0 in
-    the child, its pid in the parent; OSError where clone3 or the flag is refused (ENOSYS: an older
-    kernel, or a container runtime's seccomp profile; EINVAL: a kernel before 5.7).
+def clone3(flags: int = 0, cgroup_fd: int = -1) -> int:
+    """fork() with clone3's ``flags`` (new namespaces: the child is born in them), the child born in the
+    cgroup v2 group ``cgroup_fd`` if one is given (CLONE_INTO_CGROUP): 0 in the child, its pid in the
+    parent; OSError where clone3 or a flag is refused (ENOSYS: an older kernel, or a container runtime's
+    seccomp profile; EINVAL: a kernel before 5.7 for CLONE_INTO_CGROUP).
 
-    Only for a single-threaded caller (a fork's child) that runs Python on in the child: unlike
-    os.fork(), no at-fork handler runs (none is needed: no other thread can hold a lock), and libc's
-    cached thread id stays the parent's (libc's own fork() sets it right in any process this child forks)."""
-    args = struct.pack("11Q", CLONE_INTO_CGROUP, 0, 0, 0, SIGCHLD, 0, 0, 0, 0, 0, cgroup_fd)  # struct clone_args
-    return _check(_libc.syscall(_L(SYS_clone3), args, _L(len(args))), "clone3")
+    Only for a single-threaded caller that runs Python on in the child: unlike os.fork(), no at-fork
+    handler runs (none is needed: no other thread can hold a lock; the call holds the GIL throughout),
+    and libc's cached thread id stays the parent's (libc's own fork() sets it right in any process this
+    child forks)."""
+    if cgroup_fd >= 0:
+        flags |= CLONE_INTO_CGROUP
+    args = struct.pack("11Q", flags, 0, 0, 0, SIGCHLD, 0, 0, 0, 0, 0, max(cgroup_fd, 0))  # struct clone_args
+    return _check(_pysyscall(_L(SYS_clone3), args, _L(len(args))), "clone3")
+
+
+_pysyscall = ctypes.PyDLL(None, use_errno=True).syscall  # (the GIL is not let go around the clone)
+_pysyscall.restype = ctypes.c_long
 
 
 def sethostname(name: str) -> None:
