@@ -12,7 +12,7 @@ Process tree::
     supervisor (caller) ── C1: unshare(...), waits ── PID 1 of the cell (pid1.run) ── the command
 
 or, from a single-threaded supervisor (a warm launcher), without C1: PID 1 is cloned straight into its
-namespaces (:func:`_born`).
+PID namespace and makes the others itself (:func:`_born`).
 """
 from __future__ import annotations
 
@@ -356,8 +356,8 @@ def prepare(spec: CellSpec, guards: Guards) -> Prepared:
         # 4. Fork C1. Nothing of the supervisor's but stdio, the status pipe and the hand-off channel
         #    crosses into the cell (a warm launcher holds other cells' channels and its caller's sockets).
         #    A SIGTERM meanwhile is raised once C1 is recorded, so that it is taken down. A single-threaded
-        #    supervisor (a warm launcher) clones PID 1 itself instead, straight into the cell's namespaces
-        #    and cgroup v2 group: one Python process less a cell (:func:`_born` does C1's steps 5-7).
+        #    supervisor (a warm launcher) clones PID 1 itself instead, straight into a PID namespace and
+        #    the cell's cgroup v2 group: one Python process less a cell (:func:`_born` does C1's 5-7).
         keep = {w, theirs.fileno(), *plan.kept_fds()}
         with _clone_pid1(spec, cg) as (c1, command_mask):
             if c1 == 0 and command_mask is not None:
@@ -393,7 +393,8 @@ def prepare(spec: CellSpec, guards: Guards) -> Prepared:
 
 
 class _clone_pid1:  # noqa: N801 - used as a function: `with _clone_pid1(spec, cg) as (pid, mask):`
-    """PID 1 cloned here, straight into the cell's namespaces and cgroup v2 group, where this process may
+    """PID 1 cloned here, straight into a PID namespace of its own and the cell's cgroup v2 group (it makes
+    its other namespaces itself, in :func:`_born`), where this process may
     (:func:`agentcell.cell.syscalls.clone3`: single-threaded, and a kernel and seccomp that allow it; a
     rootless cell's uid map is C1's to write): (0, the mask the command gets back) in the child, (its pid,
     that mask) here, or (-1, None) to go through C1. The forwarded signals, SIGTERM and SIGHUP among them,
@@ -410,7 +411,7 @@ class _clone_pid1:  # noqa: N801 - used as a function: `with _clone_pid1(spec, c
         born_in = self.cg.open_v2() if self.cg is not None else -1
         self.mask = pid1.block_signals()
         try:
-            pid = sc.clone3(namespaces.flags_for(self.spec), born_in)
+            pid = sc.clone3(sc.CLONE_NEWPID, born_in)
         except OSError:
             signal.pthread_sigmask(signal.SIG_SETMASK, self.mask)
             self.mask = None
@@ -468,10 +469,11 @@ def describe(spec: CellSpec, plan: mounts.MountPlan, argv: Sequence[str]) -> lis
     return [
         "1. plan the mounts: every path resolved once, no symlink followed, its (dev, ino) recorded",
         "2. compile the seccomp filter", f"3. {cgroup}",
-        *([f"4. clone3({'|'.join('CLONE_NEW' + n for n in ns_names)}|CLONE_INTO_CGROUP)  # 0x{ns_flags:x}: "
-           "PID 1 of the cell (reaper), born in its namespaces and the cgroup's v2 group, forwarded signals blocked "
-           "(stdio, the status pipe, the hand-off only; a supervisor with threads forks C1, which does 5-7)",
+        *(["4. clone3(CLONE_NEWPID|CLONE_INTO_CGROUP): PID 1 of the cell (reaper), born in a PID namespace and "
+           "the cgroup's v2 group, forwarded signals blocked (stdio, the status pipe, the hand-off only; a "
+           "supervisor with threads forks C1, which does 5-7)",
            "5. prctl(PR_SET_PDEATHSIG, SIGKILL); join the cgroup's v1 groups (tasks)",
+           f"6. unshare({'|'.join('CLONE_NEW' + n for n in ns_names if n != 'PID')})",
            "7. non-dumpable"] if not ident.userns else [
            "4. fork C1 (stdio, the status pipe, the hand-off only)",
            "5. prctl(PR_SET_PDEATHSIG, SIGKILL); join the cgroup's v1 groups (tasks), open its v2 group",
@@ -578,7 +580,9 @@ def _born(spec: CellSpec, plan: mounts.MountPlan, w: int, ctl: object, cg: cgrou
     sc.prctl(sc.PR_SET_PDEATHSIG, signal.SIGKILL)
     if cg is not None:
         _step("cgroup", cg.join_v1)
-    # 6. (The namespaces: made with PID 1, by clone3.)
+    # 6. New namespaces but the PID one, which PID 1 was born in: made here, not by the supervisor, which
+    #    serves its next request meanwhile (a network namespace takes 0.3-3 ms to make here).
+    _step("namespaces", sc.unshare, namespaces.flags_for(spec) & ~sc.CLONE_NEWPID)
     # 7. Non-dumpable: our memory holds the supervisor's environment. Forwarded signals are blocked from
     #    birth (the kernel drops a signal that reaches a namespace's init before it has a handler).
     sc.prctl(sc.PR_SET_DUMPABLE, 0)
