@@ -319,13 +319,13 @@ class CellCgroup:
 
     def _mkdir(self, path: str) -> str:
         for attempt in range(3):  # another cell's cleanup may remove the shared parent in between
-            os.makedirs(os.path.dirname(path), exist_ok=True)
             try:
-                os.mkdir(path, 0o755)
+                os.mkdir(path, 0o755)  # (the shared parent is usually there: made only when it is not)
                 break
             except FileNotFoundError:
                 if attempt == 2:
                     raise
+            os.makedirs(os.path.dirname(path), exist_ok=True)
         self.created.append(path)  # at once, so a failure further on still removes it
         return path
 
