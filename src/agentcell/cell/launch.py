@@ -190,10 +190,11 @@ class Running:
 
     def retire(self) -> int | None:
         """:meth:`clean_up` without waiting, once the result is known (a launcher that serves the next
-        request meanwhile): what can go goes now; the cell's cgroup waits for C1, which reaps PID 1 (which
-        killed and reaped the rest before it reported), so once C1 has exited its groups are empty and
-        :meth:`clean_up` removes them at once. Returns an fd that becomes readable then (C1's pidfd: the
-        caller closes it, then calls :meth:`clean_up`), or None when all is done."""
+        request meanwhile): what can go goes now; the cell's cgroup waits for C1, which reaps PID 1 (or
+        for PID 1 itself, when the supervisor cloned it), which killed and reaped the rest before it
+        reported, so once that child has exited the groups are empty and :meth:`clean_up` removes them
+        at once. Returns an fd that becomes readable then (the child's pidfd: the caller closes it, then
+        calls :meth:`clean_up`), or None when all is done."""
         if self.cg is not None and self.c1 in _unreaped and not _reaped(self.c1):
             return os.pidfd_open(self.c1)  # (an unreaped child: its pid cannot have been reused)
         self.clean_up()
