@@ -7,11 +7,11 @@ server on a listening socket for ``agentcell run`` (see :mod:`agentcell.host.war
 with each request (SCM_RIGHTS); the protocol is in :mod:`agentcell.host.wire`. Every launch is a
 fresh cell: nothing is reused between commands.
 
-Pre-warming: as soon as a request's cell runs (and when idle), the launcher prepares the next cell
-for the policy of the last request (namespaces, mounts, pivot_root and the Landlock ruleset done; its
-command process waits for argv), so the next request only hands over argv and fds and execs. A prepared
-cell has never run anything; it is discarded if the next request carries another policy, and when the
-launcher stops.
+Pre-warming: when idle (in a burst of requests, as soon as a request's cell runs), the launcher prepares
+the next cell for the policy of the last request (namespaces, mounts, pivot_root and the Landlock
+ruleset done; its command process waits for argv), so the next request only hands over argv and fds
+and execs. A prepared cell has never run anything; it is discarded if the next request carries another
+policy, and when the launcher stops.
 """
 from __future__ import annotations
 
@@ -39,6 +39,11 @@ else:  # (signal.py imports enum; see cell/launch.py)
 
 
 PROGRAMS_HELD_S = 60.0
+# A spawn this soon after the last cell's end is one of a burst (a loop, not an agent's tool calls, which
+# come seconds apart): the next cell is prepared as soon as its cell runs, not when the launcher is idle
+# again, which would leave the next request waiting for a build. Preparing it while a command runs costs
+# that command's end a few ms (the launcher's part of the build comes first).
+BURST_S = 0.04
 
 
 def _prepare(spec: CellSpec) -> launch.Prepared:
@@ -96,6 +101,7 @@ class Server:
         self.warm = _Warm(prewarm)
         self.idle_s = idle_s
         self.started = self.last_work = time.monotonic()
+        self.last_end = 0.0  # when the last spawned cell's end was told
         self.stopping = False
 
     def serve(self) -> None:
@@ -117,7 +123,7 @@ class Server:
         while not self.stopping:
             if self.listener is None and not self.conns:
                 return  # the one private client has gone
-            # Prepare the next cell when idle (a spawn prepares the next one as soon as its cell runs).
+            # Prepare the next cell when idle (or, in a burst, as soon as a spawn's cell runs: BURST_S).
             if not self.cells and not self.hosts:
                 self.warm.refill()
                 if self.ahead is None and self.fronts_served:
@@ -248,7 +254,7 @@ class Server:
             self._reply(conn, {"id": rid, "event": "error", "field": "op", "message": f"unknown op {op!r}",
                                "code": 125})
             return
-        self.last_work = time.monotonic()
+        self.last_work = arrived = time.monotonic()
         try:
             spec = spec_from_dict(msg["spec"])
             if spec.network in ("proxy", "host-firewall") or spec.watch:  # its proxy, table or monitor: a host's
@@ -260,9 +266,8 @@ class Server:
                 running.poll_messages(0.05)
             self._reply(conn, {"id": rid, "event": "started", "cell_id": self.cells[key].cell_id,
                                "pid1": running.pid1})
-            # The next cell, now: a next request may come as soon as this command ends (back to back,
-            # it would otherwise wait for a whole build). Its build costs the command a few ms of CPU.
-            self.warm.refill()
+            if arrived - self.last_end < BURST_S:  # (else when idle)
+                self.warm.refill()
         except AgentcellError as e:
             self._reply(conn, {"id": rid, "event": "error", "field": e.field, "message": e.line(),
                                "code": e.exit_code})
@@ -445,6 +450,7 @@ class Server:
         conn = next((c for c in self.conns if c.fileno() == key[0]), None)
         if conn is not None:
             self._reply(conn, {"id": key[1], "event": "exit", "result": result})
+        self.last_end = time.monotonic()
         pidfd = running.retire()  # neither the client nor the next request waits for the cgroup's removal
         if pidfd is not None:
             self.retiring[pidfd] = running
