@@ -473,9 +473,8 @@ def describe(spec: CellSpec, plan: mounts.MountPlan, argv: Sequence[str]) -> lis
         *(["4. clone3(CLONE_NEWPID|CLONE_INTO_CGROUP): PID 1 of the cell (reaper), born in a PID namespace and "
            "the cgroup's v2 group, forwarded signals blocked (stdio, the status pipe, the hand-off only; a "
            "supervisor with threads forks C1, which does 5-7)",
-           "5. prctl(PR_SET_PDEATHSIG, SIGKILL); join the cgroup's v1 groups (tasks)",
-           f"6. unshare({'|'.join('CLONE_NEW' + n for n in ns_names if n != 'PID')})",
-           "7. non-dumpable"] if not ident.userns else [
+           "5. prctl(PR_SET_PDEATHSIG, SIGKILL); non-dumpable (7); join the cgroup's v1 groups (tasks)",
+           f"6. unshare({'|'.join('CLONE_NEW' + n for n in ns_names if n != 'PID')})"] if not ident.userns else [
            "4. fork C1 (stdio, the status pipe, the hand-off only)",
            "5. prctl(PR_SET_PDEATHSIG, SIGKILL); join the cgroup's v1 groups (tasks), open its v2 group",
            f"6. unshare({'|'.join('CLONE_NEW' + n for n in ns_names)})  # 0x{ns_flags:x}",
@@ -576,17 +575,18 @@ def _cell(spec: CellSpec, plan: mounts.MountPlan, w: int, ctl: object, outer_uid
 def _born(spec: CellSpec, plan: mounts.MountPlan, w: int, ctl: object, cg: cgroups.CellCgroup | None,
           command_mask: set[int]) -> NoReturn:
     """PID 1 cloned by the supervisor itself (:func:`_clone_pid1`): steps 5-7 without a C1."""
-    # 5. The cell dies with its supervisor. Born in the cell's v2 group, PID 1 joins its v1 groups before
+    # 5. The cell dies with its supervisor. Non-dumpable at once (7; no uid map to write here): our memory
+    #    holds the supervisor's environment. Born in the cell's v2 group, PID 1 joins its v1 groups before
     #    anything else: every process of the cell but itself is born inside them.
     sc.prctl(sc.PR_SET_PDEATHSIG, signal.SIGKILL)
+    sc.prctl(sc.PR_SET_DUMPABLE, 0)
     if cg is not None:
         _step("cgroup", cg.join_v1)
     # 6. New namespaces but the PID one, which PID 1 was born in: made here, not by the supervisor, which
     #    serves its next request meanwhile (a network namespace takes 0.3-3 ms to make here).
     _step("namespaces", sc.unshare, namespaces.flags_for(spec) & ~sc.CLONE_NEWPID)
-    # 7. Non-dumpable: our memory holds the supervisor's environment. Forwarded signals are blocked from
-    #    birth (the kernel drops a signal that reaches a namespace's init before it has a handler).
-    sc.prctl(sc.PR_SET_DUMPABLE, 0)
+    # 7. (Non-dumpable: above.) Forwarded signals are blocked from birth (the kernel drops a signal that
+    #    reaches a namespace's init before it has a handler).
     _pid1(spec, plan, w, ctl, command_mask)
 
 
