@@ -625,9 +625,9 @@ def _pid1(spec: CellSpec, plan: mounts.MountPlan, w: int, ctl: object, command_m
 
 
 def _fork_pid1(cg: cgroups.CellCgroup | None, born_in: int, way_out: list[int]) -> int:
-    """fork() PID 1 into the cell's cgroup v2 group (``born_in``, from :meth:`CellCgroup.join`; C1 is
-    single-threaded, as fork_into_cgroup needs). Where the kernel refuses that, C1 joins the group
-    first, and leaves it with the others."""
+    """fork() PID 1 into the cell's cgroup v2 group (``born_in``, from :meth:`CellCgroup.open_v2`; C1 is
+    single-threaded, as :func:`agentcell.cell.syscalls.clone3` needs). Where the kernel refuses that, C1
+    joins the group first, and leaves it with the others."""
     if cg is None or born_in < 0:
         return os.fork()
     try:
