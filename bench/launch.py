@@ -108,9 +108,10 @@ def layer_costs(spec: object, runs: int) -> dict[str, float]:
 
     guarded = for_cell(spec)  # type: ignore[arg-type]
 
-    real = {"landlock": landlock.prepare, "seccomp": seccomp.load, "cgroup": cgroups.CellCgroup.create}
-    off = {"landlock": lambda _spec: None, "seccomp": lambda _prog: None, "cgroup": lambda *_a: None}
-    targets = {"landlock": (landlock, "prepare"), "seccomp": (seccomp, "load"),
+    real = {"landlock": landlock.prepare, "seccomp": seccomp.ready, "cgroup": cgroups.CellCgroup.create}
+    off = {"landlock": lambda _spec: None, "seccomp": lambda _prog, listen=False: lambda: None,
+           "cgroup": lambda *_a: None}
+    targets = {"landlock": (landlock, "prepare"), "seccomp": (seccomp, "ready"),
                "cgroup": (cgroups.CellCgroup, "create")}
     out = {"launch_all_layers": median_ms(lambda: launch.launch(spec, ["true"], guards=guarded), runs)}  # type: ignore[arg-type]
     for name, (owner, attr) in targets.items():

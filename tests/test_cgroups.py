@@ -1,6 +1,7 @@
 """Every cell in a cgroup of its own: ceilings hold, hits are reported, nothing is left behind."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -9,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from agentcell.cell import cgroups
-from conftest import AGENTCELL, User, agentcell_run, needs_root
+from conftest import AGENTCELL, User, agentcell_run, deny_syscall, needs_root
 
 pytestmark = [needs_root, pytest.mark.skipif(cgroups.layout() == "none", reason="no cgroup filesystem mounted")]
 
@@ -54,6 +55,40 @@ def test_every_cell_has_a_cgroup_even_without_limits_and_it_goes_away(user: User
     assert not leftovers()
     records = Path("/run/agentcell/cgroups")
     assert not (records.exists() and any(records.iterdir()))
+
+
+def in_every_group(cgroup_lines: str, cell_id: str) -> list[str]:
+    """The lines of /proc/self/cgroup that do not show the cell's own group where the cell has one (each
+    v1 hierarchy agentcell uses, and the unified one)."""
+    wanted = {*cgroups.V1_CONTROLLERS, ""}
+    return [line for line in cgroup_lines.splitlines()
+            if wanted & set(line.split(":")[1].split(",")) and not line.endswith(f"/{cgroups.PARENT}/{cell_id}")]
+
+
+def test_the_command_is_born_in_every_group_of_its_cell(user: User) -> None:
+    # PID 1 is forked into the v2 group (clone3's CLONE_INTO_CGROUP) after C1 joined the v1 groups as a
+    # thread (their tasks files): the command, forked by PID 1, is in all of them.
+    r = agentcell_run(["--as", str(user.uid), "--", "cat", "/proc/self/cgroup"])
+    assert r.rc == 0, r.err
+    assert not in_every_group(r.out, str(r.result["cell_id"])), r.out
+    assert len(r.out.splitlines()) > 1 or cgroups.layout() == "v2"
+
+
+def test_where_clone3_is_refused_pid1_joins_its_group_first(user: User) -> None:
+    # Container runtimes' seccomp profiles answer clone3 with ENOSYS (libc falls back to clone): C1 then
+    # joins the v2 group through cgroup.procs and forks PID 1 as before.
+    deny = deny_syscall(435, 38)  # clone3 -> ENOSYS
+    p = subprocess.run([sys.executable, "-c", deny, AGENTCELL, "run", "--no-warm", "--json", "--as", str(user.uid),
+                        "--", "cat", "/proc/self/cgroup"], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    *out, last = p.stdout.rstrip("\n").split("\n")
+    cell_id = str(json.loads(last)["cell_id"])
+    assert f"0::/{cgroups.PARENT}/{cell_id}" in out and not in_every_group("\n".join(out), cell_id), p.stdout
+    assert not [g for g in leftovers_of(cell_id)], "the cell's groups were left behind"
+
+
+def leftovers_of(cell_id: str) -> list[str]:
+    return cgroups.groups_of(cell_id)
 
 
 @pytest.mark.parametrize(("flag", "value"), [("--memory", "lots"), ("--memory", "10K"), ("--cpu", "0"),

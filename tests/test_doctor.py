@@ -171,6 +171,18 @@ def test_the_cgroup_migration_wait_is_named_with_the_mount_option_that_removes_i
     assert (fast.status, fast.data["favordynmods"]) == ("ok", ["/sys/fs/cgroup/unified"]), fast
 
 
+def test_no_cgroup_migration_wait_where_pid1_is_born_in_its_group() -> None:
+    born = cgroupfs.check_cgroup_migration(cgroupfs.parse_cgroup_mounts(HYBRID), born_in=True)
+    assert born.status == "ok" and "v1 groups as a thread" in born.detail, born
+    v1_only = cgroupfs.check_cgroup_migration(cgroupfs.parse_cgroup_mounts(V1_ONLY), born_in=True)
+    assert v1_only.status == "warn", v1_only  # no v2 group to be born in: the v1 joins decide
+
+
+def test_the_kernel_here_lets_a_child_be_born_in_a_cgroup() -> None:
+    # The probe doctor uses, against this kernel (6.x, clone3 allowed): the launcher's PID 1 path.
+    assert cgroupfs.clone_into_cgroup_usable()
+
+
 def test_cgroup_layout_v2_only() -> None:
     cg = cgroupfs.parse_cgroup_mounts(V2_ONLY)
     assert (cg.layout, cg.unified, cg.v1) == ("v2", "/sys/fs/cgroup", {})

@@ -90,11 +90,21 @@ def _write_new(path: str, value: str) -> None:
 
 
 def _read(path: str) -> str:
+    """A control file's text ("" if it cannot be read). Not open(): its text layer costs more than the read
+    (four of these end every cell's result)."""
     try:
-        with open(path) as f:
-            return f.read()
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
         return ""
+    try:
+        chunks = []
+        while chunk := os.read(fd, 65536):
+            chunks.append(chunk)
+        return b"".join(chunks).decode(errors="replace")
+    except OSError:
+        return ""
+    finally:
+        os.close(fd)
 
 
 def _count(text: str, key: str) -> int:
@@ -198,6 +208,19 @@ def _leave_room(top: str, wanted: set[str]) -> set[str]:
     return wanted & set(_read(f"{top}/cgroup.controllers").split())
 
 
+def _top_of(d: str) -> str:
+    """The group a cell's group ``d`` (``TOP/agentcell/<cell id>``) was made below: its hierarchy's root,
+    or the group delegated to the caller."""
+    return d.rsplit("/" + PARENT + "/", 1)[0]
+
+
+def _thread_file(d: str) -> str:
+    """A v1 group's ``tasks`` (a thread's own move), or its ``cgroup.procs`` where only that one was given
+    to the caller (a group delegated by chown of the directory and cgroup.procs alone)."""
+    tasks = f"{d}/tasks"
+    return tasks if os.geteuid() == 0 or os.access(tasks, os.W_OK) else f"{d}/cgroup.procs"
+
+
 class Limits:
     def __init__(self, memory: int | None, cpu_percent: int | None, pids: int | None) -> None:
         self.memory, self.cpu_percent, self.pids = memory, cpu_percent, pids
@@ -296,13 +319,13 @@ class CellCgroup:
 
     def _mkdir(self, path: str) -> str:
         for attempt in range(3):  # another cell's cleanup may remove the shared parent in between
-            os.makedirs(os.path.dirname(path), exist_ok=True)
             try:
-                os.mkdir(path, 0o755)
+                os.mkdir(path, 0o755)  # (the shared parent is usually there: made only when it is not)
                 break
             except FileNotFoundError:
                 if attempt == 2:
                     raise
+            os.makedirs(os.path.dirname(path), exist_ok=True)
         self.created.append(path)  # at once, so a failure further on still removes it
         return path
 
@@ -315,10 +338,35 @@ class CellCgroup:
         except OSError:
             return None
 
-    def join(self) -> None:
-        """Move the calling process (and so all it forks) into every group of the cell."""
-        for d in self.dirs.values():
+    def join_v1(self) -> None:
+        """Move the calling process (and so all it forks) into the cell's v1 groups (hybrid and v1 hosts).
+
+        Only for a single-threaded caller (C1, or a PID 1 cloned straight into its namespaces): a group is
+        joined through its ``tasks`` file, which moves the one thread, so the whole process. A
+        ``cgroup.procs`` write (or a thread's move of another) takes the host-wide cgroup_threadgroup_rwsem,
+        whose first taker after a quiet spell waits out an RCU grace period (5-15 ms here); a thread's move
+        of itself does not."""
+        for kind, d in self.dirs.items():
+            if kind != "unified":
+                _write(_thread_file(d), "0")
+
+    def open_v2(self) -> int:
+        """An fd of the cell's cgroup v2 group, for a child to be born in (:func:`agentcell.cell.syscalls.clone3`),
+        or -1 without one (:meth:`join_v2` where the kernel will not)."""
+        d = self.dirs.get("unified")
+        return os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC) if d else -1
+
+    def join_v2(self) -> int:
+        """Move the calling process into the cell's cgroup v2 group, where the kernel will not let a child
+        be born there (lock and wait included); the fd of the way back out (see :meth:`way_out`)."""
+        d = self.dirs["unified"]
+        out = os.open(f"{_top_of(d)}/cgroup.procs", os.O_WRONLY | os.O_CLOEXEC)
+        try:
             _write(f"{d}/cgroup.procs", "0")
+        except BaseException:
+            os.close(out)
+            raise
+        return out
 
     def adopt(self, pid: int) -> None:
         """Move another process into every group of the cell: one that serves the cell alone (its
@@ -327,15 +375,15 @@ class CellCgroup:
             _write(f"{d}/cgroup.procs", str(pid))
 
     def way_out(self) -> list[int]:
-        """fds of the root groups' cgroup.procs, opened now: C1 leaves through them after it forked
-        PID 1, when PID 1's pivot_root may already have replaced the root of their shared mount
-        namespace (and /sys with it)."""
-        return [os.open(f"{d.rsplit('/' + PARENT + '/', 1)[0]}/cgroup.procs", os.O_WRONLY | os.O_CLOEXEC)
-                for d in self.dirs.values()]
+        """fds of the ``tasks`` files (:func:`_thread_file`) of the groups the cell's v1 groups were made in,
+        opened now: C1 leaves through them after it forked PID 1, when PID 1's pivot_root may already
+        have replaced the root of their shared mount namespace (and /sys with it)."""
+        return [os.open(_thread_file(_top_of(d)), os.O_WRONLY | os.O_CLOEXEC)
+                for kind, d in self.dirs.items() if kind != "unified"]
 
     @staticmethod
     def leave(way_out: list[int]) -> None:
-        """Move the calling process back to the root groups (C1: only the cell proper stays inside)."""
+        """Move the calling process back to the groups it came from (C1: only the cell proper stays inside)."""
         for fd in way_out:
             os.write(fd, b"0")
             os.close(fd)

@@ -10,6 +10,9 @@ its command (:class:`Prepared`); ``go`` hands argv and stdio over, at once (``ag
 Process tree::
 
     supervisor (caller) ── C1: unshare(...), waits ── PID 1 of the cell (pid1.run) ── the command
+
+or, from a single-threaded supervisor (a warm launcher), without C1: PID 1 is cloned straight into its
+PID namespace and makes the others itself (:func:`_born`).
 """
 from __future__ import annotations
 
@@ -180,8 +183,22 @@ class Running:
         self.canary_fd = self.seccomp_fd = self.exec_fd = None
         self.root_fds = None
         if self.cg is not None:
+            if self.c1 in _unreaped:
+                _reaped(self.c1)
             cg, self.cg = self.cg, None
             cg.remove()
+
+    def retire(self) -> int | None:
+        """:meth:`clean_up` without waiting, once the result is known (a launcher that serves the next
+        request meanwhile): what can go goes now; the cell's cgroup waits for C1, which reaps PID 1 (or
+        for PID 1 itself, when the supervisor cloned it), which killed and reaped the rest before it
+        reported, so once that child has exited the groups are empty and :meth:`clean_up` removes them
+        at once. Returns an fd that becomes readable then (the child's pidfd: the caller closes it, then
+        calls :meth:`clean_up`), or None when all is done."""
+        if self.cg is not None and self.c1 in _unreaped and not _reaped(self.c1):
+            return os.pidfd_open(self.c1)  # (an unreaped child: its pid cannot have been reused)
+        self.clean_up()
+        return None
 
     def reported(self) -> bool:
         """PID 1 has reported the command's end (and emptied the cell)."""
@@ -209,11 +226,18 @@ def _reap_later(pid: int) -> None:
     """C1 exits just after PID 1's report; reap it now if it has, else on a later call."""
     _unreaped.append(pid)
     for p in list(_unreaped):
-        try:
-            if os.waitpid(p, os.WNOHANG)[0]:
-                _unreaped.remove(p)
-        except ChildProcessError:
-            _unreaped.remove(p)
+        _reaped(p)
+
+
+def _reaped(pid: int) -> bool:
+    """Reap ``pid`` (of :data:`_unreaped`) if it has exited; whether it is gone."""
+    try:
+        if not os.waitpid(pid, os.WNOHANG)[0]:
+            return False
+    except ChildProcessError:
+        pass
+    _unreaped.remove(pid)
+    return True
 
 
 def _waitpid_eintr(pid: int) -> tuple[int, int]:
@@ -231,6 +255,7 @@ class Prepared:
     def __init__(self, spec: CellSpec, c1: int, status_r: int, ctl: object, cell_id: str,
                  cg: cgroups.CellCgroup | None) -> None:
         self.spec, self.c1, self._r, self._ctl, self.cell_id, self.cg = spec, c1, status_r, ctl, cell_id, cg
+        self.pid1 = 0  # known here when the supervisor cloned PID 1 itself (then c1 is PID 1)
         self.egress_fd: int | None = None  # the proxy's listening socket, made in the cell's netns
         self.canary_fd: int | None = None  # spec.watch: the canaries' watch, made by PID 1
         self.exec_fd: int | None = None  # spec.watch as root: exec marks on its own mounts, made by PID 1
@@ -267,6 +292,7 @@ class Prepared:
             if not live:
                 self._ctl.close()  # type: ignore[attr-defined]
         running = Running(self.spec, self.c1, self._r, started, self.cell_id, self.cg)
+        running.pid1 = self.pid1
         if live:
             running.live = execd.Channel(self._ctl)  # type: ignore[arg-type]
         running.pty_master = master
@@ -330,15 +356,25 @@ def prepare(spec: CellSpec, guards: Guards) -> Prepared:
         outer_uid, outer_gid = os.getuid(), os.getgid()
         # 4. Fork C1. Nothing of the supervisor's but stdio, the status pipe and the hand-off channel
         #    crosses into the cell (a warm launcher holds other cells' channels and its caller's sockets).
-        #    A SIGTERM meanwhile is raised once C1 is recorded, so that it is taken down.
-        with forked() as c1:
-            if c1 == 0:
-                sc.close_fds_except({w, theirs.fileno(), *plan.kept_fds()})
-                _run_child(w, lambda: _cell(spec, plan, w, theirs, outer_uid, outer_gid, cg))
+        #    A SIGTERM meanwhile is raised once C1 is recorded, so that it is taken down. A single-threaded
+        #    supervisor (a warm launcher) clones PID 1 itself instead, straight into a PID namespace and
+        #    the cell's cgroup v2 group: one Python process less a cell (:func:`_born` does C1's 5-7).
+        keep = {w, theirs.fileno(), *plan.kept_fds()}
+        with _clone_pid1(spec, cg) as (c1, command_mask):
+            if c1 == 0 and command_mask is not None:
+                sc.close_fds_except(keep)
+                _run_child(w, lambda: _born(spec, plan, w, theirs, cg, command_mask))
+            if c1 < 0:
+                with forked() as c1:
+                    if c1 == 0:
+                        sc.close_fds_except(keep)
+                        _run_child(w, lambda: _cell(spec, plan, w, theirs, outer_uid, outer_gid, cg))
             plan.release()
             os.close(w)
             theirs.close()
             prepared = Prepared(spec, c1, r, ours, cell_id, cg)
+            if command_mask is not None:
+                prepared.pid1 = c1  # (C1 reports PID 1's pid; this one is PID 1)
         if spec.network == "proxy":  # None if the cell failed first: its status pipe says why
             prepared.egress_fd = handoff.recv_fd(ours, b"L")
         if canary.planned(spec):  # None if the cell failed first
@@ -355,6 +391,47 @@ def prepare(spec: CellSpec, guards: Guards) -> Prepared:
             cg.remove()
         raise
     return prepared
+
+
+class _clone_pid1:  # noqa: N801 - used as a function: `with _clone_pid1(spec, cg) as (pid, mask):`
+    """PID 1 cloned here, straight into a PID namespace of its own and the cell's cgroup v2 group (it makes
+    its other namespaces itself, in :func:`_born`), where this process may
+    (:func:`agentcell.cell.syscalls.clone3`: single-threaded, and a kernel and seccomp that allow it; a
+    rootless cell's uid map is C1's to write): (0, the mask the command gets back) in the child, (its pid,
+    that mask) here, or (-1, None) to go through C1. The forwarded signals, SIGTERM and SIGHUP among them,
+    are blocked across the clone and until the block ends (as :class:`agentcell.errors.forked`); PID 1
+    keeps them blocked."""
+
+    def __init__(self, spec: CellSpec, cg: cgroups.CellCgroup | None) -> None:
+        self.spec, self.cg = spec, cg
+        self.mask: set[int] | None = None
+
+    def __enter__(self) -> tuple[int, set[int] | None]:
+        if self.spec.identity.userns or not _single_threaded():
+            return -1, None
+        born_in = self.cg.open_v2() if self.cg is not None else -1
+        self.mask = pid1.block_signals()
+        try:
+            pid = sc.clone3(sc.CLONE_NEWPID, born_in)
+        except OSError:
+            signal.pthread_sigmask(signal.SIG_SETMASK, self.mask)
+            self.mask = None
+            return -1, None
+        finally:
+            if born_in >= 0:
+                os.close(born_in)
+        return pid, self.mask
+
+    def __exit__(self, *_exc: object) -> None:
+        if self.mask is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, self.mask)
+
+
+def _single_threaded() -> bool:
+    try:
+        return len(os.listdir("/proc/self/task")) == 1
+    except OSError:
+        return False
 
 
 def cell_limits(spec: CellSpec) -> cgroups.Limits:
@@ -392,12 +469,17 @@ def describe(spec: CellSpec, plan: mounts.MountPlan, argv: Sequence[str]) -> lis
                                                              ("mark for execs:", execmarks.planned(spec))) if paths]
     return [
         "1. plan the mounts: every path resolved once, no symlink followed, its (dev, ino) recorded",
-        "2. compile the seccomp filter", f"3. {cgroup}", "4. fork C1 (stdio, the status pipe, the hand-off only)",
-        "5. prctl(PR_SET_PDEATHSIG, SIGKILL); join the cgroup",
-        f"6. unshare({'|'.join('CLONE_NEW' + n for n in ns_names)})  # 0x{ns_flags:x}",
-        *([f"   write uid_map '{ident.uid} {ident.uid} 1', setgroups deny, gid_map '{ident.gid} {ident.gid} 1'"]
-          if ident.userns else []),
-        "7. non-dumpable; fork -> PID 1 of the cell (reaper)",
+        "2. compile the seccomp filter", f"3. {cgroup}",
+        *(["4. clone3(CLONE_NEWPID|CLONE_INTO_CGROUP): PID 1 of the cell (reaper), born in a PID namespace and "
+           "the cgroup's v2 group, forwarded signals blocked (stdio, the status pipe, the hand-off only; a "
+           "supervisor with threads forks C1, which does 5-7)",
+           "5. prctl(PR_SET_PDEATHSIG, SIGKILL); non-dumpable (7); join the cgroup's v1 groups (tasks)",
+           f"6. unshare({'|'.join('CLONE_NEW' + n for n in ns_names if n != 'PID')})"] if not ident.userns else [
+           "4. fork C1 (stdio, the status pipe, the hand-off only)",
+           "5. prctl(PR_SET_PDEATHSIG, SIGKILL); join the cgroup's v1 groups (tasks), open its v2 group",
+           f"6. unshare({'|'.join('CLONE_NEW' + n for n in ns_names)})  # 0x{ns_flags:x}",
+           f"   write uid_map '{ident.uid} {ident.uid} 1', setgroups deny, gid_map '{ident.gid} {ident.gid} 1'",
+           "7. non-dumpable; clone3(CLONE_INTO_CGROUP) -> PID 1 of the cell (reaper), born in the v2 group"]),
         "8. mount --make-rprivate /; tmpfs new root", *(f"   {d}" for d in plan.describe()),
         "   remount new root read-only; pivot_root; detach old root",
         *(["9. ip link set lo up"] if spec.network in ("loopback", "proxy") else []),
@@ -408,10 +490,11 @@ def describe(spec: CellSpec, plan: mounts.MountPlan, argv: Sequence[str]) -> lis
         "12. stdio -> /dev/null; fork -> the command's process; PID 1 reaps",
         "13. default signal dispositions; setsid (a session of its own, no controlling terminal)",
         f"14. landlock: {landlock.describe_abi(spec)}", *(f"   {rule}" for rule in landlock.describe(spec)),
+        "   the seccomp filter made ready (21); pin the audit login uid; drop capability bounding set; clear "
+        "ambient capabilities",
         "15. receive argv and stdio fds",
-        f"16. {'' if ident.userns else f'setgroups {list(ident.groups)}; setresgid {ident.gid}; '}drop capability "
-        "bounding set; clear ambient capabilities",
-        f"   setresuid {ident.uid}; prctl(PR_SET_PDEATHSIG, SIGKILL); prctl(PR_SET_NO_NEW_PRIVS, 1)",
+        f"16. {f'setgroups {list(ident.groups)}; setresgid {ident.gid}; ' if not ident.userns else ''}"
+        f"setresuid {ident.uid}; prctl(PR_SET_PDEATHSIG, SIGKILL); prctl(PR_SET_NO_NEW_PRIVS, 1)",
         f"17. chdir {spec.cwd or ident.home}", "18. the fds onto their numbers (no directory on 0-2)",
         "19. landlock restrict_self", "20. refuse any terminal but the cell's own; the scrubbed environment",
         "21. seccomp filter (libseccomp), loaded last:", *(f"   {rule}" for rule in seccomp.describe()),
@@ -455,12 +538,14 @@ def _step(name: str, fn: Callable[..., T], *args: object) -> T:
 
 def _cell(spec: CellSpec, plan: mounts.MountPlan, w: int, ctl: object, outer_uid: int, outer_gid: int,
           cg: cgroups.CellCgroup | None) -> NoReturn:
-    # 5. The cell dies with its supervisor; and before anything else, C1 joins the cgroup, so every
-    #    process of the cell is born inside it.
+    # 5. The cell dies with its supervisor; and before anything else, C1 joins the cell's v1 groups and
+    #    opens its v2 group, which PID 1 is born in (7): every process of the cell is born inside them.
     sc.prctl(sc.PR_SET_PDEATHSIG, signal.SIGKILL)
     way_out: list[int] = []
+    born_in = -1
     if cg is not None:
-        _step("cgroup", cg.join)
+        born_in = _step("cgroup", cg.open_v2)
+        _step("cgroup", cg.join_v1)
         way_out = _step("cgroup", cg.way_out)
     # 6. New namespaces; the next fork is PID 1 of the cell.
     _step("namespaces", namespaces.enter, spec, outer_uid, outer_gid)
@@ -470,7 +555,7 @@ def _cell(spec: CellSpec, plan: mounts.MountPlan, w: int, ctl: object, outer_uid
     #    and the supervisor may signal as soon as it knows us. C1 then leaves the cgroup and waits.
     sc.prctl(sc.PR_SET_DUMPABLE, 0)
     command_mask = pid1.block_signals()
-    pid = os.fork()
+    pid = _fork_pid1(cg, born_in, way_out)
     if pid:
         signal.pthread_sigmask(signal.SIG_SETMASK, command_mask)
         ctl.close()  # type: ignore[attr-defined]
@@ -484,6 +569,28 @@ def _cell(spec: CellSpec, plan: mounts.MountPlan, w: int, ctl: object, outer_uid
     for fd in way_out:
         os.close(fd)
     sc.prctl(sc.PR_SET_PDEATHSIG, signal.SIGKILL)
+    _pid1(spec, plan, w, ctl, command_mask)
+
+
+def _born(spec: CellSpec, plan: mounts.MountPlan, w: int, ctl: object, cg: cgroups.CellCgroup | None,
+          command_mask: set[int]) -> NoReturn:
+    """PID 1 cloned by the supervisor itself (:func:`_clone_pid1`): steps 5-7 without a C1."""
+    # 5. The cell dies with its supervisor. Non-dumpable at once (7; no uid map to write here): our memory
+    #    holds the supervisor's environment. Born in the cell's v2 group, PID 1 joins its v1 groups before
+    #    anything else: every process of the cell but itself is born inside them.
+    sc.prctl(sc.PR_SET_PDEATHSIG, signal.SIGKILL)
+    sc.prctl(sc.PR_SET_DUMPABLE, 0)
+    if cg is not None:
+        _step("cgroup", cg.join_v1)
+    # 6. New namespaces but the PID one, which PID 1 was born in: made here, not by the supervisor, which
+    #    serves its next request meanwhile (a network namespace takes 0.3-3 ms to make here).
+    _step("namespaces", sc.unshare, namespaces.flags_for(spec) & ~sc.CLONE_NEWPID)
+    # 7. (Non-dumpable: above.) Forwarded signals are blocked from birth (the kernel drops a signal that
+    #    reaches a namespace's init before it has a handler).
+    _pid1(spec, plan, w, ctl, command_mask)
+
+
+def _pid1(spec: CellSpec, plan: mounts.MountPlan, w: int, ctl: object, command_mask: set[int]) -> NoReturn:
     # 8. Mount tree: private propagation, tmpfs root, nosuid/nodev system binds, /proc, /dev; the cell's
     #    own paths by depth (masks last at each), protected re-binds among them; the host's secrets
     #    masked last; pivot_root, the old root detached.
@@ -517,6 +624,22 @@ def _cell(spec: CellSpec, plan: mounts.MountPlan, w: int, ctl: object, outer_uid
              close_after_fork=[ctl.fileno()], command_mask=command_mask)  # type: ignore[attr-defined]
 
 
+def _fork_pid1(cg: cgroups.CellCgroup | None, born_in: int, way_out: list[int]) -> int:
+    """fork() PID 1 into the cell's cgroup v2 group (``born_in``, from :meth:`CellCgroup.open_v2`; C1 is
+    single-threaded, as :func:`agentcell.cell.syscalls.clone3` needs). Where the kernel refuses that, C1
+    joins the group first, and leaves it with the others."""
+    if cg is None or born_in < 0:
+        return os.fork()
+    try:
+        return sc.clone3(0, born_in)
+    except OSError:
+        pass  # (no clone3 or no CLONE_INTO_CGROUP; a group that refuses us is the join's to report, below)
+    finally:
+        os.close(born_in)
+    way_out.append(_step("cgroup", cg.join_v2))
+    return os.fork()
+
+
 def _command(spec: CellSpec, ctl: object, w: int) -> NoReturn:
     """The command's process: everything that does not depend on the command is done before it
     arrives (a warm cell waits here); the identity is dropped only once it has arrived, so a prepared
@@ -527,16 +650,19 @@ def _command(spec: CellSpec, ctl: object, w: int) -> NoReturn:
         signal.signal(s, signal.SIG_DFL)
     os.setsid()
     # 14. The Landlock ruleset (the mount tree again, as kernel rules), built now so a prepared cell has
-    #     it ready; enforced at 19. The seccomp program is in memory (step 2).
+    #     it ready; enforced at 19. The seccomp program (in memory since step 2) made ready to load at 21.
+    #     What of the identity drop needs no command: the audit login uid pinned to the agent's, the
+    #     capability bounding and ambient sets emptied (this process keeps its own until 16).
     rules = landlock.prepare(spec)
-    filter_program = seccomp.program(spec.watch)
+    install_filter = seccomp.ready(seccomp.program(spec.watch), listen=spec.watch)
+    identity.ready(spec.identity)
     # 15. The command arrives: at once from `agentcell run`, later for a warm cell; none for a live one.
     #     A cell discarded unused ends here.
     cmd = handoff.recv(ctl)  # type: ignore[arg-type]
     if cmd is None:
         os._exit(0)
     # 16. Identity: the agent account (or our own uid in the user namespace), for good.
-    _step("identity", identity.drop, spec.identity)
+    _step("identity", lambda: identity.drop(spec.identity, readied=True))
     # 17. Working directory.
     cwd = spec.cwd or spec.identity.home
     _step(f"cwd {cwd}", os.chdir, cwd)
@@ -558,7 +684,7 @@ def _command(spec: CellSpec, ctl: object, w: int) -> NoReturn:
     # 21. seccomp, last: from here on this process only closes fds and execs (or serves). Under the
     #     monitor the filter's listener goes to the supervisor (which must have it before any call is
     #     notified).
-    listener = seccomp.load(filter_program, listen=spec.watch)
+    listener = install_filter()
     if listener is not None:
         handoff.send_fd(ctl, listener, b"S")  # type: ignore[arg-type]
         os.close(listener)

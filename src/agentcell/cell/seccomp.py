@@ -33,6 +33,10 @@ import struct
 
 from .. import hostfs
 from ..errors import LaunchError
+from .spec import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 EPERM_CALLS = (
     "ptrace", "process_vm_readv", "process_vm_writev", "mount", "umount2", "pivot_root", "chroot", "unshare",
@@ -235,28 +239,43 @@ def _load_or_compile(notify: bool) -> bytes:
 def load(prog: bytes, *, listen: bool = False) -> int | None:
     """Install the filter on the calling process (no_new_privs is already set); it survives exec.
     ``listen``: the notify variant; returns its listener fd (for the supervisor)."""
-    buf = ctypes.create_string_buffer(prog, len(prog))
-    fprog = struct.pack("HxxxxxxQ", len(prog) // 8, ctypes.addressof(buf))
-    libc = ctypes.CDLL(None, use_errno=True)
-    if not listen:
-        if libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.c_char_p(fprog), 0, 0) != 0:
-            raise LaunchError("seccomp", f"loading the filter: {os.strerror(ctypes.get_errno())}")
-        return None
+    return ready(prog, listen=listen)()
+
+
+def ready(prog: bytes, *, listen: bool = False) -> Callable[[], int | None]:
+    """:func:`load`, made ready: the program's buffer, its sock_fprog and libc's entry point are built now
+    (a prepared cell's command process does so before its command comes: 0.6 ms a command here), and the
+    function returned only makes the call."""
     nr = SYS_SECCOMP.get(os.uname().machine)
-    if nr is None:
+    if listen and nr is None:
         raise LaunchError("seccomp", f"no seccomp syscall number known for {os.uname().machine}",
                           "run without --monitor")
-    # WAIT_KILLABLE_RECV (5.19+): once the monitor has received a call, a signal cannot pull it
-    # back out unrecorded (EINTR); only a fatal one ends the wait.
-    for flags in (SECCOMP_FILTER_FLAG_NEW_LISTENER | SECCOMP_FILTER_FLAG_WAIT_KILLABLE_RECV,
-                  SECCOMP_FILTER_FLAG_NEW_LISTENER):
-        fd = libc.syscall(ctypes.c_long(nr), ctypes.c_long(SECCOMP_SET_MODE_FILTER), ctypes.c_long(flags),
-                          ctypes.c_char_p(fprog))
-        if fd >= 0 or ctypes.get_errno() != errno.EINVAL:
-            break
-    if fd < 0:
-        err = ctypes.get_errno()
-        hint = ("an outer seccomp filter already has a listener (a monitored cell inside another)"
-                if err == errno.EBUSY else "")
-        raise LaunchError("seccomp", f"loading the filter with a listener: {os.strerror(err)}", hint)
-    return int(fd)
+    return _Loader(prog, nr or 0, listen).load
+
+
+class _Loader:
+    def __init__(self, prog: bytes, nr: int, listen: bool) -> None:
+        self.buf = ctypes.create_string_buffer(prog, len(prog))  # (held here while the call may come)
+        self.fprog = ctypes.c_char_p(struct.pack("HxxxxxxQ", len(prog) // 8, ctypes.addressof(self.buf)))
+        libc = ctypes.CDLL(None, use_errno=True)
+        self.prctl, self.syscall, self.nr, self.listen = libc.prctl, libc.syscall, nr, listen
+
+    def load(self) -> int | None:
+        if not self.listen:
+            if self.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, self.fprog, 0, 0) != 0:
+                raise LaunchError("seccomp", f"loading the filter: {os.strerror(ctypes.get_errno())}")
+            return None
+        # WAIT_KILLABLE_RECV (5.19+): once the monitor has received a call, a signal cannot pull it
+        # back out unrecorded (EINTR); only a fatal one ends the wait.
+        for flags in (SECCOMP_FILTER_FLAG_NEW_LISTENER | SECCOMP_FILTER_FLAG_WAIT_KILLABLE_RECV,
+                      SECCOMP_FILTER_FLAG_NEW_LISTENER):
+            fd = self.syscall(ctypes.c_long(self.nr), ctypes.c_long(SECCOMP_SET_MODE_FILTER), ctypes.c_long(flags),
+                              self.fprog)
+            if fd >= 0 or ctypes.get_errno() != errno.EINVAL:
+                break
+        if fd < 0:
+            err = ctypes.get_errno()
+            hint = ("an outer seccomp filter already has a listener (a monitored cell inside another)"
+                    if err == errno.EBUSY else "")
+            raise LaunchError("seccomp", f"loading the filter with a listener: {os.strerror(err)}", hint)
+        return int(fd)

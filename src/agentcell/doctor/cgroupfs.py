@@ -113,7 +113,7 @@ def check_cgroups(mountinfo: str | None = None, *, root: bool) -> list[Check]:
                 f"{k} {v}" for k, v in sorted(given.items())) + "; cells get their ceilings below them",
                 data={"delegated": given}))
     if root:
-        checks.append(check_cgroup_migration(cg))
+        checks.append(check_cgroup_migration(cg, clone_into_cgroup_usable()))
     if cg.unified:
         checks.append(_check_kill_freeze(cg.unified))
     else:
@@ -123,15 +123,35 @@ def check_cgroups(mountinfo: str | None = None, *, root: bool) -> list[Check]:
     return checks
 
 
-def check_cgroup_migration(cg: CgroupMounts) -> Check:
-    """Speed, not safety: a cold cell's first move into its cgroup waits for an RCU grace period (the
-    kernel's cgroup_threadgroup_rwsem), ~10 ms of a cold ``agentcell run`` on this project's machines
-    (59.7 -> 49.2 ms with it off). The ``favordynmods`` mount option (kernel >= 6.0) removes the wait
-    host-wide, at a small cost to every fork and exit; it is the host owner's choice, so this only says so."""
-    data = {"favordynmods": cg.favoured}
+def clone_into_cgroup_usable() -> bool:
+    """Whether this process may fork a child into a cgroup v2 group (clone3 with CLONE_INTO_CGROUP, Linux
+    5.7), as the launcher forks a cell's PID 1. clone3 with no arguments is refused with EINVAL where the
+    call exists, with ENOSYS where it does not or a seccomp filter (a container runtime's) refuses it."""
+    if kernel_tuple(platform.release()) < (5, 7):
+        return False
+    import ctypes
+    import errno
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    return libc.syscall(ctypes.c_long(435), None, ctypes.c_long(0)) < 0 and ctypes.get_errno() == errno.EINVAL
+
+
+def check_cgroup_migration(cg: CgroupMounts, born_in: bool = False) -> Check:
+    """Speed, not safety: a move into a cgroup through ``cgroup.procs`` takes the kernel's
+    cgroup_threadgroup_rwsem, whose first taker after a quiet spell waits out an RCU grace period (~10 ms
+    of a cold ``agentcell run`` on this project's machines). A cell's PID 1 is born in its v2 group
+    (``born_in``: clone3's CLONE_INTO_CGROUP works here) and C1 joins the v1 groups as a thread, neither
+    of which takes that lock; without clone3, the ``favordynmods`` mount option (kernel >= 6.0) removes
+    the wait host-wide, at a small cost to every fork and exit: the host owner's choice, so this only
+    says so."""
+    data: dict[str, Any] = {"favordynmods": cg.favoured, "clone_into_cgroup": born_in}
     if cg.favoured:
         return Check("cgroup migration", "ok", f"favordynmods on {', '.join(cg.favoured)}: a cell joins its "
                      "cgroup without waiting", data=data)
+    if born_in and cg.unified:
+        return Check("cgroup migration", "ok", "a cell's PID 1 is born in its cgroup v2 group (clone3 "
+                     "CLONE_INTO_CGROUP)" + (" and joins its v1 groups as a thread" if cg.v1 else "")
+                     + ": no wait for an RCU grace period", data=data)
     where = cg.unified or next(iter(cg.v1.values()), "/sys/fs/cgroup")
     if kernel_tuple(platform.release()) < (6, 0):
         return Check("cgroup migration", "warn", "each cold cell waits ~10 ms to join its cgroup (an RCU grace "

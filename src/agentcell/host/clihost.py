@@ -1,8 +1,9 @@
 """``agentcell run`` for the compiled front (``front/agentcell.c``): the warm launcher forks a process
 that becomes the front's CLI (its argv, environment, working directory, umask and stdio) and runs the
 code a Python ``agentcell run`` runs (:func:`agentcell.cli.main.main`), with the interpreter started and
-the imports done. That process asks the launcher for its cell like any client, so everything the
-policy, the monitor and the protected-path step do is unchanged: only the start is saved.
+the imports done. That process asks the launcher for its cell like any client (over a connection made
+as it was forked: a socketpair, which needs no peer check), so everything the policy, the monitor and
+the protected-path step do is unchanged: only the start is saved.
 
   front  -> {"op": "cli", "argv": [b"run", ...], "env": [b"K=V", ...], "umask": N}
             + fds [working directory, stdin, stdout, stderr]
@@ -64,26 +65,34 @@ class Ahead:
     it touches are copied before a caller waits on them), and waits for one front's request. Used once."""
 
     def __init__(self, detach: Callable[[], None], warm_up: bool = True) -> None:
-        """``warm_up``: False when a request waits for it already (the request's own run does the same)."""
+        """``warm_up``: False when a request waits for it already (the request's own run does the same).
+        ``conn``: the launcher's end of the CLI's connection to it, made now (the launcher serves it as any
+        client's; a fork of the launcher needs no peer check, and connects to nothing)."""
         ours, theirs = _socket.socketpair(_socket.AF_UNIX, _socket.SOCK_SEQPACKET | _socket.SOCK_CLOEXEC)
+        conn, its_conn = _socket.socketpair(_socket.AF_UNIX, _socket.SOCK_SEQPACKET | _socket.SOCK_CLOEXEC)
         pid = os.fork()
         if pid == 0:
             code = 1
             try:
                 detach()
                 ours.detach()
-                sc.close_fds_except({theirs.fileno()})
+                conn.detach()
+                sc.close_fds_except({theirs.fileno(), its_conn.fileno()})
+                from . import remote
+
+                remote.given_warm(its_conn)
                 if warm_up:
                     _warm_up()
                 msg, fds = wire.recv(theirs, 5)
                 code = 0
                 if msg is not None and len(fds) == 5:  # (else the launcher has stopped: nothing to do)
-                    code = run_request(msg, fds[:4], fds[4])
+                    code = run_request(msg, fds[:4], fds[4], keep=(its_conn.fileno(),))
             finally:
                 settle()
                 os._exit(code)
         theirs.close()
-        self.pid, self.pidfd, self.sock = pid, os.pidfd_open(pid), ours
+        its_conn.close()
+        self.pid, self.pidfd, self.sock, self.conn = pid, os.pidfd_open(pid), ours, conn
 
     def hand(self, msg: dict[str, Any], fds: list[int], front: int) -> bool:
         """Give it the request; False if it could not take it (it has died)."""
@@ -153,13 +162,14 @@ def _warm_up() -> None:
         pass
 
 
-def run_request(msg: dict[str, Any], fds: list[int], front: int, *, watch: bool = False) -> int:
+def run_request(msg: dict[str, Any], fds: list[int], front: int, *, watch: bool = False,
+                keep: tuple[int, ...] = ()) -> int:
     """In a process of the launcher's: become the front's CLI, run its command line, and tell the front
     its status (its parent tells it too, as it reaps this process: it may have been killed). ``watch``:
     the front's connection is this process's alone (a session's, :mod:`.starter`): what the front sends
-    is read here (:func:`watch_front`)."""
+    is read here (:func:`watch_front`). ``keep``: what else stays open (its connection to the launcher)."""
     os.set_inheritable(front, False)
-    become(msg, fds, keep={front})
+    become(msg, fds, keep={front, *keep})
     conn = _socket.socket(fileno=front)
     done = watch_front(conn) if watch else None
     code = 1

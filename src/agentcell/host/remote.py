@@ -72,8 +72,20 @@ def connect(path: str) -> _socket.socket | None:
     return None
 
 
+_given: list[_socket.socket] = []  # a connection to the launcher made as it forked this process (clihost.Ahead)
+
+
+def given_warm(sock: _socket.socket) -> None:
+    """In a process the warm launcher forked to run a front's CLI: its connection to the launcher, made
+    before the fork (a socketpair: nothing to find, connect or check), for :func:`connect_warm` to use
+    once."""
+    _given.append(sock)
+
+
 def connect_warm() -> _socket.socket | None:
     """A connection to our own running warm launcher (``agentcell warm``), or None."""
+    if _given:
+        return _given.pop()
     d = hostfs.socket_dir()
     return connect(os.path.join(d, WARM_SOCKET)) if _private_dir(d) else None
 

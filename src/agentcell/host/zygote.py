@@ -7,10 +7,11 @@ server on a listening socket for ``agentcell run`` (see :mod:`agentcell.host.war
 with each request (SCM_RIGHTS); the protocol is in :mod:`agentcell.host.wire`. Every launch is a
 fresh cell: nothing is reused between commands.
 
-Pre-warming: when idle, the launcher prepares the next cell for the policy of the last request
-(namespaces, mounts, pivot_root and the command process's identity drop done; it waits for argv), so
-the next request only hands over argv and fds and execs. A prepared cell has never run anything; it
-is discarded if the next request carries another policy, and when the launcher stops.
+Pre-warming: when idle (in a burst of requests, as soon as a request's cell runs), the launcher prepares
+the next cell for the policy of the last request (namespaces, mounts, pivot_root and the Landlock
+ruleset done; its command process waits for argv), so the next request only hands over argv and fds
+and execs. A prepared cell has never run anything; it is discarded if the next request carries another
+policy, and when the launcher stops.
 """
 from __future__ import annotations
 
@@ -38,6 +39,11 @@ else:  # (signal.py imports enum; see cell/launch.py)
 
 
 PROGRAMS_HELD_S = 60.0
+# A spawn this soon after the last cell's end is one of a burst (a loop, not an agent's tool calls, which
+# come seconds apart): the next cell is prepared as soon as its cell runs, not when the launcher is idle
+# again, which would leave the next request waiting for a build. Preparing it while a command runs costs
+# that command's end a few ms (the launcher's part of the build comes first).
+BURST_S = 0.04
 
 
 def _prepare(spec: CellSpec) -> launch.Prepared:
@@ -68,7 +74,7 @@ class _Warm:
             return
         try:
             self.cell = _prepare(self.wanted)
-        except AgentcellError:
+        except (AgentcellError, OSError):  # (out of processes, say)
             self.wanted = None  # the next request prepares (and reports) it in the foreground
 
     def drop(self) -> None:
@@ -84,6 +90,7 @@ class Server:
         self.conns: list[Sock] = [conn] if conn is not None else []
         self.control = conn  # a private client's first connection: its end is the launcher's
         self.cells: dict[tuple[int, int], launch.Running] = {}  # (conn fd, request id) -> cell
+        self.retiring: dict[int, launch.Running] = {}  # C1's pidfd -> a cell whose cgroup goes once C1 has exited
         self.hosts: dict[int, int] = {}  # pidfd -> pid of a cell host forked for a supervised cell, or of a CLI
         self.fronts: dict[int, Sock] = {}  # pidfd -> the front's connection, for a CLI forked for it (op cli)
         self.fronts_served = 0
@@ -94,6 +101,7 @@ class Server:
         self.warm = _Warm(prewarm)
         self.idle_s = idle_s
         self.started = self.last_work = time.monotonic()
+        self.last_end = 0.0  # when the last spawned cell's end was told
         self.stopping = False
 
     def serve(self) -> None:
@@ -102,6 +110,8 @@ class Server:
         finally:
             for key in list(self.cells):
                 self._kill(key)
+            for pidfd in list(self.retiring):
+                self._retired(pidfd)
             self.warm.drop()
             if self.ahead is not None:
                 self.ahead.discard()
@@ -113,13 +123,13 @@ class Server:
         while not self.stopping:
             if self.listener is None and not self.conns:
                 return  # the one private client has gone
-            # Prepare the next cell when idle: agents' tool calls come seconds apart, and preparing
-            # while a command runs would compete with it for the CPU.
+            # Prepare the next cell when idle (or, in a burst, as soon as a spawn's cell runs: BURST_S).
             if not self.cells and not self.hosts:
                 self.warm.refill()
                 if self.ahead is None and self.fronts_served:
                     self.ahead = clihost.Ahead(self._detach)
-            readers: list[Any] = [*self.conns, *self.cells.values(), *self.hosts]
+                    self.conns.append(self.ahead.conn)
+            readers: list[Any] = [*self.conns, *self.cells.values(), *self.hosts, *self.retiring]
             if self.listener is not None:
                 readers.append(self.listener)
             if self.starter is not None:
@@ -139,6 +149,8 @@ class Server:
             for r in ready:
                 if isinstance(r, launch.Running):
                     self._progress(r)
+                elif r in self.retiring:
+                    self._retired(r)
                 elif isinstance(r, int):
                     self._reap(r)
                 elif r is self.listener:
@@ -235,7 +247,7 @@ class Server:
             self._reply(conn, {"id": rid, "event": "error", "field": "op", "message": f"unknown op {op!r}",
                                "code": 125})
             return
-        self.last_work = time.monotonic()
+        self.last_work = arrived = time.monotonic()
         try:
             spec = spec_from_dict(msg["spec"])
             if spec.network in ("proxy", "host-firewall") or spec.watch:  # its proxy, table or monitor: a host's
@@ -247,6 +259,8 @@ class Server:
                 running.poll_messages(0.05)
             self._reply(conn, {"id": rid, "event": "started", "cell_id": self.cells[key].cell_id,
                                "pid1": running.pid1})
+            if arrived - self.last_end < BURST_S:  # (else when idle)
+                self.warm.refill()
         except AgentcellError as e:
             self._reply(conn, {"id": rid, "event": "error", "field": e.field, "message": e.line(),
                                "code": e.exit_code})
@@ -346,6 +360,7 @@ class Server:
             if ahead is None:
                 try:
                     ahead = clihost.Ahead(self._detach, warm_up=False)
+                    self.conns.append(ahead.conn)
                 except OSError as e:
                     why = f"cannot fork: {e.strerror}"
                     break
@@ -408,7 +423,14 @@ class Server:
         conn = next((c for c in self.conns if c.fileno() == key[0]), None)
         if conn is not None:
             self._reply(conn, {"id": key[1], "event": "exit", "result": result})
-        running.clean_up()  # the client need not wait for the cgroup's removal
+        self.last_end = time.monotonic()
+        pidfd = running.retire()  # neither the client nor the next request waits for the cgroup's removal
+        if pidfd is not None:
+            self.retiring[pidfd] = running
+
+    def _retired(self, pidfd: int) -> None:
+        os.close(pidfd)
+        self.retiring.pop(pidfd).clean_up()
 
 
 def main(argv: list[str]) -> None:
