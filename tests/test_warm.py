@@ -596,10 +596,10 @@ def test_roots_launcher_holds_the_monitors_programs_that_each_watched_cell_joins
     try:
         assert launcher not in _holders()
         r = agentcell_run(["--as", str(user.uid), "--monitor", "--", "true"], warm=True)
-        assert r.rc == 0 and r.result["via"] == "warm launcher", r.stderr
+        assert r.rc == 0 and r.result["via"] == "warm launcher", r.err
         assert launcher in _holders(), "the launcher holds them after a watched cell"
         r = agentcell_run(["--as", str(user.uid), "--monitor", "--", "cat", "/etc/shadow"], warm=True)
-        assert r.rc == 137 and r.result["terminated_by_monitor"], (r.rc, r.stderr)
+        assert r.rc == 137 and r.result["terminated_by_monitor"], (r.rc, r.err)
         assert any(e["target"] == "/etc/shadow" for e in r.result["events"]), r.result["events"]
         assert launcher in _holders()
     finally:
