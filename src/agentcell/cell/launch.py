@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import select
 import stat
+import sys
 import time
 
 from ..errors import EXIT_CANNOT_EXEC, EXIT_NOT_FOUND, EXIT_SETUP, EXIT_TIMEOUT, LaunchError, PolicyError, forked
@@ -362,7 +363,11 @@ def prepare(spec: CellSpec, guards: Guards) -> Prepared:
         keep = {w, theirs.fileno(), *plan.kept_fds()}
         with _clone_pid1(spec, cg) as (c1, command_mask):
             if c1 == 0 and command_mask is not None:
-                sc.close_fds_except(keep)
+                try:  # (never back into the supervisor's code with its fds: a failure here ends the child)
+                    sc.close_fds_except(keep)
+                    _after_clone()
+                except BaseException:
+                    os._exit(EXIT_SETUP)
                 _run_child(w, lambda: _born(spec, plan, w, theirs, cg, command_mask))
             if c1 < 0:
                 with forked() as c1:
@@ -512,6 +517,14 @@ def _report(w: int, *fields: object) -> None:
         os.write(w, line.encode())
     except OSError:
         pass
+
+
+def _after_clone() -> None:
+    """In PID 1 cloned by raw clone3: what ``os.fork`` runs in a child and clone3 does not, of ours (the
+    at-fork hooks of :mod:`agentcell.monitor.hostprog`: its holding is the supervisor's, not PID 1's)."""
+    hostprog = sys.modules.get("agentcell.monitor.hostprog")
+    if hostprog is not None:
+        hostprog._forget()
 
 
 def _run_child(w: int, body: Callable[[], object]) -> NoReturn:
