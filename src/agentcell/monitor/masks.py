@@ -16,6 +16,7 @@ import ctypes
 import os
 import struct
 import time
+from collections.abc import Callable
 
 from .event import CellEvent
 
@@ -117,8 +118,8 @@ class MaskSource:
 
     name = "masks"
 
-    def __init__(self, watch: MaskWatch, cell: str) -> None:
-        self.watch, self.cell = watch, cell
+    def __init__(self, watch: MaskWatch, cell: str, news: Callable[[int], bool] = lambda fd: True) -> None:
+        self.watch, self.cell, self.news = watch, cell, news  # news(fd): whether the pass found its queue readable
         self._checked = self._until = 0.0
 
     def fileno(self) -> int:
@@ -130,7 +131,7 @@ class MaskSource:
 
     def read(self) -> list[CellEvent]:
         now = time.monotonic()
-        if self.watch.touched():
+        if self.news(self.watch.fileno()) and self.watch.touched():
             self._until = now + 0.5
         if not (now < self._until or now - self._checked >= 0.1):
             return []

@@ -207,7 +207,7 @@ class Monitor:
         except OSError as e:  # the connector alone still sees execs, racing short-lived ones
             self._state["exec"] = f"on (without fanotify: {e.strerror}; a tool that exits at once may be missed)"
         self._execs = ExecSource(execs, tools, self.procs, self.cell_id, self.uid, lambda: self.cg,
-                                 self.loop.progress)
+                                 self.loop.progress, self.loop.news)
         self._add(self._execs)
         self._add(Outlived(self.procs, self.cell_id))
 
@@ -321,7 +321,7 @@ class Monitor:
         except OSError as e:
             self._state["masks"] = f"off: {e.strerror or e}"
             return
-        self._masks = MaskSource(watch, self.cell_id)
+        self._masks = MaskSource(watch, self.cell_id, self.loop.news)
         self._add(self._masks)
         self._state["masks"] = "on"
 
@@ -356,7 +356,7 @@ class Monitor:
                 # Every source with a file wakes the loop itself; a pass without news is for what has no
                 # file to wait on (a mask just touched on the host: often, for half a second).
                 idle = (self._masks.pace() if self._masks is not None else None) or PASS_S
-                ready = set(select.select([*fds, self.loop.wake_r], [], [], idle)[0])
+                ready = self.loop.ready = set(select.select([*fds, self.loop.wake_r], [], [], idle)[0])
                 self._read([s for s, gate in zip(sources, gates, strict=True) if gate is None or gate & ready])
         except Exception as e:  # noqa: BLE001 - a monitor that stops seeing must say so, and act
             self._event(CellEvent("telemetry", "monitor", f"the monitor stopped: {e!r}", source="telemetry",
@@ -391,6 +391,7 @@ class Monitor:
     def stop(self) -> list[CellEvent]:
         self._final = True  # what is read from here on happened; the cell is over: nothing to freeze or kill
         hung = self.loop.stop()
+        self.loop.ready = None  # every file is read to its end
         try:
             # What arrived after the loop's last look; the masks are not looked at again, nor the cgroup's
             # counters beside a loop that hangs in them (the cgroup is still there: it goes after the monitor)
