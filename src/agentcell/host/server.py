@@ -80,6 +80,7 @@ class Host:
         self.send_lock = threading.Lock()  # the monitor's thread reports events too
         self.end_lock = threading.Lock()
         self.started = self.last_work = time.monotonic()
+        self.buf: bytearray | None = None
 
     # ---- replies ------------------------------------------------------------------------------------
 
@@ -130,6 +131,7 @@ class Host:
 
     def serve(self) -> None:
         live = self.sup.running.live
+        self.buf = wire.buffer()  # (the clients' requests: this loop reads them all)
         try:
             while self.ended is None:
                 readers: list[Any] = [*self.conns, self.sup.running, *([] if live.closed else [live])]
@@ -379,7 +381,7 @@ class Host:
         conn.close()
 
     def _request(self, conn: _socket.socket) -> None:
-        msg, fds = wire.recv_or_gone(conn)
+        msg, fds = wire.recv_or_gone(conn, self.buf)
         try:
             if msg is None:
                 self._drop(conn)
