@@ -57,12 +57,11 @@ class Channel:
     def fileno(self) -> int:
         return self.sock.fileno()
 
-    def exec(self, rid: int, argv: Sequence[str], env: dict[str, str], cwd: str, fds: dict[int, int]) -> None:
-        """Start ``argv``; ``fds`` maps the number the command sees to our fd. Raises OSError when the
-        cell is gone."""
-        self._send({"op": "exec", "id": rid, "argv": [os.fsencode(a) for a in argv],
-                    "env": {os.fsencode(k): os.fsencode(v) for k, v in env.items()}, "cwd": os.fsencode(cwd),
-                    "fds": list(fds)}, list(fds.values()))
+    def exec(self, rid: int, argv: Sequence[str], env: dict[bytes, bytes], cwd: str, fds: dict[int, int]) -> None:
+        """Start ``argv`` in ``env`` (encoded: :func:`encoded`); ``fds`` maps the number the command sees
+        to our fd. Raises OSError when the cell is gone."""
+        self._send({"op": "exec", "id": rid, "argv": [os.fsencode(a) for a in argv], "env": env,
+                    "cwd": os.fsencode(cwd), "fds": list(fds)}, list(fds.values()))
 
     def signal(self, rid: int, sig: int) -> None:
         try:
@@ -113,6 +112,11 @@ class Channel:
         except OSError:
             pass
         self.sock.close()
+
+
+def encoded(env: dict[str, str]) -> dict[bytes, bytes]:
+    """An environment as a command gets it (the cell's own is encoded once, not for every command)."""
+    return {os.fsencode(k): os.fsencode(v) for k, v in env.items()}
 
 
 # ---- child side: the cell's command process, confined, as the agent --------------------------------
