@@ -165,15 +165,16 @@ class Monitor:
         source when one of its files has news; one without a file, and the masks (looked at by the
         clock too), on every pass; the connector (who belongs to the cell) on every pass that has news
         of any kind, so that a fork is known before what names its process, as when all were read; and
-        the failed calls too, whose rings are read without a system call: a process's start, exec and
-        end each reach the connector and a ring a few microseconds apart, and what came after the wait
-        returned is taken in the same pass instead of waking the loop again."""
+        the failed calls on every pass, whose rings are read without a system call (their task ring is
+        not waited on: :class:`agentcell.monitor.callsource.AttemptSource`): a process's start, exec
+        and end each reach the connector and a ring a few microseconds apart, and what came after the
+        wait returned is taken in the same pass instead of waking the loop again."""
         sources = sorted((*self._sources, source), key=lambda s: ORDER.index(s.name))
         own = [[s.fileno(), *(w.fileno() for w in (s.wakers() if isinstance(s, Wakes) else ()))] for s in sources]
         fds = [fd for files in own for fd in files if fd >= 0]
         gates: list[frozenset[int] | None] = [
-            None if s is self._masks or files[0] < 0 else frozenset(fds if s is self._execs or s is self.calls
-                                                                     else files)
+            None if s is self._masks or s is self.calls or files[0] < 0 else frozenset(fds if s is self._execs
+                                                                                       else files)
             for s, files in zip(sources, own, strict=True)]
         self._holders = {id(s): s for s in sources if isinstance(s, Holds)}
         self._sources, self._pass = sources, (sources, fds, gates)
