@@ -57,12 +57,11 @@ class Channel:
     def fileno(self) -> int:
         return self.sock.fileno()
 
-    def exec(self, rid: int, argv: Sequence[str], env: dict[str, str], cwd: str, fds: dict[int, int]) -> None:
-        """Start ``argv``; ``fds`` maps the number the command sees to our fd. Raises OSError when the
-        cell is gone."""
-        self._send({"op": "exec", "id": rid, "argv": [os.fsencode(a) for a in argv],
-                    "env": {os.fsencode(k): os.fsencode(v) for k, v in env.items()}, "cwd": os.fsencode(cwd),
-                    "fds": list(fds)}, list(fds.values()))
+    def exec(self, rid: int, argv: Sequence[str], env: dict[bytes, bytes], cwd: str, fds: dict[int, int]) -> None:
+        """Start ``argv`` in ``env`` (encoded: :func:`encoded`); ``fds`` maps the number the command sees
+        to our fd. Raises OSError when the cell is gone."""
+        self._send({"op": "exec", "id": rid, "argv": [os.fsencode(a) for a in argv], "env": env,
+                    "cwd": os.fsencode(cwd), "fds": list(fds)}, list(fds.values()))
 
     def signal(self, rid: int, sig: int) -> None:
         try:
@@ -115,6 +114,11 @@ class Channel:
         self.sock.close()
 
 
+def encoded(env: dict[str, str]) -> dict[bytes, bytes]:
+    """An environment as a command gets it (the cell's own is encoded once, not for every command)."""
+    return {os.fsencode(k): os.fsencode(v) for k, v in env.items()}
+
+
 # ---- child side: the cell's command process, confined, as the agent --------------------------------
 
 
@@ -124,13 +128,15 @@ def serve(ctl: _socket.socket) -> NoReturn:
     running: dict[int, tuple[int, int]] = {}  # pidfd -> (request id, pid)
     by_id: dict[int, int] = {}  # request id -> pid
     buf, fds_in = b"", []
+    waits = select.poll()  # the channel and each command's pidfd, kept (not a list made for each wait)
+    waits.register(ctl, select.POLLIN)
+    me = ctl.fileno()
     while True:
-        readers: list[Any] = [ctl, *running]
-        ready, _, _ = select.select(readers, [], [])
-        for r in ready:
-            if r is ctl:
-                try:
-                    chunk, anc, _flags, _addr = ctl.recvmsg(1 << 16, _socket.CMSG_SPACE(MAX_FDS * 4))
+        for r, _ in waits.poll():
+            if r == me:
+                try:  # (close-on-exec as they come: only as a command's 0-2, dup2'd, do they cross its exec)
+                    chunk, anc, _flags, _addr = ctl.recvmsg(1 << 16, _socket.CMSG_SPACE(MAX_FDS * 4),
+                                                            _socket.MSG_CMSG_CLOEXEC)
                 except InterruptedError:
                     continue
                 if not chunk:
@@ -144,9 +150,10 @@ def serve(ctl: _socket.socket) -> NoReturn:
                     msg = marshal.loads(buf[_REQUEST.size:_REQUEST.size + length])
                     buf = buf[_REQUEST.size + length:]
                     fds, fds_in = fds_in[:nfds], fds_in[nfds:]
-                    _handle(ctl, msg, fds, running, by_id)
+                    _handle(ctl, msg, fds, running, by_id, waits)
             else:
                 rid, pid = running.pop(r)
+                waits.unregister(r)
                 os.close(r)
                 by_id.pop(rid, None)
                 code, sig = 255, 0
@@ -169,7 +176,7 @@ def _tell(ctl: _socket.socket, kind: bytes, rid: int, a: int, b: int) -> None:
 
 
 def _handle(ctl: _socket.socket, msg: dict[str, Any], fds: list[int], running: dict[int, tuple[int, int]],
-            by_id: dict[int, int]) -> None:
+            by_id: dict[int, int], waits: select.poll) -> None:
     rid = int(msg["id"])
     if msg["op"] == "signal":
         pid = by_id.get(rid)
@@ -182,8 +189,6 @@ def _handle(ctl: _socket.socket, msg: dict[str, Any], fds: list[int], running: d
                 except (OSError, ValueError, OverflowError):
                     pass
         return
-    for fd in fds:
-        os.set_inheritable(fd, False)  # only as the command's 0-2 (dup2 below) do they cross its exec
     try:
         try:
             os.chdir(msg["cwd"])
@@ -213,6 +218,7 @@ def _handle(ctl: _socket.socket, msg: dict[str, Any], fds: list[int], running: d
         return
     running[pidfd] = (rid, pid)
     by_id[rid] = pid
+    waits.register(pidfd, select.POLLIN)
 
 
 class _NoCwd(OSError):

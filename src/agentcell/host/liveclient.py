@@ -63,8 +63,9 @@ class RemoteLive:
         return cls(sock, None, str(msg["cell_id"]), int(msg["pid1"]))
 
     def _reader(self) -> None:
+        buf = wire.buffer()
         while True:
-            msg, fds = wire.recv_or_gone(self._sock)
+            msg, fds = wire.recv_or_gone(self._sock, buf)
             for fd in fds:
                 os.close(fd)
             if msg is None or msg.get("event") == "ended":

@@ -41,6 +41,7 @@ import threading
 import time
 from typing import Any
 
+from ..cell.execd import encoded
 from ..cell.spec import spec_from_dict
 from ..errors import AgentcellError
 from . import peer, wire
@@ -81,6 +82,8 @@ class Host:
         self.send_lock = threading.Lock()  # the monitor's thread reports events too
         self.end_lock = threading.Lock()
         self.started = self.last_work = time.monotonic()
+        self.buf: bytearray | None = None
+        self.env: dict[bytes, bytes] | None = None  # a live cell's environment, as its commands get it
 
     # ---- replies ------------------------------------------------------------------------------------
 
@@ -131,6 +134,7 @@ class Host:
 
     def serve(self) -> None:
         live = self.sup.running.live
+        self.buf = wire.buffer()  # (the clients' requests: this loop reads them all)
         try:
             while self.ended is None:
                 readers: list[Any] = [*self.conns, self.sup.running, *([] if live.closed else [live])]
@@ -384,7 +388,7 @@ class Host:
         conn.close()
 
     def _request(self, conn: _socket.socket) -> None:
-        msg, fds = wire.recv_or_gone(conn)
+        msg, fds = wire.recv_or_gone(conn, self.buf)
         try:
             if msg is None:
                 self._drop(conn)
@@ -442,8 +446,9 @@ class Host:
             self._send(conn, {"id": cid, "event": "error", "field": "exec", "code": 125, "message": f"exec: {e}"})
             return
         spec = self.sup.spec
-        env = spec.environ()
-        env.update(extra)
+        if self.env is None:
+            self.env = encoded(spec.environ())
+        env = {**self.env, **encoded(extra)} if extra else self.env
         cwd = cwd or spec.cwd or spec.identity.home
         self.next_id += 1
         rid = self.next_id

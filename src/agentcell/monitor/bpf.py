@@ -252,6 +252,8 @@ class RingBuffer:
         out: list[bytes] = []
         cons = struct.unpack_from("<Q", self._cons, 0)[0]
         prod = struct.unpack_from("<Q", self._prod, 0)[0]
+        if cons >= prod:  # (nothing new: the consumer's position, shared with the kernel, is left alone)
+            return out
         while cons < prod and len(out) < limit:
             at = self._page + (cons & (self.size - 1))
             head = struct.unpack_from("<I", self._prod, at)[0]

@@ -374,10 +374,6 @@ class FailedCalls:
         assert self.ring is not None
         return self.ring.fileno()
 
-    def task_fileno(self) -> int:
-        assert self.tasks is not None
-        return self.tasks.fileno()
-
     def read(self, limit: int = 4096) -> list[Call]:
         """The failed calls recorded since the last read (at most ``limit``); never blocks."""
         assert self.ring is not None

@@ -10,7 +10,6 @@ from typing import Any
 
 from .attempts import Classifier
 from .event import CellEvent
-from .source import Fd, Fileno
 
 DROPPED_S = 1.0  # how often the kernel's count of the cell's dropped calls is read
 
@@ -18,7 +17,14 @@ DROPPED_S = 1.0  # how often the kernel's count of the cell's dropped calls is r
 class AttemptSource:
     """``exe_of(pid)`` names a process (the monitor's table of the cell's processes, which outlives
     them); ``ignore(pid)``: agentcell's own processes in the cell; ``execed(pid, comm, path)``: an exec
-    that succeeded."""
+    that succeeded.
+
+    The monitor reads it on every pass, its pace's too (at least every ``monitor.PASS_S``), and waits on
+    the calls' ring alone: the task ring is read with it, before the calls are told apart, and never
+    wakes the loop. A task's end reaches the task ring as its exit begins and the connector as it ends
+    (after its memory is gone): waited on, every process's end took two passes. At the loop's slowest
+    pace the task ring still has room for 87,000 events (``calls.TASK_RING_SIZE``), and a flood of
+    threads wakes the loop through the connector, which reports threads too."""
 
     name = "calls"
 
@@ -32,10 +38,6 @@ class AttemptSource:
 
     def fileno(self) -> int:
         return int(self.calls.fileno())
-
-    def wakers(self) -> list[Fileno]:
-        """What else makes this source readable: its task ring (read on each pass, or it would fill)."""
-        return [Fd(self.calls.task_fileno())]
 
     def read(self) -> list[CellEvent]:
         out: list[CellEvent] = []

@@ -19,14 +19,16 @@ from .source import Fileno, close_later
 class ExecSource:
     """``uid``: the cell's account (the launcher's own drop to it is not an event); ``cgroup()``: the
     cell's cgroup, to re-read who is in it after an overflow; ``progress()``: the watchdog's, for each
-    message (a flood read is not a spin)."""
+    message (a flood read is not a spin); ``news(fd)``: whether the tools' queue may have something
+    (the source is read on every pass with news, the connector's or another's)."""
 
     name = "exec"
 
     def __init__(self, execs: ExecWatch, tools: ToolExecs | None, procs: CellProcs, cell: str, uid: int | None,
-                 cgroup: Callable[[], CellCgroup | None], progress: Callable[[], None]) -> None:
+                 cgroup: Callable[[], CellCgroup | None], progress: Callable[[], None],
+                 news: Callable[[int], bool] = lambda fd: True) -> None:
         self.execs, self.tools, self.procs, self.cell, self.uid = execs, tools, procs, cell, uid
-        self.cgroup, self.progress = cgroup, progress
+        self.cgroup, self.progress, self.news = cgroup, progress, news
         execs.on_read = progress
 
     def fileno(self) -> int:
@@ -38,7 +40,8 @@ class ExecSource:
     def read(self) -> list[CellEvent]:
         """Who belongs to the cell first (forks, from the connector), then the tools' execs (fanotify,
         in the order they happened), then the connector's own exec and uid events."""
-        return self.connector(self.tools.read() if self.tools is not None else [])
+        tools = self.tools
+        return self.connector(tools.read() if tools is not None and self.news(tools.fd) else [])
 
     def connector(self, tools: list[dict[str, Any]] | None = None) -> list[CellEvent]:
         execs = self.execs.read()

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..netlink import set_rcvbuf
+from .procs import read_proc
 from .source import close_later
 
 NETLINK_CONNECTOR = 11
@@ -98,12 +99,11 @@ class ExecWatch:
         round): {"kind": "fork"|"exit"|"exec"|"uid", "pid": …, ...}; never blocks. Threads are not
         events here (their processes are)."""
         out: list[dict[str, Any]] = []
-        self.sock.setblocking(False)
         for _ in range(limit):
             if self.on_read is not None:
                 self.on_read()
             try:
-                data = self.sock.recv(4096)
+                data = self.sock.recv(4096, socket.MSG_DONTWAIT)  # (not setblocking: a call more per pass)
             except BlockingIOError:
                 return out
             except OSError as e:
@@ -141,15 +141,14 @@ class ExecWatch:
 
 
 def identify(pid: int) -> dict[str, str]:
-    """What the process is, read at once (it may be gone: then empty strings)."""
+    """What the process is, read at once (it may be gone: then empty strings): its file, and the name
+    it gave itself only where its file cannot be read (that name is only ever a stand-in for it)."""
     out = {"exe": "", "comm": ""}
-    for key, path in (("exe", f"/proc/{pid}/exe"), ("comm", f"/proc/{pid}/comm")):
-        try:
-            if key == "exe":
-                out[key] = os.readlink(path)
-            else:
-                with open(path, errors="replace") as f:  # (a process names itself: any bytes)
-                    out[key] = f.read().strip()
+    try:
+        out["exe"] = os.readlink(f"/proc/{pid}/exe")
+    except OSError:
+        try:  # (a process names itself: any bytes)
+            out["comm"] = read_proc(f"/proc/{pid}/comm").decode(errors="replace").strip()
         except OSError:
             pass
     return out

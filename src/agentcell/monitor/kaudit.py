@@ -206,12 +206,11 @@ class AuditReader:
         without blocking; completed denials. ``accept(pid, domain)`` keeps only the denials that
         matter: the rest are dropped before any parsing (the host's other Landlock users can be loud)."""
         out: list[dict[str, Any]] = []
-        self.sock.setblocking(False)
         for _ in range(limit):
             if self.on_read is not None:
                 self.on_read()
             try:
-                data = self.sock.recv(1 << 16)
+                data = self.sock.recv(1 << 16, socket.MSG_DONTWAIT)  # (not setblocking: a call more per read)
             except BlockingIOError:
                 return out
             except OSError as e:

@@ -26,6 +26,13 @@ class Loop:
         self.wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)  # stop() wakes the loop's select
         self.heartbeat = time.monotonic()
         self.stalled = 0.0  # the loop's time without progress while the host gave it time (the watchdog's)
+        self.ready: set[int] | None = None  # the files this pass's wait found readable (None: not waited on)
+
+    def news(self, fd: int) -> bool:
+        """Whether ``fd`` may have something to read in this pass: its wait said so, or the pass did not wait
+        (the last look reads everything). A source read for another file's news skips an empty read of its
+        own (a call and an exception, and the GIL let go to the host's loop and taken back)."""
+        return self.ready is None or fd in self.ready
 
     def start(self, run: Callable[[], None], check: Callable[[], None]) -> None:
         self.heartbeat = time.monotonic()

@@ -16,6 +16,7 @@ import ctypes
 import os
 import struct
 import time
+from collections.abc import Callable
 
 from .event import CellEvent
 
@@ -112,27 +113,31 @@ class MaskWatch:
 
 class MaskSource:
     """The ``masks`` source. The kernel reports the host's rename a moment before it detaches the mount:
-    after such an event the names are looked up again on each pass for half a second (:meth:`pace`
-    quickens the monitor's loop meanwhile), and every 0.1 s anyway."""
+    after such an event the names are looked up at once, then again every CLOSE_S for half a second
+    (:meth:`pace` quickens the monitor's loop to that), and every 0.1 s anyway. Not on every pass: a
+    live cell's commands make thousands a second, and the host's useradd (another cell's account) a
+    look at every masked name on each of them."""
 
     name = "masks"
 
-    def __init__(self, watch: MaskWatch, cell: str) -> None:
-        self.watch, self.cell = watch, cell
+    def __init__(self, watch: MaskWatch, cell: str, news: Callable[[int], bool] = lambda fd: True) -> None:
+        self.watch, self.cell, self.news = watch, cell, news  # news(fd): whether the pass found its queue readable
         self._checked = self._until = 0.0
 
     def fileno(self) -> int:
         return self.watch.fileno()
 
     def pace(self) -> float | None:
-        """How soon the loop should come round without news, while a touched name is watched closely."""
-        return CLOSE_S if time.monotonic() < self._until else None
+        """How soon the loop should come round without news, while a touched name is watched closely: when
+        the next look is due (at least a millisecond: the loop reads none as its own pace)."""
+        now = time.monotonic()
+        return max(0.001, self._checked + CLOSE_S - now) if now < self._until else None
 
     def read(self) -> list[CellEvent]:
         now = time.monotonic()
-        if self.watch.touched():
-            self._until = now + 0.5
-        if not (now < self._until or now - self._checked >= 0.1):
+        if self.news(self.watch.fileno()) and self.watch.touched():
+            self._until, self._checked = now + 0.5, 0.0
+        if now - self._checked < (CLOSE_S if now < self._until else 0.1):
             return []
         self._checked = now
         return [CellEvent("read", path, "the mask over it is gone: the file was replaced on the host (a rename over "

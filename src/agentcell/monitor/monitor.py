@@ -164,12 +164,17 @@ class Monitor:
         """Into the list, in its place (a new list: the loop goes on over the one it has). A pass reads a
         source when one of its files has news; one without a file, and the masks (looked at by the
         clock too), on every pass; the connector (who belongs to the cell) on every pass that has news
-        of any kind, so that a fork is known before what names its process, as when all were read."""
+        of any kind, so that a fork is known before what names its process, as when all were read; and
+        the failed calls on every pass, whose rings are read without a system call (their task ring is
+        not waited on: :class:`agentcell.monitor.callsource.AttemptSource`): a process's start, exec
+        and end each reach the connector and a ring a few microseconds apart, and what came after the
+        wait returned is taken in the same pass instead of waking the loop again."""
         sources = sorted((*self._sources, source), key=lambda s: ORDER.index(s.name))
         own = [[s.fileno(), *(w.fileno() for w in (s.wakers() if isinstance(s, Wakes) else ()))] for s in sources]
         fds = [fd for files in own for fd in files if fd >= 0]
         gates: list[frozenset[int] | None] = [
-            None if s is self._masks or files[0] < 0 else frozenset(fds if s is self._execs else files)
+            None if s is self._masks or s is self.calls or files[0] < 0 else frozenset(fds if s is self._execs
+                                                                                       else files)
             for s, files in zip(sources, own, strict=True)]
         self._holders = {id(s): s for s in sources if isinstance(s, Holds)}
         self._sources, self._pass = sources, (sources, fds, gates)
@@ -207,7 +212,7 @@ class Monitor:
         except OSError as e:  # the connector alone still sees execs, racing short-lived ones
             self._state["exec"] = f"on (without fanotify: {e.strerror}; a tool that exits at once may be missed)"
         self._execs = ExecSource(execs, tools, self.procs, self.cell_id, self.uid, lambda: self.cg,
-                                 self.loop.progress)
+                                 self.loop.progress, self.loop.news)
         self._add(self._execs)
         self._add(Outlived(self.procs, self.cell_id))
 
@@ -321,7 +326,7 @@ class Monitor:
         except OSError as e:
             self._state["masks"] = f"off: {e.strerror or e}"
             return
-        self._masks = MaskSource(watch, self.cell_id)
+        self._masks = MaskSource(watch, self.cell_id, self.loop.news)
         self._add(self._masks)
         self._state["masks"] = "on"
 
@@ -356,7 +361,7 @@ class Monitor:
                 # Every source with a file wakes the loop itself; a pass without news is for what has no
                 # file to wait on (a mask just touched on the host: often, for half a second).
                 idle = (self._masks.pace() if self._masks is not None else None) or PASS_S
-                ready = set(select.select([*fds, self.loop.wake_r], [], [], idle)[0])
+                ready = self.loop.ready = set(select.select([*fds, self.loop.wake_r], [], [], idle)[0])
                 self._read([s for s, gate in zip(sources, gates, strict=True) if gate is None or gate & ready])
         except Exception as e:  # noqa: BLE001 - a monitor that stops seeing must say so, and act
             self._event(CellEvent("telemetry", "monitor", f"the monitor stopped: {e!r}", source="telemetry",
@@ -391,6 +396,7 @@ class Monitor:
     def stop(self) -> list[CellEvent]:
         self._final = True  # what is read from here on happened; the cell is over: nothing to freeze or kill
         hung = self.loop.stop()
+        self.loop.ready = None  # every file is read to its end
         try:
             # What arrived after the loop's last look; the masks are not looked at again, nor the cgroup's
             # counters beside a loop that hangs in them (the cgroup is still there: it goes after the monitor)
