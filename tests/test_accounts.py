@@ -453,7 +453,7 @@ def test_files_handed_to_the_human_lose_what_the_agent_opened_up(agent: str, hum
     accounts.mount_add(agent, str(proj), "rw", cmds=Commands())
     p = cli("run", "--agent", agent, "--", "sh", "-c",
             f"cd {proj} && mkdir pub && chmod 2777 pub && setfacl -m u:nobody:rwx,d:o::rwx pub && "
-            "echo x > pub/run.sh && chmod 4777 pub/run.sh && setfacl -m u:nobody:rw pub/run.sh")
+            "echo x > pub/run.sh && chmod 2777 pub/run.sh && setfacl -m u:nobody:rw pub/run.sh")
     assert p.returncode == 0, p.stderr
     assert cli("delete", agent, "--delete-home", "--yes").returncode == 0
     for f in (proj / "pub", proj / "pub" / "run.sh"):
@@ -483,14 +483,14 @@ def test_session_account_files_go_to_the_human(state: Path, human: Human, tmp_pa
     try:
         work.chmod(0o777)
         p = subprocess.run([AGENTCELL, "run", "--no-warm", "--as", str(acct.uid), "--rw", str(work), "--", "sh", "-c",
-                            f"echo hi > {work}/f && chmod 4755 {work}/f"], capture_output=True, text=True)
+                            f"echo hi > {work}/f && chmod 2755 {work}/f"], capture_output=True, text=True)
         assert p.returncode == 0, p.stderr
         with pytest.raises(accounts.AccountError, match="still owned"):
             ephemeral.delete(acct, paths=[str(work)])
     finally:
         ephemeral.delete(acct, paths=[str(work)], give_to=(human.uid, human.gid))
     st = (work / "f").stat()
-    assert (st.st_uid, st.st_gid) == (human.uid, human.gid) and not st.st_mode & 0o4000
+    assert (st.st_uid, st.st_gid) == (human.uid, human.gid) and not st.st_mode & 0o6000
 
 
 def test_a_file_the_revokes_walk_missed_is_found_and_given_at_delete(state: Path, human: Human, tmp_path: Path) -> None:

@@ -216,7 +216,8 @@ def test_a_listed_holder_whose_pid_is_another_process_now_is_never_asked_for_its
         try:
             assert asked == []
             with hostprog._registry() as holders:
-                assert [h["pid"] for h in holders] == [os.getpid()]  # (the stale one dropped)
+                pids = [h["pid"] for h in holders]  # (another live holder of the machine's may be listed too)
+                assert other.pid not in pids and os.getpid() in pids  # (the stale one dropped)
         finally:
             source.close()
     finally:

@@ -641,7 +641,7 @@ def test_what_the_agent_made_is_given_back_whole_in_the_revokes_walk(env: Env, u
     processes gone first): nested directories, a symlink, a setuid file, one others may write and one with
     an ACL entry of the agent's choosing all end the human's, plain, and nothing is left the account's."""
     script = ("cd src && mkdir -p a/b && echo x > a/b/deep.py && ln -s deep.py a/b/link && echo s > a/suid "
-              "&& chmod 4755 a/suid && echo w > a/open && chmod 666 a/open && echo n > a/named "
+              "&& chmod 2755 a/suid && echo w > a/open && chmod 666 a/open && echo n > a/named "
               "&& setfacl -m u:65534:rw a/named && echo done")
     s = session(env, ["start", "--harness", "shell", "--rw", "src", "--json", "--", "sh", "-c",
                       f"cd {env.project} && {script}"])

@@ -199,6 +199,27 @@ def only_ours_at(path: str, owners: frozenset[int] | set[int] | None = None, *, 
         os.close(fd)
 
 
+class host_lock:  # (lower case: used as a function, ``with hostfs.host_lock("acl.lock"):``)
+    """An exclusive lock of this host's, ``<run dir>/NAME`` (flock: let go if its holder dies). A class,
+    not contextlib's (this module is on ``agentcell run``'s path, which does not import contextlib)."""
+
+    def __init__(self, name: str) -> None:
+        self.path, self.fd = os.path.join(run_dir(), name), -1
+
+    def __enter__(self) -> None:
+        import fcntl
+
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX)
+        except BaseException:
+            os.close(self.fd)
+            raise
+
+    def __exit__(self, *_exc: object) -> None:
+        os.close(self.fd)
+
+
 def replace_file(path: str, data: bytes) -> None:
     """Put ``data`` at ``path`` whole or not at all: written to a new file beside it (never through a
     link), synced, then renamed over it. Readers see the old content or the new, never part of either."""

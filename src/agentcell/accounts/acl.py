@@ -287,15 +287,8 @@ def _one_change_at_a_time() -> Iterator[None]:
     sessions on one project, one granting while the other revokes, would each write back the ACL they
     read, and one's entry would be lost (its agent finds the project unwritable mid-session). One change
     at a time on this host, under root's lock (flock: let go if its holder dies)."""
-    import fcntl
-
-    fd = os.open(os.path.join(hostfs.run_dir(), "acl.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW,
-                 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+    with hostfs.host_lock("acl.lock"):
         yield
-    finally:
-        os.close(fd)
 
 
 # (path below the root, its stat before, after): a file whose ACL was written. Only its ctime should

@@ -126,15 +126,8 @@ def _range_lock() -> Iterator[None]:
     it, two sessions could pick one free uid; the second's useradd fails, and its account's record then
     names a uid that is the first's: its cleanup leaves the record behind ("uid now belongs to ...") after
     revoking, by number, the first session's grants. The lifecycle model found it (REVERT_UID_UNLOCKED)."""
-    import fcntl
-
-    fd = os.open(os.path.join(hostfs.run_dir(), "uids.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW,
-                 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+    with hostfs.host_lock("uids.lock"):
         yield
-    finally:
-        os.close(fd)
 
 
 def vouch(account: Account) -> pwd.struct_passwd | None:

@@ -45,6 +45,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from .. import hostfs
 from . import merkle
 from .base import AuditWriteError, fsync_dir, lock
 
@@ -194,19 +195,8 @@ def _write_state(d: str, st: State) -> None:
 
 
 def _replace(path: str, data: bytes) -> None:
-    tmp = f"{path}.tmp-{os.urandom(6).hex()}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-        os.fsync(fd)
-        os.rename(tmp, path)
-    except OSError:
-        os.unlink(tmp)
-        raise
-    finally:
-        os.close(fd)
+    """Whole or not at all, and the directory synced after (:func:`agentcell.hostfs.replace_file`)."""
+    hostfs.replace_file(path, data)
     fsync_dir(os.path.dirname(path))
 
 

@@ -77,8 +77,12 @@ MULTICAST_JOINS = ((0, 35), (0, 39), (0, 42), (0, 46), (41, 20), (41, 42), (41, 
 # A setuid or setgid bit on a file the agent makes: outside the cell (where the file system is not nosuid)
 # anyone who runs it gets the account's uid or gid, and through them its grant on the project, while the
 # session lasts and past it (a process keeps its ids). (syscall, argument of the mode); open and openat
-# only with O_CREAT or O_TMPFILE; openat2's mode is in memory: ENOSYS (libc falls back to openat).
-MODE_CALLS = (("chmod", 1), ("fchmod", 1), ("fchmodat", 2), ("creat", 1), ("mknod", 1), ("mknodat", 2))
+# only with O_CREAT or O_TMPFILE; openat2's mode is in memory: ENOSYS (libc falls back to openat). The
+# chmod calls refuse the setuid bit only: chmod keeps a directory's setgid bit (GNU chmod passes it on
+# with any numeric mode), which the filter cannot tell from a file's, and refusing it broke `chmod 700`
+# on a shared (setgid) directory.
+MODE_CALLS = (("chmod", 1), ("fchmod", 1), ("fchmodat", 2))
+CREATE_CALLS = (("creat", 1), ("mknod", 1), ("mknodat", 2))  # (these make files, never directories)
 OPEN_MODE_CALLS = (("open", 1, 2), ("openat", 2, 3))  # (syscall, argument of the flags, of the mode)
 SET_ID_BITS = (0o4000, 0o2000)  # S_ISUID, S_ISGID
 O_CREAT, O_TMPFILE_BIT = 0o100, 0o20000000
@@ -89,7 +93,7 @@ CACHE_DIR = "/var/lib/agentcell/seccomp"
 # is confined already, so Landlock is "not there" (ENOSYS) for what runs in it. x86_64 numbers too.
 LANDLOCK_CALLS = ("landlock_create_ruleset", "landlock_add_rule", "landlock_restrict_self")
 LANDLOCK_NUMBERS_X86_64 = (444, 445, 446)
-VERSION = 8  # bump when the rules change: it is part of the cache key
+VERSION = 9  # bump when the rules change: it is part of the cache key
 
 PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 22, 2
 SYS_SECCOMP = {"x86_64": 317, "aarch64": 277}
@@ -103,8 +107,8 @@ def describe() -> list[str]:
             "ASLR or NX; statmount, listmount, lsm_*_self_attr, lsm_list_modules, open_tree_attr",
             "EAFNOSUPPORT: sockets of any family but unix, IPv4, IPv6 and netlink (AF_VSOCK above all)",
             "EPERM: setsockopt joining a multicast group (IGMP/MLD reports leave unowned)",
-            "EPERM: a setuid or setgid bit given by chmod, fchmod, fchmodat(2), creat, mknod(at), or open(at) "
-            "creating; ENOSYS: openat2 (its mode is in memory; libc falls back to openat)",
+            "EPERM: a setuid bit given by chmod, fchmod, fchmodat(2); a setuid or setgid bit by creat, "
+            "mknod(at), or open(at) creating; ENOSYS: openat2 (its mode is in memory; libc falls back to openat)",
             "ENOSYS: clone3 (flags not inspectable; libc falls back to clone)",
             "ENOSYS: landlock_create_ruleset, landlock_add_rule, landlock_restrict_self (a layer of the agent's "
             "own would hide its denials from the monitor)",
@@ -147,13 +151,13 @@ def _compile(notify: bool) -> bytes:
     for level, optname in MULTICAST_JOINS:
         f.add_rule(deny, "setsockopt", sc.Arg(1, sc.EQ, level), sc.Arg(2, sc.EQ, optname))
     for bit in SET_ID_BITS:
-        for name, arg in MODE_CALLS:
+        for name, arg in (*CREATE_CALLS, *(MODE_CALLS if bit == 0o4000 else ())):
             f.add_rule(deny, name, sc.Arg(arg, sc.MASKED_EQ, bit, bit))
         for name, flags, mode in OPEN_MODE_CALLS:
             for creating in (O_CREAT, O_TMPFILE_BIT):
                 f.add_rule(deny, name, sc.Arg(flags, sc.MASKED_EQ, creating, creating),
                            sc.Arg(mode, sc.MASKED_EQ, bit, bit))
-        if os.uname().machine == "x86_64":
+        if os.uname().machine == "x86_64" and bit == 0o4000:
             f.add_rule(deny, FCHMODAT2_X86_64, sc.Arg(2, sc.MASKED_EQ, bit, bit))
     f.add_rule(sc.ERRNO(errno.ENOSYS), "openat2")
     if os.uname().machine == "x86_64":
