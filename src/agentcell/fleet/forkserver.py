@@ -31,10 +31,9 @@ from collections.abc import Sequence
 
 from ..cell import syscalls
 from ..errors import AgentcellError
+from ..host.starter import PRELOAD  # what a session imports: one list for the warm launcher's starter and this
 
 ENTRY = "agentcell.cli.main"  # the console script's entry: main(argv) -> exit status
-PRELOAD = (ENTRY, "agentcell.cli.session", "agentcell.session.start", "agentcell.session.graph",
-           "agentcell.session.config", "agentcell.harness.profiles")
 MAX_REQUEST = 1 << 20
 
 
