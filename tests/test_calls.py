@@ -37,6 +37,7 @@ def groups() -> Iterator[Callable[[], Path]]:
     try:
         yield make
     finally:
+        calls.settle()  # (what the test closed is out of the maps, and the programs let go, before the next)
         for d in made:
             for _ in range(100):  # its processes have been waited for; the kernel lets go of them at once
                 try:
@@ -238,6 +239,8 @@ def test_programs_no_holder_list_names_are_detached_at_once(groups: Callable[[],
         return fds
 
     monkeypatch.setattr(calls, "_attached", remembered)
+    calls.settle()  # (an earlier test's cell, closed, lets go of the programs in a thread of its own)
+    assert hostprog._host is None
     # the list of holders cannot be written (a full /run): nobody could find these programs to share them
     monkeypatch.setattr(hostprog, "_boot", lambda: (_ for _ in ()).throw(OSError(28, "No space left on device")))
     with pytest.raises(OSError, match="No space left"):
