@@ -9,11 +9,13 @@ No root, no kernel: spin and gcc (scripts/setup.sh installs both).
 """
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -55,6 +57,7 @@ REVERTS = [
 ]
 
 RESULTS: list[str] = []
+WORKERS = os.cpu_count() or 2  # pan runs side by side, one a core (each search is single-threaded)
 
 
 def _spin() -> str:
@@ -148,8 +151,9 @@ def test_spin_verifies_every_property(tmp_path: Path, config: str, results: list
     pan = Pan(tmp_path / "pan", CONFIGS[config])
     compiled = time.monotonic() - t
     failed = []
-    for prop in PROPERTIES:
-        errors, states, took, out = pan.run(prop)
+    with ThreadPoolExecutor(WORKERS) as pool:
+        runs = list(pool.map(pan.run, PROPERTIES))
+    for prop, (errors, states, took, out) in zip(PROPERTIES, runs, strict=True):
         results.append(f"{config:<13} {prop:<22} verified: {errors == 0} ({states:,} states, {took:.1f} s)")
         assert "max search depth too small" not in out and "MEMLIM" not in out, out[-2000:]
         if errors:
@@ -158,11 +162,23 @@ def test_spin_verifies_every_property(tmp_path: Path, config: str, results: list
     assert not failed, "\n".join(failed)
 
 
+@pytest.fixture(scope="module")
+def reverts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Future[tuple[int, int, float, str]]]]:
+    """Every revert model built and checked, side by side (each a spin, a gcc and a short search), the
+    first time a test asks for one: each test waits for its own."""
+    base = tmp_path_factory.mktemp("reverts")
+
+    def check(revert: str, prop: str, config: str) -> tuple[int, int, float, str]:
+        return Pan(base / revert, {**CONFIGS[config], revert: True}).run(prop)
+
+    with ThreadPoolExecutor(WORKERS) as pool:
+        yield {revert: pool.submit(check, revert, prop, config) for revert, prop, config in REVERTS}
+
+
 @pytest.mark.parametrize(("revert", "prop", "config"), REVERTS)
-def test_each_revert_model_fails_on_its_property(tmp_path: Path, revert: str, prop: str, config: str,
-                                                 results: list[str]) -> None:
-    pan = Pan(tmp_path / "pan", {**CONFIGS[config], revert: True})
-    errors, states, took, out = pan.run(prop)
+def test_each_revert_model_fails_on_its_property(revert: str, prop: str, config: str, results: list[str],
+                                                 reverts: dict[str, Future[tuple[int, int, float, str]]]) -> None:
+    errors, states, took, out = reverts[revert].result()
     results.append(f"{revert:<31} fails {prop}: {errors > 0} ({states:,} states, {took:.1f} s)")
     assert errors == 1, out[-2000:]
     assert ("assertion violated" in out) if prop not in LIVENESS else ("acceptance cycle" in out), out[:2000]
