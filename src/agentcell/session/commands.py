@@ -251,13 +251,16 @@ def _recover(ns: Any) -> int:
     # (the test hook reaches recover too: kill@terminate, kill@cleanup, kill@audit kill it, as they do a supervisor)
     g, conn = graph.open_graph(Runtime(faults=parse_faults(os.environ.get(FAULTS_ENV, ""))))
     done = []
-    for sid in graph.session_ids(conn):
-        st = graph.load(g, sid)
-        if st is None or not graph.unfinished(st):
-            continue
-        final = graph.recover(g, sid)
-        done.append(summary(dict(final)))
-        print_end(done[-1])
+    try:
+        for sid in graph.session_ids(conn):
+            st = graph.load(g, sid)
+            if st is None or not graph.unfinished(st):
+                continue
+            final = graph.recover(g, sid)
+            done.append(summary(dict(final)))
+            print_end(done[-1])
+    finally:
+        conn.close()
     if ns.json:
         sys.stdout.write(json.dumps(done) + "\n")
     elif not done:
