@@ -10,6 +10,7 @@ reader — live in :class:`Runtime`, in the supervisor's memory only.
 """
 from __future__ import annotations
 
+import fcntl
 import os
 import sqlite3
 import threading
@@ -207,8 +208,22 @@ def connect() -> sqlite3.Connection:
     path = os.path.join(d, "checkpoints.sqlite")
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     os.close(fd)
-    conn = sqlite3.connect(path, check_same_thread=False, timeout=30)
-    conn.execute("PRAGMA journal_mode=WAL")
+    # A fresh database is turned to WAL by its first connection. Sessions started at once (a fleet node's,
+    # a batch of `session start`) each tried, and one would fail at once with "database is locked":
+    # SQLite's busy timeout does not cover that change. One connection at a time does it, under a lock
+    # (flock: let go if its holder dies); once the file is WAL (it stays so) the others only look.
+    lock = os.open(os.path.join(d, "checkpoints.lock"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        conn = sqlite3.connect(path, check_same_thread=False, timeout=30)
+        try:
+            if conn.execute("PRAGMA journal_mode").fetchone()[0] != "wal":
+                conn.execute("PRAGMA journal_mode=WAL")
+        except BaseException:
+            conn.close()
+            raise
+    finally:
+        os.close(lock)
     return conn
 
 
