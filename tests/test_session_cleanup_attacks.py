@@ -128,16 +128,18 @@ def test_no_process_keeps_the_session_accounts_group_after_it(env: Env, mallory:
     assert not kept or reported, (seen.survivor_gids, seen.summary["problems"])
 
 
-@pytest.mark.xfail(strict=True, reason="BUG (older than this change): what another local user wrote, during the "
-                   "session, in a directory the agent made open to all stays that user's in the human's project "
-                   "(a file they go on changing at will); cleanup gives back only what is the account's, and says "
-                   "nothing of it")
-def test_what_another_user_put_in_the_agents_open_directory_is_not_left_theirs(env: Env, mallory: User) -> None:
+@pytest.mark.parametrize("account", ["per-session", "persistent agent"])
+def test_what_another_user_put_in_the_agents_open_directory_is_not_left_theirs_unsaid(
+        env: Env, mallory: User, account: str, request: pytest.FixtureRequest) -> None:
+    """The agent opens a directory to all; another local user puts a file there during the session. Cleanup
+    gives the directory to the human, not writable by others, and names the file, which stays its maker's
+    (taking it could take a file of theirs elsewhere, through a hard link)."""
     src = env.project / "src"
     script = (f"cd {src} && mkdir plugins && chmod 777 plugins && touch ready && "
               "while [ ! -e go ]; do sleep 0.1; done; echo done")
-    sup = subprocess.Popen([AGENTCELL, "session", "start", "--harness", "shell", "--rw", "src", "--json", "--", "sh",
-                            "-c", script], env=session_environ(env), cwd=env.project, stdin=subprocess.DEVNULL,
+    who = ["--agent", request.getfixturevalue("agent")] if account == "persistent agent" else []
+    sup = subprocess.Popen([AGENTCELL, "session", "start", "--harness", "shell", *who, "--rw", "src", "--json", "--",
+                            "sh", "-c", script], env=session_environ(env), cwd=env.project, stdin=subprocess.DEVNULL,
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         for _ in range(1200):
@@ -158,6 +160,8 @@ def test_what_another_user_put_in_the_agents_open_directory_is_not_left_theirs(e
     plugin = src / "plugins" / "init.py"
     assert not stat.S_IMODE((src / "plugins").stat().st_mode) & stat.S_IWOTH, "the directory itself is made plain"
     assert plugin.stat().st_uid != mallory.uid or "init.py" in said, (plugin.stat().st_uid, said)
+    # (cleanup leaves another user's file theirs: a hard link there may be to a file of theirs elsewhere)
+    assert f"{plugin} belongs to {mallory.name} (uid {mallory.uid})" in said, said
 
 
 def test_cleanup_gives_back_no_inode_but_the_accounts_through_links(env: Env, user: User) -> None:

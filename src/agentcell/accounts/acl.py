@@ -323,13 +323,16 @@ def grant(cmds: Commands, group: str, gid: int, source: str, mode: str, *, prior
 
 
 def revoke(cmds: Commands, uid: int, gid: int, source: str, prior: list[str], *,
-           changed: Changed | None = None, give_to: tuple[int, int] | None = None) -> list[str]:
+           changed: Changed | None = None, give_to: tuple[int, int] | None = None,
+           others: list[str] | None = None) -> list[str]:
     """Remove every entry naming the agent (user ``uid`` or group ``gid``), and nothing else. Returns
     what could not be walked (empty when done). ``changed`` hears of each file whose ACL was written
     (not of one the agent owned). ``give_to`` (uid, gid): in the same walk, every entry owned by the
     agent is given to them as :func:`reassign` gives it, and what is still the agent's after that is
     returned too: for an account none of whose processes is left. A file made or moved behind the walk
-    is missed by it: the caller checks with :func:`owned_by` after (``ephemeral.delete(given=True)``)."""
+    is missed by it: the caller checks with :func:`owned_by` after (``ephemeral.delete(given=True)``).
+    ``others`` (with ``give_to``) gets a line for each entry a third user put in a directory of the
+    agent's (:class:`_Theirs`): left theirs, for the human to look at."""
     if not os.path.lexists(source) or os.path.islink(source):
         return [] if give_to is None else [f"{source} is gone or a symlink now: what the agent made there is not "
                                            "given back"]
@@ -345,10 +348,12 @@ def revoke(cmds: Commands, uid: int, gid: int, source: str, prior: list[str], *,
         if dev.isdigit() and ino.isdigit():
             had_default.add((int(dev), int(ino), os.fsdecode(bytes.fromhex(rel))))
     left: list[str] = []
+    theirs = _Theirs(source, uid, gid, give_to[0] if give_to is not None and others is not None else None)
     with _one_change_at_a_time():
         walk = Walk(source, links=give_to is not None)
         for n in walk:
             agents = n.st.st_uid == uid or n.st.st_gid == gid
+            theirs.see(n)
             if stat.S_ISDIR(n.st.st_mode) or stat.S_ISREG(n.st.st_mode):
                 wrote = strip(n, lambda e: (e[0] == USER and e[2] == uid) or (e[0] == GROUP and e[2] == gid),
                               keep_default=(n.st.st_dev, n.st.st_ino, n.rel) in had_default)
@@ -359,8 +364,47 @@ def revoke(cmds: Commands, uid: int, gid: int, source: str, prior: list[str], *,
                 st = os.fstat(n.fd)
                 if st.st_uid == uid or st.st_gid == gid:
                     left.append(n.rel)
+    if others is not None:
+        others += theirs.said()
     out = _still_owned(left, uid, gid, source)
     return [*out, f"{source}: levels below {walk.depth} were not walked"] if walk.too_deep else out
+
+
+class _Theirs:
+    """What a third user (not the agent, not ``human``, not root) put in a directory of the agent's while
+    it was open to others, as a walk that gives the agent's files back sees it. Reported, not taken: such
+    an entry may be a hard link to a file of theirs elsewhere, and it is theirs to remove. With ``human``
+    None (nothing given back) nothing is looked for."""
+
+    def __init__(self, place: str, uid: int, gid: int, human: int | None) -> None:
+        self.place, self.uid, self.gid, self.human = place, uid, gid, human
+        self.dirs: set[str] = set()
+        self.found: list[tuple[str, int]] = []
+
+    def see(self, n: Node) -> None:
+        if self.human is None:
+            return
+        if (n.st.st_uid == self.uid or n.st.st_gid == self.gid) and stat.S_ISDIR(n.st.st_mode):
+            self.dirs.add(n.rel)
+        elif n.st.st_uid not in (self.uid, self.human, 0) and n.rel != "." and \
+                (os.path.dirname(n.rel) or ".") in self.dirs:
+            self.found.append((n.rel, n.st.st_uid))
+
+    def said(self) -> list[str]:
+        import pwd
+
+        out = []
+        for rel, uid in self.found[:3]:
+            try:
+                who = f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+            except KeyError:
+                who = f"uid {uid}"
+            out.append(f"{os.path.join(self.place, rel)} belongs to {who}, who put it in a directory the agent had "
+                       "opened to others: it is left theirs (they can go on changing it); look at it before you "
+                       "use the project")
+        if len(self.found) > 3:
+            out.append(f"... and {len(self.found) - 3} more of other users' in the agent's directories in {self.place}")
+        return out
 
 
 def strip(n: Node, drop: Callable[[Entry], bool], *, keep_default: bool = False) -> bool:
@@ -387,17 +431,23 @@ def strip(n: Node, drop: Callable[[Entry], bool], *, keep_default: bool = False)
     return wrote
 
 
-def reassign(cmds: Commands, uid: int, gid: int, to_uid: int, to_gid: int, place: str) -> list[str]:
+def reassign(cmds: Commands, uid: int, gid: int, to_uid: int, to_gid: int, place: str, *,
+             others: list[str] | None = None) -> list[str]:
     """Give every entry owned by ``uid`` or group ``gid`` to ``to_uid:to_gid``, as the human would
     want to receive it: no setuid/setgid bit, not writable by others, no ACL entry naming anyone but
-    the human (the agent chose those). Returns what is left (empty when all moved)."""
+    the human (the agent chose those). Returns what is left (empty when all moved); ``others`` as
+    :func:`revoke`'s."""
     cmds.show(["find", place, "-xdev", "(", "-uid", str(uid), "-o", "-gid", str(gid), ")", "-exec", "chown",
                "--no-dereference", f"{to_uid}:{to_gid}", "--", "{}", "+"])
     if cmds.dry_run:
         return []
+    theirs = _Theirs(place, uid, gid, to_uid if others is not None else None)
     for n in Walk(place, links=True):
+        theirs.see(n)
         if n.st.st_uid == uid or n.st.st_gid == gid:
             give(n, to_uid, to_gid, keep=lambda e: e[0] == USER and e[2] == to_uid)
+    if others is not None:
+        others += theirs.said()
     return owned_by(uid, gid, place)
 
 

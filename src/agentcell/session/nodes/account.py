@@ -101,17 +101,18 @@ def grant(cmds: Any, account: Account, paths: list[str], changes: Changes | None
 
 
 def revoke(cmds: Any, account: Account, grants: list[Grant], changes: Changes | None = None,
-           give_to: tuple[int, int] | None = None) -> list[str]:
+           give_to: tuple[int, int] | None = None, others: list[str] | None = None) -> list[str]:
     """Remove the session's ACL entries from each granted path (and with ``give_to``, give what the
     account owns there to them, in the same walk: :func:`agentcell.accounts.acl.revoke`); what could not
-    be removed or given."""
+    be removed or given. ``others``: what other users put in the agent's directories (acl.revoke's)."""
     from ...accounts import acl
 
     problems: list[str] = []
     for g in grants:
         try:
             problems += acl.revoke(cmds, account.uid, account.gid, g.path, list(g.prior),
-                                   changed=None if changes is None else _collect(changes, g.path), give_to=give_to)
+                                   changed=None if changes is None else _collect(changes, g.path), give_to=give_to,
+                                   others=others)
         except (OSError, AgentcellError) as e:
             problems.append(f"revoke {g.path}: {line(e)}")
     return problems

@@ -108,7 +108,8 @@ def cleanup(rt: Runtime, state: SessionState) -> dict[str, Any]:
         # A session's own account, vouched for and with none of its processes left: what it made in the
         # granted paths is given back in the revoke's walk (else by the delete's, below).
         given = _given_in_revoke(cmds, account, sid, give_to or (0, 0))
-        revoked = revoke(cmds, account, grants, changes, give_to=given)
+        others: list[str] = []  # what another user put in a directory the agent opened to others
+        revoked = revoke(cmds, account, grants, changes, give_to=given, others=others)
         problems += revoked
         carry(state, changes, human)
         paths = [g.path for g in grants]
@@ -137,9 +138,10 @@ def cleanup(rt: Runtime, state: SessionState) -> dict[str, Any]:
                 if give_to is not None:
                     for p in paths:
                         problems += acl.reassign(cmds, account.uid, account.gid, give_to[0], give_to[1],
-                                                 p)
+                                                 p, others=others)
         except (OSError, AgentcellError) as e:
             problems.append(line(e))
+        problems += dict.fromkeys(others)  # (each once: a persistent agent's paths are walked twice)
     if state.get("cell_id"):
         from ...host import owner
 
