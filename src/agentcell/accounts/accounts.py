@@ -89,6 +89,47 @@ def processes(uid: int) -> list[int]:
     return out
 
 
+def held_ids() -> tuple[set[int], dict[int, list[tuple[int, int]]]]:
+    """One look at every live process: the uids any of them has (real, effective, saved, filesystem),
+    and for each gid, the (pid, real uid) of those that have it (the same four, or a supplementary
+    group). A process of another user that ran a setgid file of an agent's keeps the agent's group
+    after the account is gone: a new account given that number would lend it its grants."""
+    uids: set[int] = set()
+    gids: dict[int, list[tuple[int, int]]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/status") as f:
+                fields = dict(line.split(":", 1) for line in f if line.startswith(("State:", "Uid:", "Gid:", "Groups")))
+        except (OSError, ValueError):
+            continue
+        if fields.get("State", "").strip().startswith("Z"):
+            continue
+        try:
+            u = [int(x) for x in fields.get("Uid", "").split()]
+            g = {int(x) for x in (fields.get("Gid", "") + " " + fields.get("Groups", "")).split()}
+        except ValueError:
+            continue
+        uids.update(u)
+        for gid in g:
+            gids.setdefault(gid, []).append((int(entry), u[0] if u else -1))
+    return uids, gids
+
+
+def group_holders(gid: int) -> list[str]:
+    """What still holds group ``gid`` (a deleted account's): a line for each process, for the human."""
+    out = []
+    for pid, uid in held_ids()[1].get(gid, [])[:5]:
+        try:
+            who = pwd.getpwuid(uid).pw_name
+        except KeyError:
+            who = f"uid {uid}"
+        out.append(f"process {pid} of {who} still holds the session account's group {gid} (it ran a setgid file of "
+                   "the agent's?): end it; the number is given to no other session while a process holds it")
+    return out
+
+
 def in_a_cell(pid: int) -> bool:
     """Whether the process lives in an agentcell cell's cgroup."""
     try:

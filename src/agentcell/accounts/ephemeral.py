@@ -22,7 +22,7 @@ from .. import hostfs
 from ..errors import AgentcellError
 from ..hostfs import state_dir
 from . import acl
-from .accounts import NOLOGIN, AccountError, _group, _uid_taken, _user, kill_all, processes
+from .accounts import NOLOGIN, AccountError, _group, _uid_taken, _user, held_ids, kill_all, processes
 from .commands import Commands, need_root
 
 UID_FIRST, UID_LAST = 1_900_000_000, 1_900_065_535
@@ -57,13 +57,15 @@ def name_for(session_id: str) -> str:
 
 def _free_uid() -> int:
     """A uid of the range that no account, group or record of ours names (a record whose account a crash
-    left unmade still holds its uid: another session's account with that uid would be taken for its)."""
+    left unmade still holds its uid: another session's account with that uid would be taken for its), and
+    that no live process has as a uid or a group."""
     import grp
 
     recorded = {a.uid for a in leftovers()}
+    held, groups = held_ids()  # (a process that kept an old account's group keeps the number: never lent again)
     for _ in range(64):
         uid = UID_FIRST + secrets.randbelow(UID_LAST - UID_FIRST + 1)
-        if uid in recorded:
+        if uid in recorded or uid in held or uid in groups:
             continue
         try:
             pwd.getpwuid(uid)

@@ -127,8 +127,13 @@ def cleanup(rt: Runtime, state: SessionState) -> dict[str, Any]:
                 problems.append(f"toolchain cache: {line(e)}")
         try:
             if account.kind == "ephemeral":
-                ephemeral.delete(ephemeral.Account(account.name, account.uid, account.gid, sid), cmds,
-                                 paths=paths, give_to=give_to or (0, 0), given=bool(given) and not revoked)
+                try:
+                    ephemeral.delete(ephemeral.Account(account.name, account.uid, account.gid, sid), cmds,
+                                     paths=paths, give_to=give_to or (0, 0), given=bool(given) and not revoked)
+                finally:
+                    from ...accounts.accounts import group_holders
+
+                    problems += group_holders(account.gid)
             else:
                 from ...accounts.accounts import defuse_home
 
