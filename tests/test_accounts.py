@@ -12,6 +12,7 @@ import pwd
 import secrets
 import shutil
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -686,3 +687,28 @@ def test_cells_launch_while_accounts_come_and_go(user: User, tmp_path: Path) -> 
         churn.wait(30)
         subprocess.run(["userdel", name], capture_output=True)
     assert [c.returncode for c in codes] == [0] * 15, [c.stderr for c in codes if c.returncode]
+
+
+@needs_root
+def test_a_group_held_by_one_thread_only_is_seen_as_held() -> None:
+    """Each thread has credentials of its own: a raw setresgid changes only its caller's. A process whose
+    leader has its own group while another thread holds a session account's is a holder all the same."""
+    gid = ephemeral.UID_FIRST + secrets.randbelow(ephemeral.UID_LAST - ephemeral.UID_FIRST + 1)
+    code = ("import ctypes, sys, threading, time\n"
+            "libc = ctypes.CDLL(None, use_errno=True)\n"
+            "def hold():\n"
+            f"    assert libc.syscall(119, {gid}, {gid}, {gid}) == 0, ctypes.get_errno()  # setresgid, this thread\n"
+            "    print('held', flush=True)\n"
+            "    time.sleep(60)\n"
+            "threading.Thread(target=hold, daemon=True).start()\n"
+            "time.sleep(60)\n")
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout is not None and p.stdout.readline() == "held\n"
+        with open(f"/proc/{p.pid}/status") as f:
+            assert str(gid) not in next(line for line in f if line.startswith("Gid:")).split()  # (the leader's)
+        assert p.pid in [pid for pid, _ in accounts.held_ids()[1].get(gid, [])]
+        assert any(f"process {p.pid} " in line for line in accounts.group_holders(gid))
+    finally:
+        p.kill()
+        p.wait()

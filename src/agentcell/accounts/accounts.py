@@ -90,31 +90,51 @@ def processes(uid: int) -> list[int]:
 
 
 def held_ids() -> tuple[set[int], dict[int, list[tuple[int, int]]]]:
-    """One look at every live process: the uids any of them has (real, effective, saved, filesystem),
-    and for each gid, the (pid, real uid) of those that have it (the same four, or a supplementary
+    """One look at every live task: the uids any of them has (real, effective, saved, filesystem), and
+    for each gid, the (pid, real uid) of the processes that have it (the same four, or a supplementary
     group). A process of another user that ran a setgid file of an agent's keeps the agent's group
-    after the account is gone: a new account given that number would lend it its grants."""
+    after the account is gone: a new account given that number would lend it its grants. Each thread
+    has credentials of its own (a raw setresgid changes only its caller's), and a leader that exited
+    before its threads is a zombie with live threads: those are read one by one."""
     uids: set[int] = set()
     gids: dict[int, list[tuple[int, int]]] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
-        try:
-            with open(f"/proc/{entry}/status") as f:
-                fields = dict(line.split(":", 1) for line in f if line.startswith(("State:", "Uid:", "Gid:", "Groups")))
-        except (OSError, ValueError):
+        leader = _creds(f"/proc/{entry}/status")
+        if leader is None:
             continue
-        if fields.get("State", "").strip().startswith("Z"):
-            continue
-        try:
-            u = [int(x) for x in fields.get("Uid", "").split()]
-            g = {int(x) for x in (fields.get("Gid", "") + " " + fields.get("Groups", "")).split()}
-        except ValueError:
-            continue
-        uids.update(u)
-        for gid in g:
-            gids.setdefault(gid, []).append((int(entry), u[0] if u else -1))
+        tasks = [leader]
+        if leader[3] != 1 or leader[0]:  # (threads, or a zombie leader: each task's own)
+            try:
+                names = os.listdir(f"/proc/{entry}/task")
+            except OSError:
+                names = []
+            tasks = [c for c in (_creds(f"/proc/{entry}/task/{t}/status") for t in names if t.isdigit()) if c]
+        held: set[int] = set()
+        ruid = -1
+        for zombie, u, g, _threads in tasks:
+            if zombie:
+                continue
+            uids.update(u)
+            held |= g
+            ruid = u[0] if u else -1
+        for gid in held:
+            gids.setdefault(gid, []).append((int(entry), ruid))
     return uids, gids
+
+
+def _creds(path: str) -> tuple[bool, list[int], set[int], int] | None:
+    """(a zombie, its uids, its gids and supplementary groups, its thread count) from a status file."""
+    try:
+        with open(path) as f:
+            fields = dict(line.split(":", 1) for line in f
+                          if line.startswith(("State:", "Uid:", "Gid:", "Groups:", "Threads:")))
+        return (fields.get("State", "").strip().startswith("Z"), [int(x) for x in fields.get("Uid", "").split()],
+                {int(x) for x in (fields.get("Gid", "") + " " + fields.get("Groups", "")).split()},
+                int(fields.get("Threads", "1").strip() or 1))
+    except (OSError, ValueError):
+        return None
 
 
 def group_holders(gid: int) -> list[str]:
