@@ -708,7 +708,8 @@ def test_a_group_held_by_one_thread_only_is_seen_as_held() -> None:
         with open(f"/proc/{p.pid}/status") as f:
             assert str(gid) not in next(line for line in f if line.startswith("Gid:")).split()  # (the leader's)
         assert p.pid in [pid for pid, _ in accounts.held_ids()[1].get(gid, [])]
-        assert any(f"process {p.pid} " in line for line in accounts.group_holders(gid))
+        assert any(f"process {p.pid} " in line for line in accounts.group_holders(gid, gid))
+        assert not any(f"process {p.pid} " in line for line in accounts.group_holders(0, gid))  # (the agent's own)
     finally:
         p.kill()
         p.wait()

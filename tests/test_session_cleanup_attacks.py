@@ -49,7 +49,7 @@ class Seen:
     survivor_gids: str  # its Gid line after the session ("" if it has gone)
 
 
-def _agents_setgid_tool_run_by_another_user(env: Env, mallory: User) -> Seen:
+def _agents_setgid_tool_run_by_another_user(env: Env, mallory: User, who: tuple[str, ...] = ()) -> Seen:
     """The agent copies an interpreter into the project and tries to set its setgid bit (the cell's mounts
     are nosuid; the host's view of the project is not: the cell's seccomp filter refuses the bit); while the
     session runs, another local user runs it, a process outside any cell, which then sleeps. The session
@@ -57,8 +57,8 @@ def _agents_setgid_tool_run_by_another_user(env: Env, mallory: User) -> Seen:
     src = env.project / "src"
     script = (f"cd {src} && cp /usr/bin/python3.11 tool && (chmod 2755 tool || echo refused); touch ready && "
               "while [ ! -e go ]; do sleep 0.1; done; echo done")
-    sup = subprocess.Popen([AGENTCELL, "session", "start", "--harness", "shell", "--rw", "src", "--json", "--", "sh",
-                            "-c", script], env=session_environ(env), cwd=env.project, stdin=subprocess.DEVNULL,
+    sup = subprocess.Popen([AGENTCELL, "session", "start", "--harness", "shell", *who, "--rw", "src", "--json", "--",
+                            "sh", "-c", script], env=session_environ(env), cwd=env.project, stdin=subprocess.DEVNULL,
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     survivor = None
     try:
@@ -136,6 +136,21 @@ def test_no_process_keeps_the_session_accounts_group_after_it_unsaid_nor_lends_i
     assert kept, f"the other user's process does not hold the agent's group {seen.agent_gid}: {seen.survivor_gids}"
     assert said, seen.summary["problems"]
     assert picked != seen.agent_gid
+
+
+def test_a_process_that_keeps_a_persistent_agents_group_is_named_after_each_session(env: Env, mallory: User,
+                                                                                     agent: str) -> None:
+    """A persistent agent keeps its group from one session to the next: another user's process that ran its
+    setgid file would have the next session's grant too. The summary names it."""
+    seen = _agents_setgid_tool_run_by_another_user(env, mallory, ("--agent", agent))
+    try:
+        kept = str(seen.agent_gid) in seen.survivor_gids.split()
+        said = [p for p in seen.summary["problems"] if f"process {seen.survivor.pid} of {mallory.name}" in p]
+    finally:
+        seen.survivor.kill()
+        seen.survivor.wait()
+    assert kept, f"the other user's process does not hold the agent's group {seen.agent_gid}: {seen.survivor_gids}"
+    assert said, seen.summary["problems"]
 
 
 @pytest.mark.parametrize("account", ["per-session", "persistent agent"])

@@ -137,16 +137,23 @@ def _creds(path: str) -> tuple[bool, list[int], set[int], int] | None:
         return None
 
 
-def group_holders(gid: int) -> list[str]:
-    """What still holds group ``gid`` (a deleted account's): a line for each process, for the human."""
+def group_holders(uid: int, gid: int) -> list[str]:
+    """Processes of other users that hold the agent's group ``gid`` as the session ends: a line for each,
+    for the human. Such a process ran a setgid file of the agent's (or was given the group by one that
+    did); it has what the group is granted, this session's and, for a persistent agent, the next's. This
+    sees only processes at the moment of the look: a setgid copy of its own made with the group, or
+    credentials kept in an io_uring personality, are not seen (docs/status.md)."""
+    holders = [(pid, owner) for pid, owner in held_ids()[1].get(gid, []) if owner != uid]
     out = []
-    for pid, uid in held_ids()[1].get(gid, [])[:5]:
+    for pid, owner in holders[:5]:
         try:
-            who = pwd.getpwuid(uid).pw_name
+            who = pwd.getpwuid(owner).pw_name
         except KeyError:
-            who = f"uid {uid}"
-        out.append(f"process {pid} of {who} still holds the session account's group {gid} (it ran a setgid file of "
-                   "the agent's?): end it; the number is given to no other session while a process holds it")
+            who = f"uid {owner}"
+        out.append(f"process {pid} of {who} holds the agent's group {gid} (it ran a setgid file of the agent's, or "
+                   "was given the group by one that did): end it, and look for setgid files of that group")
+    if len(holders) > 5:
+        out.append(f"... and {len(holders) - 5} more processes of other users hold the agent's group {gid}")
     return out
 
 

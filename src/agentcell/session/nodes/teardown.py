@@ -127,13 +127,8 @@ def cleanup(rt: Runtime, state: SessionState) -> dict[str, Any]:
                 problems.append(f"toolchain cache: {line(e)}")
         try:
             if account.kind == "ephemeral":
-                try:
-                    ephemeral.delete(ephemeral.Account(account.name, account.uid, account.gid, sid), cmds,
-                                     paths=paths, give_to=give_to or (0, 0), given=bool(given) and not revoked)
-                finally:
-                    from ...accounts.accounts import group_holders
-
-                    problems += group_holders(account.gid)
+                ephemeral.delete(ephemeral.Account(account.name, account.uid, account.gid, sid), cmds,
+                                 paths=paths, give_to=give_to or (0, 0), given=bool(given) and not revoked)
             else:
                 from ...accounts.accounts import defuse_home
 
@@ -147,6 +142,12 @@ def cleanup(rt: Runtime, state: SessionState) -> dict[str, Any]:
         except (OSError, AgentcellError) as e:
             problems.append(line(e))
         problems += dict.fromkeys(others)  # (each once: a persistent agent's paths are walked twice)
+        from ...accounts.accounts import group_holders
+
+        try:  # (a persistent agent keeps its group: such a process would have the next session's grant too)
+            problems += group_holders(account.uid, account.gid)
+        except OSError as e:
+            problems.append(f"processes holding the agent's group: not looked for ({e.strerror})")
     if state.get("cell_id"):
         from ...host import owner
 
