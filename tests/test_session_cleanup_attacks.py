@@ -153,14 +153,16 @@ def test_a_process_that_keeps_a_persistent_agents_group_is_named_after_each_sess
     assert said, seen.summary["problems"]
 
 
-@pytest.mark.parametrize("account", ["per-session", "persistent agent"])
+@pytest.mark.parametrize(("account", "mode"), [("per-session", "777"), ("persistent agent", "777"),
+                                             ("per-session", "2777")])
 def test_what_another_user_put_in_the_agents_open_directory_is_not_left_theirs_unsaid(
-        env: Env, mallory: User, account: str, request: pytest.FixtureRequest) -> None:
-    """The agent opens a directory to all; another local user puts a file there during the session. Cleanup
-    gives the directory to the human, not writable by others, and names the file, which stays its maker's
-    (taking it could take a file of theirs elsewhere, through a hard link)."""
+        env: Env, mallory: User, account: str, mode: str, request: pytest.FixtureRequest) -> None:
+    """The agent opens a directory to all (setgid too: then what is made there has the agent's group);
+    another local user puts a file there during the session. Cleanup gives the directory to the human, not
+    writable by others, and names the file, which stays its maker's (taking it could take a file of theirs
+    elsewhere, through a hard link) but loses the agent's group."""
     src = env.project / "src"
-    script = (f"cd {src} && mkdir plugins && chmod 777 plugins && touch ready && "
+    script = (f"cd {src} && mkdir plugins && chmod {mode} plugins && touch ready && "
               "while [ ! -e go ]; do sleep 0.1; done; echo done")
     who = ["--agent", request.getfixturevalue("agent")] if account == "persistent agent" else []
     sup = subprocess.Popen([AGENTCELL, "session", "start", "--harness", "shell", *who, "--rw", "src", "--json", "--",
@@ -187,6 +189,9 @@ def test_what_another_user_put_in_the_agents_open_directory_is_not_left_theirs_u
     assert plugin.stat().st_uid != mallory.uid or "init.py" in said, (plugin.stat().st_uid, said)
     # (cleanup leaves another user's file theirs: a hard link there may be to a file of theirs elsewhere)
     assert f"{plugin} belongs to {mallory.name} (uid {mallory.uid})" in said, said
+    assert plugin.stat().st_uid == mallory.uid, "it is left theirs, as said"
+    assert plugin.stat().st_gid in (mallory.gid, env.project.stat().st_gid), "not the agent's group"
+    assert not (src / "plugins").stat().st_mode & stat.S_ISGID
 
 
 def test_cleanup_gives_back_no_inode_but_the_accounts_through_links(env: Env, user: User) -> None:

@@ -360,7 +360,8 @@ def revoke(cmds: Commands, uid: int, gid: int, source: str, prior: list[str], *,
                 if wrote and changed is not None and stat.S_ISREG(n.st.st_mode) and not agents:
                     changed(n.rel, n.st, os.fstat(n.fd))
             if agents and give_to is not None:
-                give(n, give_to[0], give_to[1], keep=lambda e: e[0] == USER and e[2] == give_to[0])
+                give(n, give_to[0], give_to[1], keep=lambda e: e[0] == USER and e[2] == give_to[0],
+                     owner=n.st.st_uid == uid)
                 st = os.fstat(n.fd)
                 if st.st_uid == uid or st.st_gid == gid:
                     left.append(n.rel)
@@ -445,18 +446,27 @@ def reassign(cmds: Commands, uid: int, gid: int, to_uid: int, to_gid: int, place
     for n in Walk(place, links=True):
         theirs.see(n)
         if n.st.st_uid == uid or n.st.st_gid == gid:
-            give(n, to_uid, to_gid, keep=lambda e: e[0] == USER and e[2] == to_uid)
+            give(n, to_uid, to_gid, keep=lambda e: e[0] == USER and e[2] == to_uid, owner=n.st.st_uid == uid)
     if others is not None:
         others += theirs.said()
     return owned_by(uid, gid, place)
 
 
-def give(n: Node, to_uid: int, to_gid: int, keep: Callable[[Entry], bool] = lambda e: False) -> None:
+def give(n: Node, to_uid: int, to_gid: int, keep: Callable[[Entry], bool] = lambda e: False, *,
+         owner: bool = True) -> None:
     """Make one walked entry ``to_uid:to_gid``'s as its receiver wants it: chowned (the file opened, not a
     name that could be swapped), no setuid/setgid bit, not writable by others, no named ACL entry but
-    those ``keep`` selects (the rest were someone else's choice)."""
+    those ``keep`` selects (the rest were someone else's choice). ``owner`` False: the entry is a third
+    user's that only has the agent's group (made in a setgid directory of the agent's): it stays theirs,
+    its group becomes ``to_gid`` and it loses its setuid/setgid bits, nothing else (it may be a hard link
+    to a file of theirs elsewhere)."""
     from ..cell import syscalls
 
+    if not owner:
+        syscalls.fchown_fd(n.fd, -1, to_gid)
+        if not stat.S_ISLNK(n.st.st_mode) and n.st.st_mode & (stat.S_ISUID | stat.S_ISGID):
+            os.chmod(_proc(n.fd), stat.S_IMODE(n.st.st_mode) & ~(stat.S_ISUID | stat.S_ISGID))
+        return
     syscalls.fchown_fd(n.fd, to_uid, to_gid)
     if stat.S_ISLNK(n.st.st_mode):
         return
