@@ -24,8 +24,17 @@ SCRIPT = textwrap.dedent("""
     def bpf_holders():
         out = []
         for pid in filter(str.isdigit, os.listdir("/proc")):
+            kinds = set()
             try:
-                kinds = {os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")}
+                fds = os.listdir(f"/proc/{pid}/fd")
+            except OSError:
+                continue
+            for fd in fds:  # (one closed since the listing is skipped, not the process: the launcher is busy)
+                try:
+                    kinds.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
+                except OSError:
+                    pass
+            try:
                 status = open(f"/proc/{pid}/status").read()
                 cgroup = open(f"/proc/{pid}/cgroup").read()
             except OSError:
