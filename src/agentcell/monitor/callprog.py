@@ -27,6 +27,7 @@ TASK_DROPS = 1 << 63  # the drop counter of a cell's task ring: its cgroup id wi
 SCAN = 128  # a path below /usr, /lib or /sys this long or shorter is looked through for ".." in the kernel
 ARG_OFFSETS = (112, 104, 96, 56, 72, 64)  # x86_64 pt_regs: di, si, dx, r10, r8, r9
 ORIG_AX = 120
+RB_NO_WAKEUP = 1  # bpf_ringbuf_submit's flag: the consumer is not woken
 
 PATH, SOCKADDR, MSGHDR, WORD = 1, 2, 3, 4
 # EPERM … EROFS; EADDRNOTAVAIL … EHOSTUNREACH; EINPROGRESS (a non-blocking connect: refused only later)
@@ -412,10 +413,13 @@ def _process(a: bpf.Asm) -> None:
 
 
 def _submit(a: bpf.Asm, drops_fd: int, *, tasks: bool = False) -> None:
-    """The record at R8 handed over (``submit``), or counted as dropped (``dropped``); the program's end."""
+    """The record at R8 handed over (``submit``), or counted as dropped (``dropped``); the program's end.
+    A task ring's reader is never woken (BPF_RB_NO_WAKEUP): no one waits on it (it is read with the cell's
+    calls, :class:`agentcell.monitor.callsource.AttemptSource`), and a wake-up is an interrupt raised on
+    the CPU of the forking or exiting task (on a virtual machine, an exit to the hypervisor) for each."""
     a.label("submit")
     a.alu("mov", bpf.R1, bpf.R8)
-    a.alu("mov", bpf.R2, imm=0)
+    a.alu("mov", bpf.R2, imm=RB_NO_WAKEUP if tasks else 0)
     a.call(bpf.RINGBUF_SUBMIT)
     a.j("ja", bpf.R0, "out")
     a.label("dropped")
