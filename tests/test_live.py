@@ -294,3 +294,40 @@ def test_an_adopted_firewall_table_is_recorded_as_its_new_owners(tmp_path: Path)
     record.write_text("1\n")
     HostFirewall("agentcell_x", str(record)).adopt()
     assert record.read_text() == f"{os.getpid()}\n"
+
+
+def test_a_client_that_stops_reading_never_holds_up_the_monitor(user: User) -> None:
+    """A live cell's events go to every client of its host; one that stops reading (a stopped `agentcell cell
+    exec`, a program at a breakpoint) fills its socket. The next escape must still end the cell at once: the
+    monitor never waits on a client (host/split.py). Before, its thread sent each event to every client
+    itself, and blocked there: the escape below ran on, unfrozen, for as long as the client slept."""
+    import socket
+
+    from agentcell.host import wire
+
+    name = f"t{os.getpid()}q"
+    p = _cli("start", "--name", name, "--json", "--as", str(user.uid), "--on-escape", "terminate,write=record")
+    assert p.returncode == 0, p.stderr
+    info = json.loads(p.stdout)
+    host = int(info["host_pid"])
+    stuck = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        stuck.connect(info["socket"])
+        wire.send(stuck, {"op": "status"})
+        assert wire.recv(stuck)[0]["event"] == "status"  # a client now; it reads nothing more
+        # 600 writes to the read-only system, each a distinct event (recorded: write=record), fill the stuck
+        # client's socket many times over; then a canary credential is read (terminate).
+        script = ("i=0; while [ $i -lt 600 ]; do touch /usr/agentcell-q$i 2>/dev/null; i=$((i+1)); done; "
+                  "cat ~/.ssh/id_rsa >/dev/null; sleep 30; echo survived")
+        r = _cli("exec", "--name", name, "--", "sh", "-c", script, timeout=120)
+        assert r.returncode == 137 and "survived" not in r.stdout, (r.returncode, r.stderr[-400:])
+        assert "canary credential" in r.stderr, r.stderr[-400:]
+    finally:
+        stuck.close()
+        _cli("stop", "--name", name)
+        for _ in range(100):
+            if _gone(host):
+                break
+            time.sleep(0.05)
+        else:
+            os.kill(host, signal.SIGKILL)

@@ -34,6 +34,8 @@ its EOF terminates the cell.
 from __future__ import annotations
 
 import _socket
+import collections
+import marshal
 import math
 import os
 import select
@@ -50,6 +52,7 @@ KILL = 9
 GRACE_S = 3.0  # a command asked to die (timeout), or the cell asked to stop, has this long; then the cell is killed
 LOOK_S = 0.25  # how often the exec server's state is looked at while it has work
 MAX_CLIENTS = 64
+MAX_BACKLOG = 16 << 20  # bytes waiting for one client that does not read; past them it is dropped, as gone
 MAX_SIG = 64
 LINGER_S = 300.0  # an ended named cell answers "ended: REASON" this long
 
@@ -68,7 +71,9 @@ class Host:
         self.listener, self.name, self.idle_s = listener, name, idle_s
         self.conns: list[_socket.socket] = [conn] if conn is not None else []
         self.private = conn is not None  # its one client's EOF stops the cell
-        self.sup: Any = None
+        self.sup: Any = None  # (run_once: the session's cell, in this process)
+        self.cell: Any = None  # a live cell: split.Relayed (its keeper's connection) or split.Here
+        self.kept = False  # this process is a live cell's keeper (split.keep), not its clients' relay
         self.cell_lock: int | None = None  # (run_once: a session cell's lock, held until this process ends)
         self.execs: dict[int, _Exec] = {}
         self.next_id = 0
@@ -83,7 +88,13 @@ class Host:
         self.end_lock = threading.Lock()
         self.started = self.last_work = time.monotonic()
         self.buf: bytearray | None = None
-        self.env: dict[bytes, bytes] | None = None  # a live cell's environment, as its commands get it
+        # A live cell's clients are sent to without waiting (queued): what one cannot take yet waits here, in
+        # order, and goes as it can; one stopped reading never holds up the others, the exec server's reports
+        # or the cell's end.
+        self.queued = False
+        self.backlog: dict[_socket.socket, collections.deque[bytes]] = {}
+        self.backlog_bytes: dict[_socket.socket, int] = {}
+        self.stuck: set[_socket.socket] = set()
 
     # ---- replies ------------------------------------------------------------------------------------
 
@@ -91,7 +102,10 @@ class Host:
         with self.send_lock:
             for attempt in (msg, _trimmed(msg, 100, 4), _trimmed(msg, 10, 0)):
                 try:
-                    wire.send(conn, attempt)
+                    if self.queued:
+                        self._put(conn, attempt)
+                    else:
+                        wire.send(conn, attempt)
                     return
                 except wire.WireError:
                     continue  # larger than the wire takes: the next, trimmed, does
@@ -100,6 +114,50 @@ class Host:
                         continue
                     return  # that client has gone; its EOF is handled by the loop
 
+    def _put(self, conn: _socket.socket, msg: dict[str, Any]) -> None:
+        """Send without waiting, or queue behind what already waits for ``conn``."""
+        if conn in self.stuck:
+            return
+        data = marshal.dumps(msg)
+        if len(data) > wire.MAX_MESSAGE:
+            raise wire.WireError(f"{len(data)} bytes")
+        waiting = self.backlog.get(conn)
+        if waiting is None:
+            try:
+                conn.sendmsg([data], [], _socket.MSG_DONTWAIT)
+                return
+            except BlockingIOError:
+                waiting = self.backlog[conn] = collections.deque()
+        elif len(data) > conn.getsockopt(_socket.SOL_SOCKET, _socket.SO_SNDBUF) - 32:
+            raise OSError(90, "larger than one datagram")  # (as sendmsg would say: the caller trims it)
+        waiting.append(data)
+        self.backlog_bytes[conn] = self.backlog_bytes.get(conn, 0) + len(data)
+        if self.backlog_bytes[conn] > MAX_BACKLOG:
+            self.stuck.add(conn)  # dropped by the loop, its commands with it
+
+    def _flush(self, conn: _socket.socket) -> None:
+        """What waits for ``conn``, as much as it takes now."""
+        with self.send_lock:
+            waiting = self.backlog.get(conn)
+            while waiting:
+                try:
+                    conn.sendmsg([waiting[0]], [], _socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    return
+                except OSError:
+                    waiting.clear()  # gone: its EOF is handled by the loop
+                    break
+                self.backlog_bytes[conn] -= len(waiting.popleft())
+            self.backlog.pop(conn, None)
+            self.backlog_bytes.pop(conn, None)
+
+    def _unstick(self) -> None:
+        """Drop the clients that stopped reading past MAX_BACKLOG, as if they had gone."""
+        for conn in list(self.stuck):
+            if conn in self.conns:
+                self._drop(conn)
+            self.stuck.discard(conn)
+
     def _broadcast(self, msg: dict[str, Any]) -> None:
         for conn in list(self.conns):
             self._send(conn, msg)
@@ -107,10 +165,52 @@ class Host:
     def _on_event(self, ev: Any) -> None:
         self._broadcast({"event": "escape" if ev.acts else "note", "data": ev.as_dict()})
 
+    def _relay_event(self, kind: str, data: dict[str, Any]) -> None:
+        self._broadcast({"event": kind, "data": data})
+
     # ---- the cell -----------------------------------------------------------------------------------
 
+    def live(self, conn: _socket.socket, msg: dict[str, Any], then: Any = None) -> int:
+        """Open the live cell ``msg`` asks for (``open``) and serve it to its end, then ``then()`` (a named
+        cell's linger). In two processes (:mod:`.split`): this one forks the relay, which serves the
+        clients, while this one keeps the cell and its monitor (``kept``) and returns once the cell is
+        down and the relay has ended; in one when this process has threads (a fork keeps only the
+        forking thread). Returns the process's exit status, in each."""
+        from . import split
+
+        if threading.active_count() != 1:
+            if not self.open(conn, msg):
+                return 1
+            self.serve()
+            if then is not None:
+                then()
+            return 0
+        keeper, ctl = split.socketpair()
+        pid = os.fork()
+        if pid:  # the keeper: no client's connection, no listener
+            ctl.close()
+            for c in [*self.conns, *([self.listener] if self.listener is not None else [])]:
+                c.close()  # (close, not shutdown: the relay's copies are the same sockets)
+            self.conns, self.listener = [], None
+            self.kept = True
+            return split.keep(keeper, msg, pid, lambda m: [m, _trimmed(m, 100, 4), _trimmed(m, 10, 0)])
+        keeper.close()
+        opened, channel = split.await_opened(ctl)
+        if opened is None or channel is None:
+            self._send(conn, opened or {"event": "error", "field": "cell", "code": 123,
+                                        "message": "cell: the cell's host ended before the cell started"})
+            return 1
+        self.cell = split.Relayed(ctl, opened, channel, self._relay_event)
+        self._send(conn, {"event": "opened", "cell_id": self.cell.cell_id, "pid1": self.cell.pid1})
+        self.serve()
+        if then is not None:
+            then()
+        return 0
+
     def open(self, conn: _socket.socket, msg: dict[str, Any]) -> bool:
+        """The live cell in this process (:class:`.split.Here`)."""
         from ..supervise import Supervised
+        from .split import Here
 
         try:
             spec = spec_from_dict(msg["spec"])
@@ -129,28 +229,35 @@ class Host:
             self._send(conn, {"event": "error", "field": "request", "message": f"request: malformed: {e}",
                               "code": 125})
             return False
-        self._send(conn, {"event": "opened", "cell_id": self.sup.cell_id, "pid1": self.sup.pid1})
+        self.cell = Here(self.sup)
+        self._send(conn, {"event": "opened", "cell_id": self.cell.cell_id, "pid1": self.cell.pid1})
         return True
 
     def serve(self) -> None:
-        live = self.sup.running.live
+        cell = self.cell
+        live = cell.live
         self.buf = wire.buffer()  # (the clients' requests: this loop reads them all)
+        self.queued = True
         try:
             while self.ended is None:
-                readers: list[Any] = [*self.conns, self.sup.running, *([] if live.closed else [live])]
+                readers: list[Any] = [*self.conns, cell, *([] if live.closed else [live])]
                 if self.listener is not None:
                     readers.append(self.listener)
-                for r in _ready(readers, self._wait()):
+                readable, writable = _poll(readers, list(self.backlog), self._wait())
+                for w in writable:
+                    self._flush(w)
+                for r in readable:
                     if r is live:
                         self._reports()
-                    elif r is self.sup.running:
-                        self.sup.running.poll_messages(0)
+                    elif r is cell:
+                        cell.news()
                     elif r is self.listener:
                         self._accept()
                     else:
                         self._request(r)
+                self._unstick()
                 self._deadlines()
-                if self.sup.running.reported() or self.sup.running.finished_reading():
+                if cell.over():
                     self._end()
                 elif self.private and not self.conns:
                     self._stop("its client has gone")
@@ -162,7 +269,7 @@ class Host:
         finally:
             if self.ended is None:
                 self.failed = self.failed or "it was interrupted"
-                self.sup.running.kill()
+                cell.kill()
                 self._end()
 
     def _wait(self) -> float | None:
@@ -193,19 +300,19 @@ class Host:
             stuck = f"it did not stop within {GRACE_S:g} s of being asked"
         elif (self.execs or self.stopping) and now - self.last_look >= LOOK_S:
             self.last_look = now
-            if _stopped(self.sup.running.pid1):
+            if _stopped(self.cell.pid1):
                 stuck = "its exec server was stopped by a signal from inside the cell"
         if stuck:
             self.failed = self.failed or f"the cell no longer served commands ({stuck}); it was killed"
-            self.sup.running.kill()
+            self.cell.kill()
 
     def _kill_exec(self, rid: int, e: _Exec) -> None:
         if e.killed_at is None:
             e.killed_at = time.monotonic()
-        self.sup.running.live.signal(rid, KILL)
+        self.cell.live.signal(rid, KILL)
 
     def _reports(self) -> None:
-        reports = self.sup.running.live.reports()
+        reports = self.cell.live.reports()
         for _kind, rid, a, b in reports or []:  # (each a command's end)
             e = self.execs.pop(rid, None)
             if e is None:
@@ -220,11 +327,14 @@ class Host:
         """No more commands: the exec server ends and PID 1 takes the cell down."""
         if not self.stopping:
             self.stopping, self.stop_reason, self.stop_at = True, why, time.monotonic()
-            self.sup.running.live.close()
+            self.cell.live.close()
 
     def _end(self) -> None:
         self._reports()  # what the exec server said before the end
-        result = self.sup.finish(self.sup.running.wait(None, clean_up=False).as_dict())
+        result = self.cell.result()
+        if getattr(self.cell, "signal", 0):  # the keeper was stopped (SIGTERM, SIGHUP): as this process would be
+            self.failed = self.failed or "it was interrupted"
+            self.stopping, self.stop_reason = True, f"signal {self.cell.signal}"
         if self.failed:
             reason = f"the cell's host ended it: {self.failed}"
         elif result.get("terminated_by_monitor"):
@@ -369,8 +479,8 @@ class Host:
                     self._send(r, {"event": "ended", "reason": self.ended, "result": self.result})
 
     def _status(self) -> dict[str, Any]:
-        return {"event": "status", "name": self.name, "pid": os.getpid(), "cell_id": self.sup.cell_id,
-                "pid1": self.sup.pid1, "execs": len(self.execs), "events": len(self.sup.events()),
+        return {"event": "status", "name": self.name, "pid": os.getpid(), "cell_id": self.cell.cell_id,
+                "pid1": self.cell.pid1, "execs": len(self.execs), "events": self.cell.events_seen(),
                 "uptime_s": time.monotonic() - self.started, "ended": self.ended}
 
     def _accept(self) -> None:
@@ -385,6 +495,9 @@ class Host:
             if e.conn is conn:  # a client that went away takes its commands with it
                 self._kill_exec(rid, e)
         self.conns.remove(conn)
+        with self.send_lock:
+            self.backlog.pop(conn, None)
+            self.backlog_bytes.pop(conn, None)
         conn.close()
 
     def _request(self, conn: _socket.socket) -> None:
@@ -414,7 +527,7 @@ class Host:
                 raise ValueError(f"sig must be a signal number (1-{MAX_SIG})")
             rid = next((r for r, e in self.execs.items() if e.conn is conn and e.cid == msg.get("id")), None)
             if rid is not None:
-                self.sup.running.live.signal(rid, sig)
+                self.cell.live.signal(rid, sig)
         elif op == "exec":
             self._exec(conn, msg, fds)
         else:
@@ -445,18 +558,16 @@ class Host:
         except (KeyError, TypeError, ValueError) as e:
             self._send(conn, {"id": cid, "event": "error", "field": "exec", "code": 125, "message": f"exec: {e}"})
             return
-        spec = self.sup.spec
-        if self.env is None:
-            self.env = encoded(spec.environ())
-        env = {**self.env, **encoded(extra)} if extra else self.env
-        cwd = cwd or spec.cwd or spec.identity.home
+        base = self.cell.env
+        env = {**base, **encoded(extra)} if extra else base
+        cwd = cwd or self.cell.cwd
         self.next_id += 1
         rid = self.next_id
         self.last_work = time.monotonic()
         deadline = None if timeout is None else time.monotonic() + float(timeout)
         self.execs[rid] = _Exec(conn, int(cid or 0), deadline)
         try:
-            self.sup.running.live.exec(rid, argv, env, cwd, dict(enumerate(fds)))
+            self.cell.live.exec(rid, argv, env, cwd, dict(enumerate(fds)))
         except (OSError, ValueError) as e:
             del self.execs[rid]
             self._send(conn, {"id": cid, "event": "error", "field": "exec", "code": 125,
@@ -502,14 +613,27 @@ def _gone(conn: _socket.socket) -> bool:
 def _ready(objs: list[Any], timeout: float | None) -> list[Any]:
     """Those of ``objs`` (fds, or objects with fileno()) that are readable within ``timeout``: poll,
     not select, which cannot take an fd above 1023."""
+    return _poll(objs, [], timeout)[0]
+
+
+def _poll(readers: list[Any], writers: list[Any], timeout: float | None) -> tuple[list[Any], list[Any]]:
+    """(those of ``readers`` that are readable or have gone, those of ``writers`` that can be written to or
+    have gone) within ``timeout``."""
     poller = select.poll()
-    by_fd = {}
-    for o in objs:
-        fd = o if isinstance(o, int) else o.fileno()
-        by_fd[fd] = o
-        poller.register(fd, select.POLLIN)
+    by_fd: dict[int, Any] = {}
+    masks: dict[int, int] = {}
+    for objs, mask in ((readers, select.POLLIN), (writers, select.POLLOUT)):
+        for o in objs:
+            fd = o if isinstance(o, int) else o.fileno()
+            by_fd[fd] = o
+            masks[fd] = masks.get(fd, 0) | mask
+    for fd, mask in masks.items():
+        poller.register(fd, mask)
     events = poller.poll(None if timeout is None else timeout * 1000)
-    return [by_fd[fd] for fd, _ in events if fd in by_fd]
+    gone = select.POLLHUP | select.POLLERR | select.POLLNVAL
+    readable = [by_fd[fd] for fd, ev in events if masks[fd] & select.POLLIN and ev & (select.POLLIN | gone)]
+    writable = [by_fd[fd] for fd, ev in events if masks[fd] & select.POLLOUT and ev & (select.POLLOUT | gone)]
+    return readable, writable
 
 
 def _stopped(pid1: int) -> bool:
@@ -537,10 +661,9 @@ def serve_private(conn: _socket.socket, msg: dict[str, Any] | None, fds: list[in
         return host.run_once(conn, msg, fds)
     for fd in fds:
         os.close(fd)
-    if msg is None or msg.get("op") != "open" or not host.open(conn, msg):
+    if msg is None or msg.get("op") != "open":
         return 1
-    host.serve()
-    return 0
+    return host.live(conn, msg)
 
 
 def main(argv: list[str]) -> int:
@@ -576,15 +699,18 @@ def _main(argv: list[str]) -> int:
     msg, fds = wire.recv_or_gone(conn)
     for fd in fds:
         os.close(fd)
-    if msg is None or msg.get("op") != "open" or not host.open(conn, msg):
+    if msg is None or msg.get("op") != "open":
         return 1
-    try:
-        host.serve()
+
+    def linger() -> None:
         if not host.stopping:
             host.linger(LINGER_S)
+
+    try:
+        return host.live(conn, msg, linger)
     finally:
         path = opts.get("--path")
-        if path:
+        if path and not host.kept:  # (the relay's: it lingers, then removes it)
             try:
                 if os.stat(path).st_ino == ino:  # still ours
                     os.unlink(path)
