@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -55,7 +56,7 @@ class FakeHost(Host):
     def fd_path(self, pid: int, fd: int, tid: int = 0) -> str | None:
         return None
 
-    def resolve(self, path: str, pid: int = 0, tid: int = 0) -> str | None:
+    def resolve(self, path: str, pid: int = 0, tid: int = 0, owned: object = None) -> str | None:
         """The walk of the real Host, over the test's links (every other name taken to be there)."""
         todo, at = [p for p in path.split("/") if p], "/"
         while todo:
@@ -371,3 +372,28 @@ def test_raw_packet_and_icmp_sockets_refused_and_writes_to_sys_and_devices_the_c
     assert verdict(c, call("openat", ENOENT, "/dev/mem")) == ("read", "/dev/mem", True)
     assert verdict(c, call("openat", ENOENT, "/dev/ttyUSB0")) == ("read", "/dev/ttyUSB0", False)
     assert verdict(c, call("openat", ENOENT, "/dev/not-there")) is None
+
+
+def test_the_root_of_a_cell_task_gone_since_the_call_is_the_cells_root(tmp_path: Path) -> None:
+    """The monitor reads a failed call after the fact; under load, after its process (or the whole cell) has
+    ended, when the cell's /proc no longer has it: /proc/N/root of a task the cell had at the call still
+    leads to the cell's root (no task of a cell can chroot). CI saw the probe's look through its own
+    /proc/N/root go unreported once; a number the cell never had stays a look at a host process."""
+    from agentcell.monitor.cellview import Host as RealHost
+
+    (tmp_path / "proc").mkdir()
+    (tmp_path / "tmp").mkdir()
+    host = RealHost()
+    host.root_fd = os.open(tmp_path, os.O_PATH | os.O_DIRECTORY)
+    try:
+        path = "/proc/7/root/tmp/agentcell-escape-x/cwd/notes.txt"
+        assert host.resolve(path, 7, 7, lambda n: n == 7) == "/tmp/agentcell-escape-x/cwd/notes.txt"
+        assert host.resolve(path, 7, 7, lambda n: False) == path
+        assert host.resolve(path, 7, 7) == path
+        assert host.resolve("/proc/7/cwd/notes.txt", 7, 7, lambda n: True) == "/proc/7/cwd/notes.txt"
+        # task 8 is there, exiting: its root link no longer reads (here: not a link at all)
+        (tmp_path / "proc" / "8").mkdir()
+        (tmp_path / "proc" / "8" / "root").write_text("")
+        assert host.resolve("/proc/8/root/tmp/x", 8, 8) == "/tmp/x"
+    finally:
+        os.close(host.root_fd)

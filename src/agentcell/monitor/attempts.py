@@ -157,7 +157,9 @@ class Classifier:
             if base is None:
                 return None
             path = os.path.join(base, path)
-        walked = self.host.resolve(path, call.pid, call.tid)  # symlinks, and ".." after them, as the kernel took them
+        # symlinks, and ".." after them, as the kernel took them; /proc/N/root of a task of the cell's that has
+        # ended since (PID 1 ran as long as any of them did)
+        walked = self.host.resolve(path, call.pid, call.tid, lambda n: n == 1 or self._whose(call, n) == "alive")
         return walked if walked is not None else self.view.resolve_links(os.path.normpath(path).replace("//", "/"))
 
     @staticmethod

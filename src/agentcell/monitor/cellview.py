@@ -186,13 +186,17 @@ class Host:
             return path if path.startswith("/") else None
         return None
 
-    def resolve(self, path: str, pid: int = 0, tid: int = 0) -> str | None:
+    def resolve(self, path: str, pid: int = 0, tid: int = 0, owned: Callable[[int], bool] | None = None) -> str | None:
         """``path`` (absolute) as the kernel walks it in the cell for task ``tid`` of process ``pid``: each
         symlink followed where it stands (an absolute one from the cell's root), ``..`` taken after it, at
         most 40 links; past the first name that is not there, the rest as written. The caller's own magic
         links (``/proc/self``, ``/proc/thread-self``: their root, cwd and fds) are followed from the host's
-        side: they do not read for the monitor, which has no number in the cell's namespace. None if the
-        cell's tree cannot be reached (not held, and PID 1 gone)."""
+        side: they do not read for the monitor, which has no number in the cell's namespace. ``/proc/N/root``
+        of a task of the cell's is the cell's root (no task of a cell can chroot): read, the link says so
+        too, but not once the task is exiting (a zombie's does not read), nor once it is gone (the monitor
+        reads after the fact: under load, after the cell's last process), when ``owned(N)`` says whether N
+        was a task of the cell's at the call. None if the cell's tree cannot be reached (not held, and PID 1
+        gone)."""
         root = self._root()
         if not root or not os.path.isdir(root + "/"):
             return None
@@ -214,10 +218,21 @@ class Host:
                 links += 1
                 continue
             here = os.path.join(at, part)
+            task_root = at == "/proc" and part.isascii() and part.isdigit() and todo[:1] == ["root"]
             try:
                 st = os.lstat(root + here)
             except (OSError, ValueError):
+                if task_root and owned is not None and owned(int(part)):
+                    todo.pop(0)
+                    at = "/"
+                    links += 1
+                    continue
                 return os.path.normpath(os.path.join(here, *todo))  # not there: nothing further is walked
+            if task_root:  # a task of the cell's now; its root link does not read once it is exiting
+                todo.pop(0)
+                at = "/"
+                links += 1
+                continue
             if stat.S_ISLNK(st.st_mode):
                 links += 1
                 if links > 40:
