@@ -322,6 +322,9 @@ def test_a_client_that_stops_reading_never_holds_up_the_monitor(user: User) -> N
         r = _cli("exec", "--name", name, "--", "sh", "-c", script, timeout=120)
         assert r.returncode == 137 and "survived" not in r.stdout, (r.returncode, r.stderr[-400:])
         assert "canary credential" in r.stderr, r.stderr[-400:]
+        # It reads again: every event waited for it, the escape among them, and the cell's end last
+        # (red team: the backlog was sent only while the cell ran, and the end went behind it, never)
+        _read_to_the_end(stuck, 601)
     finally:
         stuck.close()
         _cli("stop", "--name", name)
@@ -331,3 +334,127 @@ def test_a_client_that_stops_reading_never_holds_up_the_monitor(user: User) -> N
             time.sleep(0.05)
         else:
             os.kill(host, signal.SIGKILL)
+
+
+def _read_to_the_end(sock: object, events: int) -> None:
+    """Read ``sock`` (a client of a live cell's host) to the cell's ``ended``: at least ``events`` events
+    came before it, a canary read among them, and the cell ended at that escape."""
+    from agentcell.host import wire
+
+    sock.settimeout(60)  # type: ignore[attr-defined]
+    seen: list[dict[str, object]] = []
+    while True:
+        msg, _ = wire.recv(sock)  # type: ignore[arg-type]
+        assert msg is not None, f"the host closed the connection before the end ({len(seen)} events came)"
+        if msg.get("event") in ("escape", "note"):
+            seen.append(msg["data"])
+        elif msg.get("event") == "ended":
+            break
+    assert len(seen) >= events and any("canary" in str(e) for e in seen), (len(seen), seen[-3:])
+    assert "terminated at an escape attempt" in str(msg["reason"]), msg["reason"]
+    assert msg["result"]["terminated_by_monitor"] is True
+
+
+def test_a_private_client_that_falls_behind_still_gets_every_event_and_the_end(user: User) -> None:
+    """The client of a cell of its own (Cell.open) stops reading (a ^Z, a debugger) while the agent makes
+    600 events and then an escape: what waits for it goes once it reads again, the cell's end last; before
+    (red team), the host ended with it unsent and the client saw 'the cell's host died'."""
+    import socket
+
+    from agentcell.cell.spec import spec_to_dict
+    from agentcell.host import interp, wire
+
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    proc = subprocess.Popen(interp.host("--conn", str(theirs.fileno())), pass_fds=[theirs.fileno()],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+    theirs.close()
+    null = os.open(os.devnull, os.O_RDWR)
+    try:
+        wire.send(ours, {"op": "open", "spec": spec_to_dict(_spec(user)), "monitor": "terminate,write=record",
+                         "give_to": None})
+        opened, _ = wire.recv(ours)
+        assert opened is not None and opened.get("event") == "opened", opened
+        script = ("i=0; while [ $i -lt 600 ]; do touch /usr/agentcell-p$i 2>/dev/null; i=$((i+1)); done; "
+                  "cat ~/.ssh/id_rsa >/dev/null; sleep 30")
+        wire.send(ours, {"op": "exec", "id": 1, "argv": ["sh", "-c", script], "env": {}, "cwd": None,
+                         "timeout": None}, [null, null, null])
+        for _ in range(1200):  # not read meanwhile: until the cell is gone
+            if _gone(int(opened["pid1"])):
+                break
+            time.sleep(0.05)
+        else:
+            raise AssertionError("the cell did not end at the escape")
+        _read_to_the_end(ours, 601)
+    finally:
+        os.close(null)
+        ours.close()
+        proc.wait(60)
+
+
+def _relay_of(keeper: int) -> int:
+    """The relay a named cell's host forked (host/split.py): its child in the host's pid namespace."""
+    for child in Path(f"/proc/{keeper}/task/{keeper}/children").read_text().split():
+        status = Path(f"/proc/{child}/status").read_text()
+        nspid = next(ln for ln in status.splitlines() if ln.startswith("NSpid:")).split()[1:]
+        if len(nspid) == 1:
+            return int(child)
+    raise AssertionError(f"no relay among the children of {keeper}")
+
+
+@pytest.mark.parametrize("whom", ["relay", "keeper, lingering"])
+def test_a_named_cells_host_in_two_processes_is_one_to_its_user(user: User, whom: str) -> None:
+    """`cell list` names the host pid `cell start` said (the keeper's, not its relay's); a SIGTERM to either
+    process stops the cell and removes its socket, also while an ended cell lingers (red team: the relay
+    died of it outright and left the socket; a keeper stopped while its relay lingered left both)."""
+    name = f"t{os.getpid()}s"
+    p = _cli("start", "--name", name, "--json", "--as", str(user.uid), "--monitor")
+    assert p.returncode == 0, p.stderr
+    info = json.loads(p.stdout)
+    keeper, sock, cell_id = int(info["host_pid"]), Path(info["socket"]), info["cell_id"]
+    try:
+        listed = json.loads(_cli("list", "--json").stdout)
+        assert [c.get("pid") for c in listed if c["name"] == name] == [keeper], listed
+        relay = _relay_of(keeper)
+        if whom == "relay":
+            running = subprocess.Popen([AGENTCELL, "cell", "exec", "--name", name, "--", "sleep", "100"],
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for _ in range(600):  # until its command runs
+                if any(_comm(q) == "sleep" for q in filter(str.isdigit, os.listdir("/proc")) if _uid(q) == user.uid):
+                    break
+                time.sleep(0.05)
+            os.kill(relay, signal.SIGTERM)
+            _, err = running.communicate(timeout=60)
+            assert running.returncode == 137 and "interrupted" in err, (running.returncode, err[-300:])
+        else:
+            r = _cli("exec", "--name", name, "--", "sh", "-c", "cat ~/.ssh/id_rsa; sleep 5")
+            assert r.returncode == 137 and "canary credential" in r.stderr, r.stderr[-300:]
+            assert sock.exists() and not _gone(relay)  # lingering: it says why the cell ended
+            os.kill(keeper, signal.SIGTERM)
+        for pid in (keeper, relay):
+            for _ in range(600):
+                if not Path(f"/proc/{pid}").exists() or _gone(pid):
+                    break
+                time.sleep(0.05)
+            else:
+                raise AssertionError(f"{pid} is still there")
+        assert not sock.exists()
+        assert not Path(f"/run/agentcell/cgroups/{cell_id}").exists()
+    finally:
+        _cli("stop", "--name", name)
+        for pid in (keeper,):
+            if not _gone(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _uid(pid: str) -> int | None:
+    try:
+        return os.stat(f"/proc/{pid}").st_uid
+    except OSError:
+        return None
+
+
+def _comm(pid: str) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""

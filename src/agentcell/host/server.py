@@ -74,6 +74,7 @@ class Host:
         self.sup: Any = None  # (run_once: the session's cell, in this process)
         self.cell: Any = None  # a live cell: split.Relayed (its keeper's connection) or split.Here
         self.kept = False  # this process is a live cell's keeper (split.keep), not its clients' relay
+        self.host_pid = os.getpid()  # the host's (a relay's keeper: the pid its starter was told)
         self.cell_lock: int | None = None  # (run_once: a session cell's lock, held until this process ends)
         self.execs: dict[int, _Exec] = {}
         self.next_id = 0
@@ -182,10 +183,12 @@ class Host:
             if not self.open(conn, msg):
                 return 1
             self.serve()
-            if then is not None:
-                then()
+            (then or self._drain)()
             return 0
         keeper, ctl = split.socketpair()
+        import signal
+
+        handled = signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, signal.SIG_IGN, None)
         pid = os.fork()
         if pid:  # the keeper: no client's connection, no listener
             ctl.close()
@@ -195,6 +198,11 @@ class Host:
             self.kept = True
             return split.keep(keeper, msg, pid, lambda m: [m, _trimmed(m, 100, 4), _trimmed(m, 10, 0)])
         keeper.close()
+        if handled:  # (the fork gave the child their default back): a SIGTERM or SIGHUP stops the cell here too
+            from ..errors import raise_on_termination
+
+            raise_on_termination()
+        self.host_pid = os.getppid()
         opened, channel = split.await_opened(ctl)
         if opened is None or channel is None:
             self._send(conn, opened or {"event": "error", "field": "cell", "code": 123,
@@ -203,8 +211,7 @@ class Host:
         self.cell = split.Relayed(ctl, opened, channel, self._relay_event)
         self._send(conn, {"event": "opened", "cell_id": self.cell.cell_id, "pid1": self.cell.pid1})
         self.serve()
-        if then is not None:
-            then()
+        (then or self._drain)()
         return 0
 
     def open(self, conn: _socket.socket, msg: dict[str, Any]) -> bool:
@@ -289,6 +296,8 @@ class Host:
         same account and can stop (SIGSTOP) or kill it. Then nothing in the cell can be ended by
         request, so the cell ends, whole, from here: an agent that stops its server ends its own cell."""
         now = time.monotonic()
+        if self.cell.down():
+            return  # the cell has ended: its teardown runs, and its end comes
         for rid, e in self.execs.items():
             if e.deadline is not None and not e.timed_out and now >= e.deadline:
                 e.timed_out = True
@@ -456,13 +465,37 @@ class Host:
 
     # ---- clients ------------------------------------------------------------------------------------
 
+    def _drain(self) -> None:
+        """The cell has ended: what still waits for its clients (its last events, the commands' ends, the
+        cell's) goes as each takes it, until each has it or has gone (as a blocking send would wait)."""
+        while self.backlog:
+            waiting = [c for c in self.backlog if c in self.conns]
+            if not waiting:
+                break
+            readable, writable = _poll(waiting, waiting, None)
+            for w in writable:
+                self._flush(w)
+            for r in readable:  # (a request now is answered by nothing: the client learns of the end)
+                msg, fds = wire.recv_or_gone(r)
+                for fd in fds:
+                    os.close(fd)
+                if msg is None:
+                    self._drop(r)
+        self.backlog.clear()
+        self.backlog_bytes.clear()
+
     def linger(self, seconds: float) -> None:
         """A named cell that has ended keeps answering for a while, so that the next ``exec`` (or
-        ``list``) learns why (an escape) instead of finding no cell; ``stop`` ends this at once."""
+        ``list``) learns why (an escape) instead of finding no cell; ``stop`` ends this at once. What
+        still waits for a client goes meanwhile."""
         until = time.monotonic() + seconds
         while self.listener is not None and not self.stopping and time.monotonic() < until:
             readers: list[Any] = [self.listener, *self.conns]
-            for r in _ready(readers, max(0.0, until - time.monotonic())):
+            readable, writable = _poll(readers, [c for c in self.backlog if c in self.conns],
+                                       max(0.0, until - time.monotonic()))
+            for w in writable:
+                self._flush(w)
+            for r in readable:
                 if r is self.listener:
                     self._accept()
                     continue
@@ -470,8 +503,7 @@ class Host:
                 for fd in fds:
                     os.close(fd)
                 if msg is None:
-                    self.conns.remove(r)
-                    r.close()
+                    self._drop(r)
                 elif msg.get("op") == "status":
                     self._send(r, self._status())
                 else:
@@ -479,7 +511,7 @@ class Host:
                     self._send(r, {"event": "ended", "reason": self.ended, "result": self.result})
 
     def _status(self) -> dict[str, Any]:
-        return {"event": "status", "name": self.name, "pid": os.getpid(), "cell_id": self.cell.cell_id,
+        return {"event": "status", "name": self.name, "pid": self.host_pid, "cell_id": self.cell.cell_id,
                 "pid1": self.cell.pid1, "execs": len(self.execs), "events": self.cell.events_seen(),
                 "uptime_s": time.monotonic() - self.started, "ended": self.ended}
 

@@ -12,9 +12,11 @@ reaps it and takes it down. They speak over a SOCK_SEQPACKET socketpair (:mod:`.
   keeper -> {"event": "opened", "cell_id", "pid1", "env": {b"K": b"V"}, "cwd": DIR} + fd [the exec server's channel]
           | {"event": "error", "field", "message", "code"}       (the cell did not start; nothing runs)
   keeper -> {"event": "escape" | "note", "data": {...}}           (as the monitor sees them, in order)
+  keeper -> {"event": "down"}                                     (the cell has ended; its teardown runs)
   keeper -> {"event": "ended", "result": {...}, "signal": N}      (last: the cell is down, its teardown done;
                                                                    N: the keeper's SIGTERM or SIGHUP, else 0)
-  relay  -> {"op": "kill"}                                        (the cell ends now: a stuck exec server, ...)
+  relay  -> {"op": "kill"}                                        (the cell ends now: a stuck exec server, ...;
+                                                                   sent once, never waited on)
 
 Who ends with whom. The keeper hands over the exec server's channel and closes its own copy, so the relay's
 close (``stop``, its last client gone) is what ends the exec server, and with it the cell, as before. The
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import _socket
 import collections
+import marshal
 import os
 from typing import TYPE_CHECKING, Any
 
@@ -72,6 +75,9 @@ class Here:
     def over(self) -> bool:
         return self.sup.running.reported() or self.sup.running.finished_reading()
 
+    def down(self) -> bool:
+        return self.over()
+
     def kill(self) -> None:
         self.sup.running.kill()
 
@@ -97,6 +103,8 @@ class Relayed:
         self.live = Channel(_socket.socket(fileno=channel))
         self._result: dict[str, Any] | None = None
         self.signal = 0  # the keeper ended the cell at this signal (the host was stopped: no linger)
+        self._down = False  # the cell has ended (its teardown may still run in the keeper)
+        self._killed = False
         self._events = 0
         self._buf = wire.buffer()
 
@@ -115,6 +123,8 @@ class Relayed:
         elif msg.get("event") in ("escape", "note"):
             self._events += 1
             self.on_event(str(msg["event"]), msg["data"])
+        elif msg.get("event") == "down":
+            self._down = True
         elif msg.get("event") == "ended":
             self.signal = int(msg.get("signal") or 0)
             self._result = dict(msg.get("result") or {})
@@ -122,11 +132,21 @@ class Relayed:
     def over(self) -> bool:
         return self._result is not None
 
+    def down(self) -> bool:
+        """The cell has ended: what its teardown takes is not the exec server's doing."""
+        return self._down or self._result is not None
+
     def kill(self) -> None:
+        """Once, without waiting: the relay's loop asks again on every pass while the cell lives on."""
+        if self._killed:
+            return
         try:
-            wire.send(self.ctl, {"op": "kill"})
+            self.ctl.sendmsg([marshal.dumps({"op": "kill"})], [], _socket.MSG_DONTWAIT)
+            self._killed = True
+        except BlockingIOError:
+            pass  # (the keeper has not read what it was sent yet: the next pass asks again)
         except OSError:
-            pass  # the keeper is gone: so is the cell
+            self._killed = True  # the keeper is gone: so is the cell
 
     def events_seen(self) -> int:
         return self._events
@@ -243,6 +263,8 @@ def keep(ctl: _socket.socket, msg: dict[str, Any], relay: int,
                         running.kill()
             if relay_alive:
                 flush()
+        if relay_alive:
+            send({"event": "down"})  # (its teardown may take a while: the relay must not take it for a hang)
     except Terminated as e:  # SIGTERM or SIGHUP: the cell goes down, as ``stop`` would take it
         code, signum = 128 + e.signum, e.signum
         if sup is not None:
@@ -255,16 +277,29 @@ def keep(ctl: _socket.socket, msg: dict[str, Any], relay: int,
         ctl.close()
         for fd in (wake_r, wake_w):
             os.close(fd)
-        _reap(relay)
+        code = _reap(relay) or code
     return code
 
 
-def _reap(pid: int) -> None:
+def _reap(pid: int) -> int:
+    """Wait for the relay (a named cell's lingers after the end). A SIGTERM or SIGHUP meanwhile is passed
+    on to it (it stops lingering and removes its socket) and makes this host's status 128+N."""
+    import signal
+
+    from ..errors import Terminated
+
+    code = 0
     while True:
         try:
             os.waitpid(pid, 0)
-            return
+            return code
         except InterruptedError:
             continue
         except ChildProcessError:
-            return
+            return code
+        except Terminated as e:
+            code = 128 + e.signum
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except OSError:
+                pass
