@@ -182,7 +182,6 @@ def keep(ctl: _socket.socket, msg: dict[str, Any], relay: int,
     from ..cell.spec import spec_from_dict
     from ..errors import Terminated
     from ..supervise import Supervised
-    from .server import _ready
 
     news: collections.deque[Any] = collections.deque()
     wake_r, wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
@@ -244,10 +243,10 @@ def keep(ctl: _socket.socket, msg: dict[str, Any], relay: int,
         if not relay_alive:
             running.kill()
         while not (running.reported() or running.finished_reading()):
-            for r in _ready([running, wake_r, *([ctl] if relay_alive else [])], None):
+            for r in _ready([running, _Fd(wake_r), *([ctl] if relay_alive else [])]):
                 if r is running:
                     running.poll_messages(0)
-                elif r is wake_r:
+                elif isinstance(r, _Fd):
                     try:
                         os.read(wake_r, 4096)
                     except OSError:
@@ -279,6 +278,25 @@ def keep(ctl: _socket.socket, msg: dict[str, Any], relay: int,
             os.close(fd)
         code = _reap(relay) or code
     return code
+
+
+def _ready(objs: list[Any]) -> list[Any]:
+    """Those of ``objs`` (with fileno()) that are readable (or have gone), waiting as long as it takes."""
+    import select
+
+    poller = select.poll()
+    by_fd = {o.fileno(): o for o in objs}
+    for fd in by_fd:
+        poller.register(fd, select.POLLIN)
+    return [by_fd[fd] for fd, _ in poller.poll() if fd in by_fd]
+
+
+class _Fd:
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def fileno(self) -> int:
+        return self.fd
 
 
 def _reap(pid: int) -> int:
