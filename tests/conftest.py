@@ -124,3 +124,11 @@ assert libc.prctl(38, 1, 0, 0, 0) == 0
 assert libc.prctl(22, 2, ctypes.c_char_p(fprog), 0, 0) == 0, ctypes.get_errno()
 os.execv(sys.argv[1], sys.argv[1:])
 """
+
+
+def proc_uid(pid: str) -> int | None:
+    """The uid that owns ``/proc/PID`` (None once the process is gone)."""
+    try:
+        return os.stat(f"/proc/{pid}").st_uid
+    except OSError:
+        return None

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import AGENTCELL, User, needs_root
+from conftest import AGENTCELL, User, needs_root, proc_uid
 from sessionkit import Env, running, session_environ
 from sessionkit import env as env  # the fixture, under its own name
 
@@ -159,18 +159,11 @@ def test_a_live_cells_host_stopped_takes_down_its_cell_and_socket(user: User, si
             subprocess.run([AGENTCELL, "cell", "stop", "--name", name], capture_output=True, timeout=60)
     assert not sock.exists()
     assert not Path(f"/run/agentcell/cgroups/{cell_id}").exists()
-    assert not [pid for pid in filter(str.isdigit, os.listdir("/proc")) if _uid(pid) == user.uid]
+    assert not [pid for pid in filter(str.isdigit, os.listdir("/proc")) if proc_uid(pid) == user.uid]
     assert settled(before) == set()
     listed = json.loads(subprocess.run([AGENTCELL, "cell", "list", "--json"], capture_output=True, text=True,
                                        timeout=60).stdout)
     assert name not in [c["name"] for c in listed]
-
-
-def _uid(pid: str) -> int | None:
-    try:
-        return os.stat(f"/proc/{pid}").st_uid
-    except OSError:
-        return None
 
 
 def test_a_sigterm_that_comes_while_the_cell_is_forked_ends_the_run_and_its_cell(user: User) -> None:
@@ -193,7 +186,7 @@ def test_a_sigterm_that_comes_while_the_cell_is_forked_ends_the_run_and_its_cell
     assert p.returncode == 128 + signal.SIGTERM, (p.returncode, p.stderr[-2000:])
     assert "Traceback" not in p.stderr and "Exception ignored" not in p.stderr, p.stderr
     assert settled(before) == set()
-    assert not [pid for pid in filter(str.isdigit, os.listdir("/proc")) if _uid(pid) == user.uid]
+    assert not [pid for pid in filter(str.isdigit, os.listdir("/proc")) if proc_uid(pid) == user.uid]
 
 
 def test_agentcell_run_stopped_at_any_moment_of_its_start_leaves_nothing(user: User) -> None:
@@ -211,7 +204,7 @@ def test_agentcell_run_stopped_at_any_moment_of_its_start_leaves_nothing(user: U
         assert p.returncode in (128 + signal.SIGTERM, -signal.SIGTERM), (p.returncode, err[-2000:])
         assert "Traceback" not in err, err
         assert settled(before) == set(), i
-    assert not [pid for pid in filter(str.isdigit, os.listdir("/proc")) if _uid(pid) == user.uid]
+    assert not [pid for pid in filter(str.isdigit, os.listdir("/proc")) if proc_uid(pid) == user.uid]
     assert set(Path("/run/agentcell/cgroups").glob("*")) <= records
     # and once it runs, the signal goes to the command, which it ends (the cell's PID 1 holds it for it)
     p = subprocess.Popen([AGENTCELL, "run", "--no-warm", "--as", str(user.uid), "--monitor", "--net", "proxy",

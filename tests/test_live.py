@@ -16,7 +16,7 @@ import pytest
 from agentcell import Cell, CellSpec
 from agentcell.api import CellEnded, LiveCell
 from agentcell.policy.resolve import build_env, resolve_identity
-from conftest import AGENTCELL, User, needs_root
+from conftest import AGENTCELL, User, needs_root, proc_uid
 
 pytestmark = needs_root
 
@@ -201,13 +201,18 @@ def named(user: User) -> Iterator[str]:
     try:
         yield name
     finally:
-        _cli("stop", "--name", name)
-        for _ in range(100):
-            if _gone(host):
-                break
-            time.sleep(0.05)
-        else:
-            os.kill(host, signal.SIGKILL)
+        _stop(name, host)
+
+
+def _stop(name: str, host: int) -> None:
+    """Stop a named cell the test started, and wait (bounded) for its host; killed if it is still there."""
+    _cli("stop", "--name", name)
+    for _ in range(100):
+        if _gone(host):
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(host, signal.SIGKILL)
 
 
 def test_cli_start_exec_list_stop(named: str, user: User) -> None:
@@ -327,13 +332,7 @@ def test_a_client_that_stops_reading_never_holds_up_the_monitor(user: User) -> N
         _read_to_the_end(stuck, 601)
     finally:
         stuck.close()
-        _cli("stop", "--name", name)
-        for _ in range(100):
-            if _gone(host):
-                break
-            time.sleep(0.05)
-        else:
-            os.kill(host, signal.SIGKILL)
+        _stop(name, host)
 
 
 def _read_to_the_end(sock: object, events: int) -> None:
@@ -419,7 +418,8 @@ def test_a_named_cells_host_in_two_processes_is_one_to_its_user(user: User, whom
             running = subprocess.Popen([AGENTCELL, "cell", "exec", "--name", name, "--", "sleep", "100"],
                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             for _ in range(600):  # until its command runs
-                if any(_comm(q) == "sleep" for q in filter(str.isdigit, os.listdir("/proc")) if _uid(q) == user.uid):
+                pids = [q for q in filter(str.isdigit, os.listdir("/proc")) if proc_uid(q) == user.uid]
+                if any(_comm(q) == "sleep" for q in pids):
                     break
                 time.sleep(0.05)
             os.kill(relay, signal.SIGTERM)
@@ -440,17 +440,7 @@ def test_a_named_cells_host_in_two_processes_is_one_to_its_user(user: User, whom
         assert not sock.exists()
         assert not Path(f"/run/agentcell/cgroups/{cell_id}").exists()
     finally:
-        _cli("stop", "--name", name)
-        for pid in (keeper,):
-            if not _gone(pid):
-                os.kill(pid, signal.SIGKILL)
-
-
-def _uid(pid: str) -> int | None:
-    try:
-        return os.stat(f"/proc/{pid}").st_uid
-    except OSError:
-        return None
+        _stop(name, keeper)
 
 
 def _comm(pid: str) -> str:

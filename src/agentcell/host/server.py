@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import _socket
 import collections
+import errno
 import marshal
 import math
 import os
@@ -600,10 +601,15 @@ class Host:
         self.execs[rid] = _Exec(conn, int(cid or 0), deadline)
         try:
             self.cell.live.exec(rid, argv, env, cwd, dict(enumerate(fds)))
-        except (OSError, ValueError) as e:
+        except OSError as e:
+            if e.errno in (errno.EPIPE, errno.ECONNRESET, errno.EBADF):
+                return  # the exec server is gone, so is the cell: its end, coming, ends this command (137, why)
             del self.execs[rid]
             self._send(conn, {"id": cid, "event": "error", "field": "exec", "code": 125,
-                              "message": f"exec: {e if isinstance(e, ValueError) else 'the cell is gone'}"})
+                              "message": f"exec: {e.strerror or e}"})
+        except ValueError as e:
+            del self.execs[rid]
+            self._send(conn, {"id": cid, "event": "error", "field": "exec", "code": 125, "message": f"exec: {e}"})
 
 
 def _trimmed(msg: dict[str, Any], events: int, ancestry: int) -> dict[str, Any]:
