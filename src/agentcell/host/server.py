@@ -220,6 +220,7 @@ class Host:
         from ..supervise import Supervised
         from .split import Here
 
+        self.queued = True  # (the monitor's thread sends to the clients from its start: never waiting)
         try:
             spec = spec_from_dict(msg["spec"])
             null = os.open(os.devnull, os.O_RDWR)
@@ -321,7 +322,8 @@ class Host:
             e.killed_at = time.monotonic()
         self.cell.live.signal(rid, KILL)
 
-    def _reports(self) -> None:
+    def _reports(self) -> bool:
+        """The ends the exec server has reported; whether there were any."""
         reports = self.cell.live.reports()
         for _kind, rid, a, b in reports or []:  # (each a command's end)
             e = self.execs.pop(rid, None)
@@ -332,6 +334,7 @@ class Host:
             self._send(e.conn, {"id": e.cid, "event": "exit", "exit_status": code, "signal": sig,
                                 "timed_out": e.timed_out, "duration_s": round(time.monotonic() - e.started, 6),
                                 "ended": None})
+        return bool(reports)
 
     def _stop(self, why: str) -> None:
         """No more commands: the exec server ends and PID 1 takes the cell down."""
@@ -340,7 +343,8 @@ class Host:
             self.cell.live.close()
 
     def _end(self) -> None:
-        self._reports()  # what the exec server said before the end
+        while self._reports():  # what the exec server said before the end (all of it)
+            pass
         result = self.cell.result()
         if getattr(self.cell, "signal", 0):  # the keeper was stopped (SIGTERM, SIGHUP): as this process would be
             self.failed = self.failed or "it was interrupted"
@@ -468,8 +472,10 @@ class Host:
 
     def _drain(self) -> None:
         """The cell has ended: what still waits for its clients (its last events, the commands' ends, the
-        cell's) goes as each takes it, until each has it or has gone (as a blocking send would wait)."""
-        while self.backlog:
+        cell's) goes as each takes it, until each has it or has gone (as a blocking send would wait); not
+        when the host was stopped by a signal (then it ends now)."""
+        while self.backlog and not getattr(self.cell, "signal", 0):
+            self._unstick()
             waiting = [c for c in self.backlog if c in self.conns]
             if not waiting:
                 break
@@ -528,10 +534,10 @@ class Host:
             if e.conn is conn:  # a client that went away takes its commands with it
                 self._kill_exec(rid, e)
         self.conns.remove(conn)
-        with self.send_lock:
+        with self.send_lock:  # (the monitor's thread may be sending to it: the in-process cell, split.Here)
             self.backlog.pop(conn, None)
             self.backlog_bytes.pop(conn, None)
-        conn.close()
+            conn.close()
 
     def _request(self, conn: _socket.socket) -> None:
         msg, fds = wire.recv_or_gone(conn, self.buf)

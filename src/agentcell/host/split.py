@@ -170,6 +170,9 @@ def await_opened(ctl: _socket.socket) -> tuple[dict[str, Any] | None, int | None
     if msg is not None and msg.get("event") == "opened" and channel is None:
         return {"event": "error", "field": "cell", "message": "cell: its exec server's channel did not come",
                 "code": 123}, None
+    if msg is not None and msg.get("event") not in ("opened", "error"):  # (the cell ended before it opened)
+        return {"event": "error", "field": "cell", "message": "cell: the cell ended before it could be opened",
+                "code": 123}, None
     return msg, channel
 
 
@@ -198,7 +201,7 @@ def keep(ctl: _socket.socket, msg: dict[str, Any], relay: int,
             try:
                 wire.send(ctl, attempt, fds)
                 return True
-            except wire.WireError:
+            except (wire.WireError, ValueError):  # (larger than the wire takes; marshal's own refusal)
                 continue
             except OSError as e:
                 if e.errno == 90:  # EMSGSIZE
@@ -210,6 +213,8 @@ def keep(ctl: _socket.socket, msg: dict[str, Any], relay: int,
         while news:
             ev = news.popleft()
             send({"event": "escape" if ev.acts else "note", "data": ev.as_dict()})
+
+    import signal
 
     code = signum = 0
     sup = None
@@ -268,11 +273,24 @@ def keep(ctl: _socket.socket, msg: dict[str, Any], relay: int,
         code, signum = 128 + e.signum, e.signum
         if sup is not None:
             sup.running.kill()
+    except BaseException:  # a bug of ours: the cell goes down all the same, and the error is seen
+        if sup is not None:
+            sup.running.kill()
+        raise
     finally:
         if sup is not None:
-            result = sup.finish(sup.running.wait(None, clean_up=False).as_dict())
-            flush()  # (the monitor's last look)
-            send({"event": "ended", "result": result, "signal": signum})
+            # The teardown runs whole, whatever signal comes meanwhile (one that came is taken after it).
+            both = {signal.SIGTERM, signal.SIGHUP}
+            mask = signal.pthread_sigmask(signal.SIG_BLOCK, both)
+            try:
+                result = sup.finish(sup.running.wait(None, clean_up=False).as_dict())
+                flush()  # (the monitor's last look)
+                came = signal.sigtimedwait(both, 0) if signal.sigpending() & both else None
+                if came is not None and not signum:
+                    code, signum = 128 + came.si_signo, came.si_signo
+                send({"event": "ended", "result": result, "signal": signum})
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         ctl.close()
         for fd in (wake_r, wake_w):
             os.close(fd)
