@@ -41,7 +41,6 @@ id), a runtime directory of the cell's own account, Python's byte-code caches in
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Callable
 
 from .callprog import AT_FDCWD, DIRFD, DIRFD2, O_ACCMODE, O_CREAT, O_TRUNC
@@ -116,14 +115,7 @@ class Classifier:
         does not say what number a task had)."""
         state = self.numbers.state(pid, call.ktime)
         if state == "never" and not self.numbers.known(pid) and self.host.exists_in_cell(f"/proc/{pid}"):
-            # The cell may have given the number to a task since the ring was read; a task is in /proc a
-            # moment before the kernel hands over its fork (the tracepoint comes after the task is made).
-            # (Not for PID 1, nor when the kernel's layout is not known: then no number is ever known.)
-            for wait in (0.0, 0.001, 0.005) if pid != 1 and not self.numbers.unknown else (0.0,):
-                time.sleep(wait)
-                self.catch_up()
-                if self.numbers.known(pid):
-                    break
+            self.catch_up()  # (the cell may have given the number to a task since the ring was read)
             state = self.numbers.state(pid, call.ktime)
             if state == "never" and not self.numbers.known(pid):
                 return "alive"  # a task of the cell from before the events came (its PID 1)
