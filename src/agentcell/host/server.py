@@ -39,7 +39,6 @@ import errno
 import marshal
 import math
 import os
-import select
 import threading
 import time
 from typing import Any
@@ -102,7 +101,7 @@ class Host:
 
     def _send(self, conn: _socket.socket, msg: dict[str, Any]) -> None:
         with self.send_lock:
-            for attempt in (msg, _trimmed(msg, 100, 4), _trimmed(msg, 10, 0)):
+            for attempt in attempts(msg):
                 try:
                     if self.queued:
                         self._put(conn, attempt)
@@ -186,9 +185,9 @@ class Host:
             self.serve()
             (then or self._drain)()
             return 0
-        keeper, ctl = split.socketpair()
         import signal
 
+        keeper, ctl = split.socketpair()
         handled = signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, signal.SIG_IGN, None)
         pid = os.fork()
         if pid:  # the keeper: no client's connection, no listener
@@ -197,7 +196,7 @@ class Host:
                 c.close()  # (close, not shutdown: the relay's copies are the same sockets)
             self.conns, self.listener = [], None
             self.kept = True
-            return split.keep(keeper, msg, pid, lambda m: [m, _trimmed(m, 100, 4), _trimmed(m, 10, 0)])
+            return split.keep(keeper, msg, pid, attempts)
         keeper.close()
         if handled:  # (the fork gave the child their default back): a SIGTERM or SIGHUP stops the cell here too
             from ..errors import raise_on_termination
@@ -252,7 +251,7 @@ class Host:
                 readers: list[Any] = [*self.conns, cell, *([] if live.closed else [live])]
                 if self.listener is not None:
                     readers.append(self.listener)
-                readable, writable = _poll(readers, list(self.backlog), self._wait())
+                readable, writable = wire.poll(readers, list(self.backlog), self._wait())
                 for w in writable:
                     self._flush(w)
                 for r in readable:
@@ -346,7 +345,7 @@ class Host:
         while self._reports():  # what the exec server said before the end (all of it)
             pass
         result = self.cell.result()
-        if getattr(self.cell, "signal", 0):  # the keeper was stopped (SIGTERM, SIGHUP): as this process would be
+        if self.cell.signal:  # the keeper was stopped (SIGTERM, SIGHUP): as this process would be
             self.failed = self.failed or "it was interrupted"
             self.stopping, self.stop_reason = True, f"signal {self.cell.signal}"
         if self.failed:
@@ -451,7 +450,7 @@ class Host:
             # Woken by the client, or (until_end) by the cell's status pipe: its end is seen at once, not
             # at the next look (a 50 ms look cost every supervised run through the warm launcher ~25 ms).
             watched = [conn, self.sup.running] if until_end else [conn]
-            if conn not in _ready(watched, max(0.0, last_stats + 1.0 - time.monotonic()) if until_end else 0.05):
+            if conn not in wire.ready(watched, max(0.0, last_stats + 1.0 - time.monotonic()) if until_end else 0.05):
                 continue
             msg, fds = wire.recv_or_gone(conn)
             for fd in fds:
@@ -474,12 +473,12 @@ class Host:
         """The cell has ended: what still waits for its clients (its last events, the commands' ends, the
         cell's) goes as each takes it, until each has it or has gone (as a blocking send would wait); not
         when the host was stopped by a signal (then it ends now)."""
-        while self.backlog and not getattr(self.cell, "signal", 0):
+        while self.backlog and not self.cell.signal:
             self._unstick()
             waiting = [c for c in self.backlog if c in self.conns]
             if not waiting:
                 break
-            readable, writable = _poll(waiting, waiting, None)
+            readable, writable = wire.poll(waiting, waiting, None)
             for w in writable:
                 self._flush(w)
             for r in readable:  # (a request now is answered by nothing: the client learns of the end)
@@ -498,7 +497,7 @@ class Host:
         until = time.monotonic() + seconds
         while self.listener is not None and not self.stopping and time.monotonic() < until:
             readers: list[Any] = [self.listener, *self.conns]
-            readable, writable = _poll(readers, [c for c in self.backlog if c in self.conns],
+            readable, writable = wire.poll(readers, [c for c in self.backlog if c in self.conns],
                                        max(0.0, until - time.monotonic()))
             for w in writable:
                 self._flush(w)
@@ -618,6 +617,11 @@ class Host:
             self._send(conn, {"id": cid, "event": "error", "field": "exec", "code": 125, "message": f"exec: {e}"})
 
 
+def attempts(msg: dict[str, Any]) -> list[dict[str, Any]]:
+    """``msg``, then smaller versions of it (its result's lists cut), to send in turn until one fits."""
+    return [msg, _trimmed(msg, 100, 4), _trimmed(msg, 10, 0)]
+
+
 def _trimmed(msg: dict[str, Any], events: int, ancestry: int) -> dict[str, Any]:
     """``msg`` with its result's lists cut to fit one datagram: the agent decides how many events (and
     how deep their ancestry) a cell produces, and a result that does not fit must not be lost whole.
@@ -652,32 +656,6 @@ def _gone(conn: _socket.socket) -> bool:
         return False
     except OSError:
         return True
-
-
-def _ready(objs: list[Any], timeout: float | None) -> list[Any]:
-    """Those of ``objs`` (fds, or objects with fileno()) that are readable within ``timeout``: poll,
-    not select, which cannot take an fd above 1023."""
-    return _poll(objs, [], timeout)[0]
-
-
-def _poll(readers: list[Any], writers: list[Any], timeout: float | None) -> tuple[list[Any], list[Any]]:
-    """(those of ``readers`` that are readable or have gone, those of ``writers`` that can be written to or
-    have gone) within ``timeout``."""
-    poller = select.poll()
-    by_fd: dict[int, Any] = {}
-    masks: dict[int, int] = {}
-    for objs, mask in ((readers, select.POLLIN), (writers, select.POLLOUT)):
-        for o in objs:
-            fd = o if isinstance(o, int) else o.fileno()
-            by_fd[fd] = o
-            masks[fd] = masks.get(fd, 0) | mask
-    for fd, mask in masks.items():
-        poller.register(fd, mask)
-    events = poller.poll(None if timeout is None else timeout * 1000)
-    gone = select.POLLHUP | select.POLLERR | select.POLLNVAL
-    readable = [by_fd[fd] for fd, ev in events if masks[fd] & select.POLLIN and ev & (select.POLLIN | gone)]
-    writable = [by_fd[fd] for fd, ev in events if masks[fd] & select.POLLOUT and ev & (select.POLLOUT | gone)]
-    return readable, writable
 
 
 def _stopped(pid1: int) -> bool:

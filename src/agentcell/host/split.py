@@ -56,6 +56,8 @@ class Here:
     """The cell in this process (the host could not fork: it had threads): :class:`Supervised` as the
     relay's loop sees a cell."""
 
+    signal = 0  # (a keeper's signal: none here; this process takes its own, see server.main)
+
     def __init__(self, sup: Supervised) -> None:
         from ..cell.execd import encoded
 
@@ -180,7 +182,8 @@ def keep(ctl: _socket.socket, msg: dict[str, Any], relay: int,
          trim: Callable[[dict[str, Any]], list[dict[str, Any]]]) -> int:
     """The keeper: make the cell ``msg`` asks for (an ``open``), hand its exec server's channel to the relay,
     watch it to its end, take it down, and tell the relay; then wait for the relay. Returns the host's exit
-    status. ``trim``: the message, then smaller versions of it, to send in turn until one fits."""
+    status. ``trim``: the message, then smaller versions of it, to send in turn until one fits
+    (:func:`.server.attempts`)."""
     from ..cell.execd import encoded
     from ..cell.spec import spec_from_dict
     from ..errors import Terminated
@@ -248,10 +251,10 @@ def keep(ctl: _socket.socket, msg: dict[str, Any], relay: int,
         if not relay_alive:
             running.kill()
         while not (running.reported() or running.finished_reading()):
-            for r in _ready([running, _Fd(wake_r), *([ctl] if relay_alive else [])]):
+            for r in wire.ready([running, wake_r, *([ctl] if relay_alive else [])], None):
                 if r is running:
                     running.poll_messages(0)
-                elif isinstance(r, _Fd):
+                elif r == wake_r:
                     try:
                         os.read(wake_r, 4096)
                     except OSError:
@@ -296,25 +299,6 @@ def keep(ctl: _socket.socket, msg: dict[str, Any], relay: int,
             os.close(fd)
         code = _reap(relay) or code
     return code
-
-
-def _ready(objs: list[Any]) -> list[Any]:
-    """Those of ``objs`` (with fileno()) that are readable (or have gone), waiting as long as it takes."""
-    import select
-
-    poller = select.poll()
-    by_fd = {o.fileno(): o for o in objs}
-    for fd in by_fd:
-        poller.register(fd, select.POLLIN)
-    return [by_fd[fd] for fd, _ in poller.poll() if fd in by_fd]
-
-
-class _Fd:
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
-
-    def fileno(self) -> int:
-        return self.fd
 
 
 def _reap(pid: int) -> int:

@@ -85,3 +85,31 @@ def error_from(msg: dict[str, Any]) -> AgentcellError:
     err = AgentcellError(field, str(msg.get("message") or "").removeprefix(f"{field}: "))
     err.exit_code = int(msg.get("code") or 125)
     return err
+
+
+def ready(objs: list[Any], timeout: float | None) -> list[Any]:
+    """Those of ``objs`` (fds, or objects with fileno()) that are readable within ``timeout``: poll,
+    not select, which cannot take an fd above 1023."""
+    return poll(objs, [], timeout)[0]
+
+
+def poll(readers: list[Any], writers: list[Any], timeout: float | None) -> tuple[list[Any], list[Any]]:
+    """(those of ``readers`` that are readable or have gone, those of ``writers`` that can be written to or
+    have gone) within ``timeout``."""
+    import select
+
+    poller = select.poll()
+    by_fd: dict[int, Any] = {}
+    masks: dict[int, int] = {}
+    for objs, mask in ((readers, select.POLLIN), (writers, select.POLLOUT)):
+        for o in objs:
+            fd = o if isinstance(o, int) else o.fileno()
+            by_fd[fd] = o
+            masks[fd] = masks.get(fd, 0) | mask
+    for fd, mask in masks.items():
+        poller.register(fd, mask)
+    events = poller.poll(None if timeout is None else timeout * 1000)
+    gone = select.POLLHUP | select.POLLERR | select.POLLNVAL
+    readable = [by_fd[fd] for fd, ev in events if masks[fd] & select.POLLIN and ev & (select.POLLIN | gone)]
+    writable = [by_fd[fd] for fd, ev in events if masks[fd] & select.POLLOUT and ev & (select.POLLOUT | gone)]
+    return readable, writable
