@@ -575,33 +575,39 @@ def test_cat_etc_shadow_is_caught_and_ends_the_cell(user: User) -> None:
 
 # The caller's own magic links lead where they lead: /proc/self/root is the cell's root (a cell cannot
 # chroot), /proc/self/cwd its working directory, /proc/self/fd/N that fd's file; the monitor, which has no
-# number in the cell's pid namespace, cannot read them itself (red team on issue 25).
-SELF_FORMS = r"""
-import os, sys
+# number in the cell's pid namespace, cannot read them itself (red team on issue 25). Each in a cell of its
+# own: the process stays (asleep) until the monitor ends it, so its working directory and fds still read when
+# the event is looked at (a process gone by then leaves a path through them unresolved: docs/status.md).
+SELF_FORM = r"""
+import os, sys, time
 fd = os.open("/", os.O_RDONLY)
 os.chdir("/")
-for path in ("/proc/self/root/root/.ssh/id_rsa", "/proc/thread-self/root/etc/shadow",
-             "/proc/self/cwd/root/.aws/credentials", f"/proc/self/fd/{fd}/root/.netrc",
-             "/proc/self/root/usr/bin/agentcell-planted"):
-    try:
-        open(path, "w" if path.endswith("planted") else "r").close()
-    except OSError as e:
-        print(path, e.errno)
+path = sys.argv[1].replace("FD", str(fd))
+try:
+    open(path, "w" if path.endswith("planted") else "r").close()
+except OSError:
+    pass
+time.sleep(120)
 """
 
 
-def test_the_callers_own_proc_links_are_followed_to_where_they_lead(user: User) -> None:
-    r = agentcell_run(["--as", str(user.uid), "--monitor", "--on-escape", "record", "--", "python3", "-c",
-                       SELF_FORMS], timeout=60)
-    assert len(r.out.splitlines()) == 5, (r.out, r.err)
-    got = {(e["operation"], e["target"], e["acts"]) for e in r.result["events"]}  # type: ignore[union-attr]
-    assert {("read", "/root/.ssh/id_rsa", True), ("read", "/etc/shadow", True),
-            ("read", "/root/.aws/credentials", True), ("read", "/root/.netrc", True),
-            ("write", "/usr/bin/agentcell-planted", True)} <= got, r.result["events"]
+@pytest.mark.parametrize("path,op,target", [
+    ("/proc/self/root/root/.ssh/id_rsa", "read", "/root/.ssh/id_rsa"),
+    ("/proc/thread-self/root/etc/shadow", "read", "/etc/shadow"),
+    ("/proc/self/cwd/root/.aws/credentials", "read", "/root/.aws/credentials"),
+    ("/proc/self/fd/FD/root/.netrc", "read", "/root/.netrc"),
+    ("/proc/self/root/usr/bin/agentcell-planted", "write", "/usr/bin/agentcell-planted"),
+], ids=["self_root", "thread_self_root", "self_cwd", "self_fd", "self_root_write"])
+def test_the_callers_own_proc_links_are_followed_to_where_they_lead(user: User, path: str, op: str,
+                                                                     target: str) -> None:
+    r = agentcell_run(["--as", str(user.uid), "--monitor", "--", "python3", "-c", SELF_FORM, path], timeout=150)
+    assert r.rc == 137 and r.result["terminated_by_monitor"] is True, (r.out, r.err, r.result)
+    acting = [(e["operation"], e["target"]) for e in r.result["events"] if e["acts"]]  # type: ignore[union-attr]
+    assert acting == [(op, target)], r.result["events"]
 
 
 # A relative path from a process whose leader has ended (a zombie: its /proc/PID/cwd no longer reads): the
-# working directory is the thread's own.
+# working directory is the thread's own. The thread stays until the monitor ends the cell.
 ZOMBIE_LEADER = r"""
 import ctypes, os, threading, time
 os.chdir("/")
@@ -609,9 +615,9 @@ def late():
     time.sleep(0.3)
     try:
         open("root/.ssh/id_rsa")
-    except OSError as e:
-        print("refused", e.errno, flush=True)
-    time.sleep(2)  # (alive while the monitor reads its working directory: a process gone by then is not)
+    except OSError:
+        pass
+    time.sleep(120)
     os._exit(0)
 threading.Thread(target=late).start()
 ctypes.CDLL(None).pthread_exit(None)
@@ -619,11 +625,10 @@ ctypes.CDLL(None).pthread_exit(None)
 
 
 def test_a_relative_path_of_a_thread_whose_leader_has_ended_is_still_resolved(user: User) -> None:
-    r = agentcell_run(["--as", str(user.uid), "--monitor", "--on-escape", "record", "--", "python3", "-c",
-                       ZOMBIE_LEADER], timeout=60)
-    assert "refused 2" in r.out, (r.out, r.err)
-    got = {(e["operation"], e["target"], e["acts"]) for e in r.result["events"]}  # type: ignore[union-attr]
-    assert ("read", "/root/.ssh/id_rsa", True) in got, r.result["events"]
+    r = agentcell_run(["--as", str(user.uid), "--monitor", "--", "python3", "-c", ZOMBIE_LEADER], timeout=150)
+    assert r.rc == 137 and r.result["terminated_by_monitor"] is True, (r.out, r.err, r.result)
+    acting = [(e["operation"], e["target"]) for e in r.result["events"] if e["acts"]]  # type: ignore[union-attr]
+    assert acting == [("read", "/root/.ssh/id_rsa")], r.result["events"]
 
 
 # Threads made and ended as fast as Python can: their starts and ends fill the task ring, never the calls':
