@@ -31,7 +31,7 @@ from collections.abc import Sequence
 
 from ..cell import syscalls
 from ..errors import AgentcellError
-from ..host.starter import PRELOAD  # what a session imports: one list for the warm launcher's starter and this
+from ..host.starter import PRELOAD, preload  # one list and one way for the warm launcher's starter and this
 
 ENTRY = "agentcell.cli.main"  # the console script's entry: main(argv) -> exit status
 MAX_REQUEST = 1 << 20
@@ -46,11 +46,10 @@ def command(conn_fd: int) -> list[str]:
 
 def main(argv: Sequence[str]) -> int:
     conn = socket.socket(fileno=int(argv[0]))
-    for name in argv[1:]:
-        importlib.import_module(name)
-    if threading.active_count() != 1:  # a fork keeps only the forking thread: a lock another held stays held
-        sys.stderr.write(f"agentcell fleet: the session starter has {threading.active_count()} threads after "
-                         "its imports; it forks only from one\n")
+    threads = preload(argv[1:])  # (the warm launcher's starter's: imported, then out of the collector's sight)
+    if threads != 1:  # a fork keeps only the forking thread: a lock another held stays held
+        sys.stderr.write(f"agentcell fleet: the session starter has {threads} threads after its imports; it "
+                         "forks only from one\n")
         return 1
     me = os.getpid()
     try:

@@ -44,7 +44,7 @@ from ..cell.spec import TYPE_CHECKING
 from . import clihost, wire
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Iterable
     from typing import Any
 
     Sock = _socket.socket
@@ -102,21 +102,27 @@ class Starter:
             pass
 
 
+def preload(names: Iterable[str]) -> int:
+    """Import ``names`` into a process that will fork sessions; the number of its threads after (it forks
+    only from one). What is here then stays shared with the sessions forked from it: out of the collector's
+    sight, which would otherwise write to every object as it looks (a full collection in a session copied
+    the whole heap's pages, some 60 ms on a small machine)."""
+    import threading
+
+    for name in names:
+        importlib.import_module(name)
+    gc.collect()
+    gc.freeze()
+    return threading.active_count()
+
+
 def serve(sock: Sock) -> int:
     """The starter: import, then fork a session's CLI for each request until the launcher goes and the
     last session has ended."""
-    import threading
-
-    for name in PRELOAD:
-        importlib.import_module(name)
-    # What is here now stays shared with the sessions forked from it: out of the collector's sight, which
-    # would otherwise write to every object as it looks (a full collection in a session copied the whole
-    # heap's pages, some 60 ms on a small machine).
-    gc.collect()
-    gc.freeze()
-    if threading.active_count() != 1:  # a fork keeps only the forking thread: a lock another held stays held
-        sys.stderr.write(f"agentcell warm: the session starter has {threading.active_count()} threads after its "
-                         "imports; it forks only from one, and stops\n")
+    threads = preload(PRELOAD)
+    if threads != 1:  # a fork keeps only the forking thread: a lock another held stays held
+        sys.stderr.write(f"agentcell warm: the session starter has {threads} threads after its imports; it forks "
+                         "only from one, and stops\n")
         return 1
     sessions: dict[int, tuple[int, int]] = {}  # pidfd -> (pid, the front's connection)
     taking = True
