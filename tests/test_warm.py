@@ -607,3 +607,54 @@ def test_roots_launcher_holds_the_monitors_programs_that_each_watched_cell_joins
         if _is_launcher(launcher):
             os.kill(launcher, signal.SIGKILL)
     assert launcher not in _holders(), "let go as it stopped"
+
+
+def _parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def test_a_sigterm_to_a_cell_host_the_launcher_forked_takes_its_cell_down(user: User) -> None:
+    """A host the launcher forked for a supervised cell stops as a cold one does on SIGTERM (an operator's
+    kill, a service manager's stop): its cell killed, its cgroup and firewall table removed, the client
+    told the cell ended, and the command never run a second time (red team: the host died of the signal's
+    default and left the cell's cgroup; a client that lost its host before the "started" reply ran the
+    command again, through the launcher's next host, though it had run)."""
+    p = subprocess.run([AGENTCELL, "warm", "start"], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    launcher = int(p.stdout.split(" pid ")[1].split(",")[0])
+    tag = f"{secrets.randbelow(10**6)}.9"
+    argv = [b"sleep", tag.encode()]
+    run = subprocess.Popen([AGENTCELL, "run", "--json", "--as", str(user.uid), "--monitor", "--net", "proxy", "--",
+                            "sh", "-c", f"echo up; exec sleep {tag}"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True, env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"})
+    try:
+        assert run.stdout is not None and run.stdout.readline() == "up\n", run.stderr
+        for _ in range(200):
+            if processes_with_argv(argv):
+                break
+            time.sleep(0.05)
+        [sleeper] = processes_with_argv(argv)
+        cgroup = "/sys/fs/cgroup" + Path(f"/proc/{sleeper}/cgroup").read_text().split("::", 1)[1].strip()
+        host = _parent(_parent(sleeper))  # the cell's PID 1, then who made it
+        assert _parent(host) == launcher and b"zygote" in Path(f"/proc/{host}/cmdline").read_bytes()
+        os.kill(host, signal.SIGTERM)
+        out, err = run.communicate(timeout=60)
+        for _ in range(200):
+            if not processes_with_argv(argv) and not Path(cgroup).exists():
+                break
+            time.sleep(0.05)
+        assert not processes_with_argv(argv) and "up" not in out.splitlines(), (out, err[-300:])  # (once: above)
+        assert not Path(cgroup).exists(), f"{cgroup} left behind"
+        result = json.loads(out.strip().splitlines()[-1])
+        assert run.returncode != 0 and result["via"] == "warm launcher", (run.returncode, result)
+        # stopped once the host had reported the start (its reason), or before (lost: never run again)
+        assert "its host was stopped (signal 15)" in err or "went away while the command ran" in err, err[-300:]
+        tables = subprocess.run(["nft", "list", "tables"], capture_output=True, text=True).stdout
+        assert result["cell_id"] and result["cell_id"] not in tables, tables
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait()
+        subprocess.run([AGENTCELL, "warm", "stop"], capture_output=True, timeout=60)
+        if _is_launcher(launcher):
+            os.kill(launcher, signal.SIGKILL)

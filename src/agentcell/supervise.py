@@ -69,7 +69,7 @@ class Supervised:
               tty_fds: Sequence[int] = (), dedicated: bool | None = None, live: bool = False,
               guard: SurfaceCheck | None | bool = True, give_to: tuple[int, int] | None = None,
               adopt: tuple[Any, Any] | None = None, credentials: Any = None,
-              upstream_ca: str | None = None) -> Supervised:
+              upstream_ca: str | None = None, on_go: Callable[[str], None] | None = None) -> Supervised:
         """Launch ``argv`` in a cell for ``spec`` (``live``: no argv; the cell serves commands through
         ``running.live`` until that is closed, see :mod:`agentcell.cell.execd`). ``monitor``: terminate |
         record | ``CLASS=VERDICT,…`` (:func:`agentcell.monitor.monitor.parse_verdicts`) | None (no monitor).
@@ -83,7 +83,9 @@ class Supervised:
         ``credentials`` (:class:`agentcell.network.credentials.CredentialSet`, ``--net proxy`` only): the
         cell's environment gets their placeholders and trusts a CA made for this cell alone, whose leaves
         let the proxy put the real values in the requests to their hosts (verified upstream against the
-        host's trust store, or ``upstream_ca``, a PEM: a test's CA standing in for the public ones)."""
+        host's trust store, or ``upstream_ca``, a PEM: a test's CA standing in for the public ones).
+        ``on_go(cell_id)`` is called just before the command is let go: from then on it may have run, so
+        whoever asked must never start it again (a host that dies after this is lost, not unavailable)."""
         trust = ca = secrets = None
         if credentials is not None and credentials.secrets:
             if spec.network != "proxy":
@@ -106,7 +108,7 @@ class Supervised:
         try:
             return cls._start(spec, argv, monitor=monitor, callback=callback, stdio=stdio, tty_fds=tty_fds,
                               dedicated=dedicated, live=live, guard=guard, give_to=give_to, adopt=adopt,
-                              secrets=secrets, trust=trust)
+                              secrets=secrets, trust=trust, on_go=on_go)
         except BaseException:
             if trust is not None:
                 trust.remove()
@@ -116,7 +118,8 @@ class Supervised:
     def _start(cls, spec: CellSpec, argv: Sequence[str], *, monitor: str | None, callback: Callable[[CellEvent], None]
                | None, stdio: Sequence[int], tty_fds: Sequence[int], dedicated: bool | None, live: bool,
                guard: SurfaceCheck | None | bool, give_to: tuple[int, int] | None, adopt: tuple[Any, Any] | None,
-               secrets: tuple[Any, Any, str | None] | None, trust: Any) -> Supervised:
+               secrets: tuple[Any, Any, str | None] | None, trust: Any,
+               on_go: Callable[[str], None] | None = None) -> Supervised:
         if spec.watch and monitor is None:  # its canaries and seccomp listener wait on a monitor
             raise AgentcellError("watch", "a watched cell needs its monitor", "pass monitor='terminate' or 'record'")
         if guard is True:
@@ -172,6 +175,12 @@ class Supervised:
                     if watch.terminated:
                         raise AgentcellError("--monitor", f"the monitor cannot see: {watch.reason}", "see "
                                              "'agentcell doctor', or --on-escape record to run without that source")
+                except BaseException:
+                    prepared.discard()
+                    raise
+            if on_go is not None:
+                try:
+                    on_go(prepared.cell_id)
                 except BaseException:
                     prepared.discard()
                     raise

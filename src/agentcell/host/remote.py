@@ -197,11 +197,17 @@ class RemoteCell:
         except wire.WireError as e:
             self.close()
             raise AgentcellError("argv", str(e), "pass a shorter command line") from None
+        going = False  # the host is letting the command go: from then on it may have run, and is never run again
         while True:
             msg = self._next(None)
+            if msg is None and going:
+                return self  # lost (:attr:`lost`): its result says so
             if msg is None:
                 self.close()
                 raise HostUnavailable("cell", "the cell's host ended before the cell started")
+            if msg.get("event") == "going":
+                going, self.cell_id = True, str(msg.get("cell_id") or "")
+                continue
             if msg.get("event") == "error":
                 self.close()
                 raise wire.error_from(msg)

@@ -27,9 +27,10 @@ SOCK_SEQPACKET datagram, stdio as SCM_RIGHTS)::
 
 An escape (under ``terminate``) ends the cell: every command still running gets its ``exit`` with
 the reason in ``ended``, and every client the ``ended`` message. For ``run`` the host answers
-``{"event": "started", "cell_id", "pid1"}``, the monitor's events, ``{"event": "stats", "stats"}``
-about once a second and ``ended`` last; the client may send ``{"op": "terminate", "reason"}``, and
-its EOF terminates the cell.
+``{"event": "going", "cell_id"}`` just before the command may run (a client that loses the host after
+it must not run the command again), ``{"event": "started", "cell_id", "pid1"}``, the monitor's events,
+``{"event": "stats", "stats"}`` about once a second and ``ended`` last; the client may send
+``{"op": "terminate", "reason"}``, and its EOF terminates the cell.
 """
 from __future__ import annotations
 
@@ -45,7 +46,7 @@ from typing import Any
 
 from ..cell.execd import encoded
 from ..cell.spec import spec_from_dict
-from ..errors import AgentcellError
+from ..errors import AgentcellError, Terminated
 from . import peer, wire
 
 KILL = 9
@@ -407,7 +408,8 @@ class Host:
             self.sup = Supervised.start(spec, argv, monitor=msg.get("monitor", "terminate"), callback=self._on_event,
                                         stdio=stdio, tty_fds=ttys, dedicated=None if dedicated is None else
                                         bool(dedicated), guard=bool(msg.get("guard", True)), adopt=made,
-                                        credentials=credentials, upstream_ca=msg.get("upstream_ca"))
+                                        credentials=credentials, upstream_ca=msg.get("upstream_ca"),
+                                        on_go=lambda cell_id: self._send(conn, {"event": "going", "cell_id": cell_id}))
         except AgentcellError as e:
             self._send(conn, {"event": "error", "field": e.field, "message": e.line(), "code": e.exit_code})
             return 1
@@ -420,12 +422,17 @@ class Host:
                 os.close(fd)
         self._send(conn, {"event": "started", "cell_id": self.sup.cell_id, "pid1": self.sup.pid1})
         master = self.sup.running.pty_master
-        if master is None:
-            self._control(conn, until_end=True)
-            return 0
-        # The relay needs this (main) thread for SIGWINCH; the client's requests are served beside it.
-        threading.Thread(target=self._control, args=(conn, False), name="agentcell-host", daemon=True).start()
-        terminal.Relay(master, interactive).pump(self.sup.running, None)
+        try:
+            if master is None:
+                self._control(conn, until_end=True)
+                return 0
+            # The relay needs this (main) thread for SIGWINCH; the client's requests are served beside it.
+            threading.Thread(target=self._control, args=(conn, False), name="agentcell-host", daemon=True).start()
+            terminal.Relay(master, interactive).pump(self.sup.running, None)
+        except Terminated as e:  # this host was stopped: the cell with it, and its client told how it ended
+            self.sup.terminate(f"its host was stopped (signal {e.signum})")
+            self._finish_once(self.sup.wait())
+            raise
         self._finish_once(self.sup.wait())
         return 0
 
@@ -693,7 +700,7 @@ def main(argv: list[str]) -> int:
     removed) as ``stop`` would, and ends it with 128+N."""
     import signal
 
-    from ..errors import Terminated, raise_on_termination
+    from ..errors import raise_on_termination
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's ^C is the client's to act on
     raise_on_termination()

@@ -7,7 +7,10 @@ launcher forks one for ``run`` and ``open``)::
 
   client -> {"op": "spawn", "id": N, "spec": {...}, "argv": [...]}   + fds [stdin, stdout, stderr]
   client -> {"op": "signal", "id": N, "sig": 15} | {"op": "status"} | {"op": "stop"}
-  server -> {"id": N, "event": "started" | "exit" | "error", ...} | {"event": "status", ...}
+  server -> {"id": N, "event": "going" | "started" | "exit" | "error", ...} | {"event": "status", ...}
+
+``going`` comes just before the command is let go: a client that loses the launcher after it reports the
+command lost, never runs it again (cold, or through another launcher).
 """
 from __future__ import annotations
 

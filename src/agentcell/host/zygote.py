@@ -25,7 +25,7 @@ import time
 from ..cell import launch, pid1
 from ..cell import syscalls as sc
 from ..cell.spec import TYPE_CHECKING, CellSpec, spec_from_dict
-from ..errors import AgentcellError
+from ..errors import AgentcellError, Terminated, raise_on_termination
 from ..protect import binds
 from . import clihost, peer, server, starter, wire
 
@@ -254,7 +254,10 @@ class Server:
                 raise AgentcellError("op", f"a {'watched' if spec.watch else spec.network} cell is served by a cell "
                                      "host: ask with op 'run'", "update the client (agentcell run does so)")
             argv = [str(a) for a in msg["argv"]]
-            self.cells[key] = running = self.warm.take(spec).go(argv, stdio=fds)
+            prepared = self.warm.take(spec)
+            # from here the command may have run: a client that loses us after this never runs it again
+            self._reply(conn, {"id": rid, "event": "going", "cell_id": prepared.cell_id})
+            self.cells[key] = running = prepared.go(argv, stdio=fds)
             while not running.pid1 and not running.finished_reading():  # (said by the cell while it was prepared)
                 running.poll_messages(0.05)
             self._reply(conn, {"id": rid, "event": "started", "cell_id": self.cells[key].cell_id,
@@ -297,7 +300,12 @@ class Server:
                 self._detach()
                 sc.close_fds_except(keep)  # other clients, prepared and running cells, the listener
                 signal.signal(signal.SIGINT, signal.SIG_IGN)  # the client acts on a terminal's ^C
+                # A SIGTERM or SIGHUP takes the cell down as a cold host's does (the fork gave them their
+                # default: the host died of one and left its cell's cgroup and table)
+                raise_on_termination()
                 code = server.serve_private(conn, msg, list(fds))
+            except Terminated as e:
+                code = 128 + e.signum
             finally:
                 clihost.settle()  # (its cell's rings out of the host's maps: after the client has its end)
                 os._exit(code)
