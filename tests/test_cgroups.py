@@ -19,6 +19,7 @@ def leftovers() -> list[str]:
     found = []
     for base in ("/sys/fs/cgroup", *(str(p) for p in Path("/sys/fs/cgroup").iterdir() if p.is_dir())):
         found += [str(p) for p in Path(base).glob("agentcell*")]
+        found += [str(p) for p in Path(base).glob("agentcell*/agentcell*")]  # (which cell holds a parent)
     return found
 
 

@@ -215,3 +215,42 @@ def test_agentcell_run_stopped_at_any_moment_of_its_start_leaves_nothing(user: U
     _, err = p.communicate(timeout=20)
     assert p.returncode == 128 + signal.SIGTERM, (p.returncode, err[-2000:])
     assert settled(before) == set()
+
+
+HELD = r"""
+import os, signal, sys, threading, time
+from agentcell.errors import Terminated, held, raise_on_termination
+raise_on_termination()
+asleep = threading.Event()
+other = threading.Thread(target=lambda: (asleep.set(), time.sleep(30)), daemon=True)
+other.start()
+asleep.wait()
+try:
+    with held():
+        if sys.argv[1] == "thread":  # the kernel hands it to another thread; Python runs it in this one
+            signal.pthread_kill(other.ident, signal.SIGTERM)
+        else:
+            os.kill(os.getpid(), signal.SIGHUP)
+        for _ in range(200_000):  # (bytecodes and calls: where a handler would run)
+            len(str(_))
+        print("whole", flush=True)
+    print("not raised", flush=True)
+except Terminated as e:
+    print("raised after", e.signum, flush=True)
+try:
+    os.kill(os.getpid(), signal.SIGTERM)  # a second one: ignored, as after any first
+    time.sleep(0.2)
+    print("second ignored", flush=True)
+except Terminated:
+    print("second raised", flush=True)
+"""
+
+
+@pytest.mark.parametrize("to", ["thread", "process"])
+def test_a_held_step_is_never_cut_short_and_its_signal_comes_after(to: str) -> None:
+    """`errors.held()` (a teardown, a command's start and its 'going'): a SIGTERM or SIGHUP that comes inside
+    is raised when the step ends, whichever thread the kernel gave it to (red team: a signal mask on the
+    main thread would not hold it; a second teardown ran over half of the first)."""
+    p = subprocess.run([sys.executable, "-c", HELD, to], capture_output=True, text=True, timeout=60)
+    sig = signal.SIGTERM if to == "thread" else signal.SIGHUP
+    assert p.stdout.split("\n") == ["whole", f"raised after {sig}", "second ignored", ""], (p.stdout, p.stderr)

@@ -67,13 +67,21 @@ def _up(p: subprocess.Popen[str]) -> None:
     assert p.stdout is not None and p.stdout.readline() == "up\n"
 
 
+def _link(pid: int, fd: str) -> str:
+    """Where the fd leads; empty if it was closed since the listing (a session's thread reading a file)."""
+    try:
+        return os.readlink(f"/proc/{pid}/fd/{fd}")
+    except FileNotFoundError:
+        return ""
+
+
 def _what_it_has(pid: int) -> dict[str, Any]:
     """What a session's process has that decides what it may do, beside its own doing."""
     status = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
     keys = ("Uid", "Gid", "Groups", "Umask", "SigBlk", "SigIgn", "NoNewPrivs", "Seccomp", "CapInh", "CapPrm", "CapEff",
             "CapBnd", "CapAmb")
-    kinds = sorted(t.split(":[")[0] if ":[" in t else t
-                   for t in (os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")))
+    links = (_link(pid, fd) for fd in os.listdir(f"/proc/{pid}/fd"))
+    kinds = sorted(t.split(":[")[0] if ":[" in t else t for t in links if t)
     return {**{k: status[k].strip() for k in keys}, "fds": kinds, "cwd": os.readlink(f"/proc/{pid}/cwd"),
             "limits": Path(f"/proc/{pid}/limits").read_text(), "cgroup": Path(f"/proc/{pid}/cgroup").read_text(),
             "oom_score_adj": Path(f"/proc/{pid}/oom_score_adj").read_text(),

@@ -658,3 +658,47 @@ def test_a_sigterm_to_a_cell_host_the_launcher_forked_takes_its_cell_down(user: 
         subprocess.run([AGENTCELL, "warm", "stop"], capture_output=True, timeout=60)
         if _is_launcher(launcher):
             os.kill(launcher, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("then", ["nothing", "going, then gone", "going, then an error"])
+def test_a_client_that_loses_its_host_after_going_never_runs_the_command_again(then: str) -> None:
+    """The client's side of 'going' (a host speaking the protocol from a thread): lost before it, the
+    host is unavailable (nothing ran: the caller may start the command elsewhere); after it, the command
+    is lost, or its error says it may have run (``after_go``: a session's spawn does not retry it)."""
+    import _socket
+    import threading
+
+    from agentcell.errors import AgentcellError
+    from agentcell.host import wire
+    from agentcell.host.remote import HostUnavailable, RemoteCell
+
+    ours, theirs = _socket.socketpair(_socket.AF_UNIX, _socket.SOCK_SEQPACKET)
+
+    def host() -> None:
+        msg, _ = wire.recv_or_gone(theirs)
+        assert msg == {"op": "run"}
+        if then != "nothing":
+            wire.send(theirs, {"event": "going", "cell_id": "agentcell-test"})
+        if then.endswith("an error"):
+            wire.send(theirs, {"event": "error", "field": "--net", "message": "the proxy did not start",
+                               "code": 123})
+        theirs.close()
+
+    t = threading.Thread(target=host)
+    t.start()
+    cell = RemoteCell(ours, None, supervised=True)
+    try:
+        if then == "nothing":
+            with pytest.raises(HostUnavailable):
+                cell._begin({"op": "run"}, [])
+        elif then.endswith("an error"):
+            with pytest.raises(AgentcellError) as raised:
+                cell._begin({"op": "run"}, [])
+            assert getattr(raised.value, "after_go", False) and raised.value.exit_code == 123
+        else:
+            cell._begin({"op": "run"}, [])
+            result = cell.wait()
+            assert cell.was_lost and result["exit_status"] is None and cell.cell_id == "agentcell-test", result
+    finally:
+        t.join()
+        cell.close()

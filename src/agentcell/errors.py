@@ -43,17 +43,23 @@ class Terminated(BaseException):
         self.signum = signum
 
 
+_held = [0, 0]  # (how deep in held() the main thread is, the signal that came meanwhile)
+
+
 def raise_on_termination() -> None:
-    """From now on SIGTERM and SIGHUP raise :class:`Terminated` in the main thread. Once: a second one
-    while the first's cleanup runs is ignored (SIGINT, a person's ^C, still interrupts it). A child forked
-    without exec (the launcher's, the warm launcher's) gets their default back: it must die of them, never
-    unwind its parent's frames and run their cleanup."""
+    """From now on SIGTERM and SIGHUP raise :class:`Terminated` in the main thread (in a :func:`held` block,
+    at its end). Once: a second one while the first's cleanup runs is ignored (SIGINT, a person's ^C, still
+    interrupts it). A child forked without exec (the launcher's, the warm launcher's) gets their default
+    back: it must die of them, never unwind its parent's frames and run their cleanup."""
     import os
     import signal
 
     def terminated(signum: int, _frame: object) -> None:
         for s in (signal.SIGTERM, signal.SIGHUP):
             signal.signal(s, signal.SIG_IGN)
+        if _held[0]:
+            _held[1] = _held[1] or signum
+            return
         raise Terminated(signum)
 
     both = {signal.SIGTERM, signal.SIGHUP}
@@ -74,6 +80,35 @@ def raise_on_termination() -> None:
     for s in both:
         signal.signal(s, terminated)
     os.register_at_fork(before=block, after_in_parent=restore, after_in_child=default)
+
+
+class held:  # noqa: N801 - used as a function: `with held():`
+    """A step that must not be cut short by SIGTERM or SIGHUP (a teardown, or a command's start and the
+    record that it started): one that comes meanwhile is raised as :class:`Terminated` when the block
+    ends (unless it ends by an exception of its own). A signal mask would not do: Python runs its handlers
+    in the main thread whichever thread the kernel gave the signal to. In another thread it holds nothing
+    (the main thread's own steps are its to hold)."""
+
+    def __enter__(self) -> None:
+        import threading
+
+        self.main = threading.current_thread() is threading.main_thread()
+        if self.main:
+            _held[0] += 1
+
+    def __exit__(self, exc_type: object, *_exc: object) -> None:
+        if not self.main:
+            return
+        _held[0] -= 1
+        if not _held[0] and _held[1]:
+            signum, _held[1] = _held[1], 0
+            if exc_type is None:
+                raise Terminated(signum)
+
+
+def termination_held() -> int:
+    """The SIGTERM or SIGHUP a :func:`held` block has taken so far (0: none)."""
+    return _held[1]
 
 
 class forked:  # noqa: N801 - used as a function: `with forked() as pid:`

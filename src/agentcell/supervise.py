@@ -21,7 +21,7 @@ import _thread
 
 from .cell import launch
 from .cell.spec import TYPE_CHECKING, CellSpec
-from .errors import AgentcellError
+from .errors import AgentcellError, held
 from .protect.check import SurfaceCheck
 
 if TYPE_CHECKING:
@@ -46,6 +46,7 @@ class Supervised:
         self._proxy, self._fw, self._log = proxy, firewall, log
         self._blocked: dict[tuple[str, str, str], dict[str, Any]] = {}  # refusals, one per target, counted
         self._blocked_lock = _thread.allocate_lock()  # the monitor's loop adds while the end reads (a slow stop)
+        self._finish_lock = _thread.allocate_lock()  # a host's control thread and its main thread may both end it
         self._result: dict[str, Any] | None = None
         self._trust: Any = None  # the session CA's certificates for the cell (network.tlsca.CellTrust)
 
@@ -143,7 +144,7 @@ class Supervised:
             except BaseException:
                 log.close()
                 raise
-        watch = None
+        watch = running = None
         try:
             if monitor is not None:
                 from .monitor import calls
@@ -178,14 +179,19 @@ class Supervised:
                 except BaseException:
                     prepared.discard()
                     raise
-            if on_go is not None:
-                try:
-                    on_go(prepared.cell_id)
-                except BaseException:
-                    prepared.discard()
-                    raise
-            running = prepared.go(list(argv), stdio=stdio, tty_fds=tty_fds, live=live)
-        except BaseException:
+            with held():  # (a SIGTERM meanwhile: raised once the cell is ours to kill, below)
+                if on_go is not None:
+                    try:
+                        on_go(prepared.cell_id)
+                    except BaseException:
+                        prepared.discard()
+                        raise
+                running = prepared.go(list(argv), stdio=stdio, tty_fds=tty_fds, live=live)
+        except BaseException as e:
+            if running is not None:  # (a signal held over its start: the cell is killed, as below)
+                _after_go(e)
+                running.kill()
+                running.wait(None)
             if watch is not None:
                 watch.stop()
             if fw is not None and made is None:
@@ -206,7 +212,8 @@ class Supervised:
                     except OSError:
                         pass  # it exited at once: the cell will find no one on its one way out
             sup = cls(spec, running, watch, proxy, fw, log, guard or None)
-        except BaseException:  # (a SIGTERM, say, before the supervisor holds it all): taken down whole
+        except BaseException as e:  # (a SIGTERM, say, before the supervisor holds it all): taken down whole
+            _after_go(e)
             if proxy is not None:
                 proxy.stop()  # (first: it may be in some of the cell's groups already)
             running.kill()
@@ -228,7 +235,8 @@ class Supervised:
                 if log is not None:
                     watch.add_source(sup._firewall_events, log.fileno())
                 watch.start()
-            except BaseException:  # the cell runs already: it is taken down whole before the error goes on
+            except BaseException as e:  # the cell runs already: it is taken down whole before the error goes on
+                _after_go(e)
                 sup.finish(None)
                 raise
         return sup
@@ -305,9 +313,14 @@ class Supervised:
 
     def finish(self, result: dict[str, Any] | None) -> dict[str, Any]:
         """Take down what lives beside the cell, in reverse order, and complete ``result`` (from
-        ``Running.wait``) with the events and refusals. Idempotent."""
-        if self._result is not None:
+        ``Running.wait``) with the events and refusals. Idempotent; whole (a SIGTERM or SIGHUP that comes
+        meanwhile is raised after it)."""
+        with self._finish_lock, held():
+            if self._result is None:
+                self._result = self._finish(result)
             return self._result
+
+    def _finish(self, result: dict[str, Any] | None) -> dict[str, Any]:
         if result is None:  # an abnormal end (an exception on the way): the cell is killed and reaped first
             try:
                 self.running.kill()
@@ -341,6 +354,11 @@ class Supervised:
             out["monitor_sources"] = self.monitor.sources()
         if self.guard is not None:
             self.guard.check(out, self.cell_id)
-        self._result = out
         return out
 
+
+def _after_go(e: BaseException) -> None:
+    """Mark an error raised once the command was let go: it may have run, so no one may start it again
+    (a session's spawn retries only what failed before that)."""
+    if isinstance(e, (AgentcellError, OSError)):
+        e.after_go = True  # type: ignore[union-attr]

@@ -210,7 +210,10 @@ class RemoteCell:
                 continue
             if msg.get("event") == "error":
                 self.close()
-                raise wire.error_from(msg)
+                err = wire.error_from(msg)
+                if going:  # (its proxy or its monitor failed once the command was let go: it may have run)
+                    err.after_go = True  # type: ignore[attr-defined]
+                raise err
             if msg.get("event") == "started":
                 self.cell_id, self.pid1 = str(msg.get("cell_id") or ""), int(msg.get("pid1") or 0)
                 return self

@@ -368,6 +368,20 @@ class Host:
     # ---- one command in a cell of its own: the session's harness --------------------------------------
 
     def run_once(self, conn: _socket.socket, msg: dict[str, Any], fds: list[int]) -> int:
+        """:meth:`_run_once`; stopped by SIGTERM or SIGHUP once its cell is started, the cell is killed
+        with it (not a verdict of the monitor's: no escape) and the client told how it ended."""
+        try:
+            return self._run_once(conn, msg, fds)
+        except Terminated as e:
+            if self.sup is not None:
+                self.sup.running.kill()
+                result = dict(self.sup.wait())
+                result["error"] = result.get("error") or f"its host was stopped (signal {e.signum}): the cell " \
+                                                          "was killed with it"
+                self._finish_once(result)
+            raise
+
+    def _run_once(self, conn: _socket.socket, msg: dict[str, Any], fds: list[int]) -> int:
         """The session's cell: ``argv`` in a cell of its own, on our stdio (the agent's: a terminal
         gets a pty of the cell's own, relayed, as agentcell run does; stdin only in the foreground),
         events as the monitor sees them, stats once a second, ``terminate`` on request; this client's
@@ -422,17 +436,12 @@ class Host:
                 os.close(fd)
         self._send(conn, {"event": "started", "cell_id": self.sup.cell_id, "pid1": self.sup.pid1})
         master = self.sup.running.pty_master
-        try:
-            if master is None:
-                self._control(conn, until_end=True)
-                return 0
-            # The relay needs this (main) thread for SIGWINCH; the client's requests are served beside it.
-            threading.Thread(target=self._control, args=(conn, False), name="agentcell-host", daemon=True).start()
-            terminal.Relay(master, interactive).pump(self.sup.running, None)
-        except Terminated as e:  # this host was stopped: the cell with it, and its client told how it ended
-            self.sup.terminate(f"its host was stopped (signal {e.signum})")
-            self._finish_once(self.sup.wait())
-            raise
+        if master is None:
+            self._control(conn, until_end=True)
+            return 0
+        # The relay needs this (main) thread for SIGWINCH; the client's requests are served beside it.
+        threading.Thread(target=self._control, args=(conn, False), name="agentcell-host", daemon=True).start()
+        terminal.Relay(master, interactive).pump(self.sup.running, None)
         self._finish_once(self.sup.wait())
         return 0
 

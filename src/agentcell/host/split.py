@@ -186,7 +186,7 @@ def keep(ctl: _socket.socket, msg: dict[str, Any], relay: int,
     (:func:`.server.attempts`)."""
     from ..cell.execd import encoded
     from ..cell.spec import spec_from_dict
-    from ..errors import Terminated
+    from ..errors import Terminated, held, termination_held
     from ..supervise import Supervised
 
     news: collections.deque[Any] = collections.deque()
@@ -282,18 +282,23 @@ def keep(ctl: _socket.socket, msg: dict[str, Any], relay: int,
         raise
     finally:
         if sup is not None:
-            # The teardown runs whole, whatever signal comes meanwhile (one that came is taken after it).
-            both = {signal.SIGTERM, signal.SIGHUP}
-            mask = signal.pthread_sigmask(signal.SIG_BLOCK, both)
+            # The teardown runs whole, whatever signal comes meanwhile (one that came is taken after it:
+            # not by a mask, which Python's handlers, run in this thread for any thread's signal, ignore).
             try:
-                result = sup.finish(sup.running.wait(None, clean_up=False).as_dict())
-                flush()  # (the monitor's last look)
-                came = signal.sigtimedwait(both, 0) if signal.sigpending() & both else None
-                if came is not None and not signum:
-                    code, signum = 128 + came.si_signo, came.si_signo
-                send({"event": "ended", "result": result, "signal": signum})
-            finally:
-                signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+                with held():
+                    result = sup.finish(sup.running.wait(None, clean_up=False).as_dict())
+                    flush()  # (the monitor's last look)
+                    came = termination_held()
+                    if came and not signum:
+                        code, signum = 128 + came, came
+                    send({"event": "ended", "result": result, "signal": signum})
+            except Terminated as e:  # (it came after the relay was told: the relay is told now)
+                if not signum:
+                    code, signum = 128 + e.signum, e.signum
+                    try:
+                        os.kill(relay, signal.SIGTERM)
+                    except OSError:
+                        pass
         ctl.close()
         for fd in (wake_r, wake_w):
             os.close(fd)

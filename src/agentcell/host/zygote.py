@@ -307,6 +307,7 @@ class Server:
             except Terminated as e:
                 code = 128 + e.signum
             finally:
+                _ignore_termination()  # none may unwind into the launcher's frames from here
                 clihost.settle()  # (its cell's rings out of the host's maps: after the client has its end)
                 os._exit(code)
         conn.close()
@@ -475,3 +476,15 @@ def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1:])
+
+
+def _ignore_termination() -> None:
+    """SIGTERM and SIGHUP ignored from here on, in a forked host on its way out. One that comes while
+    this runs is taken here (only the first is ever raised: :func:`agentcell.errors.raise_on_termination`)."""
+    while True:
+        try:
+            for sig in (signal.SIGTERM, signal.SIGHUP):
+                signal.signal(sig, signal.SIG_IGN)
+            return
+        except Terminated:
+            continue

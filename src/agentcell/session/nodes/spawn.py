@@ -57,6 +57,8 @@ def spawn(rt: Runtime, state: SessionState) -> dict[str, Any]:
         cell = spawn.start(spec, list(state["argv"]), stdio=rt.stdio, firewall=made,
                            credentials=rt.credentials, upstream_ca=rt.upstream_ca, host=rt.host)
     except (OSError, AgentcellError) as e:  # the table stays ours: a retry hands it over again, cleanup removes it
+        if getattr(e, "after_go", False):  # the agent may have run: never started a second time
+            raise AgentcellError("spawn", f"{line(e)} (after the agent was let go: not retried)") from None
         raise SpawnCrash("", line(e)) from None
     if made is not None:  # the cell's host owns the table now, and removes it with the cell
         rt.firewalls.pop(sid)
