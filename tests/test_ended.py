@@ -234,9 +234,11 @@ try:
         for _ in range(200_000):  # (bytecodes and calls: where a handler would run)
             len(str(_))
         print("whole", flush=True)
+        if sys.argv[1] == "error":  # the step fails of its own: the signal is still raised, the error its context
+            raise ValueError("the step's own")
     print("not raised", flush=True)
 except Terminated as e:
-    print("raised after", e.signum, flush=True)
+    print("raised after", e.signum, type(e.__context__).__name__, flush=True)
 try:
     os.kill(os.getpid(), signal.SIGTERM)  # a second one: ignored, as after any first
     time.sleep(0.2)
@@ -246,11 +248,13 @@ except Terminated:
 """
 
 
-@pytest.mark.parametrize("to", ["thread", "process"])
+@pytest.mark.parametrize("to", ["thread", "process", "error"])
 def test_a_held_step_is_never_cut_short_and_its_signal_comes_after(to: str) -> None:
     """`errors.held()` (a teardown, a command's start and its 'going'): a SIGTERM or SIGHUP that comes inside
     is raised when the step ends, whichever thread the kernel gave it to (red team: a signal mask on the
     main thread would not hold it; a second teardown ran over half of the first)."""
     p = subprocess.run([sys.executable, "-c", HELD, to], capture_output=True, text=True, timeout=60)
     sig = signal.SIGTERM if to == "thread" else signal.SIGHUP
-    assert p.stdout.split("\n") == ["whole", f"raised after {sig}", "second ignored", ""], (p.stdout, p.stderr)
+    context = "ValueError" if to == "error" else "NoneType"
+    assert p.stdout.split("\n") == ["whole", f"raised after {sig} {context}", "second ignored", ""], \
+        (p.stdout, p.stderr)

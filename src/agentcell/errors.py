@@ -85,9 +85,9 @@ def raise_on_termination() -> None:
 class held:  # noqa: N801 - used as a function: `with held():`
     """A step that must not be cut short by SIGTERM or SIGHUP (a teardown, or a command's start and the
     record that it started): one that comes meanwhile is raised as :class:`Terminated` when the block
-    ends (unless it ends by an exception of its own). A signal mask would not do: Python runs its handlers
-    in the main thread whichever thread the kernel gave the signal to. In another thread it holds nothing
-    (the main thread's own steps are its to hold)."""
+    ends (also when it ends by an error of its own, which becomes the signal's context). A signal mask
+    would not do: Python runs its handlers in the main thread whichever thread the kernel gave the signal
+    to. In another thread it holds nothing (the main thread's own steps are its to hold)."""
 
     def __enter__(self) -> None:
         import threading
@@ -102,7 +102,8 @@ class held:  # noqa: N801 - used as a function: `with held():`
         _held[0] -= 1
         if not _held[0] and _held[1]:
             signum, _held[1] = _held[1], 0
-            if exc_type is None:
+            # (over an error of the step's own too: the signal is never lost, the error is its context)
+            if exc_type is None or (isinstance(exc_type, type) and issubclass(exc_type, Exception)):
                 raise Terminated(signum)
 
 

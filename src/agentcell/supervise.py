@@ -21,7 +21,7 @@ import _thread
 
 from .cell import launch
 from .cell.spec import TYPE_CHECKING, CellSpec
-from .errors import AgentcellError, held
+from .errors import AgentcellError, Terminated, held, termination_held
 from .protect.check import SurfaceCheck
 
 if TYPE_CHECKING:
@@ -186,6 +186,9 @@ class Supervised:
                     except BaseException:
                         prepared.discard()
                         raise
+                if termination_held():  # stopped meanwhile: the command is never let go
+                    prepared.discard()
+                    raise Terminated(termination_held())
                 running = prepared.go(list(argv), stdio=stdio, tty_fds=tty_fds, live=live)
         except BaseException as e:
             if running is not None:  # (a signal held over its start: the cell is killed, as below)
@@ -290,6 +293,11 @@ class Supervised:
                 except OSError:
                     pass
             self.running.kill()
+
+    @property
+    def finished(self) -> bool:
+        """Its end is taken (:meth:`finish` has run whole)."""
+        return self._result is not None
 
     def poll(self) -> dict[str, Any] | None:
         """The result once the cell has ended, else None; never blocks."""

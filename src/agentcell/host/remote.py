@@ -208,12 +208,19 @@ class RemoteCell:
             if msg.get("event") == "going":
                 going, self.cell_id = True, str(msg.get("cell_id") or "")
                 continue
+            if msg.get("event") == "error" and going:
+                # (its proxy or its monitor failed once the command was let go: it may have run, so this is
+                # its end, said as the host said it, never an error its caller may start it again after)
+                err = wire.error_from(msg)
+                self.close()
+                self._result = {"exit_status": err.exit_code, "signal": None, "error": err.line(),
+                                "events": list(self._events), "host_ended": True}
+                if self.surface is not None:  # what it planted meanwhile is still there
+                    self.surface.check(self._result, self.cell_id)
+                return self
             if msg.get("event") == "error":
                 self.close()
-                err = wire.error_from(msg)
-                if going:  # (its proxy or its monitor failed once the command was let go: it may have run)
-                    err.after_go = True  # type: ignore[attr-defined]
-                raise err
+                raise wire.error_from(msg)
             if msg.get("event") == "started":
                 self.cell_id, self.pid1 = str(msg.get("cell_id") or ""), int(msg.get("pid1") or 0)
                 return self

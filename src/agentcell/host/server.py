@@ -373,11 +373,14 @@ class Host:
         try:
             return self._run_once(conn, msg, fds)
         except Terminated as e:
-            if self.sup is not None:
+            if self.sup is not None and self.sup.finished:  # (it came during the end's teardown, held)
+                self._finish_once(self.sup.wait())
+            elif self.sup is not None:
                 self.sup.running.kill()
                 result = dict(self.sup.wait())
                 result["error"] = result.get("error") or f"its host was stopped (signal {e.signum}): the cell " \
                                                           "was killed with it"
+                result["host_ended"] = True  # (not the command's own end: a session says so)
                 self._finish_once(result)
             raise
 

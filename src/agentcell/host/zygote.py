@@ -290,6 +290,17 @@ class Server:
         pid = os.fork()
         if pid == 0:  # the host: nothing of the launcher's but this client's socket and fds
             code = 1
+            try:  # (nothing passes this process's end: never the launcher's frames, their cleanup is theirs)
+                code = self._serve_host(conn, msg, fds)
+            finally:
+                os._exit(code)
+        conn.close()
+        self.hosts[os.pidfd_open(pid)] = pid
+
+    def _serve_host(self, conn: Sock, msg: dict[str, Any], fds: list[int]) -> int:
+        """In the forked host: serve the client's cell; the status to exit with."""
+        code = 1
+        try:
             try:
                 keep = {conn.fileno(), *fds}
                 if msg.get("op") == "run":
@@ -307,11 +318,11 @@ class Server:
             except Terminated as e:
                 code = 128 + e.signum
             finally:
-                _ignore_termination()  # none may unwind into the launcher's frames from here
-                clihost.settle()  # (its cell's rings out of the host's maps: after the client has its end)
-                os._exit(code)
-        conn.close()
-        self.hosts[os.pidfd_open(pid)] = pid
+                _ignore_termination()
+        except Terminated as e:  # (one that came as the host's end began)
+            code = code or 128 + e.signum
+        clihost.settle()  # (its cell's rings out of the host's maps: after the client has its end)
+        return code
 
     def _hold_programs(self) -> None:
         """The user's warm launcher, as root, holds the monitor's programs (those that see every cell's
@@ -441,6 +452,18 @@ class Server:
         os.close(pidfd)
         self.retiring.pop(pidfd).clean_up()
 
+def _ignore_termination() -> None:
+    """SIGTERM and SIGHUP ignored from here on, in a forked host on its way out. One that comes while
+    this runs is taken here (only the first is ever raised: :func:`agentcell.errors.raise_on_termination`)."""
+    while True:
+        try:
+            for sig in (signal.SIGTERM, signal.SIGHUP):
+                signal.signal(sig, signal.SIG_IGN)
+            return
+        except Terminated:
+            continue
+
+
 
 def main(argv: list[str]) -> None:
     """``python -m agentcell.host.zygote --conn FD [--no-prewarm]``, or as the daemon of
@@ -477,14 +500,3 @@ def main(argv: list[str]) -> None:
 if __name__ == "__main__":
     main(sys.argv[1:])
 
-
-def _ignore_termination() -> None:
-    """SIGTERM and SIGHUP ignored from here on, in a forked host on its way out. One that comes while
-    this runs is taken here (only the first is ever raised: :func:`agentcell.errors.raise_on_termination`)."""
-    while True:
-        try:
-            for sig in (signal.SIGTERM, signal.SIGHUP):
-                signal.signal(sig, signal.SIG_IGN)
-            return
-        except Terminated:
-            continue
