@@ -258,3 +258,40 @@ def test_a_held_step_is_never_cut_short_and_its_signal_comes_after(to: str) -> N
     context = "ValueError" if to == "error" else "NoneType"
     assert p.stdout.split("\n") == ["whole", f"raised after {sig} {context}", "second ignored", ""], \
         (p.stdout, p.stderr)
+
+
+def test_a_sessions_cell_host_stopped_ends_the_session_saying_so(env: Env) -> None:
+    """SIGTERM to a session's cell host (an operator's kill): the host kills the cell and tells the session,
+    which ends `terminated` naming its host (not the agent's exit, not an escape), and leaves nothing."""
+    before = what_exists()
+    sup = running(env)
+    try:
+        assert sup.poll() is None, "the session ended before its agent ran"
+        hosts = [int(p) for p in filter(str.isdigit, os.listdir("/proc"))
+                 if _ppid(int(p)) == sup.pid and b"agentcell.host.server" in _cmdline(int(p))]
+        assert len(hosts) == 1, hosts
+        os.kill(hosts[0], signal.SIGTERM)
+        out, _ = sup.communicate(timeout=120)
+    finally:
+        if sup.poll() is None:
+            sup.kill()
+            sup.wait()
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["status"] == "terminated", summary
+    assert summary["reason"].startswith("the cell's host ended it: its host was stopped (signal 15)"), summary
+    assert not summary.get("escape") and not summary["problems"], summary
+    assert settled(before) == set()
+
+
+def _ppid(pid: int) -> int:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""

@@ -664,8 +664,8 @@ def test_a_sigterm_to_a_cell_host_the_launcher_forked_takes_its_cell_down(user: 
 def test_a_client_that_loses_its_host_after_going_never_runs_the_command_again(then: str) -> None:
     """The client's side of 'going' (a host speaking the protocol from a thread): lost before it, the
     host is unavailable (nothing ran: the caller may start the command elsewhere); after it, the command
-    is lost, or its error is its end (a session's monitor takes it for its cell lost, and its cleanup still
-    looks at what it planted), never an error its caller would start it again after."""
+    is lost, or its error is its end (a session ends terminated, saying the host ended it, and its cleanup
+    still looks at what it planted), never an error its caller would start it again after."""
     import _socket
     import threading
 
@@ -694,7 +694,7 @@ def test_a_client_that_loses_its_host_after_going_never_runs_the_command_again(t
         elif then.endswith("an error"):  # its end, as the host said it: never an error to start it again after
             cell._begin({"op": "run"}, [])
             result = cell.wait()
-            assert (result["exit_status"], result["host_ended"]) == (123, True), result
+            assert (result["exit_status"], result["host_ended"], result["cell_id"]) == (123, True, "agentcell-test")
             assert "the proxy did not start" in result["error"] and not cell.was_lost, result
         else:
             cell._begin({"op": "run"}, [])

@@ -108,8 +108,11 @@ class held:  # noqa: N801 - used as a function: `with held():`
 
 
 def termination_held() -> int:
-    """The SIGTERM or SIGHUP a :func:`held` block has taken so far (0: none)."""
-    return _held[1]
+    """The SIGTERM or SIGHUP a :func:`held` block of the main thread has taken so far (0: none; always 0 in
+    another thread, whose steps hold nothing)."""
+    import threading
+
+    return _held[1] if threading.current_thread() is threading.main_thread() else 0
 
 
 class forked:  # noqa: N801 - used as a function: `with forked() as pid:`

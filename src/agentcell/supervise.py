@@ -226,6 +226,11 @@ class Supervised:
                               log.close if log is not None and made is None else None):
                 if made_here is not None:
                     made_here()
+            if isinstance(guard, SurfaceCheck):  # the command ran: what it planted meanwhile is moved aside
+                try:
+                    guard.check({}, spec.cell_id)
+                except Exception as check_failed:  # noqa: BLE001 - the error that ended the start goes on
+                    e.add_note(f"the protected-path step failed too: {check_failed}")
             raise
         sup._trust = trust
         if watch is not None:
@@ -293,11 +298,6 @@ class Supervised:
                 except OSError:
                     pass
             self.running.kill()
-
-    @property
-    def finished(self) -> bool:
-        """Its end is taken (:meth:`finish` has run whole)."""
-        return self._result is not None
 
     def poll(self) -> dict[str, Any] | None:
         """The result once the cell has ended, else None; never blocks."""

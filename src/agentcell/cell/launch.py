@@ -119,8 +119,16 @@ class Running:
     def finished_reading(self) -> bool:
         return self._eof
 
+    @property
+    def ended(self) -> bool:
+        """Its end is taken (:meth:`wait` returned): PID 1 is reaped, its number may be another's."""
+        return self._result is not None
+
     def signal(self, sig: int) -> None:
-        """Deliver ``sig`` to PID 1, which forwards it to the command (SIGKILL ends the whole cell)."""
+        """Deliver ``sig`` to PID 1, which forwards it to the command (SIGKILL ends the whole cell); nothing
+        once the cell's end is taken."""
+        if self._result is not None:
+            return
         while not self.pid1 and not self._eof:
             self.poll_messages(0.05)
         target = self.pid1 or self.c1
@@ -131,6 +139,8 @@ class Running:
 
     def forward(self, sig: int) -> None:
         """Signal-handler safe: deliver ``sig`` without reading the status pipe."""
+        if self._result is not None:
+            return
         try:
             os.kill(self.pid1 or self.c1, sig)
         except ProcessLookupError:

@@ -214,8 +214,8 @@ class RemoteCell:
                 err = wire.error_from(msg)
                 self.close()
                 self._result = {"exit_status": err.exit_code, "signal": None, "error": err.line(),
-                                "events": list(self._events), "host_ended": True}
-                if self.surface is not None:  # what it planted meanwhile is still there
+                                "events": list(self._events), "host_ended": True, "cell_id": self.cell_id}
+                if self.surface is not None and not self.supervised:  # (a cell host checks its own)
                     self.surface.check(self._result, self.cell_id)
                 return self
             if msg.get("event") == "error":

@@ -373,14 +373,16 @@ class Host:
         try:
             return self._run_once(conn, msg, fds)
         except Terminated as e:
-            if self.sup is not None and self.sup.finished:  # (it came during the end's teardown, held)
-                self._finish_once(self.sup.wait())
-            elif self.sup is not None:
-                self.sup.running.kill()
+            if self.sup is not None:
+                own_end = self.sup.running.ended  # (it came once the command's end was taken: that is its end)
+                self.sup.running.kill()  # (nothing once its end is taken)
                 result = dict(self.sup.wait())
-                result["error"] = result.get("error") or f"its host was stopped (signal {e.signum}): the cell " \
-                                                          "was killed with it"
-                result["host_ended"] = True  # (not the command's own end: a session says so)
+                if not own_end or "exit_status" not in result:  # (not the command's own end: a session says so)
+                    result.setdefault("exit_status", None)
+                    result.setdefault("signal", None)
+                    result["error"] = result.get("error") or f"its host was stopped (signal {e.signum}): the " \
+                                                              "cell was killed with it"
+                    result["host_ended"] = True
                 self._finish_once(result)
             raise
 

@@ -34,6 +34,7 @@ import _socket
 import collections
 import marshal
 import os
+import sys
 from typing import TYPE_CHECKING, Any
 
 from ..errors import AgentcellError
@@ -293,6 +294,8 @@ def keep(ctl: _socket.socket, msg: dict[str, Any], relay: int,
                         code, signum = 128 + came, came
                     send({"event": "ended", "result": result, "signal": signum})
             except Terminated as e:  # (it came after the relay was told: the relay is told now)
+                if isinstance(e.__context__, Exception):  # (the teardown failed too: a bug of ours, seen)
+                    sys.stderr.write(f"agentcell cell host: the cell's teardown failed: {e.__context__!r}\n")
                 if not signum:
                     code, signum = 128 + e.signum, e.signum
                     try:

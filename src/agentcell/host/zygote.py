@@ -321,7 +321,8 @@ class Server:
                 _ignore_termination()
         except Terminated as e:  # (one that came as the host's end began)
             code = code or 128 + e.signum
-        clihost.settle()  # (its cell's rings out of the host's maps: after the client has its end)
+        finally:
+            clihost.settle()  # (its cell's rings out of the host's maps: after the client has its end)
         return code
 
     def _hold_programs(self) -> None:

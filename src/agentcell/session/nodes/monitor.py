@@ -38,8 +38,11 @@ def monitor(rt: Runtime, state: SessionState) -> dict[str, Any]:
         if result is None and escape is None and cell.lost:
             raise TelemetryLost("monitor", "the cell's host ended without a word")
         if result is not None and escape is None and result.get("host_ended"):
-            # its host ended it (stopped, or its proxy or monitor failed once the agent ran): no normal exit
-            raise TelemetryLost("monitor", f"the cell's host: {result['error']}")
+            # its host ended it (stopped, or its proxy or monitor failed once the agent ran): not the agent's
+            # own exit, nor an escape of its
+            why = f"the cell's host ended it: {result.get('error') or 'no reason given'}"
+            audit(rt, state, "monitor", "session.stop", reason=why)
+            return {"status": "terminated", "reason": why}
         if escape is not None:
             ev = escape_record(state, escape["operation"], escape["target"], escape["reason"],
                                source=escape["source"], pid=escape.get("pid"), exe=escape.get("exe"),
