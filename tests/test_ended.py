@@ -20,6 +20,7 @@ import textwrap
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -116,17 +117,13 @@ def test_agentcell_check_stopped_mid_session_leaves_nothing(sig: int) -> None:
 def test_session_start_stopped_takes_down_its_cell_account_and_grants(env: Env, sig: int) -> None:
     before = what_exists()
     sup = running(env)
-    try:
-        assert sup.poll() is None, "the session ended before its agent ran"
+
+    def stop() -> None:
         made = what_exists() - before
         assert any(w.startswith("account ac-s") for w in made), made
         sup.send_signal(sig)
-        out, _ = sup.communicate(timeout=120)
-    finally:
-        if sup.poll() is None:
-            sup.kill()
-            sup.wait()
-    summary = json.loads(out.strip().splitlines()[-1])
+
+    summary = _summary_after(sup, stop)
     assert (summary["status"], summary["reason"]) == ("terminated", f"stopped: signal {sig}"), summary
     assert not summary["problems"], summary
     assert settled(before) == set()
@@ -265,22 +262,32 @@ def test_a_sessions_cell_host_stopped_ends_the_session_saying_so(env: Env) -> No
     which ends `terminated` naming its host (not the agent's exit, not an escape), and leaves nothing."""
     before = what_exists()
     sup = running(env)
-    try:
-        assert sup.poll() is None, "the session ended before its agent ran"
+
+    def stop_its_host() -> None:
         hosts = [int(p) for p in filter(str.isdigit, os.listdir("/proc"))
-                 if _ppid(int(p)) == sup.pid and b"agentcell.host.server" in _cmdline(int(p))]
+                 if _ppid(int(p)) == sup.pid and b"agentcell.host.server" in _cmdline(p)]
         assert len(hosts) == 1, hosts
         os.kill(hosts[0], signal.SIGTERM)
+
+    summary = _summary_after(sup, stop_its_host)
+    assert summary["status"] == "terminated", summary
+    assert summary["reason"].startswith("the cell's host ended it: its host was stopped (signal 15)"), summary
+    assert not summary.get("escape") and not summary["problems"], summary
+    assert settled(before) == set()
+
+
+def _summary_after(sup: subprocess.Popen[str], act: Callable[[], None]) -> dict[str, Any]:
+    """``act`` on a running session (:func:`sessionkit.running`), then its summary; the session is killed
+    if it is still there (a test that failed)."""
+    try:
+        assert sup.poll() is None, "the session ended before its agent ran"
+        act()
         out, _ = sup.communicate(timeout=120)
     finally:
         if sup.poll() is None:
             sup.kill()
             sup.wait()
-    summary = json.loads(out.strip().splitlines()[-1])
-    assert summary["status"] == "terminated", summary
-    assert summary["reason"].startswith("the cell's host ended it: its host was stopped (signal 15)"), summary
-    assert not summary.get("escape") and not summary["problems"], summary
-    assert settled(before) == set()
+    return dict(json.loads(out.strip().splitlines()[-1]))
 
 
 def _ppid(pid: int) -> int:
@@ -288,10 +295,3 @@ def _ppid(pid: int) -> int:
         return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
     except (OSError, IndexError, ValueError):
         return 0
-
-
-def _cmdline(pid: int) -> bytes:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return b""
