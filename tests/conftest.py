@@ -126,6 +126,14 @@ os.execv(sys.argv[1], sys.argv[1:])
 """
 
 
+def proc_ppid(pid: int | str) -> int:
+    """The parent of process ``pid`` (0 once it is gone)."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
 def proc_uid(pid: str) -> int | None:
     """The uid that owns ``/proc/PID`` (None once the process is gone)."""
     try:

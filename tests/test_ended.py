@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from conftest import AGENTCELL, User, needs_root, proc_uid
+from conftest import AGENTCELL, User, needs_root, proc_ppid, proc_uid
 from sessionkit import Env, running, session_environ
 from sessionkit import env as env  # the fixture, under its own name
 
@@ -265,7 +265,7 @@ def test_a_sessions_cell_host_stopped_ends_the_session_saying_so(env: Env) -> No
 
     def stop_its_host() -> None:
         hosts = [int(p) for p in filter(str.isdigit, os.listdir("/proc"))
-                 if _ppid(int(p)) == sup.pid and b"agentcell.host.server" in _cmdline(p)]
+                 if proc_ppid(p) == sup.pid and b"agentcell.host.server" in _cmdline(p)]
         assert len(hosts) == 1, hosts
         os.kill(hosts[0], signal.SIGTERM)
 
@@ -288,10 +288,3 @@ def _summary_after(sup: subprocess.Popen[str], act: Callable[[], None]) -> dict[
             sup.kill()
             sup.wait()
     return dict(json.loads(out.strip().splitlines()[-1]))
-
-
-def _ppid(pid: int) -> int:
-    try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-    except (OSError, IndexError, ValueError):
-        return 0

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from conftest import AGENTCELL, User, agentcell_run, needs_root
+from conftest import AGENTCELL, User, agentcell_run, needs_root, proc_ppid
 
 pytestmark = needs_root
 
@@ -502,11 +502,6 @@ def _session_front(user: User, rt: Path, home: Path, project: Path, front: str, 
                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def _ppid(pid: int) -> int:
-    status = Path(f"/proc/{pid}/status").read_text()
-    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("PPid:")))
-
-
 def test_a_session_start_is_forked_from_the_launchers_session_starter_and_is_the_same_session(
         user: User, runtime_dir: Path, project: Path) -> None:
     """With a launcher running, the front hands `session start` over: the launcher's session starter (a
@@ -534,7 +529,7 @@ def test_a_session_start_is_forked_from_the_launchers_session_starter_and_is_the
             if front == "on":
                 status = launcher_status(user, runtime_dir)
                 starters.append(int(status["session_starter"]))
-                assert _ppid(starters[-1]) == launcher
+                assert proc_ppid(starters[-1]) == launcher
         assert outs[0] == outs[1] == outs[2] == ([f"in {project} as {user.uid}"], 3, 3, user.name), outs
         assert starters[0] == starters[1], "one starter forks every session"
         trail = [json.loads(line) for line in
@@ -572,10 +567,7 @@ def test_a_session_start_is_forked_from_the_launchers_session_starter_and_is_the
 
 
 def _is_child_of(pid: int, parent: int) -> bool:
-    try:
-        return _ppid(pid) == parent
-    except (OSError, StopIteration, ValueError):
-        return False
+    return proc_ppid(pid) == parent
 
 
 def _holders() -> list[int]:
@@ -609,10 +601,6 @@ def test_roots_launcher_holds_the_monitors_programs_that_each_watched_cell_joins
     assert launcher not in _holders(), "let go as it stopped"
 
 
-def _parent(pid: int) -> int:
-    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-
-
 def test_a_sigterm_to_a_cell_host_the_launcher_forked_takes_its_cell_down(user: User) -> None:
     """A host the launcher forked for a supervised cell stops as a cold one does on SIGTERM (an operator's
     kill, a service manager's stop): its cell killed, its cgroup and firewall table removed, the client
@@ -635,8 +623,8 @@ def test_a_sigterm_to_a_cell_host_the_launcher_forked_takes_its_cell_down(user: 
             time.sleep(0.05)
         [sleeper] = processes_with_argv(argv)
         cgroup = "/sys/fs/cgroup" + Path(f"/proc/{sleeper}/cgroup").read_text().split("::", 1)[1].strip()
-        host = _parent(_parent(sleeper))  # the cell's PID 1, then who made it
-        assert _parent(host) == launcher and b"zygote" in Path(f"/proc/{host}/cmdline").read_bytes()
+        host = proc_ppid(proc_ppid(sleeper))  # the cell's PID 1, then who made it
+        assert proc_ppid(host) == launcher and b"zygote" in Path(f"/proc/{host}/cmdline").read_bytes()
         os.kill(host, signal.SIGTERM)
         out, err = run.communicate(timeout=60)
         for _ in range(200):

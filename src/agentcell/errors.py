@@ -107,6 +107,21 @@ class held:  # noqa: N801 - used as a function: `with held():`
                 raise Terminated(signum)
 
 
+def ignore_termination() -> None:
+    """SIGTERM and SIGHUP ignored from here on (a forked process on its way out, whose end must pass
+    nothing up its parent's frames). One that comes while this runs is taken here: after the first,
+    :func:`raise_on_termination` raises no more."""
+    import signal
+
+    while True:
+        try:
+            for sig in (signal.SIGTERM, signal.SIGHUP):
+                signal.signal(sig, signal.SIG_IGN)
+            return
+        except Terminated:
+            continue
+
+
 def termination_held() -> int:
     """The SIGTERM or SIGHUP a :func:`held` block of the main thread has taken so far (0: none; always 0 in
     another thread, whose steps hold nothing)."""

@@ -186,9 +186,10 @@ class Supervised:
                     except BaseException:
                         prepared.discard()
                         raise
-                if termination_held():  # stopped meanwhile: the command is never let go
+                stopped = termination_held()
+                if stopped:  # stopped meanwhile: the command is never let go
                     prepared.discard()
-                    raise Terminated(termination_held())
+                    raise Terminated(stopped)
                 running = prepared.go(list(argv), stdio=stdio, tty_fds=tty_fds, live=live)
         except BaseException as e:
             if running is not None:  # (a signal held over its start: the cell is killed, as below)

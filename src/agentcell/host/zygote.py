@@ -25,7 +25,7 @@ import time
 from ..cell import launch, pid1
 from ..cell import syscalls as sc
 from ..cell.spec import TYPE_CHECKING, CellSpec, spec_from_dict
-from ..errors import AgentcellError, Terminated, raise_on_termination
+from ..errors import AgentcellError, Terminated, ignore_termination, raise_on_termination
 from ..protect import binds
 from . import clihost, peer, server, starter, wire
 
@@ -318,7 +318,7 @@ class Server:
             except Terminated as e:
                 code = 128 + e.signum
             finally:
-                _ignore_termination()
+                ignore_termination()
         except Terminated as e:  # (one that came as the host's end began)
             code = code or 128 + e.signum
         finally:
@@ -452,18 +452,6 @@ class Server:
     def _retired(self, pidfd: int) -> None:
         os.close(pidfd)
         self.retiring.pop(pidfd).clean_up()
-
-def _ignore_termination() -> None:
-    """SIGTERM and SIGHUP ignored from here on, in a forked host on its way out. One that comes while
-    this runs is taken here (only the first is ever raised: :func:`agentcell.errors.raise_on_termination`)."""
-    while True:
-        try:
-            for sig in (signal.SIGTERM, signal.SIGHUP):
-                signal.signal(sig, signal.SIG_IGN)
-            return
-        except Terminated:
-            continue
-
 
 
 def main(argv: list[str]) -> None:
