@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from agentcell import Cell, CellSpec
-from agentcell.api import CellEnded, LiveCell
+from agentcell.api import CellEnded, LiveCell, LiveProcess
 from agentcell.policy.resolve import build_env, resolve_identity
 from conftest import AGENTCELL, User, needs_root, proc_uid
 
@@ -151,6 +151,39 @@ def test_a_command_that_stops_the_exec_server_ends_its_own_cell(user: User) -> N
     assert _gone(cell.pid1)
 
 
+def test_a_request_the_stopped_exec_server_cannot_take_never_hangs_its_host(user: User) -> None:
+    """Requests larger than the exec server's channel holds, sent while a command has stopped the server:
+    the host never blocks on it (it would serve nothing more, nor see the server stopped), and the cell
+    ends as for any stopped server."""
+    null = os.open(os.devnull, os.O_RDWR)
+    try:
+        with Cell.open(_spec(user)) as cell:
+            stopper = cell.spawn(["sh", "-c", "kill -STOP 2; sleep 1000"], stdout=null, stderr=null)
+            server = int(Path(f"/proc/{cell.pid1}/task/{cell.pid1}/children").read_text().split()[0])
+            for _ in range(400):
+                if Path(f"/proc/{server}/stat").read_text().split(")")[1].split()[0] == "T":
+                    break
+                time.sleep(0.05)
+            big: list[LiveProcess] = []
+            sender = threading.Thread(target=lambda: big.extend(  # (more than the channel's buffer holds)
+                cell.spawn(["true"], env={"BIG": "x" * 150_000}, stdin=null, stdout=null, stderr=null)
+                for _ in range(4)), daemon=True)
+            sender.start()
+            for _ in range(600):
+                if stopper.poll() is not None:
+                    break
+                time.sleep(0.05)
+            sender.join(10)
+            if sender.is_alive():  # a hung host takes its client's sends with it: ended here, not waited for
+                os.kill(cell.pid1, signal.SIGKILL)
+            assert stopper.poll() == 137, "the host hung on a request the stopped server could not take"
+            assert len(big) == 4 and all(p.wait(timeout=10) == 137 for p in big)
+            assert cell.ended and "no longer served commands" in cell.ended, cell.ended
+        assert _gone(cell.pid1)
+    finally:
+        os.close(null)
+
+
 @pytest.mark.parametrize("bad", [
     {"argv": ["tr\0ue"]}, {"env": {"A=B": "c"}}, {"env": {"A": "c\0d"}}, {"cwd": "relative"},
     {"timeout": float("inf")}, {"timeout": float("nan")}, {"timeout": -1},
@@ -162,6 +195,16 @@ def test_a_bad_request_is_refused_and_the_cell_serves_on(live: LiveCell, bad: di
     argv = kw.pop("argv")
     with pytest.raises(AgentcellError, match="exec: "):
         live.exec(argv, **kw)  # type: ignore[arg-type]
+    assert live.exec(["true"]).returncode == 0 and live.ended is None
+
+
+def test_a_request_too_large_for_the_wire_is_said_so_and_the_cell_serves_on(live: LiveCell) -> None:
+    """Not "the cell's host has gone": the host never had it, and the cell is fine."""
+    from agentcell.errors import AgentcellError
+
+    for size in (300_000, 2_000_000):  # (more than one datagram takes here; more than the wire takes at all)
+        with pytest.raises(AgentcellError, match="more than one request to a live cell takes"):
+            live.exec(["true"], env={"BIG": "y" * size})
     assert live.exec(["true"]).returncode == 0 and live.ended is None
 
 

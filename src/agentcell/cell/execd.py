@@ -24,6 +24,7 @@ while the command ran.
 from __future__ import annotations
 
 import _socket
+import errno
 import marshal
 import os
 import select
@@ -41,21 +42,32 @@ _REQUEST = struct.Struct("!II")  # payload length, number of fds sent with it
 _REPORT = struct.Struct("!cIii")  # kind, request id, two numbers
 MAX_FDS = 8
 MAX_REQUEST = 4 << 20  # argv and environment of one command
+MAX_QUEUED = 32 << 20  # bytes of requests waiting for a server that does not read (it is stopped, or busy)
 
 
 # ---- supervisor side --------------------------------------------------------------------------------
 
 
 class Channel:
-    """The supervisor's end of a live cell's hand-off channel."""
+    """The supervisor's end of a live cell's hand-off channel. Requests are sent without waiting: what the
+    server does not take yet (a command can stop it: it runs as the agent) waits here, in order, and goes
+    as the channel is writable (:meth:`flush`, when :attr:`pending`); a supervisor blocked on a send would
+    serve nothing more, and never see the server stopped."""
 
     def __init__(self, sock: _socket.socket) -> None:
         self.sock = sock
         self._buf = b""
         self.closed = False
+        self._out: list[tuple[bytes, list[int]]] = []  # (data, fds of ours): few, and rarely any
+        self._queued = 0
 
     def fileno(self) -> int:
         return self.sock.fileno()
+
+    @property
+    def pending(self) -> bool:
+        """Requests wait for the server to take them."""
+        return bool(self._out)
 
     def exec(self, rid: int, argv: Sequence[str], env: dict[bytes, bytes], cwd: str, fds: dict[int, int]) -> None:
         """Start ``argv`` in ``env`` (encoded: :func:`encoded`); ``fds`` maps the number the command sees
@@ -76,10 +88,52 @@ class Channel:
         if len(payload) > MAX_REQUEST:
             raise ValueError(f"argv and environment of {len(payload):,} bytes (at most {MAX_REQUEST:,})")
         data = _REQUEST.pack(len(payload), len(fds)) + payload
+        if self._out:
+            if self._queued + len(data) > MAX_QUEUED:
+                raise OSError(errno.ENOBUFS, "the cell's exec server is not taking requests")
+            self._queue(data, [os.dup(fd) for fd in fds])  # (the caller closes its own)
+            return
+        try:
+            sent = self._sendmsg(data, fds)
+        except BlockingIOError:
+            sent = 0
+        if sent < len(data):  # (the fds went with the first byte sent)
+            self._queue(data[sent:], [os.dup(fd) for fd in fds] if sent == 0 else [])
+
+    def _sendmsg(self, data: bytes, fds: list[int]) -> int:
         anc = [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, pack_fds(fds))] if fds else []
-        sent = self.sock.sendmsg([data], anc)
-        if sent < len(data):
-            self.sock.sendall(data[sent:])
+        return self.sock.sendmsg([data], anc, _socket.MSG_DONTWAIT)
+
+    def _queue(self, data: bytes, fds: list[int]) -> None:
+        self._out.append((data, fds))
+        self._queued += len(data)
+
+    def flush(self) -> None:
+        """Send what waits, as much as the server takes now. Raises OSError when the cell is gone (what
+        waited is dropped: its commands end with the cell)."""
+        while self._out:
+            data, fds = self._out[0]
+            try:
+                sent = self._sendmsg(data, fds)
+            except BlockingIOError:
+                return
+            except OSError:
+                self._drop()
+                raise
+            for fd in fds:
+                os.close(fd)
+            self._queued -= sent
+            if sent < len(data):
+                self._out[0] = (data[sent:], [])
+                return
+            del self._out[0]
+
+    def _drop(self) -> None:
+        for _data, fds in self._out:
+            for fd in fds:
+                os.close(fd)
+        self._out.clear()
+        self._queued = 0
 
     def reports(self) -> list[tuple[str, int, int, int]] | None:
         """What the cell has reported since the last call, without blocking; None once it is gone."""
@@ -107,6 +161,7 @@ class Channel:
         """No more commands: the server exits, and PID 1 ends the cell with everything still in it."""
         if not self.closed:
             self.closed = True
+        self._drop()
         try:
             self.sock.shutdown(_socket.SHUT_RDWR)
         except OSError:

@@ -4,12 +4,13 @@ hands each command's messages to its waiter, the monitor's events, the cell's en
 from __future__ import annotations
 
 import _socket
+import errno
 import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..cell.spec import CellSpec, spec_to_dict
-from ..errors import LaunchError
+from ..errors import AgentcellError, LaunchError
 from . import wire
 
 if TYPE_CHECKING:
@@ -108,8 +109,11 @@ class RemoteLive:
         try:
             wire.send(self._sock, {"op": "exec", "id": cid, "argv": argv, "env": env, "cwd": cwd,
                                    "timeout": timeout}, list(fds))
-        except OSError:
+        except (OSError, wire.WireError) as e:
             self.forget(cid)
+            if isinstance(e, wire.WireError) or e.errno == errno.EMSGSIZE:  # (larger than one datagram here)
+                raise AgentcellError("exec", "the command's argv and environment are more than one request to a "
+                                     "live cell takes", "pass large data through stdin or a file") from None
             raise CellEnded(self.ended or "the cell's host has gone") from None
         except BaseException:
             self.forget(cid)

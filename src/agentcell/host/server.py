@@ -153,6 +153,13 @@ class Host:
             self.backlog.pop(conn, None)
             self.backlog_bytes.pop(conn, None)
 
+    def _flush_cell(self) -> None:
+        """The requests that wait for the exec server, as much as it takes now."""
+        try:
+            self.cell.live.flush()
+        except OSError:
+            pass  # the exec server is gone, so is the cell: its end, coming, ends their commands (137, why)
+
     def _unstick(self) -> None:
         """Drop the clients that stopped reading past MAX_BACKLOG, as if they had gone."""
         for conn in list(self.stuck):
@@ -252,9 +259,13 @@ class Host:
                 readers: list[Any] = [*self.conns, cell, *([] if live.closed else [live])]
                 if self.listener is not None:
                     readers.append(self.listener)
-                readable, writable = wire.poll(readers, list(self.backlog), self._wait())
+                writers: list[Any] = [*self.backlog, *([live] if live.pending else [])]
+                readable, writable = wire.poll(readers, writers, self._wait())
                 for w in writable:
-                    self._flush(w)
+                    if w is live:
+                        self._flush_cell()
+                    else:
+                        self._flush(w)
                 for r in readable:
                     if r is live:
                         self._reports()
