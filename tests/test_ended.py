@@ -257,6 +257,45 @@ def test_a_held_step_is_never_cut_short_and_its_signal_comes_after(to: str) -> N
         (p.stdout, p.stderr)
 
 
+TRUST = r"""
+import os, signal, sys
+from agentcell.cell.spec import CellSpec
+from agentcell.errors import Terminated, raise_on_termination
+from agentcell.network import tlsca
+from agentcell.network.credentials import CredentialSet
+from agentcell.policy.resolve import build_env, resolve_identity
+from agentcell.supervise import Supervised
+
+made = []
+real = tlsca.CellTrust.__init__
+def init(self, *a, **k):
+    real(self, *a, **k)
+    made.append(self.dir)
+    os.kill(os.getpid(), signal.SIGTERM)  # made, not yet known to its maker
+tlsca.CellTrust.__init__ = init
+raise_on_termination()
+ident = resolve_identity(sys.argv[1], euid=0)
+spec = CellSpec(ident, env=build_env({}, ident), cwd=ident.home, network="proxy")
+creds = CredentialSet.build({"API_KEY": "sk-test-1"}, {"API_KEY": (("api.example.test",), ())})
+try:
+    Supervised.start(spec, ["true"], monitor=None, credentials=creds)
+except Terminated as e:
+    print("terminated", e.signum, made[0], os.path.exists(made[0]))
+"""
+
+
+def test_a_sigterm_as_a_sessions_trust_directory_is_made_leaves_none(user: User) -> None:
+    """The session CA's directory for the cell (its certificates, bound into the cell) is removed when a
+    SIGTERM comes just as it is made, before the start could know it (red team: it was left)."""
+    p = subprocess.run([sys.executable, "-c", TRUST, str(user.uid)], capture_output=True, text=True, timeout=60)
+    words = p.stdout.split()
+    try:
+        assert words[:2] == ["terminated", "15"] and words[3] == "False", (p.stdout, p.stderr)
+    finally:
+        if len(words) > 2 and words[2].startswith("/run/agentcell/trust/"):
+            subprocess.run(["rm", "-rf", "--", words[2]], check=False)
+
+
 def test_a_sessions_cell_host_stopped_ends_the_session_saying_so(env: Env) -> None:
     """SIGTERM to a session's cell host (an operator's kill): the host kills the cell and tells the session,
     which ends `terminated` naming its host (not the agent's exit, not an escape), and leaves nothing."""

@@ -88,25 +88,26 @@ class Supervised:
         ``on_go(cell_id)`` is called just before the command is let go: from then on it may have run, so
         whoever asked must never start it again (a host that dies after this is lost, not unavailable)."""
         trust = ca = secrets = None
-        if credentials is not None and credentials.secrets:
-            if spec.network != "proxy":
-                raise AgentcellError("--secret", "credentials are injected by the egress proxy",
-                                     "use --net proxy (with --allow-domain for their hosts)")
-            from .cell.spec import new_cell_id
-            from .network.tlsca import CellTrust, SessionCA
-
-            if not spec.cell_id:  # (its trust directory is named by it)
-                spec = spec.replace(cell_id=new_cell_id())
-            placeholders = credentials.cell_env()
-            env = tuple((k, v) for k, v in spec.env if k not in placeholders)
-            spec = spec.replace(env=(*env, *placeholders.items()))
-            if credentials.hosts():  # (bound over plain HTTP alone: nothing to terminate, no CA)
-                ca = SessionCA(spec.cell_id, credentials.hosts())
-                trust = CellTrust(spec.cell_id, ca, upstream_ca)
-                env = tuple((k, v) for k, v in spec.env if k not in dict(trust.env()))
-                spec = spec.replace(env=(*env, *trust.env()), ro_paths=(*spec.ro_paths, trust.dir))
-            secrets = (credentials, ca, upstream_ca)
         try:
+            if credentials is not None and credentials.secrets:
+                if spec.network != "proxy":
+                    raise AgentcellError("--secret", "credentials are injected by the egress proxy",
+                                         "use --net proxy (with --allow-domain for their hosts)")
+                from .cell.spec import new_cell_id
+                from .network.tlsca import CellTrust, SessionCA
+
+                if not spec.cell_id:  # (its trust directory is named by it)
+                    spec = spec.replace(cell_id=new_cell_id())
+                placeholders = credentials.cell_env()
+                env = tuple((k, v) for k, v in spec.env if k not in placeholders)
+                spec = spec.replace(env=(*env, *placeholders.items()))
+                if credentials.hosts():  # (bound over plain HTTP alone: nothing to terminate, no CA)
+                    ca = SessionCA(spec.cell_id, credentials.hosts())
+                    with held():  # (made and known as one step: a SIGTERM comes once it can be removed)
+                        trust = CellTrust(spec.cell_id, ca, upstream_ca)
+                    env = tuple((k, v) for k, v in spec.env if k not in dict(trust.env()))
+                    spec = spec.replace(env=(*env, *trust.env()), ro_paths=(*spec.ro_paths, trust.dir))
+                secrets = (credentials, ca, upstream_ca)
             return cls._start(spec, argv, monitor=monitor, callback=callback, stdio=stdio, tty_fds=tty_fds,
                               dedicated=dedicated, live=live, guard=guard, give_to=give_to, adopt=adopt,
                               secrets=secrets, trust=trust, on_go=on_go)
