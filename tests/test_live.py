@@ -184,6 +184,57 @@ def test_a_request_the_stopped_exec_server_cannot_take_never_hangs_its_host(user
         os.close(null)
 
 
+CATCH = r"""
+import os, signal, time
+pids = os.open("/proc/sys/kernel/ns_last_pid", os.O_RDONLY)
+last = int(os.pread(pids, 32, 0))
+open("/tmp/catching", "w").close()
+while True:  # each new process of the cell, stopped at once: kept stopped if it has not exec'd yet
+    now = int(os.pread(pids, 32, 0))
+    if now == last:
+        continue
+    last = now
+    try:
+        os.kill(now, signal.SIGSTOP)
+        with open(f"/proc/{now}/stat") as f:
+            flags = int(f.read().rsplit(")", 1)[1].split()[6])
+    except (OSError, ValueError):
+        continue
+    if flags & 0x40:  # PF_FORKNOEXEC: spawned by the exec server, not exec'd: the server waits on it
+        time.sleep(1000)
+    os.kill(now, signal.SIGCONT)
+"""
+
+
+def test_a_command_stopped_between_its_spawn_and_its_exec_ends_its_cell(user: User) -> None:
+    """The exec server spawns by vfork: a command stopped before its exec holds the server (state D, not T)
+    for as long, and nothing more is served; the host ends the cell as for a stopped server (red team)."""
+    null = os.open(os.devnull, os.O_RDWR)
+    try:
+        with Cell.open(_spec(user)) as cell:
+            cell.spawn(["python3", "-c", CATCH], stdout=null, stderr=null)
+            for _ in range(400):
+                if Path(f"/proc/{cell.pid1}/root/tmp/catching").exists():
+                    break
+                time.sleep(0.05)
+            codes: list[int] = []
+
+            def commands() -> None:
+                while not codes or codes[-1] == 0:
+                    codes.append(cell.exec(["true"]).returncode)
+
+            runner = threading.Thread(target=commands, daemon=True)
+            runner.start()
+            runner.join(60)
+            if runner.is_alive():  # (a command that never returns: the cell ended here, the test fails)
+                os.kill(cell.pid1, signal.SIGKILL)
+            assert codes and codes[-1] == 137, f"a command hung: {len(codes)} ran"
+            assert cell.ended and "no longer served commands" in cell.ended, cell.ended
+        assert _gone(cell.pid1)
+    finally:
+        os.close(null)
+
+
 @pytest.mark.parametrize("bad", [
     {"argv": ["tr\0ue"]}, {"env": {"A=B": "c"}}, {"env": {"A": "c\0d"}}, {"cwd": "relative"},
     {"timeout": float("inf")}, {"timeout": float("nan")}, {"timeout": -1},

@@ -43,6 +43,7 @@ _REPORT = struct.Struct("!cIii")  # kind, request id, two numbers
 MAX_FDS = 8
 MAX_REQUEST = 4 << 20  # argv and environment of one command
 MAX_QUEUED = 32 << 20  # bytes of requests waiting for a server that does not read (it is stopped, or busy)
+MAX_HELD = 64  # requests waiting with their fds: the copies are fds of the supervisor's own
 
 
 # ---- supervisor side --------------------------------------------------------------------------------
@@ -58,8 +59,10 @@ class Channel:
         self.sock = sock
         self._buf = b""
         self.closed = False
-        self._out: list[tuple[bytes, list[int]]] = []  # (data, fds of ours): few, and rarely any
-        self._queued = 0
+        # (what is left of a request, the fds of ours that go with its first byte): few, and rarely any
+        self._out: list[tuple[memoryview, list[int]]] = []
+        self._queued = 0  # bytes
+        self._held = 0  # requests with fds (each holds copies of its fds here)
 
     def fileno(self) -> int:
         return self.sock.fileno()
@@ -71,7 +74,8 @@ class Channel:
 
     def exec(self, rid: int, argv: Sequence[str], env: dict[bytes, bytes], cwd: str, fds: dict[int, int]) -> None:
         """Start ``argv`` in ``env`` (encoded: :func:`encoded`); ``fds`` maps the number the command sees
-        to our fd. Raises OSError when the cell is gone."""
+        to our fd. Raises OSError when the cell is gone, or when too much waits for a server that does
+        not read (ENOBUFS)."""
         self._send({"op": "exec", "id": rid, "argv": [os.fsencode(a) for a in argv], "env": env,
                     "cwd": os.fsencode(cwd), "fds": list(fds)}, list(fds.values()))
 
@@ -87,30 +91,33 @@ class Channel:
         payload = marshal.dumps(msg)
         if len(payload) > MAX_REQUEST:
             raise ValueError(f"argv and environment of {len(payload):,} bytes (at most {MAX_REQUEST:,})")
-        data = _REQUEST.pack(len(payload), len(fds)) + payload
-        if self._out:
-            if self._queued + len(data) > MAX_QUEUED:
-                raise OSError(errno.ENOBUFS, "the cell's exec server is not taking requests")
-            self._queue(data, [os.dup(fd) for fd in fds])  # (the caller closes its own)
-            return
-        try:
-            sent = self._sendmsg(data, fds)
-        except BlockingIOError:
-            sent = 0
-        if sent < len(data):  # (the fds went with the first byte sent)
-            self._queue(data[sent:], [os.dup(fd) for fd in fds] if sent == 0 else [])
+        data = memoryview(_REQUEST.pack(len(payload), len(fds)) + payload)
+        sent = 0
+        if not self._out:
+            try:
+                sent = self._sendmsg(data, fds)
+            except BlockingIOError:
+                pass
+            if sent == len(data):
+                return
+        # What waits is bounded (a signal, without fds, always waits: it is small, and a kill must not be lost).
+        if fds and sent == 0 and (self._queued + len(data) > MAX_QUEUED or self._held >= MAX_HELD):
+            raise OSError(errno.ENOBUFS, "the cell's exec server is not taking requests")
+        self._queue(data[sent:], _copies(fds) if sent == 0 else [])  # (the fds went with the first byte sent)
 
-    def _sendmsg(self, data: bytes, fds: list[int]) -> int:
+    def _sendmsg(self, data: memoryview, fds: list[int]) -> int:
         anc = [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, pack_fds(fds))] if fds else []
         return self.sock.sendmsg([data], anc, _socket.MSG_DONTWAIT)
 
-    def _queue(self, data: bytes, fds: list[int]) -> None:
+    def _queue(self, data: memoryview, fds: list[int]) -> None:
         self._out.append((data, fds))
         self._queued += len(data)
+        self._held += bool(fds)
 
     def flush(self) -> None:
-        """Send what waits, as much as the server takes now. Raises OSError when the cell is gone (what
-        waited is dropped: its commands end with the cell)."""
+        """Send what waits, as much as the server takes now. Raises OSError when a request cannot be
+        handed over (EPIPE: the cell is gone; another error: the caller ends the cell); what waited is
+        dropped with it."""
         while self._out:
             data, fds = self._out[0]
             try:
@@ -122,6 +129,7 @@ class Channel:
                 raise
             for fd in fds:
                 os.close(fd)
+            self._held -= bool(fds)
             self._queued -= sent
             if sent < len(data):
                 self._out[0] = (data[sent:], [])
@@ -133,7 +141,7 @@ class Channel:
             for fd in fds:
                 os.close(fd)
         self._out.clear()
-        self._queued = 0
+        self._queued = self._held = 0
 
     def reports(self) -> list[tuple[str, int, int, int]] | None:
         """What the cell has reported since the last call, without blocking; None once it is gone."""
@@ -167,6 +175,19 @@ class Channel:
         except OSError:
             pass
         self.sock.close()
+
+
+def _copies(fds: list[int]) -> list[int]:
+    """Our own copies of ``fds`` (the caller closes its own), all or none."""
+    out: list[int] = []
+    try:
+        for fd in fds:
+            out.append(os.dup(fd))
+    except BaseException:
+        for fd in out:
+            os.close(fd)
+        raise
+    return out
 
 
 def encoded(env: dict[str, str]) -> dict[bytes, bytes]:
@@ -256,7 +277,10 @@ def _handle(ctl: _socket.socket, msg: dict[str, Any], fds: list[int], running: d
         name = os.fsdecode(msg["cwd"]) if isinstance(e, _NoCwd) else os.fsdecode(msg["argv"][0])
         if len(fds) > 2:
             try:
-                os.write(fds[2], f"agentcell: {name}: {what}\n".encode(errors="replace"))
+                out = select.poll()  # (never waits on it: a full pipe loses the line, not the server)
+                out.register(fds[2], select.POLLOUT)
+                if out.poll(0):
+                    os.write(fds[2], f"agentcell: {name}: {what}\n".encode(errors="replace"))
             except OSError:
                 pass
         _tell(ctl, b"X", rid, code, 0)

@@ -154,11 +154,15 @@ class Host:
             self.backlog_bytes.pop(conn, None)
 
     def _flush_cell(self) -> None:
-        """The requests that wait for the exec server, as much as it takes now."""
+        """The requests that wait for the exec server, as much as it takes now. One that cannot be handed
+        over ends the cell (its command and those behind it would wait for good)."""
         try:
             self.cell.live.flush()
-        except OSError:
-            pass  # the exec server is gone, so is the cell: its end, coming, ends their commands (137, why)
+        except OSError as e:
+            if e.errno not in (errno.EPIPE, errno.ECONNRESET, errno.EBADF):  # (else the server is gone: so is
+                self.failed = self.failed or (  # the cell, and its end, coming, ends their commands: 137, why)
+                    f"a request could not be handed to its exec server ({e.strerror or e}); it was killed")
+                self.cell.kill()
 
     def _unstick(self) -> None:
         """Drop the clients that stopped reading past MAX_BACKLOG, as if they had gone."""
@@ -293,15 +297,19 @@ class Host:
                 self._end()
 
     def _wait(self) -> float | None:
+        if self.cell.down():
+            return None  # its end comes (or its keeper's EOF): no deadline is ours any more
         now = time.monotonic()
         waits = [e.deadline - now for e in self.execs.values() if e.deadline and not e.timed_out]
-        waits += [e.killed_at + GRACE_S - now for e in self.execs.values() if e.killed_at is not None]
-        if self.execs:
+        graces = [e.killed_at + GRACE_S for e in self.execs.values() if e.killed_at is not None]
+        if self.stopping:
+            graces.append(self.stop_at + GRACE_S)
+        # (one that has passed has had the cell killed: looked at again with the rest, not in a spin)
+        waits += [g - now if g > now else LOOK_S for g in graces]
+        if self.execs or self.stopping:
             waits.append(LOOK_S)
         if self.idle_s and not self.execs:
             waits.append(self.last_work + self.idle_s - now + 0.01)
-        if self.stopping:
-            waits.append(min(LOOK_S, self.stop_at + GRACE_S - now))
         return max(0.0, min(waits)) if waits else None
 
     def _deadlines(self) -> None:
@@ -374,6 +382,7 @@ class Host:
                                 "timed_out": e.timed_out, "duration_s": round(time.monotonic() - e.started, 6),
                                 "ended": reason})
         self.execs.clear()
+        self.cell.live.close()  # (what still waited for the server: its copies of the clients' fds go now)
         self._broadcast({"event": "ended", "reason": reason, "result": result})
 
     # ---- one command in a cell of its own: the session's harness --------------------------------------
@@ -690,9 +699,14 @@ def _gone(conn: _socket.socket) -> bool:
         return True
 
 
+PF_FORKNOEXEC = 0x40  # a task's flag: forked, has not exec'd yet
+
+
 def _stopped(pid1: int) -> bool:
     """Is the exec server stopped, by a signal or a tracer? It is PID 1's child that is pid 2 in the
-    cell (PID 1's first fork); orphans of the cell are PID 1's children too."""
+    cell (PID 1's first fork); orphans of the cell are PID 1's children too. Stopped too when a child of
+    its own is stopped before its exec: the server waits on that child (posix_spawn is a vfork) for as
+    long, and serves nothing (its children are the commands it spawned, each exec'd once it runs)."""
     try:
         with open(f"/proc/{pid1}/task/{pid1}/children") as f:
             children = f.read().split()
@@ -700,9 +714,27 @@ def _stopped(pid1: int) -> bool:
             with open(f"/proc/{child}/status") as f:
                 status = dict(line.split(":", 1) for line in f.read().splitlines() if ":" in line)
             if status.get("NSpid", "").split()[-1:] == ["2"]:
-                return status.get("State", "").split()[:1] in (["T"], ["t"])
+                return status.get("State", "").split()[:1] in (["T"], ["t"]) or _spawn_stopped(int(child))
     except (OSError, ValueError):
         pass
+    return False
+
+
+def _spawn_stopped(server: int) -> bool:
+    """A child of the exec server is stopped between its spawn and its exec."""
+    try:
+        with open(f"/proc/{server}/task/{server}/children") as f:
+            children = f.read().split()
+    except OSError:
+        return False
+    for child in children:
+        try:
+            with open(f"/proc/{child}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[0] in ("T", "t") and int(fields[6]) & PF_FORKNOEXEC:
+            return True
     return False
 
 
