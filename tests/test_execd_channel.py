@@ -7,10 +7,27 @@ import _socket
 import errno
 import os
 import select
+import signal
+from collections.abc import Iterator
 
 import pytest
 
 from agentcell.cell import execd
+
+
+@pytest.fixture(autouse=True)
+def never_hangs() -> Iterator[None]:
+    """A send that blocks (the bug these tests are about) fails the test instead of hanging the run."""
+    def late(_sig: int, _frame: object) -> None:
+        raise TimeoutError("a channel operation blocked")
+
+    old = signal.signal(signal.SIGALRM, late)
+    signal.alarm(60)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
 
 
 def _fds() -> int:

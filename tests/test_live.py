@@ -8,8 +8,9 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 
@@ -19,6 +20,7 @@ from agentcell.policy.resolve import build_env, resolve_identity
 from conftest import AGENTCELL, User, needs_root, proc_uid
 
 pytestmark = needs_root
+T = TypeVar("T")
 
 
 def _spec(user: User, **kw: object) -> CellSpec:
@@ -196,8 +198,12 @@ while True:  # each new process of the cell, stopped at once: kept stopped if it
     last = now
     try:
         os.kill(now, signal.SIGSTOP)
-        with open(f"/proc/{now}/stat") as f:
-            flags = int(f.read().rsplit(")", 1)[1].split()[6])
+        for _ in range(1000):  # (stopped for sure: a stop that lands in its exec takes effect after it)
+            with open(f"/proc/{now}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            if fields[0] in ("T", "t"):
+                break
+        flags = int(fields[6])
     except (OSError, ValueError):
         continue
     if flags & 0x40:  # PF_FORKNOEXEC: spawned by the exec server, not exec'd: the server waits on it
@@ -233,6 +239,69 @@ def test_a_command_stopped_between_its_spawn_and_its_exec_ends_its_cell(user: Us
         assert _gone(cell.pid1)
     finally:
         os.close(null)
+
+
+def _within(seconds: float, cell: LiveCell, fn: Callable[[], T]) -> T:
+    """``fn()``, which must return within ``seconds``; else the cell is killed (so that the test fails,
+    and does not hang) and the test fails."""
+    out: list[T] = []
+    worker = threading.Thread(target=lambda: out.append(fn()), daemon=True)
+    worker.start()
+    worker.join(seconds)
+    if worker.is_alive():
+        os.kill(cell.pid1, signal.SIGKILL)
+        worker.join(30)
+        pytest.fail(f"no answer within {seconds:g} s: the cell's host or exec server hung")
+    return out[0]
+
+
+def test_a_command_the_agent_stops_after_its_exec_leaves_the_cell_serving(live: LiveCell) -> None:
+    """The other side of the test above: a stopped command that has exec'd (a job stopped on purpose) holds
+    nothing up, and is no reason to end the cell."""
+    null = os.open(os.devnull, os.O_RDWR)
+    try:
+        stopped = live.spawn(["sleep", "1000"], stdout=null, stderr=null)
+        assert live.exec(["sh", "-c", "kill -STOP $(pgrep -x sleep) && sleep 1"]).returncode == 0  # (4 looks)
+        assert _within(30, live, lambda: live.exec(["true"]).returncode) == 0
+        assert live.ended is None
+        stopped.kill()
+        assert stopped.wait(timeout=30) == 137
+    finally:
+        os.close(null)
+
+
+def test_a_command_that_cuts_the_exec_servers_fds_ends_its_cell(user: User) -> None:
+    """A command lowers the server's RLIMIT_NOFILE (prlimit: same account): the fds of the next request are
+    cut off, and it can no longer match requests with their fds. It ends (and PID 1 the cell); it never
+    waits for fds that will not come, serving nothing (red team)."""
+    with Cell.open(_spec(user)) as cell:
+        cut = "import resource; resource.prlimit(2, resource.RLIMIT_NOFILE, (3, 3))"
+        assert cell.exec(["python3", "-c", cut]).returncode == 0
+        code = _within(30, cell, lambda: cell.exec(["true"]).returncode)
+        assert code == 137 and cell.ended, (code, cell.ended)
+    assert _gone(cell.pid1)
+
+
+def test_a_line_for_a_commands_stderr_never_holds_up_the_exec_server(live: LiveCell) -> None:
+    """The server's own line (command not found) to a command's stderr, a pipe no one drains (its reader
+    may be a command the agent stopped): the line is lost, the server serves on (red team: a long name, and
+    the write that took it blocked the server for good)."""
+    null = os.open(os.devnull, os.O_RDWR)
+    r, w = os.pipe()
+    try:
+        os.set_blocking(w, False)
+        while True:  # full
+            try:
+                os.write(w, b"x" * 4096)
+            except BlockingIOError:
+                break
+        os.set_blocking(w, True)  # (a plain write to it waits)
+        missing = live.spawn(["/nonexistent/" + "x" * 3000], stdin=null, stdout=null, stderr=w)
+        assert _within(30, live, lambda: missing.wait()) == 127
+        assert _within(30, live, lambda: live.exec(["true"]).returncode) == 0
+    finally:
+        for fd in (null, r, w):
+            os.close(fd)
 
 
 @pytest.mark.parametrize("bad", [

@@ -211,12 +211,15 @@ def serve(ctl: _socket.socket) -> NoReturn:
         for r, _ in waits.poll():
             if r == me:
                 try:  # (close-on-exec as they come: only as a command's 0-2, dup2'd, do they cross its exec)
-                    chunk, anc, _flags, _addr = ctl.recvmsg(1 << 16, _socket.CMSG_SPACE(MAX_FDS * 4),
-                                                            _socket.MSG_CMSG_CLOEXEC)
+                    chunk, anc, flags, _addr = ctl.recvmsg(1 << 16, _socket.CMSG_SPACE(MAX_FDS * 4),
+                                                           _socket.MSG_CMSG_CLOEXEC)
                 except InterruptedError:
                     continue
-                if not chunk:
-                    os._exit(0)  # the supervisor is done with the cell (or gone): PID 1 ends it
+                if not chunk or flags & _socket.MSG_CTRUNC:
+                    # EOF: the supervisor is done with the cell (or gone). Fds cut off (a command lowered our
+                    # RLIMIT_NOFILE, prlimit): the requests can no longer be matched with theirs. Either
+                    # way the server ends, and PID 1 the cell.
+                    os._exit(0)
                 buf += chunk
                 fds_in += unpack_fds(anc)
                 while len(buf) >= _REQUEST.size:
@@ -276,13 +279,7 @@ def _handle(ctl: _socket.socket, msg: dict[str, Any], fds: list[int], running: d
         what = "command not found in the cell" if code == 127 else getattr(e, "strerror", None) or str(e)
         name = os.fsdecode(msg["cwd"]) if isinstance(e, _NoCwd) else os.fsdecode(msg["argv"][0])
         if len(fds) > 2:
-            try:
-                out = select.poll()  # (never waits on it: a full pipe loses the line, not the server)
-                out.register(fds[2], select.POLLOUT)
-                if out.poll(0):
-                    os.write(fds[2], f"agentcell: {name}: {what}\n".encode(errors="replace"))
-            except OSError:
-                pass
+            _say(fds[2], f"agentcell: {name[:256]}: {what[:256]}\n".encode(errors="replace"))
         _tell(ctl, b"X", rid, code, 0)
         return
     finally:
@@ -298,6 +295,19 @@ def _handle(ctl: _socket.socket, msg: dict[str, Any], fds: list[int], running: d
     running[pidfd] = (rid, pid)
     by_id[rid] = pid
     waits.register(pidfd, select.POLLIN)
+
+
+def _say(fd: int, line: bytes) -> None:
+    """``line`` to a command's stderr, never waited on: a pipe (or socket) that cannot take it now loses
+    it, not the server (it serves every command; what reads that pipe may be one the agent stopped)."""
+    try:
+        os.pwritev(fd, [line], -1, os.RWF_NOWAIT)
+    except OSError as e:
+        try:
+            if e.errno == errno.EOPNOTSUPP and os.fstat(fd).st_mode & 0o170000 == 0o100000:  # a file: waits on no one
+                os.write(fd, line)
+        except OSError:
+            pass
 
 
 class _NoCwd(OSError):

@@ -319,6 +319,8 @@ class Host:
         now = time.monotonic()
         if self.cell.down():
             return  # the cell has ended: its teardown runs, and its end comes
+        if self.failed:
+            self.cell.kill()  # (asked again: the keeper may not have taken the last ask; once taken, a no-op)
         for rid, e in self.execs.items():
             if e.deadline is not None and not e.timed_out and now >= e.deadline:
                 e.timed_out = True
@@ -706,7 +708,8 @@ def _stopped(pid1: int) -> bool:
     """Is the exec server stopped, by a signal or a tracer? It is PID 1's child that is pid 2 in the
     cell (PID 1's first fork); orphans of the cell are PID 1's children too. Stopped too when a child of
     its own is stopped before its exec: the server waits on that child (posix_spawn is a vfork) for as
-    long, and serves nothing (its children are the commands it spawned, each exec'd once it runs)."""
+    long (in D, the vfork's wait), and serves nothing. (Not any stopped child that never exec'd: a command
+    can give the server one, by clone with CLONE_PARENT; the server is not in D for that.)"""
     try:
         with open(f"/proc/{pid1}/task/{pid1}/children") as f:
             children = f.read().split()
@@ -714,7 +717,8 @@ def _stopped(pid1: int) -> bool:
             with open(f"/proc/{child}/status") as f:
                 status = dict(line.split(":", 1) for line in f.read().splitlines() if ":" in line)
             if status.get("NSpid", "").split()[-1:] == ["2"]:
-                return status.get("State", "").split()[:1] in (["T"], ["t"]) or _spawn_stopped(int(child))
+                state = status.get("State", "").split()[:1]
+                return state in (["T"], ["t"]) or (state == ["D"] and _spawn_stopped(int(child)))
     except (OSError, ValueError):
         pass
     return False
