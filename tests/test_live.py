@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -283,9 +284,9 @@ def test_a_command_that_cuts_the_exec_servers_fds_ends_its_cell(user: User) -> N
 
 
 def test_a_line_for_a_commands_stderr_never_holds_up_the_exec_server(live: LiveCell) -> None:
-    """The server's own line (command not found) to a command's stderr, a pipe no one drains (its reader
-    may be a command the agent stopped): the line is lost, the server serves on (red team: a long name, and
-    the write that took it blocked the server for good)."""
+    """A command that cannot start, its stderr a pipe no one drains (its reader may be a command the agent
+    stopped, or one holding the pipe's lock): the server serves on (red team: its own line to that stderr
+    blocked it for good); the caller's side says why."""
     null = os.open(os.devnull, os.O_RDWR)
     r, w = os.pipe()
     try:
@@ -299,9 +300,33 @@ def test_a_line_for_a_commands_stderr_never_holds_up_the_exec_server(live: LiveC
         missing = live.spawn(["/nonexistent/" + "x" * 3000], stdin=null, stdout=null, stderr=w)
         assert _within(30, live, lambda: missing.wait()) == 127
         assert _within(30, live, lambda: live.exec(["true"]).returncode) == 0
+        # (why it never ran is said by the caller's side: the server writes to no command's fds)
+        assert str(missing.result["not_started"]).endswith("x: command not found in the cell"), missing.result
     finally:
         for fd in (null, r, w):
             os.close(fd)
+
+
+LOADED = r"""
+import os, resource, sys
+from agentcell import Cell, CellSpec
+from agentcell.policy.resolve import build_env, resolve_identity
+
+resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))  # (the host's too)
+ident = resolve_identity(sys.argv[1], euid=0)
+null = os.open(os.devnull, os.O_RDWR)
+with Cell.open(CellSpec(ident, env=build_env({}, ident), cwd=ident.home)) as cell:
+    procs = [cell.spawn(["sleep", "1"], stdin=null, stdout=null, stderr=null) for _ in range(60)]
+    print(sorted(set(p.wait(timeout=120) for p in procs)), cell.ended)
+"""
+
+
+def test_more_commands_at_once_than_the_exec_server_has_fds_for_wait_their_turn(user: User) -> None:
+    """Each running command holds an fd of the exec server's: near its limit (64 here, from its host) it
+    leaves the channel unread until one ends, so that no request's fds are cut off by its own load (which
+    ends the server: see the test of a cut-off above)."""
+    p = subprocess.run([sys.executable, "-c", LOADED, str(user.uid)], capture_output=True, text=True, timeout=300)
+    assert p.stdout.split("\n")[0] == "[0] None", (p.stdout, p.stderr[-2000:])
 
 
 @pytest.mark.parametrize("bad", [
@@ -385,6 +410,8 @@ def test_cli_start_exec_list_stop(named: str, user: User) -> None:
     assert [c["name"] for c in listed if c["name"] == named] == [named]
     p = _cli("exec", "--name", named, "--timeout", "0.3", "--", "sleep", "30")
     assert p.returncode == 124 and "timed out" in p.stderr
+    p = _cli("exec", "--name", named, "--", "no-such-command")
+    assert (p.returncode, p.stderr) == (127, "agentcell: no-such-command: command not found in the cell\n")
     p = _cli("stop", "--name", named, "--json")
     assert p.returncode == 0 and json.loads(p.stdout)["exit_status"] == 0
 

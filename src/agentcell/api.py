@@ -316,6 +316,8 @@ class LiveCell:
         out, err = _communicate(in_w, out_r, err_r, _bytes(input), None, done=lambda: proc.poll() is not None)
         proc.wait()
         res = proc.result
+        if res.get("not_started") and capture_output:  # (why, as a shell says it on the command's stderr)
+            err += f"{res['not_started']}\n".encode(errors="replace")
         ended = res.get("ended")
         return CellCompleted(
             args=proc.args, returncode=proc.returncode, **_outputs(out, err, capture_output, text),

@@ -16,7 +16,9 @@ never by an unmarshal of what the cell wrote::
 
     supervisor -> {"op": "exec", "id": N, "argv": [...], "env": {...}, "cwd": DIR, "fds": [0, 1, 2]} + fds
     supervisor -> {"op": "signal", "id": N, "sig": S}
-    cell       -> b"X" id code sig     it ended (code 128+N for a signal; 127 not found, 126 not runnable)
+    cell       -> b"X" id code sig     it ended (code 128+N for a signal)
+    cell       -> b"F" id code errno   it never started (127 not found, 126 not runnable; errno | NO_CWD
+                                       when its working directory could not be entered)
 
 A command's start is not reported: no one used it, and it woke the supervisor once more per command
 while the command ran.
@@ -40,9 +42,11 @@ if TYPE_CHECKING:
 
 _REQUEST = struct.Struct("!II")  # payload length, number of fds sent with it
 _REPORT = struct.Struct("!cIii")  # kind, request id, two numbers
+NO_CWD = 1 << 16  # in a command that never started: its working directory could not be entered
 MAX_FDS = 8
 MAX_REQUEST = 4 << 20  # argv and environment of one command
 MAX_QUEUED = 32 << 20  # bytes of requests waiting for a server that does not read (it is stopped, or busy)
+FD_HEADROOM = MAX_FDS + 16  # fds of the server's own beside its commands' pidfds (stdio, the channel, ...)
 MAX_HELD = 64  # requests waiting with their fds: the copies are fds of the supervisor's own
 
 
@@ -161,7 +165,7 @@ class Channel:
         while len(self._buf) >= _REPORT.size:
             kind, rid, a, b = _REPORT.unpack_from(self._buf)
             self._buf = self._buf[_REPORT.size:]
-            if kind == b"X":
+            if kind in (b"X", b"F"):
                 out.append((kind.decode(), rid, a, b))
         return out
 
@@ -207,6 +211,9 @@ def serve(ctl: _socket.socket) -> NoReturn:
     waits = select.poll()  # the channel and each command's pidfd, kept (not a list made for each wait)
     waits.register(ctl, select.POLLIN)
     me = ctl.fileno()
+    # Each running command holds a pidfd of ours: near our fd limit the channel is not read (its requests wait
+    # there) until one ends, so that a request's fds are never cut off by our own load (that ends the server).
+    room, listening = os.sysconf("SC_OPEN_MAX") - FD_HEADROOM, True
     while True:
         for r, _ in waits.poll():
             if r == me:
@@ -230,6 +237,9 @@ def serve(ctl: _socket.socket) -> NoReturn:
                     buf = buf[_REQUEST.size + length:]
                     fds, fds_in = fds_in[:nfds], fds_in[nfds:]
                     _handle(ctl, msg, fds, running, by_id, waits)
+                if running and len(running) >= room:
+                    waits.unregister(ctl)
+                    listening = False
             else:
                 rid, pid = running.pop(r)
                 waits.unregister(r)
@@ -245,6 +255,9 @@ def serve(ctl: _socket.socket) -> NoReturn:
                 except ChildProcessError:
                     pass
                 _tell(ctl, b"X", rid, code, sig)
+                if not listening and len(running) < room:
+                    waits.register(ctl, select.POLLIN)
+                    listening = True
 
 
 def _tell(ctl: _socket.socket, kind: bytes, rid: int, a: int, b: int) -> None:
@@ -272,15 +285,14 @@ def _handle(ctl: _socket.socket, msg: dict[str, Any], fds: list[int], running: d
         try:
             os.chdir(msg["cwd"])
         except OSError as e:
-            raise _NoCwd(e.strerror or "cannot enter it") from None
+            raise _NoCwd(e.errno, e.strerror) from None
         pid = _spawn(msg, fds)
     except (OSError, ValueError, TypeError, OverflowError) as e:  # the server serves on, whatever one request was
+        # Said by the supervisor's side, which words it (the server never writes to a command's fds: what reads
+        # them may be a command the agent stopped, or one that holds the pipe's lock, and it serves everyone).
         code = 127 if isinstance(e, FileNotFoundError) else 126
-        what = "command not found in the cell" if code == 127 else getattr(e, "strerror", None) or str(e)
-        name = os.fsdecode(msg["cwd"]) if isinstance(e, _NoCwd) else os.fsdecode(msg["argv"][0])
-        if len(fds) > 2:
-            _say(fds[2], f"agentcell: {name[:256]}: {what[:256]}\n".encode(errors="replace"))
-        _tell(ctl, b"X", rid, code, 0)
+        err = (getattr(e, "errno", None) or errno.EINVAL) & 0xFFFF
+        _tell(ctl, b"F", rid, code, err | (NO_CWD if isinstance(e, _NoCwd) else 0))
         return
     finally:
         for fd in fds:
@@ -295,19 +307,6 @@ def _handle(ctl: _socket.socket, msg: dict[str, Any], fds: list[int], running: d
     running[pidfd] = (rid, pid)
     by_id[rid] = pid
     waits.register(pidfd, select.POLLIN)
-
-
-def _say(fd: int, line: bytes) -> None:
-    """``line`` to a command's stderr, never waited on: a pipe (or socket) that cannot take it now loses
-    it, not the server (it serves every command; what reads that pipe may be one the agent stopped)."""
-    try:
-        os.pwritev(fd, [line], -1, os.RWF_NOWAIT)
-    except OSError as e:
-        try:
-            if e.errno == errno.EOPNOTSUPP and os.fstat(fd).st_mode & 0o170000 == 0o100000:  # a file: waits on no one
-                os.write(fd, line)
-        except OSError:
-            pass
 
 
 class _NoCwd(OSError):

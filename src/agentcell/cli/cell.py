@@ -140,6 +140,8 @@ def exec_(ns: Namespace) -> int:
         return 137
     code = proc.wait()
     ended = proc.result.get("ended")
+    if proc.result.get("not_started"):  # (it never ran: why, as a shell would say it)
+        sys.stderr.write(f"{printable(str(proc.result['not_started']))}\n")
     if ended:
         sys.stderr.write(f"{PROG}: the cell ended under the command: {printable(str(ended))}\n")
     elif proc.result.get("timed_out"):

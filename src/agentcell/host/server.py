@@ -21,7 +21,8 @@ SOCK_SEQPACKET datagram, stdio as SCM_RIGHTS)::
             + fds [stdin, stdout, stderr]
   client -> {"op": "signal", "id": N, "sig": S} | {"op": "status"} | {"op": "stop"}
   host   -> {"event": "opened", "cell_id", "pid1"} | {"event": "error", "field", "message", "code"}
-  host   -> {"id": N, "event": "exit", "exit_status", "signal", "timed_out", "duration_s", "ended": REASON | None}
+  host   -> {"id": N, "event": "exit", "exit_status", "signal", "timed_out", "duration_s", "ended": REASON | None,
+             "not_started": LINE (only for one that never started: 127, 126, and why, for its caller to say)}
   host   -> {"event": "escape" | "note", "data": {...}}   (to every client, as the monitor sees it)
   host   -> {"event": "ended", "reason": REASON, "result": {...}}   (to every client, last)
 
@@ -59,8 +60,9 @@ LINGER_S = 300.0  # an ended named cell answers "ended: REASON" this long
 
 
 class _Exec:
-    def __init__(self, conn: _socket.socket, cid: int, deadline: float | None) -> None:
+    def __init__(self, conn: _socket.socket, cid: int, deadline: float | None, name: str = "", cwd: str = "") -> None:
         self.conn, self.cid, self.deadline = conn, cid, deadline
+        self.name, self.cwd = name, cwd  # (to word why it never started, if it does not)
         self.started = time.monotonic()
         self.timed_out = False
         self.killed_at: float | None = None  # when its kill was asked for (timeout, its client gone)
@@ -346,15 +348,17 @@ class Host:
     def _reports(self) -> bool:
         """The ends the exec server has reported; whether there were any."""
         reports = self.cell.live.reports()
-        for _kind, rid, a, b in reports or []:  # (each a command's end)
+        for kind, rid, a, b in reports or []:  # (each a command's end, or its failure to start)
             e = self.execs.pop(rid, None)
             if e is None:
                 continue
             self.last_work = time.monotonic()
-            code, sig = (124, KILL) if e.timed_out else (a, b)
-            self._send(e.conn, {"id": e.cid, "event": "exit", "exit_status": code, "signal": sig,
-                                "timed_out": e.timed_out, "duration_s": round(time.monotonic() - e.started, 6),
-                                "ended": None})
+            code, sig = (124, KILL) if e.timed_out else (a, 0) if kind == "F" else (a, b)
+            msg = {"id": e.cid, "event": "exit", "exit_status": code, "signal": sig, "timed_out": e.timed_out,
+                   "duration_s": round(time.monotonic() - e.started, 6), "ended": None}
+            if kind == "F":
+                msg["not_started"] = _not_started(e, a, b)
+            self._send(e.conn, msg)
         return bool(reports)
 
     def _stop(self, why: str) -> None:
@@ -646,7 +650,7 @@ class Host:
         rid = self.next_id
         self.last_work = time.monotonic()
         deadline = None if timeout is None else time.monotonic() + float(timeout)
-        self.execs[rid] = _Exec(conn, int(cid or 0), deadline)
+        self.execs[rid] = _Exec(conn, int(cid or 0), deadline, argv[0], cwd)
         try:
             self.cell.live.exec(rid, argv, env, cwd, dict(enumerate(fds)))
         except OSError as e:
@@ -658,6 +662,16 @@ class Host:
         except ValueError as e:
             del self.execs[rid]
             self._send(conn, {"id": cid, "event": "error", "field": "exec", "code": 125, "message": f"exec: {e}"})
+
+
+def _not_started(e: _Exec, code: int, err: int) -> str:
+    """Why a command never started, as a shell would say it (the exec server reports a code and errno)."""
+    from ..cell.execd import NO_CWD
+
+    if err & NO_CWD:
+        return f"agentcell: {e.cwd[:256]}: {os.strerror(err & 0xFFFF)}"
+    what = "command not found in the cell" if code == 127 else os.strerror(err & 0xFFFF)
+    return f"agentcell: {e.name[:256]}: {what}"
 
 
 def attempts(msg: dict[str, Any]) -> list[dict[str, Any]]:
