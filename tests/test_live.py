@@ -16,7 +16,7 @@ from typing import TypeVar
 import pytest
 
 from agentcell import Cell, CellSpec
-from agentcell.api import CellEnded, LiveCell, LiveProcess
+from agentcell.api import CellEnded, LiveCell
 from agentcell.policy.resolve import build_env, resolve_identity
 from conftest import AGENTCELL, User, needs_root, proc_uid
 
@@ -161,6 +161,20 @@ def test_a_command_that_stops_the_exec_server_ends_its_own_cell(user: User) -> N
     assert _gone(cell.pid1)
 
 
+def _within(seconds: float, cell: LiveCell, fn: Callable[[], T]) -> T:
+    """``fn()``, which must return within ``seconds``; else the cell is killed (so that the test fails,
+    and does not hang) and the test fails."""
+    out: list[T] = []
+    worker = threading.Thread(target=lambda: out.append(fn()), daemon=True)
+    worker.start()
+    worker.join(seconds)
+    if worker.is_alive():
+        os.kill(cell.pid1, signal.SIGKILL)
+        worker.join(30)
+        pytest.fail(f"no answer within {seconds:g} s: the cell's host or exec server hung")
+    return out[0]
+
+
 def test_a_request_the_stopped_exec_server_cannot_take_never_hangs_its_host(user: User) -> None:
     """Requests larger than the exec server's channel holds, sent while a command has stopped the server:
     the host never blocks on it (it would serve nothing more, nor see the server stopped), and the cell
@@ -174,18 +188,13 @@ def test_a_request_the_stopped_exec_server_cannot_take_never_hangs_its_host(user
                 if Path(f"/proc/{server}/stat").read_text().split(")")[1].split()[0] == "T":
                     break
                 time.sleep(0.05)
-            big: list[LiveProcess] = []
-            sender = threading.Thread(target=lambda: big.extend(  # (more than the channel's buffer holds)
-                cell.spawn(["true"], env={"BIG": "x" * 150_000}, stdin=null, stdout=null, stderr=null)
-                for _ in range(4)), daemon=True)
-            sender.start()
+            # (more than the channel's buffer holds; a hung host takes its client's sends with it)
+            big = _within(10, cell, lambda: [cell.spawn(["true"], env={"BIG": "x" * 150_000}, stdin=null,
+                                                        stdout=null, stderr=null) for _ in range(4)])
             for _ in range(600):
                 if stopper.poll() is not None:
                     break
                 time.sleep(0.05)
-            sender.join(10)
-            if sender.is_alive():  # a hung host takes its client's sends with it: ended here, not waited for
-                os.kill(cell.pid1, signal.SIGKILL)
             assert stopper.poll() == 137, "the host hung on a request the stopped server could not take"
             assert len(big) == 4 and all(p.wait(timeout=10) == 137 for p in big)
             assert cell.ended and "no longer served commands" in cell.ended, cell.ended
@@ -231,36 +240,19 @@ def test_a_command_stopped_between_its_spawn_and_its_exec_ends_its_cell(user: Us
                 if Path(f"/proc/{cell.pid1}/root/tmp/catching").exists():
                     break
                 time.sleep(0.05)
-            codes: list[int] = []
 
-            def commands() -> None:
+            def commands() -> list[int]:
+                codes: list[int] = []
                 while not codes or codes[-1] == 0:
                     codes.append(cell.exec(["true"]).returncode)
+                return codes
 
-            runner = threading.Thread(target=commands, daemon=True)
-            runner.start()
-            runner.join(60)
-            if runner.is_alive():  # (a command that never returns: the cell ended here, the test fails)
-                os.kill(cell.pid1, signal.SIGKILL)
-            assert codes and codes[-1] == 137, f"a command hung: {len(codes)} ran"
+            codes = _within(60, cell, commands)
+            assert codes and codes[-1] == 137, f"{len(codes)} ran"
             assert cell.ended and "no longer served commands" in cell.ended, cell.ended
         assert _gone(cell.pid1)
     finally:
         os.close(null)
-
-
-def _within(seconds: float, cell: LiveCell, fn: Callable[[], T]) -> T:
-    """``fn()``, which must return within ``seconds``; else the cell is killed (so that the test fails,
-    and does not hang) and the test fails."""
-    out: list[T] = []
-    worker = threading.Thread(target=lambda: out.append(fn()), daemon=True)
-    worker.start()
-    worker.join(seconds)
-    if worker.is_alive():
-        os.kill(cell.pid1, signal.SIGKILL)
-        worker.join(30)
-        pytest.fail(f"no answer within {seconds:g} s: the cell's host or exec server hung")
-    return out[0]
 
 
 def test_a_command_the_agent_stops_after_its_exec_leaves_the_cell_serving(live: LiveCell) -> None:

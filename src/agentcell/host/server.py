@@ -57,6 +57,7 @@ MAX_CLIENTS = 64
 MAX_BACKLOG = 16 << 20  # bytes waiting for one client that does not read; past them it is dropped, as gone
 MAX_SIG = 64
 LINGER_S = 300.0  # an ended named cell answers "ended: REASON" this long
+SERVER_GONE = (errno.EPIPE, errno.ECONNRESET, errno.EBADF)  # a send to the exec server failed: it is gone
 
 
 class _Exec:
@@ -161,7 +162,7 @@ class Host:
         try:
             self.cell.live.flush()
         except OSError as e:
-            if e.errno not in (errno.EPIPE, errno.ECONNRESET, errno.EBADF):  # (else the server is gone: so is
+            if e.errno not in SERVER_GONE:  # (else the server is gone: so is
                 self.failed = self.failed or (  # the cell, and its end, coming, ends their commands: 137, why)
                     f"a request could not be handed to its exec server ({e.strerror or e}); it was killed")
                 self.cell.kill()
@@ -654,7 +655,7 @@ class Host:
         try:
             self.cell.live.exec(rid, argv, env, cwd, dict(enumerate(fds)))
         except OSError as e:
-            if e.errno in (errno.EPIPE, errno.ECONNRESET, errno.EBADF):
+            if e.errno in SERVER_GONE:
                 return  # the exec server is gone, so is the cell: its end, coming, ends this command (137, why)
             del self.execs[rid]
             self._send(conn, {"id": cid, "event": "error", "field": "exec", "code": 125,
@@ -718,6 +719,11 @@ def _gone(conn: _socket.socket) -> bool:
 PF_FORKNOEXEC = 0x40  # a task's flag: forked, has not exec'd yet
 
 
+def _children(pid: int) -> list[str]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return f.read().split()
+
+
 def _stopped(pid1: int) -> bool:
     """Is the exec server stopped, by a signal or a tracer? It is PID 1's child that is pid 2 in the
     cell (PID 1's first fork); orphans of the cell are PID 1's children too. Stopped too when a child of
@@ -725,9 +731,7 @@ def _stopped(pid1: int) -> bool:
     long (in D, the vfork's wait), and serves nothing. (Not any stopped child that never exec'd: a command
     can give the server one, by clone with CLONE_PARENT; the server is not in D for that.)"""
     try:
-        with open(f"/proc/{pid1}/task/{pid1}/children") as f:
-            children = f.read().split()
-        for child in children:
+        for child in _children(pid1):
             with open(f"/proc/{child}/status") as f:
                 status = dict(line.split(":", 1) for line in f.read().splitlines() if ":" in line)
             if status.get("NSpid", "").split()[-1:] == ["2"]:
@@ -741,8 +745,7 @@ def _stopped(pid1: int) -> bool:
 def _spawn_stopped(server: int) -> bool:
     """A child of the exec server is stopped between its spawn and its exec."""
     try:
-        with open(f"/proc/{server}/task/{server}/children") as f:
-            children = f.read().split()
+        children = _children(server)
     except OSError:
         return False
     for child in children:
