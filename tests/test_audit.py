@@ -64,6 +64,43 @@ def test_every_kind_of_tampering_is_found_and_placed(tmp_path: Path, kind: str) 
     assert not v.ok and line in [n for n, _ in v.problems], (kind, v.problems)
 
 
+def test_a_part_of_the_trail_is_checked_from_where_it_began(tmp_path: Path) -> None:
+    """A fleet node checks each session's part (from where the trail ended as it began), not its whole
+    history: the part's records, their link to the record before it, and the anchor."""
+    from agentcell.audit.trail import committed_size, records
+
+    p = trail(tmp_path, 4)
+    since = committed_size(str(p))
+    log = AuditLog(str(p))
+    for i in range(3):
+        log.append("step", session="s-2", n=i)
+    v = verify(str(p), since)
+    assert v.ok and v.records == 7, v.problems
+    assert [r["details"]["n"] for r in records(str(p), "s-2", since)] == [0, 1, 2]
+    assert records(str(p), "s-1", since) == []
+    assert committed_size(str(tmp_path / "none.jsonl")) == 0
+    ls = lines(p)
+
+    def edited(i: int) -> list[bytes]:  # the same length: the part still begins at ``since``
+        rec = json.loads(ls[i])
+        rec["details"]["n"] = 7
+        return [*ls[:i], json.dumps(rec, sort_keys=True, separators=(",", ":")).encode(), *ls[i + 1:]]
+
+    # Before the part: not read (a whole verify finds it).
+    p.write_bytes(b"\n".join(edited(1)) + b"\n")
+    assert verify(str(p), since).ok and not verify(str(p)).ok
+    # In the part: found, at its record number; and its link to the record before it.
+    for changed, line in ((ls[:5] + ls[6:], 6), (edited(5), 7), (edited(3), 5)):  # removed; edited; the link
+        p.write_bytes(b"\n".join(changed) + b"\n")
+        v = verify(str(p), since)
+        assert not v.ok and line in [n for n, _ in v.problems], v.problems
+    # A trail shorter than the part's start, or one where no record ends there.
+    p.write_bytes(b"\n".join(ls[:2]) + b"\n")
+    assert "shorter" in verify(str(p), since).problems[0][1]
+    p.write_bytes(b"\n".join(ls) + b"\n")
+    assert "no record ends" in verify(str(p), since - 3).problems[0][1]
+
+
 def test_a_record_cut_in_the_middle_is_found(tmp_path: Path) -> None:
     p = trail(tmp_path)
     p.write_bytes(p.read_bytes()[:-20])

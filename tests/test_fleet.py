@@ -311,6 +311,16 @@ def test_inline_files_are_written_by_the_owner_and_the_agent_cannot_hide_the_sum
     assert r["stdout"].endswith('{"status": "completed"') and r["audit"]["verified"]
     made = Path(here.project(run, "a"))
     assert {(f.stat().st_uid, f.stat().st_gid) for f in [made, *made.rglob("*")]} == {(user.uid, user.gid)}
+    assert (made / "deep/er/app.py").read_text() == "x = 1\n" and (made / "deep/er/app.py").stat().st_mode == 0o100644
+    # The next session's verdict is on its own part of the node's trail (from where it ended as it began).
+    r2 = node.run_plan(plan.parse({"name": "b", "project": {"files": {"a": ""}}, "args": ["true"]}), run, here,
+                       user.name)
+    assert r2["audit"]["verified"] and r2["audit"]["since"] > 0, r2["audit"]
+    assert all(rec["session"] == r2["session"] for rec in r2["audit"]["records"])
+    # A path given twice (a plan's paths are normalized) is refused, the first kept.
+    r3 = node.run_plan(plan.parse({"name": "c", "project": {"files": {"a": "1", "x/../a": "2"}}}), run, here,
+                       user.name)
+    assert r3["status"] == "failed" and "none of them twice" in r3["reason"], r3
     # A retry's id and project never meet another plan's: names have no '_'.
     assert node.session_id(run, "a", 2) != node.session_id(run, "a-r2") and "_r2" in node.session_id(run, "a", 2)
     assert here.project(run, "a", 2) != here.project(run, "a-r2")

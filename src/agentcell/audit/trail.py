@@ -57,9 +57,10 @@ def _digest(line: bytes) -> str:
     return hashlib.sha256(line).hexdigest()
 
 
-def _last_line(fd: int) -> bytes:
-    """The last complete line of the open log (b"" if empty), read backwards from the end."""
-    end = os.lseek(fd, 0, os.SEEK_END)
+def _last_line(fd: int, end: int | None = None) -> bytes:
+    """The last complete line of the open log within its first ``end`` bytes (default: all of it; b"" if
+    none), read backwards from there."""
+    end = os.lseek(fd, 0, os.SEEK_END) if end is None else end
     if end == 0:
         return b""
     pos, buf = end, b""
@@ -326,7 +327,39 @@ def _upto(f: Any, size: int) -> Iterator[bytes]:
         yield raw
 
 
-def verify(path: str | None = None) -> Verdict:
+def committed_size(path: str) -> int:
+    """The trail's length as its writers had finished it (0 if there is none): where the next record
+    will begin, for :func:`verify` and :func:`records` ``since``."""
+    fd = _open_trail(path)
+    if fd is None:
+        return 0
+    try:
+        _lock(fd, fcntl.LOCK_SH)
+        return os.fstat(fd).st_size
+    finally:
+        os.close(fd)  # (the lock goes with it)
+
+
+def _before(fd: int, since: int) -> tuple[str, int]:
+    """The chain's state at byte ``since``: the digest and sequence number of the record that ends there
+    (``since`` 0: the genesis). ValueError if no record ends there."""
+    if since == 0:
+        return GENESIS, 0
+    if os.pread(fd, 1, since - 1) != b"\n":
+        raise ValueError(f"no record ends at byte {since}")
+    line = _last_line(fd, since)
+    rec = json.loads(line)
+    if not isinstance(rec, dict) or not isinstance(rec.get("seq"), int) or rec["seq"] < 1:
+        raise ValueError(f"the record before byte {since} has no sequence number")
+    return _digest(line), int(rec["seq"])
+
+
+def verify(path: str | None = None, since: int = 0) -> Verdict:
+    """The chain checked from byte ``since`` (0: the whole trail; else where a record began, as
+    :func:`committed_size` said then) to its end and its anchor: each record after ``since`` follows the
+    one before it, the first of them the record that ends at ``since``. What lies before ``since`` is not
+    read: a fleet node checks each session's part as it ends (the records from where the trail ended as
+    the session began), not its whole history each time; ``agentcell audit verify`` reads it all."""
     path = path or default_path()
     problems: list[tuple[int, str]] = []
     fd = _open_trail(path)
@@ -334,7 +367,13 @@ def verify(path: str | None = None) -> Verdict:
         return Verdict(path, 0, [(0, f"{path} does not exist")])
     started: dict[str, int] = {}
     ended: set[str] = set()
-    prev, seq, n, line = GENESIS, 0, 0, b""
+    line = b""
+    try:
+        prev, seq = _before(fd, since) if since <= os.fstat(fd).st_size else (GENESIS, 0)
+    except (OSError, ValueError, RecursionError) as e:
+        os.close(fd)
+        return Verdict(path, 0, [(0, f"the trail cannot be read from byte {since}: {e} (edited or replaced)")])
+    n = seq
     with os.fdopen(fd, "rb") as f:
         # What a writer has finished: the length and the anchor together, read while no one appends (a
         # writer holds the lock from its record's write to its anchor's), then the records up to there.
@@ -350,7 +389,11 @@ def verify(path: str | None = None) -> Verdict:
             head = e
         finally:
             fcntl.flock(fd, fcntl.LOCK_UN)
-        for n, raw in enumerate(_upto(f, size), 1):  # streamed: a trail of any length, in bounded memory
+        if since > size:
+            return Verdict(path, 0, [(0, f"the trail is {size} bytes, shorter than the {since} it had "
+                                        "(truncated or replaced)")])
+        f.seek(since)
+        for n, raw in enumerate(_upto(f, size - since), seq + 1):  # streamed: any length, bounded memory
             if not raw.endswith(b"\n"):
                 problems.append((n, "the last record is cut off in the middle (truncated)"))
                 n -= 1
@@ -414,13 +457,15 @@ def committed_lines(path: str) -> list[bytes]:
         return [raw[:-1] for raw in _upto(f, size) if raw.endswith(b"\n")]
 
 
-def records(path: str | None = None, session: str | None = None) -> list[dict[str, Any]]:
-    """The records that parse (verify first to know the trail is whole), optionally one session's."""
+def records(path: str | None = None, session: str | None = None, since: int = 0) -> list[dict[str, Any]]:
+    """The records that parse (verify first to know the trail is whole), optionally one session's, from
+    byte ``since`` on (where a record began)."""
     out: list[dict[str, Any]] = []
     fd = _open_trail(path or default_path())
     if fd is None:
         return out
     with os.fdopen(fd, "rb") as f:
+        f.seek(since)
         for line in f:
             try:
                 rec = json.loads(line)

@@ -72,6 +72,10 @@ class Node:
     def project(self, run: str, name: str, attempt: int = 1) -> str:
         return os.path.join(self.root, "projects", run, name + _attempt(attempt))
 
+    @property
+    def trail(self) -> str:
+        return os.path.join(self.state, "audit", "audit.jsonl")
+
     def ledger(self, run: str) -> str:
         return os.path.join(self.root, "runs", run)
 
@@ -121,10 +125,11 @@ def materialize(plan: SessionPlan, dest: str, pw: Any, caps: Caps | None = None)
     os.mkdir(dest, 0o755)
     os.chown(dest, pw.pw_uid, pw.pw_gid)
     if src.files is not None:  # written by the owner too: root never writes into a tree the owner can change
-        p = _as(pw, [sys.executable, "-I", "-S", "-c", WRITE_FILES, dest], stdin=json.dumps(src.files))
+        p = _as(pw, ["tar", "--extract", "--keep-old-files", "--no-same-owner", "--directory", dest, "--file", "-"],
+                stdin=_archive(src.files))
         if p.returncode != 0:
             raise AgentcellError("project.files", f"cannot write them as {pw.pw_name}: {_last_line(p.stderr)}",
-                                 "give relative paths of regular files")
+                                 "give relative paths of regular files, none of them twice")
         return
     if src.path is not None:
         p = _as(pw, ["cp", "-R", "--no-dereference", "--preserve=mode,timestamps,links", "--",
@@ -177,26 +182,34 @@ def _git_remote(url: str, trusted: bool) -> list[str]:
     return opts
 
 
-WRITE_FILES = """
-import json, os, sys
-top = sys.argv[1]
-for rel, text in sorted(json.load(sys.stdin).items()):
-    path = os.path.join(top, os.path.normpath(rel))
-    os.makedirs(os.path.dirname(path), mode=0o755, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(text)
-"""
+def _archive(files: dict[str, str]) -> bytes:
+    """The inline files as a tar archive of regular files (0644, their text as UTF-8), for ``tar`` run as the
+    owner to write: a C program's start, not an interpreter's, per session. A plan's paths are relative and
+    stay inside the project (:class:`.plan.Project`); a path given twice (``a`` and ``x/../a``) fails, as
+    tar keeps the first."""
+    import io
+    import tarfile
+
+    buf, now = io.BytesIO(), time.time()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for rel, text in sorted(files.items()):
+            data = text.encode()
+            info = tarfile.TarInfo(os.path.normpath(rel))
+            info.size, info.mode, info.mtime = len(data), 0o644, now
+            tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
 
 
-def _as(pw: Any, argv: list[str], stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+def _as(pw: Any, argv: list[str], stdin: bytes | None = None) -> subprocess.CompletedProcess[str]:
     """``argv`` as ``pw``'s account (no other groups, no new privileges), with a plain environment."""
     env = {"PATH": os.environ.get("PATH") or "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": "/nonexistent",
            "GIT_TERMINAL_PROMPT": "0", "GIT_ALLOW_PROTOCOL": GIT_PROTOCOLS, "GIT_CONFIG_NOSYSTEM": "1",
            "GIT_CONFIG_GLOBAL": "/dev/null"}
-    return subprocess.run(["setpriv", f"--reuid={pw.pw_uid}", f"--regid={pw.pw_gid}", "--clear-groups",
-                           "--no-new-privs", "--", *argv], capture_output=True, text=True, env=env, cwd="/",
-                          input=stdin, stdin=None if stdin is not None else subprocess.DEVNULL, timeout=600)
+    p = subprocess.run(["setpriv", f"--reuid={pw.pw_uid}", f"--regid={pw.pw_gid}", "--clear-groups",
+                        "--no-new-privs", "--", *argv], capture_output=True, env=env, cwd="/",
+                       input=stdin, stdin=None if stdin is not None else subprocess.DEVNULL, timeout=600)
+    return subprocess.CompletedProcess(p.args, p.returncode, p.stdout.decode(errors="replace"),
+                                       p.stderr.decode(errors="replace"))
 
 
 def _last_line(text: str) -> str:
@@ -243,8 +256,11 @@ def run_plan(plan: SessionPlan, run: str, node: Node, owner: str, attempt: int =
     for d in (node.state, ledger, os.path.dirname(project)):
         _makedirs(d)
     os.chmod(node.state, 0o700)
+    from ..audit import trail
+
+    since = trail.committed_size(node.trail)  # where this session's part of the node's trail begins
     entry = {"name": plan.name, "session": sid, "attempt": attempt, "node": node.name, "project": project,
-             "started": time.time()}
+             "started": time.time(), "trail_from": since}
     hostfs.replace_file(os.path.join(ledger, f"{plan.name}.json"), json.dumps(entry).encode())
     try:
         ceilings = caps.ceilings(plan)
@@ -274,7 +290,7 @@ def run_plan(plan: SessionPlan, run: str, node: Node, owner: str, attempt: int =
         status = "refused" if code == REFUSED else "failed"
         return result(plan.name, node.name, sid, status, why or _last_line(err), exit_status=code, stderr=err,
                       stdout=out)
-    return {**collect(node, plan.name, summary, project), "stdout": out, "stderr": err}
+    return {**collect(node, plan.name, summary, project, since), "stdout": out, "stderr": err}
 
 
 class Tail:
@@ -307,18 +323,20 @@ def _read_summary(path: str) -> dict[str, Any] | None:
     return out
 
 
-def collect(node: Node, plan_name: str, summary: dict[str, Any], project: str) -> dict[str, Any]:
+def collect(node: Node, plan_name: str, summary: dict[str, Any], project: str, since: int = 0) -> dict[str, Any]:
     """A finished session's result: its summary, audit records and verdict, and its diff (paths relative
-    to the project). Read here, in this process: the node's trail and snapshot store are root's files."""
+    to the project). Read here, in this process: the node's trail and snapshot store are root's files.
+    ``since``: where the trail ended as the session began; the chain is checked from there to its end
+    (other sessions' records among them, and they may still be running), not the node's whole history."""
     from ..audit import trail
     from ..snapshot.store import Store
 
     sid = str(summary["session"])
-    path = os.path.join(node.state, "audit", "audit.jsonl")
-    verdict = trail.verify(path)  # the whole trail as it stands; other sessions may still be running
-    records = trail.records(path, sid)
+    path = node.trail
+    verdict = trail.verify(path, since)
+    records = trail.records(path, sid, since)
     ended = bool(records) and records[-1].get("event") == "session.end"
-    audit = {"path": path, "chain_ok": verdict.ok, "ended": ended, "verified": verdict.ok and ended,
+    audit = {"path": path, "since": since, "chain_ok": verdict.ok, "ended": ended, "verified": verdict.ok and ended,
              "problems": [{"line": n, "problem": p} for n, p in verdict.problems], "records": records}
     diff: dict[str, Any] | None = None
     backup = summary.get("backup_id")
@@ -381,5 +399,7 @@ def recover(node: Node, run: str, names: list[str] | None = None) -> list[dict[s
             out.append(result(name, node.name, str(entry["session"]), "lost",
                               "its session left no record: it died before its first step", never_ran=True))
             continue
-        out.append({**collect(node, name, summary, str(entry["project"])), "recovered": True})
+        since = entry.get("trail_from")
+        out.append({**collect(node, name, summary, str(entry["project"]), since if isinstance(since, int) else 0),
+                    "recovered": True})
     return out
