@@ -140,3 +140,22 @@ def proc_uid(pid: str) -> int | None:
         return os.stat(f"/proc/{pid}").st_uid
     except OSError:
         return None
+
+
+# ---- where the suite's time goes: each file's total (setup, call and teardown), printed at the end -----
+
+_FILE_SECONDS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    name = report.nodeid.split("::", 1)[0]
+    _FILE_SECONDS[name] = _FILE_SECONDS.get(name, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if len(_FILE_SECONDS) < 2:
+        return
+    total = sum(_FILE_SECONDS.values())
+    terminalreporter.write_sep("=", f"the 15 slowest files of {len(_FILE_SECONDS)} ({total:.0f} s in all)")
+    for name, seconds in sorted(_FILE_SECONDS.items(), key=lambda kv: -kv[1])[:15]:
+        terminalreporter.write_line(f"{seconds:8.1f}s  {name}")
