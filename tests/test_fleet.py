@@ -315,12 +315,22 @@ def test_inline_files_are_written_by_the_owner_and_the_agent_cannot_hide_the_sum
     # The next session's verdict is on its own part of the node's trail (from where it ended as it began).
     r2 = node.run_plan(plan.parse({"name": "b", "project": {"files": {"a": ""}}, "args": ["true"]}), run, here,
                        user.name)
-    assert r2["audit"]["verified"] and r2["audit"]["since"] > 0, r2["audit"]
+    assert r["audit"]["since"] == 0 and r2["audit"]["verified"] and r2["audit"]["since"] > 0, r2["audit"]
     assert all(rec["session"] == r2["session"] for rec in r2["audit"]["records"])
     # A path given twice (a plan's paths are normalized) is refused, the first kept.
     r3 = node.run_plan(plan.parse({"name": "c", "project": {"files": {"a": "1", "x/../a": "2"}}}), run, here,
                        user.name)
-    assert r3["status"] == "failed" and "none of them twice" in r3["reason"], r3
+    assert r3["status"] == "failed" and "a: Cannot open: File exists" in r3["reason"], r3
+    # Directories as the old writer made them: 0755 less the umask, whatever tar gives a parent by default.
+    old = os.umask(0)
+    try:
+        node.run_plan(plan.parse({"name": "d", "project": {"files": {"x/y/z": ""}}, "args": ["true"]}), run, here,
+                      user.name)
+    finally:
+        os.umask(old)
+    made = Path(here.project(run, "d"))
+    assert [oct(p.stat().st_mode & 0o777) for p in (made / "x", made / "x/y", made / "x/y/z")] == \
+        ["0o755", "0o755", "0o644"]
     # A retry's id and project never meet another plan's: names have no '_'.
     assert node.session_id(run, "a", 2) != node.session_id(run, "a-r2") and "_r2" in node.session_id(run, "a", 2)
     assert here.project(run, "a", 2) != here.project(run, "a-r2")
@@ -447,6 +457,7 @@ def test_the_operator_caps_what_a_plan_may_ask_for(node_base: Path, user: User) 
 @pytest.mark.parametrize("line, field", [
     ('{"name": "Bad", "project": {"files": {}}}', "name"),
     ('{"name": "a", "project": {"files": {"../x": ""}}}', "project"),
+    ('{"name": "a", "project": {"files": {"x/../..": ""}}}', "project"),
     ('{"name": "a", "project": {"path": "/srv"}, "script": "say hi"}', "plan"),
     ('{"name": "a", "project": {"path": "/srv"}, "wall_clock_s": "soon"}', "wall_clock_s"),
     ('{"name": "a", "project": {"git": "/srv/r", "ref": "--orphan=x"}}', "project"),
@@ -460,6 +471,18 @@ def test_a_bad_plan_is_refused_in_one_line_before_anything_is_sent(tmp_path: Pat
         p = subprocess.run([AGENTCELL, "fleet", *cmd], capture_output=True, text=True, timeout=60)
         assert p.returncode == 125 and len(p.stderr.strip().splitlines()) == 1, p.stderr
         assert f"plans.jsonl:2: {field}" in p.stderr, p.stderr
+
+
+def test_names_that_only_begin_with_two_dots_are_files_inside_the_project() -> None:
+    import io
+    import tarfile
+
+    from agentcell.fleet import node, plan
+
+    p = plan.parse({"name": "a", "project": {"files": {"..a": "1", "...": "2", "b/..c": "3"}}})
+    assert p.project.files is not None
+    with tarfile.open(fileobj=io.BytesIO(node._archive(p.project.files))) as archive:
+        assert sorted(m.name for m in archive.getmembers()) == ["...", "..a", "b", "b/..c"]
 
 
 def test_a_plan_over_the_operators_caps_is_refused_before_anything_is_sent(tmp_path: Path) -> None:

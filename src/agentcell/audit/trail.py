@@ -462,7 +462,9 @@ def records(path: str | None = None, session: str | None = None, since: int = 0)
     byte ``since`` on (where a record began)."""
     out: list[dict[str, Any]] = []
     fd = _open_trail(path or default_path())
-    if fd is None:
+    if fd is None or since < 0:
+        if fd is not None:
+            os.close(fd)
         return out
     with os.fdopen(fd, "rb") as f:
         f.seek(since)

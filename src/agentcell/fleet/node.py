@@ -128,7 +128,9 @@ def materialize(plan: SessionPlan, dest: str, pw: Any, caps: Caps | None = None)
         p = _as(pw, ["tar", "--extract", "--keep-old-files", "--no-same-owner", "--directory", dest, "--file", "-"],
                 stdin=_archive(src.files))
         if p.returncode != 0:
-            raise AgentcellError("project.files", f"cannot write them as {pw.pw_name}: {_last_line(p.stderr)}",
+            why = next((ln for ln in p.stderr.splitlines() if ln.strip() and "Exiting with failure" not in ln),
+                       "(no message)")
+            raise AgentcellError("project.files", f"cannot write them as {pw.pw_name}: {why}",
                                  "give relative paths of regular files, none of them twice")
         return
     if src.path is not None:
@@ -191,13 +193,25 @@ def _archive(files: dict[str, str]) -> bytes:
     import tarfile
 
     buf, now = io.BytesIO(), time.time()
+    names = {rel: os.path.normpath(rel) for rel in files}
+    dirs = {d for name in names.values() for d in _parents(name)}
     with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for d in sorted(dirs):  # 0755 (less the umask, as before), not the 0777 tar gives a parent not in it
+            info = tarfile.TarInfo(d)
+            info.type, info.mode, info.mtime = tarfile.DIRTYPE, 0o755, now
+            tar.addfile(info)
         for rel, text in sorted(files.items()):
             data = text.encode()
-            info = tarfile.TarInfo(os.path.normpath(rel))
+            info = tarfile.TarInfo(names[rel])
             info.size, info.mode, info.mtime = len(data), 0o644, now
             tar.addfile(info, io.BytesIO(data))
     return buf.getvalue()
+
+
+def _parents(name: str) -> list[str]:
+    """``a/b/c`` -> ``a``, ``a/b``."""
+    parts = name.split("/")[:-1]
+    return ["/".join(parts[:i]) for i in range(1, len(parts) + 1)]
 
 
 def _as(pw: Any, argv: list[str], stdin: bytes | None = None) -> subprocess.CompletedProcess[str]:
@@ -258,7 +272,10 @@ def run_plan(plan: SessionPlan, run: str, node: Node, owner: str, attempt: int =
     os.chmod(node.state, 0o700)
     from ..audit import trail
 
-    since = trail.committed_size(node.trail)  # where this session's part of the node's trail begins
+    try:
+        since = trail.committed_size(node.trail)  # where this session's part of the node's trail begins
+    except (AgentcellError, OSError) as e:  # (a trail that is not a regular file; a writer holding it for long)
+        return result(plan.name, node.name, sid, "failed", f"the node's audit trail: {e}")
     entry = {"name": plan.name, "session": sid, "attempt": attempt, "node": node.name, "project": project,
              "started": time.time(), "trail_from": since}
     hostfs.replace_file(os.path.join(ledger, f"{plan.name}.json"), json.dumps(entry).encode())
@@ -323,17 +340,25 @@ def _read_summary(path: str) -> dict[str, Any] | None:
     return out
 
 
+_WHOLE: set[str] = set()  # the trails this process has verified whole
+
+
 def collect(node: Node, plan_name: str, summary: dict[str, Any], project: str, since: int = 0) -> dict[str, Any]:
     """A finished session's result: its summary, audit records and verdict, and its diff (paths relative
     to the project). Read here, in this process: the node's trail and snapshot store are root's files.
     ``since``: where the trail ended as the session began; the chain is checked from there to its end
-    (other sessions' records among them, and they may still be running), not the node's whole history."""
+    (other sessions' records among them, and they may still be running), not the node's whole history,
+    which this process checks whole once (its first result here, and each after while it is not whole)."""
     from ..audit import trail
     from ..snapshot.store import Store
 
     sid = str(summary["session"])
     path = node.trail
+    if path not in _WHOLE:
+        since = 0
     verdict = trail.verify(path, since)
+    if since == 0 and verdict.ok:
+        _WHOLE.add(path)
     records = trail.records(path, sid, since)
     ended = bool(records) and records[-1].get("event") == "session.end"
     audit = {"path": path, "since": since, "chain_ok": verdict.ok, "ended": ended, "verified": verdict.ok and ended,
@@ -400,6 +425,6 @@ def recover(node: Node, run: str, names: list[str] | None = None) -> list[dict[s
                               "its session left no record: it died before its first step", never_ran=True))
             continue
         since = entry.get("trail_from")
-        out.append({**collect(node, name, summary, str(entry["project"]), since if isinstance(since, int) else 0),
-                    "recovered": True})
+        since = since if type(since) is int and since >= 0 else 0  # (an older ledger's entry has none: all)
+        out.append({**collect(node, name, summary, str(entry["project"]), since), "recovered": True})
     return out

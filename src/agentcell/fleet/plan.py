@@ -63,7 +63,7 @@ class Project(BaseModel):
                 except UnicodeEncodeError:
                     raise ValueError(f"{rel!r} (or its text) is not valid Unicode") from None
                 norm = posixpath.normpath(rel)
-                if posixpath.isabs(rel) or norm.startswith("..") or norm == "." or "\0" in rel:
+                if posixpath.isabs(rel) or norm == ".." or norm.startswith("../") or norm == "." or "\0" in rel:
                     raise ValueError(f"'{rel}' is not a relative path inside the project")
         return self
 
