@@ -56,6 +56,9 @@ REVERTS = [
     ("REVERT_RECOVER_BY_STATUS", "TeardownReachable", "one session"),
 ]
 
+SAFETY = [p for p in PROPERTIES if p not in LIVENESS]
+ALL_SAFETY = "AllSafety"  # the model's never claim: every safety property in one search
+
 RESULTS: list[str] = []
 WORKERS = os.cpu_count() or 2  # pan runs side by side, one a core (each search is single-threaded)
 
@@ -141,20 +144,34 @@ def test_the_models_retry_rules_are_the_graphs() -> None:
     assert attempts("SPAWN") == graph.SPAWN_RETRY.max_attempts
     assert attempts("TELEMETRY") == graph.TELEMETRY_RETRY.max_attempts
     assert set(re.findall(r"^ltl (\w+)", text, re.M)) == set(PROPERTIES)
+    # AllSafety is every safety property's predicate, and stands after the processes (before them it checks nothing)
+    preds = dict(re.findall(r"^ltl (\w+) \{ \[\] each\((\w+)\) \}", text, re.M))
+    assert set(preds) == set(SAFETY)
+    m = re.search(r"^#define all_safe \(((?:[^\n]|\\\n)*)\)$", text, re.M)
+    assert m and sorted(re.findall(r"each\((\w+)\)", m.group(1))) == sorted(preds.values())
+    assert text.index(f"never {ALL_SAFETY} {{") > text.index("\ninit {")
     assert {r for r, _, _ in REVERTS} == set(re.findall(r"\b(REVERT_[A-Z_]+)\b", text)), \
         "every revert in the model is tested here, and every one tested is in the model"
 
 
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_spin_verifies_every_property(tmp_path: Path, config: str, results: list[str]) -> None:
+    """The safety properties in one search (the model's ``AllSafety``: each of them holds in every state
+    there), beside the liveness one; only if that search fails is each safety property checked alone, to
+    name the one that does not hold."""
     t = time.monotonic()
     pan = Pan(tmp_path / "pan", CONFIGS[config])
     compiled = time.monotonic() - t
     failed = []
+    checks = [ALL_SAFETY, *LIVENESS]
     with ThreadPoolExecutor(WORKERS) as pool:
-        runs = list(pool.map(pan.run, PROPERTIES))
-    for prop, (errors, states, took, out) in zip(PROPERTIES, runs, strict=True):
-        results.append(f"{config:<13} {prop:<22} verified: {errors == 0} ({states:,} states, {took:.1f} s)")
+        runs = list(pool.map(pan.run, checks))
+        if runs[0][0]:
+            checks += SAFETY
+            runs += list(pool.map(pan.run, SAFETY))
+    for prop, (errors, states, took, out) in zip(checks, runs, strict=True):
+        name = f"{prop} ({len(SAFETY)} properties)" if prop == ALL_SAFETY else prop
+        results.append(f"{config:<13} {name:<26} verified: {errors == 0} ({states:,} states, {took:.1f} s)")
         assert "max search depth too small" not in out and "MEMLIM" not in out, out[-2000:]
         if errors:
             failed.append(f"{prop}: {out[:1500]}")
@@ -163,13 +180,16 @@ def test_spin_verifies_every_property(tmp_path: Path, config: str, results: list
 
 
 @pytest.fixture(scope="module")
-def reverts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Future[tuple[int, int, float, str]]]]:
+def reverts(tmp_path_factory: pytest.TempPathFactory) \
+        -> Iterator[dict[str, Future[tuple[tuple[int, int, float, str], int | None]]]]:
     """Every revert model built and checked, side by side (each a spin, a gcc and a short search), the
     first time a test asks for one: each test waits for its own."""
     base = tmp_path_factory.mktemp("reverts")
 
-    def check(revert: str, prop: str, config: str) -> tuple[int, int, float, str]:
-        return Pan(base / revert, {**CONFIGS[config], revert: True}).run(prop)
+    def check(revert: str, prop: str, config: str) -> tuple[tuple[int, int, float, str], int | None]:
+        """The named property's search; and the errors of ``AllSafety``'s, for a safety property's revert."""
+        pan = Pan(base / revert, {**CONFIGS[config], revert: True})
+        return pan.run(prop), (pan.run(ALL_SAFETY)[0] if prop in SAFETY else None)
 
     with ThreadPoolExecutor(WORKERS) as pool:
         yield {revert: pool.submit(check, revert, prop, config) for revert, prop, config in REVERTS}
@@ -177,8 +197,11 @@ def reverts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Futu
 
 @pytest.mark.parametrize(("revert", "prop", "config"), REVERTS)
 def test_each_revert_model_fails_on_its_property(revert: str, prop: str, config: str, results: list[str],
-                                                 reverts: dict[str, Future[tuple[int, int, float, str]]]) -> None:
-    errors, states, took, out = reverts[revert].result()
-    results.append(f"{revert:<31} fails {prop}: {errors > 0} ({states:,} states, {took:.1f} s)")
+                                                 reverts: dict[str, Future[tuple[tuple[int, int, float, str],
+                                                                                 int | None]]]) -> None:
+    (errors, states, took, out), all_safety = reverts[revert].result()
+    results.append(f"{revert:<31} fails {prop}: {errors > 0} ({states:,} states, {took:.1f} s)"
+                   + ("" if all_safety is None else f"; fails {ALL_SAFETY}: {all_safety > 0}"))
     assert errors == 1, out[-2000:]
+    assert all_safety in (None, 1), f"{ALL_SAFETY} misses the bug {prop} finds"
     assert ("assertion violated" in out) if prop not in LIVENESS else ("acceptance cycle" in out), out[:2000]
