@@ -30,8 +30,18 @@ def never_hangs() -> Iterator[None]:
         signal.signal(signal.SIGALRM, old)
 
 
-def _fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
+def _fds(pipe: int) -> int:
+    """Our fds open on ``pipe``'s pipe (the ends, and any copy of them): counted by the pipe, not all of the
+    process's fds, which other tests' threads in this process may open and close meanwhile."""
+    ino = os.fstat(pipe).st_ino
+    n = 0
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            st = os.fstat(int(name))
+        except OSError:  # (the listing's own fd, closed by now)
+            continue
+        n += st.st_ino == ino and st.st_dev == os.fstat(pipe).st_dev
+    return n
 
 
 class Server:
@@ -62,7 +72,6 @@ class Server:
 def test_a_server_that_does_not_read_never_blocks_its_supervisor_and_gets_it_all_in_order() -> None:
     ours, server = _socket.socketpair(_socket.AF_UNIX, _socket.SOCK_STREAM)
     channel = execd.Channel(ours)
-    before = _fds()
     r, w = os.pipe()
     try:
         sent = 0
@@ -84,7 +93,7 @@ def test_a_server_that_does_not_read_never_blocks_its_supervisor_and_gets_it_all
             for fd in fds:
                 os.close(fd)
         assert not channel.pending
-        assert _fds() == before + 2  # (the pipe): no copy of ours is left
+        assert _fds(r) == 2  # (the pipe's two ends): no copy of ours is left
     finally:
         channel.close()
         server.close()
@@ -93,16 +102,16 @@ def test_a_server_that_does_not_read_never_blocks_its_supervisor_and_gets_it_all
 
 
 def test_what_waits_for_a_server_that_does_not_read_is_bounded_and_its_fds_go_with_it() -> None:
-    before = _fds()
     ours, server = _socket.socketpair(_socket.AF_UNIX, _socket.SOCK_STREAM)
     channel = execd.Channel(ours)
     r, w = os.pipe()
+    keep = os.dup(r)  # (to count the pipe's fds by once the ends are closed)
     try:
         with pytest.raises(OSError) as refused:
             for rid in range(1, 10_000):
                 channel.exec(rid, ["true"], {}, "/", {0: r, 1: w, 2: w})
         assert refused.value.errno == errno.ENOBUFS
-        assert _fds() <= before + 4 + 3 * execd.MAX_HELD  # (the pair, the pipe, and the copies held: bounded)
+        assert 3 + 3 <= _fds(r) <= 3 + 3 * execd.MAX_HELD  # (the pipe's ends, ours, and the copies held: bounded)
         waiting = len(channel._out)
         channel.signal(1, 9)  # a kill still waits its turn: never lost to the bound
         assert len(channel._out) == waiting + 1 and channel._out[-1][1] == []
@@ -111,4 +120,7 @@ def test_what_waits_for_a_server_that_does_not_read_is_bounded_and_its_fds_go_wi
         server.close()
         os.close(r)
         os.close(w)
-    assert _fds() == before  # closed: every copy that waited went with it
+    try:
+        assert _fds(keep) == 1  # closed: every copy that waited went with it
+    finally:
+        os.close(keep)

@@ -283,3 +283,22 @@ def socket_dir() -> str:
     if not os.path.isabs(state):
         state = os.path.join(os.path.expanduser("~"), ".local", "state")
     return os.path.join(state, "agentcell")
+
+
+def proc_stat(pid: int | str) -> list[bytes]:
+    """``/proc/PID/stat``'s fields after the command's name (which may hold spaces and parentheses: the
+    fields begin after its last ``)``), in one read: [0] the state, [1] the parent's pid, [6] the flags,
+    [19] the start time (clock ticks since boot). ``pid`` may be ``self/task/TID``. OSError if the process
+    is gone; a short or odd file raises IndexError or ValueError where a field is taken."""
+    fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        data = os.read(fd, 4096)
+    finally:
+        os.close(fd)
+    return data.rsplit(b")", 1)[1].split()
+
+
+def start_time(pid: int) -> int:
+    """When process ``pid`` started, in clock ticks since boot: with the pid, it names one process (errors
+    as :func:`proc_stat`)."""
+    return int(proc_stat(pid)[19])

@@ -166,8 +166,7 @@ class FakeInternet:
 def _started(pid: int) -> int | None:
     """When process ``pid`` started (clock ticks since boot): None if there is none, -1 if unreadable."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[19])
+        return hostfs.start_time(pid)
     except FileNotFoundError:
         return None
     except (OSError, ValueError, IndexError):

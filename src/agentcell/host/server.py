@@ -45,6 +45,7 @@ import threading
 import time
 from typing import Any
 
+from .. import hostfs
 from ..cell.execd import encoded
 from ..cell.spec import spec_from_dict
 from ..errors import AgentcellError, Terminated
@@ -750,11 +751,11 @@ def _spawn_stopped(server: int) -> bool:
         return False
     for child in children:
         try:
-            with open(f"/proc/{child}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
+            fields = hostfs.proc_stat(child)
+            stopped_before_exec = fields[0] in (b"T", b"t") and int(fields[6]) & PF_FORKNOEXEC
+        except (OSError, IndexError, ValueError):
             continue
-        if fields[0] in ("T", "t") and int(fields[6]) & PF_FORKNOEXEC:
+        if stopped_before_exec:
             return True
     return False
 

@@ -171,9 +171,10 @@ def _pidfd_getfd(pidfd: int, fd: int) -> int:
 
 def _started(pid: int) -> int | None:
     """When the process started (clock ticks since boot: /proc/PID/stat's 22nd field), or None."""
+    from ..hostfs import start_time
+
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return int(f.read().rsplit(b")", 1)[1].split()[19])
+        return start_time(pid)
     except (OSError, IndexError, ValueError):
         return None
 

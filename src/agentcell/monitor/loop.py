@@ -98,9 +98,10 @@ class Loop:
     def _loop_runnable(self) -> bool:
         """Whether the loop's thread is waiting for a CPU (state R), not blocked."""
         tid = getattr(self.thread, "native_id", None)
+        from ..hostfs import proc_stat
+
         try:
-            with open(f"/proc/self/task/{tid}/stat") as f:
-                return f.read().rsplit(")", 1)[1].split()[0] == "R"
+            return proc_stat(f"self/task/{tid}")[0] == b"R"
         except (OSError, IndexError):
             return False
 

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 
 from ..cell.cgroups import CellCgroup
+from ..hostfs import proc_stat
 
 FORGET_S = 5.0  # an exited process stays in the table this long (a tool's fanotify event may come later)
 
@@ -166,7 +167,7 @@ def read_proc(path: str, size: int = 4096) -> bytes:
 
 def _ppid(pid: int) -> int:
     try:
-        return int(read_proc(f"/proc/{pid}/stat").rsplit(b")", 1)[1].split()[1])
+        return int(proc_stat(pid)[1])
     except (OSError, ValueError, IndexError):
         return 0
 
