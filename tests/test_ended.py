@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 
 from conftest import AGENTCELL, User, needs_root, proc_ppid, proc_uid
+from conftest import project as project  # the fixture, under its own name
 from sessionkit import Env, running, session_environ
 from sessionkit import env as env  # the fixture, under its own name
 
@@ -294,6 +295,45 @@ def test_a_sigterm_as_a_sessions_trust_directory_is_made_leaves_none(user: User)
     finally:
         if len(words) > 2 and words[2].startswith("/run/agentcell/trust/"):
             subprocess.run(["rm", "-rf", "--", words[2]], check=False)
+
+
+PLANTED = r"""
+import os, signal, sys
+from agentcell.cell import launch
+from agentcell.cell.spec import CellSpec
+from agentcell.errors import Terminated, raise_on_termination
+from agentcell.policy.resolve import build_env, resolve_identity
+from agentcell.supervise import Supervised
+
+uid, project = int(sys.argv[1]), sys.argv[2]
+real = launch.Prepared.go
+def go(self, *a, **k):
+    running = real(self, *a, **k)
+    # What a command can do at once, before the SIGTERM that came as it was let go is acted on:
+    os.mkdir(os.path.join(project, ".claude"))
+    os.chown(os.path.join(project, ".claude"), uid, uid)
+    os.kill(os.getpid(), signal.SIGTERM)
+    return running
+launch.Prepared.go = go
+raise_on_termination()
+ident = resolve_identity(str(uid), euid=0)
+spec = CellSpec(ident, env=build_env({}, ident), cwd=project, rw_paths=(project,))
+try:
+    Supervised.start(spec, ["sleep", "60"], monitor=None, give_to=(0, 0))
+except Terminated as e:
+    print("terminated", e.signum, os.path.lexists(os.path.join(project, ".claude")))
+"""
+
+
+def test_a_start_ended_once_its_command_was_let_go_still_moves_aside_what_it_planted(user: User,
+                                                                                     project: Path) -> None:
+    """A SIGTERM that comes as the command is let go ends the start and kills the cell; the command may have
+    run, so the protected-path step runs all the same (it was skipped on that path: what it planted stayed)."""
+    p = subprocess.run([sys.executable, "-c", PLANTED, str(user.uid), str(project)], capture_output=True, text=True,
+                       timeout=60)
+    assert p.stdout.split() == ["terminated", "15", "False"], (p.stdout, p.stderr)
+    boxes = list(project.glob(".agentcell-quarantine-*"))
+    assert len(boxes) == 1 and (boxes[0] / ".claude").is_dir(), list(project.iterdir())
 
 
 def test_a_sessions_cell_host_stopped_ends_the_session_saying_so(env: Env) -> None:

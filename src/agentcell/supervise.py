@@ -203,6 +203,8 @@ class Supervised:
                 fw.remove()
             if log is not None and made is None:
                 log.close()
+            if running is not None:
+                _guard_after(guard, running.cell_id, e)
             raise
         proxy = None
         try:
@@ -228,11 +230,7 @@ class Supervised:
                               log.close if log is not None and made is None else None):
                 if made_here is not None:
                     made_here()
-            if isinstance(guard, SurfaceCheck):  # the command ran: what it planted meanwhile is moved aside
-                try:
-                    guard.check({}, spec.cell_id)
-                except Exception as check_failed:  # noqa: BLE001 - the error that ended the start goes on
-                    e.add_note(f"the protected-path step failed too: {check_failed}")
+            _guard_after(guard, running.cell_id, e)
             raise
         sup._trust = trust
         if watch is not None:
@@ -365,6 +363,16 @@ class Supervised:
         if self.guard is not None:
             self.guard.check(out, self.cell_id)
         return out
+
+
+def _guard_after(guard: SurfaceCheck | None | bool, cell_id: str, e: BaseException) -> None:
+    """A start that failed once its command was let go, the cell killed: what the command planted on the
+    control surface meanwhile is moved aside all the same (the error that ended the start goes on)."""
+    if isinstance(guard, SurfaceCheck):
+        try:
+            guard.check({}, cell_id)
+        except Exception as check_failed:  # noqa: BLE001 - the error that ended the start goes on
+            e.add_note(f"the protected-path step failed too: {check_failed}")
 
 
 def _after_go(e: BaseException) -> None:
