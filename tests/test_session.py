@@ -340,6 +340,20 @@ def test_a_config_or_env_file_the_agent_creates_is_moved_aside_for_the_human_to_
     assert "move it back if you accept it" in s.err
 
 
+def test_a_spawn_that_fails_once_the_agent_was_let_go_still_moves_aside_what_it_planted(env: Env) -> None:
+    """The spawn fails after the agent was let go (go@spawn: it ran to its end meanwhile): not retried, the
+    session aborted, and cleanup still compares the control surface against the scan spawn made (it was
+    only checkpointed when spawn succeeded, so what the agent planted stayed)."""
+    s = scripted(env, f"write {env.project}/agentcell.toml '[session]'\n",
+                 extra={"AGENTCELL_TEST_FAULTS": "go@spawn=1"})
+    assert (s.rc, s.summary.get("status")) == (123, "aborted"), (s.summary, s.err)
+    assert "after the agent was let go: not retried" in s.summary["reason"], s.summary
+    assert not (env.project / "agentcell.toml").exists(), s.summary
+    warning = next(w for w in s.summary["warnings"] if w.startswith(f"the agent created {env.project}/agentcell.toml,"))
+    assert Path(warning.split(" it was moved to ")[1].split(":")[0]).is_file(), warning
+    assert account_gone(s.summary["os_user"]), s.summary
+
+
 def test_no_file_in_the_project_lengthens_a_session(env: Env) -> None:
     for name, text, where in ((".env", "WALL_CLOCK_LIMIT_S=99999\n", f"WALL_CLOCK_LIMIT_S (in {env.project}/.env)"),
                               ("agentcell.toml", "[session]\nwall_clock_limit_s = 99999\n",

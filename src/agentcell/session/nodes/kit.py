@@ -114,6 +114,8 @@ def on_error(node: str, route: str) -> Callable[[SessionState, NodeError], Comma
             goto, reason = route, f"{node} failed: {line(err)}"
         status = "aborted" if goto == "abort" else "terminated"
         update: dict[str, Any] = {"status": status, "reason": reason}
+        if getattr(err, "protect", None) is not None:  # a spawn that failed once the agent was let go: the scan
+            update["protect"] = err.protect  # type: ignore[attr-defined]  # its cleanup compares against
         if node == "monitor" and isinstance(err, TelemetryLost):
             update["reason"] = f"lost sight of the cell, after 3 reconnects: {err.problem}"
             update["escape"] = escape_record(state, "telemetry", "monitor", update["reason"], source="telemetry")

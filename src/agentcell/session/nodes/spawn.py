@@ -53,12 +53,18 @@ def spawn(rt: Runtime, state: SessionState) -> dict[str, Any]:
         spec = spec.replace(cache_dir=cache_dir,
                             env=(*spec.env, *caches.environment(dict(spec.env)).items()))
     made = rt.firewalls.get(sid)
+    protect = Surface(before, truncated, since_ns, surface.meanings(before), tuple(env_files))
     try:
         cell = spawn.start(spec, list(state["argv"]), stdio=rt.stdio, firewall=made,
                            credentials=rt.credentials, upstream_ca=rt.upstream_ca, host=rt.host)
+        if rt.fault("go@spawn"):  # (the test hook) a start that fails once the agent was let go: it ran meanwhile
+            cell.wait(120)
+            raise _failed_after_go()
     except (OSError, AgentcellError) as e:  # the table stays ours: a retry hands it over again, cleanup removes it
         if getattr(e, "after_go", False):  # the agent may have run: never started a second time
-            raise AgentcellError("spawn", f"{line(e)} (after the agent was let go: not retried)") from None
+            err = AgentcellError("spawn", f"{line(e)} (after the agent was let go: not retried)")
+            err.protect = protect  # type: ignore[attr-defined]  # (cleanup moves aside what it planted meanwhile)
+            raise err from None
         raise SpawnCrash("", line(e)) from None
     if made is not None:  # the cell's host owns the table now, and removes it with the cell
         rt.firewalls.pop(sid)
@@ -74,7 +80,14 @@ def spawn(rt: Runtime, state: SessionState) -> dict[str, Any]:
     return {"harness_pid": pid1, "cell_id": cell.cell_id, "started_at": now, "cache_dir": cache_dir,
             "workspace_dir": ws_dir,
             "deadline": now + policy.wall_clock_limit_s, "seed_notes": [*seed_notes, *cache_notes],
-            "protect": Surface(before, truncated, since_ns, surface.meanings(before), tuple(env_files))}
+            "protect": protect}
+
+
+def _failed_after_go() -> AgentcellError:
+    e = AgentcellError("spawn", "injected fault once the agent was let go",
+                       "unset go@spawn in the fault-injection hook")
+    e.after_go = True  # type: ignore[attr-defined]
+    return e
 
 
 def _workspace(state: SessionState, spec: Any) -> tuple[Any, str]:
