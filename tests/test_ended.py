@@ -321,7 +321,8 @@ spec = CellSpec(ident, env=build_env({}, ident), cwd=project, rw_paths=(project,
 try:
     Supervised.start(spec, ["sleep", "60"], monitor=None, give_to=(0, 0))
 except Terminated as e:
-    print("terminated", e.signum, os.path.lexists(os.path.join(project, ".claude")))
+    print("terminated", e.signum, os.path.lexists(os.path.join(project, ".claude")),
+          any(".claude, which decides" in n and "moved to" in n for n in getattr(e, "__notes__", ())))
 """
 
 
@@ -331,7 +332,7 @@ def test_a_start_ended_once_its_command_was_let_go_still_moves_aside_what_it_pla
     run, so the protected-path step runs all the same (it was skipped on that path: what it planted stayed)."""
     p = subprocess.run([sys.executable, "-c", PLANTED, str(user.uid), str(project)], capture_output=True, text=True,
                        timeout=60)
-    assert p.stdout.split() == ["terminated", "15", "False"], (p.stdout, p.stderr)
+    assert p.stdout.split() == ["terminated", "15", "False", "True"], (p.stdout, p.stderr)  # (and it says so)
     boxes = list(project.glob(".agentcell-quarantine-*"))
     assert len(boxes) == 1 and (boxes[0] / ".claude").is_dir(), list(project.iterdir())
 

@@ -201,4 +201,14 @@ def report(prog: str, err: AgentcellError) -> int:
     if len(line) > MAX_LINE:  # a value given in full (100,000 characters) is not repeated in full
         line = f"{line[:MAX_LINE * 2 // 3]}… ({len(line):,} characters) …{line[-MAX_LINE // 4:]}"
     sys.stderr.write(f"{prog}: {line}\n")
+    report_notes(prog, err)
     return err.exit_code
+
+
+def report_notes(prog: str, err: BaseException) -> None:
+    """What an error's handlers added to it (``add_note``): what a start that failed once its command was
+    let go found on the control surface and moved aside, say. Bad input carries none."""
+    import sys
+
+    for note in getattr(err, "__notes__", ()):
+        sys.stderr.write(f"{prog}: {printable(str(note))[:MAX_LINE]}\n")

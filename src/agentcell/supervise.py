@@ -245,7 +245,10 @@ class Supervised:
                 watch.start()
             except BaseException as e:  # the cell runs already: it is taken down whole before the error goes on
                 _after_go(e)
-                sup.finish(None)
+                try:
+                    sup.finish(None)
+                except Exception as finish_failed:  # noqa: BLE001 - the error that ended the start goes on
+                    e.add_note(f"taking the cell down failed too: {finish_failed}")
                 raise
         return sup
 
@@ -369,8 +372,11 @@ def _guard_after(guard: SurfaceCheck | None | bool, cell_id: str, e: BaseExcepti
     """A start that failed once its command was let go, the cell killed: what the command planted on the
     control surface meanwhile is moved aside all the same (the error that ended the start goes on)."""
     if isinstance(guard, SurfaceCheck):
+        from .protect.check import lines
+
         try:
-            guard.check({}, cell_id)
+            for found in lines(guard.check({}, cell_id), "the command", lift_hint=True):
+                e.add_note(found)
         except Exception as check_failed:  # noqa: BLE001 - the error that ended the start goes on
             e.add_note(f"the protected-path step failed too: {check_failed}")
 

@@ -54,6 +54,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(__import__(entry[0], fromlist=["main"]).main(args[1:]))  # not importlib: ~0.6 ms
     except Terminated as e:
+        from ..errors import report_notes
+
+        report_notes("agentcell", e)
         return 128 + e.signum
     except BrokenPipeError:  # `agentcell doctor | head`: the reader left; not an error worth a traceback
         import os

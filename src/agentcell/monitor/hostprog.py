@@ -33,6 +33,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from .. import hostfs
 from . import bpf
 
 SYS_PIDFD_GETFD = 438  # x86_64 (the programs' call table knows x86_64 only)
@@ -171,10 +172,8 @@ def _pidfd_getfd(pidfd: int, fd: int) -> int:
 
 def _started(pid: int) -> int | None:
     """When the process started (clock ticks since boot: /proc/PID/stat's 22nd field), or None."""
-    from ..hostfs import start_time
-
     try:
-        return start_time(pid)
+        return hostfs.start_time(pid)
     except (OSError, IndexError, ValueError):
         return None
 
@@ -187,8 +186,6 @@ def _alive(pid: Any) -> bool:
 def _registry() -> Iterator[list[dict[str, Any]]]:
     """The list of holders, under the host's lock (flock: let go when the holder dies); written back
     whole (a rename) when the block ends without an error."""
-    from .. import hostfs
-
     run = hostfs.run_dir()
     path = os.path.join(run, "calls.json")
     fd = os.open(os.path.join(run, "calls.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)

@@ -8,6 +8,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from ..hostfs import proc_stat
 from .event import CellEvent
 
 HEARTBEAT_S = 1.0  # a loop without progress for this long of the watchdog's own time has stopped
@@ -98,8 +99,6 @@ class Loop:
     def _loop_runnable(self) -> bool:
         """Whether the loop's thread is waiting for a CPU (state R), not blocked."""
         tid = getattr(self.thread, "native_id", None)
-        from ..hostfs import proc_stat
-
         try:
             return proc_stat(f"self/task/{tid}")[0] == b"R"
         except (OSError, IndexError):

@@ -17,6 +17,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Annotated, Any, Literal, TypedDict
 
+from .. import hostfs
 from ..policy.models import SandboxPolicy, SessionPlan
 from .config import SessionConfig
 from .records import (
@@ -229,10 +230,8 @@ def connect() -> sqlite3.Connection:
 
 def start_time(pid: int) -> int:
     """The process's start time in clock ticks (0 if gone): with the pid, it names one process."""
-    from ..hostfs import start_time as started
-
     try:
-        return started(pid)
+        return hostfs.start_time(pid)
     except (OSError, ValueError, IndexError):
         return 0
 
