@@ -326,6 +326,45 @@ except Terminated as e:
 """
 
 
+CUT = r"""
+import errno, os, sys
+from agentcell.cell import handoff
+from agentcell.cell.spec import CellSpec
+from agentcell.policy.resolve import build_env, resolve_identity
+from agentcell.supervise import Supervised
+
+uid, project = int(sys.argv[1]), sys.argv[2]
+real_send, real_recv, sent = handoff.send, handoff.recv_fd, []
+def send(*a, **k):
+    real_send(*a, **k)
+    sent.append(True)
+def recv_fd(sock, tag=b"P"):  # once the command was sent, what comes back fails (out of fds, say)
+    if not sent or tag != b"S":
+        return real_recv(sock, tag)
+    os.mkdir(os.path.join(project, ".claude"))
+    os.chown(os.path.join(project, ".claude"), uid, uid)
+    raise OSError(errno.EMFILE, "Too many open files")
+handoff.send, handoff.recv_fd = send, recv_fd
+ident = resolve_identity(str(uid), euid=0)
+spec = CellSpec(ident, env=build_env({}, ident), cwd=project, rw_paths=(project,))
+try:
+    Supervised.start(spec, ["sleep", "60"], monitor="terminate", give_to=(0, 0))
+except OSError as e:
+    print("failed", getattr(e, "after_go", False), os.path.lexists(os.path.join(project, ".claude")),
+          any("moved to" in n for n in getattr(e, "__notes__", ())))
+"""
+
+
+def test_a_handover_that_fails_once_the_command_was_sent_is_after_go_and_checked(user: User, project: Path) -> None:
+    """The command is sent, then what the cell hands back (its seccomp listener) cannot be taken: the cell is
+    killed, and the error says the command may have run (never started again) and what it planted is moved
+    aside."""
+    p = subprocess.run([sys.executable, "-c", CUT, str(user.uid), str(project)], capture_output=True, text=True,
+                       timeout=60)
+    assert p.stdout.split() == ["failed", "True", "False", "True"], (p.stdout, p.stderr)
+    assert len(list(project.glob(".agentcell-quarantine-*"))) == 1, list(project.iterdir())
+
+
 def test_a_start_ended_once_its_command_was_let_go_still_moves_aside_what_it_planted(user: User,
                                                                                      project: Path) -> None:
     """A SIGTERM that comes as the command is let go ends the start and kills the cell; the command may have

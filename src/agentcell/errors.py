@@ -192,6 +192,12 @@ class LaunchError(AgentcellError):
     exit_code = EXIT_SETUP
 
 
+def mark_after_go(e: BaseException) -> None:
+    """Mark an error raised once a command was let go (``after_go``): it may have run, so no one may start
+    it again (a session's spawn retries only what failed before that), and what it planted is checked."""
+    e.after_go = True  # type: ignore[attr-defined]
+
+
 def report(prog: str, err: AgentcellError) -> int:
     """Print ``err`` as the one line a user sees and return its exit code."""
     import sys

@@ -21,7 +21,7 @@ import _thread
 
 from .cell import launch
 from .cell.spec import TYPE_CHECKING, CellSpec
-from .errors import AgentcellError, Terminated, held, termination_held
+from .errors import AgentcellError, Terminated, held, mark_after_go, termination_held
 from .protect.check import SurfaceCheck
 
 if TYPE_CHECKING:
@@ -194,7 +194,7 @@ class Supervised:
                 running = prepared.go(list(argv), stdio=stdio, tty_fds=tty_fds, live=live)
         except BaseException as e:
             if running is not None:  # (a signal held over its start: the cell is killed, as below)
-                _after_go(e)
+                mark_after_go(e)
                 running.kill()
                 running.wait(None)
             if watch is not None:
@@ -203,8 +203,8 @@ class Supervised:
                 fw.remove()
             if log is not None and made is None:
                 log.close()
-            if running is not None:
-                _guard_after(guard, running.cell_id, e)
+            if running is not None or getattr(e, "after_go", False):  # (go may fail once it sent the command)
+                _guard_after(guard, running.cell_id if running is not None else prepared.cell_id, e)
             raise
         proxy = None
         try:
@@ -220,7 +220,7 @@ class Supervised:
                         pass  # it exited at once: the cell will find no one on its one way out
             sup = cls(spec, running, watch, proxy, fw, log, guard or None)
         except BaseException as e:  # (a SIGTERM, say, before the supervisor holds it all): taken down whole
-            _after_go(e)
+            mark_after_go(e)
             if proxy is not None:
                 proxy.stop()  # (first: it may be in some of the cell's groups already)
             running.kill()
@@ -244,7 +244,7 @@ class Supervised:
                     watch.add_source(sup._firewall_events, log.fileno())
                 watch.start()
             except BaseException as e:  # the cell runs already: it is taken down whole before the error goes on
-                _after_go(e)
+                mark_after_go(e)
                 try:
                     sup.finish(None)
                 except Exception as finish_failed:  # noqa: BLE001 - the error that ended the start goes on
@@ -380,9 +380,3 @@ def _guard_after(guard: SurfaceCheck | None | bool, cell_id: str, e: BaseExcepti
         except Exception as check_failed:  # noqa: BLE001 - the error that ended the start goes on
             e.add_note(f"the protected-path step failed too: {check_failed}")
 
-
-def _after_go(e: BaseException) -> None:
-    """Mark an error raised once the command was let go: it may have run, so no one may start it again
-    (a session's spawn retries only what failed before that)."""
-    if isinstance(e, (AgentcellError, OSError)):
-        e.after_go = True  # type: ignore[union-attr]

@@ -22,7 +22,16 @@ import stat
 import sys
 import time
 
-from ..errors import EXIT_CANNOT_EXEC, EXIT_NOT_FOUND, EXIT_SETUP, EXIT_TIMEOUT, LaunchError, PolicyError, forked
+from ..errors import (
+    EXIT_CANNOT_EXEC,
+    EXIT_NOT_FOUND,
+    EXIT_SETUP,
+    EXIT_TIMEOUT,
+    LaunchError,
+    PolicyError,
+    forked,
+    mark_after_go,
+)
 from . import (
     canary,
     cgroups,
@@ -285,19 +294,23 @@ class Prepared:
         fds.update({fd: fd for fd in pass_fds})
         started = time.monotonic()
         master = listener = None
+        sent = False
         try:
             handoff.send(self._ctl, list(argv), fds, tuple(tty_fds), live)  # type: ignore[arg-type]
+            sent = True  # (from here the command may run: it does not wait for what comes back below)
             if tty_fds and not live:
                 master = handoff.recv_fd(self._ctl)  # type: ignore[arg-type]
             if self.spec.watch:  # the command process loads its filter, then hands out the listener
                 listener = handoff.recv_fd(self._ctl, b"S")  # type: ignore[arg-type]
         except (BrokenPipeError, ConnectionResetError):
             pass  # the cell failed while being prepared; its status pipe says where (see wait())
-        except BaseException:  # (a SIGTERM, say, while the command is handed over): nothing of it is left
+        except BaseException as e:  # (a SIGTERM, say, while the command is handed over): nothing of it is left
             for fd in (master, listener):
                 if fd is not None:
                     os.close(fd)
             self.kill_and_discard()
+            if sent:
+                mark_after_go(e)
             raise
         finally:
             if not live:

@@ -10,7 +10,7 @@ from typing import Any
 
 from ... import caches, hostfs
 from ...cell.spec import DEFAULT_PATH
-from ...errors import AgentcellError
+from ...errors import AgentcellError, mark_after_go
 from .. import envfiles, gitcell
 from ..records import SECRET_PLACEHOLDER, Launch, Surface, of
 from ..state import Runtime, SessionState, config_of, policy_of
@@ -86,7 +86,7 @@ def spawn(rt: Runtime, state: SessionState) -> dict[str, Any]:
 def _failed_after_go() -> AgentcellError:
     e = AgentcellError("spawn", "injected fault once the agent was let go",
                        "unset go@spawn in the fault-injection hook")
-    e.after_go = True  # type: ignore[attr-defined]
+    mark_after_go(e)
     return e
 
 
