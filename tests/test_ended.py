@@ -327,9 +327,10 @@ except Terminated as e:
 
 
 CUT = r"""
-import errno, os, sys
+import errno, os, signal, sys
 from agentcell.cell import handoff
 from agentcell.cell.spec import CellSpec
+from agentcell.errors import Terminated, raise_on_termination
 from agentcell.policy.resolve import build_env, resolve_identity
 from agentcell.supervise import Supervised
 
@@ -343,24 +344,29 @@ def recv_fd(sock, tag=b"P"):  # once the command was sent, what comes back fails
         return real_recv(sock, tag)
     os.mkdir(os.path.join(project, ".claude"))
     os.chown(os.path.join(project, ".claude"), uid, uid)
+    if sys.argv[3] == "sigterm":  # held over the start: as the hold ends, a new error replaces this one
+        os.kill(os.getpid(), signal.SIGTERM)
     raise OSError(errno.EMFILE, "Too many open files")
 handoff.send, handoff.recv_fd = send, recv_fd
+raise_on_termination()
 ident = resolve_identity(str(uid), euid=0)
 spec = CellSpec(ident, env=build_env({}, ident), cwd=project, rw_paths=(project,))
 try:
     Supervised.start(spec, ["sleep", "60"], monitor="terminate", give_to=(0, 0))
-except OSError as e:
+except (OSError, Terminated) as e:
     print("failed", getattr(e, "after_go", False), os.path.lexists(os.path.join(project, ".claude")),
           any("moved to" in n for n in getattr(e, "__notes__", ())))
 """
 
 
-def test_a_handover_that_fails_once_the_command_was_sent_is_after_go_and_checked(user: User, project: Path) -> None:
+@pytest.mark.parametrize("then", ["error", "sigterm"])
+def test_a_handover_that_fails_once_the_command_was_sent_is_after_go_and_checked(user: User, project: Path,
+                                                                                 then: str) -> None:
     """The command is sent, then what the cell hands back (its seccomp listener) cannot be taken: the cell is
     killed, and the error says the command may have run (never started again) and what it planted is moved
-    aside."""
-    p = subprocess.run([sys.executable, "-c", CUT, str(user.uid), str(project)], capture_output=True, text=True,
-                       timeout=60)
+    aside; also when a SIGTERM held over the start replaces that error as the hold ends."""
+    p = subprocess.run([sys.executable, "-c", CUT, str(user.uid), str(project), then], capture_output=True,
+                       text=True, timeout=60)
     assert p.stdout.split() == ["failed", "True", "False", "True"], (p.stdout, p.stderr)
     assert len(list(project.glob(".agentcell-quarantine-*"))) == 1, list(project.iterdir())
 

@@ -145,7 +145,7 @@ class Supervised:
             except BaseException:
                 log.close()
                 raise
-        watch = running = None
+        watch = running = prepared = None
         try:
             if monitor is not None:
                 from .monitor import calls
@@ -193,18 +193,19 @@ class Supervised:
                     raise Terminated(stopped)
                 running = prepared.go(list(argv), stdio=stdio, tty_fds=tty_fds, live=live)
         except BaseException as e:
-            if running is not None:  # (a signal held over its start: the cell is killed, as below)
+            # The command may have run once it was sent (go marks its own errors so; a SIGTERM held over the
+            # start replaces them as the hold ends: the flag on the prepared cell says it all the same).
+            went = running is not None or getattr(e, "after_go", False) or bool(prepared and prepared.sent)
+            if went:
                 mark_after_go(e)
-                running.kill()
-                running.wait(None)
-            if watch is not None:
-                watch.stop()
-            if fw is not None and made is None:
-                fw.remove()
-            if log is not None and made is None:
-                log.close()
-            if running is not None or getattr(e, "after_go", False):  # (go may fail once it sent the command)
-                _guard_after(guard, running.cell_id if running is not None else prepared.cell_id, e)
+            if running is not None:  # (a signal held over its start: the cell is killed, as below)
+                _noted(e, "killing the cell", running.kill)
+                _noted(e, "waiting for the cell", lambda: running.wait(None))
+            if went and prepared is not None:  # (the cell is dead: go killed it, or the lines above)
+                _guard_after(guard, prepared.cell_id, e)
+            _noted(e, "stopping the monitor", watch.stop if watch is not None else None)
+            _noted(e, "removing the table", fw.remove if fw is not None and made is None else None)
+            _noted(e, "closing the firewall's log", log.close if log is not None and made is None else None)
             raise
         proxy = None
         try:
@@ -221,16 +222,13 @@ class Supervised:
             sup = cls(spec, running, watch, proxy, fw, log, guard or None)
         except BaseException as e:  # (a SIGTERM, say, before the supervisor holds it all): taken down whole
             mark_after_go(e)
-            if proxy is not None:
-                proxy.stop()  # (first: it may be in some of the cell's groups already)
-            running.kill()
-            running.wait(None)
-            for made_here in (watch.stop if watch is not None else None,
-                              fw.remove if fw is not None and made is None else None,
-                              log.close if log is not None and made is None else None):
-                if made_here is not None:
-                    made_here()
+            _noted(e, "stopping the proxy", proxy.stop if proxy is not None else None)  # (first: in the groups)
+            _noted(e, "killing the cell", running.kill)
+            _noted(e, "waiting for the cell", lambda: running.wait(None))
             _guard_after(guard, running.cell_id, e)
+            _noted(e, "stopping the monitor", watch.stop if watch is not None else None)
+            _noted(e, "removing the table", fw.remove if fw is not None and made is None else None)
+            _noted(e, "closing the firewall's log", log.close if log is not None and made is None else None)
             raise
         sup._trust = trust
         if watch is not None:
@@ -246,9 +244,12 @@ class Supervised:
             except BaseException as e:  # the cell runs already: it is taken down whole before the error goes on
                 mark_after_go(e)
                 try:
-                    sup.finish(None)
+                    ended = sup.finish(None)  # (its last step: the protected-path step)
                 except Exception as finish_failed:  # noqa: BLE001 - the error that ended the start goes on
                     e.add_note(f"taking the cell down failed too: {finish_failed}")
+                    _guard_after(guard, running.cell_id, e)
+                else:
+                    _said(e, ended)
                 raise
         return sup
 
@@ -370,13 +371,32 @@ class Supervised:
 
 def _guard_after(guard: SurfaceCheck | None | bool, cell_id: str, e: BaseException) -> None:
     """A start that failed once its command was let go, the cell killed: what the command planted on the
-    control surface meanwhile is moved aside all the same (the error that ended the start goes on)."""
+    control surface meanwhile is moved aside all the same, and said as notes on the error that goes on."""
     if isinstance(guard, SurfaceCheck):
-        from .protect.check import lines
-
         try:
-            for found in lines(guard.check({}, cell_id), "the command", lift_hint=True):
-                e.add_note(found)
+            _said(e, guard.check({}, cell_id))
         except Exception as check_failed:  # noqa: BLE001 - the error that ended the start goes on
             e.add_note(f"the protected-path step failed too: {check_failed}")
+
+
+def _said(e: BaseException, found: dict[str, Any]) -> None:
+    """The protected-path step's findings in ``found`` as notes on ``e``."""
+    from .protect.check import lines
+
+    for line in lines(found, "the command", lift_hint=True):
+        e.add_note(line)
+    if found.get("scan_truncated"):
+        e.add_note("the declared paths hold more than the protected-path scan covers: review repositories and "
+                   "agent config in them before you use them")
+
+
+def _noted(e: BaseException, what: str, step: Callable[[], object] | None) -> None:
+    """One teardown step of a failed start; its own failure a note on ``e``, which goes on (it says whether
+    the command may have run, which a new error would lose)."""
+    if step is None:
+        return
+    try:
+        step()
+    except Exception as failed:  # noqa: BLE001 - the error that ended the start goes on
+        e.add_note(f"{what} failed too: {failed}")
 

@@ -280,6 +280,7 @@ class Prepared:
         self.canary_fd: int | None = None  # spec.watch: the canaries' watch, made by PID 1
         self.exec_fd: int | None = None  # spec.watch as root: exec marks on its own mounts, made by PID 1
         self.root_fds: list[int] | None = None  # spec.watch: its root and mount namespace, from PID 1
+        self.sent = False  # its command handed over (from then on it may have run)
 
     def go(self, argv: Sequence[str], *, stdio: Sequence[int] = (0, 1, 2), pass_fds: Sequence[int] = (),
            tty_fds: Sequence[int] = (), live: bool = False) -> Running:
@@ -294,10 +295,11 @@ class Prepared:
         fds.update({fd: fd for fd in pass_fds})
         started = time.monotonic()
         master = listener = None
-        sent = False
+        # From its send on, the command may run (it does not wait for what comes back below): said before
+        # the send, as an error in it may come after the cell has it.
+        self.sent = True
         try:
             handoff.send(self._ctl, list(argv), fds, tuple(tty_fds), live)  # type: ignore[arg-type]
-            sent = True  # (from here the command may run: it does not wait for what comes back below)
             if tty_fds and not live:
                 master = handoff.recv_fd(self._ctl)  # type: ignore[arg-type]
             if self.spec.watch:  # the command process loads its filter, then hands out the listener
@@ -305,12 +307,11 @@ class Prepared:
         except (BrokenPipeError, ConnectionResetError):
             pass  # the cell failed while being prepared; its status pipe says where (see wait())
         except BaseException as e:  # (a SIGTERM, say, while the command is handed over): nothing of it is left
+            mark_after_go(e)
             for fd in (master, listener):
                 if fd is not None:
                     os.close(fd)
             self.kill_and_discard()
-            if sent:
-                mark_after_go(e)
             raise
         finally:
             if not live:
