@@ -23,6 +23,7 @@ EXIT_CODES_HELP = f"""exit status:
 
 
 MAX_LINE = 1200  # an error's line, at most (its start and its fix are kept)
+MAX_NOTES = 20  # lines of an error's notes shown after it
 
 
 def printable(text: str, keep: str = "") -> str:
@@ -202,13 +203,16 @@ def report(prog: str, err: AgentcellError) -> int:
     """Print ``err`` as the one line a user sees and return its exit code."""
     import sys
 
-    line = err.line()
+    sys.stderr.write(f"{prog}: {_shown(err.line())}\n")
+    report_notes(prog, err)
+    return err.exit_code
+
+
+def _shown(line: str) -> str:
     line = printable(line)  # paths in messages may be an agent's: no terminal escapes through them
     if len(line) > MAX_LINE:  # a value given in full (100,000 characters) is not repeated in full
         line = f"{line[:MAX_LINE * 2 // 3]}… ({len(line):,} characters) …{line[-MAX_LINE // 4:]}"
-    sys.stderr.write(f"{prog}: {line}\n")
-    report_notes(prog, err)
-    return err.exit_code
+    return line
 
 
 def report_notes(prog: str, err: BaseException) -> None:
@@ -216,5 +220,8 @@ def report_notes(prog: str, err: BaseException) -> None:
     let go found on the control surface and moved aside, say. Bad input carries none."""
     import sys
 
-    for note in getattr(err, "__notes__", ()):
-        sys.stderr.write(f"{prog}: {printable(str(note))[:MAX_LINE]}\n")
+    notes = [str(n) for n in getattr(err, "__notes__", ())]
+    for note in notes[:MAX_NOTES]:
+        sys.stderr.write(f"{prog}: {_shown(note)}\n")
+    if len(notes) > MAX_NOTES:
+        sys.stderr.write(f"{prog}: and {len(notes) - MAX_NOTES} more\n")

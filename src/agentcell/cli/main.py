@@ -63,7 +63,10 @@ def main(argv: list[str] | None = None) -> int:
 
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
+        from ..errors import report_notes
+
+        report_notes("agentcell", e)
         return 130
 
 

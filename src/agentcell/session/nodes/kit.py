@@ -13,7 +13,7 @@ from langgraph.types import Command
 from ... import hostfs
 from ...audit.trail import AuditLog, AuditWriteError
 from ...errors import AgentcellError
-from ..records import Escape
+from ..records import Escape, Surface
 from ..state import Runtime, SessionState, config_of, policy_of
 
 UNWRITABLE_AUDIT = "/proc/agentcell-fault/audit.jsonl"  # /proc takes no new files: a real write failure
@@ -114,8 +114,9 @@ def on_error(node: str, route: str) -> Callable[[SessionState, NodeError], Comma
             goto, reason = route, f"{node} failed: {line(err)}"
         status = "aborted" if goto == "abort" else "terminated"
         update: dict[str, Any] = {"status": status, "reason": reason}
-        if getattr(err, "protect", None) is not None:  # a spawn that failed once the agent was let go: the scan
-            update["protect"] = err.protect  # type: ignore[attr-defined]  # its cleanup compares against
+        scan = getattr(err, "protect", None)
+        if node == "spawn" and isinstance(scan, Surface):  # it failed once the agent was let go: the scan its
+            update["protect"] = scan  # cleanup compares against
         if node == "monitor" and isinstance(err, TelemetryLost):
             update["reason"] = f"lost sight of the cell, after 3 reconnects: {err.problem}"
             update["escape"] = escape_record(state, "telemetry", "monitor", update["reason"], source="telemetry")
