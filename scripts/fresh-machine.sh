@@ -87,6 +87,11 @@ left=$(sed '/^$/d' <<<"$left")
 if [ -n "$left" ]; then
   echo "fresh-machine.sh: the run left these behind (a test or a command does not clean up what it made):" >&2
   sed 's/^/  /' <<<"$left" >&2
+  while read -r p; do  # who made it, when, and what is in it: enough to find the test that did
+    [ -e "$p" ] || continue
+    stat -c '    %n: %F, %U:%G, mode %a, made %w, changed %y' "$p" >&2 2>/dev/null || true
+    [ -d "$p" ] && find "$p" -mindepth 1 -maxdepth 2 2>/dev/null | head -n 12 | sed 's/^/      /' >&2
+  done <<<"$left"
   [ "$status" -ne 0 ] || status=1
 fi
 exit "$status"
