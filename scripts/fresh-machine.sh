@@ -90,7 +90,7 @@ if [ -n "$left" ]; then
   while read -r p; do  # who made it, when, and what is in it: enough to find the test that did
     [ -e "$p" ] || continue
     stat -c '    %n: %F, %U:%G, mode %a, made %w, changed %y' "$p" >&2 2>/dev/null || true
-    [ -d "$p" ] && find "$p" -mindepth 1 -maxdepth 2 2>/dev/null | head -n 12 | sed 's/^/      /' >&2
+    if [ -d "$p" ]; then find "$p" -mindepth 1 -maxdepth 2 2>/dev/null | head -n 12 | sed 's/^/      /' >&2 || true; fi
   done <<<"$left"
   [ "$status" -ne 0 ] || status=1
 fi
