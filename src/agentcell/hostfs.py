@@ -285,17 +285,22 @@ def socket_dir() -> str:
     return os.path.join(state, "agentcell")
 
 
+def read_proc(path: str, size: int = 4096) -> bytes:
+    """The start of a /proc file, in one read: open, read, close (a Python file object makes seven calls
+    of it, each a chance for the host's loop to take the GIL from the monitor's and give it back)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        return os.read(fd, size)
+    finally:
+        os.close(fd)
+
+
 def proc_stat(pid: int | str) -> list[bytes]:
     """``/proc/PID/stat``'s fields after the command's name (which may hold spaces and parentheses: the
     fields begin after its last ``)``), in one read: [0] the state, [1] the parent's pid, [6] the flags,
     [19] the start time (clock ticks since boot). ``pid`` may be ``self/task/TID``. OSError if the process
     is gone; a short or odd file raises IndexError or ValueError where a field is taken."""
-    fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        data = os.read(fd, 4096)
-    finally:
-        os.close(fd)
-    return data.rsplit(b")", 1)[1].split()
+    return read_proc(f"/proc/{pid}/stat").rsplit(b")", 1)[1].split()
 
 
 def start_time(pid: int) -> int:

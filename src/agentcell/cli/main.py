@@ -48,14 +48,12 @@ def main(argv: list[str] | None = None) -> int:
 
         sys.stderr.write(f"agentcell: unknown command '{args[0]}' (one of: {', '.join(COMMANDS)})\n")
         return EXIT_USAGE
-    from ..errors import Terminated, raise_on_termination
+    from ..errors import Terminated, raise_on_termination, report_notes
 
     raise_on_termination()  # (a command that handles them itself, as run and session start do, sets its own)
     try:
         return int(__import__(entry[0], fromlist=["main"]).main(args[1:]))  # not importlib: ~0.6 ms
     except Terminated as e:
-        from ..errors import report_notes
-
         report_notes("agentcell", e)
         return 128 + e.signum
     except BrokenPipeError:  # `agentcell doctor | head`: the reader left; not an error worth a traceback
@@ -64,8 +62,6 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
     except KeyboardInterrupt as e:
-        from ..errors import report_notes
-
         report_notes("agentcell", e)
         return 130
 

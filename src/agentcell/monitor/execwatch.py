@@ -27,8 +27,8 @@ import struct
 from collections.abc import Callable
 from typing import Any
 
+from ..hostfs import read_proc
 from ..netlink import set_rcvbuf
-from .procs import read_proc
 from .source import close_later
 
 NETLINK_CONNECTOR = 11

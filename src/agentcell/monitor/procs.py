@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 
 from ..cell.cgroups import CellCgroup
-from ..hostfs import proc_stat
+from ..hostfs import proc_stat, read_proc
 
 FORGET_S = 5.0  # an exited process stays in the table this long (a tool's fanotify event may come later)
 
@@ -153,16 +153,6 @@ class CellProcs:
             seen.add(ppid)
             pid = ppid
         return out
-
-
-def read_proc(path: str, size: int = 4096) -> bytes:
-    """The start of a /proc file, in one read: open, read, close (a Python file object makes seven calls
-    of it, each a chance for the host's loop to take the GIL from the monitor's and give it back)."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        return os.read(fd, size)
-    finally:
-        os.close(fd)
 
 
 def _ppid(pid: int) -> int:
