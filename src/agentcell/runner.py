@@ -154,6 +154,8 @@ def _wait_here(running: Running, timeout: float | None, interactive: bool) -> di
 
 def ended(result: dict[str, Any], timeout: float | None) -> list[str]:
     """What a person is told of a run's end (one line each), and its exit status settled in ``result``."""
+    from .protect.check import protected_lines
+
     out = [*monitor_lines(result), *(f"warning: {line}" for line in protected_lines(result))]
     if result.get("egress_blocked"):
         from .network import egress
@@ -167,20 +169,6 @@ def ended(result: dict[str, Any], timeout: float | None) -> list[str]:
         # Killed at an escape attempt, even where the command ended first (a rootless monitor learns of a
         # decoy's open after it): the status says so, whatever the command's own was.
         result["command_exit_status"], result["exit_status"], result["signal"] = result["exit_status"], 137, 9
-    return out
-
-
-def protected_lines(result: dict[str, Any]) -> list[str]:
-    """What a result's protected-path step found, as warnings (the CLI's and a live cell's stop)."""
-    from .protect.check import lines
-
-    out = lines(result, "the command", lift_hint=True)
-    if result.get("scan_truncated"):
-        from .protect import surface
-
-        out.append(f"the writable paths hold more than the protected-path scan covers ({surface.MAX_DEPTH} levels, "
-                   f"{surface.MAX_DIRS} directories): repositories and agent config past that were neither protected "
-                   "nor checked; review them before you use them")
     return out
 
 

@@ -193,19 +193,15 @@ class Supervised:
                     raise Terminated(stopped)
                 running = prepared.go(list(argv), stdio=stdio, tty_fds=tty_fds, live=live)
         except BaseException as e:
-            # The command may have run once it was sent (go marks its own errors so; a SIGTERM held over the
-            # start replaces them as the hold ends: the flag on the prepared cell says it all the same).
-            went = running is not None or getattr(e, "after_go", False) or bool(prepared and prepared.sent)
-            if went:
+            # The command may have run once it was sent: the prepared cell says so, whatever error this is (go
+            # marks its own; a SIGTERM held over the start replaces them as the hold ends).
+            if prepared is not None and prepared.sent:
                 mark_after_go(e)
-            if running is not None:  # (a signal held over its start: the cell is killed, as below)
-                _noted(e, "killing the cell", running.kill)
-                _noted(e, "waiting for the cell", lambda: running.wait(None))
-            if went and prepared is not None:  # (the cell is dead: go killed it, or the lines above)
-                _guard_after(guard, prepared.cell_id, e)
-            _noted(e, "stopping the monitor", watch.stop if watch is not None else None)
-            _noted(e, "removing the table", fw.remove if fw is not None and made is None else None)
-            _noted(e, "closing the firewall's log", log.close if log is not None and made is None else None)
+                if running is not None:  # (a signal held over its start: the cell is killed, as below)
+                    _noted(e, "killing the cell", running.kill)
+                    _noted(e, "waiting for the cell", lambda: running.wait(None))
+                _guard_after(guard, prepared.cell_id, e)  # (the cell is dead: go killed it, or the lines above)
+            _beside_down(e, watch, fw if made is None else None, log if made is None else None)
             raise
         proxy = None
         try:
@@ -226,9 +222,7 @@ class Supervised:
             _noted(e, "killing the cell", running.kill)
             _noted(e, "waiting for the cell", lambda: running.wait(None))
             _guard_after(guard, running.cell_id, e)
-            _noted(e, "stopping the monitor", watch.stop if watch is not None else None)
-            _noted(e, "removing the table", fw.remove if fw is not None and made is None else None)
-            _noted(e, "closing the firewall's log", log.close if log is not None and made is None else None)
+            _beside_down(e, watch, fw if made is None else None, log if made is None else None)
             raise
         sup._trust = trust
         if watch is not None:
@@ -380,14 +374,19 @@ def _guard_after(guard: SurfaceCheck | None | bool, cell_id: str, e: BaseExcepti
 
 
 def _said(e: BaseException, found: dict[str, Any]) -> None:
-    """The protected-path step's findings in ``found`` as notes on ``e``."""
-    from .protect.check import lines
+    """The protected-path step's findings in ``found`` as notes on ``e`` (the warnings a finished run gives)."""
+    from .protect.check import protected_lines
 
-    for line in lines(found, "the command", lift_hint=True):
+    for line in protected_lines(found):
         e.add_note(line)
-    if found.get("scan_truncated"):
-        e.add_note("the declared paths hold more than the protected-path scan covers: review repositories and "
-                   "agent config in them before you use them")
+
+
+def _beside_down(e: BaseException, watch: Any, fw: Any, log: Any) -> None:
+    """What a failed start made beside its cell (its monitor, and the table and log it made itself, not
+    one adopted), taken down; each one's failure a note on ``e``."""
+    _noted(e, "stopping the monitor", watch.stop if watch is not None else None)
+    _noted(e, "removing the table", fw.remove if fw is not None else None)
+    _noted(e, "closing the firewall's log", log.close if log is not None else None)
 
 
 def _noted(e: BaseException, what: str, step: Callable[[], object] | None) -> None:

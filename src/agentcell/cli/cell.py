@@ -182,7 +182,7 @@ def list_(ns: Namespace) -> int:
 
 def stop(ns: Namespace) -> int:
     from ..host.remote import ask
-    from .run import protected_lines
+    from ..protect.check import protected_lines
 
     s = _connect(_name(ns.name))
     try:

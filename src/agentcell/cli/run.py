@@ -13,7 +13,6 @@ from .. import hostfs, runner
 from ..cell.spec import TYPE_CHECKING, CellSpec
 from ..errors import AgentcellError, report
 from ..policy.plan import compile_spec
-from ..runner import protected_lines as protected_lines
 from .runargs import PROG, Args, to_plan
 from .runargs import parse as parse
 from .runargs import parser as parser

@@ -68,6 +68,17 @@ def compare(before: dict[str, Any], before_truncated: bool, since_ns: int, cell_
             "scan_truncated": truncated or before_truncated}
 
 
+def protected_lines(result: dict[str, Any]) -> list[str]:
+    """What a command's protected-path step found, as warnings (the CLI's, a live cell's stop, the notes of
+    a start that failed once its command was let go)."""
+    out = lines(result, "the command", lift_hint=True)
+    if result.get("scan_truncated"):
+        out.append(f"the writable paths hold more than the protected-path scan covers ({surface.MAX_DEPTH} levels, "
+                   f"{surface.MAX_DIRS} directories): repositories and agent config past that were neither protected "
+                   "nor checked; review them before you use them")
+    return out
+
+
 def lines(found: dict[str, Any], who: str, *, lift_hint: bool) -> list[str]:
     """The step's findings (:func:`compare`) as warnings: what ``who`` ("the command", "the agent")
     created and where it went, what it changed and how; ``lift_hint``: say how to let a command create
