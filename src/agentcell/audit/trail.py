@@ -50,7 +50,12 @@ class _Broken(Exception):
 def default_path() -> str:
     from ..hostfs import state_dir
 
-    return os.path.join(state_dir(), "audit", "audit.jsonl")
+    return path_in(state_dir())
+
+
+def path_in(state: str) -> str:
+    """The trail of the state dir ``state``."""
+    return os.path.join(state, "audit", "audit.jsonl")
 
 
 def _digest(line: bytes) -> str:
@@ -327,6 +332,15 @@ def _upto(f: Any, size: int) -> Iterator[bytes]:
         yield raw
 
 
+def _finished_size(fd: int) -> int:
+    """The open trail's length while no writer holds its lock: what its writers had finished."""
+    _lock(fd, fcntl.LOCK_SH)
+    try:
+        return os.fstat(fd).st_size
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+
+
 def committed_size(path: str) -> int:
     """The trail's length as its writers had finished it (0 if there is none): where the next record
     will begin, for :func:`verify` and :func:`records` ``since``."""
@@ -334,10 +348,9 @@ def committed_size(path: str) -> int:
     if fd is None:
         return 0
     try:
-        _lock(fd, fcntl.LOCK_SH)
-        return os.fstat(fd).st_size
+        return _finished_size(fd)
     finally:
-        os.close(fd)  # (the lock goes with it)
+        os.close(fd)
 
 
 def _before(fd: int, since: int) -> tuple[str, int]:
@@ -449,22 +462,15 @@ def committed_lines(path: str) -> list[bytes]:
     if fd is None:
         return []
     with os.fdopen(fd, "rb") as f:
-        _lock(fd, fcntl.LOCK_SH)
-        try:
-            size = os.fstat(fd).st_size
-        finally:
-            fcntl.flock(fd, fcntl.LOCK_UN)
-        return [raw[:-1] for raw in _upto(f, size) if raw.endswith(b"\n")]
+        return [raw[:-1] for raw in _upto(f, _finished_size(fd)) if raw.endswith(b"\n")]
 
 
 def records(path: str | None = None, session: str | None = None, since: int = 0) -> list[dict[str, Any]]:
     """The records that parse (verify first to know the trail is whole), optionally one session's, from
     byte ``since`` on (where a record began)."""
     out: list[dict[str, Any]] = []
-    fd = _open_trail(path or default_path())
-    if fd is None or since < 0:
-        if fd is not None:
-            os.close(fd)
+    fd = _open_trail(path or default_path()) if since >= 0 else None
+    if fd is None:
         return out
     with os.fdopen(fd, "rb") as f:
         f.seek(since)

@@ -74,7 +74,9 @@ class Node:
 
     @property
     def trail(self) -> str:
-        return os.path.join(self.state, "audit", "audit.jsonl")
+        from ..audit.trail import path_in
+
+        return path_in(self.state)
 
     def ledger(self, run: str) -> str:
         return os.path.join(self.root, "runs", run)
