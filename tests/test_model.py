@@ -59,6 +59,9 @@ REVERTS = [
 SAFETY = [p for p in PROPERTIES if p not in LIVENESS]
 ALL_SAFETY = "AllSafety"  # the model's never claim: every safety property in one search
 
+Search = tuple[int, int, float, str]  # (errors, states stored, seconds, pan's report): Pan.run's
+Revert = tuple[Search, int | None]  # a revert's search, and AllSafety's errors for a safety property's
+
 RESULTS: list[str] = []
 WORKERS = os.cpu_count() or 2  # pan runs side by side, one a core (each search is single-threaded)
 
@@ -98,7 +101,7 @@ class Pan:
                            capture_output=True, text=True)
         assert c.returncode == 0, c.stderr[-3000:]
 
-    def run(self, prop: str) -> tuple[int, int, float, str]:
+    def run(self, prop: str) -> Search:
         """(errors, states stored, seconds, pan's report)."""
         args = ["./pan", "-m100000", "-N", prop] + (["-a"] if prop in LIVENESS else [])
         t = time.monotonic()
@@ -180,13 +183,12 @@ def test_spin_verifies_every_property(tmp_path: Path, config: str, results: list
 
 
 @pytest.fixture(scope="module")
-def reverts(tmp_path_factory: pytest.TempPathFactory) \
-        -> Iterator[dict[str, Future[tuple[tuple[int, int, float, str], int | None]]]]:
+def reverts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Future[Revert]]]:
     """Every revert model built and checked, side by side (each a spin, a gcc and a short search), the
     first time a test asks for one: each test waits for its own."""
     base = tmp_path_factory.mktemp("reverts")
 
-    def check(revert: str, prop: str, config: str) -> tuple[tuple[int, int, float, str], int | None]:
+    def check(revert: str, prop: str, config: str) -> Revert:
         """The named property's search; and the errors of ``AllSafety``'s, for a safety property's revert."""
         pan = Pan(base / revert, {**CONFIGS[config], revert: True})
         return pan.run(prop), (pan.run(ALL_SAFETY)[0] if prop in SAFETY else None)
@@ -197,8 +199,7 @@ def reverts(tmp_path_factory: pytest.TempPathFactory) \
 
 @pytest.mark.parametrize(("revert", "prop", "config"), REVERTS)
 def test_each_revert_model_fails_on_its_property(revert: str, prop: str, config: str, results: list[str],
-                                                 reverts: dict[str, Future[tuple[tuple[int, int, float, str],
-                                                                                 int | None]]]) -> None:
+                                                 reverts: dict[str, Future[Revert]]) -> None:
     (errors, states, took, out), all_safety = reverts[revert].result()
     results.append(f"{revert:<31} fails {prop}: {errors > 0} ({states:,} states, {took:.1f} s)"
                    + ("" if all_safety is None else f"; fails {ALL_SAFETY}: {all_safety > 0}"))
