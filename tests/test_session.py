@@ -164,6 +164,39 @@ def test_recover_finishes_the_teardown_after_the_supervisor_is_killed(env: Env) 
     assert session(env, ["recover", "--json"]).summary == []  # nothing left to do
 
 
+def test_recover_finishes_the_others_when_one_session_cannot_be_and_names_it(env: Env,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """One session recover refuses (its checkpoint names a cell agentcell does not make) does not leave the
+    others unfinished: they are recovered, it is named with its reason, and the exit status says so."""
+    from agentcell.session import graph
+
+    for _ in range(2):
+        s = scripted(env, "sleep 600\n", "--wall-clock", "30", extra={"AGENTCELL_TEST_FAULTS": "kill@monitor=1"})
+        assert s.rc == -9, (s.rc, s.err)
+    rows = session(env, ["list", "--json"]).summary
+    assert [r["needs_recover"] for r in rows] == [True, True], rows  # type: ignore[index]
+    bad, good = (str(r["session"]) for r in rows)  # type: ignore[index]
+    monkeypatch.setenv("AGENTCELL_STATE_DIR", str(env.state))
+    g, conn = graph.open_graph()
+    real = graph.load(g, bad)
+    assert real is not None
+    try:
+        g.update_state({"configurable": {"thread_id": bad}}, {"cell_id": "../ac-victim"}, as_node="monitor")
+        r = session(env, ["recover", "--json"])
+        assert r.rc != 0 and [d["session"] for d in r.summary] == [good], (r.rc, r.err)  # type: ignore[index]
+        assert f"session {bad} was not recovered: session: session {bad}: recorded cell '../ac-victim'" in r.err
+        assert r.err.rstrip().endswith(f"1 session(s) not recovered: {bad} (see each one's reason above; fix "
+                                       "it, then run 'agentcell session recover' again)"), r.err
+        left = {str(x["session"]): x for x in session(env, ["list", "--json"]).summary}  # type: ignore[union-attr]
+        assert left[bad]["needs_recover"] and not left[good]["needs_recover"]
+        assert left[good]["status"] == "terminated" and account_gone(left[good]["os_user"])
+    finally:
+        g.update_state({"configurable": {"thread_id": bad}}, {"cell_id": real["cell_id"]}, as_node="monitor")
+        conn.close()
+    r = session(env, ["recover", "--json"])
+    assert r.rc == 0 and [d["session"] for d in r.summary] == [bad], (r.rc, r.err)  # type: ignore[index]
+
+
 def test_config_precedence_is_flags_then_env_then_dotenv_then_toml(tmp_path: Path) -> None:
     from agentcell.session.config import load
 

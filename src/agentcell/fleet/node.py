@@ -402,17 +402,23 @@ def ledger_entries(node: Node, run: str) -> dict[str, dict[str, Any]]:
     return out
 
 
+def _said(stderr: str, sid: str) -> str:
+    """What ``session recover`` said of the session ``sid`` (its line naming it), if anything."""
+    return next((ln.strip() for ln in stderr.splitlines() if f"session {sid} " in ln), "")
+
+
 def recover(node: Node, run: str, names: list[str] | None = None) -> list[dict[str, Any]]:
     """On a node that came back: finish every session whose supervisor died (``session recover``), then
     the result of each of ``names`` (default: every plan of ``run`` the ledger has here). A plan whose
     session left no record never reached its agent (a session's first step is checkpointed before the
-    next begins): its result is ``lost`` with ``never_ran``, and it may run again."""
+    next begins): its result is ``lost`` with ``never_ran``, and it may run again. One that ``session
+    recover`` could not finish stays ``lost``, with ``unrecovered`` and recover's reason for it."""
     r = node.cli("session", "recover", "--json", timeout=None)
-    if r.returncode != 0:
-        raise AgentcellError("recover", f"session recover failed on node {node.name}: {_last_line(r.stderr)}",
-                             "see the node's state dir")
     listed = node.cli("session", "list", "--json")
-    sessions = {str(s["session"]): s for s in (json.loads(listed.stdout) if listed.returncode == 0 else [])}
+    if listed.returncode != 0:  # without the list every session would look as if it never ran
+        raise AgentcellError("recover", f"session list failed on node {node.name}: {_last_line(listed.stderr)}",
+                             "see the node's state dir")
+    sessions = {str(s["session"]): s for s in json.loads(listed.stdout)}
     entries = ledger_entries(node, run)
     out = []
     for name in sorted(entries if names is None else names):
@@ -425,6 +431,11 @@ def recover(node: Node, run: str, names: list[str] | None = None) -> list[dict[s
         if summary is None:
             out.append(result(name, node.name, str(entry["session"]), "lost",
                               "its session left no record: it died before its first step", never_ran=True))
+            continue
+        if summary.get("needs_recover"):  # session recover could not finish it (its reason, per session)
+            why = _said(r.stderr, str(entry["session"])) or _last_line(r.stderr)
+            out.append(result(name, node.name, str(entry["session"]), "lost",
+                              f"session recover failed on node {node.name}: {why}", unrecovered=True))
             continue
         since = entry.get("trail_from")
         since = since if type(since) is int and since >= 0 else 0  # (an older ledger's entry has none: all)

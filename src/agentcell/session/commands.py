@@ -250,19 +250,27 @@ def _recover(ns: Any) -> int:
 
     # (the test hook reaches recover too: kill@terminate, kill@cleanup, kill@audit kill it, as they do a supervisor)
     g, conn = graph.open_graph(Runtime(faults=parse_faults(os.environ.get(FAULTS_ENV, ""))))
-    done = []
+    done, failed = [], []
     try:
         for sid in graph.session_ids(conn):
             st = graph.load(g, sid)
             if st is None or not graph.unfinished(st):
                 continue
-            final = graph.recover(g, sid)
+            try:
+                final = graph.recover(g, sid)
+            except AgentcellError as e:  # this one stays unfinished, said why; the others are still finished
+                failed.append(sid)
+                sys.stderr.write(shown(f"{PROG}: session {sid} was not recovered: {e}") + "\n")
+                continue
             done.append(summary(dict(final)))
             print_end(done[-1])
     finally:
         conn.close()
     if ns.json:
         sys.stdout.write(json.dumps(done) + "\n")
-    elif not done:
+    elif not done and not failed:
         sys.stderr.write(f"{PROG}: nothing to recover\n")
+    if failed:
+        raise AgentcellError("recover", f"{len(failed)} session(s) not recovered: {', '.join(failed)}",
+                             "see each one's reason above; fix it, then run 'agentcell session recover' again")
     return 0
