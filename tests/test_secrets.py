@@ -44,10 +44,14 @@ class H(http.server.BaseHTTPRequestHandler):
     do_POST = do_GET
     def log_message(self, *a):
         pass
-import threading
-plain = http.server.ThreadingHTTPServer(("198.18.1.30", 80), H)  # (a gateway without TLS)
+import socketserver, threading
+class Server(http.server.ThreadingHTTPServer):
+    def server_bind(self):  # without HTTPServer's reverse lookup of its own address: no resolver here (20 s)
+        socketserver.TCPServer.server_bind(self)
+        self.server_name, self.server_port = "api.test", self.server_address[1]
+plain = Server(("198.18.1.30", 80), H)  # (a gateway without TLS)
 threading.Thread(target=plain.serve_forever, daemon=True).start()
-srv = http.server.ThreadingHTTPServer(("198.18.1.30", 443), H)
+srv = Server(("198.18.1.30", 443), H)
 ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
 ctx.load_cert_chain(cert, key)
 srv.socket = ctx.wrap_socket(srv.socket, server_side=True)
