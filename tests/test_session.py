@@ -387,6 +387,25 @@ def test_a_spawn_that_fails_once_the_agent_was_let_go_still_moves_aside_what_it_
     assert account_gone(s.summary["os_user"]), s.summary
 
 
+def test_a_supervisor_killed_once_the_agent_went_before_spawns_checkpoint_still_gets_what_it_planted_moved(
+        env: Env) -> None:
+    """The scan cleanup compares against is kept before the agent may go: a supervisor killed after the agent
+    ran, before spawn's checkpoint (ran@spawn), leaves recover the scan, and what the agent planted is moved
+    aside; the kept scan is removed once the session has ended, as it is for every session."""
+    kept = env.state / "sessions"
+    assert scripted(env, "say hi\n").rc == 0 and not list(kept.glob("protect-*")), list(kept.iterdir())
+    s = scripted(env, f"write {env.project}/agentcell.toml '[session]'\n",
+                 extra={"AGENTCELL_TEST_FAULTS": "ran@spawn=1"})
+    assert s.rc == -9 and (env.project / "agentcell.toml").exists(), (s.rc, s.err)  # planted; no teardown yet
+    assert len(list(kept.glob("protect-*.json"))) == 1
+    r = session(env, ["recover", "--json"])
+    [done] = r.summary  # type: ignore[misc]
+    assert done["status"] == "terminated" and not (env.project / "agentcell.toml").exists(), (done, r.err)
+    warning = next(w for w in done["warnings"] if w.startswith(f"the agent created {env.project}/agentcell.toml,"))
+    assert Path(warning.split(" it was moved to ")[1].split(":")[0]).is_file(), warning
+    assert account_gone(done["os_user"]) and not list(kept.glob("protect-*")), list(kept.iterdir())
+
+
 def test_no_file_in_the_project_lengthens_a_session(env: Env) -> None:
     for name, text, where in ((".env", "WALL_CLOCK_LIMIT_S=99999\n", f"WALL_CLOCK_LIMIT_S (in {env.project}/.env)"),
                               ("agentcell.toml", "[session]\nwall_clock_limit_s = 99999\n",

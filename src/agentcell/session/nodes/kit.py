@@ -90,10 +90,10 @@ def audit_quietly(rt: Runtime, state: SessionState, node: str, event: str, **det
         return {"audit_error": e.line()}
 
 
-def crash(rt: Runtime, node: str) -> None:
+def crash(rt: Runtime, node: str, *, always: bool = False) -> None:
     """``kill@NODE``: the supervisor dies by SIGKILL here — after the node's work, before its
-    checkpoint, the hardest place for ``session recover``."""
-    if rt.fault(f"kill@{node}"):
+    checkpoint, the hardest place for ``session recover`` (``always``: a hook of the node's own chose to)."""
+    if always or rt.fault(f"kill@{node}"):
         import signal
 
         os.kill(os.getpid(), signal.SIGKILL)

@@ -54,6 +54,10 @@ def spawn(rt: Runtime, state: SessionState) -> dict[str, Any]:
                             env=(*spec.env, *caches.environment(dict(spec.env)).items()))
     made = rt.firewalls.get(sid)
     protect = Surface(before, truncated, since_ns, surface.meanings(before), tuple(env_files))
+    try:  # kept before the agent may go: a supervisor killed before this node's checkpoint loses no scan
+        keep_surface(sid, protect)
+    except OSError as e:
+        raise SpawnCrash("", f"the protected-path scan could not be kept ({e.strerror or e})") from None
     try:
         cell = spawn.start(spec, list(state["argv"]), stdio=rt.stdio, firewall=made,
                            credentials=rt.credentials, upstream_ca=rt.upstream_ca, host=rt.host)
@@ -65,6 +69,7 @@ def spawn(rt: Runtime, state: SessionState) -> dict[str, Any]:
             err = AgentcellError("spawn", f"{line(e)} (after the agent was let go: not retried)")
             err.protect = protect  # type: ignore[attr-defined]  # (cleanup moves aside what it planted meanwhile)
             raise err from None
+        forget_surface(sid)  # the agent never went: nothing of its to look for
         raise SpawnCrash("", line(e)) from None
     if made is not None:  # the cell's host owns the table now, and removes it with the cell
         rt.firewalls.pop(sid)
@@ -72,6 +77,9 @@ def spawn(rt: Runtime, state: SessionState) -> dict[str, Any]:
     pid1 = cell.pid1
     rt.cells[sid] = cell
     now = time.time()
+    if rt.fault("ran@spawn"):  # (the test hook) the agent runs to its end, then the supervisor dies: no checkpoint
+        cell.wait(120)
+        crash(rt, "spawn", always=True)
     crash(rt, "spawn")
     audit(rt, state, "spawn", "session.spawn", cell_id=cell.cell_id, pid1=pid1, argv0=state["argv"][0],
           uid=policy.identity.uid, seed=seed_dir, home_from=config_of(state).home_from,
@@ -81,6 +89,43 @@ def spawn(rt: Runtime, state: SessionState) -> dict[str, Any]:
             "workspace_dir": ws_dir,
             "deadline": now + policy.wall_clock_limit_s, "seed_notes": [*seed_notes, *cache_notes],
             "protect": protect}
+
+
+def _surface_file(sid: str) -> str:
+    from ..state import sessions_dir
+
+    return os.path.join(sessions_dir(), f"protect-{sid}.json")
+
+
+def keep_surface(sid: str, protect: Surface) -> None:
+    """The scan cleanup compares against, in the state dir beside the checkpoints, before the agent may go:
+    the spawn node's own checkpoint comes only once the cell has started."""
+    import json
+
+    from ..records import to_plain
+
+    hostfs.replace_file(_surface_file(sid), json.dumps(to_plain(protect)).encode())
+
+
+def kept_surface(sid: str) -> Surface | None:
+    """The scan :func:`keep_surface` kept (for a session whose supervisor died before spawn's checkpoint);
+    None if there is none (the agent never went). A damaged one raises (AgentcellError, ValueError,
+    TypeError)."""
+    import json
+
+    path = _surface_file(sid)
+    if not os.path.lexists(path):
+        return None
+    data = hostfs.read_regular(path, "protect", "nothing but agentcell writes the state dir", limit=64 << 20)
+    return of(Surface, json.loads(data))
+
+
+def forget_surface(sid: str) -> None:
+    """Remove the kept scan, if any (never raises: what is left is only read for this session's id)."""
+    try:
+        os.unlink(_surface_file(sid))
+    except OSError:
+        pass
 
 
 def _failed_after_go() -> AgentcellError:

@@ -188,8 +188,15 @@ def _quarantine(state: SessionState, account: Account | None) -> list[str]:
     :func:`agentcell.protect.check.compare`, from the scan spawn checkpointed); say what it changed there.
     Before the account is deleted: what moves must be the account's."""
     from ...protect.check import compare, lines
+    from .spawn import kept_surface
 
     guard, policy = of(Surface, state.get("protect")), policy_of(state)
+    if guard is None:  # a supervisor killed after the agent went, before spawn's checkpoint: the scan it kept
+        try:
+            guard = kept_surface(state["session_id"])
+        except (AgentcellError, ValueError, TypeError) as e:
+            return [f"the protected paths could not be checked (the scan kept before the agent went is damaged: "
+                    f"{line(e)}): review repositories and agent config in the declared paths before you use them"]
     if guard is None:
         return []
     human = state.get("human")
@@ -214,6 +221,9 @@ def audit(rt: Runtime, state: SessionState) -> dict[str, Any]:
     """The session's last record: how it ended, and what it tried beyond its policy."""
     escape, result = state.get("escape"), of(Result, state.get("result"))
     crash(rt, "audit")
+    from .spawn import forget_surface
+
+    forget_surface(state["session_id"])  # (cleanup, checkpointed, compared with it)
     update: dict[str, Any] = {"finished": True, "ended_at": time.time()}
     update.update(audit_quietly(rt, state, "audit", "session.end", status=state.get("status"),
                                 reason=state.get("reason"), escape=plain(escape),
