@@ -262,6 +262,13 @@ def _recover(ns: Any) -> int:
                 failed.append(sid)
                 sys.stderr.write(shown(f"{PROG}: session {sid} was not recovered: {e}") + "\n")
                 continue
+            except Exception:  # noqa: BLE001 - a bug of ours: its traceback, and the other sessions still finished
+                import traceback
+
+                failed.append(sid)
+                sys.stderr.write(f"{PROG}: session {sid} was not recovered (a bug in agentcell):\n"
+                                 f"{traceback.format_exc()}")
+                continue
             done.append(summary(dict(final)))
             print_end(done[-1])
     finally:
