@@ -299,6 +299,52 @@ def test_a_project_from_a_path_or_git_is_made_as_its_owner(node_base: Path, user
     assert r["status"] == "failed" and "root" in r["reason"], r
 
 
+def test_a_session_recover_cannot_finish_stays_lost_with_its_reason_and_the_others_come_back(
+        node_base: Path, user: User, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A node that came back, one of whose dead sessions recover refuses (its checkpoint names a cell agentcell
+    does not make): the other is recovered and brought back; the refused one stays lost, marked unrecovered
+    (the caller does not try it again in a loop), with recover's reason for it."""
+    from agentcell.fleet import node
+    from agentcell.session import graph
+
+    here, run = node.Node(str(node_base), "n1"), node.new_run_id()
+    os.makedirs(here.state, mode=0o700)
+    os.makedirs(here.ledger(run))
+    sids = {}
+    for name in ("a", "b"):
+        project = Path(here.project(run, name))
+        project.mkdir(parents=True)
+        os.chown(project, user.uid, user.gid)
+        sids[name] = node.session_id(run, name)
+        p = subprocess.run([AGENTCELL, "session", "start", "--id", sids[name], f"--project={project}",
+                            "--harness=scripted", "--wall-clock=30", "--", "--text", "sleep 600"],
+                           capture_output=True, text=True, timeout=120,
+                           env={**here.environ(), "AGENTCELL_TEST_FAULTS": "kill@monitor=1", "AGENTCELL_WARM": "off"})
+        assert p.returncode == -9, p.stderr  # the supervisor died mid-session: the node's crash
+        Path(here.ledger(run), f"{name}.json").write_text(json.dumps(
+            {"name": name, "session": sids[name], "attempt": 1, "node": "n1", "project": str(project),
+             "started": time.time(), "trail_from": 0}))
+    monkeypatch.setenv("AGENTCELL_STATE_DIR", here.state)
+    g, conn = graph.open_graph()
+    cfg = {"configurable": {"thread_id": sids["b"]}}
+    real = graph.load(g, sids["b"])
+    assert real is not None
+    try:
+        g.update_state(cfg, {"cell_id": "../ac-victim"}, as_node="monitor")  # type: ignore[arg-type]
+        got = {r["name"]: r for r in node.recover(here, run)}
+        assert got["a"]["status"] == "terminated" and got["a"]["recovered"] and whole(got["a"]), got["a"]
+        b = got["b"]
+        assert (b["status"], b.get("unrecovered"), whole(b)) == ("lost", True, False), b
+        assert b["reason"].startswith(f"session recover failed on node n1: agentcell session: session {sids['b']} "
+                                      f"was not recovered: session: session {sids['b']}: recorded cell "
+                                      "'../ac-victim' is not one agentcell makes"), b["reason"]
+    finally:
+        g.update_state(cfg, {"cell_id": real["cell_id"]}, as_node="monitor")  # type: ignore[arg-type]
+        conn.close()
+    [b] = node.recover(here, run, ["b"])
+    assert b["status"] == "terminated" and b["recovered"] and whole(b), b
+
+
 def test_inline_files_are_written_by_the_owner_and_the_agent_cannot_hide_the_summary(node_base: Path,
                                                                                     user: User) -> None:
     from agentcell.fleet import node, plan
