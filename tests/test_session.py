@@ -182,6 +182,10 @@ def test_recover_finishes_the_others_when_one_session_cannot_be_and_names_it(env
     assert real is not None
     try:
         g.update_state({"configurable": {"thread_id": bad}}, {"cell_id": "../ac-victim"}, as_node="monitor")
+        # (a supervisor record agentcell did not write is no live supervisor: neither list nor recover stops at it)
+        g.update_state({"configurable": {"thread_id": good}}, {"supervisor": {"pid": "x", "start": 1}},
+                       as_node="monitor")
+        assert session(env, ["list", "--json"]).rc == 0
         r = session(env, ["recover", "--json"])
         assert r.rc != 0 and [d["session"] for d in r.summary] == [good], (r.rc, r.err)  # type: ignore[index]
         assert f"session {bad} was not recovered: session: session {bad}: recorded cell '../ac-victim'" in r.err
@@ -398,11 +402,25 @@ def test_a_supervisor_killed_once_the_agent_went_before_spawns_checkpoint_still_
                  extra={"AGENTCELL_TEST_FAULTS": "ran@spawn=1"})
     assert s.rc == -9 and (env.project / "agentcell.toml").exists(), (s.rc, s.err)  # planted; no teardown yet
     assert len(list(kept.glob("protect-*.json"))) == 1
+    # Meanwhile the human works on: what is theirs stays where it is (the run's end is not known to recover).
+    (env.project / ".claude").mkdir()
+    os.chown(env.project / ".claude", env.project.stat().st_uid, env.project.stat().st_gid)
     r = session(env, ["recover", "--json"])
     [done] = r.summary  # type: ignore[misc]
     assert done["status"] == "terminated" and not (env.project / "agentcell.toml").exists(), (done, r.err)
     warning = next(w for w in done["warnings"] if w.startswith(f"the agent created {env.project}/agentcell.toml,"))
     assert Path(warning.split(" it was moved to ")[1].split(":")[0]).is_file(), warning
+    assert (env.project / ".claude").is_dir(), done["warnings"]
+    assert account_gone(done["os_user"]) and not list(kept.glob("protect-*")), list(kept.iterdir())
+    # A kept scan that is not as agentcell wrote it: said, and the teardown goes on.
+    s = scripted(env, "say hi\n", extra={"AGENTCELL_TEST_FAULTS": "ran@spawn=1"})
+    assert s.rc == -9, s.err
+    [damaged] = kept.glob("protect-*.json")
+    damaged.write_text('{"before": {}, "truncated": false, "since_ns": "0"}')  # (a time that is text)
+    r = session(env, ["recover", "--json"])
+    [done] = r.summary  # type: ignore[misc]
+    assert any(w.startswith("the protected paths could not be checked (the scan kept before the agent went is "
+                            "damaged") for w in done["warnings"]), (done["warnings"], r.err)
     assert account_gone(done["os_user"]) and not list(kept.glob("protect-*")), list(kept.iterdir())
 
 
@@ -1022,15 +1040,19 @@ def test_recover_acts_only_on_what_agentcell_made_for_that_session(env: Env, use
     from agentcell.errors import AgentcellError
     from agentcell.session.state import check_recorded
 
-    sid = "20261130-000000-abcdef"
-    good = {"session_id": sid, "cell_id": f"agentcell-{sid}", "firewall_table": "agentcell_20261130000000abcd",
+    sid, other = "20261130-000000-abcdef", "20261130-000001-fedcba"
+    good = {"session_id": sid, "cell_id": f"agentcell-{sid}", "firewall_table": "agentcell_20261130000000abcdef",
             "account": {"kind": "ephemeral", "name": ephemeral.name_for(sid), "uid": ephemeral.UID_FIRST + 7}}
-    check_recorded(good)  # type: ignore[arg-type]
+    check_recorded(good, sid)  # type: ignore[arg-type]
+    # (another session's names, in this one's checkpoint: root would end that live session's cell, account)
     for forged in ({"account": {"kind": "ephemeral", "name": user.name, "uid": user.uid}},
                    {"cell_id": "../ac-victim"}, {"firewall_table": "../../../tmp/x"},
-                   {"account": {"kind": "agent", "name": "nobody-registered", "uid": 0}}):
+                   {"account": {"kind": "agent", "name": "nobody-registered", "uid": 0}},
+                   {"session_id": other, "account": {"kind": "ephemeral", "name": ephemeral.name_for(other),
+                                                     "uid": ephemeral.UID_FIRST + 8}},
+                   {"cell_id": f"agentcell-{other}"}, {"firewall_table": "agentcell_20261130000001fedcba"}):
         with pytest.raises(AgentcellError, match="not one agentcell makes"):
-            check_recorded({**good, **forged})  # type: ignore[arg-type]
+            check_recorded({**good, **forged}, sid)  # type: ignore[arg-type]
     with pytest.raises(AgentcellError, match="is not the per-session account"):
         ephemeral.delete(ephemeral.Account(user.name, user.uid, user.gid, sid))
     assert subprocess.run(["id", user.name], capture_output=True).returncode == 0  # untouched

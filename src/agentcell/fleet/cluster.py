@@ -35,6 +35,7 @@ from .plan import Caps, SessionPlan
 CELLS = "agentcell_cells"  # the resource: cells a node runs at once
 LABEL = "agentcell.node"  # the node label naming a node (else its host name)
 RESUBMITS = 2  # a task lost before it started, submitted again at most this often
+RECOVERIES = 2  # a lost session's node asked to recover it at most this often
 POLL_S = 1.0
 
 Result = dict[str, Any]
@@ -110,6 +111,7 @@ def run(plans: Sequence[SessionPlan], *, run_id: str, base: str, owner: str, rec
     tries: dict[str, int] = {}
     pending: dict[Any, str] = {}  # each plan's task (its generator)
     started: dict[str, str] = {}  # the node each plan's task started on
+    recoveries: dict[str, int] = {}  # how often each plan's node was asked to recover it
 
     def submit(name: str) -> None:
         tries[name] = tries.get(name, 0) + 1
@@ -152,12 +154,15 @@ def run(plans: Sequence[SessionPlan], *, run_id: str, base: str, owner: str, rec
     while True:
         by_node: dict[str, list[str]] = {}
         for name, r in results.items():
+            # (one session recover refused stays lost: by hand, once fixed; no loop on a node that keeps one)
             if r["status"] == "lost" and r["node"] not in ("?", *given_up) and tries[name] <= RESUBMITS \
-                    and not r.get("unrecovered"):  # (session recover failed on it: again, by hand, once fixed)
+                    and not r.get("unrecovered") and recoveries.get(name, 0) < RECOVERIES:
                 by_node.setdefault(r["node"], []).append(name)
         if not by_node:
             break
         for where, names in sorted(by_node.items()):
+            for name in names:
+                recoveries[name] = recoveries.get(name, 0) + 1
             try:
                 got = recover_on(run_id, base, where, names, recover_wait_s)
             except RayError as e:  # the node died again, or its recovery failed: they stay lost, said why

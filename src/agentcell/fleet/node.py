@@ -432,10 +432,15 @@ def recover(node: Node, run: str, names: list[str] | None = None) -> list[dict[s
             out.append(result(name, node.name, str(entry["session"]), "lost",
                               "its session left no record: it died before its first step", never_ran=True))
             continue
-        if summary.get("needs_recover"):  # session recover could not finish it (its reason, per session)
-            why = _said(r.stderr, str(entry["session"])) or _last_line(r.stderr)
-            out.append(result(name, node.name, str(entry["session"]), "lost",
-                              f"session recover failed on node {node.name}: {why}", unrecovered=True))
+        if summary.get("needs_recover"):  # session recover did not finish it
+            why = _said(r.stderr, str(entry["session"]))
+            if why:  # it refused this one, saying why: not to be tried again until that is fixed
+                out.append(result(name, node.name, str(entry["session"]), "lost",
+                                  f"session recover failed on node {node.name}: {why}", unrecovered=True))
+            else:  # (its supervisor was alive then, or recover itself failed before it): it may be tried again
+                out.append(result(name, node.name, str(entry["session"]), "lost",
+                                  f"session recover did not finish it on node {node.name}: "
+                                  f"{_last_line(r.stderr) if r.returncode else 'its supervisor was still running'}"))
             continue
         since = entry.get("trail_from")
         since = since if type(since) is int and since >= 0 else 0  # (an older ledger's entry has none: all)

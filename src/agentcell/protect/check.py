@@ -47,16 +47,17 @@ class SurfaceCheck:
 
 def compare(before: dict[str, Any], before_truncated: bool, since_ns: int, cell_id: str, rw_paths: tuple[str, ...],
             allow_write: tuple[str, ...], keep_out: tuple[str, ...], owner_uid: int | None,
-            give_to: tuple[int, int] | None, meant_before: dict[str, str] | None = None) -> dict[str, Any]:
+            give_to: tuple[int, int] | None, meant_before: dict[str, str] | None = None, *,
+            owner_only: bool = False) -> dict[str, Any]:
     """The step's second half, once the cell has ended, from its first half's scan (``before`` and
     what its files meant, ``meant_before``, kept by :class:`SurfaceCheck`, or in a session's checkpointed
     state): ``quarantined`` (path: where it went), ``protected_changes``, ``protected_created`` (created
     and not moved), ``protected_described`` (path: what changed there; under an --allow-write path too,
-    which the human lifted: it is still said) and ``scan_truncated``."""
+    which the human lifted: it is still said) and ``scan_truncated``. ``owner_only``: see :func:`quarantine`."""
     after, truncated = surface.surface(rw_paths)
     moved, stuck = quarantine(before, after, cell_id, rw_paths, allow_write=allow_write, keep_out=keep_out,
                                       owner_uid=owner_uid, since_ns=since_ns, before_truncated=before_truncated,
-                                      give_to=give_to)
+                                      give_to=give_to, owner_only=owner_only)
     gone = {old for old, _new in moved}
     changes = surface.changes(before, after, meant_before)
     created = [p for p in changes if p not in gone and (p in stuck or p not in before)
@@ -115,7 +116,7 @@ def quarantine(before: dict[str, tuple[int, int, int, int]], after: dict[str, tu
                cell_id: str, writable: tuple[str, ...], *, allow_write: tuple[str, ...] = (),
                keep_out: tuple[str, ...] = (), owner_uid: int | None = None, since_ns: int = 0,
                before_truncated: bool = False, give_to: tuple[int, int] | None = None,
-               ) -> tuple[list[tuple[str, str]], list[str]]:
+               owner_only: bool = False) -> tuple[list[tuple[str, str]], list[str]]:
     """Move aside what the run created on the control surface; ([(path, new path)], [not moved]).
 
     Called when the cell has ended (its processes are gone), as root possibly, on a tree an agent
@@ -129,15 +130,17 @@ def quarantine(before: dict[str, tuple[int, int, int, int]], after: dict[str, tu
     It goes into ``<writable root>/.agentcell-quarantine-<cell id>-<random>/`` (made here, 0700,
     ``give_to``'s), by a rename relative to directory fds that follows no symlink and replaces
     nothing; the entry must still be the one the scan saw. An entry below one already moved went
-    with it."""
+    with it. ``owner_only``: the run's end is not known (a session finished by ``session recover``: the human
+    may have worked there since), so only what ``owner_uid`` owns moves, as with a cut short scan."""
     lifted = tuple(a.rstrip("/") for a in allow_write)
     fences = tuple(k.rstrip("/") for k in keep_out)
-    if before_truncated and owner_uid is None:
+    by_owner = before_truncated or owner_only
+    if by_owner and owner_uid is None:
         return [], []
     # With a complete before-scan, anything structural that is new and born during the run moves,
     # whoever owns it (a directory of the user's the agent renamed into .claude, say); only a cut
-    # short scan needs the owner to tell the cell's work from entries it never saw.
-    owner_uid = owner_uid if before_truncated else None
+    # short scan, or a run whose end is not known, needs the owner to tell the cell's work from the rest.
+    owner_uid = owner_uid if by_owner else None
     created = sorted(p for p in after if (p not in before or before_truncated) and os.path.basename(p) in STRUCTURE
                      and not any(p == a or p.startswith(a + "/") for a in lifted)
                      and not any(p == k or p.startswith(k + "/") for k in fences))

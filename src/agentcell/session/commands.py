@@ -33,7 +33,7 @@ def _load(sid: str) -> tuple[Any, dict[str, Any]]:
         raise AgentcellError("ID", f"no session {sid}", "see 'agentcell session list'")
     from .state import check_recorded
 
-    check_recorded(st)
+    check_recorded(st, sid)
     return g, plain(dict(st))
 
 
@@ -53,10 +53,14 @@ def _list(ns: Any) -> int:
     g, conn = graph.open_graph()
     rows = []
     for sid in graph.session_ids(conn):
-        st = graph.load(g, sid)
-        if st is None:
-            continue
-        rows.append({**summary(dict(st)), "needs_recover": graph.unfinished(st)})
+        try:
+            st = graph.load(g, sid)
+            if st is None:
+                continue
+            rows.append({**summary(dict(st)), "needs_recover": graph.unfinished(st)})
+        except Exception as e:  # noqa: BLE001 - a checkpoint agentcell did not write so: listed as such, not fatal
+            rows.append({"session": sid, "harness": None, "status": None, "needs_recover": True,
+                         "reason": f"its checkpoint cannot be read ({type(e).__name__}: {e})"})
     if ns.json:
         sys.stdout.write(json.dumps(rows) + "\n")
         return 0
@@ -253,10 +257,10 @@ def _recover(ns: Any) -> int:
     done, failed = [], []
     try:
         for sid in graph.session_ids(conn):
-            st = graph.load(g, sid)
-            if st is None or not graph.unfinished(st):
-                continue
             try:
+                st = graph.load(g, sid)
+                if st is None or not graph.unfinished(st):
+                    continue
                 final = graph.recover(g, sid)
             except AgentcellError as e:  # this one stays unfinished, said why; the others are still finished
                 failed.append(sid)
@@ -266,8 +270,8 @@ def _recover(ns: Any) -> int:
                 import traceback
 
                 failed.append(sid)
-                sys.stderr.write(f"{PROG}: session {sid} was not recovered (a bug in agentcell):\n"
-                                 f"{traceback.format_exc()}")
+                sys.stderr.write(shown(f"{PROG}: session {sid} was not recovered (a bug in agentcell):") + "\n" +
+                                 printable(traceback.format_exc(), keep="\n"))
                 continue
             done.append(summary(dict(final)))
             print_end(done[-1])

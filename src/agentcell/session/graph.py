@@ -149,9 +149,9 @@ def recover(graph: Graph, session_id: str) -> SessionState:
         raise AgentcellError("ID", f"no session {session_id}", "see 'agentcell session list'")
     from .state import check_recorded
 
-    check_recorded(state)
+    check_recorded(state, session_id)
     cfg = _config(session_id)
-    update: dict[str, Any] = {"supervisor": Supervisor(os.getpid(), start_time(os.getpid()))}
+    update: dict[str, Any] = {"supervisor": Supervisor(os.getpid(), start_time(os.getpid())), "recovered": True}
     if state.get("status") not in FINAL:
         update.update(status="terminated", reason="the supervisor died; recovered by 'agentcell session recover'")
     graph.update_state(cfg, update, as_node="monitor")

@@ -83,6 +83,7 @@ class SessionState(TypedDict, total=False):
     audit_error: str
     ended_at: float
     finished: bool  # the audit node ran: nothing left to recover
+    recovered: bool  # finished by session recover: its run's end is not known (cleanup moves only the agent's)
 
 
 @dataclass
@@ -239,31 +240,36 @@ def start_time(pid: int) -> int:
 def supervisor_alive(state: SessionState) -> bool:
     try:
         sup = of(Supervisor, state.get("supervisor"))
-    except TypeError:  # not one agentcell recorded: no supervisor of ours
+        return sup is not None and int(sup.pid) > 0 and start_time(int(sup.pid)) == int(sup.start)
+    except (TypeError, ValueError, AttributeError, OverflowError):  # not one agentcell recorded: none of ours
         return False
-    return sup is not None and int(sup.pid) > 0 and start_time(int(sup.pid)) == int(sup.start)
 
 
-def check_recorded(state: SessionState) -> None:
-    """A session read back from the checkpoint database, before anything acts on it (recover, stop,
-    restore): every name root will act on must be one agentcell made for this very session. The
-    database is root's, but it is no place to take an account name or a path from on trust."""
+def check_recorded(state: SessionState, thread: str) -> None:
+    """A session read back from the checkpoint database under the id ``thread``, before anything acts on it
+    (recover, stop, restore): every name root will act on must be one agentcell made for this very session
+    (its id that one, its cell and table named after it). The database is root's, but it is no place to
+    take an account name or a path from on trust."""
     from ..accounts import ephemeral
     from ..errors import AgentcellError
+    from ..network.firewall import table_name
 
     sid = str(state.get("session_id", ""))
     if not sid or not all(c.isalnum() or c in "-_" for c in sid) or len(sid) > 64:
         raise AgentcellError("session", f"recorded session id {sid[:70]!r} is malformed", "nothing was done")
 
     def bad(what: str, value: object) -> AgentcellError:
-        return AgentcellError("session", f"session {sid}: recorded {what} {str(value)[:70]!r} is not one agentcell "
-                              "makes", "nothing was done; the checkpoint database may have been tampered with")
+        return AgentcellError("session", f"session {thread}: recorded {what} {str(value)[:70]!r} is not one "
+                              "agentcell makes for it", "nothing was done; the checkpoint database may have been "
+                              "tampered with")
 
+    if sid != thread:
+        raise bad("session id", sid)
     cell = state.get("cell_id")
-    if cell and (not str(cell).startswith("agentcell-") or not all(c.isalnum() or c in "-_" for c in str(cell))):
+    if cell and cell != f"agentcell-{sid}":
         raise bad("cell", cell)
     table = state.get("firewall_table")
-    if table and (not str(table).startswith("agentcell_") or not str(table).replace("_", "a").isalnum()):
+    if table and table != table_name(f"agentcell-{sid}"):
         raise bad("firewall table", table)
     account = plain(state.get("account"))  # (a record, or the mapping an older checkpoint holds)
     if isinstance(account, dict):

@@ -71,6 +71,10 @@ def spawn(rt: Runtime, state: SessionState) -> dict[str, Any]:
             raise err from None
         forget_surface(sid)  # the agent never went: nothing of its to look for
         raise SpawnCrash("", line(e)) from None
+    except BaseException as e:  # (a bug of ours, a signal): the scan stays only if the agent may have gone
+        if not getattr(e, "after_go", False):
+            forget_surface(sid)
+        raise
     if made is not None:  # the cell's host owns the table now, and removes it with the cell
         rt.firewalls.pop(sid)
         made[1].close()
@@ -97,27 +101,56 @@ def _surface_file(sid: str) -> str:
     return os.path.join(sessions_dir(), f"protect-{sid}.json")
 
 
+KEPT_MAX = 64 << 20  # a kept scan's size, written and read (MAX_DIRS entries and their meanings fit well)
+
+
 def keep_surface(sid: str, protect: Surface) -> None:
     """The scan cleanup compares against, in the state dir beside the checkpoints, before the agent may go:
-    the spawn node's own checkpoint comes only once the cell has started."""
+    the spawn node's own checkpoint comes only once the cell has started. Durable (file and directory
+    synced): a node that loses power after the agent went still has it. OSError if it cannot be kept."""
     import json
 
+    from ...audit.base import fsync_dir
     from ..records import to_plain
 
-    hostfs.replace_file(_surface_file(sid), json.dumps(to_plain(protect)).encode())
+    data = json.dumps(to_plain(protect)).encode()
+    if len(data) > KEPT_MAX:
+        raise OSError(27, f"the scan is {len(data):,} bytes, more than {KEPT_MAX:,}")
+    path = _surface_file(sid)
+    hostfs.replace_file(path, data)
+    fsync_dir(os.path.dirname(path))
 
 
 def kept_surface(sid: str) -> Surface | None:
     """The scan :func:`keep_surface` kept (for a session whose supervisor died before spawn's checkpoint);
-    None if there is none (the agent never went). A damaged one raises (AgentcellError, ValueError,
-    TypeError)."""
+    None if there is none (the agent never went). ValueError if it is damaged (not the scan as written)."""
     import json
 
     path = _surface_file(sid)
     if not os.path.lexists(path):
         return None
-    data = hostfs.read_regular(path, "protect", "nothing but agentcell writes the state dir", limit=64 << 20)
-    return of(Surface, json.loads(data))
+    try:
+        data = json.loads(hostfs.read_regular(path, "protect", "nothing but agentcell writes the state dir",
+                                              limit=KEPT_MAX))
+        scan = of(Surface, data) if isinstance(data, dict) else None
+    except Exception as e:  # noqa: BLE001 - whatever it holds: damaged, said so by the caller
+        raise ValueError(f"{type(e).__name__}: {e}") from None
+    if scan is None or not _well_formed(scan):
+        raise ValueError(f"{path} does not hold a scan as agentcell writes it")
+    return scan
+
+
+def _well_formed(s: Surface) -> bool:
+    def strs(v: Any) -> bool:
+        return all(isinstance(x, str) for x in v)
+
+    return (isinstance(s.before, dict) and strs(s.before)
+            and all(isinstance(v, (list, tuple)) and len(v) == 4 and all(type(x) is int for x in v)
+                    for v in s.before.values())
+            and type(s.truncated) is bool and type(s.since_ns) is int
+            and (s.meanings is None or (isinstance(s.meanings, dict) and strs(s.meanings)
+                                        and strs(s.meanings.values())))
+            and isinstance(s.env_files, tuple) and strs(s.env_files))
 
 
 def forget_surface(sid: str) -> None:

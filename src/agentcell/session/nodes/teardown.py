@@ -194,7 +194,7 @@ def _quarantine(state: SessionState, account: Account | None) -> list[str]:
     if guard is None:  # a supervisor killed after the agent went, before spawn's checkpoint: the scan it kept
         try:
             guard = kept_surface(state["session_id"])
-        except (AgentcellError, ValueError, TypeError) as e:
+        except ValueError as e:
             return [f"the protected paths could not be checked (the scan kept before the agent went is damaged: "
                     f"{line(e)}): review repositories and agent config in the declared paths before you use them"]
     if guard is None:
@@ -205,7 +205,8 @@ def _quarantine(state: SessionState, account: Account | None) -> list[str]:
             {k: tuple(v) for k, v in guard.before.items()}, guard.truncated, guard.since_ns,
             state.get("cell_id", ""), tuple(written_paths(state)), policy.allow_write if policy else (),
             (*policy.ro_paths, *policy.masked_paths) if policy else (),
-            _owner(account), (human[0], human[1]) if human else None, guard.meanings)
+            _owner(account), (human[0], human[1]) if human else None, guard.meanings,
+            owner_only=bool(state.get("recovered")))
     except Exception as e:  # noqa: BLE001 - a teardown that stops here leaves the account behind
         return [f"the protected paths could not be checked ({type(e).__name__}: {line(e)}): review "
                 "repositories and agent config in the declared paths before you use them"]
@@ -277,8 +278,12 @@ def _set_aside_config(state: SessionState, guard: Surface, account: Account | No
                 if was is None and os.path.basename(f) == "agentcell.toml" and os.path.lexists(f)]
     if not created:
         return []
-    moved, failed = check.set_aside(sorted(set(created)), state.get("cell_id", ""), rw, owner_uid=_owner(account),
-                                      since_ns=guard.since_ns, give_to=give_to)
+    moved: list[tuple[str, str]]
+    if state.get("recovered") and _owner(account) is None:  # (the human may have made them since: said, not moved)
+        moved, failed = [], sorted(set(created))
+    else:
+        moved, failed = check.set_aside(sorted(set(created)), state.get("cell_id", ""), rw,
+                                        owner_uid=_owner(account), since_ns=guard.since_ns, give_to=give_to)
     out = [f"the agent created {old}, which the next session or your tools load (an env file, the session's "
            f"configuration); it was moved to {new}: move it back if you accept it" for old, new in moved]
     out += [f"the agent created {f}, which the next session or your tools load, and it could not be moved aside: "
