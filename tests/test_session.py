@@ -419,7 +419,7 @@ def test_a_supervisor_killed_once_the_agent_went_before_spawns_checkpoint_still_
     damaged.write_text('{"before": {}, "truncated": false, "since_ns": "0"}')  # (a time that is text)
     r = session(env, ["recover", "--json"])
     [done] = r.summary  # type: ignore[misc]
-    assert any(w.startswith("the protected paths could not be checked (the scan kept before the agent went is "
+    assert any(w.startswith("the protected paths could not be checked (the scan taken before the agent went is "
                             "damaged") for w in done["warnings"]), (done["warnings"], r.err)
     assert account_gone(done["os_user"]) and not list(kept.glob("protect-*")), list(kept.iterdir())
 
@@ -1042,15 +1042,18 @@ def test_recover_acts_only_on_what_agentcell_made_for_that_session(env: Env, use
 
     sid, other = "20261130-000000-abcdef", "20261130-000001-fedcba"
     good = {"session_id": sid, "cell_id": f"agentcell-{sid}", "firewall_table": "agentcell_20261130000000abcdef",
-            "account": {"kind": "ephemeral", "name": ephemeral.name_for(sid), "uid": ephemeral.UID_FIRST + 7}}
+            "account": {"kind": "ephemeral", "name": ephemeral.name_for(sid), "uid": ephemeral.UID_FIRST + 7,
+                        "gid": ephemeral.UID_FIRST + 7}}
     check_recorded(good, sid)  # type: ignore[arg-type]
     # (another session's names, in this one's checkpoint: root would end that live session's cell, account)
     for forged in ({"account": {"kind": "ephemeral", "name": user.name, "uid": user.uid}},
                    {"cell_id": "../ac-victim"}, {"firewall_table": "../../../tmp/x"},
                    {"account": {"kind": "agent", "name": "nobody-registered", "uid": 0}},
                    {"session_id": other, "account": {"kind": "ephemeral", "name": ephemeral.name_for(other),
-                                                     "uid": ephemeral.UID_FIRST + 8}},
-                   {"cell_id": f"agentcell-{other}"}, {"firewall_table": "agentcell_20261130000001fedcba"}):
+                                                     "uid": ephemeral.UID_FIRST + 8, "gid": ephemeral.UID_FIRST + 8}},
+                   {"cell_id": f"agentcell-{other}"}, {"firewall_table": "agentcell_20261130000001fedcba"},
+                   {"account": {**good["account"], "gid": user.gid}},  # type: ignore[dict-item]
+                   {"account": "ac-victim"}, {"human": ["0", 0]}, {"cache_dir": "/home"}):
         with pytest.raises(AgentcellError, match="not one agentcell makes"):
             check_recorded({**good, **forged}, sid)  # type: ignore[arg-type]
     with pytest.raises(AgentcellError, match="is not the per-session account"):

@@ -44,3 +44,20 @@ def test_sessions_that_open_a_fresh_database_at_once_all_get_it(tmp_path: Path, 
     with sqlite3.connect(db) as conn:
         assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
         assert conn.execute("SELECT count(*) FROM t").fetchone()[0] == 8
+
+
+def test_a_checkpoint_that_names_a_class_constructs_nothing_when_read_back() -> None:
+    """LangGraph's default serializer imports and calls whatever class or function a checkpoint names; ours
+    reads such an entry back as its plain data (a forged database must not run code as root on load)."""
+    import signal
+
+    from langgraph.checkpoint.serde.jsonplus import JsonPlusSerializer
+
+    from agentcell.session.state import Serde
+
+    forged = JsonPlusSerializer(allowed_msgpack_modules=True).dumps_typed({"x": signal.Signals.SIGTERM})
+    loose = JsonPlusSerializer(allowed_msgpack_modules=True).loads_typed(forged)  # (LangGraph's default)
+    assert type(loose["x"]) is signal.Signals, loose  # it called signal.Signals(15), as it would os.system(...)
+    back = Serde().loads_typed(forged)
+    assert type(back["x"]) is not signal.Signals and back["x"] == 15, back
+    assert Serde().loads_typed(Serde().dumps_typed({"when": {1, 2}, "s": "x"})) == {"when": {1, 2}, "s": "x"}

@@ -155,8 +155,8 @@ def run(plans: Sequence[SessionPlan], *, run_id: str, base: str, owner: str, rec
         by_node: dict[str, list[str]] = {}
         for name, r in results.items():
             # (one session recover refused stays lost: by hand, once fixed; no loop on a node that keeps one)
-            if r["status"] == "lost" and r["node"] not in ("?", *given_up) and tries[name] <= RESUBMITS \
-                    and not r.get("unrecovered") and recoveries.get(name, 0) < RECOVERIES:
+            if r["status"] == "lost" and r["node"] not in ("?", *given_up) and not r.get("unrecovered") \
+                    and recoveries.get(name, 0) < RECOVERIES:
                 by_node.setdefault(r["node"], []).append(name)
         if not by_node:
             break
@@ -174,10 +174,11 @@ def run(plans: Sequence[SessionPlan], *, run_id: str, base: str, owner: str, rec
                 given_up.add(where)
                 continue
             for r in got:
-                if r.get("never_ran"):
+                if r.get("never_ran") and tries[r["name"]] <= RESUBMITS:
                     submit(r["name"])  # its session never reached its agent: it runs again
                     continue
-                results[r["name"]] = {**r, "lost": results[r["name"]]["reason"]}
+                was = results[r["name"]]
+                results[r["name"]] = {**r, "lost": was.get("lost") or was["reason"]}  # (the first loss's reason)
                 on_result(results[r["name"]])
         drain()
     return [results[p.name] for p in plans]

@@ -404,7 +404,7 @@ def ledger_entries(node: Node, run: str) -> dict[str, dict[str, Any]]:
 
 def _said(stderr: str, sid: str) -> str:
     """What ``session recover`` said of the session ``sid`` (its line naming it), if anything."""
-    return next((ln.strip() for ln in stderr.splitlines() if f"session {sid} " in ln), "")
+    return next((ln.strip() for ln in stderr.splitlines() if f"session {sid} was not recovered" in ln), "")
 
 
 def recover(node: Node, run: str, names: list[str] | None = None) -> list[dict[str, Any]]:

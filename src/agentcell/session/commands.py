@@ -57,7 +57,9 @@ def _list(ns: Any) -> int:
             st = graph.load(g, sid)
             if st is None:
                 continue
-            rows.append({**summary(dict(st)), "needs_recover": graph.unfinished(st)})
+            row = {**summary(dict(st)), "needs_recover": graph.unfinished(st)}
+            json.dumps(row)  # (one row that cannot be written is that row's problem, not the listing's)
+            rows.append(row)
         except Exception as e:  # noqa: BLE001 - a checkpoint agentcell did not write so: listed as such, not fatal
             rows.append({"session": sid, "harness": None, "status": None, "needs_recover": True,
                          "reason": f"its checkpoint cannot be read ({type(e).__name__}: {e})"})
@@ -66,7 +68,7 @@ def _list(ns: Any) -> int:
         return 0
     for r in rows:
         status = str(r["status"] or "?") + (" (supervisor gone: session recover)" if r["needs_recover"] else "")
-        sys.stdout.write(shown(f"{r['session']}  {r['harness'] or '?':<11} {status:<10} {r['reason']}") + "\n")
+        sys.stdout.write(shown(f"{r['session']}  {str(r['harness'] or '?'):<11} {status:<10} {r['reason']}") + "\n")
     return 0
 
 
@@ -262,6 +264,7 @@ def _recover(ns: Any) -> int:
                 if st is None or not graph.unfinished(st):
                     continue
                 final = graph.recover(g, sid)
+                done.append(summary(dict(final)))
             except AgentcellError as e:  # this one stays unfinished, said why; the others are still finished
                 failed.append(sid)
                 sys.stderr.write(shown(f"{PROG}: session {sid} was not recovered: {e}") + "\n")
@@ -273,7 +276,6 @@ def _recover(ns: Any) -> int:
                 sys.stderr.write(shown(f"{PROG}: session {sid} was not recovered (a bug in agentcell):") + "\n" +
                                  printable(traceback.format_exc(), keep="\n"))
                 continue
-            done.append(summary(dict(final)))
             print_end(done[-1])
     finally:
         conn.close()

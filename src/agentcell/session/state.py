@@ -183,12 +183,15 @@ def _from_text(obj: Any) -> Any:
 
 
 class Serde:
-    """LangGraph's serializer, with the strings that are not UTF-8 carried through (:func:`_to_text`)."""
+    """LangGraph's serializer, with the strings that are not UTF-8 carried through (:func:`_to_text`).
+    Strict: what it reads back constructs no class but LangGraph's few safe types (dates, sets, paths:
+    ``allowed_msgpack_modules=None``), none by name from the database; by default it would import and call
+    whatever a checkpoint names. Our records go in as tagged plain data (:mod:`.records`)."""
 
     def __init__(self) -> None:
         from langgraph.checkpoint.serde.jsonplus import JsonPlusSerializer
 
-        self.inner = JsonPlusSerializer()
+        self.inner = JsonPlusSerializer(allowed_msgpack_modules=None, allowed_json_modules=None)
 
     def dumps_typed(self, obj: Any) -> tuple[str, bytes]:
         return self.inner.dumps_typed(_to_text(obj))
@@ -271,22 +274,37 @@ def check_recorded(state: SessionState, thread: str) -> None:
     table = state.get("firewall_table")
     if table and table != table_name(f"agentcell-{sid}"):
         raise bad("firewall table", table)
+    human = state.get("human")
+    if human is not None and not (isinstance(human, (list, tuple)) and len(human) == 2
+                                  and all(type(x) is int and x >= 0 for x in human)):
+        raise bad("human", human)
+    cfg = config_of(state)
+    cache = state.get("cache_dir")
+    if cache:
+        from ..caches import tree_of
+
+        if cache != tree_of(cfg.project_root, cfg.agent):
+            raise bad("cache", cache)
     account = plain(state.get("account"))  # (a record, or the mapping an older checkpoint holds)
     if isinstance(account, dict):
         if account.get("kind") == "ephemeral":
             uid = account.get("uid")
             if account.get("name") != ephemeral.name_for(sid) or not isinstance(uid, int) or \
-                    not ephemeral.UID_FIRST <= uid <= ephemeral.UID_LAST:
+                    not ephemeral.UID_FIRST <= uid <= ephemeral.UID_LAST or account.get("gid") != uid:
                 raise bad("account", account.get("name"))
         elif account.get("kind") == "agent":
             from ..accounts.registry import open_registry
 
+            if account.get("name") != cfg.agent:  # (the session's own agent, none other)
+                raise bad("agent", account.get("name"))
             try:
                 with open_registry() as reg:
                     rec = reg.get(str(account.get("name")))
             except Exception:  # noqa: BLE001 - no such agent, or no registry: either way not ours
                 raise bad("agent", account.get("name")) from None
-            if getattr(rec, "uid", None) != account.get("uid"):
+            if getattr(rec, "uid", None) != account.get("uid") or getattr(rec, "gid", None) != account.get("gid"):
                 raise bad("agent", account.get("name"))
         else:
             raise bad("account", account)
+    elif account is not None:
+        raise bad("account", account)

@@ -71,10 +71,6 @@ def spawn(rt: Runtime, state: SessionState) -> dict[str, Any]:
             raise err from None
         forget_surface(sid)  # the agent never went: nothing of its to look for
         raise SpawnCrash("", line(e)) from None
-    except BaseException as e:  # (a bug of ours, a signal): the scan stays only if the agent may have gone
-        if not getattr(e, "after_go", False):
-            forget_surface(sid)
-        raise
     if made is not None:  # the cell's host owns the table now, and removes it with the cell
         rt.firewalls.pop(sid)
         made[1].close()

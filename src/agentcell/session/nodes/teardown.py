@@ -190,13 +190,13 @@ def _quarantine(state: SessionState, account: Account | None) -> list[str]:
     from ...protect.check import compare, lines
     from .spawn import kept_surface
 
-    guard, policy = of(Surface, state.get("protect")), policy_of(state)
-    if guard is None:  # a supervisor killed after the agent went, before spawn's checkpoint: the scan it kept
-        try:
+    try:
+        guard, policy = of(Surface, state.get("protect")), policy_of(state)
+        if guard is None:  # a supervisor killed after the agent went, before spawn's checkpoint: the scan it kept
             guard = kept_surface(state["session_id"])
-        except ValueError as e:
-            return [f"the protected paths could not be checked (the scan kept before the agent went is damaged: "
-                    f"{line(e)}): review repositories and agent config in the declared paths before you use them"]
+    except Exception as e:  # noqa: BLE001 - damaged: said, and teardown goes on
+        return [f"the protected paths could not be checked (the scan taken before the agent went is damaged: "
+                f"{line(e)}): review repositories and agent config in the declared paths before you use them"]
     if guard is None:
         return []
     human = state.get("human")
@@ -207,11 +207,11 @@ def _quarantine(state: SessionState, account: Account | None) -> list[str]:
             (*policy.ro_paths, *policy.masked_paths) if policy else (),
             _owner(account), (human[0], human[1]) if human else None, guard.meanings,
             owner_only=bool(state.get("recovered")))
+        out = lines(found, "the agent", lift_hint=False)
+        out += _set_aside_config(state, guard, account, (human[0], human[1]) if human else None)
     except Exception as e:  # noqa: BLE001 - a teardown that stops here leaves the account behind
         return [f"the protected paths could not be checked ({type(e).__name__}: {line(e)}): review "
                 "repositories and agent config in the declared paths before you use them"]
-    out = lines(found, "the agent", lift_hint=False)
-    out += _set_aside_config(state, guard, account, (human[0], human[1]) if human else None)
     if found["scan_truncated"]:
         out.append("the declared paths hold more than the protected-path scan covers: review repositories and "
                    "agent config in them before you use them")
@@ -288,6 +288,10 @@ def _set_aside_config(state: SessionState, guard: Surface, account: Account | No
            f"configuration); it was moved to {new}: move it back if you accept it" for old, new in moved]
     out += [f"the agent created {f}, which the next session or your tools load, and it could not be moved aside: "
             "review it before you use the project" for f in failed]
+    gone = {old for old, _new in moved} | set(failed)
+    out += [f"{f} is new since the session began but not the agent's account's, so it was left where it is: the "
+            "next session or your tools load it; review it before you use the project" for f in sorted(set(created))
+            if f not in gone]
     return out
 
 
