@@ -217,7 +217,11 @@ def _quarantine_box(root: str, cell_id: str, give_to: tuple[int, int] | None = N
     finally:
         os.close(rfd)
     if give_to is not None:
-        os.chown(fd, *give_to)
+        try:
+            os.chown(fd, *give_to)
+        except BaseException:
+            os.close(fd)
+            raise
     return fd, name
 
 
