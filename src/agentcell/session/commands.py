@@ -268,15 +268,14 @@ def _recover(ns: Any) -> int:
             except AgentcellError as e:  # this one stays unfinished, said why; the others are still finished
                 failed.append(sid)
                 sys.stderr.write(shown(f"{PROG}: session {sid} was not recovered: {e}") + "\n")
-                continue
             except Exception:  # noqa: BLE001 - a bug of ours: its traceback, and the other sessions still finished
                 import traceback
 
                 failed.append(sid)
                 sys.stderr.write(shown(f"{PROG}: session {sid} was not recovered (a bug in agentcell):") + "\n" +
                                  printable(traceback.format_exc(), keep="\n"))
-                continue
-            print_end(done[-1])
+            else:
+                print_end(done[-1])
     finally:
         conn.close()
     if ns.json:

@@ -200,15 +200,15 @@ def _quarantine(state: SessionState, account: Account | None) -> list[str]:
     if guard is None:
         return []
     human = state.get("human")
+    give_to = (human[0], human[1]) if human else None
     try:  # whatever the agent left for the scan to read, teardown goes on
         found = compare(
             {k: tuple(v) for k, v in guard.before.items()}, guard.truncated, guard.since_ns,
             state.get("cell_id", ""), tuple(written_paths(state)), policy.allow_write if policy else (),
             (*policy.ro_paths, *policy.masked_paths) if policy else (),
-            _owner(account), (human[0], human[1]) if human else None, guard.meanings,
-            owner_only=bool(state.get("recovered")))
+            _owner(account), give_to, guard.meanings, owner_only=bool(state.get("recovered")))
         out = lines(found, "the agent", lift_hint=False)
-        out += _set_aside_config(state, guard, account, (human[0], human[1]) if human else None)
+        out += _set_aside_config(state, guard, account, give_to)
     except Exception as e:  # noqa: BLE001 - a teardown that stops here leaves the account behind
         return [f"the protected paths could not be checked ({type(e).__name__}: {line(e)}): review "
                 "repositories and agent config in the declared paths before you use them"]
@@ -278,19 +278,20 @@ def _set_aside_config(state: SessionState, guard: Surface, account: Account | No
                 if was is None and os.path.basename(f) == "agentcell.toml" and os.path.lexists(f)]
     if not created:
         return []
+    created = sorted(set(created))
     moved: list[tuple[str, str]]
     if state.get("recovered") and _owner(account) is None:  # (the human may have made them since: said, not moved)
-        moved, failed = [], sorted(set(created))
+        moved, failed = [], created
     else:
-        moved, failed = check.set_aside(sorted(set(created)), state.get("cell_id", ""), rw,
-                                        owner_uid=_owner(account), since_ns=guard.since_ns, give_to=give_to)
+        moved, failed = check.set_aside(created, state.get("cell_id", ""), rw, owner_uid=_owner(account),
+                                        since_ns=guard.since_ns, give_to=give_to)
     out = [f"the agent created {old}, which the next session or your tools load (an env file, the session's "
            f"configuration); it was moved to {new}: move it back if you accept it" for old, new in moved]
     out += [f"the agent created {f}, which the next session or your tools load, and it could not be moved aside: "
             "review it before you use the project" for f in failed]
     gone = {old for old, _new in moved} | set(failed)
     out += [f"{f} is new since the session began but not the agent's account's, so it was left where it is: the "
-            "next session or your tools load it; review it before you use the project" for f in sorted(set(created))
+            "next session or your tools load it; review it before you use the project" for f in created
             if f not in gone]
     return out
 
