@@ -175,6 +175,51 @@ def _within(seconds: float, cell: LiveCell, fn: Callable[[], T]) -> T:
     return out[0]
 
 
+def test_a_command_on_the_lane_that_stops_the_exec_server_ends_its_own_cell(user: User) -> None:
+    """The private client's commands go on its lane, unseen by the host; the host still looks for a stopped
+    exec server while the lane is open, so a command there that stops it (and one sent after) end with the
+    cell, not hang."""
+    null = os.open(os.devnull, os.O_RDWR)
+    try:
+        with Cell.open(_spec(user)) as cell:
+            assert cell.live._lane is not None  # type: ignore[attr-defined]
+            stopper = cell.spawn(["sh", "-c", "kill -STOP 2; sleep 1000"], stdout=null, stderr=null)
+            after = cell.spawn(["true"], stdin=null, stdout=null, stderr=null)
+            assert _within(30, cell, lambda: (stopper.wait(), after.wait())) == (137, 137)
+            assert cell.ended and "no longer served commands" in cell.ended, cell.ended
+        assert _gone(cell.pid1)
+    finally:
+        os.close(null)
+
+
+def test_a_command_on_the_lane_ends_as_one_through_the_host(live: LiveCell) -> None:
+    """The same requests on the lane (no timeout) and through the host (a timeout): the same environment,
+    working directory, status, and words for one that never started; the lane takes no ``attach`` of its
+    own (only the host's channel may give the server a lane)."""
+    from agentcell.cell import execd
+
+    lane = live.live._lane  # type: ignore[attr-defined]
+    assert lane is not None
+    script = 'echo "$A $HOME"; pwd; echo err >&2; exit 3'
+    ways = [live.exec(["sh", "-c", script], env={"A": "b"}, cwd="/tmp", text=True, **kw)  # type: ignore[arg-type]
+            for kw in ({}, {"timeout": 60})]
+    assert ways[0].returncode == ways[1].returncode == 3
+    assert ways[0].stdout == ways[1].stdout == f"b {lane.cwd}\n/tmp\n"
+    assert ways[0].stderr == ways[1].stderr == "err\n"
+    for argv, cwd in ((["no-such-command"], None), (["true"], "/nonexistent")):
+        lost = [live.exec(argv, cwd=cwd, text=True, **kw) for kw in ({}, {"timeout": 60})]  # type: ignore[arg-type]
+        assert lost[0].returncode == lost[1].returncode and lost[0].returncode in (126, 127)
+        assert lost[0].stderr == lost[1].stderr and lost[0].stderr.startswith("agentcell: "), lost[0].stderr
+    r, w = os.pipe()
+    try:
+        lane._send(execd.request({"op": "attach"}, [w]), [w])
+    finally:
+        os.close(w)
+    assert live.exec(["true"]).returncode == 0 and live.ended is None
+    assert os.read(r, 1) == b""  # the server closed the fd it was sent, unread: no second lane
+    os.close(r)
+
+
 def test_a_request_the_stopped_exec_server_cannot_take_never_hangs_its_host(user: User) -> None:
     """Requests larger than the exec server's channel holds, sent while a command has stopped the server:
     the host never blocks on it (it would serve nothing more, nor see the server stopped), and the cell

@@ -245,10 +245,27 @@ sys.stdout.write("\\n" + json.dumps(p.result) + "\\n")
 """
 
 
-def run_api(a: Attempt, user: User, project: Path) -> Outcome:
+# The probe as a command of a live cell of the Python API (agentcell.Cell.open, unwatched as run_live's):
+# sent on the client's lane to the cell's exec server, not through the cell host's relay. The result is the
+# whole cell's, from close().
+API_LIVE_RUNNER = """
+import json, sys
+from agentcell import Cell
+from agentcell.cli import run
+ns = run.parse(sys.argv[1:])
+cell = Cell.open(run.build_spec(ns), monitor=None)
+assert cell.live._lane is not None, "no lane"
+p = cell.spawn(ns.command)
+p.wait(ns.timeout)
+result = cell.close()
+sys.stdout.write("\\n" + json.dumps(dict(result or {}, command=p.result)) + "\\n")
+"""
+
+
+def run_api(a: Attempt, user: User, project: Path, live: bool = False) -> Outcome:
     who = a.as_user or user
-    argv = [str(VENV_BIN / "python"), "-c", API_RUNNER, "--as", str(who.uid), "--rw", str(project), *a.flags, "--",
-            *a.argv]
+    argv = [str(VENV_BIN / "python"), "-c", API_LIVE_RUNNER if live else API_RUNNER, "--as", str(who.uid), "--rw",
+            str(project), *a.flags, "--", *a.argv]
     o = _execute(argv, a, dict(PROBE_USER_ENV, **a.env))
     head, _, last = o.out.rstrip("\n").rpartition("\n")  # the runner's last line: the cell's result
     if last.startswith("{"):
@@ -1684,13 +1701,13 @@ def test_there_are_enough_probes() -> None:
     assert len(PROBES) >= 40
 
 
-@pytest.mark.parametrize("host", ["run", "warm", "live", "live-watched", "api"])
+@pytest.mark.parametrize("host", ["run", "warm", "live", "live-watched", "api", "api-live"])
 @pytest.mark.parametrize("name", sorted(PROBES))
 def test_probe_is_contained(name: str, host: str, world: World, request: pytest.FixtureRequest) -> None:
     """Through ``agentcell run`` (a cell per command, built by the CLI: the in-process host), through the
     warm launcher (its cells, and cell hosts it forks for supervised ones), as a command of a live cell
     (``agentcell cell``; unwatched, and watched as by default) and through the Python API's remote
-    host (``agentcell.Cell``)."""
+    host (``agentcell.Cell``), and as a command of its live cell (``Cell.open``), sent on its lane."""
     attempt = PROBES[name](world)
     if name in XFAIL:
         request.node.add_marker(pytest.mark.xfail(strict=True, reason=XFAIL[name]))
@@ -1699,8 +1716,8 @@ def test_probe_is_contained(name: str, host: str, world: World, request: pytest.
         o = run_contained(attempt, world.user, world.project, warm=True)
     elif host == "run":
         o = run_contained(attempt, world.user, world.project)
-    elif host == "api":
-        o = run_api(attempt, world.user, world.project)
+    elif host in ("api", "api-live"):
+        o = run_api(attempt, world.user, world.project, live=host == "api-live")
     else:
         o = run_live(attempt, world.user, world.project, watched=host == "live-watched")
     # Watched, the monitor may end the cell at the probe's first refused step, before it holds.

@@ -16,12 +16,19 @@ never by an unmarshal of what the cell wrote::
 
     supervisor -> {"op": "exec", "id": N, "argv": [...], "env": {...}, "cwd": DIR, "fds": [0, 1, 2]} + fds
     supervisor -> {"op": "signal", "id": N, "sig": S}
+    supervisor -> {"op": "attach"} + fd     a lane: a second channel, for a client of the supervisor's
     cell       -> b"X" id code sig     it ended (code 128+N for a signal)
     cell       -> b"F" id code errno   it never started (127 not found, 126 not runnable; errno | NO_CWD
                                        when its working directory could not be entered)
 
 A command's start is not reported: no one used it, and it woke the supervisor once more per command
 while the command ran.
+
+A **lane** (at most one, attached by the supervisor) takes ``exec`` and ``signal`` requests as the
+channel does, with request ids of its own, and gets the reports of its commands: a live cell's private
+client (:class:`agentcell.host.liveclient.RemoteLive`) sends its commands on it, so that each skips the
+cell host's relay (two wake-ups of one process by another, and the relay's work, per command). The
+server ends, and with it the cell, when either channel ends or fails, as when the channel alone did.
 """
 from __future__ import annotations
 
@@ -80,8 +87,7 @@ class Channel:
         """Start ``argv`` in ``env`` (encoded: :func:`encoded`); ``fds`` maps the number the command sees
         to our fd. Raises OSError when the cell is gone, or when too much waits for a server that does
         not read (ENOBUFS)."""
-        self._send({"op": "exec", "id": rid, "argv": [os.fsencode(a) for a in argv], "env": env,
-                    "cwd": os.fsencode(cwd), "fds": list(fds)}, list(fds.values()))
+        self._send(exec_request(rid, argv, env, cwd, list(fds)), list(fds.values()))
 
     def signal(self, rid: int, sig: int) -> None:
         try:
@@ -89,13 +95,12 @@ class Channel:
         except OSError:
             pass  # the cell is gone: so is the command
 
+    def attach(self, fd: int) -> None:
+        """Give the server ``fd`` (a stream socket's end) as its lane; raises OSError when the cell is gone."""
+        self._send({"op": "attach"}, [fd])
+
     def _send(self, msg: dict[str, Any], fds: list[int]) -> None:
-        if len(fds) > MAX_FDS:
-            raise ValueError(f"at most {MAX_FDS} fds per command")
-        payload = marshal.dumps(msg)
-        if len(payload) > MAX_REQUEST:
-            raise ValueError(f"argv and environment of {len(payload):,} bytes (at most {MAX_REQUEST:,})")
-        data = memoryview(_REQUEST.pack(len(payload), len(fds)) + payload)
+        data = memoryview(request(msg, fds))
         sent = 0
         if not self._out:
             try:
@@ -160,13 +165,7 @@ class Channel:
         if not chunk:
             self.closed = True
             return None
-        self._buf += chunk
-        out = []
-        while len(self._buf) >= _REPORT.size:
-            kind, rid, a, b = _REPORT.unpack_from(self._buf)
-            self._buf = self._buf[_REPORT.size:]
-            if kind in (b"X", b"F"):
-                out.append((kind.decode(), rid, a, b))
+        out, self._buf = parse_reports(self._buf + chunk)
         return out
 
     def close(self) -> None:
@@ -179,6 +178,55 @@ class Channel:
         except OSError:
             pass
         self.sock.close()
+
+
+def request(msg: dict[str, Any], fds: list[int]) -> bytes:
+    """One request as it goes on a channel (the ``fds`` go with its first byte)."""
+    if len(fds) > MAX_FDS:
+        raise ValueError(f"at most {MAX_FDS} fds per command")
+    payload = marshal.dumps(msg)
+    if len(payload) > MAX_REQUEST:
+        raise ValueError(f"argv and environment of {len(payload):,} bytes (at most {MAX_REQUEST:,})")
+    return _REQUEST.pack(len(payload), len(fds)) + payload
+
+
+def exec_request(rid: int, argv: Sequence[str], env: dict[bytes, bytes], cwd: str, targets: Sequence[int]) -> \
+        dict[str, Any]:
+    return {"op": "exec", "id": rid, "argv": [os.fsencode(a) for a in argv], "env": env, "cwd": os.fsencode(cwd),
+            "fds": list(targets)}
+
+
+def parse_reports(buf: bytes) -> tuple[list[tuple[str, int, int, int]], bytes]:
+    """The whole reports in ``buf`` (ends and failures to start), and what is left of it."""
+    out = []
+    while len(buf) >= _REPORT.size:
+        kind, rid, a, b = _REPORT.unpack_from(buf)
+        buf = buf[_REPORT.size:]
+        if kind in (b"X", b"F"):
+            out.append((kind.decode(), rid, a, b))
+    return out, buf
+
+
+def malformed(argv: object, env: object, cwd: object) -> str:
+    """What is wrong with a command's request as a client makes it (a list of strings, a dict of strings,
+    an absolute path or None), or ""."""
+    if not isinstance(argv, list) or not argv or not all(isinstance(a, str) and "\0" not in a for a in argv):
+        return "argv must be a list of strings without NUL"
+    if not isinstance(env, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) and k and "=" not in k and "\0" not in k + v
+            for k, v in env.items()):
+        return "env must map NAME (no '=', no NUL) to a string"
+    if cwd is not None and (not isinstance(cwd, str) or not cwd.startswith("/") or "\0" in cwd):
+        return "cwd must be an absolute path"
+    return ""
+
+
+def not_started(name: str, cwd: str, code: int, err: int) -> str:
+    """Why a command never started, as a shell would say it (the server reports a code and errno)."""
+    if err & NO_CWD:
+        return f"agentcell: {cwd[:256]}: {os.strerror(err & 0xFFFF)}"
+    what = "command not found in the cell" if code == 127 else os.strerror(err & 0xFFFF)
+    return f"agentcell: {name[:256]}: {what}"
 
 
 def _copies(fds: list[int]) -> list[int]:
@@ -205,46 +253,51 @@ def encoded(env: dict[str, str]) -> dict[bytes, bytes]:
 def serve(ctl: _socket.socket) -> NoReturn:
     sc.prctl(sc.PR_SET_DUMPABLE, 0)  # setresuid may have made us dumpable again (fs.suid_dumpable)
     ctl.setblocking(True)
-    running: dict[int, tuple[int, int]] = {}  # pidfd -> (request id, pid)
-    by_id: dict[int, int] = {}  # request id -> pid
-    buf, fds_in = b"", []
-    waits = select.poll()  # the channel and each command's pidfd, kept (not a list made for each wait)
+    chans = {ctl.fileno(): _Chan(ctl, main=True)}
+    running: dict[int, tuple[_Chan, int, int]] = {}  # pidfd -> (its channel, request id, pid)
+    waits = select.poll()  # the channels and each command's pidfd, kept (not a list made for each wait)
     waits.register(ctl, select.POLLIN)
-    me = ctl.fileno()
-    # Each running command holds a pidfd of ours: near our fd limit the channel is not read (its requests wait
-    # there) until one ends, so that a request's fds are never cut off by our own load (that ends the server).
+    # Each running command holds a pidfd of ours: near our fd limit the channels are not read (their requests
+    # wait there) until one ends, so that a request's fds are never cut off by our own load (that ends the server).
     room, listening = os.sysconf("SC_OPEN_MAX") - FD_HEADROOM, True
     while True:
         for r, _ in waits.poll():
-            if r == me:
+            ch = chans.get(r)
+            if ch is not None:
                 try:  # (close-on-exec as they come: only as a command's 0-2, dup2'd, do they cross its exec)
-                    chunk, anc, flags, _addr = ctl.recvmsg(1 << 16, _socket.CMSG_SPACE(MAX_FDS * 4),
-                                                           _socket.MSG_CMSG_CLOEXEC)
+                    chunk, anc, flags, _addr = ch.sock.recvmsg(1 << 16, _socket.CMSG_SPACE(MAX_FDS * 4),
+                                                               _socket.MSG_CMSG_CLOEXEC)
                 except InterruptedError:
                     continue
+                except OSError:
+                    chunk, anc, flags = b"", [], 0
                 if not chunk or flags & _socket.MSG_CTRUNC:
-                    # EOF: the supervisor is done with the cell (or gone). Fds cut off (a command lowered our
-                    # RLIMIT_NOFILE, prlimit): the requests can no longer be matched with theirs. Either
-                    # way the server ends, and PID 1 the cell.
+                    # EOF: the supervisor (or the client of the lane) is done with the cell, or gone. Fds cut
+                    # off (a command lowered our RLIMIT_NOFILE, prlimit): the requests can no longer be matched
+                    # with theirs. Either way the server ends, and PID 1 the cell.
                     os._exit(0)
-                buf += chunk
-                fds_in += unpack_fds(anc)
-                while len(buf) >= _REQUEST.size:
-                    length, nfds = _REQUEST.unpack_from(buf)
-                    if len(buf) < _REQUEST.size + length or len(fds_in) < nfds:
+                ch.buf += chunk
+                ch.fds_in += unpack_fds(anc)
+                while len(ch.buf) >= _REQUEST.size:
+                    length, nfds = _REQUEST.unpack_from(ch.buf)
+                    if len(ch.buf) < _REQUEST.size + length or len(ch.fds_in) < nfds:
                         break
-                    msg = marshal.loads(buf[_REQUEST.size:_REQUEST.size + length])
-                    buf = buf[_REQUEST.size + length:]
-                    fds, fds_in = fds_in[:nfds], fds_in[nfds:]
-                    _handle(ctl, msg, fds, running, by_id, waits)
-                if running and len(running) >= room:
-                    waits.unregister(ctl)
+                    msg = marshal.loads(ch.buf[_REQUEST.size:_REQUEST.size + length])
+                    ch.buf = ch.buf[_REQUEST.size + length:]
+                    fds, ch.fds_in = ch.fds_in[:nfds], ch.fds_in[nfds:]
+                    if msg.get("op") == "attach":
+                        _attach(ch, fds, chans, waits if listening else None)
+                    else:
+                        _handle(ch, msg, fds, running, waits)
+                if running and len(running) >= room and listening:
+                    for fd in chans:
+                        waits.unregister(fd)
                     listening = False
             else:
-                rid, pid = running.pop(r)
+                ch, rid, pid = running.pop(r)
                 waits.unregister(r)
                 os.close(r)
-                by_id.pop(rid, None)
+                ch.by_id.pop(rid, None)
                 code, sig = 255, 0
                 try:
                     _, wstatus = os.waitpid(pid, 0)
@@ -254,24 +307,54 @@ def serve(ctl: _socket.socket) -> NoReturn:
                         code = os.waitstatus_to_exitcode(wstatus)
                 except ChildProcessError:
                     pass
-                _tell(ctl, b"X", rid, code, sig)
+                _tell(ch, b"X", rid, code, sig)
                 if not listening and len(running) < room:
-                    waits.register(ctl, select.POLLIN)
+                    for fd in chans:
+                        waits.register(fd, select.POLLIN)
                     listening = True
 
 
-def _tell(ctl: _socket.socket, kind: bytes, rid: int, a: int, b: int) -> None:
+class _Chan:
+    """A channel the server reads requests from: the supervisor's (``main``), or one lane a client of the
+    supervisor's was handed (:meth:`Channel.attach`). Request ids are each channel's own; a command's end
+    is reported on the channel that asked for it."""
+
+    def __init__(self, sock: _socket.socket, main: bool = False) -> None:
+        self.sock, self.main = sock, main
+        self.buf, self.fds_in = b"", list[int]()
+        self.by_id: dict[int, int] = {}  # request id -> pid
+
+
+def _attach(ch: _Chan, fds: list[int], chans: dict[int, _Chan], waits: select.poll | None) -> None:
+    """A lane, from the supervisor's channel only, and one at most: anything else is closed unread."""
+    if not ch.main or len(fds) != 1 or len(chans) > 1:
+        for fd in fds:
+            os.close(fd)
+        return
+    sock = _socket.socket(fileno=fds[0])
+    sock.setblocking(True)
+    chans[sock.fileno()] = _Chan(sock)
+    if waits is not None:
+        waits.register(sock, select.POLLIN)
+
+
+def _tell(ch: _Chan, kind: bytes, rid: int, a: int, b: int) -> None:
+    """A report on ``ch``. The supervisor's channel is waited on; a lane is not (its client reads each
+    report as it comes: one that does not is gone), and either failing ends the server (and the cell)."""
     try:
-        ctl.sendall(_REPORT.pack(kind, rid, a, b))
+        if ch.main:
+            ch.sock.sendall(_REPORT.pack(kind, rid, a, b))
+        elif ch.sock.send(_REPORT.pack(kind, rid, a, b), _socket.MSG_DONTWAIT) != _REPORT.size:
+            os._exit(0)
     except OSError:
         os._exit(0)
 
 
-def _handle(ctl: _socket.socket, msg: dict[str, Any], fds: list[int], running: dict[int, tuple[int, int]],
-            by_id: dict[int, int], waits: select.poll) -> None:
+def _handle(ch: _Chan, msg: dict[str, Any], fds: list[int], running: dict[int, tuple[_Chan, int, int]],
+            waits: select.poll) -> None:
     rid = int(msg["id"])
     if msg["op"] == "signal":
-        pid = by_id.get(rid)
+        pid = ch.by_id.get(rid)
         if pid is not None:
             try:
                 os.killpg(pid, int(msg["sig"]))  # its own session and process group (setsid below)
@@ -292,7 +375,7 @@ def _handle(ctl: _socket.socket, msg: dict[str, Any], fds: list[int], running: d
         # them may be a command the agent stopped, or one that holds the pipe's lock, and it serves everyone).
         code = 127 if isinstance(e, FileNotFoundError) else 126
         err = (getattr(e, "errno", None) or errno.EINVAL) & 0xFFFF
-        _tell(ctl, b"F", rid, code, err | (NO_CWD if isinstance(e, _NoCwd) else 0))
+        _tell(ch, b"F", rid, code, err | (NO_CWD if isinstance(e, _NoCwd) else 0))
         return
     finally:
         for fd in fds:
@@ -302,10 +385,10 @@ def _handle(ctl: _socket.socket, msg: dict[str, Any], fds: list[int], running: d
     except OSError:  # it cannot have been reaped yet: only we wait for it
         os.kill(pid, 9)
         os.waitpid(pid, 0)
-        _tell(ctl, b"X", rid, 125, 0)
+        _tell(ch, b"X", rid, 125, 0)
         return
-    running[pidfd] = (rid, pid)
-    by_id[rid] = pid
+    running[pidfd] = (ch, rid, pid)
+    ch.by_id[rid] = pid
     waits.register(pidfd, select.POLLIN)
 
 

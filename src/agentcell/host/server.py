@@ -46,7 +46,7 @@ import time
 from typing import Any
 
 from .. import hostfs
-from ..cell.execd import encoded
+from ..cell.execd import encoded, malformed, not_started
 from ..cell.spec import spec_from_dict
 from ..errors import AgentcellError, Terminated
 from . import peer, wire
@@ -89,6 +89,7 @@ class Host:
         self.stop_at = 0.0
         self.failed = ""  # the host's own failure, never reported as an escape
         self.last_look = 0.0
+        self.lane = False  # the private client has a lane to the exec server (its commands are not seen here)
         self.result: dict[str, Any] | None = None
         self.send_lock = threading.Lock()  # the monitor's thread reports events too
         self.end_lock = threading.Lock()
@@ -225,10 +226,41 @@ class Host:
                                         "message": "cell: the cell's host ended before the cell started"})
             return 1
         self.cell = split.Relayed(ctl, opened, channel, self._relay_event)
-        self._send(conn, {"event": "opened", "cell_id": self.cell.cell_id, "pid1": self.cell.pid1})
+        self._opened(conn, bool(msg.get("lane")))
         self.serve()
         (then or self._drain)()
         return 0
+
+    def _opened(self, conn: _socket.socket, lane: bool) -> None:
+        """Tell the client its cell is open; with a lane to the exec server (:mod:`..cell.execd`) if it asks
+        for one and is this cell's only client (a private cell: no listener, no idle deadline, which the
+        lane's commands, unseen here, would not hold off), and with what it needs to make requests on it:
+        the cell's environment and working directory. The lane's commands are the client's to time out; a
+        stopped exec server is looked for here while the lane is open, as while commands of ours run. The
+        exec server ends with its lane: a client that does not get it (gone) takes the cell with it."""
+        opened: dict[str, Any] = {"event": "opened", "cell_id": self.cell.cell_id, "pid1": self.cell.pid1}
+        with_lane = {**opened, "env": self.cell.env, "cwd": self.cell.cwd}
+        if not (lane and self.private and self.listener is None and not self.idle_s
+                and len(marshal.dumps(with_lane)) <= wire.MAX_MESSAGE):
+            self._send(conn, opened)
+            return
+        ours, theirs = _socket.socketpair(_socket.AF_UNIX, _socket.SOCK_STREAM | _socket.SOCK_CLOEXEC)
+        try:
+            self.cell.live.attach(theirs.fileno())
+            self.lane = True
+        except OSError:  # the exec server is gone: so is the cell, and its end comes
+            pass
+        finally:
+            theirs.close()
+        try:
+            if self.lane:
+                wire.send(conn, with_lane, [ours.fileno()])
+            else:
+                self._send(conn, opened)
+        except OSError:
+            pass  # the client has gone: its EOF is handled by the loop
+        finally:
+            ours.close()
 
     def open(self, conn: _socket.socket, msg: dict[str, Any]) -> bool:
         """The live cell in this process (:class:`.split.Here`)."""
@@ -310,7 +342,7 @@ class Host:
             graces.append(self.stop_at + GRACE_S)
         # (one that has passed has had the cell killed: looked at again with the rest, not in a spin)
         waits += [g - now if g > now else LOOK_S for g in graces]
-        if self.execs or self.stopping:
+        if self.execs or self.stopping or self.lane:
             waits.append(LOOK_S)
         if self.idle_s and not self.execs:
             waits.append(self.last_work + self.idle_s - now + 0.01)
@@ -334,7 +366,7 @@ class Host:
             stuck = f"a command asked to end did not within {GRACE_S:g} s"
         elif self.stopping and now >= self.stop_at + GRACE_S:
             stuck = f"it did not stop within {GRACE_S:g} s of being asked"
-        elif (self.execs or self.stopping) and now - self.last_look >= LOOK_S:
+        elif (self.execs or self.stopping or self.lane) and now - self.last_look >= LOOK_S:
             self.last_look = now
             if _stopped(self.cell.pid1):
                 stuck = "its exec server was stopped by a signal from inside the cell"
@@ -359,7 +391,7 @@ class Host:
             msg = {"id": e.cid, "event": "exit", "exit_status": code, "signal": sig, "timed_out": e.timed_out,
                    "duration_s": round(time.monotonic() - e.started, 6), "ended": None}
             if kind == "F":
-                msg["not_started"] = _not_started(e, a, b)
+                msg["not_started"] = not_started(e.name, e.cwd, a, b)
             self._send(e.conn, msg)
         return bool(reports)
 
@@ -627,14 +659,9 @@ class Host:
             if not isinstance(cid, int) or isinstance(cid, bool):
                 raise ValueError("id must be a number")
             argv, extra, cwd, timeout = msg["argv"], msg.get("env") or {}, msg.get("cwd"), msg.get("timeout")
-            if not isinstance(argv, list) or not argv or not all(isinstance(a, str) and "\0" not in a for a in argv):
-                raise ValueError("argv must be a list of strings without NUL")
-            if not isinstance(extra, dict) or not all(
-                    isinstance(k, str) and isinstance(v, str) and k and "=" not in k and "\0" not in k + v
-                    for k, v in extra.items()):
-                raise ValueError("env must map NAME (no '=', no NUL) to a string")
-            if cwd is not None and (not isinstance(cwd, str) or not cwd.startswith("/") or "\0" in cwd):
-                raise ValueError("cwd must be an absolute path")
+            wrong = malformed(argv, extra, cwd)
+            if wrong:
+                raise ValueError(wrong)
             if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int | float)
                                         or not math.isfinite(timeout) or timeout <= 0):
                 raise ValueError("timeout must be a positive, finite number of seconds")
@@ -664,16 +691,6 @@ class Host:
         except ValueError as e:
             del self.execs[rid]
             self._send(conn, {"id": cid, "event": "error", "field": "exec", "code": 125, "message": f"exec: {e}"})
-
-
-def _not_started(e: _Exec, code: int, err: int) -> str:
-    """Why a command never started, as a shell would say it (the exec server reports a code and errno)."""
-    from ..cell.execd import NO_CWD
-
-    if err & NO_CWD:
-        return f"agentcell: {e.cwd[:256]}: {os.strerror(err & 0xFFFF)}"
-    what = "command not found in the cell" if code == 127 else os.strerror(err & 0xFFFF)
-    return f"agentcell: {e.name[:256]}: {what}"
 
 
 def attempts(msg: dict[str, Any]) -> list[dict[str, Any]]:
