@@ -220,6 +220,123 @@ def test_a_command_on_the_lane_ends_as_one_through_the_host(live: LiveCell) -> N
     os.close(r)
 
 
+def test_a_lane_whose_client_does_not_read_for_a_while_keeps_its_reports(user: User) -> None:
+    """The exec server never waits on the lane: the ends its client has not taken yet (its reader busy or
+    stopped) wait in the server, and go as it reads; the cell goes on (red team: it ended once some 280
+    waited, as the socket's buffer was full)."""
+    null = os.open(os.devnull, os.O_RDWR)
+    try:
+        with Cell.open(_spec(user), monitor=None) as cell:
+            lane = cell.live._lane  # type: ignore[attr-defined]
+            held, holding = threading.Event(), threading.Event()
+            reports = lane.reports
+
+            def late(drain: bool = False) -> list[dict[str, object]]:
+                holding.set()
+                held.wait(60)
+                return reports(drain)
+
+            lane.reports = late
+            cell.spawn(["true"], stdin=null, stdout=null, stderr=null)
+            assert holding.wait(30)  # the reader thread is in it: nothing reads the lane now
+            procs = [cell.spawn(["true"], stdin=null, stdout=null, stderr=null) for _ in range(600)]
+            # (through the host: on its channel, read by the relay) ended after the 600 in the cell's order
+            assert cell.exec(["sleep", "2"], timeout=60).returncode == 0 and cell.ended is None
+            held.set()
+            assert _within(60, cell, lambda: {p.wait() for p in procs}) == {0}
+            assert cell.exec(["true"]).returncode == 0 and cell.ended is None
+    finally:
+        os.close(null)
+
+
+class _Refusing:
+    """A lane's socket whose sends fail as with too many fds in flight for the account (ETOOMANYREFS)."""
+
+    def __init__(self, sock: object) -> None:
+        self._sock = sock
+
+    def sendmsg(self, *a: object) -> int:
+        import errno
+
+        raise OSError(errno.ETOOMANYREFS, os.strerror(errno.ETOOMANYREFS))
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._sock, name)
+
+
+def test_a_request_the_lane_cannot_send_goes_through_the_host(user: User) -> None:
+    """Nothing of it sent, the server there (the account's fds in flight: a rootless cell's agent can park
+    them): the host takes it, rather than the command waiting for an end that never comes. The lane's fd
+    is not inherited by the client's children."""
+    with Cell.open(_spec(user)) as cell:
+        lane = cell.live._lane  # type: ignore[attr-defined]
+        assert not os.get_inheritable(lane.fd)
+        lane.sock = _Refusing(lane.sock)
+        assert _within(30, cell, lambda: cell.exec(["sh", "-c", "echo hi"], text=True).stdout) == "hi\n"
+
+
+SIGPIPED = r"""
+import os, signal, sys
+from agentcell import Cell, CellSpec
+from agentcell.api import CellEnded
+from agentcell.policy.resolve import build_env, resolve_identity
+signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # (as many command-line tools set it)
+null = os.open(os.devnull, os.O_RDWR)
+ident = resolve_identity(sys.argv[1], euid=0)
+cell = Cell.open(CellSpec(identity=ident, env=build_env({}, ident), cwd=ident.home))
+cell.spawn(["sh", "-c", "sleep 0.3; kill -9 2"])
+while True:  # (sends before, and after, the server's death, until the cell's end is known)
+    try:
+        cell.spawn(["sleep", "1"], stdin=null, stdout=null, stderr=null)
+    except CellEnded:
+        break
+cell.close()
+print("ended:", cell.ended)
+"""
+
+
+def test_a_client_that_lets_sigpipe_kill_it_survives_its_exec_servers_death(user: User) -> None:
+    """A command kills the exec server while the client sends on the lane: the sends fail (EPIPE), the
+    client is not killed by SIGPIPE (red team: 4 runs in 6), and its cell's end is said."""
+    p = subprocess.run([sys.executable, "-c", SIGPIPED, str(user.uid)], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and "ended: the cell ended" in p.stdout, (p.returncode, p.stdout, p.stderr[-2000:])
+
+
+def test_a_close_while_commands_are_sent_ends_every_one_of_them(user: User) -> None:
+    """``close`` while other threads send commands on the lane: each of them returns (137, or CellEnded),
+    and the client's reader thread never dies of the lane's closing (red team: a traceback, and waiters
+    left hanging, in 1 round of 12: a race this test may miss)."""
+    died: list[BaseException] = []
+    hook, threading.excepthook = threading.excepthook, lambda a: died.append(a.exc_value)  # type: ignore[assignment]
+    null = os.open(os.devnull, os.O_RDWR)
+    try:
+        for _ in range(8):
+            cell = Cell.open(_spec(user), monitor=None)
+            codes: list[int] = []
+
+            def send(cell: LiveCell = cell, codes: list[int] = codes) -> None:
+                try:
+                    while True:
+                        codes.append(cell.spawn(["sleep", "10"], stdin=null, stdout=null, stderr=null).wait())
+                except CellEnded:
+                    pass
+
+            senders = [threading.Thread(target=send, daemon=True) for _ in range(2)]
+            for t in senders:
+                t.start()
+            time.sleep(0.1)
+            cell.close(timeout=0)
+            for t in senders:
+                t.join(30)
+            assert not any(t.is_alive() for t in senders), "a command of a closed cell never returned"
+            assert set(codes) <= {137}
+            cell.close()
+    finally:
+        threading.excepthook = hook
+        os.close(null)
+    assert died == []
+
+
 def test_a_request_the_stopped_exec_server_cannot_take_never_hangs_its_host(user: User) -> None:
     """Requests larger than the exec server's channel holds, sent while a command has stopped the server:
     the host never blocks on it (it would serve nothing more, nor see the server stopped), and the cell

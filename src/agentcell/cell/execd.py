@@ -55,6 +55,7 @@ MAX_REQUEST = 4 << 20  # argv and environment of one command
 MAX_QUEUED = 32 << 20  # bytes of requests waiting for a server that does not read (it is stopped, or busy)
 FD_HEADROOM = MAX_FDS + 16  # fds of the server's own beside its commands' pidfds (stdio, the channel, ...)
 MAX_HELD = 64  # requests waiting with their fds: the copies are fds of the supervisor's own
+MAX_LANE_BACKLOG = 1 << 20  # bytes of reports waiting for a lane's client (80,000 commands' ends)
 
 
 # ---- supervisor side --------------------------------------------------------------------------------
@@ -256,14 +257,18 @@ def serve(ctl: _socket.socket) -> NoReturn:
     chans = {ctl.fileno(): _Chan(ctl, main=True)}
     running: dict[int, tuple[_Chan, int, int]] = {}  # pidfd -> (its channel, request id, pid)
     waits = select.poll()  # the channels and each command's pidfd, kept (not a list made for each wait)
-    waits.register(ctl, select.POLLIN)
     # Each running command holds a pidfd of ours: near our fd limit the channels are not read (their requests
     # wait there) until one ends, so that a request's fds are never cut off by our own load (that ends the server).
     room, listening = os.sysconf("SC_OPEN_MAX") - FD_HEADROOM, True
     while True:
-        for r, _ in waits.poll():
+        _arm(waits, chans, listening)
+        for r, ev in waits.poll():
             ch = chans.get(r)
             if ch is not None:
+                if ev & select.POLLOUT:
+                    _flush(ch)
+                if not ev & (select.POLLIN | select.POLLHUP | select.POLLERR | select.POLLNVAL):
+                    continue
                 try:  # (close-on-exec as they come: only as a command's 0-2, dup2'd, do they cross its exec)
                     chunk, anc, flags, _addr = ch.sock.recvmsg(1 << 16, _socket.CMSG_SPACE(MAX_FDS * 4),
                                                                _socket.MSG_CMSG_CLOEXEC)
@@ -286,12 +291,10 @@ def serve(ctl: _socket.socket) -> NoReturn:
                     ch.buf = ch.buf[_REQUEST.size + length:]
                     fds, ch.fds_in = ch.fds_in[:nfds], ch.fds_in[nfds:]
                     if msg.get("op") == "attach":
-                        _attach(ch, fds, chans, waits if listening else None)
+                        _attach(ch, fds, chans)
                     else:
                         _handle(ch, msg, fds, running, waits)
-                if running and len(running) >= room and listening:
-                    for fd in chans:
-                        waits.unregister(fd)
+                if running and len(running) >= room:
                     listening = False
             else:
                 ch, rid, pid = running.pop(r)
@@ -308,9 +311,7 @@ def serve(ctl: _socket.socket) -> NoReturn:
                 except ChildProcessError:
                     pass
                 _tell(ch, b"X", rid, code, sig)
-                if not listening and len(running) < room:
-                    for fd in chans:
-                        waits.register(fd, select.POLLIN)
+                if len(running) < room:
                     listening = True
 
 
@@ -323,9 +324,24 @@ class _Chan:
         self.sock, self.main = sock, main
         self.buf, self.fds_in = b"", list[int]()
         self.by_id: dict[int, int] = {}  # request id -> pid
+        self.out = bytearray()  # a lane's reports its client has not taken yet
+        self.mask = 0  # what the poll waits for on it
 
 
-def _attach(ch: _Chan, fds: list[int], chans: dict[int, _Chan], waits: select.poll | None) -> None:
+def _arm(waits: select.poll, chans: dict[int, _Chan], listening: bool) -> None:
+    """Each channel waited on for what it needs now: requests (while there is room for them), and, for a
+    lane with reports its client has not taken, room to send them."""
+    for fd, ch in chans.items():
+        mask = (select.POLLIN if listening else 0) | (select.POLLOUT if ch.out else 0)
+        if mask != ch.mask:
+            if mask:
+                waits.register(fd, mask)
+            else:
+                waits.unregister(fd)
+            ch.mask = mask
+
+
+def _attach(ch: _Chan, fds: list[int], chans: dict[int, _Chan]) -> None:
     """A lane, from the supervisor's channel only, and one at most: anything else is closed unread."""
     if not ch.main or len(fds) != 1 or len(chans) > 1:
         for fd in fds:
@@ -334,20 +350,34 @@ def _attach(ch: _Chan, fds: list[int], chans: dict[int, _Chan], waits: select.po
     sock = _socket.socket(fileno=fds[0])
     sock.setblocking(True)
     chans[sock.fileno()] = _Chan(sock)
-    if waits is not None:
-        waits.register(sock, select.POLLIN)
 
 
 def _tell(ch: _Chan, kind: bytes, rid: int, a: int, b: int) -> None:
-    """A report on ``ch``. The supervisor's channel is waited on; a lane is not (its client reads each
-    report as it comes: one that does not is gone), and either failing ends the server (and the cell)."""
-    try:
-        if ch.main:
-            ch.sock.sendall(_REPORT.pack(kind, rid, a, b))
-        elif ch.sock.send(_REPORT.pack(kind, rid, a, b), _socket.MSG_DONTWAIT) != _REPORT.size:
+    """A report on ``ch``. The supervisor's channel is waited on (it always reads). A lane is not: what its
+    client does not take yet (it is stopped, or busy) waits here, bounded by MAX_LANE_BACKLOG (the ends of
+    commands it started), and goes as it reads. A channel that fails ends the server, and the cell."""
+    report = _REPORT.pack(kind, rid, a, b)
+    if ch.main:
+        try:
+            ch.sock.sendall(report)
+        except OSError:
             os._exit(0)
-    except OSError:
+        return
+    ch.out += report
+    if len(ch.out) > MAX_LANE_BACKLOG:
         os._exit(0)
+    _flush(ch)
+
+
+def _flush(ch: _Chan) -> None:
+    while ch.out:
+        try:
+            sent = ch.sock.send(ch.out, _socket.MSG_DONTWAIT | _socket.MSG_NOSIGNAL)
+        except BlockingIOError:
+            return
+        except OSError:
+            os._exit(0)
+        del ch.out[:sent]
 
 
 def _handle(ch: _Chan, msg: dict[str, Any], fds: list[int], running: dict[int, tuple[_Chan, int, int]],

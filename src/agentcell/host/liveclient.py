@@ -86,15 +86,22 @@ class RemoteLive:
         buf = wire.buffer()
         lane = self._lane
         waits = select.poll()
-        waits.register(self._sock, select.POLLIN)
-        if lane is not None:
-            waits.register(lane.sock, select.POLLIN)
         host = self._sock.fileno()
+        waits.register(host, select.POLLIN)
+        if lane is not None:
+            waits.register(lane.fd, select.POLLIN)
+        try:
+            self._read(buf, lane, waits, host)
+        finally:
+            if lane is not None:  # (the lane's fd is closed here, by the one thread that reads it)
+                lane.sock.close()
+
+    def _read(self, buf: bytearray, lane: _Lane | None, waits: Any, host: int) -> None:
         while True:
             if lane is not None and lane.open and all(fd != host for fd, _ in waits.poll()):
                 self._deliver(lane.reports())  # (the host's messages, when it has one, first)
                 if not lane.open:
-                    waits.unregister(lane.sock)
+                    waits.unregister(lane.fd)
                 continue
             msg, fds = wire.recv_or_gone(self._sock, buf)
             for fd in fds:
@@ -157,6 +164,10 @@ class RemoteLive:
             if isinstance(e, wire.WireError) or e.errno == errno.EMSGSIZE:  # (larger than one datagram here)
                 raise AgentcellError("exec", "the command's argv and environment are more than one request to a "
                                      "live cell takes", "pass large data through stdin or a file") from None
+            if e.errno not in GONE and self.ended is None:  # (the host is there: the request could not go)
+                raise AgentcellError("exec", f"the request could not be sent to the cell's host: {e.strerror or e}",
+                                     "see the error; ETOOMANYREFS: this account has too many fds in flight") \
+                    from None
             raise CellEnded(self.ended or "the cell's host has gone") from None
         except BaseException:
             self.forget(cid)
@@ -198,7 +209,7 @@ class RemoteLive:
         """Let go of a named cell's connection; the cell stays (``agentcell cell start`` is done)."""
         self._sock.close()
         if self._lane is not None:
-            self._lane.sock.close()
+            self._lane.shut()
 
     def close(self, timeout: float | None = 30.0) -> dict[str, Any] | None:
         self.terminate("closed")
@@ -209,7 +220,7 @@ class RemoteLive:
             pass
         self._sock.close()
         if self._lane is not None:
-            self._lane.sock.close()
+            self._lane.shut()
         if self._proc is not None:
             import subprocess
 
@@ -222,6 +233,7 @@ class RemoteLive:
 
 
 MAX_SIG = 64
+GONE = (errno.EPIPE, errno.ECONNRESET, errno.EBADF, errno.ENOTCONN)  # a send failed: the peer has gone
 LANE_MAX = 64 << 10  # a larger request goes through the host: what a live cell takes does not depend on the way
 
 
@@ -235,8 +247,10 @@ class _Lane:
         import threading
         import time
 
+        os.set_inheritable(fd, False)  # (as the host's connection: a child of the client's must not read it)
         self.sock = _socket.socket(fileno=fd)
         self.sock.setblocking(True)
+        self.fd = fd
         self.env: dict[bytes, bytes] = dict(opened["env"])
         self.cwd = str(opened["cwd"])
         self.open = True
@@ -259,30 +273,52 @@ class _Lane:
         if len(data) > LANE_MAX:
             return False  # (the host takes what one of its requests takes, and says what it does not)
         self._ours[cid] = (argv[0], where, self._now())
-        self._send(data, list(fds))
+        if not self._send(data, list(fds)):
+            self._ours.pop(cid, None)
+            return False
         return True
 
     def signal(self, cid: int, sig: int) -> bool:
         if cid not in self._ours or not 0 < sig <= MAX_SIG:
             return False  # (the host's: it says what is wrong with it)
-        self._send(execd.request({"op": "signal", "id": cid, "sig": sig}, []), [])
-        return True
+        return self._send(execd.request({"op": "signal", "id": cid, "sig": sig}, []), [])
 
     def forget(self, cid: int) -> None:
         self._ours.pop(cid, None)
 
-    def _send(self, data: bytes, fds: list[int]) -> None:
+    def shut(self) -> None:
+        """No more requests, nor reports: the reader thread sees its end (and closes the fd)."""
+        try:
+            self.sock.shutdown(_socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    def _send(self, data: bytes, fds: list[int]) -> bool:
+        """Whether the request went, or the server is gone (then the cell's end, coming, ends its command:
+        137, why); False when it could not go but the server is there (ETOOMANYREFS: the account's fds in
+        flight; ENOBUFS, ENOMEM): nothing of it was sent, and the host takes it instead. A request cut
+        short (an exception from a signal's handler half-way) leaves the lane out of step: it is shut, which
+        ends the server and the cell, rather than have the server read the rest as another request."""
         from ..cell.handoff import pack_fds
 
         view = memoryview(data)
+        sent = 0
         with self._lock:
             try:
                 sent = self.sock.sendmsg([view], [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, pack_fds(fds))] if fds
-                                       else [])
+                                         else [], _socket.MSG_NOSIGNAL)
                 while sent < len(view):
-                    sent += self.sock.send(view[sent:])
-            except OSError:
-                pass  # the server is gone, so is the cell: its end, coming, ends this command (137, why)
+                    sent += self.sock.send(view[sent:], _socket.MSG_NOSIGNAL)
+            except OSError as e:
+                if sent == 0 and e.errno not in GONE:
+                    return False
+                if sent:
+                    self.shut()
+            except BaseException:
+                if sent:
+                    self.shut()
+                raise
+        return True
 
     def reports(self, drain: bool = False) -> list[dict[str, Any]]:
         """The ends the server has reported, as the host words them (``drain``: all it said, to its end)."""
