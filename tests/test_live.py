@@ -236,12 +236,20 @@ def test_a_lane_whose_client_does_not_read_for_a_while_keeps_its_reports(user: U
                 held.wait(60)
                 return reports(drain)
 
+            assert cell.exec(["true"]).returncode == 0  # (the server is up)
+            server = int(Path(f"/proc/{cell.pid1}/task/{cell.pid1}/children").read_text().split()[0])
             lane.reports = late
             cell.spawn(["true"], stdin=null, stdout=null, stderr=null)
-            assert holding.wait(30)  # the reader thread is in it: nothing reads the lane now
-            procs = [cell.spawn(["true"], stdin=null, stdout=null, stderr=null) for _ in range(600)]
-            # (through the host: on its channel, read by the relay) ended after the 600 in the cell's order
-            assert cell.exec(["sleep", "2"], timeout=60).returncode == 0 and cell.ended is None
+            assert holding.wait(30)  # the reader thread is in it: nothing reads the lane (nor the host) now
+            procs = [cell.spawn(["sh", "-c", f": > /tmp/r{i}"], stdin=null, stdout=null, stderr=null)
+                     for i in range(600)]
+            tmp = Path(f"/proc/{cell.pid1}/root/tmp")
+            for _ in range(600):  # until all 600 have run and ended, their ends unread; or the server is gone
+                if _gone(server) or (len(list(tmp.glob("r*"))) == 600 and not
+                                     Path(f"/proc/{server}/task/{server}/children").read_text().split()):
+                    break
+                time.sleep(0.1)
+            assert not _gone(server), "the exec server ended with its lane's reports unread"
             held.set()
             assert _within(60, cell, lambda: {p.wait() for p in procs}) == {0}
             assert cell.exec(["true"]).returncode == 0 and cell.ended is None
@@ -273,6 +281,38 @@ def test_a_request_the_lane_cannot_send_goes_through_the_host(user: User) -> Non
         assert not os.get_inheritable(lane.fd)
         lane.sock = _Refusing(lane.sock)
         assert _within(30, cell, lambda: cell.exec(["sh", "-c", "echo hi"], text=True).stdout) == "hi\n"
+
+
+def test_a_lane_send_a_signals_handler_cuts_short_shuts_the_lane() -> None:
+    """A handler that raises (here TimeoutError, an OSError without errno) while a request is half sent:
+    how much went cannot be known, so the lane is shut (the server reads its end, and ends with its
+    cell) and the exception is the caller's; never taken as "refused, send it through the host" (it
+    would run twice, or the server would read the next request as this one's rest)."""
+    import signal as sig
+
+    from agentcell.host.liveclient import _Lane
+
+    ours, theirs = __import__("socket").socketpair()
+    lane = _Lane(os.dup(ours.fileno()), {"env": {}, "cwd": "/"})
+    ours.close()
+
+    def late(*_: object) -> None:
+        raise TimeoutError("the caller's own deadline")
+
+    was = sig.signal(sig.SIGALRM, late)
+    sig.setitimer(sig.ITIMER_REAL, 0.2)
+    try:
+        with pytest.raises(TimeoutError):
+            lane._send(b"x" * (4 << 20), [])  # (more than the socket holds: the send waits, part of it sent)
+    finally:
+        sig.setitimer(sig.ITIMER_REAL, 0)
+        sig.signal(sig.SIGALRM, was)
+    got = b""
+    while chunk := theirs.recv(1 << 20):
+        got += chunk
+    assert 0 < len(got) < 4 << 20  # part of it went, then the lane's end
+    theirs.close()
+    lane.sock.close()
 
 
 SIGPIPED = r"""

@@ -93,8 +93,9 @@ class RemoteLive:
         try:
             self._read(buf, lane, waits, host)
         finally:
-            if lane is not None:  # (the lane's fd is closed here, by the one thread that reads it)
-                lane.sock.close()
+            if lane is not None:  # (the lane's fd is closed here, by the one thread that reads it, between sends)
+                with lane.lock:
+                    lane.sock.close()
 
     def _read(self, buf: bytearray, lane: _Lane | None, waits: Any, host: int) -> None:
         while True:
@@ -151,7 +152,12 @@ class RemoteLive:
             self._next += 1
             cid = self._next
             waiting = self._pending[cid] = self._queue()
-        if self._lane is not None and timeout is None and self._lane.sent(cid, argv, fds, env, cwd):
+        try:
+            on_lane = self._lane is not None and timeout is None and self._lane.sent(cid, argv, fds, env, cwd)
+        except BaseException:
+            self.forget(cid)
+            raise
+        if on_lane:
             if self._done.is_set():  # (the cell had ended: this one may have come after its end was said)
                 self.forget(cid)
                 raise CellEnded(self.ended or "the cell has ended")
@@ -255,7 +261,7 @@ class _Lane:
         self.cwd = str(opened["cwd"])
         self.open = True
         self._now = time.monotonic
-        self._lock = threading.Lock()
+        self.lock = threading.Lock()
         self._buf = b""
         self._ours: dict[int, tuple[str, str, float]] = {}  # id -> (its name, its working directory, its start)
 
@@ -295,28 +301,31 @@ class _Lane:
 
     def _send(self, data: bytes, fds: list[int]) -> bool:
         """Whether the request went, or the server is gone (then the cell's end, coming, ends its command:
-        137, why); False when it could not go but the server is there (ETOOMANYREFS: the account's fds in
-        flight; ENOBUFS, ENOMEM): nothing of it was sent, and the host takes it instead. A request cut
-        short (an exception from a signal's handler half-way) leaves the lane out of step: it is shut, which
-        ends the server and the cell, rather than have the server read the rest as another request."""
+        137, why); False when the kernel refused it with the server there (ETOOMANYREFS: the account's fds
+        in flight; ENOBUFS, ENOMEM) before any of it went: the host takes it instead. Anything else that
+        stops a send (part of it sent and then an error; an exception from a signal's handler, after which
+        how much went cannot be known) leaves the lane out of step: it is shut, which ends the server and
+        the cell, rather than have the server read what comes next as the rest of this request, or the
+        command run by the host as well."""
         from ..cell.handoff import pack_fds
 
         view = memoryview(data)
+        anc = [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, pack_fds(fds))] if fds else []
         sent = 0
-        with self._lock:
+        with self.lock:
             try:
-                sent = self.sock.sendmsg([view], [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, pack_fds(fds))] if fds
-                                         else [], _socket.MSG_NOSIGNAL)
+                sent = self.sock.sendmsg([view], anc, _socket.MSG_NOSIGNAL)
                 while sent < len(view):
                     sent += self.sock.send(view[sent:], _socket.MSG_NOSIGNAL)
             except OSError as e:
+                if e.errno is None:  # (not the kernel's: a signal's handler raised it)
+                    self.shut()
+                    raise
                 if sent == 0 and e.errno not in GONE:
                     return False
-                if sent:
-                    self.shut()
+                self.shut()
             except BaseException:
-                if sent:
-                    self.shut()
+                self.shut()
                 raise
         return True
 
