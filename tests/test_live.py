@@ -183,7 +183,13 @@ def test_a_command_on_the_lane_that_stops_the_exec_server_ends_its_own_cell(user
     try:
         with Cell.open(_spec(user)) as cell:
             assert cell.live._lane is not None  # type: ignore[attr-defined]
+            assert cell.exec(["true"]).returncode == 0  # (the server is up)
+            server = int(Path(f"/proc/{cell.pid1}/task/{cell.pid1}/children").read_text().split()[0])
             stopper = cell.spawn(["sh", "-c", "kill -STOP 2; sleep 1000"], stdout=null, stderr=null)
+            for _ in range(400):  # (the next is sent to a stopped server: it never takes it)
+                if _gone(server) or Path(f"/proc/{server}/stat").read_text().split(")")[1].split()[0] == "T":
+                    break
+                time.sleep(0.05)
             after = cell.spawn(["true"], stdin=null, stdout=null, stderr=null)
             assert _within(30, cell, lambda: (stopper.wait(), after.wait())) == (137, 137)
             assert cell.ended and "no longer served commands" in cell.ended, cell.ended
@@ -344,8 +350,10 @@ def test_a_client_that_lets_sigpipe_kill_it_survives_its_exec_servers_death(user
 
 def test_a_close_while_commands_are_sent_ends_every_one_of_them(user: User) -> None:
     """``close`` while other threads send commands on the lane: each of them returns (137, or CellEnded),
-    and the client's reader thread never dies of the lane's closing (red team: a traceback, and waiters
-    left hanging, in 1 round of 12: a race this test may miss)."""
+    the cell is taken down whole, and the client's reader thread never dies of the lane's closing (red
+    team: a traceback, and waiters left hanging, in 1 round of 12: a race this test may miss)."""
+    from agentcell.cell.cgroups import groups_of
+
     died: list[BaseException] = []
     hook, threading.excepthook = threading.excepthook, lambda a: died.append(a.exc_value)  # type: ignore[assignment]
     null = os.open(os.devnull, os.O_RDWR)
@@ -365,12 +373,12 @@ def test_a_close_while_commands_are_sent_ends_every_one_of_them(user: User) -> N
             for t in senders:
                 t.start()
             time.sleep(0.1)
-            cell.close(timeout=0)
+            cell.close()  # (not timeout=0: that kills the host, whose teardown then never runs)
             for t in senders:
                 t.join(30)
             assert not any(t.is_alive() for t in senders), "a command of a closed cell never returned"
             assert set(codes) <= {137}
-            cell.close()
+            assert groups_of(cell.cell_id) == []
     finally:
         threading.excepthook = hook
         os.close(null)
