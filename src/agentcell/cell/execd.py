@@ -38,6 +38,7 @@ import marshal
 import os
 import select
 import struct
+import time
 
 from . import syscalls as sc
 from .handoff import pack_fds, unpack_fds
@@ -55,6 +56,8 @@ MAX_REQUEST = 4 << 20  # argv and environment of one command
 MAX_QUEUED = 32 << 20  # bytes of requests waiting for a server that does not read (it is stopped, or busy)
 FD_HEADROOM = MAX_FDS + 16  # fds of the server's own beside its commands' pidfds (stdio, the channel, ...)
 MAX_HELD = 64  # requests waiting with their fds: the copies are fds of the supervisor's own
+MAX_SIG = 64  # a signal a client may ask for a command (1-MAX_SIG)
+KILL = 9
 MAX_LANE_BACKLOG = 1 << 20  # bytes of reports waiting for a lane's client (80,000 commands' ends)
 
 
@@ -222,7 +225,21 @@ def malformed(argv: object, env: object, cwd: object) -> str:
     return ""
 
 
-def not_started(name: str, cwd: str, code: int, err: int) -> str:
+def end_message(cid: int, kind: str, a: int, b: int, started: float, name: str, cwd: str,
+                timed_out: bool = False) -> dict[str, Any]:
+    """A command's end, reported by the server (``kind``, ``a``, ``b``: see the module's doc), as its client
+    is told it: by the cell host for a command it relayed, by the client itself for one on its lane.
+    ``started``: ``time.monotonic()`` when it was asked for; ``timed_out``: the host killed it at its
+    deadline (124)."""
+    code, sig = (124, KILL) if timed_out else (a, 0) if kind == "F" else (a, b)
+    msg: dict[str, Any] = {"id": cid, "event": "exit", "exit_status": code, "signal": sig, "timed_out": timed_out,
+                           "duration_s": round(time.monotonic() - started, 6), "ended": None}
+    if kind == "F":
+        msg["not_started"] = _not_started(name, cwd, a, b)
+    return msg
+
+
+def _not_started(name: str, cwd: str, code: int, err: int) -> str:
     """Why a command never started, as a shell would say it (the server reports a code and errno)."""
     if err & NO_CWD:
         return f"agentcell: {cwd[:256]}: {os.strerror(err & 0xFFFF)}"

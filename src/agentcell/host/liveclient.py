@@ -238,7 +238,6 @@ class RemoteLive:
         return self.result
 
 
-MAX_SIG = 64
 GONE = (errno.EPIPE, errno.ECONNRESET, errno.EBADF, errno.ENOTCONN)  # a send failed: the peer has gone
 LANE_MAX = 64 << 10  # a larger request goes through the host: what a live cell takes does not depend on the way
 
@@ -285,7 +284,7 @@ class _Lane:
         return True
 
     def signal(self, cid: int, sig: int) -> bool:
-        if cid not in self._ours or not 0 < sig <= MAX_SIG:
+        if cid not in self._ours or not 0 < sig <= execd.MAX_SIG:
             return False  # (the host's: it says what is wrong with it)
         return self._send(execd.request({"op": "signal", "id": cid, "sig": sig}, []), [])
 
@@ -345,14 +344,9 @@ class _Lane:
             got, self._buf = execd.parse_reports(self._buf + chunk)
             for kind, cid, a, b in got:
                 mine = self._ours.get(cid)
-                if mine is None:
-                    continue
-                name, cwd, started = mine
-                msg = {"id": cid, "event": "exit", "exit_status": a, "signal": 0 if kind == "F" else b,
-                       "timed_out": False, "duration_s": round(self._now() - started, 6), "ended": None}
-                if kind == "F":
-                    msg["not_started"] = execd.not_started(name, cwd, a, b)
-                out.append(msg)
+                if mine is not None:
+                    name, cwd, started = mine
+                    out.append(execd.end_message(cid, kind, a, b, started, name, cwd))
             if not drain:
                 break
         return out

@@ -46,17 +46,15 @@ import time
 from typing import Any
 
 from .. import hostfs
-from ..cell.execd import encoded, malformed, not_started
+from ..cell.execd import KILL, MAX_SIG, encoded, end_message, malformed
 from ..cell.spec import spec_from_dict
 from ..errors import AgentcellError, Terminated
 from . import peer, wire
 
-KILL = 9
 GRACE_S = 3.0  # a command asked to die (timeout), or the cell asked to stop, has this long; then the cell is killed
 LOOK_S = 0.25  # how often the exec server's state is looked at while it has work
 MAX_CLIENTS = 64
 MAX_BACKLOG = 16 << 20  # bytes waiting for one client that does not read; past them it is dropped, as gone
-MAX_SIG = 64
 LINGER_S = 300.0  # an ended named cell answers "ended: REASON" this long
 SERVER_GONE = (errno.EPIPE, errno.ECONNRESET, errno.EBADF)  # a send to the exec server failed: it is gone
 
@@ -387,12 +385,7 @@ class Host:
             if e is None:
                 continue
             self.last_work = time.monotonic()
-            code, sig = (124, KILL) if e.timed_out else (a, 0) if kind == "F" else (a, b)
-            msg = {"id": e.cid, "event": "exit", "exit_status": code, "signal": sig, "timed_out": e.timed_out,
-                   "duration_s": round(time.monotonic() - e.started, 6), "ended": None}
-            if kind == "F":
-                msg["not_started"] = not_started(e.name, e.cwd, a, b)
-            self._send(e.conn, msg)
+            self._send(e.conn, end_message(e.cid, kind, a, b, e.started, e.name, e.cwd, e.timed_out))
         return bool(reports)
 
     def _stop(self, why: str) -> None:
